@@ -1,0 +1,39 @@
+"""The ``sysx`` command: tools around training (the main job is ``sysx-train``).
+
+Each subcommand lives in the module that does its work and exposes ``main(argv) -> int``;
+this file only maps names to those modules, so ``sysx --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module exposing main(argv) -> int, one-line help)
+}
+
+
+def _usage() -> str:
+    width = max((len(name) for name in COMMANDS), default=4)
+    lines = ["usage: sysx <command> [args]   (the training job is `sysx-train`)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in sorted(COMMANDS.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``sysx <command> ...`` to the command's module."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"sysx: unknown command {name!r}; commands: {', '.join(sorted(COMMANDS))}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

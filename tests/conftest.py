@@ -1,0 +1,42 @@
+"""Shared test setup: GPU marker handling and the end-of-suite shared-memory leak check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "sysx"
+
+
+def _sysx_segments() -> set[str]:
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+_segments_before_suite: set[str] = set()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _segments_before_suite.update(_sysx_segments())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if the suite left sysx shared-memory segments behind."""
+    leaked = sorted(_sysx_segments() - _segments_before_suite)
+    if leaked:
+        print(f"\nLEAK: the test suite left {len(leaked)} shared-memory segment(s) in {SHM_DIR}: {leaked}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
