@@ -1,0 +1,140 @@
+"""Tokenizers for token files: the byte-level default and a local Hugging Face ``tokenizer.json``.
+
+``tokenizers`` (Hugging Face) is imported only when a ``tokenizer.json`` is loaded, so sysx imports
+without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Protocol
+
+from sysx.data.errors import DataError
+
+# Special tokens commonly used to end a document, tried in this order by ``HFTokenizer.eos_id``.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class Tokenizer(Protocol):
+    """What sysx needs from a tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab 256, no special tokens, lossless for any text."""
+
+    vocab_size: int = 256
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``: its UTF-8 bytes."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; invalid UTF-8 (e.g. a sample cut mid-character) becomes U+FFFD."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def describe(self) -> dict[str, Any]:
+        """Metadata entry naming this tokenizer."""
+        return {"kind": "byte", "vocab_size": self.vocab_size}
+
+
+def _import_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError as exc:  # pragma: no cover - tokenizers ships with transformers here
+        raise DataError(
+            "reading a tokenizer.json needs the Hugging Face `tokenizers` package; "
+            "install it with `pip install tokenizers` or use `--tokenizer byte`"
+        ) from exc
+    return tokenizers
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer read from a local ``tokenizer.json``."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(f"tokenizer file not found: {path}; give a tokenizer.json (or its directory) or `byte`")
+        tokenizers = _import_tokenizers()
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a plain Exception on bad JSON
+            raise DataError(f"cannot read tokenizer {path}: {exc}") from exc
+        self.path = path.resolve()
+        self.vocab_size: int = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` (special tokens kept, so document ends stay visible)."""
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string, or None if the vocabulary lacks it."""
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
+
+    def eos_id(self) -> int | None:
+        """Id of the first end-of-document special token found (see ``EOS_CANDIDATES``), else None."""
+        for token in EOS_CANDIDATES:
+            found = self.token_to_id(token)
+            if found is not None:
+                return found
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Metadata entry naming this tokenizer (path and content hash)."""
+        return {"kind": "hf", "path": str(self.path), "sha256": file_sha256(self.path), "vocab_size": self.vocab_size}
+
+
+class CharTokenizer:
+    """nanoGPT's character-level tokenizer from ``meta.pkl`` (``itos``/``stoi``), for decoding samples."""
+
+    def __init__(self, itos: dict[int, str]) -> None:
+        self.itos = {int(k): str(v) for k, v in itos.items()}
+        self.stoi = {v: k for k, v in self.itos.items()}
+        self.vocab_size = len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; every character must be in the vocabulary."""
+        missing = sorted({c for c in text if c not in self.stoi})
+        if missing:
+            raise DataError(f"characters not in the meta.pkl vocabulary: {missing[:10]!r}")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; unknown ids become U+FFFD."""
+        return "".join(self.itos.get(int(i), "\ufffd") for i in ids)
+
+    def describe(self) -> dict[str, Any]:
+        """Metadata entry naming this tokenizer."""
+        return {"kind": "nanogpt-char", "vocab_size": self.vocab_size}
+
+
+def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` gives the byte-level tokenizer; anything else is a path to a ``tokenizer.json`` (or its dir)."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)
