@@ -11,6 +11,10 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module exposing main(argv) -> int, one-line help)
+    "plan": ("sysx.schedule.plan", "build, validate and simulate a pipeline schedule; print the plan, draw the timeline"),
+    "shm": ("sysx.memory.cli", "list / clean this user's sysx shared-memory segments (stale = creator dead)"),
+    "convert": ("sysx.model.convert", "convert model weights: sysx file <-> Hugging Face Llama directory"),
+    "data": ("sysx.data.prepare", "token files: prepare from text, info, build the default corpus"),
 }
 
 

@@ -1,0 +1,318 @@
+"""Segments are unlinked on every exit path, and the ones nobody cleaned up are found.
+
+Exit paths of a process that owns segments:
+
+* ``close()`` / ``with``: the owner waits for attachers to detach, then unlinks (segment.py);
+* normal end and uncaught exceptions, including Ctrl-C (KeyboardInterrupt): ``atexit`` (and, in
+  a forked ``multiprocessing`` child, which leaves through ``os._exit``, a multiprocessing finalizer);
+* SIGTERM / SIGHUP: a handler releases the segments, then chains to the previous handler (or, if
+  that was the default action, re-raises the signal with the default action so the exit status
+  still says "killed by SIGTERM"); ignored signals stay ignored;
+* SIGKILL or death inside C code: the guardian process (guardian.py) unlinks after the fact;
+* everything else (the whole process group SIGKILLed, a power cut): the segment is *stale* - its
+  creator (pid + start time) is gone and no process holds its lock - and is removed by
+  :func:`sweep_stale` at the next start, or by ``sysx shm clean``.
+
+Forked children inherit nothing: they never unlink their parent's segments.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from sysx.memory import guardian, procinfo
+from sysx.memory.names import PREFIX, SHM_DIR, SegmentName, current_user, sanitize
+
+if TYPE_CHECKING:
+    from sysx.memory.segment import Header, Segment
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+BROKEN_GRACE_S = 10.0  # a headerless segment younger than this may still be under construction
+
+
+def detach_timeout_s(default: float = 30.0) -> float:
+    """How long an exiting owner waits for attachers (``SYSX_SHM_DETACH_TIMEOUT``, seconds)."""
+    try:
+        return float(os.environ.get("SYSX_SHM_DETACH_TIMEOUT", default))
+    except ValueError:
+        return default
+
+
+# --- what exists ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One sysx segment as seen from ``/dev/shm``, without mapping it."""
+
+    name: str  # POSIX name, with the leading slash
+    path: str
+    parsed: SegmentName | None
+    size: int
+    uid: int
+    mode: int
+    dev: int
+    ino: int
+    mtime: float
+    header: Header | None
+    error: str | None
+    holders: list[int] | None  # pids mapping it (flock holders); None if unknown
+    status: str  # alive | orphaned | stale | creating | broken
+
+    @property
+    def creator_pid(self) -> int | None:
+        """The creator's pid, when the header is readable."""
+        return self.header.creator_pid if self.header is not None else None
+
+    @property
+    def removable(self) -> bool:
+        """True for segments nobody can be using any more (stale, or broken and old)."""
+        return self.status in ("stale", "broken")
+
+
+def classify(header: Header | None, creator_alive: bool, holders: list[int] | None, age_s: float, error: str | None) -> str:
+    """Status of a segment: ``alive`` (creator running), ``orphaned`` (creator dead, still mapped
+    by others), ``stale`` (creator dead, unused), ``creating`` (no header yet, young or locked),
+    ``broken`` (no valid header and unused)."""
+    in_use = bool(holders)
+    if header is None:
+        if error is None and (in_use or age_s < BROKEN_GRACE_S):
+            return "creating"
+        return "orphaned" if in_use else "broken"
+    if creator_alive:
+        return "alive"
+    return "orphaned" if in_use else "stale"
+
+
+def inspect(path: str) -> SegmentInfo | None:
+    """Read a segment's header and users without mapping it; None if it vanished."""
+    from sysx.memory.segment import SegmentError, read_header
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, PermissionError):
+        return None
+    try:
+        st = os.fstat(fd)
+        name = "/" + os.path.basename(path)
+        error = None
+        try:
+            header = read_header(fd, name)
+        except (SegmentError, ValueError) as exc:
+            header, error = None, str(exc)
+        holders = procinfo.lock_holders(st.st_dev, st.st_ino)
+        if holders is None:  # no /proc/locks: probe the lock instead
+            import fcntl
+
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                holders = []
+            except BlockingIOError:
+                holders = [-1]
+        alive = header is not None and header.creator_alive
+        status = classify(header, alive, holders, time.time() - st.st_mtime, error)
+        return SegmentInfo(name, path, SegmentName.parse(name), st.st_size, st.st_uid, st.st_mode & 0o777,
+                           st.st_dev, st.st_ino, st.st_mtime, header, error, holders, status)
+    finally:
+        os.close(fd)
+
+
+def scan(*, user: str | None = None, job: str | None = None, shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
+    """This user's sysx segments (file owned by our uid and named ``sysx-<user>-...``), sorted by
+    name; ``job`` narrows to one job id."""
+    user = current_user() if user is None else user
+    job = None if job is None else sanitize(job, max_len=40)
+    uid = os.getuid()
+    found = []
+    try:
+        entries = sorted(os.listdir(shm_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        parsed = SegmentName.parse(entry)
+        if not entry.startswith(PREFIX + "-") or parsed is None or parsed.user != user:
+            continue
+        if job is not None and parsed.job != job:
+            continue
+        info = inspect(os.path.join(shm_dir, entry))
+        if info is not None and info.uid == uid:
+            found.append(info)
+    return found
+
+
+def remove(info: SegmentInfo) -> bool:
+    """Unlink the segment ``info`` describes, unless the name now points at another segment."""
+    try:
+        st = os.stat(info.path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if (st.st_dev, st.st_ino) != (info.dev, info.ino):
+        return False
+    try:
+        os.unlink(info.path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def sweep_stale(*, user: str | None = None, job: str | None = None) -> list[SegmentInfo]:
+    """Remove this user's stale and broken segments (creator dead or never finished, nobody mapping
+    them); returns what was removed."""
+    removed = []
+    for info in scan(user=user, job=job):
+        if info.removable and remove(info):
+            removed.append(info)
+    return removed
+
+
+# --- this process's segments and its exit paths -----------------------------------------------
+_lock = threading.RLock()
+_owned: list[Segment] = []
+_attached: list[Segment] = []
+_previous: dict[int, Any] = {}
+_atexit_installed = False
+_signals_installed = False
+_fork_hook_installed = False
+_mp_finalizer_pid = 0
+_releasing = False
+
+
+def register_owned(segment: Segment) -> None:
+    """Unlink ``segment`` on every exit path of this process."""
+    install()
+    with _lock:
+        _owned.append(segment)
+    if guardian.enabled():
+        guardian.GUARDIAN.track(segment.name.name, os.fstat(segment._fd).st_ino)
+
+
+def register_attached(segment: Segment) -> None:
+    """Track an attached segment (attachers never unlink; the kernel drops their lock at exit)."""
+    install()
+    with _lock:
+        _attached.append(segment)
+
+
+def unregister(segment: Segment) -> None:
+    """Forget ``segment`` (it was released or closed)."""
+    with _lock:
+        for registry in (_owned, _attached):
+            if any(s is segment for s in registry):
+                registry[:] = [s for s in registry if s is not segment]
+                if registry is _owned:
+                    guardian.GUARDIAN.untrack(segment.name.name)
+
+
+def owned_segments() -> list[Segment]:
+    """Segments this process created and has not released yet."""
+    with _lock:
+        return list(_owned)
+
+
+def release_all(timeout_s: float | None = None) -> None:
+    """Release (wait for attachers, unlink) every segment this process owns. Never raises: on an
+    exit path a failure to clean one segment must not stop the others."""
+    global _releasing
+    timeout = detach_timeout_s() if timeout_s is None else timeout_s
+    with _lock:
+        if _releasing:
+            return
+        _releasing = True
+        try:
+            pid = os.getpid()
+            for segment in list(_attached):  # first stop holding others' segments: no cross-waiting
+                try:
+                    segment.detach_lock()
+                except OSError:
+                    pass
+            mine = [segment for segment in _owned if segment._pid == pid]
+            for segment in mine:  # no new attachers anywhere, then one shared wait
+                try:
+                    segment.mark_closing()
+                except OSError:
+                    pass
+            deadline = time.monotonic() + timeout
+            for segment in mine:
+                try:
+                    segment.release(deadline=deadline)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the others
+                    sys.stderr.write(f"sysx: could not release {segment.name.name}: {exc}\n")
+        finally:
+            _releasing = False
+
+
+def _at_exit() -> None:
+    release_all()
+    guardian.GUARDIAN.shutdown()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    release_all(timeout_s=detach_timeout_s(10.0))  # shorter by default: a launcher escalates to SIGKILL
+    previous = _previous.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    signal.signal(signum, signal.SIG_DFL)  # default action: die by this signal, as before
+    os.kill(os.getpid(), signum)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()
+    _owned.clear()
+    _attached.clear()
+    guardian.GUARDIAN.forget_after_fork()
+
+
+def install() -> None:
+    """Install the atexit hook and (from the main thread) the SIGTERM/SIGHUP handlers; idempotent.
+
+    A signal whose handler is ``SIG_IGN`` is left alone. SIGINT is left to Python: Ctrl-C raises
+    KeyboardInterrupt, and unwinding ends in the atexit hook. If SIGINT has the default action
+    (no KeyboardInterrupt), it is handled like SIGTERM.
+    """
+    global _atexit_installed, _signals_installed, _fork_hook_installed, _mp_finalizer_pid
+    with _lock:
+        if not _atexit_installed:
+            atexit.register(_at_exit)
+            _atexit_installed = True
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None and _mp_finalizer_pid != os.getpid():
+            # forked multiprocessing children end in os._exit, so atexit never runs there; their
+            # exit does run multiprocessing's finalizers (registered per process: fork clears them)
+            mp_util.Finalize(None, _at_exit, exitpriority=100)
+            _mp_finalizer_pid = os.getpid()
+        if not _fork_hook_installed:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook_installed = True
+        if _signals_installed or threading.current_thread() is not threading.main_thread():
+            return
+        candidates = list(TERMINATING_SIGNALS)
+        if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
+            candidates.append(signal.SIGINT)
+        for signum in candidates:
+            current = signal.getsignal(signum)
+            if current == signal.SIG_IGN or current is _on_signal:
+                continue
+            _previous[signum] = current if current is not None else signal.SIG_DFL
+            signal.signal(signum, _on_signal)
+        _signals_installed = True
+
+
+def uninstall_signal_handlers() -> None:
+    """Put back the handlers that were there before :func:`install` (tests, embedding apps)."""
+    global _signals_installed
+    with _lock:
+        for signum, previous in list(_previous.items()):
+            if signal.getsignal(signum) is _on_signal:
+                signal.signal(signum, previous)
+            del _previous[signum]
+        _signals_installed = False
