@@ -1,0 +1,282 @@
+"""Per-step logging: console lines, a tqdm progress bar, ``run_dir/metrics.jsonl`` and a summary.
+
+Every trainer hands one :class:`StepResult` per optimizer step to a :class:`RunLogger`. The logger
+(on rank 0 only; other ranks get a silent one) writes one JSON object per step to
+``metrics.jsonl`` and flushes it, so a crash loses nothing already logged; every ``log.every``
+steps (and on the first and last step) it prints loss, learning rate, tokens/s, step time, peak
+device memory and peak host RSS. On a terminal with ``log.progress=true`` a progress bar shows the
+same figures and the lines go above it; otherwise (CI, files) only the plain lines are printed.
+
+The ``step`` field is the 0-based index that also selects the step's data and learning rate.
+Non-finite floats (the gradient norm of a skipped fp16 step) are written as JSON ``null``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from sysx import device as dev
+from sysx.config import SysxConfig, model_config, to_yaml
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: the record every trainer returns and the logger writes."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    skipped: bool
+    scale: float
+    tokens: int
+    step_time_s: float
+    val_loss: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput of this step."""
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+@dataclass
+class RunSummary:
+    """The whole run in a few numbers (printed at the end and written to ``summary.json``)."""
+
+    steps: int
+    first_loss: float
+    last_loss: float
+    min_loss: float
+    last_val_loss: float | None
+    skipped_steps: int
+    tokens: int
+    mean_tokens_per_s: float
+    train_time_s: float
+    total_time_s: float
+    peak_device_mem_bytes: int
+    peak_host_rss_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_count(n: float) -> str:
+    """``1234567 -> '1.23M'``."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.4g}"
+
+
+def _json_float(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def prepare_run_dir(cfg: SysxConfig, *, is_main: bool) -> Path:
+    """Rank 0 creates ``cfg.run_dir`` and writes the resolved ``config.yaml``; other ranks only get the path.
+
+    ``cfg`` must be resolved (``run_dir`` without ``${now:...}``); with several processes, every rank
+    must use rank 0's ``run_dir``. An existing directory is reused and its metrics file replaced.
+    """
+    run_dir = Path(cfg.run_dir)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        header = f"# resolved sysx-train configuration; model {cfg.model.preset} = {model_config(cfg).to_json()}\n"
+        (run_dir / CONFIG_FILE).write_text(header + to_yaml(cfg))
+    return run_dir
+
+
+def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra: str = "") -> str:
+    """The configuration summary printed at start (model, batch, device, precision, run_dir)."""
+    t, o = cfg.train, cfg.optim
+    lines = [
+        f"sysx-train: schedule={cfg.schedule.name} model={cfg.model.preset} ({fmt_count(n_params)} parameters) "
+        f"device={device} precision={cfg.precision} seed={cfg.seed}",
+        f"  tokens/step {cfg.tokens_per_step} = {t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
+        f"{t.seq_len} tokens | steps {t.steps} | {o.name} lr {o.lr:g} (warmup {o.warmup_steps}, min {o.min_lr:g}) "
+        f"wd {o.weight_decay:g} clip {o.grad_clip:g}",
+        f"  run_dir {cfg.run_dir}",
+    ]
+    if extra:
+        lines.insert(2, f"  {extra}")
+    return "\n".join(lines)
+
+
+class RunLogger:
+    """Writes ``metrics.jsonl``, prints log lines / a progress bar, and the final summary (rank 0 only)."""
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        *,
+        total_steps: int,
+        every: int,
+        progress: bool,
+        device: torch.device,
+        enabled: bool = True,
+        stream: IO[str] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.every = max(1, every)
+        self.device = torch.device(device)
+        self.stream = stream if stream is not None else sys.stdout
+        self.results: list[StepResult] = []
+        self._start = time.perf_counter()
+        self._file: IO[str] | None = None
+        self._bar: Any = None
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        if not enabled:
+            return
+        if run_dir is not None:
+            self._file = open(self.run_dir / METRICS_FILE, "w", buffering=1, encoding="utf-8")
+        if progress and self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", file=self.stream, dynamic_ncols=True)
+
+    # -- per step
+    def record(self, result: StepResult) -> dict[str, Any]:
+        """The JSON object written for ``result`` (adds throughput, memory peaks and elapsed time)."""
+        rec: dict[str, Any] = asdict(result)
+        rec["grad_norm"] = _json_float(result.grad_norm)
+        rec["loss"] = _json_float(result.loss)
+        rec["tokens_per_s"] = result.tokens_per_s
+        rec["peak_device_mem_bytes"] = dev.max_memory_allocated(self.device)
+        rec["peak_host_rss_bytes"] = dev.host_peak_rss_bytes()
+        rec["elapsed_s"] = time.perf_counter() - self._start
+        if result.val_loss is None:
+            del rec["val_loss"]
+        return rec
+
+    def log(self, result: StepResult) -> None:
+        """Log one step: a metrics.jsonl line, the progress bar, and a console line when due."""
+        self.results.append(result)
+        if not self.enabled:
+            return
+        rec = self.record(result)
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(f"loss {result.loss:.4f} {fmt_count(result.tokens_per_s)} tok/s", refresh=False)
+        last = result.step == self.total_steps - 1
+        if result.step % self.every == 0 or last or result.val_loss is not None:
+            self._print(self.format_line(rec))
+
+    def format_line(self, rec: dict[str, Any]) -> str:
+        """One console line for a metrics record."""
+        loss = rec["loss"]
+        parts = [
+            f"step {rec['step']:>{len(str(self.total_steps))}}/{self.total_steps}",
+            f"loss {loss:.4f}" if loss is not None else "loss nan",
+        ]
+        if rec.get("val_loss") is not None:
+            parts.append(f"val {rec['val_loss']:.4f}")
+        parts += [
+            f"lr {rec['lr']:.2e}",
+            f"{fmt_count(rec['tokens_per_s'])} tok/s",
+            f"{rec['step_time_s'] * 1000:.0f} ms/step",
+        ]
+        if dev.is_cuda(self.device):
+            parts.append(f"dev mem {fmt_bytes(rec['peak_device_mem_bytes'])}")
+        parts.append(f"host rss {fmt_bytes(rec['peak_host_rss_bytes'])}")
+        if rec["skipped"]:
+            parts.append("SKIPPED (overflow)")
+        if rec["scale"] != 1.0:
+            parts.append(f"scale {rec['scale']:g}")
+        return " | ".join(parts)
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def info(self, text: str) -> None:
+        """Print a message (rank 0 only), above the progress bar if there is one."""
+        if self.enabled:
+            self._print(text)
+
+    # -- end of run
+    def summary(self) -> RunSummary:
+        """Numbers of the run so far."""
+        rs = self.results
+        train_time = sum(r.step_time_s for r in rs)
+        tokens = sum(r.tokens for r in rs)
+        vals = [r.val_loss for r in rs if r.val_loss is not None]
+        losses = [r.loss for r in rs if math.isfinite(r.loss)]
+        return RunSummary(
+            steps=len(rs),
+            first_loss=rs[0].loss if rs else math.nan,
+            last_loss=rs[-1].loss if rs else math.nan,
+            min_loss=min(losses) if losses else math.nan,
+            last_val_loss=vals[-1] if vals else None,
+            skipped_steps=sum(r.skipped for r in rs),
+            tokens=tokens,
+            mean_tokens_per_s=tokens / train_time if train_time > 0 else 0.0,
+            train_time_s=train_time,
+            total_time_s=time.perf_counter() - self._start,
+            peak_device_mem_bytes=dev.max_memory_allocated(self.device),
+            peak_host_rss_bytes=dev.host_peak_rss_bytes(),
+        )
+
+    def close(self) -> RunSummary:
+        """Close the bar and the metrics file, print the summary line, write ``summary.json``."""
+        s = self.summary()
+        if not self.enabled:
+            return s
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.run_dir is not None:
+            data = {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(data, indent=1) + "\n")
+        self._print(self.format_summary(s))
+        return s
+
+    def format_summary(self, s: RunSummary) -> str:
+        """The closing line: first and last loss, mean throughput, total time."""
+        val = f" | val {s.last_val_loss:.4f}" if s.last_val_loss is not None else ""
+        skipped = f" | {s.skipped_steps} skipped" if s.skipped_steps else ""
+        mem = f" | peak dev mem {fmt_bytes(s.peak_device_mem_bytes)}" if dev.is_cuda(self.device) else ""
+        where = f" | {self.run_dir / METRICS_FILE}" if self.run_dir is not None else ""
+        return (
+            f"done: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f}{val} | "
+            f"mean {fmt_count(s.mean_tokens_per_s)} tok/s | train {s.train_time_s:.1f} s, total {s.total_time_s:.1f} s"
+            f"{skipped}{mem} | peak host rss {fmt_bytes(s.peak_host_rss_bytes)}{where}"
+        )
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

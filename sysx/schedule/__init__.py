@@ -1,0 +1,68 @@
+"""Pipeline schedules as data: ops, builders, validator, simulator, pictures.
+
+``build(name, n_ranks, n_micro, ...)`` returns a :class:`Schedule` for any of
+``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``, ``sysx``; :func:`validate` proves it
+executable, :func:`simulate` turns it plus costs into a :class:`Timeline`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from sysx.partition import Partition, PartitionError, uniform_partition
+from sysx.schedule.costs import CostTable, Costs, UnitCosts, costs_from_model
+from sysx.schedule.gpipe import build_gpipe
+from sysx.schedule.interleaved import build_interleaved_1f1b
+from sysx.schedule.mobius import build_mobius
+from sysx.schedule.one_f_one_b import build_1f1b
+from sysx.schedule.ops import CkptRoute, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.simulate import Event, Timeline, simulate
+from sysx.schedule.sysx import CFG_FEATURES, build_sysx
+from sysx.schedule.validate import validate
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx")
+# schedules that place exactly one (whole) stage per rank
+ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
+
+
+def build(name: str, n_ranks: int, n_micro: int, partition: Partition | None = None, *,
+          n_stages: int | None = None, split: int = 1, cfg: int = 3, param_buffers: int = 2) -> Schedule:
+    """Build schedule ``name``. Without ``partition``, a uniform one with ``n_stages`` stages
+    (default: ``Ng`` for gpipe/1f1b, ``2 Ng`` otherwise) and ``split`` (sysx only).
+
+    Schedules do not depend on costs, so equal requests return the same (immutable) object from
+    a cache; its compiled form for the simulator is cached with it.
+    """
+    return _build_cached(name, n_ranks, n_micro, partition, n_stages, split, cfg, param_buffers)
+
+
+@lru_cache(maxsize=256)
+def _build_cached(name: str, n_ranks: int, n_micro: int, partition: Partition | None, n_stages: int | None,
+                  split: int, cfg: int, param_buffers: int) -> Schedule:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    if partition is None:
+        nsf = n_stages if n_stages is not None else (n_ranks if name in ONE_STAGE_PER_RANK else 2 * n_ranks)
+        if not isinstance(nsf, int) or nsf < 1:
+            raise PartitionError(f"n_stages={nsf!r} must be a positive int")
+        partition = uniform_partition(nsf, split if name == "sysx" else 1)
+    elif name != "sysx" and partition.split != 1:
+        partition = partition.with_split(1)
+    kw: dict[str, Any] = {"param_buffers": param_buffers}
+    if name == "gpipe":
+        return build_gpipe(n_ranks, n_micro, partition, **kw)
+    if name == "1f1b":
+        return build_1f1b(n_ranks, n_micro, partition, **kw)
+    if name == "interleaved_1f1b":
+        return build_interleaved_1f1b(n_ranks, n_micro, partition, **kw)
+    if name == "mobius":
+        return build_mobius(n_ranks, n_micro, partition, **kw)
+    return build_sysx(n_ranks, n_micro, partition, cfg=cfg, **kw)
+
+
+__all__ = [
+    "CFG_FEATURES", "CkptRoute", "CostTable", "Costs", "Event", "Op", "OpKind", "Partition", "PartitionError",
+    "SCHEDULES", "Schedule", "ScheduleError", "Timeline", "UnitCosts", "build", "build_1f1b", "build_gpipe",
+    "build_interleaved_1f1b", "build_mobius", "build_sysx", "costs_from_model", "simulate", "validate",
+]

@@ -1,0 +1,239 @@
+"""Costs for :func:`sysx.schedule.simulate.simulate`: unit costs (the paper's figures) and
+physical costs (per-layer times, bandwidths, CPU optimizer throughput, memory sizes).
+
+Both resolve, for one schedule, into a :class:`CostTable` of per-stage / per-sub-stage numbers,
+which is all the simulator reads.
+
+Memory model (bytes, per micro-batch where it says so):
+
+- GPU parameter buffer of a unit: ``param_bytes`` x its parameters, from its LOAD to its FREE;
+- gradient buffer of a backward sub-stage: ``grad_bytes`` x its parameters, from its first
+  backward to the end of its OFFLOAD_GRADS;
+- checkpoint of ``(s, k)`` (input of its first layer, per micro-batch): on the producer from the
+  end of the forward until the consumer's backward ends (local) or its send completes; on the
+  consumer from the receive (post) until the backward ends;
+- working memory: a forward keeps the largest layer's activations of its stage while it runs, a
+  backward all the activations of its sub-stage (recomputed from the checkpoint).
+
+Host memory of the owner of a backward sub-stage: ``host_bytes_per_param`` (fp32 master, Adam m
+and v, fp32 gradients: 16) x its parameters. Shared memory of a node: ``param_bytes`` x the
+parameters of the sub-stages owned on the node plus the forward stages its ranks run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sysx.partition import Partition
+from sysx.schedule.ops import Schedule
+
+
+@dataclass
+class CostTable:
+    """Per-stage durations (s or units) and sizes (bytes or units) for one schedule.
+
+    Sub-stage arrays are indexed by ``s * split + k``; unit (parameter buffer) arrays by stage for
+    whole-stage units (``*_stage``) and by ``s * split + k`` for sub-stage units (``*_sub``).
+    """
+
+    split: int
+    fwd: list[float]
+    bwd: list[float]
+    opt: list[float]
+    load_stage: list[float]
+    load_sub: list[float]
+    offload: list[float]
+    act_xfer: list[float]
+    grad_xfer: list[float]
+    ckpt_xfer: list[float]
+    allreduce: float = 0.0
+    param_stage: list[float] = field(default_factory=list)
+    param_sub: list[float] = field(default_factory=list)
+    grad_mem: list[float] = field(default_factory=list)
+    ckpt_mem: list[float] = field(default_factory=list)
+    fwd_work: list[float] = field(default_factory=list)
+    bwd_work: list[float] = field(default_factory=list)
+    host_bytes_per_param: float = 16.0
+    param_bytes: float = 2.0
+    params_stage: list[float] = field(default_factory=list)
+    params_sub: list[float] = field(default_factory=list)
+    rendezvous: bool = False
+    optim_workers: int | None = None
+    unit: str = "s"
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """The paper's unit-cost model (how its figures are checked).
+
+    A forward stage on one micro-batch costs ``t_fwd``; the whole backward of a forward stage
+    (recompute included) ``t_bwd``, so a SysX sub-stage ``t_bwd / d``; the optimizer step of a
+    forward stage ``t_opt`` (a sub-stage ``t_opt / d``); communication and copies cost 0.
+    Memory is counted in units: one stage's parameters = 1, one checkpoint = 1.
+    """
+
+    t_fwd: float = 1.0
+    t_bwd: float = 2.0
+    t_opt: float = 0.0
+    optim_workers: int | None = None
+
+    def table(self, schedule: Schedule) -> CostTable:
+        """Resolve for ``schedule``."""
+        p = schedule.partition
+        nsf, d = p.n_stages, p.split
+        nsub = nsf * d
+        zero_s, zero_b = [0.0] * nsf, [0.0] * nsub
+        return CostTable(
+            split=d, fwd=[float(self.t_fwd)] * nsf, bwd=[self.t_bwd / d] * nsub, opt=[self.t_opt / d] * nsub,
+            load_stage=zero_s, load_sub=zero_b, offload=zero_b, act_xfer=zero_s, grad_xfer=zero_b,
+            ckpt_xfer=zero_b, allreduce=0.0,
+            param_stage=[1.0] * nsf, param_sub=[1.0 / d] * nsub, grad_mem=[1.0 / d] * nsub, ckpt_mem=[1.0] * nsub,
+            fwd_work=zero_s, bwd_work=zero_b, host_bytes_per_param=1.0, param_bytes=1.0,
+            params_stage=[1.0] * nsf, params_sub=[1.0 / d] * nsub, rendezvous=False,
+            optim_workers=self.optim_workers, unit="units",
+        )
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Physical costs per flat layer ``[Embedding, Block x L, Head]`` (times in seconds).
+
+    ``layer_fwd_time``: forward time of each layer on one micro-batch. Backward of a layer costs
+    ``bwd_ratio`` x forward, plus one forward when ``recompute``. ``layer_params``: parameters per
+    layer. ``act_bytes``: one boundary activation (micro-batch x seq x dim x dtype): the size of
+    sent activations, input gradients and checkpoints. ``input_bytes``: the token ids (stage 0's
+    checkpoint). ``layer_act_bytes``: activations one layer keeps for its backward.
+    """
+
+    layer_fwd_time: tuple[float, ...]
+    layer_params: tuple[float, ...]
+    act_bytes: float
+    layer_act_bytes: tuple[float, ...] = ()
+    input_bytes: float = 0.0
+    bwd_ratio: float = 2.0
+    recompute: bool = True
+    param_bytes: float = 2.0
+    grad_bytes: float = 2.0
+    host_bytes_per_param: float = 16.0
+    p2p_latency: float = 20e-6
+    p2p_bandwidth: float = 10e9
+    h2d_bandwidth: float = 12e9
+    d2h_bandwidth: float = 12e9
+    optim_params_per_s: float = 2e9
+    optim_workers: int | None = None
+    allreduce_latency: float = 100e-6
+    rendezvous: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_fwd_time)
+        if len(self.layer_params) != n:
+            raise ValueError(f"Costs: {len(self.layer_params)} layer_params for {n} layer_fwd_time entries; give one per layer")
+        if self.layer_act_bytes and len(self.layer_act_bytes) != n:
+            raise ValueError(f"Costs: {len(self.layer_act_bytes)} layer_act_bytes for {n} layers; give one per layer or none")
+        for name in ("p2p_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "optim_params_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Costs.{name}={getattr(self, name)!r} must be > 0")
+        if self.optim_workers is not None and self.optim_workers < 1:
+            raise ValueError(f"Costs.optim_workers={self.optim_workers!r} must be >= 1 or None (unlimited)")
+
+    def table(self, schedule: Schedule) -> CostTable:
+        """Resolve for ``schedule`` (its partition must cover these layers)."""
+        p: Partition = schedule.partition
+        if p.n_layers != len(self.layer_fwd_time):
+            raise ValueError(f"the schedule's partition has {p.n_layers} layers but the costs describe "
+                             f"{len(self.layer_fwd_time)}; build both from the same model")
+        nsf, d = p.n_stages, p.split
+        ft, pr = self.layer_fwd_time, self.layer_params
+        act = self.layer_act_bytes or (0.0,) * p.n_layers
+        bmul = self.bwd_ratio + (1.0 if self.recompute else 0.0)
+
+        def tsum(arr: Sequence[float], rng: range) -> float:
+            return float(sum(arr[i] for i in rng))
+
+        stages = [p.stage_layers(s) for s in range(nsf)]
+        subs = [p.sub_layers(s, k) for s in range(nsf) for k in range(d)]
+        xfer = self.p2p_latency + self.act_bytes / self.p2p_bandwidth
+        ckpt_b = [self.input_bytes if r.start == 0 else self.act_bytes for r in subs]
+        params_stage = [tsum(pr, r) for r in stages]
+        params_sub = [tsum(pr, r) for r in subs]
+        return CostTable(
+            split=d,
+            fwd=[tsum(ft, r) for r in stages],
+            bwd=[bmul * tsum(ft, r) for r in subs],
+            opt=[x / self.optim_params_per_s for x in params_sub],
+            load_stage=[x * self.param_bytes / self.h2d_bandwidth for x in params_stage],
+            load_sub=[x * self.param_bytes / self.h2d_bandwidth for x in params_sub],
+            offload=[x * self.grad_bytes / self.d2h_bandwidth for x in params_sub],
+            act_xfer=[xfer] * nsf,
+            grad_xfer=[xfer] * (nsf * d),
+            ckpt_xfer=[self.p2p_latency + b / self.p2p_bandwidth for b in ckpt_b],
+            allreduce=self.allreduce_latency,
+            param_stage=[x * self.param_bytes for x in params_stage],
+            param_sub=[x * self.param_bytes for x in params_sub],
+            grad_mem=[x * self.grad_bytes for x in params_sub],
+            ckpt_mem=ckpt_b,
+            fwd_work=[max((act[i] for i in r), default=0.0) for r in stages],
+            bwd_work=[tsum(act, r) for r in subs],
+            host_bytes_per_param=self.host_bytes_per_param,
+            param_bytes=self.param_bytes,
+            params_stage=params_stage,
+            params_sub=params_sub,
+            rendezvous=self.rendezvous,
+            optim_workers=self.optim_workers,
+            unit="s",
+        )
+
+
+def model_layer_params(cfg: Any) -> list[int]:
+    """Parameters of each flat layer ``[Embedding, Block x L, Head]`` of a ``ModelConfig``."""
+    hd = cfg.dim // cfg.n_heads
+    block = cfg.dim * cfg.n_heads * hd * 2 + cfg.dim * cfg.n_kv_heads * hd * 2 + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim
+    head = cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    return [cfg.vocab_size * cfg.dim] + [block] * cfg.n_layers + [head]
+
+
+def model_layer_act_bytes(cfg: Any, tokens: int, dtype_bytes: int = 2) -> list[float]:
+    """Activations each layer keeps for its backward, for ``tokens`` tokens (estimate).
+
+    Block: inputs of the two norms and their outputs, q, k, v, attention output, the residual,
+    gate, up and SwiGLU output (fused attention keeps only a log-sum-exp per head and token).
+    Head: normed input plus fp32 logits and their gradient. Embedding: its output.
+    """
+    hd = cfg.dim // cfg.n_heads
+    block = tokens * (dtype_bytes * (6 * cfg.dim + 2 * cfg.n_kv_heads * hd + 3 * cfg.ffn_dim) + 4 * cfg.n_heads)
+    head = tokens * (dtype_bytes * 2 * cfg.dim + 8 * cfg.vocab_size)
+    return [float(tokens * dtype_bytes * cfg.dim)] + [float(block)] * cfg.n_layers + [float(head)]
+
+
+def costs_from_model(
+    cfg: Any,
+    seq_len: int,
+    micro_batch_size: int,
+    *,
+    gpu_flops: float = 50e12,
+    dtype_bytes: int = 2,
+    **hardware: Any,
+) -> Costs:
+    """Physical :class:`Costs` of a ``ModelConfig``: layer time = forward FLOPs / ``gpu_flops``.
+
+    ``gpu_flops`` is the achieved (not peak) FLOP/s of one GPU; ``hardware`` passes bandwidths,
+    latencies, optimizer throughput and workers to :class:`Costs`.
+    """
+    from sysx.model import layer_flops  # the model contract; imported lazily
+
+    tokens = seq_len * micro_batch_size
+    flops = layer_flops(cfg, seq_len)
+    # the embedding is a lookup: give it the time of reading its output once
+    times = [max(f * tokens / gpu_flops, 1e-9) for f in flops]
+    return Costs(
+        layer_fwd_time=tuple(times),
+        layer_params=tuple(float(x) for x in model_layer_params(cfg)),
+        act_bytes=float(tokens * cfg.dim * dtype_bytes),
+        layer_act_bytes=tuple(model_layer_act_bytes(cfg, tokens, dtype_bytes)),
+        input_bytes=float(tokens * 8),
+        param_bytes=float(dtype_bytes),
+        grad_bytes=float(dtype_bytes),
+        **hardware,
+    )

@@ -1,0 +1,291 @@
+"""``sysx plan``: build, validate and simulate a schedule; print the plan; draw the timeline.
+
+Unit-cost mode (the paper's figures; the default)::
+
+    sysx plan --schedule sysx --ranks 4 --microbatches 4 --stages 8 --split 2 --t-opt 6 --png fig8.png
+
+Model mode (``--model PRESET``, or ``--hydra key=value ...``: the training job's Hydra config,
+composed from ``conf/`` with those overrides, gives the model, ``train.seq_len``,
+``train.micro_batch_size``, ``train.micro_batches`` and, when its ``schedule`` section has them,
+the schedule name, ``ranks``, ``stages``, ``split`` and ``cfg``): the partition balances the
+model's per-layer FLOPs and the costs come from the hardware flags (achieved GPU FLOP/s, p2p /
+host<->GPU bandwidths, CPU Adam throughput). Flags given explicitly win over the config. ``--compare [LIST]`` simulates several schedules (``all``, ``ablation`` or a comma
+list such as ``mobius,sysx:cfg0,sysx``) and draws them on one time axis. ``--json`` prints one
+JSON object. ``--config FILE.yaml`` reads the same options (keys like the flags, ``-`` or ``_``,
+at the top level or under ``plan:``); flags override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
+from sysx.schedule import SCHEDULES, ONE_STAGE_PER_RANK, build
+from sysx.schedule.costs import Costs, UnitCosts, costs_from_model
+from sysx.schedule.ops import Schedule, ScheduleError
+from sysx.schedule.simulate import Timeline, simulate
+from sysx.schedule.validate import validate
+
+GIB = float(1 << 30)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sysx plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file with these options (flags override it)")
+    p.add_argument("--hydra", nargs="*", metavar="KEY=VALUE", default=None,
+                   help="compose the training config (conf/) with these overrides and plan for it")
+    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default sysx")
+    p.add_argument("--ranks", "-g", type=int, default=None, help="Ng: pipeline ranks (GPUs), default 4")
+    p.add_argument("--microbatches", "-m", type=int, default=None, help="Nm: micro-batches per iteration, default 4")
+    p.add_argument("--stages", "-s", type=int, default=None, help="Nsf: forward stages (default 2*Ng; Ng for gpipe/1f1b)")
+    p.add_argument("--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2")
+    p.add_argument("--cfg", type=int, default=None, choices=(0, 1, 2, 3), help="sysx ablation config (paper Table 3), default 3")
+    p.add_argument("--param-buffers", type=int, default=2, help="GPU parameter buffers per rank (current + prefetch)")
+    u = p.add_argument_group("unit-cost mode (no --model)")
+    u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
+    u.add_argument("--t-bwd", type=float, default=2.0, help="whole backward of one stage (recompute included)")
+    u.add_argument("--t-opt", type=float, default=0.0, help="CPU optimizer step of one forward stage")
+    m = p.add_argument_group("model mode")
+    m.add_argument("--model", help="a sysx.model preset (tiny, llama2_7b, llama2_10b, ...)")
+    m.add_argument("--seq-len", type=int, default=None, help="default 2048")
+    m.add_argument("--micro-batch-size", type=int, default=None, help="default 1")
+    m.add_argument("--stage-sizes", help="manual partition: layers per forward stage, e.g. 13,12,12,13")
+    m.add_argument("--gpu-tflops", type=float, default=50.0, help="achieved TFLOP/s of one GPU")
+    m.add_argument("--p2p-gbps", type=float, default=10.0, help="GPU<->GPU bandwidth, GB/s")
+    m.add_argument("--p2p-latency-us", type=float, default=20.0)
+    m.add_argument("--h2d-gbps", type=float, default=12.0, help="host->GPU bandwidth (parameter prefetch), GB/s")
+    m.add_argument("--d2h-gbps", type=float, default=12.0, help="GPU->host bandwidth (gradient offload), GB/s")
+    m.add_argument("--optim-gparams-per-s", type=float, default=2.0, help="CPU Adam throughput of one optimizer worker")
+    m.add_argument("--optim-workers", type=int, default=None, help="concurrent async optimizer steps per rank (default unlimited)")
+    m.add_argument("--rendezvous", action="store_true", help="sync sends wait for the receiver (default: eager)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node, for shared memory (default all)")
+    o = p.add_argument_group("output")
+    o.add_argument("--compare", nargs="?", const="all", default=None,
+                   help="simulate several schedules: all | ablation | comma list (e.g. mobius,sysx:cfg0,sysx)")
+    o.add_argument("--ops", action="store_true", help="print every rank's op list")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    o.add_argument("--png", help="write the timeline picture here")
+    o.add_argument("--trace", help="write a Chrome trace JSON here (open in Perfetto)")
+    return p
+
+
+def _config_defaults(path: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(data, dict):
+        raise SystemExit(f"sysx plan: {path} must hold a mapping of options")
+    if isinstance(data.get("plan"), dict):
+        data = data["plan"]
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _entries(spec: str) -> list[tuple[str, int]]:
+    if spec == "all":
+        return [(name, 3) for name in SCHEDULES]
+    if spec == "ablation":
+        return [("mobius", 3)] + [("sysx", c) for c in range(4)]
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        name, _, cfg = item.partition(":cfg")
+        if name not in SCHEDULES or (cfg and cfg not in "0123"):
+            raise SystemExit(f"sysx plan: unknown --compare entry {item!r}; use one of {', '.join(SCHEDULES)}, "
+                             f"sysx:cfg0..sysx:cfg3, 'all' or 'ablation'")
+        out.append((name, int(cfg) if cfg else 3))
+    return out
+
+
+DEFAULTS = {"schedule": "sysx", "ranks": 4, "microbatches": 4, "split": 2, "cfg": 3, "seq_len": 2048,
+            "micro_batch_size": 1}
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """Fill unset options: flags (and --config) first, then the Hydra config, then DEFAULTS."""
+    args.model_cfg = None
+    found: dict[str, Any] = {}
+    if args.hydra is not None:
+        from sysx.config import load_config, model_config
+
+        job = load_config(args.hydra)
+        args.model_cfg = model_config(job)
+        args.model = args.model or job.model.preset
+        found = {"seq_len": job.train.seq_len, "micro_batch_size": job.train.micro_batch_size,
+                 "microbatches": job.train.micro_batches}
+        if job.schedule.name in SCHEDULES:
+            found["schedule"] = job.schedule.name
+        for key in ("ranks", "stages", "split", "cfg"):
+            if getattr(job.schedule, key, None) is not None:
+                found[key] = getattr(job.schedule, key)
+    elif args.model:
+        from sysx.model import get_preset
+
+        args.model_cfg = get_preset(args.model)
+    for key, value in {**DEFAULTS, **found}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, found.get(key, value))
+
+
+def _partition_for(args: argparse.Namespace, name: str, n_stages: int, manual: bool) -> Partition | None:
+    if args.model_cfg is None:
+        return None
+    cfg = args.model_cfg
+    sizes = None
+    if manual and args.stage_sizes:
+        try:
+            sizes = [int(x) for x in str(args.stage_sizes).split(",")]
+        except ValueError:
+            raise PartitionError(f"--stage-sizes {args.stage_sizes!r} must be comma-separated layer counts") from None
+    return partition_model(cfg, args.seq_len, n_stages, split=args.split if name == "sysx" else 1, stage_sizes=sizes,
+                           n_ranks=args.ranks if name == "sysx" else None)
+
+
+def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
+    if args.model_cfg is None:
+        return UnitCosts(args.t_fwd * scale, args.t_bwd * scale, args.t_opt * scale, optim_workers=args.optim_workers)
+    return costs_from_model(
+        args.model_cfg, args.seq_len, args.micro_batch_size, gpu_flops=args.gpu_tflops * 1e12,
+        p2p_bandwidth=args.p2p_gbps * 1e9, p2p_latency=args.p2p_latency_us * 1e-6, h2d_bandwidth=args.h2d_gbps * 1e9,
+        d2h_bandwidth=args.d2h_gbps * 1e9, optim_params_per_s=args.optim_gparams_per_s * 1e9,
+        optim_workers=args.optim_workers, rendezvous=args.rendezvous)
+
+
+def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tuple[Schedule, Timeline, str]:
+    """Build, validate and simulate one schedule; ``fit`` lets gpipe/1f1b take Ng stages."""
+    nsf = args.stages if args.stages is not None else (args.ranks if name in ONE_STAGE_PER_RANK else 2 * args.ranks)
+    note, scale, manual = "", 1.0, True
+    if fit and name in ONE_STAGE_PER_RANK and nsf != args.ranks:
+        if args.model_cfg is None and nsf % args.ranks:
+            raise PartitionError(f"{name} needs Nsf = Ng = {args.ranks} stages; with --stages {nsf} the unit costs "
+                                 f"cannot be merged evenly into {args.ranks} stages (use a multiple of {args.ranks})")
+        if args.model_cfg is not None:
+            note = f"{args.ranks} stages, one per rank"
+        else:
+            scale = nsf / args.ranks
+            note = f"{args.ranks} stages of {nsf // args.ranks} unit stages each, costs x{scale:g}"
+        nsf, manual = args.ranks, False
+    part = _partition_for(args, name, nsf, manual)
+    if part is None and name == "sysx":
+        part = uniform_partition(nsf, args.split)
+    sched = build(name, args.ranks, args.microbatches, part, n_stages=nsf, split=args.split, cfg=cfg,
+                  param_buffers=args.param_buffers)
+    validate(sched)
+    tl = simulate(sched, _costs(args, scale), gpus_per_node=args.gpus_per_node)
+    return sched, tl, note
+
+
+def _fmt_mem(x: float, unit: str) -> str:
+    return f"{x:.3g}" if unit == "units" else f"{x / GIB:.2f}"
+
+
+def _report(sched: Schedule, tl: Timeline, args: argparse.Namespace) -> str:
+    from sysx.schedule.draw import title_of
+
+    u = tl.unit
+    lines = [title_of(tl), ""]
+    if args.model_cfg is not None:
+        lines += [f"partition of {args.model} (forward FLOPs per token, {sched.n_stages} stages, d={sched.split}):",
+                  sched.partition.describe(), ""]
+    else:
+        lines += [f"unit costs: forward stage {args.t_fwd:g}, stage backward {args.t_bwd:g} "
+                  f"(sub-stage {args.t_bwd / sched.split:g}), optimizer per stage {args.t_opt:g}; copies and p2p free", ""]
+    if u == "units":
+        lines.append("memory in units: one forward stage's parameters = 1, one checkpoint = 1")
+        head = f"{'params':>7} {'grads':>7} {'ckpts':>7} {'host':>7}"
+        cols = [tl.peak_params, tl.peak_grads, tl.peak_ckpts, tl.host]
+    else:
+        head = f"{'GPU GiB':>8} {'params':>7} {'grads':>7} {'ckpts':>7} {'work':>7} {'host':>7}"
+        cols = [tl.peak_gpu, tl.peak_params, tl.peak_grads, tl.peak_ckpts, tl.peak_work, tl.host]
+    lines.append(f"{'rank':>4} {'busy':>9} {'idle':>9} {'bubble':>7} {'gpu end':>9}   peak: {head}")
+    for r in range(tl.n_ranks):
+        mem = " ".join(f"{_fmt_mem(c[r], u):>{8 if i == 0 and u != 'units' else 7}}" for i, c in enumerate(cols))
+        lines.append(f"{r:>4} {tl.busy[r]:>9.4g} {tl.iteration - tl.busy[r]:>9.4g} {100 * tl.bubble[r]:>6.1f}% "
+                     f"{tl.gpu_end[r]:>9.4g}         {mem}")
+    lines.append("")
+    lines.append("shared memory per node (16-bit parameters owned or run forward there): "
+                 + ", ".join(f"node {i}: {_fmt_mem(x, u)}" for i, x in enumerate(tl.shm)))
+    gpn = tl.gpus_per_node
+    lines.append("host memory per node (fp32 master weights, Adam m and v, fp32 gradients of owned sub-stages): "
+                 + ", ".join(f"node {i}: {_fmt_mem(sum(tl.host[i * gpn:(i + 1) * gpn]), u)}" for i in range(len(tl.shm))))
+    exposed = tl.iteration - max(tl.gpu_end)
+    lines.append(f"iteration {tl.iteration:.6g}{'' if u == 'units' else ' s'}   bubble ratio {100 * tl.bubble_ratio:.2f}%   "
+                 f"optimizer time after the last backward {exposed:.4g}")
+    n_ops = sum(len(x) for x in sched.ops)
+    n_msg = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
+    lines.append(f"validated: {n_ops} ops, {n_msg} messages, {sum(1 for c in sched.ckpt_plan if c.mode != 'local')} "
+                 f"checkpoint transfers, no deadlock")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sysx plan``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        defaults = _config_defaults(pre.config)
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(defaults) - known)
+        if unknown:
+            print(f"sysx plan: unknown option(s) {unknown} in {pre.config}", file=sys.stderr)
+            return 2
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    try:
+        _resolve(args)
+    except ValueError as err:  # ConfigError and unknown presets
+        print(f"sysx plan: {err}", file=sys.stderr)
+        return 2
+    if args.compare and args.stages is None:
+        args.stages = 2 * args.ranks  # one model for every schedule; gpipe/1f1b merge stages pairwise
+    try:
+        if args.compare:
+            runs = [plan_one(args, name, cfg, fit=True) for name, cfg in _entries(args.compare)]
+        else:
+            runs = [plan_one(args, args.schedule, args.cfg, fit=False)]
+    except (ScheduleError, PartitionError, ValueError) as err:
+        print(f"sysx plan: {err}", file=sys.stderr)
+        return 2
+    timelines = [tl for _, tl, _ in runs]
+    if args.png:
+        from sysx.schedule.draw import draw_compare
+
+        draw_compare(timelines, args.png)
+    if args.trace:
+        from sysx.schedule.draw import chrome_trace
+
+        chrome_trace(timelines, args.trace)
+    if args.json:
+        out = [dict(tl.summary(), cfg=s.options.get("cfg"), note=note) for s, tl, note in runs]
+        print(json.dumps(out[0] if not args.compare else {"compare": out}))
+        return 0
+    if args.compare:
+        from sysx.schedule.draw import title_of
+
+        print(f"{'schedule':<34} {'iteration':>10} {'bubble':>8} {'after last bwd':>15}"
+              + ("" if timelines[0].unit == "units" else f" {'GPU GiB':>8}"))
+        for s, tl, note in runs:
+            label = title_of(tl).split("   ")[0]
+            print(f"{label:<34} {tl.iteration:>10.4g} {100 * tl.bubble_ratio:>7.1f}% "
+                  f"{tl.iteration - max(tl.gpu_end):>15.4g}"
+                  + ("" if tl.unit == "units" else f" {_fmt_mem(max(tl.peak_gpu), tl.unit):>8}")
+                  + (f"   ({note})" if note else ""))
+    else:
+        sched, tl, _ = runs[0]
+        if args.ops:
+            print(sched.format_ops())
+            print()
+        print(_report(sched, tl, args))
+    for path in (args.png, args.trace):
+        if path:
+            print(f"wrote {Path(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""SysX (paper §3, Fig. 8): decoupled pass assignment, fine-grained backward sub-stages,
+asynchronous checkpoint communication and an asynchronous per-sub-stage CPU optimizer.
+
+Forward stage ``s`` runs on rank ``s % Ng``; backward sub-stages in execution order
+``q = 0 .. Nsf*d - 1`` are ``(s, k) = (Nsf-1 - q//d, d-1 - q%d)`` on rank ``q % Ng``, so the
+backward pipeline continues around the ring and starts without a bubble. Each rank runs its
+forward stages ascending and then its backward sub-stages in ``q`` order, all micro-batches of
+each in turn.
+
+The ablations of the paper's Table 3 are switches (``cfg``):
+
+====  ==================================================================================
+CFG0  decoupled pass assignment only: ``d = 1``, checkpoints sent synchronously right
+      before the backward that needs them, synchronous CPU optimizer after VALIDATE
+CFG1  CFG0 + fine-grained backward sub-stages (``d`` from the partition)
+CFG2  CFG1 + asynchronous checkpoint communication (isend/irecv posted when produced)
+CFG3  CFG2 + asynchronous CPU optimizer (each sub-stage steps as soon as its gradients are
+      offloaded; VALIDATE afterwards) — full SysX, the default
+====  ==================================================================================
+"""
+
+from __future__ import annotations
+
+from sysx.partition import Partition, PartitionError, sysx_placement, uniform_partition
+from sysx.schedule.common import afab_backwards, afab_forwards, check_counts
+from sysx.schedule.lower import lower
+from sysx.schedule.ops import Schedule
+
+CFG_FEATURES = {
+    0: "decoupled pass assignment",
+    1: "CFG0 + fine-grained backward stage partitioning",
+    2: "CFG1 + asynchronous activation checkpoint communication",
+    3: "CFG2 + asynchronous CPU optimizer",
+}
+
+
+def build_sysx(n_ranks: int, n_micro: int, partition: Partition | None = None, *, n_stages: int | None = None,
+               split: int = 2, cfg: int = 3, param_buffers: int = 2) -> Schedule:
+    """SysX schedule; the partition gives ``Nsf`` and ``d`` (else ``n_stages`` / ``2 Ng`` and ``split``).
+
+    CFG0 uses the partition's forward stages with ``d = 1``.
+    """
+    check_counts(n_ranks, n_micro)
+    if cfg not in CFG_FEATURES:
+        raise PartitionError(f"sysx cfg={cfg!r} must be one of 0, 1, 2, 3 (paper Table 3: {CFG_FEATURES})")
+    if partition is None:
+        partition = uniform_partition(n_stages if n_stages is not None else 2 * n_ranks, split)
+    if cfg == 0 and partition.split != 1:
+        partition = partition.with_split(1)
+    d = partition.split
+    placement = sysx_placement(partition.n_stages, d, n_ranks)
+    orders = []
+    for r in range(n_ranks):
+        orders.append(afab_forwards(placement.fwd_stages(r), n_micro)
+                      + afab_backwards(placement.bwd_substages(r), n_micro))
+    return lower("sysx", partition, placement, n_micro, orders,
+                 ckpt="async" if cfg >= 2 else "sync", optimizer="async" if cfg >= 3 else "sync",
+                 param_buffers=param_buffers,
+                 options={"family": "sysx", "cfg": cfg, "features": CFG_FEATURES[cfg]})

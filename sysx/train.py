@@ -1,0 +1,155 @@
+"""``sysx-train`` (also ``python -m sysx.train`` and ``sysx train``): the main training job.
+
+    sysx-train [key=value | group=option ...] [--cfg job] [--help]
+
+Overrides use Hydra's override grammar (``train.steps=50``, ``model=llama2_7b``,
+``optim.betas=[0.9,0.95]``, ``run_dir=/tmp/run``), composed on ``conf/config.yaml``.
+
+Why Hydra's compose API and not ``@hydra.main``: ``@hydra.main`` owns the process. It creates
+``outputs/<date>/<time>/`` and per-run logging unless five ``hydra.*`` settings are forced; it
+parses argv itself, which collides with launcher-added arguments (``--local-rank``) under
+torchrun; and on a bad value it prints a multi-line report with a hint about HYDRA_FULL_ERROR and
+exits with status 1 — we want one line naming key, value and allowed values, and status 2 (the
+usual "usage error" code). ``initialize_config_dir`` + ``compose`` never touches the file system
+or the working directory, so every rank of a torchrun/MPI job composes the same config in
+place, the override syntax is Hydra's own (the same parser), and every error passes through
+:mod:`sysx.config`, which turns it into one line. What we give up (``--multirun`` sweeps, tab
+completion, Hydra's launcher plugins) is replaced by torchrun/mpirun/Slurm in ``launch/``.
+
+Rank and world size come from the launcher's environment only (``RANK``/``WORLD_SIZE`` from
+torchrun, ``PMI_RANK``/``PMI_SIZE`` from MPI); rank 0 alone creates ``run_dir``, writes the resolved
+``config.yaml`` there and prints. The trainer for ``schedule.name`` is looked up in
+:data:`TRAINERS`; a new schedule is one line there plus ``conf/schedule/<name>.yaml``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sysx.config import ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config, to_yaml
+
+PROG = "sysx-train"
+
+# schedule name -> "module:function" with signature (cfg: SysxConfig, info: sysx.dist.DistInfo) -> int.
+# Imported on use, so `sysx-train --help` stays fast and a schedule's dependencies load only when chosen.
+TRAINERS: dict[str, str] = {
+    "reference": "sysx.trainers.reference:train",
+}
+
+# Arguments some launchers append (torch.distributed.launch's --local-rank); the rank is read from the environment.
+_LAUNCHER_ARGS = ("--local-rank", "--local_rank")
+
+
+@dataclass
+class Invocation:
+    """What the command line asked for."""
+
+    overrides: list[str] = field(default_factory=list)
+    help: bool = False
+    show_cfg: bool = False
+
+
+def parse_argv(argv: list[str]) -> Invocation:
+    """Split argv into Hydra overrides and the few flags sysx-train has; unknown flags are an error."""
+    inv = Invocation()
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            inv.help = True
+        elif arg in ("--cfg", "-c") or arg.startswith("--cfg="):
+            what = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
+            if what != "job":
+                raise ConfigError(f"--cfg {what or '(nothing)'} is not valid: allowed: --cfg job (print the composed config)")
+            inv.show_cfg = True
+        elif arg.startswith(_LAUNCHER_ARGS):
+            if "=" not in arg and args and args[0].isdigit():
+                args.pop(0)
+        elif arg.startswith("-") and not arg.startswith("~"):
+            raise ConfigError(f"unknown option {arg!r}; {PROG} takes key=value overrides, --cfg job and --help")
+        else:
+            inv.overrides.append(arg)
+    return inv
+
+
+def help_text(overrides: list[str]) -> str:
+    """``--help``: usage, the config groups and their options, and the composed configuration."""
+    groups = "\n".join(f"  {g:<9} {', '.join(group_options(g))}" for g in ("model", "schedule", "optim", "data"))
+    cfg = compose_config(overrides)
+    return (
+        f"usage: {PROG} [key=value | group=option ...] [--cfg job] [--help]\n\n"
+        f"Train a Llama model. Configuration: {config_dir()}/config.yaml, overridden by Hydra-style arguments, e.g.\n"
+        f"  {PROG} train.steps=50 precision=bf16 run_dir=/tmp/run\n"
+        f"  {PROG} model=llama2_7b data=file data.path=/data/tokens.bin\n\n"
+        f"config groups (group=option):\n{groups}\n\n"
+        f"flags:\n  --cfg job   print the composed configuration and exit\n  --help      this text\n\n"
+        f"configuration (every key can be overridden):\n{to_yaml_dict(cfg)}"
+    )
+
+
+def to_yaml_dict(cfg: object) -> str:
+    """YAML of a composed DictConfig, indented for the help text."""
+    from omegaconf import OmegaConf
+
+    return "\n".join("  " + line for line in OmegaConf.to_yaml(cfg).splitlines())
+
+
+def env_rank() -> int:
+    """Global rank from the launcher's environment (torchrun, MPICH/PMI, Open MPI); 0 without one."""
+    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def trainer_for(name: str) -> Callable[..., int]:
+    """The job function of ``schedule.name``; an unknown name is a :class:`ConfigError`."""
+    if name not in TRAINERS:
+        raise ConfigError(f"schedule.name={name} is not valid: allowed: {', '.join(sorted(TRAINERS))}")
+    module, _, func = TRAINERS[name].partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run(cfg: SysxConfig) -> int:
+    """Run the job described by a validated configuration on this process's rank."""
+    from sysx.dist import detect
+
+    job = trainer_for(cfg.schedule.name)
+    return int(job(cfg, detect()) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sysx-train``: parse, compose, validate, dispatch. Returns the exit status."""
+    from sysx.data.errors import DataError
+    from sysx.optim.loss_scaler import LossScaleTooSmall, NonFiniteGradients
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    is_main = env_rank() == 0
+    try:
+        inv = parse_argv(args)
+        if inv.help:
+            if is_main:
+                print(help_text(inv.overrides))
+            return 0
+        cfg = load_config(inv.overrides)
+        trainer_for(cfg.schedule.name)
+        if inv.show_cfg:
+            if is_main:
+                print(to_yaml(cfg), end="")
+            return 0
+        return run(cfg)
+    except (ConfigError, DataError) as err:
+        if is_main:
+            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except (LossScaleTooSmall, NonFiniteGradients) as err:
+        print(f"{PROG}: training stopped (rank {env_rank()}): {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""`sysx-train` end to end: a short run lowers the loss and writes run_dir; logging; launch rules."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sysx.config import from_yaml, load_config
+from sysx.metrics import CONFIG_FILE, METRICS_FILE, RunLogger, StepResult
+from sysx.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+SHORT = ["train.steps=30", "train.seq_len=64", "train.micro_batch_size=8", "train.micro_batches=2",
+         "optim.warmup_steps=5", "log.every=10", "eval.every=15", "eval.batches=2", "device=cpu"]
+REQUIRED = {"step", "loss", "lr", "grad_norm", "skipped", "scale", "tokens_per_s", "step_time_s",
+            "peak_device_mem_bytes", "peak_host_rss_bytes"}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def test_short_run_lowers_the_loss_and_writes_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    run_dir = tmp_path / "run"
+    assert main([*SHORT, f"run_dir={run_dir}"]) == 0
+    assert Path.cwd() == work and list(work.iterdir()) == []  # no chdir, no outputs/, nothing in cwd
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(30))
+    assert all(REQUIRED <= r.keys() for r in rows)
+    assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_host_rss_bytes"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 15, 29]
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert first > 5.0 and last < first - 1.5, (first, last)  # byte-level: starts near ln 256 = 5.55
+
+    saved = from_yaml((run_dir / CONFIG_FILE).read_text())
+    assert saved == load_config([*SHORT, f"run_dir={run_dir}"])
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+    out = capsys.readouterr().out
+    assert "schedule=reference model=tiny" in out and "tokens/step 1024" in out and "precision=fp32" in out
+    assert "step  0/30 | loss" in out and "step 10/30" in out and "step 29/30" in out and "step 5/30" not in out
+    assert "tok/s" in out and "ms/step" in out and "host rss" in out
+    assert out.strip().splitlines()[-1].startswith("done: 30 steps | loss ")
+
+
+def test_python_dash_m_runs_without_creating_outputs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sysx.train", "train.steps=2", "train.seq_len=16", "eval.every=0", "device=cpu",
+         f"run_dir={run_dir}"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no outputs/, no .hydra
+    assert sorted(p.name for p in run_dir.iterdir()) == [CONFIG_FILE, METRICS_FILE, "summary.json"]
+    assert "done: 2 steps" in proc.stdout
+
+
+def test_reference_refuses_several_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert main(["train.steps=1", f"run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err
+        if rank == "0":
+            assert err.count("\n") == 1 and "schedule=reference runs in 1 process, but 2 were launched" in err
+        else:
+            assert err == ""  # only rank 0 reports
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_file_without_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A nanoGPT-layout train.bin/val.bin with no metadata file, dtype and vocab size given as keys."""
+    import numpy as np
+
+    tokens = np.random.default_rng(0).integers(0, 300, size=20000).astype(np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    tokens[:2000].tofile(tmp_path / "val.bin")
+    common = ["data=file", f"data.path={tmp_path / 'train.bin'}", "data.dtype=uint16", "data.vocab_size=300",
+              "train.steps=2", "train.seq_len=16", "eval.every=1", "eval.batches=1", "device=cpu"]
+    assert main([*common, f"run_dir={tmp_path / 'small'}"]) == 2  # the tiny preset's vocab is 256
+    assert "model.vocab_size=256 is too small" in capsys.readouterr().err
+    assert main([*common, "model.vocab_size=320", f"run_dir={tmp_path / 'run'}"]) == 0
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 and all("val_loss" in r for r in rows)
+    assert main(["data=file", f"data.path={tmp_path / 'missing.bin'}", f"run_dir={tmp_path / 'x'}"]) == 2
+    assert "missing.bin" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown without CUDA")
+def test_device_cuda_without_cuda_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["device=cuda", "train.steps=1", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert "device='cuda' but CUDA is not available" in capsys.readouterr().err
+
+
+def result(step: int, loss: float = 3.0, **kw: object) -> StepResult:
+    values = dict(step=step, loss=loss, lr=1e-3, grad_norm=1.0, skipped=False, scale=1.0, tokens=100, step_time_s=0.5)
+    values.update(kw)
+    return StepResult(**values)  # type: ignore[arg-type]
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_logger_writes_each_step_flushed_and_prints_every_n(tmp_path: Path) -> None:
+    out = io.StringIO()
+    logger = RunLogger(tmp_path, total_steps=5, every=2, progress=True, device=torch.device("cpu"), stream=out)
+    logger.log(result(0, loss=5.5))
+    assert json.loads((tmp_path / METRICS_FILE).read_text())["loss"] == 5.5  # on disk before close
+    logger.log(result(1, grad_norm=float("inf"), skipped=True, scale=512.0))
+    for step in (2, 3, 4):
+        logger.log(result(step, loss=2.0))
+    summary = logger.close()
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 5 and rows[1]["grad_norm"] is None and rows[1]["skipped"] is True
+    assert rows[0]["tokens_per_s"] == 200.0 and rows[0]["step_time_s"] == 0.5
+    lines = out.getvalue().splitlines()
+    assert [line.split("|")[0].strip() for line in lines[:-1]] == ["step 0/5", "step 2/5", "step 4/5"]
+    assert "\x1b" not in out.getvalue() and "\r" not in out.getvalue()  # not a TTY: plain lines, no bar
+    assert summary.first_loss == 5.5 and summary.last_loss == 2.0 and summary.skipped_steps == 1
+    assert summary.mean_tokens_per_s == pytest.approx(200.0)
+    assert lines[-1].startswith("done: 5 steps | loss 5.5000 -> 2.0000") and "1 skipped" in lines[-1]
+
+
+def test_progress_bar_only_on_a_terminal_and_when_enabled(tmp_path: Path) -> None:
+    tty = FakeTTY()
+    with RunLogger(None, total_steps=3, every=10, progress=True, device=torch.device("cpu"), stream=tty) as logger:
+        assert logger._bar is not None
+        for step in range(3):
+            logger.log(result(step))
+        logger.close()
+    assert "\r" in tty.getvalue() and "step 0/3" in tty.getvalue()
+    off = FakeTTY()
+    with RunLogger(None, total_steps=3, every=10, progress=False, device=torch.device("cpu"), stream=off) as logger:
+        assert logger._bar is None
+
+
+def test_disabled_logger_writes_nothing(tmp_path: Path) -> None:
+    out = io.StringIO()
+    with RunLogger(tmp_path, total_steps=2, every=1, progress=True, device=torch.device("cpu"), stream=out,
+                   enabled=False) as logger:
+        logger.log(result(0))
+        logger.close()
+    assert out.getvalue() == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_default_job_end_to_end(tmp_path: Path) -> None:
+    """The README's main job, unchanged except for run_dir: the loss falls clearly (byte-level corpus)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sysx.train", f"run_dir={run_dir}"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = read_metrics(run_dir)
+    assert len(rows) == load_config([]).train.steps
+    assert rows[0]["loss"] > 5.0 and rows[-1]["loss"] < 2.5, (rows[0]["loss"], rows[-1]["loss"])
+    print(proc.stdout.strip().splitlines()[-1])
