@@ -1,0 +1,46 @@
+"""Host-side optimizer: CPU Adam with exact undo, loss scaling, LR schedule, per-stage threads.
+
+* :class:`CpuAdam` - AdamW over one flat fp32 buffer (DeepSpeed or torch backend), ``undo``;
+* :class:`StageOptimizer`, :class:`OptimizerThreads` - one sub-stage's optimizer and the
+  worker threads that step sub-stages as their gradients arrive;
+* :func:`post_step_validate` (SysX) and :func:`sync_step` (baselines) - overflow check,
+  global-norm clipping and rollback across stages and ranks;
+* :func:`plan_cores` / :func:`apply_plan` - thread counts per local rank;
+* :func:`lr_at`, :func:`make_scaler` and the loss scalers.
+
+Submodules load on demand, so ``import sysx.optim`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "CpuAdam": "sysx.optim.cpu_adam",
+    "StageOptimizer": "sysx.optim.stage",
+    "StageReport": "sysx.optim.stage",
+    "OptimizerThreads": "sysx.optim.threads",
+    "StepOutcome": "sysx.optim.validation",
+    "post_step_validate": "sysx.optim.validation",
+    "sync_step": "sysx.optim.validation",
+    "CorePlan": "sysx.optim.cores",
+    "plan_cores": "sysx.optim.cores",
+    "apply_plan": "sysx.optim.cores",
+    "DeepSpeedUnavailable": "sysx.optim.deepspeed_backend",
+    "lr_at": "sysx.optim.lr_schedule",
+    "DynamicLossScaler": "sysx.optim.loss_scaler",
+    "FiniteCheckScaler": "sysx.optim.loss_scaler",
+    "LossScaleTooSmall": "sysx.optim.loss_scaler",
+    "NonFiniteGradients": "sysx.optim.loss_scaler",
+    "make_scaler": "sysx.optim.loss_scaler",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sysx.optim' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,151 @@
+"""How many CPU threads the optimizer of each local rank may use, so ranks do not fight.
+
+The physical cores available to the job on this node are ``psutil.cpu_count(logical=False)``
+reduced to this process's affinity mask (``os.sched_getaffinity``, counted in whole cores when the
+CPU has SMT) and to the cgroup CPU quota (``cpu.max``, containers). They are split evenly between
+the node's ranks (``LOCAL_WORLD_SIZE`` / ``MPI_LOCALNRANKS``). Within a rank:
+
+* ``deepspeed`` backend: one worker thread using all the rank's cores (DeepSpeed's op holds the
+  GIL while it runs, so two workers cannot step at the same time anyway);
+* ``torch`` backend: ``cores // 4`` workers (at least 1, at most one per stage) of
+  ``cores // workers`` intra-op threads each (ATen releases the GIL, so workers overlap).
+
+:func:`apply_plan` sets the main thread's torch/OpenMP threads and ``OMP_NUM_THREADS``, optionally
+pins the process to its slice of the affinity mask, and logs the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+log = logging.getLogger("sysx.optim")
+
+TORCH_THREADS_PER_WORKER = 4
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    """The thread plan of one local rank."""
+
+    local_rank: int
+    local_world_size: int
+    node_physical_cores: int  # physical cores usable by the job on this node
+    cores_per_rank: int
+    cpus: tuple[int, ...]  # this rank's slice of the affinity mask (logical CPU ids)
+    optimizer_workers: int
+    threads_per_worker: int
+    oversubscribed: bool  # fewer physical cores than local ranks
+
+    def describe(self) -> str:
+        """One log line."""
+        note = " (OVERSUBSCRIBED: fewer cores than local ranks)" if self.oversubscribed else ""
+        return (
+            f"local rank {self.local_rank}/{self.local_world_size}: {self.cores_per_rank} of "
+            f"{self.node_physical_cores} physical cores, CPUs {_ranges(self.cpus)}; optimizer "
+            f"{self.optimizer_workers} worker(s) x {self.threads_per_worker} thread(s){note}"
+        )
+
+
+def _ranges(cpus: tuple[int, ...]) -> str:
+    out: list[str] = []
+    for c in cpus:
+        if out and out[-1].split("-")[-1] == str(c - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out) or "-"
+
+
+def _env_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return default
+
+
+def cgroup_cpu_limit() -> float | None:
+    """CPUs allowed by the cgroup v2 (``cpu.max``) or v1 (``cfs_quota_us``) quota; None if unlimited."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        q = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        p = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if q <= 0 else q / p
+    except (OSError, ValueError):
+        return None
+
+
+def usable_physical_cores() -> tuple[int, list[int]]:
+    """``(physical cores usable by this process, its affinity mask)``."""
+    logical = psutil.cpu_count(logical=True) or 1
+    physical = psutil.cpu_count(logical=False) or logical
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        affinity = list(range(logical))
+    smt = max(1, logical // physical)
+    cores = max(1, len(affinity) // smt)
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = max(1, min(cores, math.floor(limit)))
+    return cores, affinity
+
+
+def plan_cores(
+    *,
+    n_stages: int,
+    backend: str = "deepspeed",
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    workers: int | None = None,
+) -> CorePlan:
+    """The thread plan for this rank (local rank/size default to the launcher's environment)."""
+    if n_stages < 1:
+        raise ValueError(f"plan_cores: n_stages={n_stages} must be >= 1")
+    lws = local_world_size if local_world_size is not None else _env_int(("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"), 1)
+    lr = local_rank if local_rank is not None else _env_int(("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"), 0)
+    if lws < 1 or not 0 <= lr < lws:
+        raise ValueError(f"plan_cores: local_rank={lr} must be in [0, local_world_size={lws})")
+    cores, affinity = usable_physical_cores()
+    per_rank = max(1, cores // lws)
+    per_cpus = max(1, len(affinity) // lws)
+    cpus = tuple(affinity[lr * per_cpus : (lr + 1) * per_cpus]) or tuple(affinity)
+    if workers is None:
+        workers = 1 if backend != "torch" else min(n_stages, max(1, per_rank // TORCH_THREADS_PER_WORKER))
+    if workers < 1:
+        raise ValueError(f"plan_cores: workers={workers} must be >= 1")
+    threads = per_rank if backend != "torch" else max(1, per_rank // workers)
+    return CorePlan(
+        local_rank=lr,
+        local_world_size=lws,
+        node_physical_cores=cores,
+        cores_per_rank=per_rank,
+        cpus=cpus,
+        optimizer_workers=workers,
+        threads_per_worker=threads,
+        oversubscribed=cores < lws,
+    )
+
+
+def apply_plan(plan: CorePlan, *, bind: bool = False) -> None:
+    """Set this process's torch/OpenMP threads to the rank's cores, optionally pin it, log it."""
+    torch.set_num_threads(plan.cores_per_rank)
+    os.environ["OMP_NUM_THREADS"] = str(plan.cores_per_rank)  # for child processes and late OpenMP users
+    if bind and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(plan.cpus))
+    level = logging.WARNING if plan.oversubscribed else logging.INFO
+    log.log(level, "core plan: %s%s", plan.describe(), ", pinned" if bind else "")

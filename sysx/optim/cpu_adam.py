@@ -1,0 +1,256 @@
+"""``CpuAdam``: AdamW over one flat contiguous fp32 buffer, with a one-step rollback.
+
+>>> opt = CpuAdam(flat_params, lr=1e-3, weight_decay=0.1, backend="torch")
+>>> opt.step(flat_grads)            # p, m, v updated in place
+>>> opt.undo(flat_grads)            # back to the state before that step
+
+Backends (same formula, :mod:`sysx.optim.formula`): ``deepspeed`` (DeepSpeed's C++ op, built and
+cached on first use, see :mod:`sysx.optim.deepspeed_backend`) and ``torch`` (ATen ops,
+:mod:`sysx.optim.torch_backend`). ``auto`` tries DeepSpeed and falls back to torch with a warning.
+The backend and its SIMD width are logged when the first optimizer of a process is created.
+
+Rollback (:mod:`sysx.optim.undo`): ``undo`` inverts the step arithmetically (no memory; error of
+about one fp32 ulp, see that module), ``snapshot`` copies ``p, m, v`` before every step (12 bytes
+per parameter; bit-exact). Either way :meth:`CpuAdam.undo` also restores the step counter and the
+learning rate of the undone step. Only the last step can be undone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Any, Protocol
+
+import torch
+
+from sysx.optim.formula import BetaPowers, Hyper, StepConstants, constants
+from sysx.optim.undo import Snapshot, UndoWorkspace, undo_chunk
+
+log = logging.getLogger("sysx.optim")
+
+BACKENDS = ("deepspeed", "torch", "auto")
+ROLLBACKS = ("undo", "snapshot")
+
+
+class Backend(Protocol):
+    """What :class:`CpuAdam` needs from a backend."""
+
+    name: str
+    chunk_elems: int
+
+    @property
+    def simd(self) -> str: ...
+
+    def step_chunk(
+        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: StepConstants, scratch: torch.Tensor
+    ) -> None: ...
+
+    def direction_chunk(self, m: torch.Tensor, v: torch.Tensor, c: StepConstants, out: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_backend_once(backend: Backend) -> None:
+    with _logged_lock:
+        if backend.name in _logged:
+            return
+        _logged.add(backend.name)
+    log.info("CpuAdam backend: %s, SIMD %s", backend.name, backend.simd)
+
+
+def make_backend(name: str, hyper: Hyper) -> Backend:
+    """Create the named backend; ``auto`` falls back from DeepSpeed to torch with a warning."""
+    if name not in BACKENDS:
+        raise ValueError(f"CpuAdam: backend={name!r} is not one of {list(BACKENDS)}")
+    if name == "torch":
+        from sysx.optim.torch_backend import TorchBackend
+
+        return TorchBackend(hyper)
+    from sysx.optim.deepspeed_backend import DeepSpeedBackend, DeepSpeedUnavailable
+
+    if name == "deepspeed":
+        return DeepSpeedBackend(hyper)
+    try:
+        return DeepSpeedBackend(hyper)
+    except DeepSpeedUnavailable as exc:
+        message = f"optim.backend=auto: DeepSpeed's cpu_adam is unavailable, FALLING BACK to the torch backend: {exc}"
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        from sysx.optim.torch_backend import TorchBackend
+
+        return TorchBackend(hyper)
+
+
+def _check_flat(t: torch.Tensor, what: str, numel: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"CpuAdam: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"CpuAdam: {what} has dtype {t.dtype}; it must be torch.float32 (convert it first)")
+    if t.device.type != "cpu":
+        raise ValueError(f"CpuAdam: {what} is on {t.device}; the CPU optimizer needs host tensors")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"CpuAdam: {what} is not contiguous (stride {t.stride()}); pass a contiguous buffer, e.g. t.contiguous()"
+        )
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"CpuAdam: {what} has {t.numel()} elements but the parameters have {numel}")
+
+
+class CpuAdam:
+    """AdamW (DeepSpeed's formula) over one flat contiguous fp32 host tensor, updated in place."""
+
+    def __init__(
+        self,
+        param: torch.Tensor,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        backend: str = "deepspeed",
+        rollback: str = "undo",
+    ) -> None:
+        _check_flat(param, "param")
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACKS)}")
+        if not lr >= 0:
+            raise ValueError(f"CpuAdam: lr={lr} must be >= 0")
+        self.hyper = Hyper(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps), weight_decay=float(weight_decay))
+        self.hyper.check()
+        self.param = param.view(-1)
+        self.exp_avg = torch.zeros_like(self.param)
+        self.exp_avg_sq = torch.zeros_like(self.param)
+        self.lr = float(lr)
+        self.step_count = 0
+        self.rollback = rollback
+        self._backend = make_backend(backend, self.hyper)
+        _log_backend_once(self._backend)
+        self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
+        self._snapshot = Snapshot(self.param.numel()) if rollback == "snapshot" else None
+        self._scratch = torch.empty(min(self._backend.chunk_elems, max(1, self.param.numel())), dtype=torch.float32)
+        self._undo_ws: UndoWorkspace | None = None  # allocated on the first undo
+        self._last: tuple[StepConstants, float] | None = None  # constants of the last step, lr before it
+
+    # ------------------------------------------------------------------------------------ info
+    @property
+    def backend(self) -> str:
+        """The active backend's name (``deepspeed`` or ``torch``)."""
+        return self._backend.name
+
+    @property
+    def numel(self) -> int:
+        """Number of parameters."""
+        return self.param.numel()
+
+    @property
+    def can_undo(self) -> bool:
+        """True when the last call was a step that has not been undone yet."""
+        return self._last is not None
+
+    @property
+    def rollback_bytes(self) -> int:
+        """Host memory the rollback mode costs (0 for ``undo``)."""
+        return self._snapshot.nbytes if self._snapshot is not None else 0
+
+    def _chunks(self) -> list[tuple[int, int]]:
+        n, size = self.numel, self._backend.chunk_elems
+        return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+    # ----------------------------------------------------------------------------------- steps
+    def step(self, grad: torch.Tensor, *, lr: float | None = None) -> None:
+        """One AdamW step with ``grad`` (flat contiguous fp32, same size); ``lr`` sets the rate."""
+        _check_flat(grad, "grad", self.numel)
+        if lr is not None:
+            if not lr >= 0:
+                raise ValueError(f"CpuAdam.step: lr={lr} must be >= 0")
+            lr_before, self.lr = self.lr, float(lr)
+        else:
+            lr_before = self.lr
+        c = constants(self.step_count + 1, self.lr, self.hyper, self._powers)
+        g = grad.view(-1)
+        p, m, v = self.param, self.exp_avg, self.exp_avg_sq
+        for lo, hi in self._chunks():
+            if self._snapshot is not None:
+                self._snapshot.save(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
+            self._backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._scratch[: hi - lo])
+        self.step_count += 1
+        self._last = (c, lr_before)
+
+    def undo(self, grad: torch.Tensor | None = None) -> None:
+        """Roll back the last :meth:`step`; ``grad`` must be the gradients that step used
+        (``undo`` mode; ``snapshot`` mode ignores it). Restores step count and learning rate."""
+        if self._last is None:
+            raise RuntimeError("CpuAdam.undo: there is no step to undo (only the last step can be undone, once)")
+        c, lr_before = self._last
+        p, m, v = self.param, self.exp_avg, self.exp_avg_sq
+        if self._snapshot is not None:
+            for lo, hi in self._chunks():
+                self._snapshot.restore(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
+        else:
+            if grad is None:
+                raise ValueError("CpuAdam.undo: rollback='undo' needs the gradients of the step being undone")
+            _check_flat(grad, "grad", self.numel)
+            g = grad.view(-1)
+            if self._undo_ws is None:
+                self._undo_ws = UndoWorkspace()
+            for lo, hi in self._chunks():
+                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._backend.direction_chunk, self._undo_ws)
+        self.step_count = c.step - 1
+        self.lr = lr_before
+        self._last = None
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Moments, step count, learning rate and hyper-parameters (the parameters are the caller's)."""
+        return {
+            "step": self.step_count,
+            "lr": self.lr,
+            "betas": (self.hyper.beta1, self.hyper.beta2),
+            "eps": self.hyper.eps,
+            "weight_decay": self.hyper.weight_decay,
+            "exp_avg": self.exp_avg.clone(),
+            "exp_avg_sq": self.exp_avg_sq.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (sizes and hyper-parameters must match)."""
+        for key in ("exp_avg", "exp_avg_sq"):
+            _check_flat(state[key].contiguous(), f"state_dict[{key!r}]", self.numel)
+        saved = Hyper(float(state["betas"][0]), float(state["betas"][1]), float(state["eps"]), float(state["weight_decay"]))
+        if saved != self.hyper:
+            raise ValueError(f"CpuAdam.load_state_dict: saved hyper-parameters {saved} differ from this optimizer's {self.hyper}")
+        self.exp_avg.copy_(state["exp_avg"].view(-1))
+        self.exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
+        self.step_count = int(state["step"])
+        self.lr = float(state["lr"])
+        self._last = None
+
+    def close(self) -> None:
+        """Release the backend (DeepSpeed's C++ optimizer); the tensors stay usable."""
+        self._backend.close()
+
+    def __enter__(self) -> CpuAdam:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception:  # interpreter shutdown: the op module may be gone already
+                pass
+
+    def __repr__(self) -> str:
+        h = self.hyper
+        return (
+            f"CpuAdam(numel={self.numel}, backend={self.backend}, rollback={self.rollback}, lr={self.lr:g}, "
+            f"betas=({h.beta1}, {h.beta2}), eps={h.eps:g}, weight_decay={h.weight_decay:g}, step={self.step_count})"
+        )

@@ -1,0 +1,179 @@
+"""Per-sub-stage CPU optimizer workers (paper §3.2 / §4 "CPU optimizer").
+
+The main thread hands a sub-stage to the workers as soon as that sub-stage's gradients are being
+copied to the host: :meth:`OptimizerThreads.submit_step` takes the stage, its host gradients and
+the :class:`sysx.device.Event` recorded after the device-to-host copy (record first, then submit:
+the event travels through the executor's queue). A worker then
+
+1. waits for the event (the copy is done),
+2. converts the gradients to fp32 and divides by the loss scale, computing the local inf/nan flag
+   and squared norm (:meth:`StageOptimizer.load_grads`),
+3. steps only if its own gradients are finite and writes the new parameters into the stage's
+   target (the 16-bit view into the shared store),
+4. returns a :class:`StageReport` with the flags, the squared norm and timestamps.
+
+Validation across stages and ranks happens afterwards (:mod:`sysx.optim.validation`), which can
+use :meth:`OptimizerThreads.run_all` to undo or re-step stages in parallel.
+
+Workers are ordinary (non-daemon) threads of a :class:`concurrent.futures.ThreadPoolExecutor`;
+:meth:`OptimizerThreads.close` (or leaving the ``with`` block, also on exceptions and Ctrl-C)
+cancels queued jobs, lets running ones finish and joins every thread. Each worker sets its own
+intra-op thread count (an OpenMP setting per thread, so the main thread keeps its own) and wraps
+its jobs in NVTX ranges ``OPT <stage>`` / ``OPT undo <stage>`` (see :mod:`sysx.trace`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from sysx.device import Event
+from sysx.optim.stage import StageOptimizer, StageReport, now
+from sysx.trace import nvtx_range
+
+log = logging.getLogger("sysx.optim")
+T = TypeVar("T")
+
+
+class OptimizerThreads:
+    """A pool of optimizer worker threads for the sub-stages this rank owns."""
+
+    def __init__(
+        self,
+        stages: Sequence[StageOptimizer],
+        *,
+        workers: int | None = None,
+        threads_per_worker: int | None = None,
+        name: str = "sysx-opt",
+    ) -> None:
+        if not stages:
+            raise ValueError("OptimizerThreads: no stages given")
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"OptimizerThreads: stage names must be unique, got {names}")
+        self.stages = {s.name: s for s in stages}
+        self.workers = max(1, workers if workers is not None else len(stages))
+        if threads_per_worker is not None and threads_per_worker < 1:
+            raise ValueError(f"OptimizerThreads: threads_per_worker={threads_per_worker} must be >= 1")
+        self.threads_per_worker = threads_per_worker
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            max_workers=self.workers, thread_name_prefix=name, initializer=self._init_worker
+        )
+        self._pending: list[Future[StageReport]] = []
+        self._lock = threading.Lock()
+        log.info(
+            "optimizer threads: %d worker(s) x %s intra-op thread(s) for %d stage(s): %s",
+            self.workers,
+            threads_per_worker if threads_per_worker is not None else torch.get_num_threads(),
+            len(stages),
+            ", ".join(names),
+        )
+
+    def _init_worker(self) -> None:
+        if self.threads_per_worker is not None:
+            torch.set_num_threads(self.threads_per_worker)  # OpenMP: affects this thread only
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            raise RuntimeError("OptimizerThreads: already closed")
+        return self._pool
+
+    def stage(self, name: str) -> StageOptimizer:
+        """The stage called ``name``."""
+        try:
+            return self.stages[name]
+        except KeyError:
+            raise KeyError(f"OptimizerThreads: no stage {name!r}; stages: {list(self.stages)}") from None
+
+    # ------------------------------------------------------------------------------ async steps
+    def submit_step(
+        self, name: str, grads: torch.Tensor, event: Event | None = None, *, scale: float = 1.0, lr: float
+    ) -> Future[StageReport]:
+        """Queue stage ``name``'s step: wait ``event``, load ``grads``, step if finite."""
+        stage = self.stage(name)
+        t_submit = now()
+        future = self._executor().submit(_step_job, stage, grads, event, scale, lr, t_submit)
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def wait(self) -> list[StageReport]:
+        """Wait for every submitted step; returns their reports in submission order.
+
+        If a job raised, the others are still waited for, then the first error is raised.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, []
+        reports: list[StageReport] = []
+        error: BaseException | None = None
+        for future in pending:
+            try:
+                reports.append(future.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below after joining the rest
+                error = error or exc
+        if error is not None:
+            raise error
+        return reports
+
+    # ---------------------------------------------------------------------------- other jobs
+    def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str) -> list[T]:
+        """Run ``fn(stage)`` for each named stage on the workers; wait for all, return the results."""
+        futures = [self._executor().submit(_labelled_job, fn, self.stage(n), label) for n in names]
+        results: list[T] = []
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised once every job has ended
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Cancel queued jobs, finish running ones, join all worker threads (idempotent)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._pending.clear()
+
+    def __enter__(self) -> OptimizerThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _step_job(
+    stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float, t_submit: float
+) -> StageReport:
+    with nvtx_range(f"OPT {stage.name}"):
+        if event is not None:
+            event.synchronize()
+        t_ready = now()
+        stage.new_iteration()
+        found_inf, sq = stage.load_grads(grads, scale=scale)
+        if not found_inf:
+            stage.apply(lr)
+        return StageReport(
+            stage=stage.name,
+            found_inf=found_inf,
+            sq_norm=sq,
+            stepped=not found_inf,
+            t_submit=t_submit,
+            t_ready=t_ready,
+            t_done=now(),
+            thread=threading.current_thread().name,
+        )
+
+
+def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str) -> T:
+    with nvtx_range(f"OPT {label} {stage.name}"):
+        return fn(stage)

@@ -1,0 +1,192 @@
+"""Validation of one optimizer step across all stages and ranks, in two orders.
+
+**Post-step** (SysX, :func:`post_step_validate`): every stage has already stepped on its own
+(if its own gradients were finite). One ``all_reduce`` of ``[number of overflowed stages, sum of
+squared gradient norms]`` over ``group`` (gloo or NCCL; none when not distributed) then decides:
+
+* overflow anywhere: every stage that stepped undoes its step (exactly, see
+  :mod:`sysx.optim.undo`), the loss scaler backs off and the step counts as skipped (for
+  bf16/fp32 the scaler raises :class:`~sysx.optim.loss_scaler.NonFiniteGradients` *after* the
+  rollback, so the optimizer state stays that of the last good step);
+* global norm above ``max_grad_norm``: every stage undoes and steps again with its gradients
+  multiplied by ``max_grad_norm / (norm + 1e-6)``, so the result equals clip-then-step
+  (``torch.nn.utils.clip_grad_norm_`` semantics).
+
+**Validate first** (the baselines, :func:`sync_step`): convert, unscale and check every stage,
+reduce, then clip and step only if nothing overflowed. Same components, same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sysx.device import Event
+from sysx.optim.loss_scaler import LossScaler
+from sysx.optim.stage import StageOptimizer, StageReport
+from sysx.optim.threads import OptimizerThreads
+
+CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
+
+log = logging.getLogger("sysx.optim")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the validation decided for one iteration on this rank."""
+
+    overflow: bool  # some stage on some rank had inf/nan gradients
+    skipped: bool  # the step was not applied (rolled back or never taken)
+    grad_norm: float  # global L2 norm of the unscaled gradients (inf/nan on overflow)
+    clip_coef: float  # factor applied to the gradients (1.0 when not clipped)
+    scale: float  # loss scale used for this iteration
+    next_scale: float  # loss scale for the next iteration
+    undone: int  # stages of this rank rolled back
+    restepped: int  # stages of this rank stepped again with clipped gradients
+    seconds: float  # time spent validating (reduce + rollback/re-step)
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def reduce_flags(found_inf: Sequence[bool], sq_norms: Sequence[float], group: dist.ProcessGroup | None) -> tuple[int, float]:
+    """Sum ``(#overflowed stages, squared norms of finite stages)`` over all ranks of ``group``."""
+    n_inf = sum(1 for f in found_inf if f)
+    sq = sum(s for f, s in zip(found_inf, sq_norms) if not f)
+    if _world(group) == 1:
+        return n_inf, sq
+    t = torch.tensor([float(n_inf), sq], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return int(t[0].item()), float(t[1].item())
+
+
+def _log_skip(n_inf: int, scale: float, scaler: LossScaler, group: dist.ProcessGroup | None, undone: int) -> None:
+    first = _world(group) == 1 or dist.get_rank(group) == 0
+    log.log(
+        logging.WARNING if first else logging.DEBUG,
+        "step skipped: inf/nan gradients in %d stage(s); %d local stage(s) rolled back; loss scale %g -> %g; "
+        "skipped steps so far: %d",
+        n_inf,
+        undone,
+        scale,
+        float(scaler.scale),
+        scaler.skipped_steps,
+    )
+
+
+def clip_coefficient(grad_norm: float, max_grad_norm: float) -> float:
+    """``min(1, max_norm / (norm + 1e-6))``; 1.0 when clipping is off (``max_grad_norm <= 0``)."""
+    if max_grad_norm <= 0:
+        return 1.0
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
+
+
+def _run(
+    stages: Mapping[str, StageOptimizer],
+    threads: OptimizerThreads | None,
+    fn: Callable[[StageOptimizer], Any],
+    names: Sequence[str],
+    label: str,
+) -> list[Any]:
+    if threads is not None:
+        return threads.run_all(fn, names, label)
+    return [fn(stages[n]) for n in names]
+
+
+def _stage_map(stages: OptimizerThreads | Sequence[StageOptimizer]) -> tuple[dict[str, StageOptimizer], OptimizerThreads | None]:
+    if isinstance(stages, OptimizerThreads):
+        return stages.stages, stages
+    return {s.name: s for s in stages}, None
+
+
+def post_step_validate(
+    reports: Sequence[StageReport],
+    stages: OptimizerThreads | Sequence[StageOptimizer],
+    scaler: LossScaler,
+    *,
+    lr: float,
+    max_grad_norm: float = 0.0,
+    group: dist.ProcessGroup | None = None,
+) -> StepOutcome:
+    """SysX's post-step validation of an iteration whose stages already stepped (see module doc).
+
+    ``reports`` are this rank's :class:`StageReport` s (from :meth:`OptimizerThreads.wait`);
+    ``stages`` are the stages (an :class:`OptimizerThreads` runs rollbacks on its workers);
+    ``lr`` is the learning rate the steps used. Every rank of ``group`` must call this.
+    """
+    t0 = time.perf_counter()
+    by_name, threads = _stage_map(stages)
+    scale = float(scaler.scale)
+    n_inf, sq = reduce_flags([r.found_inf for r in reports], [r.sq_norm for r in reports], group)
+    stepped = [r.stage for r in reports if r.stepped]
+    overflow = n_inf > 0 or not math.isfinite(sq)
+    if overflow:
+        _run(by_name, threads, StageOptimizer.undo, stepped, "undo")
+        skipped = scaler.update(True)
+        _log_skip(n_inf, scale, scaler, group, len(stepped))
+        return StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), len(stepped), 0, time.perf_counter() - t0)
+    scaler.update(False)
+    norm = math.sqrt(sq)
+    coef = clip_coefficient(norm, max_grad_norm)
+    restepped = 0
+    if coef < 1.0:
+        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip")
+        restepped = len(stepped)
+    return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, restepped, time.perf_counter() - t0)
+
+
+def sync_step(
+    grads: Mapping[str, torch.Tensor],
+    stages: OptimizerThreads | Sequence[StageOptimizer],
+    scaler: LossScaler,
+    *,
+    lr: float,
+    max_grad_norm: float = 0.0,
+    group: dist.ProcessGroup | None = None,
+    events: Mapping[str, Event] | None = None,
+) -> StepOutcome:
+    """Validate first, then step (Mobius / Megatron / GPipe order) for every stage in ``grads``.
+
+    Gradients are converted and unscaled with the current loss scale, checked, reduced over
+    ``group``; on overflow nothing steps and the scaler backs off, else the gradients are
+    clipped and every stage steps. Every rank of ``group`` must call this.
+    """
+    t0 = time.perf_counter()
+    by_name, threads = _stage_map(stages)
+    scale = float(scaler.scale)
+    names = list(grads)
+
+    def load(stage: StageOptimizer) -> tuple[bool, float]:
+        if events is not None and stage.name in events:
+            events[stage.name].synchronize()
+        stage.new_iteration()
+        return stage.load_grads(grads[stage.name], scale=scale)
+
+    checks = _run(by_name, threads, load, names, "check")
+    n_inf, sq = reduce_flags([c[0] for c in checks], [c[1] for c in checks], group)
+    overflow = n_inf > 0 or not math.isfinite(sq)
+    if overflow:
+        skipped = scaler.update(True)
+        _log_skip(n_inf, scale, scaler, group, 0)
+        return StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), 0, 0, time.perf_counter() - t0)
+    scaler.update(False)
+    norm = math.sqrt(sq)
+    coef = clip_coefficient(norm, max_grad_norm)
+
+    def step(stage: StageOptimizer) -> None:
+        if coef < 1.0:
+            stage.grad32.mul_(coef)
+        stage.apply(lr)
+
+    _run(by_name, threads, step, names, "step")
+    return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, 0, time.perf_counter() - t0)

@@ -1,0 +1,186 @@
+"""Per-stage optimizer workers: event hand-over, conversion, local checks, overlap, clean shutdown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from sysx import trace
+from sysx.device import Event
+from sysx.optim import CpuAdam, OptimizerThreads, StageOptimizer
+from sysx.optim.cores import apply_plan, plan_cores
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    before = threading.active_count()
+    yield
+    assert threading.active_count() == before, [t.name for t in threading.enumerate()]
+
+
+def _stage(name: str, n: int, *, seed: int, backend: str = "torch", target_dtype=torch.bfloat16, **kw) -> StageOptimizer:
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen) * 0.02
+    target = master.to(target_dtype) if target_dtype is not None else None
+    return StageOptimizer(name, master, lr=1e-3, weight_decay=0.1, backend=backend, target=target, **kw)
+
+
+class GateEvent(Event):
+    """A CPU event whose completion the test controls (stands in for a D2H copy in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.gate = threading.Event()
+        self.released_at = 0.0
+
+    def synchronize(self) -> None:
+        self.gate.wait(timeout=30)
+
+    def release(self) -> None:
+        self.released_at = time.perf_counter()
+        self.gate.set()
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+def test_worker_converts_unscales_steps_and_writes_target(backend: str) -> None:
+    n, scale = 4099, 1024.0
+    stage = _stage("s0.0", n, seed=1, backend=backend, target_dtype=torch.float16)
+    ref = CpuAdam(stage.master.clone(), lr=1e-3, weight_decay=0.1, backend=backend)
+    g_true = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-2
+    g16 = (g_true * scale).half()
+    with OptimizerThreads([stage], workers=1, threads_per_worker=1) as threads:
+        threads.submit_step("s0.0", g16, Event(torch.device("cpu")).record(), scale=scale, lr=2e-3)
+        (report,) = threads.wait()
+    unscaled = g16.float() / scale
+    ref.step(unscaled, lr=2e-3)
+    assert report.stepped and not report.found_inf and report.thread.startswith("sysx-opt")
+    assert report.sq_norm == pytest.approx(float((unscaled.double() ** 2).sum()), rel=1e-12)
+    assert torch.equal(stage.master, ref.param) and torch.equal(stage.optimizer.exp_avg, ref.exp_avg)
+    assert torch.equal(stage.target, stage.master.half())
+    stage.close()
+    ref.close()
+
+
+def test_local_overflow_does_not_step() -> None:
+    stage = _stage("s1.0", 1000, seed=3)
+    master0, target0 = stage.master.clone(), stage.target.clone()
+    g = torch.zeros(1000, dtype=torch.bfloat16)
+    g[17] = float("nan")
+    with OptimizerThreads([stage]) as threads:
+        threads.submit_step("s1.0", g, None, lr=1e-3)
+        (report,) = threads.wait()
+    assert report.found_inf and not report.stepped
+    assert torch.equal(stage.master, master0) and torch.equal(stage.target, target0)
+    assert stage.optimizer.step_count == 0
+
+
+def test_worker_waits_for_the_event() -> None:
+    stage = _stage("s2.1", 2048, seed=4)
+    master0 = stage.master.clone()
+    grads = torch.randn(2048).bfloat16()
+    event = GateEvent()
+    with OptimizerThreads([stage]) as threads:
+        threads.submit_step("s2.1", grads, event.record(), lr=1e-3)
+        time.sleep(0.1)
+        assert torch.equal(stage.master, master0)  # the "copy" is not done: nothing may be read yet
+        event.release()
+        (report,) = threads.wait()
+    assert report.t_ready >= event.released_at and report.stepped
+    assert not torch.equal(stage.master, master0)
+
+
+def test_async_steps_overlap_later_stages_being_fed() -> None:
+    """The optimizer of the first sub-stages finishes while later sub-stages are still in backward."""
+    names = [f"s{i}.0" for i in range(4)]
+    stages = [_stage(name, 200_000, seed=10 + i) for i, name in enumerate(names)]
+    grads = {name: (torch.randn(200_000) * 1e-2).bfloat16() for name in names}
+    submitted: dict[str, float] = {}
+    with OptimizerThreads(stages, workers=2) as threads:
+        for name in names:
+            time.sleep(0.08)  # this sub-stage's backward passes (GPU work, simulated)
+            event = Event(torch.device("cpu")).record()  # after the gradient D2H copy
+            threads.submit_step(name, grads[name], event, lr=1e-3)
+            submitted[name] = time.perf_counter()
+        reports = {r.stage: r for r in threads.wait()}
+    last_fed = submitted[names[-1]]
+    assert reports[names[0]].t_done < submitted[names[2]] < last_fed
+    assert reports[names[1]].t_done < last_fed
+    for name in names:
+        r = reports[name]
+        assert r.t_submit <= r.t_ready <= r.t_done and r.stepped
+
+
+def test_job_errors_propagate_and_threads_are_joined() -> None:
+    stage = _stage("s0.0", 100, seed=5)
+    threads = OptimizerThreads([stage], workers=2)
+    threads.submit_step("s0.0", torch.zeros(99), None, lr=1e-3)
+    with pytest.raises(ValueError, match="99 elements"):
+        threads.wait()
+    with pytest.raises(KeyError, match="no stage 'nope'"):
+        threads.submit_step("nope", torch.zeros(100), None, lr=1e-3)
+    threads.close()
+    threads.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        threads.submit_step("s0.0", torch.zeros(100), None, lr=1e-3)
+
+
+def test_ctrl_c_inside_the_block_shuts_workers_down() -> None:
+    stage, queued = _stage("s0.0", 50_000, seed=6), _stage("s0.1", 10, seed=7)
+    event = GateEvent()
+    with pytest.raises(KeyboardInterrupt):
+        with OptimizerThreads([stage, queued], workers=1) as threads:
+            threads.submit_step("s0.0", torch.zeros(50_000), event, lr=1e-3)
+            threads.submit_step("s0.1", torch.zeros(10), None, lr=1e-3)  # queued: cancelled on exit
+            threading.Timer(0.2, event.release).start()  # the running job finishes, then the pool joins
+            raise KeyboardInterrupt
+    assert stage.optimizer.step_count == 1 and queued.optimizer.step_count == 0
+    time.sleep(0.05)  # let the Timer thread end
+
+
+def test_nvtx_ranges_are_harmless_without_gpu() -> None:
+    stage = _stage("s5.1", 1000, seed=8)
+    trace.enable(True)
+    try:
+        with OptimizerThreads([stage]) as threads:
+            threads.submit_step("s5.1", torch.randn(1000), None, lr=1e-3)
+            (report,) = threads.wait()
+        assert report.stepped
+    finally:
+        trace.enable(False)
+
+
+def test_core_plan_splits_cores_between_local_ranks(caplog: pytest.LogCaptureFixture) -> None:
+    from sysx.optim.cores import usable_physical_cores
+
+    cores, affinity = usable_physical_cores()
+    plan = plan_cores(n_stages=6, backend="deepspeed", local_rank=0, local_world_size=1)
+    assert plan.cores_per_rank == cores and plan.optimizer_workers == 1 and plan.threads_per_worker == cores
+    assert set(plan.cpus) <= set(affinity)
+    two = [plan_cores(n_stages=6, backend="torch", local_rank=r, local_world_size=2) for r in (0, 1)]
+    assert all(p.cores_per_rank == max(1, cores // 2) for p in two)
+    assert all(p.optimizer_workers * p.threads_per_worker <= max(1, cores // 2) for p in two)
+    if len(affinity) >= 2:
+        assert not set(two[0].cpus) & set(two[1].cpus)
+    many = plan_cores(n_stages=2, backend="torch", local_rank=3, local_world_size=4 * cores)
+    assert many.oversubscribed and many.cores_per_rank == 1
+    with pytest.raises(ValueError, match="local_rank=2"):
+        plan_cores(n_stages=1, local_rank=2, local_world_size=2)
+    saved = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="sysx.optim"):
+            apply_plan(plan)
+        assert torch.get_num_threads() == plan.cores_per_rank
+        assert "core plan: local rank 0/1" in caplog.text
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_core_plan_reads_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    plan = plan_cores(n_stages=3)
+    assert (plan.local_rank, plan.local_world_size) == (1, 2)
