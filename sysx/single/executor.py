@@ -1,0 +1,375 @@
+"""The sliding-window executor (AdaWS §3.1 and appendix A, algorithms 1 and 2).
+
+One step = ``rounds`` rounds; a round pushes ``chunks`` chunks of ``chunk`` sequences through
+every layer, layer by layer (all chunks of a layer, then the next layer):
+
+Forward: the Embedding fills the transition table ``T`` (one residual-stream entry per chunk);
+block ``k`` runs from weight slot ``k % R_param``, and as soon as it is done the inbound stream
+loads block ``k + R_param`` into that slot while later blocks compute; each (block, chunk) writes its layer input
+and its chosen saved activations (:mod:`sysx.single.sites`) into activation slot
+``(k * chunks + c) % R_act``, and the outbound stream copies that slot to pinned host memory —
+except for the last ``W`` blocks, whose slots stay on the device for the start of backward. A slot
+is rewritten only after its copy home finished (the ring-capacity constraint the DP planned for).
+
+Turnaround: the Head computes each chunk's loss and backpropagates at once; ``T`` now holds the
+gradient of the residual stream.
+
+Backward: blocks in reverse; each needs its weights (still resident for the last window, else
+prefetched), its gradient slot (zeros in the first round, else the accumulated gradients fetched
+from host) and its saved activations (on the device or fetched from host into the slot the block
+``W`` later just released). It recomputes what was not saved, backpropagates, sends the gradient
+slot home on the outbound stream and — in the last round — hands the block to the CPU optimizer
+(the GPU-CPU pipeline). The Embedding's backward closes the round.
+
+Streams: ``compute`` (the current stream), ``inbound`` (host -> device) and ``outbound``
+(device -> host), ordered only through the rings' per-slot events and a few explicit waits (the
+host copy of an activation or gradient must have landed before it is fetched back). On CPU the
+streams are no-ops and every call finishes before it returns, so the very same code runs in CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sysx import device as dev
+from sysx.model.flat import FlatLayout
+from sysx.single.host import HostState
+from sysx.single.planner import SinglePlan
+from sysx.single.rings import DeviceArena, Ring, align, typed
+from sysx.single.sites import LayerProfile, ReplayStats, SlotLayout, backward_replayed, run_captured
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class TransferStats:
+    """Bytes moved and work done by the executor (cumulative)."""
+
+    h2d_weights: int = 0
+    h2d_grads: int = 0
+    h2d_acts: int = 0
+    d2h_grads: int = 0
+    d2h_acts: int = 0
+    weight_loads: int = 0
+    weight_reuses: int = 0  # weight slots found still valid (no load)
+    chunks_backward: int = 0
+    by_level: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain fields."""
+        return dict(self.__dict__)
+
+
+class SlidingWindowExecutor:
+    """Runs training steps of ``plan`` on ``device`` with the state in ``host`` (see module docstring)."""
+
+    STATIC = -1  # group id of the Embedding+Head in callbacks (host.groups[-1])
+
+    def __init__(self, plan: SinglePlan, host: HostState, device: torch.device | str, profile: LayerProfile, *,
+                 trace: bool = False) -> None:
+        from sysx.model.llama import make_layer, tie_embeddings
+
+        self.plan = plan
+        self.host = host
+        self.device = torch.device(device)
+        cfg = plan.request.model
+        self.cfg = cfg
+        self.L = cfg.n_layers
+        self.n = plan.chunks
+        self.b = plan.chunk
+        self.S = plan.request.seq_len
+        self.dtype = plan.request.dtype
+        self.profile = profile
+        self.layouts: list[SlotLayout] = [plan.table.layouts[o] for o in plan.levels]
+        self.n_transfer = plan.transfer_layers
+        R_p, R_g, R_a = plan.r_param, plan.r_grad, plan.r_act
+        if R_a % self.n:
+            raise ValueError(f"R_act={R_a} must be a multiple of chunks per round ({self.n})")
+        # the host layouts describe the fp32 masters; the device holds the same entries in the compute dtype
+        self.block_layout = FlatLayout(host.groups[0].layout.entries, self.dtype)
+        self.static_layout = FlatLayout(host.static.layout.entries, self.dtype)
+        tau = torch.empty((), dtype=self.dtype).element_size()
+        block_bytes = self.block_layout.numel * tau
+        slot_bytes = max(layout.nbytes for layout in self.layouts)
+        self.arena = DeviceArena(self.device, {
+            "static weights": self.static_layout.numel * tau,
+            "static grads": self.static_layout.numel * tau,
+            "weight ring": R_p * _stride(block_bytes),
+            "grad ring": R_g * _stride(block_bytes),
+            "activation ring": R_a * _stride(slot_bytes),
+            "transitions": self.n * self.b * self.S * cfg.dim * tau,
+        })
+        self.trace: list[tuple[str, str, int, object]] | None = [] if trace else None
+        self.ring_w = Ring("weights", self.arena.region("weight ring"), R_p, block_bytes, log=self.trace)
+        self.ring_g = Ring("grads", self.arena.region("grad ring"), R_g, block_bytes, log=self.trace)
+        self.ring_a = Ring("activations", self.arena.region("activation ring"), R_a, slot_bytes, log=self.trace)
+        self.T = typed(self.arena.region("transitions"), self.dtype).view(self.n, self.b, self.S, cfg.dim)
+        self.static_w = typed(self.arena.region("static weights"), self.dtype)
+        self.static_g = typed(self.arena.region("static grads"), self.dtype)
+
+        # compute shells: one Block per weight slot, its parameters views of that slot
+        self.shells = []
+        for s in range(R_p):
+            shell = make_layer(cfg, 1, dtype=self.dtype, device="cpu")
+            self.block_layout.bind([shell], typed(self.ring_w.raw(s), self.dtype, self.block_layout.numel))
+            self.shells.append(shell)
+        self.emb = make_layer(cfg, 0, dtype=self.dtype, device="cpu")
+        self.head = make_layer(cfg, self.L + 1, dtype=self.dtype, device="cpu")
+        if cfg.tie_embeddings:
+            tie_embeddings(self.emb, self.head)
+        self.static_layout.bind([self.emb, self.head], self.static_w)
+        self.static_layout.bind_grads([self.emb, self.head], self.static_g)
+
+        pin = dev.is_cuda(self.device)
+        self.host_acts = {
+            (k, c): dev.empty_host(self.layouts[k].nbytes, torch.uint8, pin=pin)
+            for k in range(self.n_transfer) for c in range(self.n)
+        }
+        self.compute = dev.current_stream(self.device)
+        self.inbound = dev.new_stream(self.device)
+        self.outbound = dev.new_stream(self.device)
+        self.stats = TransferStats()
+        self.replay = ReplayStats()
+        self.version = 0
+        self._act_home: dict[tuple[int, int], dev.Event] = {}
+        self._static_home: dev.Event | None = None
+        self._grad_home: dict[int, dev.Event] = {}
+
+    # ------------------------------------------------------------------------------------ info
+    def _note(self, op: str, key: object) -> None:
+        if self.trace is not None:
+            self.trace.append(("executor", op, -1, key))
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of every arena region (the whole preallocated working set)."""
+        return self.arena.describe()
+
+    def host_activation_bytes(self) -> int:
+        """Pinned host bytes reserved for saved activations."""
+        return sum(t.numel() for t in self.host_acts.values())
+
+    # ------------------------------------------------------------------------------------- step
+    def run_step(self, batches: Sequence[Batch], *, scale: float, on_grads: Callable[[int, dev.Event], None],
+                 before_load: Callable[[int], None]) -> list[torch.Tensor]:
+        """Forward and backward of every round of one step; returns each micro-batch's loss.
+
+        ``batches``: ``rounds * chunks`` (input_ids, labels) pairs on the device, in micro-batch
+        order. ``on_grads(group, event)`` is called once per group when its final gradients are on
+        their way home (``event`` completes when they are in ``host.groups[group].grad``; the
+        Embedding+Head group is ``-1``). ``before_load(group)`` must block until the group's host
+        weights are current (its optimizer step finished).
+        """
+        n_micro = len(batches)
+        if n_micro != self.plan.rounds * self.n:
+            raise ValueError(f"run_step: got {n_micro} micro-batches, the plan has {self.plan.rounds} rounds x {self.n} chunks")
+        self.version += 1
+        ver = self.version
+        self._load_static(before_load)
+        if self._static_home is not None:  # the last step's embedding/head gradients must have left
+            self.compute.wait_event(self._static_home)
+        with self.compute.use():
+            self.static_g.zero_()
+        self._grad_home.clear()
+        losses: list[torch.Tensor] = []
+        rounds = self.plan.rounds
+        for r in range(rounds):
+            mbs = batches[r * self.n:(r + 1) * self.n]
+            last = r == rounds - 1
+            self._forward(r, ver, mbs, before_load)
+            losses += self._turnaround(mbs, scale, n_micro)
+            self._backward(r, ver, mbs, on_grads if last else None, before_load, last)
+        self.outbound.wait_event(self.compute.record_event())
+        with self.outbound.use():
+            self.host.static.grad.copy_(self.static_g, non_blocking=True)
+        self.stats.d2h_grads += self.static_g.numel() * self.static_g.element_size()
+        self._static_home = self.outbound.record_event()
+        on_grads(self.STATIC, self._static_home)
+        return losses
+
+    def _load_static(self, before_load: Callable[[int], None]) -> None:
+        """Copy the Embedding+Head weights in, after their optimizer step and after the last use of the buffer."""
+        before_load(self.STATIC)
+        self.inbound.wait_stream(self.compute)
+        with self.inbound.use():
+            self.static_w.copy_(self.host.static.work, non_blocking=True)
+        self.compute.wait_event(self.inbound.record_event())
+        self.stats.h2d_weights += self.static_w.numel() * self.static_w.element_size()
+
+    # ------------------------------------------------------------------------------- transfers
+    def _ensure_w(self, k: int, ver: int, before_load: Callable[[int], None]) -> None:
+        """Make weight slot ``k % R_param`` hold block ``k`` of this step (load it unless it still does)."""
+        s = k % len(self.ring_w)
+        key = ("w", k, ver)
+        if self.ring_w.key(s) == key and self.ring_w.state(s) == "ready":
+            self.stats.weight_reuses += 1
+            return
+        if self.ring_w.state(s) == "ready":
+            self.ring_w.drop(s)
+        before_load(k)
+        src = self.host.groups[k].work
+        self.ring_w.fill(s, key, self.inbound,
+                         lambda raw: typed(raw, self.dtype, self.block_layout.numel).copy_(src, non_blocking=True))
+        self.stats.h2d_weights += src.numel() * src.element_size()
+        self.stats.weight_loads += 1
+
+    def _fill_g(self, k: int, r: int) -> None:
+        """Gradient slot for block ``k`` in round ``r``: zeros first, then the host's accumulated gradients."""
+        gs = k % len(self.ring_g)
+        numel = self.block_layout.numel
+        if r == 0:
+            self.ring_g.fill(gs, ("g", k, r), self.inbound, lambda raw: typed(raw, self.dtype, numel).zero_())
+            return
+        self.inbound.wait_event(self._grad_home[k])
+        src = self.host.groups[k].grad
+        self.ring_g.fill(gs, ("g", k, r), self.inbound, lambda raw: typed(raw, self.dtype, numel).copy_(src, non_blocking=True))
+        self.stats.h2d_grads += src.numel() * src.element_size()
+
+    def _fill_a(self, a: int, unit: int, r: int) -> None:
+        """Fetch the saved activations of ``unit`` (a transferring block) from host into activation slot ``a``."""
+        k, c = divmod(unit, self.n)
+        if k >= self.n_transfer:
+            raise AssertionError(f"unit {unit} (block {k}) never went home; it cannot be fetched")
+        nbytes = self.layouts[k].nbytes
+        self.inbound.wait_event(self._act_home[(k, c)])
+        src = self.host_acts[(k, c)]
+        self.ring_a.fill(a, ("a", k, c, r), self.inbound, lambda raw: raw[:nbytes].copy_(src, non_blocking=True))
+        self.stats.h2d_acts += nbytes
+
+    # ---------------------------------------------------------------------------------- forward
+    def _forward(self, r: int, ver: int, mbs: Sequence[Batch], before_load: Callable[[int], None]) -> None:
+        L, n = self.L, self.n
+        R_p, R_a = len(self.ring_w), len(self.ring_a)
+        for k in range(min(R_p, L)):
+            self._ensure_w(k, ver, before_load)
+        with self.compute.use(), torch.no_grad():
+            for c, (ids, _) in enumerate(mbs):
+                self.T[c].copy_(self.emb(ids))
+        for k in range(L):
+            s = k % R_p
+            self.ring_w.acquire(s, ("w", k, ver), self.compute)
+            shell, layout = self.shells[s], self.layouts[k]
+            for c in range(n):
+                a = (k * n + c) % R_a
+                key = ("a", k, c, r)
+
+                def write(raw: torch.Tensor, c: int = c) -> None:
+                    self.T[c].copy_(run_captured(shell, self.T[c], self.profile, layout, raw))
+
+                self.ring_a.fill(a, key, self.compute, write)
+                if k < self.n_transfer:
+                    raw = self.ring_a.acquire(a, key, self.outbound)
+                    with self.outbound.use():
+                        self.host_acts[(k, c)].copy_(raw[:layout.nbytes], non_blocking=True)
+                    self._act_home[(k, c)] = self.ring_a.release(a, self.outbound)
+                    self.stats.d2h_acts += layout.nbytes
+                    self._note("d2h_act", key)
+            self.ring_w.release(s, self.compute, keep=k >= L - R_p)
+            if k + R_p < L:
+                self._ensure_w(k + R_p, ver, before_load)
+            elif k + R_p == L:  # no weights left to prefetch: fill the gradient ring for backward (alg. 1)
+                for j in range(L - 1, max(-1, L - 1 - len(self.ring_g)), -1):
+                    self._fill_g(j, r)
+
+    def _turnaround(self, mbs: Sequence[Batch], scale: float, n_micro: int) -> list[torch.Tensor]:
+        """Head forward + backward per chunk (``backward(loss / n_micro * scale)``); T becomes the gradient."""
+        losses = []
+        with self.compute.use():
+            for c, (_, labels) in enumerate(mbs):
+                x = self.T[c].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    loss = self.head(x, labels)
+                    scaled = loss / n_micro
+                    if scale != 1.0:
+                        scaled = scaled * scale
+                    scaled.backward()
+                losses.append(loss.detach().float())
+                assert x.grad is not None
+                self.T[c].copy_(x.grad)
+        return losses
+
+    # --------------------------------------------------------------------------------- backward
+    def _backward(self, r: int, ver: int, mbs: Sequence[Batch], on_grads: Callable[[int, dev.Event], None] | None,
+                  before_load: Callable[[int], None], last: bool) -> None:
+        L, n = self.L, self.n
+        R_p, R_g, R_a = len(self.ring_w), len(self.ring_g), len(self.ring_a)
+        numel = self.block_layout.numel
+        for k in range(L - 1, -1, -1):
+            s, gs = k % R_p, k % R_g
+            self.ring_w.acquire(s, ("w", k, ver), self.compute)
+            graw = self.ring_g.acquire(gs, ("g", k, r), self.compute)
+            shell, layout = self.shells[s], self.layouts[k]
+            self.block_layout.bind_grads([shell], typed(graw, self.dtype, numel))
+            for c in range(n):
+                u = k * n + c
+                a = u % R_a
+                raw = self.ring_a.acquire(a, ("a", k, c, r), self.compute)
+                with self.compute.use():
+                    self.T[c].copy_(backward_replayed(shell, self.T[c], self.profile, layout, raw, stats=self.replay))
+                self.ring_a.release(a, self.compute)
+                self.stats.chunks_backward += 1
+                name = self.plan.table.names[self.plan.levels[k]]
+                self.stats.by_level[name] = self.stats.by_level.get(name, 0) + 1
+                if u - R_a >= 0:
+                    self._fill_a(a, u - R_a, r)
+            self.ring_w.release(s, self.compute, keep=not last and k < R_p)
+            if k - R_p >= 0:
+                self._ensure_w(k - R_p, ver, before_load)
+            # gradients home; the slot is free again once the copy finished
+            self.outbound.wait_event(self.compute.record_event())
+            dst = self.host.groups[k].grad
+            with self.outbound.use():
+                dst.copy_(typed(graw, self.dtype, numel), non_blocking=True)
+            self.stats.d2h_grads += dst.numel() * dst.element_size()
+            self._note("d2h_grad", ("g", k, r))
+            event = self.ring_g.release(gs, self.outbound)
+            self._grad_home[k] = event
+            if on_grads is not None:
+                on_grads(k, event)
+                self._note("optimizer", ("g", k, r))
+            if k - R_g >= 0:
+                self._fill_g(k - R_g, r)
+        with self.compute.use(), torch.enable_grad():
+            for c, (ids, _) in enumerate(mbs):
+                self.emb(ids).backward(self.T[c])
+
+    # ------------------------------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self, pieces: Sequence[Batch], before_load: Callable[[int], None]) -> list[torch.Tensor]:
+        """Mean loss of each (input_ids, labels) piece of at most ``chunk`` rows (forward only, nothing saved)."""
+        if any(ids.shape[0] > self.b or ids.shape[1] != self.S for ids, _ in pieces):
+            raise ValueError(f"evaluate: pieces must have at most {self.b} rows of {self.S} tokens")
+        self.version += 1
+        ver = self.version
+        self._load_static(before_load)
+        out: list[torch.Tensor] = []
+        R_p = len(self.ring_w)
+        for start in range(0, len(pieces), self.n):
+            group = pieces[start:start + self.n]
+            views = [self.T[c][:ids.shape[0]] for c, (ids, _) in enumerate(group)]
+            for k in range(min(R_p, self.L)):
+                self._ensure_w(k, ver, before_load)
+            with self.compute.use():
+                for view, (ids, _) in zip(views, group):
+                    view.copy_(self.emb(ids))
+            for k in range(self.L):
+                s = k % R_p
+                self.ring_w.acquire(s, ("w", k, ver), self.compute)
+                with self.compute.use():
+                    for view in views:
+                        view.copy_(self.shells[s](view))
+                self.ring_w.release(s, self.compute, keep=k >= self.L - R_p)
+                if k + R_p < self.L:
+                    self._ensure_w(k + R_p, ver, before_load)
+            with self.compute.use():
+                out += [self.head(view, labels).float() for view, (_, labels) in zip(views, group)]
+        for s in range(R_p):
+            if self.ring_w.state(s) == "ready":
+                self.ring_w.drop(s)
+        return out
+
+
+def _stride(nbytes: int) -> int:
+    return align(nbytes)

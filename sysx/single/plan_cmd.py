@@ -1,0 +1,76 @@
+"""``sysx plan-single``: print the single-GPU (AdaWS) plan for a model without training.
+
+    sysx plan-single --model llama2_7b --seq-len 4096 --global-batch 64 --precision bf16 \\
+        --hardware rtx4090 --device-gb 24 --host-gb 256
+
+``--hardware measure`` measures this machine (its GPU, or its CPU standing in for one); a preset
+of :data:`sysx.single.hardware.ASSUMED` plans for a machine you are not on. The exit status is 0
+for a plan, 2 when the budgets are refused (the message says how much is needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sysx.single.settings import OVERLAPS, POLICIES
+
+
+def _parser() -> argparse.ArgumentParser:
+    from sysx.single.hardware import ASSUMED
+
+    p = argparse.ArgumentParser(prog="sysx plan-single", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="a preset of sysx.model.PRESETS (default tiny)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (kept as given)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--hardware", default="measure", choices=("measure", *ASSUMED))
+    p.add_argument("--device-gb", type=float, default=0.0, help="device budget in GiB (0 = the device's free memory)")
+    p.add_argument("--host-gb", type=float, default=0.0, help="host budget in GiB (0 = the host's free memory)")
+    p.add_argument("--policy", default="dp", choices=POLICIES)
+    p.add_argument("--compress", action="store_true", help="int8-compress offloaded activations")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--overlap", default="auto", choices=OVERLAPS)
+    p.add_argument("--micro-batch-size", type=int, default=0)
+    p.add_argument("--round-sequences", type=int, default=0)
+    p.add_argument("--window", type=int, default=0)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv``, plan, print. Returns 0, or 2 when the plan is refused."""
+    args = _parser().parse_args(argv)
+    import torch
+
+    from sysx.model import get_preset
+    from sysx.single.hardware import GiB, assumed_hardware, measure_hardware
+    from sysx.single.planner import PlanError, PlanRequest, make_plan
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    if args.hardware == "measure":
+        hw = measure_hardware(dtype=dtype)
+    else:
+        hw = assumed_hardware(args.hardware, device_memory_gib=args.device_gb or None,
+                              host_memory_gib=args.host_gb or 256.0)
+    try:
+        model = get_preset(args.model)
+    except ValueError as err:
+        print(f"sysx plan-single: {err}", file=sys.stderr)
+        return 2
+    req = PlanRequest(
+        model=model, seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
+        device_budget_bytes=int(args.device_gb * GiB) or None, host_budget_bytes=int(args.host_gb * GiB) or None,
+        chunk=args.micro_batch_size, round_sequences=args.round_sequences, window=args.window, policy=args.policy,
+        compress=args.compress, grad_clip=args.grad_clip, optimizer_overlap=args.overlap,
+    )
+    try:
+        plan = make_plan(req, hw)
+    except PlanError as err:
+        print(f"sysx plan-single: refused: {err}", file=sys.stderr)
+        return 2
+    print(plan.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,477 @@
+"""Saving chosen op outputs of a layer in the forward pass and reusing them when it is recomputed.
+
+A *site* is one op of a layer's forward pass whose output is a fresh tensor (not a view, not an
+in-place update): a matmul, the attention kernel, a norm, a SwiGLU product... Running a layer
+under :class:`Capture` copies the outputs of the selected sites into an activation slot (one
+contiguous byte buffer; the layer input goes first). Recomputing the layer for backward under
+:class:`Replay` hands back those saved outputs instead of running the ops (like PyTorch's selective
+checkpointing, but the saved values live in our ring slot and travel to host memory and back):
+the skipped ops cost nothing, autograd still records their backward, and every op that was not
+saved is recomputed from the layer input. The result is bit-identical to a plain recompute.
+
+Both passes run with autograd enabled, so forward and recompute dispatch the very same op
+sequence; :class:`Replay` checks each op against the profile and names the first mismatch.
+
+:func:`profile_layer` runs a layer once under a recording mode and returns its sites (op,
+category, output shapes, bytes, FLOPs and optionally measured time), from which
+:class:`SlotLayout` places a chosen set of sites in a slot. On the ``meta`` device (planning a
+model that does not fit here) the attention call is emulated, because ``meta`` would otherwise
+decompose it into the unfused math kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from sysx.single.act_policy import N_LEVELS, level_categories
+from sysx.single.compress import dequantize, packed_nbytes, quantize_into, rows_of
+
+ALIGN = 256  # byte alignment of every tensor inside a slot
+COMPRESS_MIN_ROW = 32  # rows shorter than this are not worth an fp32 scale each
+_ALIAS_OPS = {"aten._unsafe_view.default", "aten.lift_fresh.default", "aten.alias.default"}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _is_attention(name: str) -> bool:
+    return ("scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name
+            or "cudnn_attention" in name) and "backward" not in name
+
+
+def _is_matmul(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 1 and parts[1] in {"mm", "addmm", "bmm", "baddbmm"}
+
+
+def _is_alias(func: torch._ops.OpOverload) -> bool:
+    if str(func) in _ALIAS_OPS:
+        return True
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+def _dense_extent(t: torch.Tensor) -> int | None:
+    """``numel`` when ``t``'s strides lay it out densely without overlap (any dim order), else None."""
+    if t.numel() == 0:
+        return 0
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expect = 1
+    for stride, size in dims:
+        if stride != expect:
+            return None
+        expect *= size
+    return t.numel()
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, strides and dtype of one op output (what a slot entry must reproduce)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    dense: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        dense = _dense_extent(t) is not None
+        return cls(tuple(t.shape), tuple(t.stride()) if dense else tuple(torch.empty(t.shape, device="meta").stride()),
+                   t.dtype, dense)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class Site:
+    """One cacheable op of a layer's forward pass."""
+
+    index: int  # position in the layer's op sequence
+    op: str
+    category: str  # one of act_policy.CATEGORIES
+    outputs: tuple[TensorMeta | None, ...]  # per pytree leaf; None for a leaf replayed as a constant
+    consts: tuple[object, ...]  # those constant leaves (ints, None, RNG-state tensors), as produced
+    spec: object  # pytree spec of the op's return value
+    flops: float
+    seconds: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor outputs, uncompressed."""
+        return sum(m.nbytes for m in self.outputs if m is not None)
+
+    def compressible(self, k: int) -> bool:
+        """Whether output ``k`` may be int8-compressed: the main (first) floating output with long rows."""
+        m = self.outputs[k]
+        return (k == 0 and m is not None and m.dtype.is_floating_point and len(m.shape) >= 2
+                and rows_of(m.shape)[1] >= COMPRESS_MIN_ROW)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """The op sequence of one layer forward at one input shape, with its cacheable sites."""
+
+    ops: tuple[str, ...]
+    sites: tuple[Site, ...]
+    input: TensorMeta
+    seconds: float | None = None  # measured time of the whole forward
+
+    def sites_in(self, categories: Iterable[str]) -> tuple[Site, ...]:
+        """The sites of the given categories."""
+        cats = set(categories)
+        return tuple(s for s in self.sites if s.category in cats)
+
+    def level_sites(self, level: int) -> frozenset[int]:
+        """Site indices saved at ``level``."""
+        return frozenset(s.index for s in self.sites_in(level_categories(level)))
+
+    def flops(self) -> float:
+        """FLOPs of the matmul and attention sites."""
+        return sum(s.flops for s in self.sites)
+
+
+# ------------------------------------------------------------------------------------- profiling
+
+
+def _flops(name: str, args: Sequence[object], kwargs: dict, func: torch._ops.OpOverload, out: object) -> float:
+    """FLOPs of a matmul or attention op from its operand shapes (0 for anything else)."""
+    short = name.split(".")[1] if "." in name else name
+    if short in {"mm", "addmm"}:
+        a, b = (args[1], args[2]) if short == "addmm" else (args[0], args[1])
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if short in {"bmm", "baddbmm"}:
+        a, b = (args[1], args[2]) if short == "baddbmm" else (args[0], args[1])
+        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if _is_attention(name):
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        return attention_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(bound.get("is_causal", False)))
+    return 0.0
+
+
+def attention_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], causal: bool) -> float:
+    """Forward FLOPs of ``softmax(q k^T) v`` for ``q [B, H, Sq, D]``: ``2 B H Sq Sk (D + Dv)``, halved if causal."""
+    b, h, sq, d = q
+    sk, dv = k[-2], v[-1]
+    flops = 2.0 * b * h * sq * sk * (d + dv)
+    return flops / 2 if causal else flops
+
+
+def category_of(name: str, out_leaves: Sequence[object], model_dim: int) -> str:
+    """Site category of an op: attention, narrow/wide matmul (output width <= / > ``model_dim``), elementwise."""
+    if _is_attention(name):
+        return "attention"
+    if _is_matmul(name):
+        first = next((t for t in out_leaves if isinstance(t, torch.Tensor)), None)
+        width = first.shape[-1] if first is not None and first.dim() else 0
+        return "narrow_matmul" if width <= model_dim else "wide_matmul"
+    return "elementwise"
+
+
+def _is_const(leaf: object, op: str) -> bool:
+    """Leaves replayed as recorded instead of saved: non-tensors, and the tiny integer RNG-state tensors
+    (philox seed/offset) that fused attention kernels return (unused without dropout)."""
+    if not isinstance(leaf, torch.Tensor):
+        return True
+    return _is_attention(op) and not leaf.is_floating_point() and leaf.numel() <= 16
+
+
+def _const_value(leaf: object) -> object:
+    return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, model_dim: int, timed: bool) -> None:
+        super().__init__()
+        self.model_dim = model_dim
+        self.timed = timed
+        self.ops: list[str] = []
+        self.sites: list[Site] = []
+        self.paused = False
+
+    def add_site(self, name: str, out: object, flops: float, seconds: float | None) -> None:
+        leaves, spec = tree_flatten(out)
+        const = [_is_const(t, name) for t in leaves]
+        metas = tuple(None if c else TensorMeta.of(t) for t, c in zip(leaves, const))
+        consts = tuple(_const_value(t) if c else None for t, c in zip(leaves, const))
+        self.sites.append(Site(len(self.ops), name, category_of(name, leaves, self.model_dim), metas, consts, spec,
+                               flops, seconds))
+        self.ops.append(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        name = str(func)
+        cuda = self.timed and any(isinstance(a, torch.Tensor) and a.is_cuda for a in tree_flatten(args)[0])
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0 if self.timed else None
+        leaves = tree_flatten(out)[0]
+        if _is_alias(func) or not any(isinstance(t, torch.Tensor) for t in leaves):
+            self.ops.append(name)
+        else:
+            self.add_site(name, out, _flops(name, args, kwargs, func, out), seconds)
+        return out
+
+
+class _MetaAttention(TorchFunctionMode):
+    """On ``meta``, stand in for the fused attention kernel (out + fp32 log-sum-exp) instead of the math path."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            if q.is_meta:
+                b, h, sq, _ = q.shape
+                self.recorder.paused = True
+                # fused kernels write [B, S, H, D] memory and return its [B, H, S, D] view
+                out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device="meta").transpose(1, 2)
+                lse = torch.empty((b, h, sq), dtype=torch.float32, device="meta")
+                self.recorder.paused = False
+                flops = attention_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(kwargs.get("is_causal", False)))
+                self.recorder.add_site("aten._scaled_dot_product_fused_attention(meta)", (out, lse), flops, None)
+                return out.requires_grad_(q.requires_grad)
+        return func(*args, **kwargs)
+
+
+def profile_layer(layer: nn.Module, x: torch.Tensor, *, model_dim: int, measure: bool = False,
+                  repeats: int = 3) -> LayerProfile:
+    """Run ``layer(x)`` (autograd on, as the executor does) and list its ops and cacheable sites.
+
+    With ``measure`` each site's time is the median of ``repeats`` timed runs (the GPU is
+    synchronised around every op: use it for profiling only). A first untimed run fills any
+    caches the layer keeps (e.g. RoPE tables) so that they do not show up as sites.
+    """
+    x = x.detach().requires_grad_(x.is_floating_point())
+    with torch.enable_grad():
+        layer(x)  # warm caches (RoPE tables, kernels)
+        runs = repeats if measure else 1
+        profiles: list[_Recorder] = []
+        walls: list[float] = []
+        for _ in range(runs):
+            rec = _Recorder(model_dim, timed=measure)
+            t0 = time.perf_counter()
+            if x.is_meta:
+                with _MetaAttention(rec), rec:
+                    layer(x)
+            else:
+                with rec:
+                    layer(x)
+            walls.append(time.perf_counter() - t0)
+            profiles.append(rec)
+    first = profiles[0]
+    sites = list(first.sites)
+    if measure:
+        for k, site in enumerate(sites):
+            times = sorted(p.sites[k].seconds or 0.0 for p in profiles)
+            sites[k] = Site(site.index, site.op, site.category, site.outputs, site.consts, site.spec, site.flops,
+                            times[len(times) // 2])
+    return LayerProfile(tuple(first.ops), tuple(sites), TensorMeta.of(x), sorted(walls)[len(walls) // 2] if measure else None)
+
+
+# ----------------------------------------------------------------------------------- slot layout
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    """Where one saved tensor lives in a slot."""
+
+    offset: int
+    nbytes: int
+    meta: TensorMeta
+    compressed: bool
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Placement of the layer input and the saved sites' outputs in one activation slot."""
+
+    input: SlotEntry
+    entries: dict[int, tuple[SlotEntry | None, ...]]  # site index -> one entry per pytree leaf
+    nbytes: int
+    sites: frozenset[int]
+
+    @classmethod
+    def build(cls, profile: LayerProfile, sites: Iterable[int], *, compress: bool = False) -> SlotLayout:
+        """Lay out the input then every selected site (in op order), each tensor ``ALIGN``-aligned."""
+        chosen = frozenset(sites)
+        known = {s.index for s in profile.sites}
+        unknown = sorted(chosen - known)
+        if unknown:
+            raise ValueError(f"SlotLayout: site indices {unknown} are not cacheable sites of this layer")
+        off = 0
+        inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
+        off = _align(inp.nbytes)
+        entries: dict[int, tuple[SlotEntry | None, ...]] = {}
+        for site in profile.sites:
+            if site.index not in chosen:
+                continue
+            row: list[SlotEntry | None] = []
+            for k, meta in enumerate(site.outputs):
+                if meta is None:
+                    row.append(None)
+                    continue
+                packed = compress and site.compressible(k)
+                n = packed_nbytes(meta.shape) if packed else meta.nbytes
+                row.append(SlotEntry(off, n, meta, packed))
+                off += _align(n)
+            entries[site.index] = tuple(row)
+        return cls(inp, entries, off, chosen)
+
+    def view(self, slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
+        """The tensor ``entry`` occupies in ``slot`` (uint8), with its dtype, shape and strides."""
+        raw = slot[entry.offset:entry.offset + entry.nbytes]
+        if entry.compressed:
+            return raw
+        flat = raw.view(entry.meta.dtype)
+        if entry.meta.dense:
+            return flat.as_strided(entry.meta.shape, entry.meta.stride)
+        return flat.view(entry.meta.shape)
+
+
+def level_layouts(profile: LayerProfile, *, compress: bool = False) -> list[SlotLayout]:
+    """The slot layout of every save level 0..N_LEVELS-1."""
+    return [SlotLayout.build(profile, profile.level_sites(level), compress=compress) for level in range(N_LEVELS)]
+
+
+# ---------------------------------------------------------------------------------- the two modes
+
+
+class ReplayMismatch(RuntimeError):
+    """The recompute dispatched a different op sequence from the profiled forward pass."""
+
+
+def _check_op(profile: LayerProfile, idx: int, name: str, where: str) -> None:
+    if idx >= len(profile.ops) or profile.ops[idx] != name:
+        expected = profile.ops[idx] if idx < len(profile.ops) else "<end of the profiled forward>"
+        raise ReplayMismatch(
+            f"{where}: op #{idx} is {name} but the profiled forward had {expected}; the layer's op sequence "
+            f"changed between passes (data-dependent control flow or a cache filled mid-run). Use save level 0 "
+            f"(single.save_level=input) for this model."
+        )
+
+
+class Capture(TorchDispatchMode):
+    """Forward pass: copy the outputs of ``layout.sites`` into ``slot`` as they are produced."""
+
+    def __init__(self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.profile, self.layout, self.slot = profile, layout, slot
+        self.idx = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        idx = self.idx
+        self.idx += 1
+        _check_op(self.profile, idx, str(func), "Capture")
+        row = self.layout.entries.get(idx)
+        if row is not None:
+            leaves = tree_flatten(out)[0]
+            for entry, leaf in zip(row, leaves):
+                if entry is None:
+                    continue
+                if entry.compressed:
+                    quantize_into(leaf, self.layout.view(self.slot, entry))
+                else:
+                    self.layout.view(self.slot, entry).copy_(leaf)
+        return out
+
+
+@dataclass
+class ReplayStats:
+    """What recomputes did: cacheable sites recomputed vs. reused from the slot, and their FLOPs."""
+
+    recomputed_sites: int = 0
+    reused_sites: int = 0
+    recomputed_flops: float = 0.0
+    reused_flops: float = 0.0
+
+
+class Replay(TorchDispatchMode):
+    """Recompute: return the saved outputs of ``layout.sites`` from ``slot``; run every other op."""
+
+    def __init__(self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor,
+                 stats: ReplayStats | None = None) -> None:
+        super().__init__()
+        self.profile, self.layout, self.slot = profile, layout, slot
+        self.sites = {s.index: s for s in profile.sites}
+        self.stats = stats if stats is not None else ReplayStats()
+        self.idx = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        idx = self.idx
+        self.idx += 1
+        _check_op(self.profile, idx, str(func), "Replay")
+        row = self.layout.entries.get(idx)
+        site = self.sites.get(idx)
+        if row is None:
+            if site is not None:
+                self.stats.recomputed_sites += 1
+                self.stats.recomputed_flops += site.flops
+            return func(*args, **(kwargs or {}))
+        assert site is not None
+        self.stats.reused_sites += 1
+        self.stats.reused_flops += site.flops
+        leaves: list[object] = []
+        for entry, const in zip(row, site.consts):
+            if entry is None:
+                leaves.append(const)
+            elif entry.compressed:
+                t = dequantize(self.layout.view(self.slot, entry), entry.meta.shape, entry.meta.dtype)
+                if entry.meta.dense and t.stride() != entry.meta.stride:
+                    t = torch.empty_strided(entry.meta.shape, entry.meta.stride, dtype=t.dtype, device=t.device).copy_(t)
+                leaves.append(t)
+            else:
+                leaves.append(self.layout.view(self.slot, entry).detach())
+        return tree_unflatten(leaves, site.spec)
+
+
+def run_captured(layer: nn.Module, x: torch.Tensor, profile: LayerProfile, layout: SlotLayout,
+                 slot: torch.Tensor) -> torch.Tensor:
+    """Forward ``layer(x)`` with autograd on, saving ``x`` and the layout's sites into ``slot``; returns the detached output."""
+    layout.view(slot, layout.input).copy_(x)
+    xin = x.detach().requires_grad_(True)
+    with torch.enable_grad(), Capture(profile, layout, slot):
+        y = layer(xin)
+    return y.detach()
+
+
+def backward_replayed(layer: nn.Module, grad_out: torch.Tensor, profile: LayerProfile, layout: SlotLayout,
+                      slot: torch.Tensor, *, stats: ReplayStats | None = None) -> torch.Tensor:
+    """Recompute ``layer`` from the input saved in ``slot`` (reusing the saved sites), backpropagate
+    ``grad_out`` (parameter grads accumulate into ``.grad``), and return the gradient of the input."""
+    x = layout.view(slot, layout.input).detach().requires_grad_(True)
+    with torch.enable_grad():
+        with Replay(profile, layout, slot, stats):
+            y = layer(x)
+        torch.autograd.backward(y, grad_out)
+    assert x.grad is not None
+    return x.grad
+

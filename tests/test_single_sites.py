@@ -1,0 +1,138 @@
+"""Saved-activation sites: capture/replay is bit-exact at every level and skips what it saved;
+int8 compression's error bound and bytes; the meta-device profile used for planning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sysx.model import get_preset
+from sysx.model.llama import build_model, make_layer
+from sysx.single.act_policy import N_LEVELS
+from sysx.single.compress import compression_error, dequantize, packed_nbytes, quantize
+from sysx.single.sites import (
+    ReplayMismatch,
+    ReplayStats,
+    SlotLayout,
+    backward_replayed,
+    level_layouts,
+    profile_layer,
+    run_captured,
+)
+
+CFG = get_preset("tiny")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops gain nothing from intra-op threads; on a shared 2-core machine they spin-wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def block_and_reference():
+    torch.manual_seed(0)
+    block = build_model(CFG, seed=3).layers[1]
+    x = torch.randn(2, 48, CFG.dim)
+    g = torch.randn(2, 48, CFG.dim)
+    xr = x.clone().requires_grad_(True)
+    block(xr).backward(g)
+    ref = {n: p.grad.clone() for n, p in block.named_parameters()}
+    for p in block.parameters():
+        p.grad = None
+    return block, x, g, ref, xr.grad.clone()
+
+
+def _run_level(block, x, g, layout, profile, stats=None):
+    for p in block.parameters():
+        p.grad = None
+    slot = torch.empty(layout.nbytes, dtype=torch.uint8)
+    y = run_captured(block, x, profile, layout, slot)
+    gx = backward_replayed(block, g, profile, layout, slot, stats=stats)
+    return y, gx, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("level", range(N_LEVELS))
+def test_replay_is_bit_exact_and_skips_saved_sites(block_and_reference, level: int) -> None:
+    block, x, g, ref, ref_gx = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    layout = SlotLayout.build(profile, profile.level_sites(level))
+    stats = ReplayStats()
+    y, gx, grads = _run_level(block, x, g, layout, profile, stats)
+    assert torch.equal(y, block(x).detach())
+    assert torch.equal(gx, ref_gx)
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref[name]), name
+    saved = len(profile.level_sites(level))
+    assert stats.reused_sites == saved
+    assert stats.recomputed_sites == len(profile.sites) - saved
+    if level == N_LEVELS - 1:
+        assert stats.recomputed_flops == 0.0  # "everything": nothing is recomputed
+    if level == 0:
+        assert stats.reused_sites == 0
+
+
+def test_levels_grow_in_bytes_and_in_recompute_avoided(block_and_reference) -> None:
+    block, x, *_ = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    layouts = level_layouts(profile)
+    sizes = [layout.nbytes for layout in layouts]
+    assert sizes == sorted(sizes) and len(set(sizes)) == N_LEVELS
+    assert layouts[0].nbytes == pytest.approx(x.numel() * 4, abs=256)  # layer input only
+    flops = [sum(s.flops for s in profile.sites if s.index in layout.sites) for layout in layouts]
+    assert flops == sorted(flops) and flops[1] > 0  # attention saved first
+    cats = {s.category for s in profile.sites}
+    assert cats == {"attention", "narrow_matmul", "wide_matmul", "elementwise"}
+
+
+def test_int8_compressed_replay_is_close_and_smaller(block_and_reference) -> None:
+    block, x, g, ref, ref_gx = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    plain = SlotLayout.build(profile, profile.level_sites(3))
+    packed = SlotLayout.build(profile, profile.level_sites(3), compress=True)
+    assert packed.nbytes < 0.5 * plain.nbytes
+    _, gx, grads = _run_level(block, x, g, packed, profile)
+    rel = max(float((grads[n] - ref[n]).norm() / ref[n].norm()) for n in ref)
+    assert rel < 0.05  # int8 activations perturb weight gradients by a few percent at most
+    assert float((gx - ref_gx).norm() / ref_gx.norm()) < 0.05
+
+
+def test_int8_error_bound_and_bytes() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(64, 256) * torch.logspace(-3, 2, 64)[:, None]  # rows of very different scales
+    err = compression_error(x)
+    assert err["max_rel_to_row_absmax"] <= 1 / 254 + 1e-6
+    assert err["bytes_packed"] == packed_nbytes((64, 256)) == 64 * 256 + 64 * 4
+    assert err["ratio"] == pytest.approx(4 * 256 / (256 + 4))
+    zeros = torch.zeros(3, 40)
+    assert torch.equal(dequantize(quantize(zeros), (3, 40), torch.float32), zeros)
+    bf = torch.randn(10, 100).to(torch.bfloat16)
+    back = dequantize(quantize(bf), (10, 100), torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and float((back.float() - bf.float()).abs().max()) <= float(bf.float().abs().max()) / 100
+
+
+def test_meta_profile_matches_the_real_one() -> None:
+    """The planner profiles on ``meta`` (any model size, no memory): same bytes per category as a real run."""
+    real_block = build_model(CFG, seed=0).layers[1]
+    real = profile_layer(real_block, torch.randn(2, 32, CFG.dim), model_dim=CFG.dim)
+    meta = profile_layer(make_layer(CFG, 1, device="meta"), torch.empty(2, 32, CFG.dim, device="meta"), model_dim=CFG.dim)
+    for cat in ("attention", "narrow_matmul", "wide_matmul", "elementwise"):
+        assert sum(s.nbytes for s in real.sites_in([cat])) == sum(s.nbytes for s in meta.sites_in([cat])), cat
+        assert sum(s.flops for s in real.sites_in([cat])) == sum(s.flops for s in meta.sites_in([cat])), cat
+
+
+def test_replay_names_a_changed_op_sequence(block_and_reference) -> None:
+    block, x, g, *_ = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    head_profile = profile_layer(make_layer(CFG, CFG.n_layers + 1), x, model_dim=CFG.dim)
+    layout = SlotLayout.build(profile, profile.level_sites(2))
+    slot = torch.empty(layout.nbytes, dtype=torch.uint8)
+    run_captured(block, x, profile, layout, slot)
+    wrong = SlotLayout.build(head_profile, ())
+    with pytest.raises(ReplayMismatch, match="op #"):
+        backward_replayed(block, g, head_profile, wrong, torch.empty(wrong.nbytes, dtype=torch.uint8).copy_(slot[:wrong.nbytes]))
+    with pytest.raises(ValueError, match="not cacheable"):
+        SlotLayout.build(profile, {10_000})

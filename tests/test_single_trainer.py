@@ -1,0 +1,334 @@
+"""schedule=single end to end: the same losses, gradient norms and parameters as the reference
+trainer (fp32, relative difference <= 1e-5) for windows of 1, 2 and more blocks and for every
+saved-activation level and policy; the optimizer pipeline modes; the ring order (CPU twin of the
+GPU stream checks); and, with CUDA, the peak-memory budget and copy/compute overlap."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sysx import device as dev
+from sysx.config import EvalSection, OptimSection, SysxConfig, TrainSection
+from sysx.single.hardware import GiB, assumed_hardware
+from sysx.single.settings import SingleSection
+from sysx.single.trainer import SingleTrainer
+from sysx.trainers.reference import ReferenceTrainer
+
+STEPS = 3
+HW = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)  # planning figures; compute runs on CPU
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops gain nothing from intra-op threads; on a shared 2-core machine they spin-wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_cfg(**optim) -> SysxConfig:
+    return SysxConfig(
+        train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=4, seq_len=32),
+        optim=OptimSection(**optim), eval=EvalSection(every=0, batches=2), device="cpu",
+    )
+
+
+_REF: dict[tuple, tuple] = {}
+
+
+def reference(cfg: SysxConfig) -> tuple[list, dict[str, torch.Tensor]]:
+    key = (cfg.precision, cfg.optim.grad_clip)
+    if key not in _REF:
+        torch.set_num_threads(1)
+        trainer = ReferenceTrainer(cfg)
+        _REF[key] = (trainer.run(STEPS), trainer.state_dict())
+    return _REF[key]
+
+
+def run_single(cfg: SysxConfig, single: SingleSection, *, device: str = "cpu", hardware=HW) -> tuple[list, dict, SingleTrainer]:
+    trainer = SingleTrainer(cfg, single=single, hardware=hardware, optimizer_backend="torch", device=device)
+    try:
+        results = trainer.run(STEPS)
+        state = trainer.state_dict()
+    finally:
+        trainer.close()
+    return results, state, trainer
+
+
+def diffs(results, state, ref_results, ref_state) -> tuple[float, float, float]:
+    """Max relative difference of step losses, of gradient norms, and of parameters (per tensor, vs its max)."""
+    loss = max(abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(results, ref_results))
+    norm = max(abs(a.grad_norm - b.grad_norm) / abs(b.grad_norm) for a, b in zip(results, ref_results))
+    assert set(state) == set(ref_state)
+    param = max(float((state[k].cpu() - v).abs().max() / v.abs().max()) for k, v in ref_state.items())
+    return loss, norm, param
+
+
+CASES = [
+    # window, policy, sequences per round, chunk
+    (1, "input", 4, 2),
+    (2, "attention", 8, 2),
+    (3, "projections", 2, 2),
+    (4, "matmuls", 8, 2),  # every block resident: nothing slides
+    (2, "everything", 4, 2),
+    (2, "dp", 4, 2),
+    (1, "pyao", 8, 2),
+]
+
+
+@pytest.mark.parametrize("window,policy,round_sequences,chunk", CASES)
+def test_matches_reference_trainer(window: int, policy: str, round_sequences: int, chunk: int) -> None:
+    cfg = make_cfg()
+    ref_results, ref_state = reference(cfg)
+    single = SingleSection(window=window, policy=policy, round_sequences=round_sequences, micro_batch_size=chunk,
+                           print_plan=False)
+    results, state, trainer = run_single(cfg, single)
+    plan = trainer.plan
+    assert (plan.window, plan.round_sequences, plan.chunk) == (window, round_sequences, chunk)
+    loss, norm, param = diffs(results, state, ref_results, ref_state)
+    assert loss <= 1e-5 and norm <= 1e-5 and param <= 1e-5, (loss, norm, param)
+    stats = trainer.executor.stats
+    L = cfg_layers(cfg)
+    if window < L:
+        assert stats.d2h_acts > 0 and stats.h2d_acts == stats.d2h_acts  # what went home came back
+        assert stats.weight_loads > L  # weights slide
+    else:
+        assert stats.d2h_acts == 0
+    replay = trainer.executor.replay
+    if policy == "input":
+        assert replay.reused_sites == 0
+    if policy in ("everything",):
+        assert replay.recomputed_flops == 0.0
+
+
+def cfg_layers(cfg: SysxConfig) -> int:
+    from sysx.config import model_config
+
+    return model_config(cfg).n_layers
+
+
+@pytest.mark.parametrize("overlap,clip", [("auto", 0.0), ("backward", 1.0), ("forward", 1.0), ("auto", 1.0)])
+def test_optimizer_pipeline_modes_match_reference(overlap: str, clip: float) -> None:
+    cfg = make_cfg(grad_clip=clip)
+    ref_results, ref_state = reference(cfg)
+    single = SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap=overlap,
+                           print_plan=False)
+    results, state, trainer = run_single(cfg, single)
+    loss, norm, param = diffs(results, state, ref_results, ref_state)
+    assert loss <= 1e-5 and norm <= 1e-5 and param <= 1e-5, (loss, norm, param)
+    clipped = sum(r.grad_norm > clip for r in ref_results) if clip > 0 else 0
+    if clip == 0:
+        assert trainer.speculated_steps == STEPS and trainer.redone_steps == 0  # every block stepped during backward
+    elif overlap == "backward":
+        assert trainer.speculated_steps == STEPS and trainer.redone_steps == clipped
+    elif overlap == "forward":
+        assert trainer.speculated_steps == 0
+    assert clip == 0 or clipped > 0  # the clipping path was exercised
+
+
+def test_a_different_split_keeps_the_global_batch() -> None:
+    """Chunks of 1 sequence instead of the reference's micro-batches of 2: the same sequences and loss;
+    the gradients differ only by summation order, so parameters agree to Adam-amplified rounding."""
+    cfg = make_cfg()
+    ref_results, ref_state = reference(cfg)
+    results, state, trainer = run_single(cfg, SingleSection(window=2, micro_batch_size=1, round_sequences=2,
+                                                            print_plan=False))
+    assert trainer.plan.micro_batches == 8 and trainer.plan.chunk == 1
+    loss, norm, param = diffs(results, state, ref_results, ref_state)
+    assert loss <= 1e-6 and norm <= 1e-5 and param <= 1e-4, (loss, norm, param)
+
+
+def test_evaluation_matches_reference() -> None:
+    cfg = make_cfg()
+    ref = ReferenceTrainer(cfg)
+    trainer = SingleTrainer(cfg, single=SingleSection(window=1, micro_batch_size=1, round_sequences=2, print_plan=False),
+                            hardware=HW, optimizer_backend="torch")
+    try:
+        assert trainer.evaluate() == pytest.approx(ref.evaluate(), rel=1e-6)
+    finally:
+        trainer.close()
+
+
+def test_bf16_matches_reference_bf16() -> None:
+    cfg = make_cfg()
+    cfg.precision = "bf16"
+    ref_results, ref_state = reference(cfg)
+    results, state, _ = run_single(cfg, SingleSection(window=2, round_sequences=4, micro_batch_size=2, print_plan=False))
+    # before any optimizer step the 16-bit executor is exact: same loss and gradient norm bit for bit
+    assert results[0].loss == ref_results[0].loss and results[0].grad_norm == ref_results[0].grad_norm
+    # afterwards CpuAdam's fp32 rounding (not torch.optim.AdamW's) flips a few bf16 roundings of the
+    # published weights (1 bf16 ulp = 2^-8), which the following steps carry along
+    loss, norm, param = diffs(results, state, ref_results, ref_state)
+    assert loss <= 1e-4 and norm <= 1e-3 and param <= 1e-2, (loss, norm, param)
+
+
+def test_int8_compression_trains_close_and_moves_fewer_bytes() -> None:
+    cfg = make_cfg()
+    ref_results, _ = reference(cfg)
+    base = SingleSection(window=1, policy="matmuls", round_sequences=4, micro_batch_size=2, print_plan=False)
+    _, _, plain = run_single(cfg, base)
+    packed_results, _, packed = run_single(cfg, SingleSection(**{**base.__dict__, "compress": True}))
+    ratio = packed.executor.stats.d2h_acts / plain.executor.stats.d2h_acts
+    assert ratio < 0.5
+    worst = max(abs(a.loss - b.loss) / b.loss for a, b in zip(packed_results, ref_results))
+    assert worst < 5e-3, worst
+
+
+def test_ring_order_cpu_twin_of_stream_overlap() -> None:
+    """The order the executor issues ring operations in is what lets copies overlap compute on a GPU:
+    block k+R_param is loaded right after block k releases its slot (before block k+1 computes); the
+    last window's activations never leave the device; each block's gradients reach the optimizer
+    before the previous block's backward starts."""
+    cfg = make_cfg()
+    trainer = SingleTrainer(cfg, single=SingleSection(window=2, policy="dp", round_sequences=8, micro_batch_size=2,
+                                                      print_plan=False), hardware=HW, optimizer_backend="torch")
+    ex = trainer.executor
+    ex.trace = []
+    for ring in (ex.ring_w, ex.ring_g, ex.ring_a):
+        ring.log = ex.trace
+    try:
+        trainer.train_step()
+    finally:
+        trainer.close()
+    trace = ex.trace
+    L, W = ex.L, trainer.plan.window
+    pos = {}
+    for i, (ring, op, _, key) in enumerate(trace):
+        pos.setdefault((ring, op, key), i)
+    ver = ex.version
+    for k in range(W, L):  # forward prefetch
+        fill = pos[("weights", "fill", ("w", k, ver))]
+        assert pos[("weights", "release", ("w", k - W, ver))] < fill < pos[("weights", "acquire", ("w", k - W + 1, ver))]
+    d2h = [key for ring, op, _, key in trace if op == "d2h_act"]
+    assert d2h and all(key[1] < L - W for key in d2h)  # the last window keeps its activations
+    fills = [key[1] for ring, op, _, key in trace if ring == "weights" and op == "fill"]
+    assert all(fills.count(k) == 1 for k in range(L - W, L))  # the last window stays on the device for backward
+    assert all(fills.count(k) == 2 for k in range(L - W))  # the others slide in again during backward
+    for k in range(1, L):  # GPU-CPU pipeline: block k's Adam is queued before block k-1's backward
+        handed = trace.index(("executor", "optimizer", -1, ("g", k, 0)))
+        assert handed < pos[("grads", "acquire", ("g", k - 1, 0))]
+
+
+def test_working_set_is_preallocated_as_planned() -> None:
+    """CPU twin of the GPU budget check: the one device buffer is exactly the planned rings and tables,
+    and planned rings + tables + the workspace estimate fit the device budget."""
+    cfg = make_cfg()
+    budget = 0.004  # 4 MiB: the tiny model's 4 blocks cannot all stay
+    trainer = SingleTrainer(cfg, single=SingleSection(device_memory_gb=budget, print_plan=False),
+                            hardware=dataclasses.replace(HW, kind="cpu"), optimizer_backend="torch")
+    try:
+        plan, arena = trainer.plan, trainer.executor.arena.describe()
+        assert 1 <= plan.window < cfg_layers(cfg)
+        assert arena["weight ring"] == plan.device_bytes["weight ring"]
+        assert arena["grad ring"] == plan.device_bytes["grad ring"]
+        assert arena["activation ring"] <= plan.device_bytes["activation ring"]
+        assert plan.device_bytes["total"] <= budget * GiB
+        assert trainer.plan.micro_batches * trainer.plan.chunk == 8  # the global batch
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_cfg() -> SysxConfig:
+    from sysx.config import ModelSection
+
+    return SysxConfig(
+        model=ModelSection(preset="tiny", dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408),
+        train=TrainSection(steps=STEPS, micro_batch_size=4, micro_batches=4, seq_len=256),
+        eval=EvalSection(every=0), device="cuda",
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_stays_under_the_budget() -> None:
+    cfg = _gpu_cfg()
+    budget_gb = 0.4
+    trainer = SingleTrainer(cfg, single=SingleSection(device_memory_gb=budget_gb, print_plan=True),
+                            optimizer_backend="torch")
+    try:
+        assert trainer.plan.window < 8  # the budget forces the window to slide
+        dev.reset_peak_memory(trainer.device)
+        trainer.run(STEPS)
+        peak = torch.cuda.max_memory_allocated(trainer.device)
+    finally:
+        trainer.close()
+    assert peak <= budget_gb * GiB, f"peak {peak / GiB:.3f} GiB > budget {budget_gb} GiB"
+
+
+@pytest.mark.gpu
+def test_gpu_matches_reference() -> None:
+    cfg = make_cfg()
+    cfg.device = "cuda"
+    ref = ReferenceTrainer(cfg)
+    ref_results, ref_state = ref.run(STEPS), ref.state_dict()
+    results, state, _ = run_single(cfg, SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2,
+                                                      print_plan=False), device="cuda", hardware=None)
+    loss, norm, param = diffs(results, state, ref_results, {k: v.cpu() for k, v in ref_state.items()})
+    assert loss <= 1e-4 and norm <= 1e-4 and param <= 1e-4, (loss, norm, param)
+
+
+@pytest.mark.gpu
+def test_gpu_copies_overlap_compute() -> None:
+    """Host->device weight copies run on the inbound stream while kernels run on the compute stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = _gpu_cfg()
+    trainer = SingleTrainer(cfg, single=SingleSection(window=2, round_sequences=4, micro_batch_size=2, policy="matmuls",
+                                                      print_plan=False), optimizer_backend="torch")
+    try:
+        trainer.train_step()  # warm up
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            trainer.train_step()
+            torch.cuda.synchronize()
+    finally:
+        trainer.close()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    copies = [e for e in events if "Memcpy HtoD" in e.name]
+    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    assert copies and kernels
+
+    def overlaps(a, b) -> bool:
+        return a.time_range.start < b.time_range.end and b.time_range.start < a.time_range.end
+
+    overlapped = sum(any(overlaps(c, k) for k in kernels) for c in copies)
+    assert overlapped >= len(copies) // 4, f"only {overlapped} of {len(copies)} copies overlap a kernel"
+
+
+def test_job_entry_point_trains_and_logs(tmp_path, capsys) -> None:
+    """``train(cfg, info)``, what ``sysx-train schedule=single`` dispatches to: plan printed, metrics written."""
+    import json
+
+    from sysx.config import ScheduleSection
+    from sysx.dist import DistInfo
+    from sysx.single.trainer import train
+
+    cfg = make_cfg()
+    cfg.schedule = ScheduleSection(name="single")
+    cfg.train.steps = 2
+    cfg.run_dir = str(tmp_path / "run")
+    cfg.log.progress = False
+    cfg.optim.backend = "torch"  # what optim.backend will select; avoids building DeepSpeed's op in this test
+    assert train(cfg, DistInfo()) == 0
+    out = capsys.readouterr().out
+    assert "sysx single-GPU plan" in out and "single: W=" in out and "done: 2 steps" in out
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    with pytest.raises(Exception, match="1 process"):
+        train(cfg, DistInfo(world_size=2, launcher="torchrun"))
+
+
+def test_plan_command(capsys) -> None:
+    from sysx.single.plan_cmd import main
+
+    assert main(["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "rtx4090",
+                 "--device-gb", "24", "--host-gb", "256"]) == 0
+    assert "window W=" in capsys.readouterr().out
+    assert main(["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "rtx4090",
+                 "--device-gb", "3"]) == 2
+    assert "Raise single.device_memory_gb" in capsys.readouterr().err
