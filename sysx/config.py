@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional, get_args, get_origin, get_type_
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from sysx.single.settings import SingleSection, validate_single
+
 if TYPE_CHECKING:
     from sysx.model import ModelConfig
 
@@ -77,9 +79,19 @@ class ModelSection:
 
 @dataclass
 class ScheduleSection:
-    """``schedule=<name>``: how a training step is executed (``reference``: one process, plain loop)."""
+    """``schedule=<name>``: how a training step is executed (``reference``: one process, plain loop;
+    ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``, ``sysx``: one process per device, see
+    :mod:`sysx.runtime`; ``auto``: sysx with several processes). The other keys are read by the
+    pipeline schedules only."""
 
-    name: str = "reference"
+    name: str = "auto"
+    stages_per_rank: Optional[int] = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
+    split: Optional[int] = None  # sysx: backward sub-stages per forward stage d (null: 2 when possible, else 1)
+    cfg: int = 3  # sysx ablation (paper Table 3): 0 decoupled passes, 1 +sub-stages, 2 +async ckpts, 3 +async optimizer
+    param_buffers: int = 2  # device parameter buffers per rank (2 = current + prefetch)
+    stage_sizes: Optional[list[int]] = None  # manual partition: flat layers (embedding, blocks, head) per forward stage
+    verify_transfers: Optional[bool] = None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
+    timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
 
 
 @dataclass
@@ -94,6 +106,9 @@ class OptimSection:
     warmup_steps: int = 30
     min_lr: float = 0.0003
     grad_clip: float = 1.0
+    backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
+    rollback: str = "undo"  # undoing a step on overflow: undo (Adam's arithmetic inverse) | snapshot (exact copy)
+    workers: Optional[int] = None  # optimizer threads per rank (null: from the core plan)
 
 
 @dataclass
@@ -155,6 +170,7 @@ class SysxConfig:
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     log: LogSection = field(default_factory=LogSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    single: SingleSection = field(default_factory=SingleSection)
     seed: int = 0
     device: str = "auto"
     precision: str = "fp32"
@@ -409,6 +425,10 @@ def validate(cfg: SysxConfig) -> None:
         _fail("optim.min_lr", o.min_lr, f"must be between 0 and optim.lr={o.lr}")
     if o.grad_clip < 0:
         _fail("optim.grad_clip", o.grad_clip, "must be >= 0 (0 = no clipping)")
+    _check_choice("optim.backend", o.backend, ("auto", "deepspeed", "torch"))
+    _check_choice("optim.rollback", o.rollback, ("undo", "snapshot"))
+    if o.workers is not None:
+        _check_int("optim.workers", o.workers, 1)
 
     s = cfg.loss_scale
     if not s.init > 0:
@@ -424,6 +444,10 @@ def validate(cfg: SysxConfig) -> None:
     _check_int("log.every", cfg.log.every, 1)
     _check_int("eval.every", cfg.eval.every, 0)
     _check_int("eval.batches", cfg.eval.batches, 1)
+    try:
+        validate_single(cfg.single)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
     _check_choice("data.name", cfg.data.name, DATA_SOURCES)
     if cfg.data.dtype is not None:
@@ -433,8 +457,19 @@ def validate(cfg: SysxConfig) -> None:
     if cfg.data.name == "file" and not cfg.data.path:
         _fail("data.path", cfg.data.path, "data=file needs the token file, e.g. data.path=/data/tokens.bin")
 
-    if not cfg.schedule.name:
-        _fail("schedule.name", repr(cfg.schedule.name), "give a schedule name")
+    sc = cfg.schedule
+    if not sc.name:
+        _fail("schedule.name", repr(sc.name), "give a schedule name")
+    for key in ("stages_per_rank", "split"):
+        if getattr(sc, key) is not None:
+            _check_int(f"schedule.{key}", getattr(sc, key), 1)
+    if sc.cfg not in (0, 1, 2, 3):
+        _fail("schedule.cfg", sc.cfg, "allowed: 0, 1, 2, 3 (sysx ablation configs of the paper's Table 3)")
+    _check_int("schedule.param_buffers", sc.param_buffers, 1)
+    if sc.stage_sizes is not None and (not sc.stage_sizes or min(sc.stage_sizes) < 1):
+        _fail("schedule.stage_sizes", list(sc.stage_sizes), "must be positive layer counts, one per forward stage, e.g. [3,3]")
+    if not sc.timeout_s > 0:
+        _fail("schedule.timeout_s", sc.timeout_s, "must be > 0 seconds")
 
     mcfg = model_config(cfg)
     if t.seq_len > mcfg.max_seq_len:

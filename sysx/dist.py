@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -158,21 +159,32 @@ def cpu_group() -> dist.ProcessGroup | None:
 
 
 def wait_for(work: dist.Work, *, rank: int, what: str, peer: int | None, timeout_s: float) -> None:
-    """Wait for an async operation; on timeout raise :class:`PeerTimeout` naming rank, op and peer."""
+    """Wait for an async operation; on timeout raise :class:`PeerTimeout` naming rank, op and peer.
+
+    A transport error well before the timeout (a peer's connection closed: it crashed or was
+    killed) is reported as such, with the time it took, instead of as a timeout."""
+    started = time.monotonic()
     try:
         completed = work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, err)) from err
+        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, err, time.monotonic() - started)) from err
     if completed is False:
-        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, None))
+        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, None, time.monotonic() - started))
 
 
-def _timeout_message(rank: int, what: str, peer: int | None, timeout_s: float, err: Exception | None) -> str:
+def _timeout_message(rank: int, what: str, peer: int | None, timeout_s: float, err: Exception | None,
+                     elapsed_s: float | None = None) -> str:
     partner = f" with peer rank {peer}" if peer is not None else ""
     cause = f" ({str(err).splitlines()[0]})" if err is not None else ""
+    if err is not None and elapsed_s is not None and elapsed_s < 0.9 * timeout_s:
+        # the transport gave up before the timeout: the connection to a peer broke (crash, kill)
+        return (
+            f"rank {rank}: {what}{partner} failed after {elapsed_s:.1f} s{cause}. "
+            f"The peer has probably crashed or was killed; check its log."
+        )
     return (
         f"rank {rank}: {what}{partner} did not complete within {timeout_s:g} s{cause}. "
-        f"The peer may have crashed or be stuck; check its log. Raise dist.timeout_s if a step is legitimately slower."
+        f"The peer may have crashed or be stuck; check its log. Raise schedule.timeout_s if a step is legitimately slower."
     )
 
 

@@ -38,6 +38,13 @@ PROG = "sysx-train"
 # Imported on use, so `sysx-train --help` stays fast and a schedule's dependencies load only when chosen.
 TRAINERS: dict[str, str] = {
     "reference": "sysx.trainers.reference:train",
+    "single": "sysx.single.trainer:train",
+    "gpipe": "sysx.runtime.trainer:train",
+    "1f1b": "sysx.runtime.trainer:train",
+    "interleaved_1f1b": "sysx.runtime.trainer:train",
+    "mobius": "sysx.runtime.trainer:train",
+    "sysx": "sysx.runtime.trainer:train",
+    "auto": "sysx.runtime.trainer:train_auto",
 }
 
 # Arguments some launchers append (torch.distributed.launch's --local-rank); the rank is read from the environment.

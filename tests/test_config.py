@@ -36,7 +36,7 @@ def test_config_dir_is_the_checkout_conf() -> None:
 
 def test_default_config_composes_and_matches_the_dataclass_defaults() -> None:
     cfg = load_config([])
-    assert cfg.schedule.name == "reference"
+    assert cfg.schedule.name == "auto"
     assert cfg.model.preset == "tiny"
     assert cfg.precision == "fp32" and cfg.device == "auto" and cfg.data.name == "default"
     assert cfg.run_dir.startswith("runs/") and "$" not in cfg.run_dir  # ${now:...} resolved
@@ -168,7 +168,7 @@ def test_cfg_job_prints_the_composed_config(capsys: pytest.CaptureFixture[str]) 
     assert main(["--cfg", "job", "train.steps=13", "precision=bf16"]) == 0
     out = capsys.readouterr().out
     printed = OmegaConf.create(out)
-    assert printed.train.steps == 13 and printed.precision == "bf16" and printed.schedule.name == "reference"
+    assert printed.train.steps == 13 and printed.precision == "bf16" and printed.schedule.name == "auto"
 
 
 def test_help_lists_groups_and_keys(capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,11 +47,11 @@ def test_short_run_lowers_the_loss_and_writes_run_dir(
     assert first > 5.0 and last < first - 1.5, (first, last)  # byte-level: starts near ln 256 = 5.55
 
     saved = from_yaml((run_dir / CONFIG_FILE).read_text())
-    assert saved == load_config([*SHORT, f"run_dir={run_dir}"])
+    assert saved == load_config([*SHORT, "schedule=single", f"run_dir={run_dir}"])  # auto resolved
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
 
     out = capsys.readouterr().out
-    assert "schedule=reference model=tiny" in out and "tokens/step 1024" in out and "precision=fp32" in out
+    assert "schedule=auto -> single (1 process)" in out and "schedule=single model=tiny" in out and "tokens/step 1024" in out and "precision=fp32" in out
     assert "step  0/30 | loss" in out and "step 10/30" in out and "step 29/30" in out and "step 5/30" not in out
     assert "tok/s" in out and "ms/step" in out and "host rss" in out
     assert out.strip().splitlines()[-1].startswith("done: 30 steps | loss ")
@@ -76,7 +76,7 @@ def test_reference_refuses_several_processes(tmp_path: Path, monkeypatch: pytest
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("LOCAL_RANK", rank)
-        assert main(["train.steps=1", f"run_dir={tmp_path / 'run'}"]) == 2
+        assert main(["schedule=reference", "train.steps=1", f"run_dir={tmp_path / 'run'}"]) == 2
         err = capsys.readouterr().err
         if rank == "0":
             assert err.count("\n") == 1 and "schedule=reference runs in 1 process, but 2 were launched" in err

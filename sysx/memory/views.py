@@ -108,8 +108,10 @@ class MappedBuffer:
     def live_views(self) -> int:
         """How many tensors handed out by :meth:`tensor` still have live storage (views derived
         from them keep it alive too)."""
-        gc.collect()  # views caught in reference cycles
         self._prune()
+        if self._exports:  # only then can views caught in reference cycles matter: collect (slow) and look again
+            gc.collect()
+            self._prune()
         return len(self._exports)
 
     def close(self, before_unmap: Callable[[], None] | None = None) -> None:

@@ -28,21 +28,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from sysx import device as dev
-from sysx.config import ConfigError, SysxConfig, model_config
-from sysx.metrics import RunLogger, StepResult, describe_run, prepare_run_dir
+from sysx.config import ConfigError, SysxConfig
+from sysx.metrics import StepResult
 from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure_hardware
 from sysx.single.host import AdamHyper, HostState, OptimizerWorker
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.settings import SingleSection, single_settings, validate_single
 from sysx.single.sites import LayerProfile, profile_layer
+from sysx.trainers.base import Trainer, job_device, run_job
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
     from sysx.dist import DistInfo
     from sysx.model import LlamaModel, ModelConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *,
@@ -68,7 +67,7 @@ def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: 
     return run
 
 
-class SingleTrainer:
+class SingleTrainer(Trainer):
     """The sliding-window trainer (see module docstring); ``single`` overrides ``cfg.single``."""
 
     def __init__(
@@ -82,24 +81,14 @@ class SingleTrainer:
         hardware: HardwareProfile | None = None,
         optimizer_backend: str | None = None,
     ) -> None:
-        from sysx.optim.loss_scaler import make_scaler
-        from sysx.trainers.reference import open_dataset
-
-        self.cfg = cfg
         self.settings = single if single is not None else single_settings(cfg)
         try:
             validate_single(self.settings)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        self.model_cfg = model_config(cfg)
-        self.device = dev.resolve_device(cfg.device) if device is None else torch.device(device)
-        self.dtype = DTYPES[cfg.precision]
-        self.dataset = dataset if dataset is not None else open_dataset(cfg)
-        if self.dataset.vocab_size > self.model_cfg.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={self.model_cfg.vocab_size} is too small for the data "
-                f"(vocab_size {self.dataset.vocab_size}); set model.vocab_size={self.dataset.vocab_size} or larger"
-            )
+        super().__init__(cfg, dataset=dataset)
+        cfg = self.cfg
+        self.device = job_device(cfg, device)
         if hardware is None:
             if self.settings.hardware == "measure":
                 hardware = measure_hardware(self.device, self.dtype)
@@ -123,12 +112,8 @@ class SingleTrainer:
         hyper = AdamHyper(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, backend=backend)
         self.host = HostState(self.model_cfg, dtype=self.dtype, hyper=hyper, seed=cfg.seed, model=model)
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
-        s = cfg.loss_scale
-        self.scaler = make_scaler(cfg.precision, init_scale=s.init, growth_factor=s.growth_factor,
-                                  backoff_factor=s.backoff, growth_interval=s.growth_interval, min_scale=s.min)
         self.worker = OptimizerWorker("adam")  # per-group Adam steps, in submission order
         self.norm_worker = OptimizerWorker("norm")  # gradient conversion and norms, ahead of the steps
-        self.step_index = 0
         self._last_passed = True  # did the previous step need neither clipping nor a skip?
         self.redone_steps = 0
         self.speculated_steps = 0
@@ -139,18 +124,6 @@ class SingleTrainer:
     def n_params(self) -> int:
         """Number of (distinct) parameters."""
         return self.host.n_params
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens one step trains on."""
-        return self.cfg.tokens_per_step
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of ``step`` (warmup then cosine, over ``train.steps``)."""
-        from sysx.optim.lr_schedule import lr_at
-
-        o = self.cfg.optim
-        return lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=self.cfg.train.steps, min_lr=o.min_lr)
 
     def batch(self, step: int, micro_batch: int, *, rows: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch ``micro_batch`` of ``rows`` sequences, on the device (global rows as the reference's)."""
@@ -278,23 +251,9 @@ class SingleTrainer:
             means.append(float((torch.stack([v.cpu() for v in losses]) * rows).sum() / rows.sum()))
         return sum(means) / len(means)
 
-    def run(self, steps: int | None = None, *, logger: RunLogger | None = None,
-            on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
-        """Train ``steps`` more steps (default ``train.steps``); evaluate every ``eval.every`` steps."""
-        steps = self.cfg.train.steps if steps is None else steps
-        every = self.cfg.eval.every
-        results = []
-        for _ in range(steps):
-            result = self.train_step()
-            if every > 0 and ((result.step + 1) % every == 0 or result.step + 1 == self.cfg.train.steps):
-                result.val_loss = self.evaluate()
-            results.append(result)
-            if logger is not None:
-                logger.log(result)
-            if on_step is not None:
-                on_step(result)
+    def finish_pending(self) -> None:
+        """Wait for the optimizer steps still running on the CPU threads."""
         self.worker.wait_all()
-        return results
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 weights by the reference trainer's parameter names (after pending steps finish)."""
@@ -311,21 +270,12 @@ def train(cfg: SysxConfig, info: DistInfo) -> int:
     """The ``sysx-train`` job for ``schedule=single``: plan, build, log, train, summarize. Returns 0."""
     from sysx.trainers.reference import check_single_process
 
-    check_single_process(info)
+    check_single_process(info, "single")
     try:
         trainer = SingleTrainer(cfg)
     except PlanError as err:
         raise ConfigError(f"schedule=single: {err}") from None
-    run_dir = prepare_run_dir(cfg, is_main=True)
     p = trainer.plan
     extra = (f"single: W={p.window}/{p.sizes.n_blocks} blocks, {p.rounds} rounds x {p.chunks} chunks x {p.chunk} seqs, "
              f"device working set {p.device_bytes['total'] / GiB:.2f} GiB of {p.device_budget / GiB:.2f} GiB")
-    print(describe_run(cfg, n_params=trainer.n_params, device=trainer.device, extra=extra), flush=True)
-    try:
-        with RunLogger(run_dir, total_steps=cfg.train.steps, every=cfg.log.every, progress=cfg.log.progress,
-                       device=trainer.device) as logger:
-            trainer.run(cfg.train.steps, logger=logger)
-            logger.close()
-    finally:
-        trainer.close()
-    return 0
+    return run_job(trainer, extra=extra)

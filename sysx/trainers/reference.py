@@ -25,34 +25,25 @@ step; :meth:`ReferenceTrainer.state_dict` gives the fp32 weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from sysx import device as dev
-from sysx.config import ConfigError, SysxConfig, model_config, resolve
-from sysx.metrics import RunLogger, StepResult, describe_run, prepare_run_dir
+from sysx.config import ConfigError, SysxConfig, resolve
+from sysx.metrics import StepResult
+from sysx.trainers.base import Trainer, job_device, open_dataset, run_job
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
     from sysx.dist import DistInfo
     from sysx.model import LlamaModel
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["ReferenceTrainer", "check_single_process", "open_dataset", "train"]
 
 
-def open_dataset(cfg: SysxConfig) -> TokenDataset:
-    """The token dataset of ``cfg.data``: the built-in stdlib corpus or ``data.path``."""
-    from sysx.data import TokenDataset, default_corpus_path
-
-    if cfg.data.name == "default":
-        return TokenDataset(default_corpus_path())
-    return TokenDataset(str(cfg.data.path), dtype=cfg.data.dtype, vocab_size=cfg.data.vocab_size)
-
-
-class ReferenceTrainer:
+class ReferenceTrainer(Trainer):
     """One process, one device, gradient accumulation, AdamW, fp32/bf16/fp16, clipping, warmup+cosine.
 
     ``cfg`` is a :class:`SysxConfig` (e.g. from :func:`sysx.config.load_config`) or a composed DictConfig.
@@ -70,29 +61,10 @@ class ReferenceTrainer:
         device: torch.device | str | None = None,
     ) -> None:
         from sysx.model import build_model
-        from sysx.optim.loss_scaler import make_scaler
 
-        if isinstance(cfg, DictConfig):  # a composed config (compose_config) instead of the dataclass
-            cfg = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        assert isinstance(cfg, SysxConfig), f"ReferenceTrainer needs a SysxConfig, got {type(cfg).__name__}"
-        self.cfg = cfg
-        self.model_cfg = model_config(cfg)
-        try:
-            self.device = dev.resolve_device(cfg.device) if device is None else torch.device(device)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        self.dtype = DTYPES[cfg.precision]
-        self.dataset = dataset if dataset is not None else open_dataset(cfg)
-        if self.dataset.vocab_size > self.model_cfg.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={self.model_cfg.vocab_size} is too small for the data "
-                f"(vocab_size {self.dataset.vocab_size}); set model.vocab_size={self.dataset.vocab_size} or larger"
-            )
-        if cfg.eval.every > 0 and "val" not in self.dataset.splits:
-            raise ConfigError(
-                f"eval.every={cfg.eval.every} needs a val split, but {cfg.data.path or 'the data'} has only "
-                f"{', '.join(self.dataset.splits)}; set eval.every=0 or prepare the data with a val split"
-            )
+        super().__init__(cfg, dataset=dataset)
+        self.device = job_device(self.cfg, device)
+        cfg = self.cfg
 
         fp32_model = model if model is not None else build_model(self.model_cfg, seed=cfg.seed)
         fp32_model = fp32_model.to(self.device)
@@ -110,34 +82,12 @@ class ReferenceTrainer:
         self.optimizer = torch.optim.AdamW(
             self.masters, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
         )
-        s = cfg.loss_scale
-        self.scaler = make_scaler(
-            cfg.precision,
-            init_scale=s.init,
-            growth_factor=s.growth_factor,
-            backoff_factor=s.backoff,
-            growth_interval=s.growth_interval,
-            min_scale=s.min,
-        )
-        self.step_index = 0
 
     # ------------------------------------------------------------------------------------ pieces
     @property
     def n_params(self) -> int:
         """Number of (distinct) parameters of the model."""
         return sum(p.numel() for p in self.params)
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens one step trains on."""
-        return self.cfg.tokens_per_step
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of ``step`` (warmup then cosine, over ``train.steps``)."""
-        from sysx.optim.lr_schedule import lr_at
-
-        o = self.cfg.optim
-        return lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=self.cfg.train.steps, min_lr=o.min_lr)
 
     def batch(self, step: int, micro_batch: int, *, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and labels of one micro-batch, on the trainer's device."""
@@ -229,39 +179,17 @@ class ReferenceTrainer:
         losses = [float(self.model.loss(*self.batch(0, j, split="val"))) for j in range(n)]
         return sum(losses) / len(losses)
 
-    def run(
-        self, steps: int | None = None, *, logger: RunLogger | None = None, on_step: Callable[[StepResult], None] | None = None
-    ) -> list[StepResult]:
-        """Train ``steps`` more steps (default ``train.steps``).
-
-        With ``eval.every > 0`` the val loss is measured after steps ``0, every, 2*every, ...`` and the
-        last step (``result.val_loss``). Each result goes to ``logger`` and ``on_step`` as it is made.
-        """
-        steps = self.cfg.train.steps if steps is None else steps
-        every = self.cfg.eval.every
-        results = []
-        for _ in range(steps):
-            result = self.train_step()
-            if every > 0 and (result.step % every == 0 or result.step + 1 == self.cfg.train.steps):
-                result.val_loss = self.evaluate()
-            results.append(result)
-            if logger is not None:
-                logger.log(result)
-            if on_step is not None:
-                on_step(result)
-        return results
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 weights (the masters for 16-bit runs), by parameter name, detached copies."""
         return {name: m.detach().clone() for name, m in zip(self._names, self.masters)}
 
 
-def check_single_process(info: DistInfo) -> None:
-    """schedule=reference needs exactly one process."""
+def check_single_process(info: DistInfo, schedule: str = "reference") -> None:
+    """``schedule`` (reference, single) needs exactly one process."""
     if info.world_size != 1:
         raise ConfigError(
-            f"schedule=reference runs in 1 process, but {info.world_size} were launched ({info.launcher}); "
-            f"start it without torchrun/mpirun (or with --nproc_per_node=1 / -n 1)"
+            f"schedule={schedule} runs in 1 process, but {info.world_size} were launched ({info.launcher}); "
+            f"start it without torchrun/mpirun (or with --nproc_per_node=1 / -n 1), or use schedule=sysx or auto"
         )
 
 
@@ -269,17 +197,4 @@ def train(cfg: SysxConfig, info: DistInfo) -> int:
     """The ``sysx-train`` job for ``schedule=reference``: build, log, train, summarize. Returns 0."""
     check_single_process(info)
     cfg = resolve(cfg)
-    trainer = ReferenceTrainer(cfg)
-    run_dir = prepare_run_dir(cfg, is_main=True)
-    data = f"data {cfg.data.name} ({len(trainer.dataset.split('train'))} train tokens, vocab {trainer.dataset.vocab_size})"
-    print(describe_run(cfg, n_params=trainer.n_params, device=trainer.device, extra=data), flush=True)
-    with RunLogger(
-        run_dir,
-        total_steps=cfg.train.steps,
-        every=cfg.log.every,
-        progress=cfg.log.progress,
-        device=trainer.device,
-    ) as logger:
-        trainer.run(cfg.train.steps, logger=logger)
-        logger.close()
-    return 0
+    return run_job(ReferenceTrainer(cfg))

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Launch sysx-train with MPI (mpiexec from MPICH/Open MPI; the venv's mpich wheel provides one), one
+# process per GPU (or NP processes on CPU). sysx reads rank, size and local rank from MPI through
+# mpi4py, groups ranks into nodes by a shared-memory split of COMM_WORLD, and rank 0 broadcasts the
+# rendezvous address (MPI launchers set no MASTER_ADDR/MASTER_PORT).
+#   NP=4 launch/mpirun.sh schedule=sysx train.steps=20 device=cpu
+#   NP=16 HOSTS=node1:8,node2:8 launch/mpirun.sh schedule=sysx        # several nodes (MPICH host list)
+# Arguments are sysx-train overrides. MPIEXEC overrides the launcher (default: mpiexec on PATH).
+set -euo pipefail
+if [ -z "${NP:-}" ]; then
+  NP=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
+fi
+MPIEXEC="${MPIEXEC:-mpiexec}"
+PYTHON="${PYTHON:-python}"
+hosts=()
+if [ -n "${HOSTS:-}" ]; then
+  hosts=(-hosts "${HOSTS}")
+fi
+exec "${MPIEXEC}" -n "${NP}" "${hosts[@]}" "${PYTHON}" -m sysx.train "$@"

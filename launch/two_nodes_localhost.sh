@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Two torchrun "nodes" on this one machine: --nnodes=2 with a c10d rendezvous on localhost, NPROC
+# processes per "node". sysx groups ranks into nodes by torchrun's LOCAL_WORLD_SIZE, so each "node"
+# gets its own shared-memory segments (names carry the node index) and the parameters a rank runs
+# forward but that a rank of the other "node" owns reach it through mirror segments, pushed by the
+# owner after every optimizer step: the multi-node path, without a second machine.
+#   NPROC=2 launch/two_nodes_localhost.sh schedule=sysx train.steps=20 device=cpu
+# Arguments are sysx-train overrides. PORT picks the rendezvous port (default 29533).
+set -euo pipefail
+NPROC="${NPROC:-2}"
+PORT="${PORT:-29533}"
+RDZV_ID="${RDZV_ID:-sysx-2nodes-$$}"
+TORCHRUN="${TORCHRUN:-torchrun}"
+common=(--nnodes=2 --nproc_per_node="${NPROC}" --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:${PORT}" --rdzv_id="${RDZV_ID}")
+"${TORCHRUN}" "${common[@]}" --node_rank=0 -m sysx.train "$@" &
+node0=$!
+"${TORCHRUN}" "${common[@]}" --node_rank=1 -m sysx.train "$@" &
+node1=$!
+trap 'kill "${node0}" "${node1}" 2>/dev/null || true' INT TERM
+status=0
+wait "${node0}" || status=$?
+wait "${node1}" || status=$?
+exit "${status}"

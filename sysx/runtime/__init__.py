@@ -1,0 +1,21 @@
+"""The multi-process runtime: one executor for every schedule, one process per device.
+
+* :mod:`sysx.runtime.options` - :class:`PipelineOptions` and the validated schedule of a run;
+* :mod:`sysx.runtime.stage_params` - who owns which sub-stage's parameters in shared memory;
+* :mod:`sysx.runtime.buffers` - device parameter slots and gradient buffers, H2D/D2H streams;
+* :mod:`sysx.runtime.p2p` - checked, time-bounded activations / gradients / checkpoints;
+* :mod:`sysx.runtime.optimizer` - OFFLOAD_GRADS, OPTIM_STEP and VALIDATE on the host;
+* :mod:`sysx.runtime.executor` - the interpreter (dispatch table ``OpKind -> handler``);
+* :mod:`sysx.runtime.trainer` - :class:`PipelineTrainer` and the ``sysx-train`` jobs.
+"""
+
+from sysx.runtime.executor import ExecutionError, Executor, StepContext, forward_program, trace_name
+from sysx.runtime.options import PipelineOptions, RuntimeConfigError, make_schedule, options_from_config
+from sysx.runtime.p2p import P2P, TransferMismatch, TransferSpec
+from sysx.runtime.trainer import PipelineTrainer, train, train_auto
+
+__all__ = [
+    "ExecutionError", "Executor", "P2P", "PipelineOptions", "PipelineTrainer", "RuntimeConfigError", "StepContext",
+    "TransferMismatch", "TransferSpec", "forward_program", "make_schedule", "options_from_config", "trace_name",
+    "train", "train_auto",
+]

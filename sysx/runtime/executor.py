@@ -1,0 +1,398 @@
+"""The one interpreter of a rank's op list: a dispatch table from :class:`OpKind` to a handler.
+
+Every schedule (gpipe, 1f1b, interleaved_1f1b, mobius, sysx and its ablations) and the
+forward-only evaluation program run through :meth:`Executor.run`; the op semantics are those of
+:mod:`sysx.schedule.ops`. An op kind without a handler is an error, and any failure is re-raised
+as :class:`ExecutionError` naming the rank, the step, the op's index and the op (a
+:class:`~sysx.dist.PeerTimeout` or :class:`~sysx.runtime.p2p.TransferMismatch` passes unchanged:
+it already names the rank, the step, the op and the peer).
+
+What lives between ops (all keyed by stage / sub-stage / micro-batch, and all empty again at
+VALIDATE, which checks it):
+
+* ``acts[(s, j)]``: output of forward stage ``s`` (produced here or received), consumed by the
+  forward of ``s + 1`` or by ``SEND_ACT``;
+* ``ckpts[(s, k, j)]``: checkpoint of sub-stage ``(s, k)`` = input of its first layer, kept by
+  the forward (or received), consumed by the backward of ``(s, k)`` or by ``SEND_CKPT``;
+* ``igrads[(s, k, j)]``: gradient w.r.t. the input of ``(s, k)``, produced by its backward (or
+  received), consumed by the backward of the previous sub-stage or by ``SEND_GRAD``;
+* ``inflight[(s, k, j)]``: posted asynchronous checkpoint receives, completed by ``WAIT_CKPT``;
+* ``sends``: asynchronous checkpoint sends whose buffers must live until they complete (reaped
+  after every op, all waited for at ``VALIDATE``).
+
+Forward runs under ``torch.no_grad()``. Backward recomputes its sub-stage from the checkpoint
+with the input requiring grad (plain autograd on a fresh graph: no reentrant checkpointing),
+backpropagates the received output gradient (or ``loss / n_micro * scale`` for the sub-stage
+holding the Head), accumulates parameter gradients into the sub-stage's flat gradient buffer
+(``FlatLayout.bind_grads``) and keeps the input gradient for the previous sub-stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sysx import trace
+from sysx.dist import PeerTimeout
+from sysx.model import FlatLayout, ModelConfig, run_layers
+from sysx.model.llama import make_layer
+from sysx.runtime.buffers import GradBuffers, ParamSlots
+from sysx.runtime.optimizer import RankOptimizer
+from sysx.runtime.p2p import P2P, Pending, TransferMismatch, TransferSpec
+from sysx.runtime.stage_params import StageParams
+from sysx.schedule import Op, OpKind, Schedule
+from sysx.schedule.lower import next_sub
+
+BatchFn = Callable[[int, int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ExecutionError(RuntimeError):
+    """An op failed; the message names the rank, the step, the op index and the op."""
+
+
+@dataclass
+class StepContext:
+    """What one run of an op list is about."""
+
+    step: int
+    lr: float = 0.0
+    scale: float = 1.0
+    n_micro: int = 1
+    split: str = "train"
+    training: bool = True
+    losses: list[torch.Tensor] = field(default_factory=list)
+    op_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def trace_name(op: Op) -> str:
+    """The NVTX range name of an op: ``F s3 mb2``, ``B s5.1 mb0``, ``H2D s4``, ``D2H s5.1``,
+    ``OPT s5.1``, ``SEND ckpt s2.0 mb1``, ``RECV act s3 mb0``, ``WAIT ckpt s2.0 mb1``."""
+    where = f"s{op.stage}" if op.sub < 0 else f"s{op.stage}.{op.sub}"
+    k = op.kind
+    if k in (OpKind.FORWARD, OpKind.BACKWARD):
+        return f"{'F' if k == OpKind.FORWARD else 'B'} {where} mb{op.mb}"
+    if k == OpKind.LOAD_PARAMS:
+        return f"H2D {where}"
+    if k == OpKind.OFFLOAD_GRADS:
+        return f"D2H {where}"
+    if k == OpKind.OPTIM_STEP:
+        return f"OPT {where}" if not op.is_async else f"OPT queue {where}"
+    if k == OpKind.FREE:
+        return f"FREE {where}"
+    if k == OpKind.VALIDATE:
+        return "VALIDATE"
+    family = {OpKind.SEND_ACT: "act", OpKind.RECV_ACT: "act", OpKind.SEND_GRAD: "grad", OpKind.RECV_GRAD: "grad"}.get(k, "ckpt")
+    verb = k.name.split("_")[0]
+    return f"{verb} {family} {where} mb{op.mb}"
+
+
+class Executor:
+    """Runs one rank's ops (see the module doc)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        *,
+        model_cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        micro_batch_size: int,
+        seq_len: int,
+        params: StageParams,
+        slots: ParamSlots,
+        grads: GradBuffers,
+        optimizer: RankOptimizer,
+        p2p: P2P | None,
+        batch: BatchFn,
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.model_cfg = model_cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.params = params
+        self.slots = slots
+        self.grads = grads
+        self.optimizer = optimizer
+        self.p2p = p2p
+        self.batch_fn = batch
+        self.head_layer = model_cfg.n_layers + 1
+        self.last_stage = schedule.n_stages - 1
+        self.act_shape = (micro_batch_size, seq_len, model_cfg.dim)
+        self.ids_shape = (micro_batch_size, seq_len)
+        self.handlers: dict[OpKind, Callable[[Op], None]] = {
+            OpKind.LOAD_PARAMS: self._load,
+            OpKind.FREE: self._free,
+            OpKind.FORWARD: self._forward,
+            OpKind.BACKWARD: self._backward,
+            OpKind.SEND_ACT: self._send_act,
+            OpKind.RECV_ACT: self._recv_act,
+            OpKind.SEND_GRAD: self._send_grad,
+            OpKind.RECV_GRAD: self._recv_grad,
+            OpKind.SEND_CKPT: self._send_ckpt,
+            OpKind.RECV_CKPT: self._recv_ckpt,
+            OpKind.WAIT_CKPT: self._wait_ckpt,
+            OpKind.OFFLOAD_GRADS: self._offload,
+            OpKind.OPTIM_STEP: self._optim_step,
+            OpKind.VALIDATE: self._validate,
+        }
+        self._modules: dict[tuple[int, int], tuple[list[nn.Module], FlatLayout]] = {}
+        self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.acts: dict[tuple[int, int], torch.Tensor] = {}
+        self.ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.igrads: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.inflight: dict[tuple[int, int, int], Pending] = {}
+        self.sends: list[Pending] = []
+        self.ctx = StepContext(step=-1)
+        self._index = -1
+        self._op: Op | None = None
+
+    # ------------------------------------------------------------------------------------ loop
+    def run(self, ops: Sequence[Op], ctx: StepContext) -> StepContext:
+        """Execute ``ops`` in order; returns ``ctx`` with the losses this rank computed."""
+        self.ctx = ctx
+        self._batches.clear()
+        tracing = trace.enabled()
+        for index, op in enumerate(ops):
+            handler = self.handlers.get(op.kind)
+            self._index, self._op = index, op
+            if handler is None:
+                raise ExecutionError(f"{self._label}: no handler for op kind {op.kind!r} in the executor's dispatch table "
+                                     f"(known: {', '.join(k.name for k in self.handlers)})")
+            t0 = time.perf_counter()
+            try:
+                if tracing:
+                    with trace.nvtx_range(trace_name(op)):
+                        handler(op)
+                else:
+                    handler(op)
+            except (ExecutionError, PeerTimeout, TransferMismatch):
+                raise  # they already name the rank, the op and the peer
+            except Exception as err:
+                raise ExecutionError(f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}") from err
+            kind = op.kind.name
+            ctx.op_seconds[kind] = ctx.op_seconds.get(kind, 0.0) + time.perf_counter() - t0
+            if self.sends:
+                self._reap_sends()
+        return ctx
+
+    @property
+    def _op_name(self) -> str:
+        return str(self._op)
+
+    @property
+    def _where(self) -> str:
+        """``step 3: op #12 `B s1.0 mb0``` (built only when a message needs it)."""
+        return f"step {self.ctx.step}: op #{self._index} `{self._op}`"
+
+    @property
+    def _label(self) -> str:
+        return f"rank {self.rank}: {self._where}"
+
+    def leftovers(self) -> list[str]:
+        """Tensors still held between ops (empty after a complete op list)."""
+        out = [f"act s{s} mb{j}" for s, j in self.acts]
+        out += [f"checkpoint s{s}.{k} mb{j}" for s, k, j in self.ckpts]
+        out += [f"input gradient s{s}.{k} mb{j}" for s, k, j in self.igrads]
+        out += [f"posted receive of checkpoint s{s}.{k} mb{j}" for s, k, j in self.inflight]
+        out += [f"gradients of s{s}.{k} not offloaded" for s, k in self.grads.active]
+        return out
+
+    def reset(self) -> None:
+        """Drop every tensor held between ops (after an error, or before closing)."""
+        self.acts.clear()
+        self.ckpts.clear()
+        self.igrads.clear()
+        self.inflight.clear()
+        self.sends.clear()
+        self.grads.active.clear()
+        self._batches.clear()
+
+    # --------------------------------------------------------------------------------- helpers
+    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (self.ctx.step, self.ctx.split, mb)
+        if key not in self._batches:
+            ids, labels = self.batch_fn(self.ctx.step, mb, self.ctx.split)
+            self._batches[key] = (ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+        return self._batches[key]
+
+    def _layers_modules(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
+        key = (layers.start, layers.stop)
+        if key not in self._modules:
+            mods = [make_layer(self.model_cfg, i, dtype=self.dtype, device=self.device) for i in layers]
+            self._modules[key] = (mods, FlatLayout.from_modules(mods))
+        return self._modules[key]
+
+    def _bound(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
+        mods, layout = self._layers_modules(layers)
+        layout.bind(mods, self.slots.view(layers, self._op_name))
+        return mods, layout
+
+    def _run(self, mods: list[nn.Module], layers: range, x: torch.Tensor, mb: int) -> torch.Tensor:
+        labels = self._batch(mb)[1] if self.head_layer in layers else None
+        return run_layers(mods, x, labels)
+
+    def _spec(self, family: str, s: int, k: int, j: int) -> TransferSpec:
+        if family == "ckpt" and self.schedule.partition.sub_layers(s, k).start == 0:
+            return TransferSpec(family, s, k, j, self.ids_shape, torch.int64)
+        return TransferSpec(family, s, k, j, self.act_shape, self.dtype)
+
+    def _need_p2p(self) -> P2P:
+        if self.p2p is None:
+            raise ExecutionError(f"{self._label}: a transfer between ranks in a single-process run")
+        return self.p2p
+
+    @staticmethod
+    def _pop(store: dict, key: tuple, what: str) -> torch.Tensor:
+        try:
+            return store.pop(key)
+        except KeyError:
+            raise RuntimeError(f"{what} is not available on this rank (neither computed here nor received before); "
+                               f"the op list is inconsistent with the schedule") from None
+
+    def _reap_sends(self) -> None:
+        p2p = self._need_p2p()
+        self.sends = [p for p in self.sends if not p2p.completed(p)]
+
+    # -------------------------------------------------------------------------------- handlers
+    def _load(self, op: Op) -> None:
+        layers = self.schedule.layers(op)
+        self.slots.load((op.stage, op.sub), layers, self.params.pieces(op.stage, op.sub), str(op))
+
+    def _free(self, op: Op) -> None:
+        self.slots.free((op.stage, op.sub), str(op))
+
+    def _forward(self, op: Op) -> None:
+        s, j = op.stage, op.mb
+        part = self.schedule.partition
+        layers = part.stage_layers(s)
+        mods, _ = self._bound(layers)
+        x = self._batch(j)[0] if s == 0 else self._pop(self.acts, (s - 1, j), f"the input of F s{s} mb{j} (act s{s - 1} mb{j})")
+        with torch.no_grad():
+            h = x
+            for k in range(part.split):
+                sub = part.sub_layers(s, k)
+                if self.ctx.training:
+                    self.ckpts[(s, k, j)] = h
+                lo, hi = sub.start - layers.start, sub.stop - layers.start
+                h = self._run(mods[lo:hi], sub, h, j)
+        if s == self.last_stage:
+            self.ctx.losses.append(h.detach().float())
+        else:
+            self.acts[(s, j)] = h
+
+    def _backward(self, op: Op) -> None:
+        s, k, j = op.stage, op.sub, op.mb
+        layers = self.schedule.partition.sub_layers(s, k)
+        mods, layout = self._bound(layers)
+        layout.bind_grads(mods, self.grads.get((s, k), layout.numel))
+        x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of B s{s}.{k} mb{j}")
+        nxt = next_sub(s, k, self.schedule.n_stages, self.schedule.split)
+        grad_out = None if nxt is None else self._pop(self.igrads, (nxt[0], nxt[1], j),
+                                                      f"the output gradient of B s{s}.{k} mb{j} (from B s{nxt[0]}.{nxt[1]})")
+        with torch.enable_grad():
+            x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
+            out = self._run(mods, layers, x, j)
+            if grad_out is None:
+                scaled = out / self.ctx.n_micro
+                if self.ctx.scale != 1.0:
+                    scaled = scaled * self.ctx.scale
+                scaled.backward()
+            else:
+                torch.autograd.backward(out, grad_out)
+        if x.requires_grad:
+            if x.grad is None:
+                raise RuntimeError(f"B s{s}.{k} mb{j}: no gradient reached the sub-stage input")
+            self.igrads[(s, k, j)] = x.grad
+
+    def _send_act(self, op: Op) -> None:
+        t = self._pop(self.acts, (op.stage, op.mb), f"act s{op.stage} mb{op.mb}")
+        self._need_p2p().send(t, self._spec("act", op.stage, -1, op.mb), op.peer, self._where)
+
+    def _recv_act(self, op: Op) -> None:
+        self.acts[(op.stage, op.mb)] = self._need_p2p().recv(self._spec("act", op.stage, -1, op.mb), op.peer, self._where)
+
+    def _send_grad(self, op: Op) -> None:
+        key = (op.stage, op.sub, op.mb)
+        t = self._pop(self.igrads, key, f"input gradient s{op.stage}.{op.sub} mb{op.mb}")
+        self._need_p2p().send(t, self._spec("grad", *key), op.peer, self._where)
+
+    def _recv_grad(self, op: Op) -> None:
+        key = (op.stage, op.sub, op.mb)
+        self.igrads[key] = self._need_p2p().recv(self._spec("grad", *key), op.peer, self._where)
+
+    def _send_ckpt(self, op: Op) -> None:
+        key = (op.stage, op.sub, op.mb)
+        t = self._pop(self.ckpts, key, f"checkpoint s{op.stage}.{op.sub} mb{op.mb}")
+        p2p = self._need_p2p()
+        if op.is_async:
+            self.sends.append(p2p.isend(t, self._spec("ckpt", *key), op.peer, self._where))
+        else:
+            p2p.send(t, self._spec("ckpt", *key), op.peer, self._where)
+
+    def _recv_ckpt(self, op: Op) -> None:
+        key = (op.stage, op.sub, op.mb)
+        p2p = self._need_p2p()
+        if op.is_async:
+            self.inflight[key] = p2p.irecv(self._spec("ckpt", *key), op.peer, self._where)
+        else:
+            self.ckpts[key] = p2p.recv(self._spec("ckpt", *key), op.peer, self._where)
+
+    def _wait_ckpt(self, op: Op) -> None:
+        key = (op.stage, op.sub, op.mb)
+        pending = self.inflight.pop(key, None)
+        if pending is None:
+            raise RuntimeError(f"no receive of checkpoint s{op.stage}.{op.sub} mb{op.mb} was posted before")
+        self.ckpts[key] = self._need_p2p().wait(pending)
+
+    def _offload(self, op: Op) -> None:
+        unit = (op.stage, op.sub)
+        host = self.optimizer.host_grads.get(unit)
+        if host is None:
+            raise RuntimeError(f"s{op.stage}.{op.sub} is not owned by rank {self.rank}: no host gradient buffer")
+        self.optimizer.offloaded(unit, self.grads.offload(unit, host))
+
+    def _optim_step(self, op: Op) -> None:
+        unit = (op.stage, op.sub)
+        if op.is_async:
+            self.optimizer.submit(unit, lr=self.ctx.lr, scale=self.ctx.scale)
+        else:
+            self.optimizer.step_sync(unit, lr=self.ctx.lr)
+
+    def _validate(self, op: Op) -> None:
+        if self.sends:
+            p2p = self._need_p2p()
+            for pending in self.sends:
+                p2p.wait(pending)
+            self.sends.clear()
+        left = self.leftovers()
+        if left:
+            raise RuntimeError(f"tensors left over at the end of the step: {', '.join(left[:8])}; the op list does not "
+                               f"consume what it produces")
+        if self.schedule.options.get("optimizer") == "async":
+            self.optimizer.validate_async(lr=self.ctx.lr)
+        else:
+            self.optimizer.validate_sync(scale=self.ctx.scale)
+
+
+def forward_program(schedule: Schedule, rank: int, n_micro: int) -> list[Op]:
+    """A forward-only op list for evaluation: this rank's stages ascending, each loaded, all
+    micro-batches received, computed and sent on, then freed. Every rank's list is a subsequence
+    of one global order in which each send is directly followed by its receive, so blocking
+    transfers cannot deadlock."""
+    fwd = schedule.placement.fwd_rank
+    ops: list[Op] = []
+    for s in schedule.placement.fwd_stages(rank):
+        ops.append(Op(OpKind.LOAD_PARAMS, s, -1))
+        if s > 0 and fwd[s - 1] != rank:
+            ops += [Op(OpKind.RECV_ACT, s - 1, -1, j, fwd[s - 1]) for j in range(n_micro)]
+        ops += [Op(OpKind.FORWARD, s, -1, j) for j in range(n_micro)]
+        if s < schedule.n_stages - 1 and fwd[s + 1] != rank:
+            ops += [Op(OpKind.SEND_ACT, s, -1, j, fwd[s + 1]) for j in range(n_micro)]
+        ops.append(Op(OpKind.FREE, s, -1))
+    return ops

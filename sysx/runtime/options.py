@@ -1,0 +1,158 @@
+"""What the multi-process runtime needs besides :class:`sysx.config.SysxConfig`, and the schedule it runs.
+
+:class:`PipelineOptions` gathers the ``schedule.*`` settings (which schedule, how many forward
+stages per rank, the SysX split ``d`` and ablation ``cfg``, GPU parameter buffers, a manual
+partition) and a few runtime knobs (CPU Adam backend, rollback mode, p2p verification, timeout).
+:func:`options_from_config` reads them from ``cfg.schedule`` where the schema has them and falls
+back to the defaults here, so the same trainer works from the Hydra config and as a library.
+
+:func:`make_schedule` turns them into the validated :class:`sysx.schedule.Schedule` every rank
+builds identically (pure data, no communication): the model's layers are cut by forward FLOPs
+(:func:`sysx.partition.partition_model`) unless ``stage_sizes`` gives the layer counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sysx.config import ConfigError
+from sysx.partition import PartitionError, partition_model
+from sysx.schedule import ONE_STAGE_PER_RANK, SCHEDULES, Schedule, build, validate
+
+if TYPE_CHECKING:
+    from sysx.model import ModelConfig
+
+OPTIM_BACKENDS = ("auto", "deepspeed", "torch")
+ROLLBACKS = ("undo", "snapshot")
+
+
+class RuntimeConfigError(ConfigError):
+    """A runtime option that cannot work (the message names the key, the value and the fix)."""
+
+
+@dataclass
+class PipelineOptions:
+    """Settings of one pipeline run (``schedule.*`` keys of the config plus runtime knobs).
+
+    ``stages_per_rank``: forward stages each rank holds (``Nsf = stages_per_rank * Ng``; gpipe and
+    1f1b hold 1). ``split``: SysX backward sub-stages per forward stage ``d``. Left ``None``, they
+    are chosen: 2 stages per rank and ``d = 2`` (the paper's setting) when the model has enough
+    layers, else fewer (see :func:`make_schedule`).
+    ``cfg``: SysX ablation config 0-3 (paper Table 3). ``stage_sizes``: manual partition, layers
+    per forward stage (flat layers: Embedding + blocks + Head). ``verify_transfers``: send a small
+    header before every p2p payload so the receiver checks it against its plan (None: on with
+    gloo, off with NCCL). ``timeout_s``: how long any wait on a peer may take.
+    """
+
+    schedule: str = "sysx"
+    stages_per_rank: int | None = None
+    split: int | None = None
+    cfg: int = 3
+    param_buffers: int = 2
+    stage_sizes: list[int] | None = None
+    optim_backend: str = "auto"
+    rollback: str = "undo"
+    optimizer_workers: int | None = None
+    verify_transfers: bool | None = None
+    timeout_s: float = 300.0
+    job_id: str | None = None
+
+    def check(self) -> None:
+        """Raise :class:`RuntimeConfigError` naming the first bad option."""
+        if self.schedule not in SCHEDULES:
+            raise RuntimeConfigError(f"schedule.name={self.schedule} is not a pipeline schedule; allowed: {', '.join(SCHEDULES)}")
+        if self.stages_per_rank is not None and self.stages_per_rank < 1:
+            raise RuntimeConfigError(f"schedule.stages_per_rank={self.stages_per_rank} must be >= 1")
+        if self.schedule in ONE_STAGE_PER_RANK and self.stages_per_rank not in (None, 1):
+            raise RuntimeConfigError(
+                f"schedule.stages_per_rank={self.stages_per_rank} is not valid for {self.schedule}: it places one stage per "
+                f"rank; use schedule=interleaved_1f1b, mobius or sysx for several stages per rank")
+        if self.split is not None and self.split < 1:
+            raise RuntimeConfigError(f"schedule.split={self.split} must be >= 1 (backward sub-stages per forward stage)")
+        if self.cfg not in (0, 1, 2, 3):
+            raise RuntimeConfigError(f"schedule.cfg={self.cfg} must be 0, 1, 2 or 3 (SysX ablation, paper Table 3)")
+        if self.param_buffers < 1:
+            raise RuntimeConfigError(f"schedule.param_buffers={self.param_buffers} must be >= 1 (2 = current + prefetch)")
+        if self.optim_backend not in OPTIM_BACKENDS:
+            raise RuntimeConfigError(f"optim.backend={self.optim_backend} is not valid: allowed: {', '.join(OPTIM_BACKENDS)}")
+        if self.rollback not in ROLLBACKS:
+            raise RuntimeConfigError(f"optim.rollback={self.rollback} is not valid: allowed: {', '.join(ROLLBACKS)}")
+        if not self.timeout_s > 0:
+            raise RuntimeConfigError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+
+    def candidates(self, n_ranks: int) -> list[tuple[int, int]]:
+        """``(Nsf, d)`` to try, preferred first: the given values, else 2 then 1 stage(s) per rank
+        and ``d`` 2 then 1 (sysx CFG1-3 only; other schedules and CFG0 run whole-stage backwards)."""
+        if self.schedule in ONE_STAGE_PER_RANK:
+            per_rank = [1]
+        else:
+            per_rank = [self.stages_per_rank] if self.stages_per_rank is not None else [2, 1]
+        if self.schedule == "sysx" and self.cfg > 0:
+            splits = [self.split] if self.split is not None else [2, 1]
+        else:
+            splits = [1]
+        return [(p * n_ranks, d) for d in splits for p in per_rank]
+
+    def describe(self) -> str:
+        """One line for the run header."""
+        parts = [f"schedule={self.schedule}"]
+        if self.stages_per_rank is not None:
+            parts.append(f"stages/rank={self.stages_per_rank}")
+        if self.schedule == "sysx":
+            parts.append(f"cfg={self.cfg}" + (f" d={self.split}" if self.split is not None else ""))
+        parts += [f"param buffers={self.param_buffers}", f"cpu adam={self.optim_backend}", f"rollback={self.rollback}"]
+        return " ".join(parts)
+
+
+_SCHEDULE_KEYS = ("stages_per_rank", "split", "cfg", "param_buffers", "stage_sizes", "verify_transfers", "timeout_s")
+
+
+def options_from_config(cfg: Any, **overrides: Any) -> PipelineOptions:
+    """:class:`PipelineOptions` from ``cfg.schedule`` (``name`` and the option fields the schema
+    holds) and ``cfg.optim`` (``backend``, ``rollback``, ``workers``), then ``overrides``. A
+    schedule name ``auto`` means ``sysx`` here."""
+    section = cfg.schedule
+    values: dict[str, Any] = {}
+    name = getattr(section, "name", "sysx")
+    values["schedule"] = "sysx" if name == "auto" else name
+    for key in _SCHEDULE_KEYS:
+        if getattr(section, key, None) is not None:
+            value = getattr(section, key)
+            values[key] = list(value) if key == "stage_sizes" else value
+    for key, field_name in (("backend", "optim_backend"), ("rollback", "rollback"), ("workers", "optimizer_workers")):
+        if getattr(cfg.optim, key, None) is not None:
+            values[field_name] = getattr(cfg.optim, key)
+    values.update(overrides)
+    opts = PipelineOptions(**values)
+    opts.check()
+    return opts
+
+
+def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int, n_micro: int, seq_len: int) -> Schedule:
+    """The validated schedule of this run (identical on every rank).
+
+    The layers are cut by forward FLOPs (or ``stage_sizes``) into ``Nsf`` stages of ``d``
+    sub-stages each, trying :meth:`PipelineOptions.candidates` in order; the first that fits the
+    model wins, and when none does the error of the preferred one is raised with the fix.
+    """
+    opts.check()
+    n_layers = model_cfg.n_layers + 2
+    first_error: str | None = None
+    for nsf, split in opts.candidates(n_ranks):
+        if nsf > n_layers:
+            problem = (f"{opts.schedule} with {n_ranks} rank(s) needs {nsf} forward stages but the model has only {n_layers} "
+                       f"flat layers (embedding + {model_cfg.n_layers} blocks + head); lower schedule.stages_per_rank, use "
+                       f"fewer processes or a deeper model (model.n_layers)")
+        else:
+            try:
+                partition = partition_model(model_cfg, seq_len, nsf, split=split, stage_sizes=opts.stage_sizes)
+            except PartitionError as err:
+                problem = f"cannot partition the model for {opts.schedule} ({nsf} stages, d={split}): {err}"
+            else:
+                schedule = build(opts.schedule, n_ranks, n_micro, partition, n_stages=nsf, split=split, cfg=opts.cfg,
+                                 param_buffers=opts.param_buffers)
+                validate(schedule)
+                return schedule
+        first_error = first_error or problem
+    raise RuntimeConfigError(first_error or f"no candidate partition for {opts.schedule}")

@@ -1,0 +1,178 @@
+"""Point-to-point transfers between pipeline ranks: activations, input gradients, checkpoints.
+
+Every transfer has a :class:`TransferSpec` computed from the plan (family, stage, sub-stage,
+micro-batch, shape, dtype), identically on both ranks. The sender checks its tensor against the
+spec before it sends; the receiver allocates exactly the planned buffer. With ``verify`` a small
+int64 header (family, stage, sub, micro-batch, dtype, shape) travels before each payload and the
+receiver compares it with its own spec, so a plan disagreement between ranks is an error naming
+the stage, the micro-batch and the tensor on both sides instead of garbage or a hang.
+
+Synchronous operations are ``isend``/``irecv`` followed by :func:`sysx.dist.wait_for`, so every
+wait on a peer is bounded and a stuck or dead peer becomes a :class:`sysx.dist.PeerTimeout`
+naming this rank, the op and the peer. Asynchronous ones return a :class:`Pending` whose buffers
+stay referenced until :meth:`P2P.wait` (a send buffer must live until its ``isend`` completes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from sysx.dist import wait_for
+
+FAMILIES = ("act", "grad", "ckpt")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.int32)
+_HEADER_LEN = 11
+_MAGIC = 0x5359535850  # "SYSXP"
+_MAX_DIMS = _HEADER_LEN - 7
+
+
+class TransferMismatch(RuntimeError):
+    """A tensor about to be sent, or a header received, does not match the planned transfer."""
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """The planned content of one message."""
+
+    family: str  # act | grad | ckpt
+    stage: int
+    sub: int
+    mb: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        """``ckpt s2.0 mb1``, ``act s3 mb0``, ``grad s5.1 mb2``."""
+        where = f"s{self.stage}" if self.sub < 0 else f"s{self.stage}.{self.sub}"
+        return f"{self.family} {where} mb{self.mb}"
+
+    def describe(self) -> str:
+        """``ckpt s2.0 mb1 [2, 16, 128] torch.float32``."""
+        return f"{self.label} {list(self.shape)} {self.dtype}"
+
+    def check(self, tensor: torch.Tensor, *, rank: int, action: str) -> None:
+        """Raise :class:`TransferMismatch` when ``tensor`` is not what the plan says."""
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise TransferMismatch(
+                f"rank {rank}: {action} {self.label}: the tensor is {list(tensor.shape)} {tensor.dtype} but the plan says "
+                f"{list(self.shape)} {self.dtype} (stage {self.stage}{'' if self.sub < 0 else f'.{self.sub}'}, "
+                f"micro-batch {self.mb}, tensor {self.family}); every rank must run the same model, batch shape, "
+                f"precision and schedule")
+
+    def header(self, device: torch.device) -> torch.Tensor:
+        """The int64 header announcing this message."""
+        if len(self.shape) > _MAX_DIMS:
+            raise ValueError(f"{self.label}: {len(self.shape)} dimensions, the header holds {_MAX_DIMS}")
+        values = [_MAGIC, FAMILIES.index(self.family), self.stage, self.sub, self.mb, _DTYPES.index(self.dtype), len(self.shape)]
+        values += list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def from_header(values: list[int]) -> TransferSpec | None:
+        """Decode a header (None when it is not one)."""
+        if len(values) != _HEADER_LEN or values[0] != _MAGIC or not 0 <= values[1] < len(FAMILIES):
+            return None
+        if not 0 <= values[5] < len(_DTYPES) or not 0 <= values[6] <= _MAX_DIMS:
+            return None
+        return TransferSpec(FAMILIES[values[1]], values[2], values[3], values[4], tuple(values[7:7 + values[6]]), _DTYPES[values[5]])
+
+
+@dataclass
+class Pending:
+    """An in-flight isend/irecv: its work handles and the buffers they use (kept alive here)."""
+
+    spec: TransferSpec
+    peer: int
+    what: str
+    works: list[dist.Work]
+    buffer: torch.Tensor
+    header: torch.Tensor | None = None
+    is_send: bool = True
+    done: bool = field(default=False)
+
+
+class P2P:
+    """Checked, time-bounded point-to-point messages of one rank (see the module doc)."""
+
+    def __init__(self, rank: int, *, device: torch.device, timeout_s: float, verify: bool,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.rank = rank
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self.verify = bool(verify)
+        self.group = group
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.messages = 0
+
+    # ------------------------------------------------------------------------------------ posting
+    def isend(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> Pending:
+        """Post the send of ``tensor`` (checked against ``spec``) to ``peer``; returns the handle."""
+        spec.check(tensor, rank=self.rank, action=f"{what}: sending")
+        payload = tensor if tensor.is_contiguous() else tensor.contiguous()
+        works, header = [], None
+        if self.verify:
+            header = spec.header(payload.device)
+            works.append(dist.isend(header, dst=peer, group=self.group))
+        works.append(dist.isend(payload, dst=peer, group=self.group))
+        self.bytes_sent += payload.numel() * payload.element_size()
+        self.messages += 1
+        return Pending(spec, peer, what, works, payload, header, is_send=True)
+
+    def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
+        """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
+        buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        works, header = [], None
+        if self.verify:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            works.append(dist.irecv(header, src=peer, group=self.group))
+        works.append(dist.irecv(buffer, src=peer, group=self.group))
+        self.bytes_received += buffer.numel() * buffer.element_size()
+        self.messages += 1
+        return Pending(spec, peer, what, works, buffer, header, is_send=False)
+
+    # ----------------------------------------------------------------------------------- waiting
+    def wait(self, pending: Pending) -> torch.Tensor:
+        """Wait for ``pending`` (bounded by the timeout); for a receive, check the header and
+        return the received tensor."""
+        if pending.done:
+            return pending.buffer
+        direction = "to" if pending.is_send else "from"
+        what = f"{pending.what} ({'send' if pending.is_send else 'receive'} {pending.spec.label} {direction} rank {pending.peer})"
+        if pending.header is not None:
+            wait_for(pending.works[0], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+            if not pending.is_send:
+                self._check_header(pending)
+        wait_for(pending.works[-1], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+        pending.done = True
+        return pending.buffer
+
+    def _check_header(self, pending: Pending) -> None:
+        got = TransferSpec.from_header([int(v) for v in pending.header.tolist()])  # type: ignore[union-attr]
+        if got != pending.spec:
+            sent = got.describe() if got is not None else f"not a sysx header {pending.header.tolist()}"  # type: ignore[union-attr]
+            raise TransferMismatch(
+                f"rank {self.rank}: {pending.what}: rank {pending.peer} sent {sent} but this rank expects "
+                f"{pending.spec.describe()} (stage {pending.spec.stage}, micro-batch {pending.spec.mb}, tensor "
+                f"{pending.spec.family}); the two ranks disagree about the plan: check that every rank runs the same "
+                f"config and schedule")
+
+    def completed(self, pending: Pending) -> bool:
+        """For a send: True once every work of ``pending`` has finished, so its buffer may go
+        (never blocks). Receives are completed by :meth:`wait`, which checks the header."""
+        if not pending.done and all(w.is_completed() for w in pending.works):
+            if pending.is_send:
+                pending.done = True
+        return pending.done
+
+    def send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> None:
+        """Blocking send (bounded by the timeout)."""
+        self.wait(self.isend(tensor, spec, peer, what))
+
+    def recv(self, spec: TransferSpec, peer: int, what: str) -> torch.Tensor:
+        """Blocking receive (bounded by the timeout)."""
+        return self.wait(self.irecv(spec, peer, what))

@@ -1,0 +1,231 @@
+"""Who owns which sub-stage's parameters, and where every rank finds them (paper §4 "Offloading").
+
+Ownership follows the schedule's placement: the rank that runs backward sub-stage ``(s, k)``
+owns it. The owner
+
+* creates the sub-stage's shared-memory segment on its node (``SharedParamStore.create``) with the
+  16-bit working copy of the parameters (fp32 when ``precision=fp32``) and fills it with the
+  model's deterministic initial values (:func:`sysx.model.build_layers`, per-layer seeds);
+* holds the fp32 master weights, Adam's ``m``/``v`` and the fp32 gradients on the host (with
+  fp32 the shared copy *is* the master: one copy, updated in place by the CPU optimizer);
+* after each step, pushes the new parameters to the mirror segment on the node of the rank that
+  runs forward stage ``s``, when that node is another one (multi-node; :meth:`StageParams.push_mirrors`).
+
+A rank that runs forward stage ``s`` needs every sub-stage ``(s, 0..d-1)``: it attaches the
+segments owned on its own node and creates (and receives into) mirrors of those owned elsewhere.
+A forward stage's flat parameters are the concatenation of its sub-stages' flat parameters (the
+sub-stages are contiguous layer ranges), so loading a stage is ``d`` host->device copies.
+
+Lifecycle: the first local rank of each node checks the node's host-memory plan
+(:func:`sysx.memory.plan_host_memory`: shared segments, masters, Adam states, gradients) against
+free ``/dev/shm`` and RAM before anything is allocated; then every rank creates its owned segments, then (barrier) attaches/creates the rest, then
+the owners push the initial values to the mirrors (barrier). :meth:`StageParams.close` drops
+every tensor view and closes the store (the creator unlinks once the attachers are gone); on any
+other exit path the store's atexit/signal hooks and the guardian process unlink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sysx.dist import DistInfo, wait_for
+from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
+from sysx.model import FlatLayout, ModelConfig, build_layers
+from sysx.model.llama import make_layer
+from sysx.schedule import Schedule
+
+
+def unit_key(stage: int, sub: int) -> str:
+    """Shared-memory key of backward sub-stage ``(stage, sub)``: ``s3.1``."""
+    return f"s{stage}.{sub}"
+
+
+def layer_params(model_cfg: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """``(name, shape)`` of each flat layer's parameters in flat-buffer order (built on the meta
+    device: no memory, no initialisation)."""
+    out = []
+    for i in range(model_cfg.n_layers + 2):
+        layer = make_layer(model_cfg, i, device="meta")
+        out.append([(e.name.split(".", 1)[1], e.shape) for e in FlatLayout.from_modules([layer]).entries])
+    return out
+
+
+@dataclass(frozen=True)
+class SubStage:
+    """One backward sub-stage's parameter unit and who uses it."""
+
+    stage: int
+    sub: int
+    layers: range
+    numel: int
+    owner: int  # rank running its backward and optimizer
+    fwd_rank: int  # rank running the forward of its stage
+    owner_node: int
+    fwd_node: int
+
+    @property
+    def key(self) -> str:
+        """``s<stage>.<sub>``."""
+        return unit_key(self.stage, self.sub)
+
+    @property
+    def mirrored(self) -> bool:
+        """True when the forward rank lives on another node than the owner."""
+        return self.fwd_node != self.owner_node
+
+
+def sub_stages(schedule: Schedule, numels: list[int], info: DistInfo) -> dict[tuple[int, int], SubStage]:
+    """Every sub-stage of ``schedule`` with its owner, its forward rank and their nodes."""
+    part, place = schedule.partition, schedule.placement
+    out = {}
+    for s in range(part.n_stages):
+        for k in range(part.split):
+            layers = part.sub_layers(s, k)
+            owner, fwd = place.bwd_rank[s][k], place.fwd_rank[s]
+            out[(s, k)] = SubStage(s, k, layers, sum(numels[i] for i in layers), owner, fwd, info.node_of(owner), info.node_of(fwd))
+    return out
+
+
+class StageParams:
+    """This rank's view of the shared parameter store (see the module doc)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        model_cfg: ModelConfig,
+        info: DistInfo,
+        *,
+        dtype: torch.dtype,
+        job: str,
+        seed: int,
+        group: dist.ProcessGroup | None,
+        timeout_s: float,
+        pin: bool | None = None,
+    ) -> None:
+        self.info = info
+        self.rank = info.rank
+        self.dtype = dtype
+        self.group = group
+        self.timeout_s = timeout_s
+        self.order = list(schedule.placement.bwd_order)
+        self.params_of_layer = layer_params(model_cfg)
+        self.numels = [sum(_numel(shape) for _, shape in entries) for entries in self.params_of_layer]
+        self.units = sub_stages(schedule, self.numels, info)
+        self.store = SharedParamStore(job=job, node=info.node_rank, pin=pin, attach_timeout_s=timeout_s)
+        self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights
+        self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
+        try:
+            self._open(model_cfg, seed)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------------------------- set-up
+    def owned(self) -> list[SubStage]:
+        """Sub-stages this rank owns, in backward execution order."""
+        return [self.units[key] for key in self.order if self.units[key].owner == self.rank]
+
+    def _spec(self, unit: SubStage) -> StageSpec:
+        mirrors = {unit.fwd_node} if unit.mirrored else set()
+        return StageSpec.of(unit.key, {self.dtype: unit.numel}, owner_node=unit.owner_node, mirror_nodes=mirrors)
+
+    def node_plan(self) -> HostMemoryPlan:
+        """Host memory this rank's node needs: the owned segments and mirrors of the node, fp32
+        masters (16-bit runs), Adam states and fp32 gradients of the node's owners, and the 16-bit
+        host gradient buffers (16-bit runs)."""
+        node = self.info.node_rank
+        owned = [(u.numel, self.dtype) for u in self.units.values() if u.owner_node == node]
+        mirrors = [(u.numel, self.dtype) for u in self.units.values() if u.mirrored and u.fwd_node == node]
+        pinned = 0  # the 16-bit host gradient buffers the D2H copies land in (page-locked on GPUs)
+        if self.dtype != torch.float32:
+            pinned = sum(n for n, _ in owned) * torch.tensor([], dtype=self.dtype).element_size()
+        return plan_host_memory(owned, mirrors=mirrors, pinned_bytes=pinned)
+
+    def _open(self, model_cfg: ModelConfig, seed: int) -> None:
+        if self.info.local_rank == 0:  # one check per node, before any rank of it allocates
+            self.node_plan().check()
+        self._barrier()
+        for unit in self.owned():
+            buffers = self.store.create(self._spec(unit))
+            layers = build_layers(model_cfg, unit.layers.start, unit.layers.stop, seed=seed)
+            master = FlatLayout.from_modules(layers).flatten(layers)
+            del layers
+            shared = buffers[self.dtype]
+            shared.copy_(master)
+            self.shared[(unit.stage, unit.sub)] = shared
+            self.masters[(unit.stage, unit.sub)] = shared if self.dtype == torch.float32 else master
+        self._barrier()
+        for unit in self.units.values():
+            key = (unit.stage, unit.sub)
+            if unit.fwd_rank != self.rank or key in self.shared:
+                continue
+            if unit.mirrored:
+                self.shared[key] = self.store.create(self._spec(unit))[self.dtype]
+            else:
+                self.shared[key] = self.store.attach(self._spec(unit))[self.dtype]
+        self.push_mirrors()
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.group is not None and self.info.world_size > 1:
+            work = dist.barrier(group=self.group, async_op=True)
+            wait_for(work, rank=self.rank, what="parameter store set-up barrier", peer=None, timeout_s=self.timeout_s)
+
+    # ------------------------------------------------------------------------------------- use
+    def pieces(self, stage: int, sub: int) -> list[torch.Tensor]:
+        """Host tensors whose concatenation is the flat parameters of forward stage ``stage``
+        (``sub == -1``) or of sub-stage ``(stage, sub)``."""
+        subs = [k for (s, k) in self.units if s == stage] if sub < 0 else [sub]
+        try:
+            return [self.shared[(stage, k)] for k in sorted(subs)]
+        except KeyError as err:
+            raise RuntimeError(
+                f"rank {self.rank}: parameters of s{stage}{'' if sub < 0 else f'.{sub}'} are not mapped on this rank "
+                f"(missing {err}); the schedule loads a unit this rank neither owns nor runs forward") from None
+
+    def push_mirrors(self) -> int:
+        """Owners send their updated parameters to the mirrors on other nodes; forward ranks
+        receive into theirs. Every rank calls it (after the step); returns the messages handled."""
+        works: list[tuple[dist.Work, str, int]] = []
+        for key in sorted(self.units):
+            unit = self.units[key]
+            if not unit.mirrored:
+                continue
+            if unit.owner == self.rank:
+                works.append((dist.isend(self.shared[key], dst=unit.fwd_rank, group=self.group),
+                              f"mirror push of {unit.key} to node {unit.fwd_node}", unit.fwd_rank))
+            elif unit.fwd_rank == self.rank:
+                works.append((dist.irecv(self.shared[key], src=unit.owner, group=self.group),
+                              f"mirror update of {unit.key} from node {unit.owner_node}", unit.owner))
+        for work, what, peer in works:
+            wait_for(work, rank=self.rank, what=what, peer=peer, timeout_s=self.timeout_s)
+        return len(works)
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """fp32 copies of the master weights of the owned sub-stages, by parameter name
+        (``layers.<i>.<name>``, as in :class:`sysx.model.LlamaModel`)."""
+        out = {}
+        for key, master in self.masters.items():
+            offset = 0
+            for i in self.units[key].layers:
+                for name, shape in self.params_of_layer[i]:
+                    n = _numel(shape)
+                    out[f"layers.{i}.{name}"] = master[offset:offset + n].detach().clone().view(shape)
+                    offset += n
+        return out
+
+    def close(self) -> None:
+        """Drop every view of shared memory and close the store (unlink what this rank created)."""
+        self.masters.clear()
+        self.shared.clear()
+        self.store.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n

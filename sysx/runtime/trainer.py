@@ -1,0 +1,271 @@
+"""``PipelineTrainer``: every pipeline schedule, one process per device, as a library and as a job.
+
+Library use mirrors :class:`sysx.trainers.reference.ReferenceTrainer`::
+
+    trainer = PipelineTrainer(cfg, PipelineOptions(schedule="sysx", split=2))  # on every rank
+    results = trainer.run(steps)           # one StepResult per step, the same on every rank
+    weights = trainer.state_dict()         # collective: the full fp32 weights on every rank
+    trainer.close()
+
+One step on one rank: the executor runs the rank's op list (parameters from the shared store,
+forward/backward with checkpoints, p2p, gradient offload, CPU optimizer, VALIDATE); then owners
+push updated parameters to mirror segments on other nodes; then one all-reduce of the loss
+ends the step on every rank, so no rank loads parameters of the next step before every
+optimizer (including rollbacks and clipping re-steps) of this one has finished.
+
+The job (``schedule=gpipe|1f1b|interleaved_1f1b|mobius|sysx`` under torchrun or mpirun) is
+:func:`train`; :func:`train_auto` is ``schedule=auto`` (the pipeline with several processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import itertools
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from sysx import device as dev
+from sysx import dist as sdist
+from sysx.config import ConfigError, SysxConfig, resolve
+from sysx.memory import resolve_job_id, torch_broadcast
+from sysx.metrics import StepResult
+from sysx.runtime.buffers import GradBuffers, ParamSlots
+from sysx.runtime.executor import Executor, ExecutionError, StepContext, forward_program
+from sysx.runtime.optimizer import OptimSettings, RankOptimizer
+from sysx.runtime.options import PipelineOptions, make_schedule, options_from_config
+from sysx.runtime.p2p import P2P, TransferMismatch
+from sysx.runtime.stage_params import StageParams
+from sysx.schedule import OpKind
+from sysx.trainers.base import Trainer, run_job
+
+if TYPE_CHECKING:
+    from sysx.data import TokenDataset
+
+_instances = itertools.count()
+
+
+class PipelineTrainer(Trainer):
+    """One rank of a pipeline-parallel run (see the module doc). Every rank constructs it with the
+    same ``cfg`` and ``options``; without ``info`` the process group is joined from the
+    launcher's environment (a single process needs none)."""
+
+    def __init__(
+        self,
+        cfg: SysxConfig | DictConfig,
+        options: PipelineOptions | None = None,
+        *,
+        info: sdist.DistInfo | None = None,
+        dataset: TokenDataset | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(cfg, dataset=dataset)
+        cfg = self.cfg
+        self.opts = options if options is not None else options_from_config(cfg)
+        self.opts.check()
+        self.info = info if info is not None else sdist.init(timeout_s=self.opts.timeout_s)
+        self.rank, self.world = self.info.rank, self.info.world_size
+        if self.world > 1 and not dist.is_initialized():
+            raise RuntimeError(f"rank {self.rank}: {self.world} processes but no process group; call sysx.dist.init() first")
+        try:
+            self.device = dev.resolve_device(cfg.device) if device is None else torch.device(device)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        t = cfg.train
+        self.schedule = make_schedule(self.opts, self.model_cfg, n_ranks=self.world, n_micro=t.micro_batches, seq_len=t.seq_len)
+        self.ops = self.schedule.ops[self.rank]
+        self.group = sdist.cpu_group() if self.world > 1 else None
+        self._closed = False
+        self.params: StageParams | None = None
+        self.optimizer: RankOptimizer | None = None
+        self.last_op_seconds: dict[str, float] = {}
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        cfg, opts, t = self.cfg, self.opts, self.cfg.train
+        base = opts.job_id or resolve_job_id(rank=self.rank, broadcast=torch_broadcast(self.group) if self.world > 1 else None)
+        self.job_id = f"{base}.t{next(_instances)}"
+        self.params = StageParams(self.schedule, self.model_cfg, self.info, dtype=self.dtype, job=self.job_id,
+                                  seed=cfg.seed, group=self.group, timeout_s=opts.timeout_s)
+        compute = dev.current_stream(self.device)
+        h2d, d2h = dev.new_stream(self.device), dev.new_stream(self.device)
+        loads = [self.schedule.layers(op) for op in self.ops if op.kind == OpKind.LOAD_PARAMS]
+        loads += [self.schedule.partition.stage_layers(s) for s in self.schedule.placement.fwd_stages(self.rank)]
+        numels = self.params.numels
+        slot_numel = max(sum(numels[i] for i in r) for r in loads)
+        self.slots = ParamSlots(self.schedule.options["param_buffers"], slot_numel, self.dtype, self.device,
+                                layer_numels=numels, h2d=h2d, compute=compute)
+        self.grads = GradBuffers(self.dtype, self.device, compute=compute, d2h=d2h)
+        o = cfg.optim
+        settings = OptimSettings(
+            lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+            backend=opts.optim_backend, rollback=opts.rollback, workers=opts.optimizer_workers)
+        self.optimizer = RankOptimizer(self.params, settings, self.scaler, group=self.group, local_rank=self.info.local_rank,
+                                       local_world_size=self.info.local_world_size)
+        p2p = None
+        if self.world > 1:
+            backend = dist.get_backend()
+            verify = opts.verify_transfers if opts.verify_transfers is not None else backend != "nccl"
+            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify)
+        self.p2p = p2p
+        self.executor = Executor(
+            self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,
+            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, params=self.params, slots=self.slots,
+            grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch)
+        self._eval_ops = forward_program(self.schedule, self.rank, cfg.eval.batches)
+
+    # ------------------------------------------------------------------------------------ pieces
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole model."""
+        assert self.params is not None
+        return sum(self.params.numels)
+
+    def _batch(self, step: int, mb: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        from sysx.data import get_batch
+
+        t = self.cfg.train
+        return get_batch(self.dataset, seed=self.cfg.seed, step=step, micro_batch=mb, micro_batch_size=t.micro_batch_size,
+                         seq_len=t.seq_len, split=split)
+
+    def _all_reduce(self, values: list[float], what: str) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.opts.timeout_s)
+        return t.tolist()
+
+    # ------------------------------------------------------------------------------------- steps
+    def train_step(self) -> StepResult:
+        """Run one step of the schedule on this rank; returns the step's result (same on every rank)."""
+        if self._closed:
+            raise RuntimeError("PipelineTrainer.train_step after close()")
+        assert self.optimizer is not None and self.params is not None
+        step = self.step_index
+        t0 = time.perf_counter()
+        scale = float(self.scaler.scale)
+        lr = self.lr_at(step)
+        self.optimizer.begin()
+        ctx = StepContext(step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches)
+        try:
+            self.executor.run(self.ops, ctx)
+            self.params.push_mirrors()
+        except BaseException:
+            self.executor.reset()
+            raise
+        local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
+        total, count = self._all_reduce([local, float(len(ctx.losses))], f"end of step {step} (loss all-reduce)")
+        if int(count) != self.cfg.train.micro_batches:
+            raise ExecutionError(f"rank {self.rank}: step {step}: {int(count)} micro-batch losses were computed, expected "
+                                 f"{self.cfg.train.micro_batches}")
+        outcome = self.optimizer.outcome
+        assert outcome is not None
+        dev.synchronize(self.device)
+        result = StepResult(step=step, loss=total / count, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
+                            scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
+        self.last_op_seconds = ctx.op_seconds
+        self.step_index += 1
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean loss over ``eval.batches`` micro-batches of the val split (forward-only program)."""
+        n = self.cfg.eval.batches if batches is None else batches
+        ops = self._eval_ops if n == self.cfg.eval.batches else forward_program(self.schedule, self.rank, n)
+        ctx = StepContext(step=0, n_micro=n, split="val", training=False)
+        try:
+            self.executor.run(ops, ctx)
+        except BaseException:
+            self.executor.reset()
+            raise
+        local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
+        total, count = self._all_reduce([local, float(len(ctx.losses))], "evaluation (loss all-reduce)")
+        return total / count
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full fp32 weights by parameter name (``layers.<i>.<name>``); collective: every rank
+        calls it and gets the same dict (gathered over the CPU group, meant for tests and small models)."""
+        assert self.params is not None
+        mine = self.params.master_state()
+        if self.world == 1:
+            return mine
+        parts: list[dict[str, torch.Tensor] | None] = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part or {})
+        return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0])))
+
+    def describe(self) -> str:
+        """The plan of this run: schedule and options, partition, and which rank runs what."""
+        sch, place = self.schedule, self.schedule.placement
+        fwd = " | ".join(f"r{r}: " + ",".join(map(str, place.fwd_stages(r))) for r in range(self.world))
+        bwd = " | ".join(f"r{r}: " + ",".join(f"{s}.{k}" for s, k in place.bwd_substages(r)) for r in range(self.world))
+        lines = [f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
+                 f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.get('ckpt')} | "
+                 f"optimizer {sch.options.get('optimizer')} | job {getattr(self, 'job_id', '?')}",
+                 *("  " + line for line in sch.partition.describe().splitlines()),
+                 f"  forward stages   {fwd}", f"  backward (owner) {bwd}"]
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Join optimizer threads, drop every view of shared memory and close the store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.reset()
+            executor._modules.clear()
+        if self.optimizer is not None:
+            self.optimizer.close()
+            self.optimizer = None
+        if self.params is not None:
+            self.params.close()
+            self.params = None
+
+
+# ----------------------------------------------------------------------------------------- jobs
+def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
+    """The ``sysx-train`` job for a pipeline schedule (every rank runs it). Returns the exit status:
+    0, or 1 after a runtime failure (a lost peer, a timeout, a plan mismatch), printed by every rank."""
+    from sysx.optim.cores import apply_plan, plan_cores
+
+    opts = options_from_config(cfg)
+    info = sdist.init(timeout_s=opts.timeout_s)
+    try:
+        plan = plan_cores(n_stages=1, backend="torch" if opts.optim_backend == "torch" else "deepspeed",
+                          local_rank=info.local_rank, local_world_size=info.local_world_size)
+        apply_plan(plan)
+        trainer = PipelineTrainer(resolve(cfg), opts, info=info)
+        return run_job(trainer, is_main=info.is_main, extra=trainer.describe())
+    except (ExecutionError, sdist.PeerTimeout, TransferMismatch) as err:
+        print(f"sysx-train: rank {info.rank}: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        sdist.shutdown()
+
+
+def train_auto(cfg: SysxConfig, info: sdist.DistInfo) -> int:
+    """``schedule=auto``: the SysX pipeline for several processes, the single-device sliding window
+    for one. The resolved name replaces ``auto`` in the config, so ``config.yaml`` and the logs say
+    what ran."""
+    from sysx.train import trainer_for
+
+    name = "sysx" if info.world_size > 1 else "single"
+    if info.is_main:
+        print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
+              flush=True)
+    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
+    return trainer_for(name)(cfg, info)

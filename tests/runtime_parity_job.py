@@ -1,0 +1,86 @@
+"""One rank of a multi-process parity run (started by tests/test_runtime_procs.py, not collected).
+
+    RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. LOCAL_WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. \
+        python tests/runtime_parity_job.py SPEC.json RESULT.json
+
+SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "schedules": [{PipelineOptions
+fields}, ...]}``. Rank 0 trains the single-process reference in-process once; then every rank runs
+each schedule in turn in the same process group (a fresh PipelineTrainer each, same seed and
+batches), and rank 0 compares per-step losses, gradient norms and the final fp32 parameters with
+the reference and writes the figures to RESULT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+
+def main(spec_path: str, out_path: str) -> int:
+    torch.set_num_threads(1)
+    from sysx import dist as sdist
+    from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
+    from sysx.data import TokenDataset, default_corpus_path
+    from sysx.runtime import PipelineOptions, PipelineTrainer
+    from sysx.trainers.reference import ReferenceTrainer
+
+    spec = json.loads(open(spec_path).read())
+    info = sdist.init(timeout_s=float(spec.get("timeout_s", 60)))
+    steps = int(spec["steps"])
+    cfg = SysxConfig(model=ModelSection(**spec["model"]), train=TrainSection(steps=steps, **spec["train"]),
+                     optim=OptimSection(**spec.get("optim", {})), eval=EvalSection(every=0), device="cpu", seed=spec.get("seed", 0))
+    validate(cfg)
+    dataset = TokenDataset(default_corpus_path())
+    ref_losses: list[float] = []
+    ref_norms: list[float] = []
+    ref_state: dict[str, torch.Tensor] = {}
+    if info.rank == 0:
+        reference = ReferenceTrainer(cfg, dataset=dataset)
+        results = reference.run(steps)
+        ref_losses = [r.loss for r in results]
+        ref_norms = [r.grad_norm for r in results]
+        ref_state = reference.state_dict()
+    rows = []
+    for options in spec["schedules"]:
+        t0 = time.perf_counter()
+        opts = PipelineOptions(**{"optim_backend": "torch", "timeout_s": float(spec.get("timeout_s", 60)), **options})
+        with PipelineTrainer(cfg, opts, info=info, dataset=dataset) as trainer:
+            results = trainer.run(steps)
+            state = trainer.state_dict()
+            sched = trainer.schedule
+            mirrored = sum(u.mirrored for u in trainer.params.units.values())
+            n_messages = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
+        if info.rank != 0:
+            continue
+        losses = [r.loss for r in results]
+        norms = [r.grad_norm for r in results]
+        assert state.keys() == ref_state.keys(), (sorted(state)[:4], sorted(ref_state)[:4])
+        a = torch.cat([ref_state[k].flatten() for k in ref_state])
+        b = torch.cat([state[k].flatten() for k in ref_state])
+        per_tensor = max(float((state[k] - v).norm() / v.norm()) for k, v in ref_state.items())
+        rows.append({
+            "options": options,
+            "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.get("ckpt"),
+            "optimizer": sched.options.get("optimizer"), "messages_per_step": n_messages, "mirrored_units": mirrored,
+            "losses": losses, "ref_losses": ref_losses,
+            "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
+            "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
+            "param_rel": float((a - b).norm() / a.norm()),
+            "param_rel_per_tensor": per_tensor,
+            "param_max_abs": float((a - b).abs().max()),
+            "seconds": time.perf_counter() - t0,
+        })
+        print(f"parity {options}: loss rel {rows[-1]['loss_rel']:.2e} param rel {rows[-1]['param_rel']:.2e} "
+              f"({rows[-1]['seconds']:.1f} s)", flush=True)
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"world_size": info.world_size, "nodes": info.num_nodes, "rows": rows}, f, indent=1)
+    sdist.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

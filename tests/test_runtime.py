@@ -1,0 +1,320 @@
+"""The runtime in one process: parity with the reference, the executor's errors, p2p checks,
+schedule choice, config keys, NVTX names, and the small changes it made to dist and memory.
+
+The multi-process runs (2 and 4 ranks, a killed rank, the launch scripts) are in
+tests/test_runtime_procs.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import glob
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from sysx.config import ConfigError, EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, load_config, validate
+from sysx.data import TokenDataset, default_corpus_path
+from sysx.dist import PeerTimeout, wait_for
+from sysx.model import get_preset
+from sysx.runtime import (
+    ExecutionError,
+    PipelineOptions,
+    PipelineTrainer,
+    RuntimeConfigError,
+    StepContext,
+    TransferMismatch,
+    TransferSpec,
+    make_schedule,
+    options_from_config,
+    trace_name,
+)
+from sysx.runtime.p2p import P2P, Pending
+from sysx.schedule import Op, OpKind
+from sysx.trainers.reference import ReferenceTrainer
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dataset() -> TokenDataset:
+    return TokenDataset(default_corpus_path())
+
+
+def small_cfg(**train: int) -> SysxConfig:
+    cfg = SysxConfig(model=ModelSection(preset="tiny"),
+                     train=TrainSection(**{"steps": 3, "micro_batch_size": 2, "micro_batches": 2, "seq_len": 16, **train}),
+                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0, batches=2), device="cpu")
+    validate(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(dataset: TokenDataset) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    trainer = ReferenceTrainer(small_cfg(), dataset=dataset)
+    losses = [r.loss for r in trainer.run(3)]
+    return losses, trainer.state_dict(), trainer.evaluate(2)
+
+
+def segments(job: str) -> list[str]:
+    return glob.glob(f"/dev/shm/sysx-*-{job}-*")
+
+
+@pytest.mark.parametrize("options", [
+    {"schedule": "sysx"}, {"schedule": "sysx", "cfg": 0}, {"schedule": "gpipe"}, {"schedule": "interleaved_1f1b"},
+])
+def test_world_size_one_matches_the_reference(dataset: TokenDataset, reference: tuple, options: dict) -> None:
+    ref_losses, ref_state, ref_val = reference
+    trainer = PipelineTrainer(small_cfg(), PipelineOptions(optim_backend="torch", **options), dataset=dataset)
+    job = trainer.job_id
+    try:
+        assert segments(job), "parameters live in shared memory even with one process"
+        results = trainer.run(3)
+        state = trainer.state_dict()
+        val = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert segments(job) == []
+    assert [r.step for r in results] == [0, 1, 2]
+    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=TOL)
+    assert val == pytest.approx(ref_val, rel=TOL)
+    assert state.keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        assert float((state[name] - value).norm() / value.norm()) <= TOL, name
+
+
+def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(dataset: TokenDataset) -> None:
+    """Loss scale 2**20 overflows some sub-stages' fp16 gradients in the first steps: stages that
+    already stepped (async optimizer) are rolled back, the step is skipped and the scale halves,
+    exactly where the reference skips."""
+    from sysx.config import LossScaleSection
+
+    cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
+                     train=TrainSection(steps=5, micro_batch_size=2, micro_batches=2, seq_len=16),
+                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0), device="cpu", precision="fp16",
+                     loss_scale=LossScaleSection(init=2.0**20))
+    ref = ReferenceTrainer(cfg, dataset=dataset)
+    expected = [(r.skipped, r.scale) for r in ref.run(5)]
+    ref_state = ref.state_dict()
+    assert [s for s, _ in expected] == [True, True, True, False, False]
+    with PipelineTrainer(cfg, PipelineOptions(schedule="sysx", split=2, optim_backend="torch"), dataset=dataset) as t:
+        undone = []
+        validate_async = t.optimizer.validate_async
+
+        def spy(**kw: float):  # noqa: ANN202 - records each step's rollback count
+            outcome = validate_async(**kw)
+            undone.append(outcome.undone)
+            return outcome
+
+        t.optimizer.validate_async = spy  # type: ignore[method-assign]
+        got = [(r.skipped, r.scale) for r in t.run(5)]
+        state = t.state_dict()
+    assert got == expected
+    assert sum(undone[:3]) > 0 and undone[3:] == [0, 0]
+    a = torch.cat([v.flatten() for v in ref_state.values()])
+    b = torch.cat([state[k].flatten() for k in ref_state])
+    assert float((a - b).norm() / a.norm()) < 1e-3  # fp16 compute; the reference steps with torch.optim.AdamW
+
+
+@pytest.fixture
+def trainer(dataset: TokenDataset) -> PipelineTrainer:
+    t = PipelineTrainer(small_cfg(), PipelineOptions(schedule="sysx", split=2, optim_backend="torch"), dataset=dataset)
+    yield t
+    t.close()
+
+
+def test_the_node_memory_plan_counts_what_the_store_and_optimizer_allocate(trainer: PipelineTrainer) -> None:
+    plan = trainer.params.node_plan()
+    n = trainer.n_params
+    assert plan.segments == 4 and plan.master == 0  # fp32: the shared copy is the master
+    assert n * 4 <= plan.shared <= n * 4 + 4 * (4096 + 256)  # exact-size segments: header page + alignment
+    assert plan.optimizer == 2 * 4 * n and plan.grads == 4 * n and plan.pinned == 0
+    assert sum(s.numel for s in trainer.optimizer.stages.values()) == n
+
+
+def test_an_op_without_handler_is_an_error_naming_the_op(trainer: PipelineTrainer) -> None:
+    del trainer.executor.handlers[OpKind.FREE]
+    with pytest.raises(ExecutionError, match=r"rank 0: step 0: op #\d+ `FREE s0`: no handler for op kind"):
+        trainer.train_step()
+
+
+def test_an_inconsistent_op_list_is_an_error_naming_rank_step_and_op(trainer: PipelineTrainer) -> None:
+    ops = [Op(OpKind.BACKWARD, 1, 1, 0)]
+    with pytest.raises(ExecutionError, match=r"rank 0: step 7: op #0 `B s1.1 mb0`.*BufferError.*layers 4..5 are not loaded"):
+        trainer.executor.run(ops, StepContext(step=7))
+    trainer.executor.reset()
+    ops = [Op(OpKind.LOAD_PARAMS, 1, 1), Op(OpKind.BACKWARD, 1, 1, 0)]
+    with pytest.raises(ExecutionError, match=r"op #1 `B s1.1 mb0`.*checkpoint of B s1.1 mb0 is not available"):
+        trainer.executor.run(ops, StepContext(step=7))
+    trainer.executor.reset()
+    with pytest.raises(ExecutionError, match=r"op #0 `SEND_ACT s0 mb0 ->r1`.*act s0 mb0 is not available"):
+        trainer.executor.run([Op(OpKind.SEND_ACT, 0, -1, 0, 1)], StepContext(step=7))
+
+
+def test_leftover_tensors_are_reported_at_validate(trainer: PipelineTrainer) -> None:
+    dropped = (OpKind.BACKWARD, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP)
+    ops = [op for op in trainer.ops if not (op.kind in dropped and (op.stage, op.sub) == (0, 0))]
+    with pytest.raises(ExecutionError, match=r"`VALIDATE`.*left over at the end of the step: checkpoint s0.0 mb0, .*input gradient s0.1 mb1"):
+        trainer.executor.run(ops, StepContext(step=0, n_micro=2))
+
+
+def test_transfer_checks_name_stage_micro_batch_and_tensor() -> None:
+    spec = TransferSpec("ckpt", 2, 0, 1, (2, 16, 128), torch.float32)
+    assert spec.label == "ckpt s2.0 mb1"
+    with pytest.raises(TransferMismatch, match=r"rank 3: op: sending ckpt s2.0 mb1: the tensor is \[2, 16, 64\] "
+                                               r"torch.float32 but the plan says \[2, 16, 128\].*stage 2.0, micro-batch 1, tensor ckpt"):
+        spec.check(torch.zeros(2, 16, 64), rank=3, action="op: sending")
+    with pytest.raises(TransferMismatch, match="torch.bfloat16"):
+        spec.check(torch.zeros(2, 16, 128, dtype=torch.bfloat16), rank=3, action="x")
+    spec.check(torch.zeros(2, 16, 128), rank=0, action="x")
+    assert TransferSpec.from_header(spec.header(torch.device("cpu")).tolist()) == spec
+    assert TransferSpec.from_header([0] * 11) is None
+
+    p2p = P2P(1, device=torch.device("cpu"), timeout_s=1.0, verify=True)
+    other = TransferSpec("act", 2, -1, 1, (2, 16, 128), torch.float32)
+    pending = Pending(other, 0, "step 0: op #4 `RECV_ACT s2 mb1 <-r0`", [], torch.empty(0), spec.header(torch.device("cpu")), is_send=False)
+    with pytest.raises(TransferMismatch, match=r"rank 1: step 0: op #4 .*rank 0 sent ckpt s2.0 mb1 \[2, 16, 128\].*"
+                                               r"this rank expects act s2 mb1.*disagree about the plan"):
+        p2p._check_header(pending)
+
+
+class FakeWork:
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        if self.behaviour == "broken":
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234\nmore")
+        if self.behaviour == "timeout-error":
+            raise RuntimeError("Timed out waiting 100ms for recv operation to complete")
+        return False
+
+
+def test_wait_for_names_rank_op_and_peer_and_tells_a_lost_peer_from_a_timeout() -> None:
+    with pytest.raises(PeerTimeout, match=r"rank 2: op #3 `RECV_ACT s1 mb0 <-r1` with peer rank 1 failed after 0.0 s "
+                                          r"\(Connection closed by peer \[127.0.0.1\]:1234\).*crashed or was killed"):
+        wait_for(FakeWork("broken"), rank=2, what="op #3 `RECV_ACT s1 mb0 <-r1`", peer=1, timeout_s=30)
+    with pytest.raises(PeerTimeout, match=r"rank 2: VALIDATE did not complete within 0.1 s.*timeout_s"):
+        wait_for(FakeWork("never"), rank=2, what="VALIDATE", peer=None, timeout_s=0.1)
+    with pytest.raises(PeerTimeout, match=r"did not complete within 0 s \(Timed out"):
+        wait_for(FakeWork("timeout-error"), rank=0, what="x", peer=1, timeout_s=0.0)
+
+
+def test_schedule_choice_follows_the_model_and_explains_refusals() -> None:
+    tiny = get_preset("tiny")  # 6 flat layers
+
+    def shape(n: int, **kw: object) -> tuple[int, int]:
+        s = make_schedule(PipelineOptions(**kw), tiny, n_ranks=n, n_micro=2, seq_len=16)  # type: ignore[arg-type]
+        return s.n_stages, s.split
+
+    assert shape(schedule="sysx", n=1) == (2, 2)
+    assert shape(schedule="sysx", n=2) == (2, 2)  # 4 stages cannot all be split: 1 stage per rank, d=2
+    assert shape(schedule="sysx", n=4) == (4, 1)
+    assert shape(schedule="sysx", n=2, cfg=0) == (4, 1)
+    assert shape(schedule="mobius", n=2) == (4, 1)
+    assert shape(schedule="gpipe", n=2) == (2, 1)
+    with pytest.raises(RuntimeConfigError, match=r"needs 8 forward stages but the model has only 6 flat layers.*model.n_layers"):
+        make_schedule(PipelineOptions(schedule="sysx", split=4), tiny, n_ranks=4, n_micro=2, seq_len=16)
+    with pytest.raises(RuntimeConfigError, match=r"d=4.*lower d"):
+        make_schedule(PipelineOptions(schedule="sysx", split=4, stages_per_rank=1), tiny, n_ranks=2, n_micro=2, seq_len=16)
+    with pytest.raises(RuntimeConfigError, match=r"stages_per_rank=2 is not valid for gpipe"):
+        PipelineOptions(schedule="gpipe", stages_per_rank=2).check()
+
+
+def test_schedule_config_keys_reach_the_runtime() -> None:
+    cfg = load_config(["schedule=sysx", "schedule.split=3", "schedule.stages_per_rank=1", "schedule.cfg=2",
+                       "optim.rollback=snapshot", "optim.backend=torch", "optim.workers=2", "schedule.timeout_s=12"])
+    opts = options_from_config(cfg)
+    assert (opts.schedule, opts.split, opts.stages_per_rank, opts.cfg, opts.timeout_s) == ("sysx", 3, 1, 2, 12.0)
+    assert (opts.rollback, opts.optim_backend, opts.optimizer_workers) == ("snapshot", "torch", 2)
+    assert options_from_config(load_config(["schedule=auto"])).schedule == "sysx"
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "mobius"):
+        assert options_from_config(load_config([f"schedule={name}"])).schedule == name
+    for bad, word in (("schedule.cfg=5", "0, 1, 2, 3"), ("schedule.split=0", ">= 1"), ("optim.rollback=no", "undo, snapshot"),
+                      ("optim.backend=x", "auto, deepspeed, torch"), ("schedule.stage_sizes=[3,0]", "positive"),
+                      ("optim.workers=0", ">= 1"), ("schedule.timeout_s=0", "> 0")):
+        with pytest.raises(ConfigError, match=word):
+            load_config(["schedule=sysx", bad])
+
+
+def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_reference(tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from sysx.train import main
+
+    args = ["train.steps=2", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=1", "eval.batches=2", "device=cpu",
+            "optim.backend=torch"]
+    assert main(["schedule=sysx", *args, f"run_dir={tmp_path / 'a'}"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: schedule=sysx" in out and "1 rank(s) on 1 node(s) | Nsf=2 d=2" in out and "done: 2 steps" in out
+    assert main(["schedule=auto", *args, f"run_dir={tmp_path / 'b'}"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule=auto" in out and "pipeline:" not in out and "done: 2 steps" in out
+    a = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    b = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    import json
+
+    assert [json.loads(x)["loss"] for x in a] == pytest.approx([json.loads(x)["loss"] for x in b], rel=TOL)
+
+
+def test_trace_names() -> None:
+    assert trace_name(Op(OpKind.FORWARD, 3, -1, 2)) == "F s3 mb2"
+    assert trace_name(Op(OpKind.BACKWARD, 5, 1, 0)) == "B s5.1 mb0"
+    assert trace_name(Op(OpKind.LOAD_PARAMS, 4, -1)) == "H2D s4"
+    assert trace_name(Op(OpKind.OFFLOAD_GRADS, 5, 1)) == "D2H s5.1"
+    assert trace_name(Op(OpKind.OPTIM_STEP, 5, 1)) == "OPT s5.1"
+    assert trace_name(Op(OpKind.SEND_CKPT, 2, 0, 1, 3, True)) == "SEND ckpt s2.0 mb1"
+    assert trace_name(Op(OpKind.RECV_CKPT, 2, 0, 1, 0, True)) == "RECV ckpt s2.0 mb1"
+    assert trace_name(Op(OpKind.WAIT_CKPT, 2, 0, 1, 0)) == "WAIT ckpt s2.0 mb1"
+    assert trace_name(Op(OpKind.RECV_ACT, 3, -1, 0, 1)) == "RECV act s3 mb0"
+    assert trace_name(Op(OpKind.SEND_GRAD, 3, 1, 0, 1)) == "SEND grad s3.1 mb0"
+
+
+def test_nvtx_ranges_cover_every_op_and_the_optimizer_threads(trainer: PipelineTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvtx
+
+    from sysx import trace
+
+    seen: list[tuple[str, str]] = []
+
+    @contextlib.contextmanager
+    def annotate(name: str, domain: str | None = None):  # noqa: ANN202 - a stand-in for nvtx.annotate
+        seen.append((name, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(nvtx, "annotate", annotate)
+    monkeypatch.setattr(trace, "_enabled", True)
+    trainer.train_step()
+    names = {n for n, _ in seen}
+    assert {"H2D s0", "F s0 mb0", "F s1 mb1", "H2D s1.1", "B s1.1 mb0", "B s0.0 mb1", "D2H s1.1", "OPT queue s1.1",
+            "VALIDATE", "FREE s0"} <= names
+    workers = {n for n, t in seen if t.startswith("sysx-opt")}
+    assert {"OPT s1.1", "OPT s1.0", "OPT s0.1", "OPT s0.0"} <= workers
+    assert len(seen) >= len(trainer.ops)
+
+
+def test_shm_close_collects_garbage_only_when_views_remain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sysx/memory/views.py: closing no longer runs gc.collect() (~0.1-0.4 s each with torch
+    loaded) when no tensor view is alive, and still finds views held only by a reference cycle."""
+    import mmap
+
+    from sysx.memory.views import MappedBuffer
+
+    calls = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or real_collect(*a))
+    buf = MappedBuffer(mmap.mmap(-1, 4096), "test map")
+    t = buf.tensor(torch.float32, 0, 16)
+    del t
+    buf.close()
+    assert calls == [] and buf.closed
+
+    buf = MappedBuffer(mmap.mmap(-1, 4096), "test map")
+    cycle: list = [buf.tensor(torch.float32, 0, 16)]
+    cycle.append(cycle)
+    del cycle
+    buf.close()
+    assert calls == [1] and buf.closed
