@@ -106,6 +106,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _interactive_signals() -> None:
+    """Give the child the SIGINT of a process started from a terminal. A job started in the
+    background by a non-interactive shell (as CI may be) inherits SIGINT ignored, and sysx rightly
+    leaves an ignored signal alone, so the Ctrl-C exit path could not be exercised otherwise."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(script: str, *args: str, guardian: bool = False, **popen: object) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", script, *args],
@@ -114,6 +121,7 @@ def _spawn(script: str, *args: str, guardian: bool = False, **popen: object) -> 
         stderr=subprocess.PIPE,
         text=True,
         env=_env(SYSX_SHM_GUARDIAN="1" if guardian else "0"),
+        preexec_fn=_interactive_signals,
         **popen,
     )
     _children.append(proc)
