@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Launch sysx-train on this machine with torchrun, one process per GPU (or NPROC processes).
-#   NPROC=4 launch/torchrun.sh schedule=<multi-process schedule> train.steps=100
-# Arguments are sysx-train overrides. Rank and world size reach sysx through torchrun's environment
-# (RANK, WORLD_SIZE, LOCAL_RANK); Hydra creates no directories and rank 0 alone writes run_dir.
-# schedule=reference runs in one process only: use `sysx-train` directly (or NPROC=1) for it.
+# Launch sysx-train with torchrun, one process per GPU (or NPROC processes on CPU).
+#   NPROC=4 launch/torchrun.sh schedule=sysx train.steps=100                    # this machine
+#   NNODES=2 NODE_RANK=0 MASTER=host0:29533 launch/torchrun.sh schedule=sysx    # on host0
+#   NNODES=2 NODE_RANK=1 MASTER=host0:29533 launch/torchrun.sh schedule=sysx    # on host1
+# Arguments are sysx-train overrides. Rank, world size and the node layout reach sysx through
+# torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); Hydra creates no
+# directories and rank 0 alone writes run_dir. With NNODES > 1 every node runs this script with its
+# NODE_RANK and the same MASTER (host:port of node 0) and RDZV_ID (default: sysx-<MASTER>).
 set -euo pipefail
 if [ -z "${NPROC:-}" ]; then
   NPROC=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
 fi
-exec torchrun --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
+NNODES="${NNODES:-1}"
+if [ "${NNODES}" -eq 1 ]; then
+  exec torchrun --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
+fi
+: "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for this node}"
+: "${MASTER:?set MASTER=host:port of node 0 (the rendezvous endpoint)}"
+exec torchrun --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
+  --rdzv_backend=c10d --rdzv_endpoint="${MASTER}" --rdzv_id="${RDZV_ID:-sysx-${MASTER}}" \
+  -m sysx.train "$@"
