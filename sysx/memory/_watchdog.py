@@ -5,6 +5,7 @@ Arguments: parent pid, parent start time (ticks), shm directory. Reads ``+ name 
 listed whose name still points at that inode and whose header names the parent as creator.
 """
 
+import contextlib
 import os
 import signal
 import struct
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
             names.pop(rest, None)
     for name, ino in names.items():
         path = os.path.join(shm_dir, name.lstrip("/"))
-        try:
+        with contextlib.suppress(OSError, struct.error):
             if os.stat(path).st_ino != ino:
                 continue  # the name now belongs to a new segment
             with open(path, "rb") as f:
@@ -36,8 +37,6 @@ def main(argv: list[str]) -> int:
                 continue
             os.unlink(path)
             sys.stderr.write(f"sysx shm guardian: pid {parent[0]} died; removed its segment {name}\n")
-        except (OSError, struct.error):
-            pass
     return 0
 
 

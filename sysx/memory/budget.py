@@ -14,6 +14,7 @@ available. A shortage raises :class:`HostMemoryError` naming needed vs available
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -107,13 +108,11 @@ def _read_int(path: Path) -> int | None:
 
 
 def _inactive_file(stat_path: Path, key: str) -> int:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         for line in stat_path.read_text().splitlines():
             name, _, value = line.partition(" ")
             if name == key:
                 return int(value)
-    except (OSError, ValueError):
-        pass
     return 0
 
 

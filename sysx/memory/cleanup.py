@@ -18,6 +18,7 @@ Forked children inherit nothing: they never unlink their parent's segments.
 
 from __future__ import annotations
 
+import contextlib
 import atexit
 import os
 import signal
@@ -227,16 +228,12 @@ def release_all(timeout_s: float | None = None) -> None:
         try:
             pid = os.getpid()
             for segment in list(_attached):  # first stop holding others' segments: no cross-waiting
-                try:
+                with contextlib.suppress(OSError):
                     segment.detach_lock()
-                except OSError:
-                    pass
             mine = [segment for segment in _owned if segment._pid == pid]
             for segment in mine:  # no new attachers anywhere, then one shared wait
-                try:
+                with contextlib.suppress(OSError):
                     segment.mark_closing()
-                except OSError:
-                    pass
             deadline = time.monotonic() + timeout
             for segment in mine:
                 try:

@@ -15,6 +15,7 @@ unlinked while its creator lives. Disable with ``SYSX_SHM_GUARDIAN=0``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -85,11 +86,9 @@ class Guardian:
         """In a forked child: drop the inherited handle (the child owns nothing)."""
         if self._proc is not None:
             _inherited.append(self._proc)  # keep it referenced: no __del__ games in the child
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if self._proc.stdin is not None:
                     self._proc.stdin.close()  # the child's copy of the write end only
-            except (OSError, ValueError):
-                pass
         self._proc = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -101,12 +100,10 @@ class Guardian:
         if proc is None or self._pid != os.getpid():
             return
         self._proc = None
-        try:
+        with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
             if proc.stdin is not None:
                 proc.stdin.close()
             proc.wait(timeout_s)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            pass
 
     @property
     def pid(self) -> int | None:

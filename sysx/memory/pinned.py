@@ -12,6 +12,7 @@ loud warning says so and how to fix it. Without CUDA everything is a no-op with 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -45,14 +46,12 @@ def _clear_cuda_error() -> None:
     """Reset the CUDA runtime's last-error slot after a failed registration, so the next kernel
     launch check does not report our (handled) error. Best effort: uses the libcudart this process
     already loaded, if it is a shared library."""
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line}
         for path in paths:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             lib.cudaGetLastError()
-    except OSError:
-        pass
 
 
 def _error_text(cudart: Any, code: int) -> str:

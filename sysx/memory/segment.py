@@ -20,6 +20,7 @@ Attachers never unlink. Locks also tell ``sysx shm list`` whether anyone still u
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -413,7 +414,5 @@ def _reserve(fd: int, total: int, name: str) -> None:
 
 
 def _unlink_quietly(name: str) -> None:
-    try:
+    with contextlib.suppress(posix_ipc.ExistentialError):
         posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass

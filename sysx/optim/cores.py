@@ -16,6 +16,7 @@ pins the process to its slice of the affinity mask, and logs the plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -76,11 +77,9 @@ def _env_int(names: tuple[str, ...], default: int) -> int:
 
 def cgroup_cpu_limit() -> float | None:
     """CPUs allowed by the cgroup v2 (``cpu.max``) or v1 (``cfs_quota_us``) quota; None if unlimited."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
     try:
         q = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
         p = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())

@@ -17,6 +17,7 @@ learning rate of the undone step. Only the last step can be undone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -243,10 +244,8 @@ class CpuAdam:
     def __del__(self) -> None:
         backend = getattr(self, "_backend", None)
         if backend is not None:
-            try:
+            with contextlib.suppress(Exception):  # interpreter shutdown: the op module may be gone already
                 backend.close()
-            except Exception:  # interpreter shutdown: the op module may be gone already
-                pass
 
     def __repr__(self) -> str:
         h = self.hyper

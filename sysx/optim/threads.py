@@ -109,31 +109,12 @@ class OptimizerThreads:
         """
         with self._lock:
             pending, self._pending = self._pending, []
-        reports: list[StageReport] = []
-        error: BaseException | None = None
-        for future in pending:
-            try:
-                reports.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below after joining the rest
-                error = error or exc
-        if error is not None:
-            raise error
-        return reports
+        return _results(pending)
 
     # ---------------------------------------------------------------------------- other jobs
     def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str) -> list[T]:
         """Run ``fn(stage)`` for each named stage on the workers; wait for all, return the results."""
-        futures = [self._executor().submit(_labelled_job, fn, self.stage(n), label) for n in names]
-        results: list[T] = []
-        error: BaseException | None = None
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised once every job has ended
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
+        return _results([self._executor().submit(_labelled_job, fn, self.stage(n), label) for n in names])
 
     # ------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -177,3 +158,18 @@ def _step_job(
 def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str) -> T:
     with nvtx_range(f"OPT {label} {stage.name}"):
         return fn(stage)
+
+
+def _results(futures: Sequence[Future[T]]) -> list[T]:
+    """The futures' results in order; if any raised, every one is still waited for, then the first
+    error is raised (so no job is left running behind an exception)."""
+    results: list[T] = []
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 - re-raised once every job has ended
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
