@@ -157,7 +157,10 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error_and_no_leak(tmp_path:
             line = [x for x in err.splitlines() if x.startswith("sysx-train:")]
             assert procs[r].returncode == 1, err[-2000:]
             assert elapsed < 20 + 10, elapsed  # within the timeout (gloo notices the closed connection at once)
-            assert line and f"rank {r}: error: rank {r}" in line[0] and "op #" in line[0], err[-2000:]
+            # the error names the rank and where it stopped: an op of the schedule (`op #k ...`), or the
+            # end-of-step loss all-reduce when the peer died between the last op and that collective
+            assert line and f"rank {r}: error: rank {r}" in line[0], err[-2000:]
+            assert "op #" in line[0] or "all-reduce" in line[0], err[-2000:]
             print(f"\nrank {r} exited after {elapsed:.1f} s: {line[0][:400]}")
         procs[1].wait(timeout=10)
     finally:

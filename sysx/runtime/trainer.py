@@ -141,7 +141,10 @@ class PipelineTrainer(Trainer):
         if self.world == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        try:
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as err:  # a peer that died before the collective was posted
+            raise sdist.PeerTimeout(f"rank {self.rank}: {what} could not start: {str(err).splitlines()[0]}") from err
         sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.opts.timeout_s)
         return t.tolist()
 
