@@ -3,7 +3,7 @@
 For one model, sequence length and global batch (``micro_batch_size * micro_batches`` sequences)
 and each device memory budget it times a few steps (warm-up steps excluded) of
 
-* ``sysx single``: :class:`sysx.single.trainer.SingleTrainer` with ``single.device_memory_gb=<budget>``,
+* ``sysx single``: :class:`sysx.trainers.single.SingleTrainer` with ``single.device_memory_gb=<budget>``,
 * ``pytorch ckpt``: plain PyTorch, the whole model on the device, full activation checkpointing
   (one ``torch.utils.checkpoint`` per Block), AdamW; "OOM" when it does not fit the budget,
 * ``zero3 offload``: DeepSpeed ZeRO-3 with parameters and optimizer states offloaded to the CPU
@@ -158,7 +158,7 @@ def sync(device: torch.device) -> None:
 def run_single(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float | None) -> Row:
     """(a) the sliding-window trainer under ``single.device_memory_gb``."""
     from sysx.single.planner import PlanError
-    from sysx.single.trainer import SingleTrainer
+    from sysx.trainers.single import SingleTrainer
     from sysx.trainers.base import job_device
 
     device = job_device(cfg)

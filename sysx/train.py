@@ -24,13 +24,18 @@ torchrun, ``PMI_RANK``/``PMI_SIZE`` from MPI); rank 0 alone creates ``run_dir``,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sysx.config import ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config, to_yaml
+
+if TYPE_CHECKING:
+    from sysx.dist import DistInfo
 
 PROG = "sysx-train"
 
@@ -38,13 +43,13 @@ PROG = "sysx-train"
 # Imported on use, so `sysx-train --help` stays fast and a schedule's dependencies load only when chosen.
 TRAINERS: dict[str, str] = {
     "reference": "sysx.trainers.reference:train",
-    "single": "sysx.single.trainer:train",
-    "gpipe": "sysx.runtime.trainer:train",
-    "1f1b": "sysx.runtime.trainer:train",
-    "interleaved_1f1b": "sysx.runtime.trainer:train",
-    "mobius": "sysx.runtime.trainer:train",
-    "sysx": "sysx.runtime.trainer:train",
-    "auto": "sysx.runtime.trainer:train_auto",
+    "single": "sysx.trainers.single:train",
+    "gpipe": "sysx.trainers.pipeline:train",
+    "1f1b": "sysx.trainers.pipeline:train",
+    "interleaved_1f1b": "sysx.trainers.pipeline:train",
+    "mobius": "sysx.trainers.pipeline:train",
+    "sysx": "sysx.trainers.pipeline:train",
+    "auto": "sysx.train:train_auto",
 }
 
 # Arguments some launchers append (torch.distributed.launch's --local-rank); the rank is read from the environment.
@@ -119,6 +124,18 @@ def trainer_for(name: str) -> Callable[..., int]:
         raise ConfigError(f"schedule.name={name} is not valid: allowed: {', '.join(sorted(TRAINERS))}")
     module, _, func = TRAINERS[name].partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+def train_auto(cfg: SysxConfig, info: DistInfo) -> int:
+    """``schedule=auto``: the SysX pipeline for several processes, the single-device sliding window
+    for one. The resolved name replaces ``auto`` in the config, so ``config.yaml`` and the logs say
+    what ran."""
+    name = "sysx" if info.world_size > 1 else "single"
+    if info.is_main:
+        print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
+              flush=True)
+    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
+    return trainer_for(name)(cfg, info)
 
 
 def run(cfg: SysxConfig) -> int:

@@ -24,7 +24,8 @@ def main(spec_path: str, out_path: str) -> int:
     from sysx import dist as sdist
     from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
     from sysx.data import TokenDataset, default_corpus_path
-    from sysx.runtime import PipelineOptions, PipelineTrainer
+    from sysx.runtime import PipelineOptions
+    from sysx.trainers.pipeline import PipelineTrainer
     from sysx.trainers.reference import ReferenceTrainer
 
     spec = json.loads(open(spec_path).read())

@@ -24,7 +24,6 @@ from sysx.model import get_preset
 from sysx.runtime import (
     ExecutionError,
     PipelineOptions,
-    PipelineTrainer,
     RuntimeConfigError,
     StepContext,
     TransferMismatch,
@@ -35,6 +34,7 @@ from sysx.runtime import (
 )
 from sysx.runtime.p2p import P2P, Pending
 from sysx.schedule import Op, OpKind
+from sysx.trainers.pipeline import PipelineTrainer
 from sysx.trainers.reference import ReferenceTrainer
 
 TOL = 1e-5

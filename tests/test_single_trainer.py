@@ -14,7 +14,7 @@ from sysx import device as dev
 from sysx.config import EvalSection, OptimSection, SysxConfig, TrainSection
 from sysx.single.hardware import GiB, assumed_hardware
 from sysx.single.settings import SingleSection
-from sysx.single.trainer import SingleTrainer
+from sysx.trainers.single import SingleTrainer
 from sysx.trainers.reference import ReferenceTrainer
 
 STEPS = 3
@@ -306,7 +306,7 @@ def test_job_entry_point_trains_and_logs(tmp_path, capsys) -> None:
 
     from sysx.config import ScheduleSection
     from sysx.dist import DistInfo
-    from sysx.single.trainer import train
+    from sysx.trainers.single import train
 
     cfg = make_cfg()
     cfg.schedule = ScheduleSection(name="single")

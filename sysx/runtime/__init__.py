@@ -5,17 +5,16 @@
 * :mod:`sysx.runtime.buffers` - device parameter slots and gradient buffers, H2D/D2H streams;
 * :mod:`sysx.runtime.p2p` - checked, time-bounded activations / gradients / checkpoints;
 * :mod:`sysx.runtime.optimizer` - OFFLOAD_GRADS, OPTIM_STEP and VALIDATE on the host;
-* :mod:`sysx.runtime.executor` - the interpreter (dispatch table ``OpKind -> handler``);
-* :mod:`sysx.runtime.trainer` - :class:`PipelineTrainer` and the ``sysx-train`` jobs.
+* :mod:`sysx.runtime.executor` - the interpreter (dispatch table ``OpKind -> handler``).
+
+The trainer that drives them is :class:`sysx.trainers.pipeline.PipelineTrainer`.
 """
 
 from sysx.runtime.executor import ExecutionError, Executor, StepContext, forward_program, trace_name
 from sysx.runtime.options import PipelineOptions, RuntimeConfigError, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch, TransferSpec
-from sysx.runtime.trainer import PipelineTrainer, train, train_auto
 
 __all__ = [
-    "ExecutionError", "Executor", "P2P", "PipelineOptions", "PipelineTrainer", "RuntimeConfigError", "StepContext",
+    "ExecutionError", "Executor", "P2P", "PipelineOptions", "RuntimeConfigError", "StepContext",
     "TransferMismatch", "TransferSpec", "forward_program", "make_schedule", "options_from_config", "trace_name",
-    "train", "train_auto",
 ]

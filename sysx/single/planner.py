@@ -46,7 +46,7 @@ from sysx.single.act_policy import (
 )
 from sysx.single.hardware import GiB, HardwareProfile
 from sysx.single.rings import align
-from sysx.single.sites import LayerProfile, SlotLayout, profile_layer
+from sysx.single.sites import LayerProfile, Profiler, SlotLayout, profile_layer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CUDA_RESERVE = 256 * 1024**2  # cuBLAS / attention workspaces and allocator rounding on a GPU
@@ -121,9 +121,6 @@ class ModelSizes:
         block = block_matmul_params(cfg) + 2 * cfg.dim
         static = cfg.vocab_size * cfg.dim + cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
         return cls(cfg.n_layers, block, block_matmul_params(cfg), static, static + cfg.n_layers * block)
-
-
-Profiler = Callable[[int], LayerProfile]
 
 
 def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:

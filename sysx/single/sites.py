@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sysx.single.act_policy import N_LEVELS, level_categories
 from sysx.single.compress import dequantize, packed_nbytes, quantize_into, rows_of
+
+if TYPE_CHECKING:
+    from sysx.model.config import ModelConfig
 
 ALIGN = 256  # byte alignment of every tensor inside a slot
 COMPRESS_MIN_ROW = 32  # rows shorter than this are not worth an fp32 scale each
@@ -475,3 +479,28 @@ def backward_replayed(layer: nn.Module, grad_out: torch.Tensor, profile: LayerPr
     assert x.grad is not None
     return x.grad
 
+
+Profiler = Callable[[int], LayerProfile]  # chunk size -> profile of one Block at that size
+
+
+def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *,
+                    measure: bool) -> Profiler:
+    """Profile a Block with random weights at chunk size ``b`` on the training device (cached per ``b``)."""
+    from sysx.model.llama import make_layer
+
+    cache: dict[int, LayerProfile] = {}
+
+    def run(b: int) -> LayerProfile:
+        if b not in cache:
+            gen = torch.Generator(device="cpu").manual_seed(1234)
+            block = make_layer(cfg, 1, dtype=torch.float32, device="cpu")
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+            block = block.to(device=device, dtype=dtype)
+            x = (torch.randn((b, seq_len, cfg.dim), generator=gen)).to(device=device, dtype=dtype)
+            cache[b] = profile_layer(block, x, model_dim=cfg.dim, measure=measure)
+            del block, x
+        return cache[b]
+
+    return run

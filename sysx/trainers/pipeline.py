@@ -14,12 +14,10 @@ ends the step on every rank, so no rank loads parameters of the next step before
 optimizer (including rollbacks and clipping re-steps) of this one has finished.
 
 The job (``schedule=gpipe|1f1b|interleaved_1f1b|mobius|sysx`` under torchrun or mpirun) is
-:func:`train`; :func:`train_auto` is ``schedule=auto`` (the pipeline with several processes).
+:func:`train`.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import itertools
 import sys
@@ -258,17 +256,3 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
         return 1
     finally:
         sdist.shutdown()
-
-
-def train_auto(cfg: SysxConfig, info: sdist.DistInfo) -> int:
-    """``schedule=auto``: the SysX pipeline for several processes, the single-device sliding window
-    for one. The resolved name replaces ``auto`` in the config, so ``config.yaml`` and the logs say
-    what ran."""
-    from sysx.train import trainer_for
-
-    name = "sysx" if info.world_size > 1 else "single"
-    if info.is_main:
-        print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
-              flush=True)
-    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
-    return trainer_for(name)(cfg, info)

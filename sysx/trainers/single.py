@@ -35,36 +35,13 @@ from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure
 from sysx.single.host import AdamHyper, HostState, OptimizerWorker
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.settings import SingleSection, single_settings, validate_single
-from sysx.single.sites import LayerProfile, profile_layer
+from sysx.single.sites import device_profiler
 from sysx.trainers.base import Trainer, job_device, run_job
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
     from sysx.dist import DistInfo
-    from sysx.model import LlamaModel, ModelConfig
-
-
-def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *,
-                    measure: bool) -> Profiler:
-    """Profile a Block with random weights at chunk size ``b`` on the training device (cached per ``b``)."""
-    from sysx.model.llama import make_layer
-
-    cache: dict[int, LayerProfile] = {}
-
-    def run(b: int) -> LayerProfile:
-        if b not in cache:
-            gen = torch.Generator(device="cpu").manual_seed(1234)
-            block = make_layer(cfg, 1, dtype=torch.float32, device="cpu")
-            with torch.no_grad():
-                for p in block.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
-            block = block.to(device=device, dtype=dtype)
-            x = (torch.randn((b, seq_len, cfg.dim), generator=gen)).to(device=device, dtype=dtype)
-            cache[b] = profile_layer(block, x, model_dim=cfg.dim, measure=measure)
-            del block, x
-        return cache[b]
-
-    return run
+    from sysx.model import LlamaModel
 
 
 class SingleTrainer(Trainer):

@@ -1,0 +1,175 @@
+"""The shape of the code, checked with ``ast``: no import circle, short functions, short files,
+and the layers import downwards only.
+
+Every ``import`` counts, also those inside functions (a function-level import hides a circle
+from Python's import machinery, not from a reader), and so do ``importlib.import_module("...")``
+calls with a literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "sysx"
+MAX_FUNCTION_LINES = 100
+MAX_FILE_LINES = 600
+# Engines and libraries never import the job layer (``sysx.train``, ``sysx.trainers``, ``sysx.cli``).
+ENTRY_LAYER = ("sysx.train", "sysx.trainers", "sysx.cli")
+ENGINES = ("sysx.runtime", "sysx.single", "sysx.schedule", "sysx.optim", "sysx.memory", "sysx.model", "sysx.data",
+           "sysx.partition", "sysx.device", "sysx.dist", "sysx.config")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imported_names(tree: ast.AST, name: str, is_package: bool) -> Iterator[str]:
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield module
+            yield from (f"{module}.{alias.name}" for alias in node.names)  # ``from pkg import submodule``
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            yield node.args[0].value
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the sysx modules it imports anywhere in its body."""
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = set()
+        for imported in _imported_names(tree, name, path.name == "__init__.py"):
+            if imported in mods and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _without_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package ``__init__`` re-exports are a facade, not a dependency of the package's own modules:
+    ``sysx.memory`` importing ``sysx.memory.segment`` and ``segment`` importing ``sysx.memory.names``
+    is no circle, so edges *into* a package's ``__init__`` from its own submodules are dropped."""
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    out = {}
+    for v, targets in graph.items():
+        out[v] = {w for w in targets if not (w in packages and v.startswith(w + "."))}
+    return out
+
+
+def test_no_import_circle_anywhere_in_sysx() -> None:
+    cycles = find_cycles(_without_packages(import_graph()))
+    assert not cycles, "import circles (function-level imports count): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_engines_do_not_import_the_entry_layer() -> None:
+    graph = import_graph()
+    bad = [f"{v} -> {w}" for v, targets in graph.items() if v.startswith(ENGINES) for w in sorted(targets)
+           if w.startswith(ENTRY_LAYER)]
+    assert not bad, "engines import the job layer: " + ", ".join(bad)
+
+
+def test_config_does_not_import_the_single_gpu_engine() -> None:
+    graph = import_graph()
+    config_modules = [v for v in graph if v == "sysx.config" or v.startswith("sysx.config.")]
+    bad = [f"{v} -> {w}" for v in config_modules for w in graph[v] if w.startswith("sysx.single")]
+    assert not bad, ", ".join(bad)
+
+
+def long_functions() -> list[tuple[int, str]]:
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > MAX_FUNCTION_LINES:
+                    found.append((lines, f"{name}.{node.name} (line {node.lineno})"))
+    return sorted(found, reverse=True)
+
+
+def test_no_function_over_the_limit() -> None:
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(f"{w}: {n}" for n, w in found)
+
+
+def test_no_file_over_the_limit() -> None:
+    found = sorted(((len(p.read_text().splitlines()), n) for n, p in modules().items()), reverse=True)
+    over = [f"{n}: {lines}" for lines, n in found if lines > MAX_FILE_LINES]
+    assert not over, f"files over {MAX_FILE_LINES} lines: " + ", ".join(over)
+
+
+# The checks themselves must be able to fail.
+def test_the_cycle_finder_finds_a_planted_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_function_level_and_importlib_imports_are_seen(tmp_path: Path) -> None:
+    src = "def f():\n    from sysx.memory import budget\n    import importlib\n    importlib.import_module('sysx.train')\n"
+    names = set(_imported_names(ast.parse(src), "sysx.x", False))
+    assert {"sysx.memory", "sysx.memory.budget", "sysx.train"} <= names
+
+
+@pytest.mark.parametrize("level,module,expected", [(1, "ops", "sysx.schedule.ops"), (2, "device", "sysx.device")])
+def test_relative_imports_resolve(level: int, module: str, expected: str) -> None:
+    tree = ast.Module(body=[ast.ImportFrom(module=module, names=[ast.alias(name="x")], level=level)], type_ignores=[])
+    assert expected in set(_imported_names(tree, "sysx.schedule.lower", False))
