@@ -24,16 +24,8 @@ import torch
 from sysx.memory import budget, cleanup, names, pinned, procinfo
 from sysx.memory.cli import main as shm_main
 from sysx.memory.names import SegmentName, resolve_job_id, segment_name
-from sysx.memory.segment import (
-    CREATOR_OFFSET,
-    HEADER_BYTES,
-    LAYOUT_VERSION,
-    STATE_READY,
-    Segment,
-    SegmentError,
-    SegmentExistsError,
-    _FIXED,
-)
+from sysx.memory.header import _FIXED, CREATOR_OFFSET, HEADER_BYTES, LAYOUT_VERSION, STATE_READY, SegmentError
+from sysx.memory.segment import Segment, SegmentExistsError
 from sysx.memory.store import SharedParamStore, StageSpec
 from sysx.memory.views import LiveViewsError
 

@@ -20,8 +20,9 @@ from sysx.memory.budget import (
     remove_ipc_warning,
 )
 from sysx.memory.cleanup import SegmentInfo, release_all, scan, sweep_stale
+from sysx.memory.header import SegmentError
 from sysx.memory.names import SegmentName, mpi_broadcast, resolve_job_id, segment_name, torch_broadcast
-from sysx.memory.segment import Segment, SegmentError, SegmentExistsError, SegmentNotFoundError, StaleSegmentError
+from sysx.memory.segment import Segment, SegmentExistsError, SegmentNotFoundError, StaleSegmentError
 from sysx.memory.views import LiveViewsError
 
 _LAZY = {

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sysx.memory.header import segment_bytes
 from sysx.memory.names import SHM_DIR
 from sysx.memory.views import canonical_dtype, dtype_itemsize
 
@@ -299,8 +300,6 @@ def plan_host_memory(
     here (shared memory only). Master weights are skipped for sections already in ``master_dtype``
     (the shared copy is the master). ``optimizer_states`` is 2 for Adam (m, v), in fp32.
     """
-    from sysx.memory.segment import segment_bytes
-
     shared = master = optimizer = grads = 0
     master_size, grad_size = dtype_itemsize(master_dtype), dtype_itemsize(grad_dtype)
     master_name = canonical_dtype(master_dtype)

@@ -27,13 +27,11 @@ import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sysx.memory import guardian, procinfo
+from sysx.memory.header import Header, SegmentError, read_header
 from sysx.memory.names import PREFIX, SHM_DIR, SegmentName, current_user, sanitize
-
-if TYPE_CHECKING:
-    from sysx.memory.segment import Header, Segment
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 BROKEN_GRACE_S = 10.0  # a headerless segment younger than this may still be under construction
@@ -93,8 +91,6 @@ def classify(header: Header | None, creator_alive: bool, holders: list[int] | No
 
 def inspect(path: str) -> SegmentInfo | None:
     """Read a segment's header and users without mapping it; None if it vanished."""
-    from sysx.memory.segment import SegmentError, read_header
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, PermissionError):
@@ -173,6 +169,21 @@ def sweep_stale(*, user: str | None = None, job: str | None = None) -> list[Segm
 
 
 # --- this process's segments and its exit paths -----------------------------------------------
+class Segment(Protocol):
+    """What the exit paths use of a :class:`sysx.memory.segment.Segment`. Named here rather than
+    imported: segment.py registers every segment with this module, so it sits above it."""
+
+    name: SegmentName
+    _fd: int
+    _pid: int
+
+    def detach_lock(self) -> None: ...
+
+    def mark_closing(self) -> None: ...
+
+    def release(self, timeout_s: float = 30.0, *, deadline: float | None = None) -> bool: ...
+
+
 _lock = threading.RLock()
 _owned: list[Segment] = []
 _attached: list[Segment] = []

@@ -1,15 +1,7 @@
 """One POSIX shared-memory segment: header, exact-size allocation, create/attach/close/unlink.
 
-Layout: a header page, then ``data_bytes`` of payload (nothing rounded up).
-
-Header (little-endian, offset 0)::
-
-    magic 8s "SYSXSHM\\0" | layout_version u32 | header_bytes u32 | state u32 | meta_len u32
-    creator_pid i64 | creator_start u64 (ticks since boot) | data_bytes u64 | created_unix f64
-    meta: meta_len bytes of JSON (the store's per-dtype sections, role, ...)
-
-``state`` is CREATING until the owner has reserved the memory and written the header, then READY;
-the owner sets CLOSING before it unlinks, so a late attacher gets a clear error.
+Layout: a header page (header.py: magic, version, state CREATING/READY/CLOSING, creator, JSON
+meta), then ``data_bytes`` of payload (nothing rounded up).
 
 Lifetime protocol: every process that maps a segment (owner and attachers) holds a shared
 ``flock`` on it for as long as it maps it; the kernel drops the lock when the process exits, even
@@ -23,37 +15,35 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import mmap
 import os
 import struct
 import time
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import posix_ipc
 
-from sysx.memory import budget, procinfo
+from sysx.memory import budget, cleanup, procinfo
+from sysx.memory.header import (
+    HEADER_BYTES,
+    LAYOUT_VERSION,
+    STATE_CLOSING,
+    STATE_CREATING,
+    STATE_OFFSET,
+    STATE_READY,
+    Header,
+    SegmentError,
+    read_header,
+    segment_bytes,
+)
 from sysx.memory.names import SHM_DIR, SegmentName
 from sysx.memory.views import MappedBuffer, dtype_itemsize
 
 if TYPE_CHECKING:
     import torch
 
-MAGIC = b"SYSXSHM\x00"
-LAYOUT_VERSION = 1
-HEADER_BYTES = max(4096, mmap.PAGESIZE)
 MODE = 0o600
-_FIXED = struct.Struct("<8sIIIIqQQd")
-STATE_OFFSET = 16  # byte offset of ``state``
-CREATOR_OFFSET = 24  # byte offset of ``creator_pid, creator_start`` (``<qQ``; _watchdog.py reads it)
-STATE_CREATING, STATE_READY, STATE_CLOSING = 0, 1, 2
-STATE_NAMES = {STATE_CREATING: "creating", STATE_READY: "ready", STATE_CLOSING: "closing"}
-
-
-class SegmentError(RuntimeError):
-    """A shared-memory segment could not be created, attached or released."""
 
 
 class SegmentExistsError(SegmentError, FileExistsError):
@@ -66,59 +56,6 @@ class SegmentNotFoundError(SegmentError, FileNotFoundError):
 
 class StaleSegmentError(SegmentError):
     """The segment was left behind by a process that no longer exists."""
-
-
-@dataclass(frozen=True)
-class Header:
-    """The decoded header of a segment."""
-
-    layout_version: int
-    header_bytes: int
-    state: int
-    creator_pid: int
-    creator_start: int
-    data_bytes: int
-    created_unix: float
-    meta: dict[str, Any]
-
-    def pack(self) -> bytes:
-        """Encode (raises if the metadata does not fit in the header page)."""
-        meta = json.dumps(self.meta, separators=(",", ":")).encode()
-        if _FIXED.size + len(meta) > self.header_bytes:
-            raise ValueError(f"segment metadata is {len(meta)} bytes; at most {self.header_bytes - _FIXED.size} fit")
-        fixed = _FIXED.pack(MAGIC, self.layout_version, self.header_bytes, self.state, len(meta),
-                            self.creator_pid, self.creator_start, self.data_bytes, self.created_unix)
-        return fixed + meta
-
-    @property
-    def creator_alive(self) -> bool:
-        """True while the creating process (same pid and start time) is running."""
-        return procinfo.is_alive(self.creator_pid, self.creator_start)
-
-
-def read_header(fd: int, name: str) -> Header | None:
-    """The header of the open segment ``fd``; None while it is still being created (all zero).
-
-    Raises SegmentError for a segment that is not sysx's or has another layout version.
-    """
-    raw = os.pread(fd, HEADER_BYTES, 0)
-    if len(raw) < _FIXED.size or raw[:8] == b"\x00" * 8:
-        return None
-    magic, version, header_bytes, state, meta_len, pid, start, data_bytes, created = _FIXED.unpack_from(raw)
-    if magic != MAGIC:
-        raise SegmentError(f"{name} is not a sysx segment (magic {magic!r}); leave it alone or remove it by hand")
-    if version != LAYOUT_VERSION:
-        raise SegmentError(
-            f"{name} has layout version {version}; this sysx reads version {LAYOUT_VERSION}. "
-            "Use the same sysx version in every process of a job (`sysx shm list` shows who created it)"
-        )
-    meta = json.loads(raw[_FIXED.size : _FIXED.size + meta_len] or b"{}")
-    return Header(version, header_bytes, state, pid, start, data_bytes, created, meta)
-
-
-def segment_bytes(data_bytes: int) -> int:
-    """Total size of a segment holding ``data_bytes`` of payload (header page + payload, exact)."""
-    return HEADER_BYTES + data_bytes
 
 
 def _other_users(fd: int) -> bool:
@@ -195,8 +132,6 @@ class Segment:
             raise
         segment = cls(name, shm, _replace_state(header, STATE_READY), mm, owner=True)
         if register:
-            from sysx.memory import cleanup
-
             cleanup.register_owned(segment)
         return segment
 
@@ -206,8 +141,6 @@ class Segment:
             try:
                 return posix_ipc.SharedMemory(name.name, posix_ipc.O_CREX, mode=MODE, size=0)
             except posix_ipc.ExistentialError:
-                from sysx.memory import cleanup
-
                 info = cleanup.inspect(name.path)
                 if info is None:
                     continue  # vanished meanwhile: try again
@@ -256,8 +189,6 @@ class Segment:
                     mm = mmap.mmap(shm.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                     segment = cls(name, shm, header, mm, owner=False)
                     if register:
-                        from sysx.memory import cleanup
-
                         cleanup.register_attached(segment)
                     return segment
                 if header is not None and header.state == STATE_CLOSING:
@@ -346,8 +277,6 @@ class Segment:
         if _same_file(self.name.path, self._fd):
             _unlink_quietly(self.name.name)
         self.unlinked = True
-        from sysx.memory import cleanup
-
         cleanup.unregister(self)
         return detached
 
@@ -364,8 +293,6 @@ class Segment:
             self.release(timeout_s, deadline=deadline)
         self._shm.close_fd()  # drops this process's lock
         self._shm = None
-        from sysx.memory import cleanup
-
         cleanup.unregister(self)
 
     def detach_lock(self) -> None:
