@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sysx.config import ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config, to_yaml
+from sysx.config import (ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config,
+                         refuse_ignored_keys, to_yaml)
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo
@@ -135,6 +136,7 @@ def train_auto(cfg: SysxConfig, info: DistInfo) -> int:
         print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
               flush=True)
     cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
+    refuse_ignored_keys(name, cfg.schedule, cfg.single)
     return trainer_for(name)(cfg, info)
 
 

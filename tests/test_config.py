@@ -184,3 +184,73 @@ def test_compose_creates_nothing_and_keeps_cwd(tmp_path: Path, monkeypatch: pyte
     compose_config(["train.steps=3"])
     assert Path.cwd() == tmp_path
     assert list(tmp_path.iterdir()) == []
+
+
+IGNORED = [
+    # (overrides, words the one-line refusal must contain: the key, the schedule, the fix)
+    (["schedule=gpipe", "schedule.split=2"], ["schedule.split=2", "for gpipe", "schedule=sysx"]),
+    (["schedule=sysx", "schedule.cfg=0", "schedule.split=2"], ["schedule.split=2", "schedule.cfg=0", "cfg=1, 2 or 3"]),
+    (["schedule=mobius", "schedule.cfg=1"], ["schedule.cfg=1", "for mobius", "schedule=sysx"]),
+    (["schedule=1f1b", "schedule.stages_per_rank=2"], ["schedule.stages_per_rank=2", "for 1f1b", "interleaved_1f1b"]),
+    (["schedule=interleaved_1f1b", "schedule.cfg=2"], ["schedule.cfg=2", "for interleaved_1f1b", "schedule=sysx"]),
+    (["schedule=reference", "schedule.split=2"], ["schedule.split=2", "for reference", "gpipe"]),
+    (["schedule=single", "schedule.param_buffers=3"], ["schedule.param_buffers=3", "for single", "sysx"]),
+    (["schedule=sysx", "single.window=2"], ["single.window=2", "for sysx", "schedule=single"]),
+    (["schedule=gpipe", "single.policy=pyao"], ["single.policy=pyao", "for gpipe", "schedule=single"]),
+    # auto with one process resolves to single, which reads no pipeline key
+    (["schedule=auto", "schedule.stage_sizes=[3,3]"], ["schedule.stage_sizes=[3, 3]", "for single", "sysx"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "words"), IGNORED, ids=[" ".join(o) for o, _ in IGNORED])
+def test_a_key_the_schedule_ignores_is_refused_in_one_line(
+    overrides: list[str], words: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(key, raising=False)  # one process
+    run_dir = tmp_path / "run"
+    status = main([*overrides, "device=cpu", f"run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("sysx-train: error: ") and "ignored" in lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert not run_dir.exists()
+
+
+def test_keys_the_schedule_reads_pass() -> None:
+    load_config(["schedule=sysx", "schedule.split=2", "schedule.cfg=1", "schedule.stages_per_rank=2"])
+    load_config(["schedule=gpipe", "schedule.stages_per_rank=1", "schedule.param_buffers=3", "schedule.timeout_s=10"])
+    load_config(["schedule=single", "single.window=2", "single.policy=matmuls"])
+    load_config(["schedule=auto", "single.window=2"])  # checked once auto is resolved
+    load_config(["schedule=auto", "schedule.split=2"])
+
+
+def test_pipeline_options_refuse_what_their_schedule_ignores() -> None:
+    from sysx.runtime import PipelineOptions, RuntimeConfigError
+
+    with pytest.raises(RuntimeConfigError, match=r"^schedule.split=2 is not valid for gpipe: .*ignored; .*schedule=sysx$"):
+        PipelineOptions(schedule="gpipe", split=2).check()
+    with pytest.raises(RuntimeConfigError, match=r"schedule.cfg=5 is not valid: allowed: 0, 1, 2, 3"):
+        PipelineOptions(schedule="sysx", cfg=5).check()
+    with pytest.raises(RuntimeConfigError, match=r"optim.rollback=no is not valid: allowed: undo, snapshot"):
+        PipelineOptions(rollback="no").check()
+    PipelineOptions(schedule="sysx", split=2, cfg=1).check()
+
+
+def test_single_section_checks_itself() -> None:
+    from sysx.config import SingleSection
+
+    for bad, words in ((SingleSection(window=-1), "single.window=-1"), (SingleSection(policy="7"), "level 0..4"),
+                       (SingleSection(hardware="tpu"), "measure, rtx4090"), (SingleSection(optimizer_overlap="x"), "backward")):
+        with pytest.raises(ConfigError, match=words):
+            bad.validate()
+    SingleSection(policy="3", hardware="h100").validate()
+
+
+def test_config_imports_without_torch() -> None:
+    code = "import sys, sysx.config; sys.exit(1 if 'torch' in sys.modules else 0)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0

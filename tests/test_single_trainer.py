@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from sysx import device as dev
-from sysx.config import EvalSection, OptimSection, SysxConfig, TrainSection
+from sysx.config import EvalSection, OptimSection, SingleSection, SysxConfig, TrainSection
 from sysx.single.hardware import GiB, assumed_hardware
-from sysx.single.settings import SingleSection
 from sysx.trainers.single import SingleTrainer
 from sysx.trainers.reference import ReferenceTrainer
 

@@ -25,13 +25,12 @@ from typing import Any, Protocol
 
 import torch
 
+from sysx.config.choices import OPTIM_BACKENDS, ROLLBACKS
 from sysx.optim.formula import BetaPowers, Hyper, StepConstants, constants
 from sysx.optim.undo import Snapshot, UndoWorkspace, undo_chunk
 
 log = logging.getLogger("sysx.optim")
 
-BACKENDS = ("deepspeed", "torch", "auto")
-ROLLBACKS = ("undo", "snapshot")
 
 
 class Backend(Protocol):
@@ -66,8 +65,8 @@ def _log_backend_once(backend: Backend) -> None:
 
 def make_backend(name: str, hyper: Hyper) -> Backend:
     """Create the named backend; ``auto`` falls back from DeepSpeed to torch with a warning."""
-    if name not in BACKENDS:
-        raise ValueError(f"CpuAdam: backend={name!r} is not one of {list(BACKENDS)}")
+    if name not in OPTIM_BACKENDS:
+        raise ValueError(f"CpuAdam: backend={name!r} is not one of {list(OPTIM_BACKENDS)}")
     if name == "torch":
         from sysx.optim.torch_backend import TorchBackend
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from sysx.config.choices import PRECISIONS
 
 
 class LossScaleTooSmall(RuntimeError):

@@ -3,8 +3,8 @@
 :class:`PipelineOptions` gathers the ``schedule.*`` settings (which schedule, how many forward
 stages per rank, the SysX split ``d`` and ablation ``cfg``, GPU parameter buffers, a manual
 partition) and a few runtime knobs (CPU Adam backend, rollback mode, p2p verification, timeout).
-:func:`options_from_config` reads them from ``cfg.schedule`` where the schema has them and falls
-back to the defaults here, so the same trainer works from the Hydra config and as a library.
+:func:`options_from_config` reads them from ``cfg.schedule`` and ``cfg.optim``; built directly,
+they are the library API, checked by the same code as the config.
 
 :func:`make_schedule` turns them into the validated :class:`sysx.schedule.Schedule` every rank
 builds identically (pure data, no communication): the model's layers are cut by forward FLOPs
@@ -16,15 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sysx.config import ConfigError
+from sysx.config import ConfigError, ScheduleSection, SysxConfig, refuse_ignored_keys
+from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
+from sysx.config.sections import check_host_adam
 from sysx.partition import PartitionError, partition_model
-from sysx.schedule import ONE_STAGE_PER_RANK, SCHEDULES, Schedule, build, validate
+from sysx.schedule import Schedule, build, validate
 
 if TYPE_CHECKING:
     from sysx.model import ModelConfig
-
-OPTIM_BACKENDS = ("auto", "deepspeed", "torch")
-ROLLBACKS = ("undo", "snapshot")
 
 
 class RuntimeConfigError(ConfigError):
@@ -58,28 +57,25 @@ class PipelineOptions:
     timeout_s: float = 300.0
     job_id: str | None = None
 
+    def schedule_section(self) -> ScheduleSection:
+        """The ``schedule.*`` section of the job config these options stand for."""
+        return ScheduleSection(name=self.schedule, stages_per_rank=self.stages_per_rank, split=self.split, cfg=self.cfg,
+                               param_buffers=self.param_buffers, stage_sizes=self.stage_sizes,
+                               verify_transfers=self.verify_transfers, timeout_s=self.timeout_s)
+
     def check(self) -> None:
-        """Raise :class:`RuntimeConfigError` naming the first bad option."""
-        if self.schedule not in SCHEDULES:
-            raise RuntimeConfigError(f"schedule.name={self.schedule} is not a pipeline schedule; allowed: {', '.join(SCHEDULES)}")
-        if self.stages_per_rank is not None and self.stages_per_rank < 1:
-            raise RuntimeConfigError(f"schedule.stages_per_rank={self.stages_per_rank} must be >= 1")
-        if self.schedule in ONE_STAGE_PER_RANK and self.stages_per_rank not in (None, 1):
+        """Raise :class:`RuntimeConfigError` naming the first bad option. The checks are the job
+        config's (one definition of each range and choice), also refusing a key this schedule ignores."""
+        if self.schedule not in PIPELINE_SCHEDULES:
             raise RuntimeConfigError(
-                f"schedule.stages_per_rank={self.stages_per_rank} is not valid for {self.schedule}: it places one stage per "
-                f"rank; use schedule=interleaved_1f1b, mobius or sysx for several stages per rank")
-        if self.split is not None and self.split < 1:
-            raise RuntimeConfigError(f"schedule.split={self.split} must be >= 1 (backward sub-stages per forward stage)")
-        if self.cfg not in (0, 1, 2, 3):
-            raise RuntimeConfigError(f"schedule.cfg={self.cfg} must be 0, 1, 2 or 3 (SysX ablation, paper Table 3)")
-        if self.param_buffers < 1:
-            raise RuntimeConfigError(f"schedule.param_buffers={self.param_buffers} must be >= 1 (2 = current + prefetch)")
-        if self.optim_backend not in OPTIM_BACKENDS:
-            raise RuntimeConfigError(f"optim.backend={self.optim_backend} is not valid: allowed: {', '.join(OPTIM_BACKENDS)}")
-        if self.rollback not in ROLLBACKS:
-            raise RuntimeConfigError(f"optim.rollback={self.rollback} is not valid: allowed: {', '.join(ROLLBACKS)}")
-        if not self.timeout_s > 0:
-            raise RuntimeConfigError(f"timeout_s={self.timeout_s} must be > 0 seconds")
+                f"schedule.name={self.schedule} is not a pipeline schedule; allowed: {', '.join(PIPELINE_SCHEDULES)}")
+        section = self.schedule_section()
+        try:
+            section.validate()
+            check_host_adam(self.optim_backend, self.rollback, self.optimizer_workers)
+            refuse_ignored_keys(self.schedule, section)
+        except ConfigError as err:
+            raise RuntimeConfigError(str(err)) from None
 
     def candidates(self, n_ranks: int) -> list[tuple[int, int]]:
         """``(Nsf, d)`` to try, preferred first: the given values, else 2 then 1 stage(s) per rank
@@ -108,21 +104,17 @@ class PipelineOptions:
 _SCHEDULE_KEYS = ("stages_per_rank", "split", "cfg", "param_buffers", "stage_sizes", "verify_transfers", "timeout_s")
 
 
-def options_from_config(cfg: Any, **overrides: Any) -> PipelineOptions:
-    """:class:`PipelineOptions` from ``cfg.schedule`` (``name`` and the option fields the schema
-    holds) and ``cfg.optim`` (``backend``, ``rollback``, ``workers``), then ``overrides``. A
-    schedule name ``auto`` means ``sysx`` here."""
+def options_from_config(cfg: SysxConfig, **overrides: Any) -> PipelineOptions:
+    """:class:`PipelineOptions` from ``cfg.schedule`` (``name`` and the option fields) and
+    ``cfg.optim`` (``backend``, ``rollback``, ``workers``), then ``overrides``. A schedule name
+    ``auto`` means ``sysx`` here."""
     section = cfg.schedule
-    values: dict[str, Any] = {}
-    name = getattr(section, "name", "sysx")
-    values["schedule"] = "sysx" if name == "auto" else name
+    values: dict[str, Any] = {"schedule": "sysx" if section.name == "auto" else section.name}
     for key in _SCHEDULE_KEYS:
-        if getattr(section, key, None) is not None:
-            value = getattr(section, key)
+        value = getattr(section, key)
+        if value is not None:
             values[key] = list(value) if key == "stage_sizes" else value
-    for key, field_name in (("backend", "optim_backend"), ("rollback", "rollback"), ("workers", "optimizer_workers")):
-        if getattr(cfg.optim, key, None) is not None:
-            values[field_name] = getattr(cfg.optim, key)
+    values.update(optim_backend=cfg.optim.backend, rollback=cfg.optim.rollback, optimizer_workers=cfg.optim.workers)
     values.update(overrides)
     opts = PipelineOptions(**values)
     opts.check()

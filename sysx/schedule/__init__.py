@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
 from sysx.partition import Partition, PartitionError, uniform_partition
 from sysx.schedule.costs import CostTable, Costs, UnitCosts, costs_from_model
 from sysx.schedule.gpipe import build_gpipe
@@ -21,9 +22,7 @@ from sysx.schedule.simulate import Event, Timeline, simulate
 from sysx.schedule.sysx import CFG_FEATURES, build_sysx
 from sysx.schedule.validate import validate
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx")
-# schedules that place exactly one (whole) stage per rank
-ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def build(name: str, n_ranks: int, n_micro: int, partition: Partition | None = None, *,

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sysx.config.choices import SYSX_CFGS
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
 from sysx.schedule import SCHEDULES, ONE_STAGE_PER_RANK, build
 from sysx.schedule.costs import Costs, UnitCosts, costs_from_model
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", "-m", type=int, default=None, help="Nm: micro-batches per iteration, default 4")
     p.add_argument("--stages", "-s", type=int, default=None, help="Nsf: forward stages (default 2*Ng; Ng for gpipe/1f1b)")
     p.add_argument("--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2")
-    p.add_argument("--cfg", type=int, default=None, choices=(0, 1, 2, 3), help="sysx ablation config (paper Table 3), default 3")
+    p.add_argument("--cfg", type=int, default=None, choices=SYSX_CFGS, help="sysx ablation config (paper Table 3), default 3")
     p.add_argument("--param-buffers", type=int, default=2, help="GPU parameter buffers per rank (current + prefetch)")
     u = p.add_argument_group("unit-cost mode (no --model)")
     u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
@@ -119,9 +120,9 @@ def _resolve(args: argparse.Namespace) -> None:
                  "microbatches": job.train.micro_batches}
         if job.schedule.name in SCHEDULES:
             found["schedule"] = job.schedule.name
-        for key in ("ranks", "stages", "split", "cfg"):
-            if getattr(job.schedule, key, None) is not None:
-                found[key] = getattr(job.schedule, key)
+        found["cfg"] = job.schedule.cfg
+        if job.schedule.split is not None:
+            found["split"] = job.schedule.split
     elif args.model:
         from sysx.model import get_preset
 

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sysx.config.choices import SAVE_LEVELS as LEVEL_NAMES
+
 # Site categories in the order the levels add them.
 CATEGORIES: tuple[str, ...] = ("attention", "narrow_matmul", "wide_matmul", "elementwise")
-LEVEL_NAMES: tuple[str, ...] = ("input", "attention", "projections", "matmuls", "everything")
 N_LEVELS = len(LEVEL_NAMES)
 _EPS = 1e-12
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from sysx import device as dev
+from sysx.config.choices import ASSUMED_HARDWARE
 
 GiB = 1024**3
 GB = 1e9
@@ -67,25 +68,14 @@ class HardwareProfile:
         return asdict(self)
 
 
-# Assumed figures for planning on machines we are not on: practical (not peak) rates.
-# PCIe 4.0 x16 ~ 25 GB/s per direction in practice, PCIe 5.0 x16 ~ 50 GB/s (AdaWS §4.1 measures ~64
-# on H100 with large pinned copies); matmul at ~60-70% of the dense bf16 peak.
-ASSUMED: dict[str, dict[str, float]] = {
-    "rtx4090": dict(memory_gib=24, link_gbps=25, bidir_gbps=22, tflops=110, mem_gbps=900),
-    "rtx5090": dict(memory_gib=32, link_gbps=50, bidir_gbps=45, tflops=140, mem_gbps=1500),
-    "a100_80g": dict(memory_gib=80, link_gbps=25, bidir_gbps=22, tflops=200, mem_gbps=1600),
-    "h100": dict(memory_gib=80, link_gbps=50, bidir_gbps=45, tflops=600, mem_gbps=2800),
-}
-
-
 def assumed_hardware(preset: str = "rtx4090", *, device_memory_gib: float | None = None,
                      host_memory_gib: float = 256.0, link_gbps: float | None = None,
                      bidir_gbps: float | None = None, tflops: float | None = None,
                      mem_gbps: float | None = None) -> HardwareProfile:
-    """A profile from a named preset of :data:`ASSUMED`, any figure overridden by the arguments."""
-    if preset not in ASSUMED:
-        raise ValueError(f"unknown hardware preset {preset!r}; choose one of {', '.join(ASSUMED)} or give the figures")
-    p = ASSUMED[preset]
+    """A profile from a named preset of :data:`~sysx.config.choices.ASSUMED_HARDWARE`, any figure overridden by the arguments."""
+    if preset not in ASSUMED_HARDWARE:
+        raise ValueError(f"unknown hardware preset {preset!r}; choose one of {', '.join(ASSUMED_HARDWARE)} or give the figures")
+    p = ASSUMED_HARDWARE[preset]
     mem = p["memory_gib"] if device_memory_gib is None else device_memory_gib
     link = (p["link_gbps"] if link_gbps is None else link_gbps) * GB
     both = (p["bidir_gbps"] if bidir_gbps is None else bidir_gbps) * GB

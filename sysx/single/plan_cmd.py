@@ -4,7 +4,7 @@
         --hardware rtx4090 --device-gb 24 --host-gb 256
 
 ``--hardware measure`` measures this machine (its GPU, or its CPU standing in for one); a preset
-of :data:`sysx.single.hardware.ASSUMED` plans for a machine you are not on. The exit status is 0
+of :data:`sysx.config.choices.ASSUMED_HARDWARE` plans for a machine you are not on. The exit status is 0
 for a plan, 2 when the budgets are refused (the message says how much is needed).
 """
 
@@ -13,18 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sysx.single.settings import OVERLAPS, POLICIES
+from sysx.config.choices import HARDWARE, OVERLAPS, POLICIES, PRECISIONS
 
 
 def _parser() -> argparse.ArgumentParser:
-    from sysx.single.hardware import ASSUMED
-
     p = argparse.ArgumentParser(prog="sysx plan-single", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="a preset of sysx.model.PRESETS (default tiny)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (kept as given)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
-    p.add_argument("--hardware", default="measure", choices=("measure", *ASSUMED))
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--hardware", default="measure", choices=HARDWARE)
     p.add_argument("--device-gb", type=float, default=0.0, help="device budget in GiB (0 = the device's free memory)")
     p.add_argument("--host-gb", type=float, default=0.0, help="host budget in GiB (0 = the host's free memory)")
     p.add_argument("--policy", default="dp", choices=POLICIES)

@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from sysx import device as dev
-from sysx.config import ConfigError, SysxConfig
+from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.metrics import StepResult
 from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure_hardware
 from sysx.single.host import AdamHyper, HostState, OptimizerWorker
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
-from sysx.single.settings import SingleSection, single_settings, validate_single
 from sysx.single.sites import device_profiler
 from sysx.trainers.base import Trainer, job_device, run_job
 
@@ -58,13 +57,11 @@ class SingleTrainer(Trainer):
         hardware: HardwareProfile | None = None,
         optimizer_backend: str | None = None,
     ) -> None:
-        self.settings = single if single is not None else single_settings(cfg)
-        try:
-            validate_single(self.settings)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        if single is not None:
+            single.validate()  # an explicit override; cfg.single was checked with the whole config
         super().__init__(cfg, dataset=dataset)
         cfg = self.cfg
+        self.settings = single if single is not None else cfg.single
         self.device = job_device(cfg, device)
         if hardware is None:
             if self.settings.hardware == "measure":

@@ -1,0 +1,72 @@
+"""The whole job configuration (:class:`SysxConfig`) and :func:`validate`, which checks it once."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sysx.config.checks import check_choice, check_int, fail
+from sysx.config.choices import PRECISIONS
+from sysx.config.schedule_keys import refuse_ignored_keys
+from sysx.config.sections import (
+    DataSection,
+    EvalSection,
+    LogSection,
+    LossScaleSection,
+    ModelSection,
+    OptimSection,
+    ScheduleSection,
+    SingleSection,
+    TrainSection,
+)
+
+if TYPE_CHECKING:
+    from sysx.model import ModelConfig
+
+
+@dataclass
+class SysxConfig:
+    """The whole job configuration (``conf/config.yaml`` composed on this schema)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
+    log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    single: SingleSection = field(default_factory=SingleSection)
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens consumed by one optimizer step (all micro-batches)."""
+        return self.train.micro_batches * self.train.micro_batch_size * self.train.seq_len
+
+
+def validate(cfg: SysxConfig) -> None:
+    """Check what types alone cannot: the top-level keys, then each section (its own
+    ``validate()``), then what spans sections. Raise :class:`ConfigError` on the first problem."""
+    check_choice("precision", cfg.precision, PRECISIONS)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        fail("device", cfg.device, "allowed: auto, cpu, cuda, cuda:<index>")
+    check_int("seed", cfg.seed, 0)
+    if not str(cfg.run_dir).strip():
+        fail("run_dir", repr(cfg.run_dir), "give a directory path")
+    for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule):
+        section.validate()
+    if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
+        refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
+    max_seq_len = model_config(cfg).max_seq_len
+    if cfg.train.seq_len > max_seq_len:
+        fail("train.seq_len", cfg.train.seq_len, f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)")
+
+
+def model_config(cfg: SysxConfig) -> ModelConfig:
+    """The :class:`sysx.model.ModelConfig` of ``cfg.model``: the preset with the fields that are set."""
+    return cfg.model.resolve()

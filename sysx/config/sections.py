@@ -1,0 +1,275 @@
+"""The sections of the job configuration, each a typed dataclass that checks its own fields.
+
+``validate()`` on a section raises :class:`~sysx.config.checks.ConfigError` naming the first bad
+key of that section; :func:`sysx.config.validate` calls them in turn and adds the checks that span
+sections. The allowed values come from :mod:`sysx.config.choices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from sysx.config.checks import ConfigError, check_choice, check_int, check_positive, fail, first_line
+from sysx.config.choices import (
+    DATA_SOURCES,
+    HARDWARE,
+    OPTIM_BACKENDS,
+    OPTIMIZERS,
+    OVERLAPS,
+    POLICIES,
+    ROLLBACKS,
+    SAVE_LEVELS,
+    SYSX_CFGS,
+    TOKEN_DTYPES,
+)
+
+if TYPE_CHECKING:
+    from sysx.model import ModelConfig
+
+MODEL_OVERRIDE_FIELDS = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "norm_eps",
+    "rope_theta",
+    "max_seq_len",
+    "tie_embeddings",
+)
+_MODEL_COUNTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+
+
+@dataclass
+class ModelSection:
+    """``model=<preset>``: a preset of :data:`sysx.model.PRESETS`; a field left ``None`` keeps the
+    preset's value, a field that is set replaces it."""
+
+    preset: str = "tiny"
+    vocab_size: Optional[int] = None
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    max_seq_len: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+
+    def resolve(self) -> ModelConfig:
+        """The :class:`sysx.model.ModelConfig`: the preset with the fields that are set, checked."""
+        from sysx.model import PRESETS, get_preset  # torch: only when a model is built, not for --help
+
+        check_choice("model.preset", self.preset, sorted(PRESETS))
+        changes = {name: getattr(self, name) for name in MODEL_OVERRIDE_FIELDS if getattr(self, name) is not None}
+        for name in _MODEL_COUNTS:
+            if name in changes:
+                check_int(f"model.{name}", changes[name], 1)
+        merged = {**dataclasses.asdict(get_preset(self.preset)), **changes}
+        dim, n_heads, n_kv_heads = merged["dim"], merged["n_heads"], merged["n_kv_heads"]
+        if dim % n_heads:
+            fail("model.n_heads", n_heads, f"must divide model.dim={dim}")
+        if n_heads % n_kv_heads:
+            fail("model.n_kv_heads", n_kv_heads, f"must divide model.n_heads={n_heads}")
+        try:
+            return dataclasses.replace(get_preset(self.preset), **changes)
+        except (ValueError, TypeError) as err:
+            set_ = " ".join(f"model.{k}={v}" for k, v in changes.items())
+            raise ConfigError(f"model={self.preset} {set_} is not a valid model: {first_line(err)}") from None
+
+
+@dataclass
+class ScheduleSection:
+    """``schedule=<name>``: how a training step is executed (``reference``: one process, plain loop;
+    ``single``: the one-device sliding window; ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``,
+    ``sysx``: one process per device, see :mod:`sysx.runtime`; ``auto``: sysx with several processes,
+    single with one). The other keys are read by the pipeline schedules only."""
+
+    name: str = "auto"
+    stages_per_rank: Optional[int] = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
+    split: Optional[int] = None  # sysx: backward sub-stages per forward stage d (null: 2 when possible, else 1)
+    cfg: int = 3  # sysx ablation (paper Table 3): 0 decoupled passes, 1 +sub-stages, 2 +async ckpts, 3 +async optimizer
+    param_buffers: int = 2  # device parameter buffers per rank (2 = current + prefetch)
+    stage_sizes: Optional[list[int]] = None  # manual partition: flat layers (embedding, blocks, head) per forward stage
+    verify_transfers: Optional[bool] = None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
+    timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
+
+    def validate(self) -> None:
+        """Ranges of the pipeline keys (which schedule reads which: :mod:`sysx.config.schedule_keys`)."""
+        if not self.name:
+            fail("schedule.name", repr(self.name), "give a schedule name")
+        for key in ("stages_per_rank", "split"):
+            if getattr(self, key) is not None:
+                check_int(f"schedule.{key}", getattr(self, key), 1)
+        if self.cfg not in SYSX_CFGS:
+            fail("schedule.cfg", self.cfg,
+                 f"allowed: {', '.join(map(str, SYSX_CFGS))} (sysx ablation configs of the paper's Table 3)")
+        check_int("schedule.param_buffers", self.param_buffers, 1)
+        if self.stage_sizes is not None and (not self.stage_sizes or min(self.stage_sizes) < 1):
+            fail("schedule.stage_sizes", list(self.stage_sizes), "must be positive layer counts, one per forward stage, e.g. [3,3]")
+        check_positive("schedule.timeout_s", self.timeout_s, " seconds")
+
+
+def check_host_adam(backend: str, rollback: str, workers: Optional[int]) -> None:
+    """The host CPU Adam keys (``optim.backend``, ``optim.rollback``, ``optim.workers``)."""
+    check_choice("optim.backend", backend, OPTIM_BACKENDS)
+    check_choice("optim.rollback", rollback, ROLLBACKS)
+    if workers is not None:
+        check_int("optim.workers", workers, 1)
+
+
+@dataclass
+class OptimSection:
+    """``optim=adamw``: AdamW with linear warmup and cosine decay to ``min_lr`` over ``train.steps``."""
+
+    name: str = "adamw"
+    lr: float = 0.003
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 30
+    min_lr: float = 0.0003
+    grad_clip: float = 1.0
+    backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
+    rollback: str = "undo"  # undoing a step on overflow: undo (Adam's arithmetic inverse) | snapshot (exact copy)
+    workers: Optional[int] = None  # optimizer threads per rank (null: from the core plan)
+
+    def validate(self) -> None:
+        """Choices and ranges of ``optim.*``."""
+        check_choice("optim.name", self.name, OPTIMIZERS)
+        check_positive("optim.lr", self.lr)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            fail("optim.betas", list(self.betas), "must be two numbers in [0, 1), e.g. [0.9,0.95]")
+        check_positive("optim.eps", self.eps)
+        if self.weight_decay < 0:
+            fail("optim.weight_decay", self.weight_decay, "must be >= 0")
+        check_int("optim.warmup_steps", self.warmup_steps, 0)
+        if not 0 <= self.min_lr <= self.lr:
+            fail("optim.min_lr", self.min_lr, f"must be between 0 and optim.lr={self.lr}")
+        if self.grad_clip < 0:
+            fail("optim.grad_clip", self.grad_clip, "must be >= 0 (0 = no clipping)")
+        check_host_adam(self.backend, self.rollback, self.workers)
+
+
+@dataclass
+class DataSection:
+    """``data=default`` (stdlib byte corpus) or ``data=file data.path=<tokens.bin>``."""
+
+    name: str = "default"
+    path: Optional[str] = None
+    dtype: Optional[str] = None  # uint16 | uint32, for a .bin without metadata (e.g. nanoGPT's GPT-2 files)
+    vocab_size: Optional[int] = None  # likewise
+
+    def validate(self) -> None:
+        """The source, and the file's format when it has no metadata."""
+        check_choice("data.name", self.name, DATA_SOURCES)
+        if self.dtype is not None:
+            check_choice("data.dtype", self.dtype, TOKEN_DTYPES)
+        if self.vocab_size is not None:
+            check_int("data.vocab_size", self.vocab_size, 1)
+        if self.name == "file" and not self.path:
+            fail("data.path", self.path, "data=file needs the token file, e.g. data.path=/data/tokens.bin")
+
+
+@dataclass
+class TrainSection:
+    """Step count and batch shape: a step sees ``micro_batches * micro_batch_size * seq_len`` tokens."""
+
+    steps: int = 500
+    micro_batch_size: int = 8
+    micro_batches: int = 2
+    seq_len: int = 128
+
+    def validate(self) -> None:
+        """Every count is at least 1."""
+        for key in ("steps", "micro_batch_size", "micro_batches", "seq_len"):
+            check_int(f"train.{key}", getattr(self, key), 1)
+
+
+@dataclass
+class LossScaleSection:
+    """Dynamic loss scaling for ``precision=fp16``."""
+
+    init: float = 65536.0
+    growth_factor: float = 2.0
+    growth_interval: int = 1000
+    backoff: float = 0.5
+    min: float = 1.0
+
+    def validate(self) -> None:
+        """A positive scale that grows, backs off and has a floor below its start."""
+        check_positive("loss_scale.init", self.init)
+        if not self.growth_factor >= 1:
+            fail("loss_scale.growth_factor", self.growth_factor, "must be >= 1")
+        check_int("loss_scale.growth_interval", self.growth_interval, 1)
+        if not 0 < self.backoff < 1:
+            fail("loss_scale.backoff", self.backoff, "must be in (0, 1)")
+        if not 0 < self.min <= self.init:
+            fail("loss_scale.min", self.min, f"must be in (0, loss_scale.init={self.init}]")
+
+
+@dataclass
+class LogSection:
+    """Console logging: a line every ``every`` steps; a progress bar on rank 0 when on a terminal."""
+
+    every: int = 50
+    progress: bool = True
+
+    def validate(self) -> None:
+        """A line at least every step."""
+        check_int("log.every", self.every, 1)
+
+
+@dataclass
+class EvalSection:
+    """Validation loss over ``batches`` micro-batches of the val split every ``every`` steps (0 = off)."""
+
+    every: int = 100
+    batches: int = 4
+
+    def validate(self) -> None:
+        """``every`` may be 0 (off); at least one batch."""
+        check_int("eval.every", self.every, 0)
+        check_int("eval.batches", self.batches, 1)
+
+
+@dataclass
+class SingleSection:
+    """``single.*``: the sliding window of ``schedule=single`` (AdaWS). Every automatic choice can be
+    pinned by hand; ``0`` / ``auto`` lets the planner decide from the measured hardware and the model
+    (AdaWS §3.2). The global batch is always ``train.micro_batch_size * train.micro_batches``
+    sequences: the planner only changes how it is cut into chunks and rounds
+    (``conf/schedule/single.yaml`` documents each key)."""
+
+    device_memory_gb: float = 0.0  # hard device budget in GiB (0 = all free device memory)
+    host_memory_gb: float = 0.0  # hard host budget in GiB (0 = all available host memory)
+    micro_batch_size: int = 0  # sequences per chunk, the unit of compute (0 = auto)
+    round_sequences: int = 0  # sequences per round X, AdaWS 3.2.2 (0 = auto); divides the global batch
+    window: int = 0  # blocks resident on the device W, AdaWS 3.2.3 (0 = auto)
+    policy: str = "dp"  # saved activations: dp (AdaWS DP) | pyao (IQR rule) | a fixed level name or id
+    compress: bool = False  # int8-compress offloaded activations (PyAO 4.3)
+    optimizer_overlap: str = "auto"  # auto | backward (step as grads arrive) | forward (after the norm)
+    hardware: str = "measure"  # measure | a preset of sysx.config.choices.ASSUMED_HARDWARE (planning only)
+    print_plan: bool = True  # print the plan and its reasons at start
+
+    def validate(self) -> None:
+        """Budgets and counts are >= 0 (0 = automatic); policy, overlap and hardware are known."""
+        if self.device_memory_gb < 0:
+            raise ConfigError(f"single.device_memory_gb={self.device_memory_gb} must be >= 0 (0 = all free device memory)")
+        if self.host_memory_gb < 0:
+            raise ConfigError(f"single.host_memory_gb={self.host_memory_gb} must be >= 0 (0 = all available host memory)")
+        for name in ("micro_batch_size", "round_sequences", "window"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"single.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
+        policy = str(self.policy)
+        if policy not in POLICIES and not (policy.isdigit() and int(policy) < len(SAVE_LEVELS)):
+            raise ConfigError(f"single.policy={self.policy} is not valid; allowed: {', '.join(POLICIES)} "
+                              f"or a level 0..{len(SAVE_LEVELS) - 1}")
+        if self.optimizer_overlap not in OVERLAPS:
+            raise ConfigError(f"single.optimizer_overlap={self.optimizer_overlap} is not valid; allowed: {', '.join(OVERLAPS)}")
+        if self.hardware not in HARDWARE:
+            raise ConfigError(f"single.hardware={self.hardware} is not valid; allowed: {', '.join(HARDWARE)}")
