@@ -27,260 +27,19 @@ A plan that cannot fit raises :class:`PlanError` before anything is allocated, w
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from sysx.model.config import ModelConfig
-from sysx.model.flops import block_matmul_params
-from sysx.single.act_policy import (
-    LEVEL_NAMES,
-    N_LEVELS,
-    SaveProblem,
-    parse_level,
-    pyao_recompute_mask,
-    simulate_forward,
-    solve_save_levels,
-)
+from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, SaveProblem, simulate_forward, solve_save_levels
 from sysx.single.hardware import GiB, HardwareProfile
+from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
+from sysx.single.plan_report import SinglePlan
+from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib, gib_up
 from sysx.single.rings import align
-from sysx.single.sites import LayerProfile, Profiler, SlotLayout, profile_layer
+from sysx.single.sites import Profiler
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CUDA_RESERVE = 256 * 1024**2  # cuBLAS / attention workspaces and allocator rounding on a GPU
 WORKSPACE_SHARE = 0.25  # a chunk's transient workspace may use this share of the budget left
-
-
-class PlanError(ValueError):
-    """The job cannot run within the budgets; the message gives the bytes needed and the fix."""
-
-
-def gib(n: float) -> str:
-    """``n`` bytes as ``'1.23 GiB'`` (``'12.3 MiB'`` below a tenth of a GiB)."""
-    if abs(n) < 0.1 * GiB:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / GiB:.2f} GiB"
-
-
-def gib_up(n: float) -> str:
-    """``n`` bytes in GiB rounded *up* to 2 significant digits (a budget that is certainly enough)."""
-    x = n / GiB
-    if x <= 0:
-        return "0"
-    step = 10 ** (math.floor(math.log10(x)) - 1)
-    return f"{math.ceil(x / step) * step:.10g}"
-
-
-# --------------------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What the user asked for. ``0`` means automatic for ``chunk``, ``round_sequences`` and ``window``."""
-
-    model: ModelConfig
-    seq_len: int
-    global_batch: int  # sequences per optimizer step (never changed)
-    precision: str = "fp32"
-    device_budget_bytes: int | None = None  # None: the hardware's free device memory
-    host_budget_bytes: int | None = None  # None: the hardware's free host memory
-    chunk: int = 0
-    round_sequences: int = 0
-    window: int = 0
-    policy: str = "dp"
-    compress: bool = False
-    grad_clip: float = 0.0
-    optimizer_overlap: str = "auto"
-    use_measured_times: bool = False  # value sites by their measured time (profile) instead of the model
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Compute dtype of weights, activations and gradients on the device."""
-        return DTYPES[self.precision]
-
-    @property
-    def param_bytes(self) -> int:
-        """``|tau_param|``."""
-        return torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """Parameter counts the plan needs."""
-
-    n_blocks: int
-    block_params: int  # psi_total of one block
-    block_active: int  # psi_active: weights that take part in matmuls
-    static_params: int  # embedding + head (a tied weight once)
-    total_params: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> ModelSizes:
-        block = block_matmul_params(cfg) + 2 * cfg.dim
-        static = cfg.vocab_size * cfg.dim + cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-        return cls(cfg.n_layers, block, block_matmul_params(cfg), static, static + cfg.n_layers * block)
-
-
-def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
-    """Profile one Block at chunk size ``b`` on the ``meta`` device (exact bytes, no memory, no time)."""
-    from sysx.model.llama import make_layer
-
-    cache: dict[int, LayerProfile] = {}
-
-    def run(b: int) -> LayerProfile:
-        if b not in cache:
-            block = make_layer(cfg, 1, dtype=dtype, device="meta")
-            x = torch.empty((b, seq_len, cfg.dim), dtype=dtype, device="meta")
-            cache[b] = profile_layer(block, x, model_dim=cfg.dim)
-        return cache[b]
-
-    return run
-
-
-# -------------------------------------------------------------------------------- per-level costs
-
-
-@dataclass(frozen=True)
-class LevelTable:
-    """Per-chunk costs of one block at every save option (levels 0..4, plus ``pyao`` when asked)."""
-
-    chunk: int
-    slot_bytes: tuple[int, ...]  # bytes a chunk's slot holds at each option
-    saved_s: tuple[float, ...]  # recompute time avoided per chunk at each option
-    forward_s: float  # forward time of one chunk through one block
-    site_s: tuple[float, ...]  # time of each site (profile order)
-    names: tuple[str, ...]
-    layouts: tuple[SlotLayout, ...]
-    workspace_bytes: int  # transient memory of a chunk's backward (recompute + autograd)
-    profile: LayerProfile  # the block profile the layouts index into
-
-
-def site_seconds(profile: LayerProfile, hw: HardwareProfile, *, measured: bool) -> list[float]:
-    """Time of every site: measured, or FLOPs / P for matmul and attention and 3 x bytes / memory rate otherwise."""
-    out = []
-    for s in profile.sites:
-        if measured and s.seconds is not None:
-            out.append(float(s.seconds))
-        elif s.flops > 0:
-            out.append(s.flops / hw.matmul_flops_per_s)
-        else:
-            out.append(3.0 * s.nbytes / hw.device_mem_bytes_per_s)
-    return out
-
-
-def pyao_sites(profile: LayerProfile, times: Sequence[float], hw: HardwareProfile) -> tuple[frozenset[int], list[float], list[bool]]:
-    """PyAO's choice for a block: every site saved except IQR-outlier throughput sites faster than the link."""
-    throughput = [s.nbytes / max(t, 1e-15) for s, t in zip(profile.sites, times)]
-    mask = pyao_recompute_mask(throughput, hw.d2h_bytes_per_s)
-    keep = frozenset(s.index for s, out in zip(profile.sites, mask) if not out)
-    return keep, throughput, mask
-
-
-def level_table(profile: LayerProfile, req: PlanRequest, hw: HardwareProfile, chunk: int, cfg: ModelConfig) -> LevelTable:
-    """Slot bytes, recompute avoided and workspace of each option for chunks of ``chunk`` sequences."""
-    times = site_seconds(profile, hw, measured=req.use_measured_times)
-    by_index = {s.index: t for s, t in zip(profile.sites, times)}
-    site_sets = [profile.level_sites(level) for level in range(N_LEVELS)]
-    names = list(LEVEL_NAMES)
-    if req.policy == "pyao":
-        keep, _, _ = pyao_sites(profile, times, hw)
-        site_sets.append(keep)
-        names.append("pyao")
-    layouts = [SlotLayout.build(profile, sites, compress=req.compress) for sites in site_sets]
-    saved = [sum(by_index[i] for i in sites) for sites in site_sets]
-    everything = SlotLayout.build(profile, site_sets[N_LEVELS - 1], compress=False)
-    biggest = max((s.nbytes for s in profile.sites), default=0)
-    ws_block = everything.nbytes + 3 * biggest
-    tau = req.param_bytes
-    tokens = chunk * req.seq_len
-    ws_head = tokens * cfg.vocab_size * (2 * tau + 8) + 4 * tokens * cfg.dim * 4
-    return LevelTable(
-        chunk, tuple(layout.nbytes for layout in layouts), tuple(saved), float(sum(times)), tuple(times),
-        tuple(names), tuple(layouts), int(max(ws_block, ws_head)), profile,
-    )
-
-
-# ------------------------------------------------------------------------------------------- plan
-
-
-@dataclass(frozen=True)
-class SinglePlan:
-    """The chosen configuration, its memory accounting, predicted timing and the reasons."""
-
-    request: PlanRequest
-    hardware: HardwareProfile
-    sizes: ModelSizes
-    chunk: int  # b: sequences per chunk (the micro-batch the model computes at once)
-    chunks: int  # chunks per round
-    rounds: int  # rounds per step
-    window: int  # W
-    r_param: int
-    r_grad: int
-    r_act: int
-    slot_level: int  # option the activation slots are sized for (window blocks use it)
-    levels: tuple[int, ...]  # option of every block (the last W: slot_level)
-    table: LevelTable
-    device_bytes: dict[str, int]
-    host_bytes: dict[str, int]
-    device_budget: int
-    host_budget: int
-    overlap: str  # "backward" (step as grads arrive), "forward" (after the norm) or "auto" (adaptive)
-    feasible_no_stall: bool
-    stall_s: float
-    times: dict[str, float]
-    policy_rows: tuple[dict[str, object], ...]
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def round_sequences(self) -> int:
-        """``X``: sequences per round."""
-        return self.chunk * self.chunks
-
-    @property
-    def micro_batches(self) -> int:
-        """Chunks per step (each is one ``get_batch`` micro-batch of ``chunk`` sequences)."""
-        return self.chunks * self.rounds
-
-    @property
-    def transfer_layers(self) -> int:
-        """Blocks whose activations go to host memory: the first ``L - W``."""
-        return self.sizes.n_blocks - self.window
-
-    def render(self) -> str:
-        """The printed plan: decisions with their reasons, memory and the policy comparison."""
-        r = self.request
-        lines = [
-            f"sysx single-GPU plan (AdaWS sliding window) on {self.hardware.name}",
-            f"  model: {self.sizes.n_blocks} blocks x {self.sizes.block_params / 1e6:.1f}M params + embedding/head "
-            f"{self.sizes.static_params / 1e6:.1f}M = {self.sizes.total_params / 1e9:.3f}B, {r.precision}; seq_len {r.seq_len}; "
-            f"global batch {r.global_batch} sequences = {r.global_batch * r.seq_len} tokens/step (kept)",
-            f"  budgets: device {gib(self.device_budget)}, host {gib(self.host_budget)}",
-            f"  -> {self.rounds} rounds x {self.chunks} chunks x {self.chunk} sequences; window W={self.window} of "
-            f"{self.sizes.n_blocks} blocks; rings R_param={self.r_param}, R_grad={self.r_grad}, R_act={self.r_act}; "
-            f"optimizer overlap: {self.overlap}",
-        ]
-        lines += [f"  * {reason}" for reason in self.reasons]
-        lines.append("  device memory: " + ", ".join(f"{k} {gib(v)}" for k, v in self.device_bytes.items() if k != "total")
-                     + f" = {gib(self.device_bytes['total'])} of {gib(self.device_budget)}")
-        lines.append("  host memory: " + ", ".join(f"{k} {gib(v)}" for k, v in self.host_bytes.items() if k != "total")
-                     + f" = {gib(self.host_bytes['total'])} of {gib(self.host_budget)}")
-        lines.append("  saved-activation options (per step, same window; the choice is marked *):")
-        lines.append("    policy        offload/step  recompute/step   stall/step  predicted step")
-        for row in self.policy_rows:
-            mark = "*" if row["chosen"] else " "
-            lines.append(
-                f"   {mark}{row['policy']:<13} {gib(row['offload_bytes']):>12}  {row['recompute_s'] * 1e3:>11.1f} ms"
-                f"  {row['stall_s'] * 1e3:>10.1f} ms  {row['step_s'] * 1e3:>11.1f} ms"
-            )
-        t = self.times
-        lines.append(
-            f"  predicted: {t['step_s'] * 1e3:.1f} ms/step, {t['tokens_per_s']:.0f} tokens/s "
-            f"(block forward per round {t['block_fwd_round_s'] * 1e3:.2f} ms, weights in {t['t_param_s'] * 1e3:.2f} ms, "
-            f"grads out {t['t_grad_s'] * 1e3:.2f} ms)"
-        )
-        return "\n".join(lines)
 
 
 def _divisors(n: int) -> list[int]:
@@ -361,20 +120,69 @@ def _overlap(req: PlanRequest) -> tuple[str, str]:
 
 def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | None = None) -> SinglePlan:
     """Decide the configuration (see the module docstring) or raise :class:`PlanError` with the numbers."""
-    cfg = req.model
-    sizes = ModelSizes.of(cfg)
-    L = sizes.n_blocks
-    G = req.global_batch
+    sizes = ModelSizes.of(req.model)
     cuda = hw.kind == "cuda"
-    profiler = profiler or meta_profiler(cfg, req.seq_len, req.dtype)
+    profiler = profiler or meta_profiler(req.model, req.seq_len, req.dtype)
     device_budget = int(req.device_budget_bytes if req.device_budget_bytes else hw.device_free_bytes)
     host_budget = int(req.host_budget_bytes if req.host_budget_bytes else hw.host_free_bytes)
+    if req.seq_len < 1 or req.global_batch < 1:
+        raise PlanError(f"seq_len={req.seq_len} and global batch={req.global_batch} must be >= 1")
     reasons: list[str] = []
-    if req.seq_len < 1 or G < 1:
-        raise PlanError(f"seq_len={req.seq_len} and global batch={G} must be >= 1")
 
     # -- 1. sequences per round
     x_min = min_round_sequences(req, sizes, hw)
+    candidates = _round_candidates(req, x_min, reasons)
+
+    # -- 2./3. chunk, window, host capacity; shrink X while the window or the host cannot hold it
+    overlap, overlap_reason = _overlap(req)
+    host_fixed = _host_fixed(req, sizes)
+    act_capacity = host_budget - sum(host_fixed.values())
+    if act_capacity < 0:
+        raise PlanError(
+            f"host budget {gib(host_budget)} is too small: training state alone needs {gib(sum(host_fixed.values()))} "
+            f"({', '.join(f'{k} {gib(v)}' for k, v in host_fixed.items())}) for {sizes.total_params / 1e9:.3f}B parameters; "
+            f"raise single.host_memory_gb to >= {gib_up(sum(host_fixed.values()) * 1.05)}")
+    fit, tried = _first_fit(req, sizes, hw, profiler, candidates, device_budget, act_capacity, cuda)
+    fit, grown = _grow_round(req, sizes, hw, profiler, fit, device_budget, cuda)
+    x, chunk, table = fit.round_seqs, fit.chunk, fit.table
+    chunks, rounds = x // chunk, req.global_batch // x
+    if not req.round_sequences:
+        reasons.append(_round_reason(req, x_min, x, rounds, grown))
+    how = "single.micro_batch_size" if req.chunk else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
+    reasons.append(f"chunk: {chunk} sequence(s) per chunk ({how}), {chunks} chunks per round")
+
+    # -- 4. saved activations
+    slot_options = list(range(req.top_option + 1)) if req.policy == "dp" else [req.top_option]
+    best = _best_slot(req, sizes, hw, table, x, rounds, slot_options, device_budget, act_capacity, cuda)
+    if best is None:
+        _refuse(req, sizes, hw, profiler, device_budget, act_capacity, cuda, tried + ["no activation slot size fits"])
+    assert best is not None
+    fit, slot_level, levels, W = best.fit, best.slot_level, best.levels, best.fit.window
+    reasons += _window_reasons(req, sizes, best, device_budget, len(slot_options))
+    reasons.append(str(best.info["reason"]))
+    full_levels = tuple(list(levels) + [slot_level] * W)
+
+    # -- memory accounting
+    dev_bytes = _device_bytes(req, sizes, fit, chunks)
+    host = dict(host_fixed)
+    host["saved activations"] = int(sum(table.slot_bytes[o] for o in levels) * chunks)
+    host["total"] = sum(host.values())
+    reasons.append(overlap_reason)
+
+    times, rows = predict_step(req, sizes, hw, table, W, chunks, rounds, full_levels, slot_level, act_capacity)
+    return SinglePlan(
+        request=req, hardware=hw, sizes=sizes, chunk=chunk, chunks=chunks, rounds=rounds, window=W,
+        r_param=W, r_grad=W, r_act=W * chunks, slot_level=slot_level, levels=full_levels, table=table,
+        device_bytes=dev_bytes, host_bytes=host, device_budget=device_budget, host_budget=host_budget,
+        overlap=overlap, feasible_no_stall=bool(best.info["feasible"]),
+        stall_s=float(best.info["stall_s"]), times=times, policy_rows=tuple(rows), reasons=tuple(reasons),
+    )
+
+
+def _round_candidates(req: PlanRequest, x_min: float, reasons: list[str]) -> list[int]:
+    """Step 1: the round sizes ``X`` to try, preferred first (a pinned one, else the smallest divisor
+    of the global batch at least ``x_min`` and then the smaller ones)."""
+    G = req.global_batch
     if req.round_sequences:
         if G % req.round_sequences:
             raise PlanError(f"single.round_sequences={req.round_sequences} must divide the global batch {G} "
@@ -391,115 +199,129 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         candidates = [d for d in reversed(divs) if d <= first]  # largest first, then smaller (caps)
     if req.chunk and any(c % req.chunk for c in candidates):
         raise PlanError(f"single.micro_batch_size={req.chunk} must divide single.round_sequences={candidates[0]}")
+    return candidates
 
-    # -- 2./3. chunk, window, host capacity; shrink X while the window or the host cannot hold it
-    overlap, overlap_reason = _overlap(req)
-    host_fixed = _host_fixed(req, sizes)
-    act_capacity = host_budget - sum(host_fixed.values())
-    if act_capacity < 0:
-        raise PlanError(
-            f"host budget {gib(host_budget)} is too small: training state alone needs {gib(sum(host_fixed.values()))} "
-            f"({', '.join(f'{k} {gib(v)}' for k, v in host_fixed.items())}) for {sizes.total_params / 1e9:.3f}B parameters; "
-            f"raise single.host_memory_gb to >= {gib_up(sum(host_fixed.values()) * 1.05)}")
-    top = _top_option(req)
-    base = 0 if req.policy == "dp" else top  # the smallest slot the policy can use
+
+def _first_fit(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, candidates: list[int],
+               budget: int, act_capacity: int, cuda: bool) -> tuple[_Fit, list[str]]:
+    """Steps 2-3: the first round size whose window holds 2 blocks (1 for the last resort) and whose
+    saved layer inputs fit the host; the attempts that failed, for a refusal."""
+    L = sizes.n_blocks
+    base = 0 if req.policy == "dp" else req.top_option  # the smallest slot the policy can use
     fit: _Fit | None = None
     tried: list[str] = []
     for x in candidates:
-        f = _fit_round(req, sizes, hw, profiler, x, device_budget, base, cuda)
+        f = _fit_round(req, sizes, hw, profiler, x, budget, base, cuda)
         if f is None:
             tried.append(f"X={x}: window {req.window} does not fit")
             continue
         min_acts = (L - f.window) * (x // f.chunk) * f.table.slot_bytes[base]
         if f.window >= min(2, L) and min_acts <= act_capacity:
-            fit = f
-            break
+            return f, tried
         tried.append(f"X={x}, chunk {f.chunk}: window {f.window}" + (
             f", saved layer inputs need {gib(min_acts)} of host" if min_acts > act_capacity else ""))
         if f.window >= 1 and min_acts <= act_capacity and x == candidates[-1]:
             fit = f
     if fit is None:
-        _refuse(req, sizes, hw, profiler, device_budget, act_capacity, cuda, tried)
+        _refuse(req, sizes, hw, profiler, budget, act_capacity, cuda, tried)
     assert fit is not None
-    grown = False
-    if not req.round_sequences and fit.window == L:
-        # the whole model fits: nothing slides, so bigger rounds only cut per-round overhead
-        for x in (d for d in _divisors(G) if d > fit.round_seqs and (not req.chunk or d % req.chunk == 0)):
-            f = _fit_round(req, sizes, hw, profiler, x, device_budget, top, cuda)
-            if f is None or f.window < L:
-                break
-            fit, grown = f, True
-    x, chunk, table = fit.round_seqs, fit.chunk, fit.table
-    chunks, rounds = x // chunk, G // x
-    if not req.round_sequences:
-        if grown:
-            reasons.append(f"round: every block fits on the device (no weight traffic after the first load), so X grows "
-                           f"past the AdaWS 3.2.2 minimum {x_min:.2f} to {x} sequences -> {rounds} rounds per step")
-        elif x >= x_min:
-            reasons.append(f"round: AdaWS 3.2.2 needs X >= {x_min:.2f} sequences so a block's forward hides its weight "
-                           f"and gradient transfers; X={x} (smallest divisor of the global batch {G} that is large enough)"
-                           f" -> {rounds} rounds per step")
-        else:
-            why = "the global batch is smaller" if x == G else "capped so that W >= 2 and the host holds the layer inputs"
-            reasons.append(f"round: AdaWS 3.2.2 wants X >= {x_min:.2f} sequences but X={x} ({why}); weight transfers "
-                           f"will not be fully hidden -> {rounds} rounds per step")
-    how = "single.micro_batch_size" if req.chunk else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
-    reasons.append(f"chunk: {chunk} sequence(s) per chunk ({how}), {chunks} chunks per round")
+    return fit, tried
 
-    # -- 4. saved activations: for dp, try every slot size (bigger slots save more but shrink the window)
-    slot_options = list(range(top + 1)) if req.policy == "dp" else [top]
-    best: tuple[float, int, _Fit, list[int], dict[str, object], int] | None = None
+
+def _grow_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, fit: _Fit, budget: int,
+                cuda: bool) -> tuple[_Fit, bool]:
+    """When the whole model fits, nothing slides, so bigger rounds only cut per-round overhead:
+    grow ``X`` while every block still fits. Returns the fit and whether it grew."""
+    L = sizes.n_blocks
+    if req.round_sequences or fit.window != L:
+        return fit, False
+    grown = False
+    for x in (d for d in _divisors(req.global_batch) if d > fit.round_seqs and (not req.chunk or d % req.chunk == 0)):
+        f = _fit_round(req, sizes, hw, profiler, x, budget, req.top_option, cuda)
+        if f is None or f.window < L:
+            break
+        fit, grown = f, True
+    return fit, grown
+
+
+def _round_reason(req: PlanRequest, x_min: float, x: int, rounds: int, grown: bool) -> str:
+    """Why an automatic round has ``x`` sequences."""
+    if grown:
+        return (f"round: every block fits on the device (no weight traffic after the first load), so X grows "
+                f"past the AdaWS 3.2.2 minimum {x_min:.2f} to {x} sequences -> {rounds} rounds per step")
+    if x >= x_min:
+        return (f"round: AdaWS 3.2.2 needs X >= {x_min:.2f} sequences so a block's forward hides its weight "
+                f"and gradient transfers; X={x} (smallest divisor of the global batch {req.global_batch} that is large "
+                f"enough) -> {rounds} rounds per step")
+    why = "the global batch is smaller" if x == req.global_batch else "capped so that W >= 2 and the host holds the layer inputs"
+    return (f"round: AdaWS 3.2.2 wants X >= {x_min:.2f} sequences but X={x} ({why}); weight transfers "
+            f"will not be fully hidden -> {rounds} rounds per step")
+
+
+@dataclass(frozen=True)
+class _SlotCandidate:
+    """One activation-slot size tried in step 4: its window, the levels of the transferring blocks
+    and the predicted step time."""
+
+    step_s: float
+    slot_level: int
+    fit: _Fit
+    levels: list[int]
+    info: dict[str, object]
+
+    def rank(self, n_blocks: int) -> tuple[bool, float, int]:
+        """Better is smaller: a window of 2+ blocks first (W = 1 cannot prefetch), then the fastest
+        predicted step, then the wider window."""
+        return (self.fit.window < min(2, n_blocks), self.step_s, -self.fit.window)
+
+
+def _best_slot(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, x: int, rounds: int,
+               slot_options: list[int], budget: int, act_capacity: int, cuda: bool) -> _SlotCandidate | None:
+    """Step 4: for dp, every slot size (bigger slots save more but shrink the window); the best
+    candidate, or None when no slot size fits."""
+    chunks = x // table.chunk
+    best: _SlotCandidate | None = None
     for m in slot_options:
-        f = _fit(req, sizes, table, x, device_budget, m, cuda)
+        f = _fit(req, sizes, table, x, budget, m, cuda)
         if req.window:
-            if sum(f.static.values()) + req.window * f.per_block > device_budget:
+            if sum(f.static.values()) + req.window * f.per_block > budget:
                 continue
             f.window = req.window
         if f.window < 1:
             continue
         levels_m, _, info = _choose_levels(req, sizes, hw, table, f, chunks, act_capacity, max_option=m)
-        predicted, _ = _predict(req, sizes, hw, table, f.window, chunks, rounds, list(levels_m) + [m] * f.window, m,
-                                act_capacity, with_rows=False)
-        # a window of 2+ blocks first (W = 1 cannot prefetch), then the fastest predicted step, then the wider window
-        key = (f.window < min(2, L), predicted["step_s"], -f.window)
-        if best is None or key < (best[2].window < min(2, L), best[0], -best[2].window):
-            best = (predicted["step_s"], m, f, list(levels_m), info, f.window)
-    if best is None:
-        _refuse(req, sizes, hw, profiler, device_budget, act_capacity, cuda, tried + ["no activation slot size fits"])
-    assert best is not None
-    _, slot_level, fit, levels, sol_info, W = best
-    reasons.append(
-        f"window: W = (C_dev - B) / L_bytes = ({gib(device_budget)} - {gib(sum(fit.static.values()))}) / "
+        predicted, _ = predict_step(req, sizes, hw, table, f.window, chunks, rounds, list(levels_m) + [m] * f.window, m,
+                                    act_capacity, with_rows=False)
+        candidate = _SlotCandidate(predicted["step_s"], m, f, list(levels_m), info)
+        if best is None or candidate.rank(sizes.n_blocks) < best.rank(sizes.n_blocks):
+            best = candidate
+    return best
+
+
+def _window_reasons(req: PlanRequest, sizes: ModelSizes, best: _SlotCandidate, budget: int, n_options: int) -> list[str]:
+    """Why the window has its size (and what one block of window costs)."""
+    L, W, fit = sizes.n_blocks, best.fit.window, best.fit
+    reasons = [
+        f"window: W = (C_dev - B) / L_bytes = ({gib(budget)} - {gib(sum(fit.static.values()))}) / "
         f"{gib(fit.per_block)} = {W} blocks" + (" (single.window)" if req.window else "") +
         (f" (all {L} blocks fit: nothing slides)" if W == L else "") +
-        (f"; activation slots sized for '{table.names[slot_level]}' (best predicted step of {len(slot_options)} sizes)"
-         if len(slot_options) > 1 else ""))
+        (f"; activation slots sized for '{fit.table.names[best.slot_level]}' (best predicted step of {n_options} sizes)"
+         if n_options > 1 else "")]
     if W == 1 and L > 1:
         reasons.append("window: only 1 block fits, so a block's weights load after the previous block finished "
                        "(no prefetch overlap); more single.device_memory_gb gives W >= 2")
-    reasons.append(str(sol_info["reason"]))
-    full_levels = tuple(list(levels) + [slot_level] * W)
+    return reasons
 
-    # -- memory accounting
-    tau = req.param_bytes
+
+def _device_bytes(req: PlanRequest, sizes: ModelSizes, fit: _Fit, chunks: int) -> dict[str, int]:
+    """Device memory of the plan: the static buffers and the three rings."""
+    tau, W = req.param_bytes, fit.window
     dev_bytes = dict(fit.static)
     dev_bytes["weight ring"] = W * align(sizes.block_params * tau)
     dev_bytes["grad ring"] = W * align(sizes.block_params * tau)
-    dev_bytes["activation ring"] = W * chunks * align(table.slot_bytes[slot_level])
+    dev_bytes["activation ring"] = W * chunks * align(fit.table.slot_bytes[fit.slot_level])
     dev_bytes["total"] = sum(dev_bytes.values())
-    host = dict(host_fixed)
-    host["saved activations"] = int(sum(table.slot_bytes[o] for o in levels) * chunks)
-    host["total"] = sum(host.values())
-    reasons.append(overlap_reason)
-
-    times, rows = _predict(req, sizes, hw, table, W, chunks, rounds, full_levels, slot_level, act_capacity)
-    return SinglePlan(
-        request=req, hardware=hw, sizes=sizes, chunk=chunk, chunks=chunks, rounds=rounds, window=W,
-        r_param=W, r_grad=W, r_act=W * chunks, slot_level=slot_level, levels=full_levels, table=table,
-        device_bytes=dev_bytes, host_bytes=host, device_budget=device_budget, host_budget=host_budget,
-        overlap=overlap, feasible_no_stall=bool(sol_info["feasible"]),
-        stall_s=float(sol_info["stall_s"]), times=times, policy_rows=tuple(rows), reasons=tuple(reasons),
-    )
+    return dev_bytes
 
 
 def _fit_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, x: int, budget: int,
@@ -515,14 +337,6 @@ def _fit_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
             return None
         f.window = req.window
     return f
-
-
-def _top_option(req: PlanRequest) -> int:
-    if req.policy == "dp":
-        return N_LEVELS - 1
-    if req.policy == "pyao":
-        return N_LEVELS  # the extra "pyao" option of the level table
-    return parse_level(req.policy)
 
 
 def _choose_chunk(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, x: int,
@@ -572,7 +386,7 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
                       f"{'exact' if sol.exact else 'thinned'}): {counts}; recompute avoided {100 * avoided:.0f}% of their "
                       f"forward; window blocks keep level '{LEVEL_NAMES[slot_level]}' on the device")
         return levels, slot_level, {"reason": reason, "feasible": sol.feasible, "stall_s": sol.stall_s}
-    option = _top_option(req)
+    option = req.top_option
     levels = [option] * n_tr
     problem = SaveProblem.make(
         [fwd_round] * L, [[table.slot_bytes[option] / bw]] * n_tr, [[table.saved_s[option] * chunks]] * n_tr,
@@ -588,103 +402,6 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
     reason = (f"saved activations: fixed '{name}' on every block (single.policy={req.policy}); predicted forward stall "
               f"{stall * 1e3:.1f} ms per round" + ("" if ok else " (the ring cannot drain it in time)"))
     return levels, option, {"reason": reason, "feasible": ok, "stall_s": stall}
-
-
-def _predict(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, W: int, chunks: int,
-             rounds: int, levels: Sequence[int], slot_level: int, act_capacity: int, *, with_rows: bool = True,
-             ) -> tuple[dict[str, float], list[dict[str, object]]]:
-    """Rough step time of a plan and of the alternative policies (what the saved-activation choice changes)."""
-    L = sizes.n_blocks
-    tau = req.param_bytes
-    t_param = sizes.block_params * tau / hw.h2d_bytes_per_s
-    t_grad = sizes.block_params * tau / hw.d2h_bytes_per_s
-    fwd = table.forward_s * chunks
-    n_tr = L - W
-
-    def step_time(opts: Sequence[int]) -> tuple[float, float, float, float]:
-        recompute = sum(chunks * (table.forward_s - table.saved_s[o]) for o in opts)
-        offload = sum(chunks * table.slot_bytes[o] for o in opts[:n_tr])
-        act_out = [chunks * table.slot_bytes[o] / hw.d2h_bytes_per_s for o in opts]
-        act_in = [chunks * table.slot_bytes[o] / hw.h2d_bytes_per_s for o in opts]
-        bwd = [2.0 * fwd + chunks * (table.forward_s - table.saved_s[o]) for o in opts]
-        round_s, stall = simulate_round(fwd, bwd, act_out, act_in, window=W, chunks=chunks, transfer_layers=n_tr,
-                                        t_param=t_param, t_grad=t_grad, fetch_grads=rounds > 1)
-        return rounds * round_s, recompute * rounds, offload * rounds, stall * rounds
-
-    step, recompute, offload, stall = step_time(levels)
-    tokens = req.global_batch * req.seq_len
-    times = {
-        "step_s": step, "tokens_per_s": tokens / step if step > 0 else 0.0, "block_fwd_round_s": fwd,
-        "t_param_s": t_param, "t_grad_s": t_grad, "recompute_s": recompute, "offload_bytes": offload, "stall_s": stall,
-    }
-    rows: list[dict[str, object]] = []
-    if not with_rows:
-        return times, rows
-    options = list(range(N_LEVELS)) + ([N_LEVELS] if req.policy == "pyao" else [])
-    for o in options:
-        opts = [o] * n_tr + [slot_level] * W
-        if sum(table.slot_bytes[o] * chunks for _ in range(n_tr)) > act_capacity:
-            continue
-        s, rc, off, st = step_time(opts)
-        rows.append({"policy": table.names[o], "offload_bytes": off, "recompute_s": rc, "stall_s": st, "step_s": s,
-                     "chosen": req.policy not in ("dp",) and o == _top_option(req)})
-    if req.policy == "dp":
-        rows.insert(0, {"policy": "dp", "offload_bytes": offload, "recompute_s": recompute, "stall_s": stall,
-                        "step_s": step, "chosen": True})
-    return times, rows
-
-
-def simulate_round(fwd: float, bwd: Sequence[float], act_out: Sequence[float], act_in: Sequence[float], *,
-                   window: int, chunks: int, transfer_layers: int, t_param: float, t_grad: float,
-                   fetch_grads: bool) -> tuple[float, float]:
-    """Time of one round (forward + backward) with serial inbound/outbound streams; returns (time, stall).
-
-    Forward: block ``k + W`` loads into the weight slot block ``k`` frees; a chunk waits for its
-    activation slot until the copy home of the unit ``R_act = W * chunks`` earlier finished.
-    Backward: the last ``W`` blocks are resident; block ``j = k - W`` (weights, accumulated grads and
-    saved activations) loads into the slots block ``k`` frees, once ``k``'s gradients left
-    (outbound). Compute waits for whatever has not arrived: that wait is the stall.
-    """
-    L = len(bwd)
-    R_act = max(1, window * chunks)
-    t = q_in = q_out = stall = 0.0
-    ready = [0.0] * L
-    drained: list[float] = []
-    for k in range(L):
-        for c in range(chunks):
-            u = k * chunks + c
-            start = max(t, ready[k] if c == 0 else t, drained[u - R_act] if u >= R_act else 0.0)
-            stall += start - t
-            t = start + fwd / chunks
-            if k < transfer_layers:
-                q_out = max(q_out, t) + act_out[k] / chunks
-                drained.append(q_out)
-            else:
-                drained.append(t)
-        if k + window < L:
-            q_in = max(q_in, t) + t_param
-            ready[k + window] = q_in
-        elif fetch_grads and k + window == L:  # weights all in: prefetch the window's gradients (AdaWS alg. 1)
-            grads_ready = []
-            for _ in range(min(window, L)):
-                q_in = max(q_in, t) + t_grad
-                grads_ready.append(q_in)
-    t = max(t, q_out if transfer_layers else 0.0)  # backward needs every copy home before it refetches
-    ready = [t] * L
-    if fetch_grads:
-        for i, k in enumerate(range(L - 1, max(-1, L - 1 - window), -1)):
-            ready[k] = max(t, grads_ready[i])
-    for k in range(L - 1, -1, -1):
-        start = max(t, ready[k])
-        stall += start - t
-        t = start + bwd[k]
-        q_out = max(q_out, t) + t_grad
-        j = k - window
-        if j >= 0:
-            q_in = max(q_in, t, q_out if fetch_grads else t) + t_param + (t_grad if fetch_grads else 0.0) + (
-                act_in[j] if j < transfer_layers else 0.0)
-            ready[j] = q_in
-    return max(t, q_out), stall
 
 
 def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, budget: int,

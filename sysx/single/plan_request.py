@@ -1,0 +1,92 @@
+"""What the single-GPU planner is asked (:class:`PlanRequest`), the model's parameter counts
+(:class:`ModelSizes`), and how a refusal (:class:`PlanError`) and its byte counts read."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sysx.model.config import ModelConfig
+from sysx.model.flops import block_matmul_params
+from sysx.single.act_policy import N_LEVELS, parse_level
+from sysx.single.hardware import GiB
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PlanError(ValueError):
+    """The job cannot run within the budgets; the message gives the bytes needed and the fix."""
+
+
+def gib(n: float) -> str:
+    """``n`` bytes as ``'1.23 GiB'`` (``'12.3 MiB'`` below a tenth of a GiB)."""
+    if abs(n) < 0.1 * GiB:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / GiB:.2f} GiB"
+
+
+def gib_up(n: float) -> str:
+    """``n`` bytes in GiB rounded *up* to 2 significant digits (a budget that is certainly enough)."""
+    x = n / GiB
+    if x <= 0:
+        return "0"
+    step = 10 ** (math.floor(math.log10(x)) - 1)
+    return f"{math.ceil(x / step) * step:.10g}"
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for. ``0`` means automatic for ``chunk``, ``round_sequences`` and ``window``."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int  # sequences per optimizer step (never changed)
+    precision: str = "fp32"
+    device_budget_bytes: int | None = None  # None: the hardware's free device memory
+    host_budget_bytes: int | None = None  # None: the hardware's free host memory
+    chunk: int = 0
+    round_sequences: int = 0
+    window: int = 0
+    policy: str = "dp"
+    compress: bool = False
+    grad_clip: float = 0.0
+    optimizer_overlap: str = "auto"
+    use_measured_times: bool = False  # value sites by their measured time (profile) instead of the model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of weights, activations and gradients on the device."""
+        return DTYPES[self.precision]
+
+    @property
+    def param_bytes(self) -> int:
+        """``|tau_param|``."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def top_option(self) -> int:
+        """The largest save option the policy may use (``pyao``: the extra option of the level table)."""
+        if self.policy == "dp":
+            return N_LEVELS - 1
+        if self.policy == "pyao":
+            return N_LEVELS
+        return parse_level(self.policy)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Parameter counts the plan needs."""
+
+    n_blocks: int
+    block_params: int  # psi_total of one block
+    block_active: int  # psi_active: weights that take part in matmuls
+    static_params: int  # embedding + head (a tied weight once)
+    total_params: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> ModelSizes:
+        block = block_matmul_params(cfg) + 2 * cfg.dim
+        static = cfg.vocab_size * cfg.dim + cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+        return cls(cfg.n_layers, block, block_matmul_params(cfg), static, static + cfg.n_layers * block)
