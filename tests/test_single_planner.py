@@ -163,3 +163,16 @@ def test_measured_cpu_hardware_is_usable_by_the_planner() -> None:
     plan = make_plan(PlanRequest(model=TINY, seq_len=64, global_batch=4, device_budget_bytes=GiB,
                                  host_budget_bytes=2 * GiB), hw)
     assert plan.device_bytes["total"] <= GiB
+
+
+def test_plan_single_is_a_sysx_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    from sysx.cli import main
+
+    assert main(["--help"]) == 0
+    assert "plan-single" in capsys.readouterr().out
+    assert main(["plan-single", "--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--hardware", "rtx4090",
+                 "--device-gb", "2", "--host-gb", "8"]) == 0
+    assert "sysx single-GPU plan" in capsys.readouterr().out
+    assert main(["plan-single", "--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware",
+                 "rtx4090", "--device-gb", "3"]) == 2
+    assert "sysx plan-single: refused:" in capsys.readouterr().err

@@ -159,13 +159,6 @@ class Ring:
         self._note("acquire", i, key)
         return s.raw
 
-    def peek(self, i: int, key: Hashable) -> torch.Tensor:
-        """The bytes of slot ``i`` that is in use for ``key`` (no waiting: the caller already acquired it)."""
-        s = self._slots[i]
-        if s.state != "in_use" or s.key != key:
-            raise RingError(f"ring {self.name}: slot {i} is {s.state} holding {s.key!r}, not in use for {key!r}")
-        return s.raw
-
     def release(self, i: int, stream: dev.Stream, *, keep: bool = False) -> dev.Event:
         """Consumer done: record the event producers wait for. ``keep`` leaves the data readable (ready)
         for a later acquire of the same key (e.g. the last window's weights used again by backward)."""
