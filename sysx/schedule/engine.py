@@ -227,7 +227,8 @@ class _Engine:
         self.waiters[m].append(r)
         self.blocked_on[r] = why
 
-    def _compute(self, r: int, ins: tuple, t: float, cost: float) -> float:
+    def _compute(self, r: int, ins: tuple, t: float, cost: float, work: list[float]) -> tuple[float, float]:
+        """A pass on the GPU from when its unit is loaded; ``work``: its working memory per unit."""
         u = ins[2]
         ready = self.unit_ready[r][u] if u >= 0 else t
         st = t if t >= ready else ready
@@ -236,26 +237,25 @@ class _Engine:
         self.gpu_end[r] = en
         if self.record:
             self.events.append((r, GPU, ins[3], st, en))
-        return st
+        if self.memory:
+            w = work[ins[1]]
+            self.mem[r] += [(st, w, WORK), (en, -w, WORK)]
+        return st, en
 
     def _forward(self, r: int, ins: tuple, t: float) -> float:
         s = ins[1]
-        st = self._compute(r, ins, t, self.tab.fwd[s])
-        en = self.gpu_end[r]
+        _, en = self._compute(r, ins, t, self.tab.fwd[s], self.tab.fwd_work)
         if self.memory:
-            w = self.tab.fwd_work[s]
-            self.mem[r] += [(st, w, WORK), (en, -w, WORK), (en, self.f_ckpt[s], CKPTS)]
+            self.mem[r].append((en, self.f_ckpt[s], CKPTS))
         return en
 
     def _backward(self, r: int, ins: tuple, t: float) -> float:
         g = ins[1]
-        st = self._compute(r, ins, t, self.tab.bwd[g])
-        en = self.gpu_end[r]
+        st, en = self._compute(r, ins, t, self.tab.bwd[g], self.tab.bwd_work)
         if self.memory:
-            if ins[4]:
+            if ins[4]:  # first backward of the sub-stage: its gradient buffer appears
                 self.mem[r].append((st, self.tab.grad_mem[g], GRADS))
-            w = self.tab.bwd_work[g]
-            self.mem[r] += [(st, w, WORK), (en, -w, WORK), (en, -self.tab.ckpt_mem[g], CKPTS)]
+            self.mem[r].append((en, -self.tab.ckpt_mem[g], CKPTS))
         return en
 
     def _send(self, r: int, ins: tuple, t: float) -> float | None:

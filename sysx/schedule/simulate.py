@@ -19,7 +19,8 @@ cursor reaches it and its inputs are ready:
 
 The iteration ends when the last op anywhere ends; bubble ratio = 1 - busy GPU time / iteration
 (per rank; overall: mean busy over ranks). With :class:`~sysx.schedule.costs.UnitCosts` this is
-exactly the unit-cost model of the issue/paper.
+exactly the unit-cost model of the issue/paper. The engine that executes the lists is
+:mod:`sysx.schedule.engine`; this module turns its output into a :class:`Timeline`.
 """
 
 from __future__ import annotations
