@@ -24,6 +24,11 @@ from typing import Any
 import numpy as np
 
 
+def unit_label(stage: int, sub: int = -1) -> str:
+    """The one spelling of a parameter unit: ``s3`` (forward stage) or ``s5.1`` (sub-stage ``(5, 1)``)."""
+    return f"s{stage}" if sub < 0 else f"s{stage}.{sub}"
+
+
 class PartitionError(ValueError):
     """An impossible partition or placement request (the message names the values and the fix)."""
 
@@ -82,6 +87,15 @@ class Partition:
     def layers(self, s: int, k: int = -1) -> range:
         """``stage_layers(s)`` for ``k == -1``, else ``sub_layers(s, k)``."""
         return self.stage_layers(s) if k < 0 else self.sub_layers(s, k)
+
+    def next_sub(self, s: int, k: int) -> tuple[int, int] | None:
+        """The backward sub-stage whose input gradient ``(s, k)`` consumes as its output gradient
+        (``None`` for the model's last sub-stage, which starts from the loss)."""
+        if k < self.split - 1:
+            return (s, k + 1)
+        if s < self.n_stages - 1:
+            return (s + 1, 0)
+        return None
 
     def stage_cost(self, s: int) -> float:
         """Sum of the layer costs of forward stage ``s``."""

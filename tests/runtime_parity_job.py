@@ -64,8 +64,8 @@ def main(spec_path: str, out_path: str) -> int:
         per_tensor = max(float((state[k] - v).norm() / v.norm()) for k, v in ref_state.items())
         rows.append({
             "options": options,
-            "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.get("ckpt"),
-            "optimizer": sched.options.get("optimizer"), "messages_per_step": n_messages, "mirrored_units": mirrored,
+            "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.ckpt,
+            "optimizer": sched.options.optimizer, "messages_per_step": n_messages, "mirrored_units": mirrored,
             "losses": losses, "ref_losses": ref_losses,
             "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
             "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),

@@ -14,6 +14,7 @@ from sysx.partition import (
     partition_model,
     sysx_placement,
     uniform_partition,
+    unit_label,
 )
 
 
@@ -146,3 +147,12 @@ def test_uniform_partition_and_invariants() -> None:
     assert isinstance(p, Partition) and p.n_layers == 12 and p.split == 3
     with pytest.raises(PartitionError, match="increase strictly"):
         Partition((1.0, 1.0), (0, 0, 2), ((0, 0), (0, 2)))
+
+
+def test_next_sub_walks_the_backward_pipeline_and_unit_label_names_units() -> None:
+    p = uniform_partition(3, 2)
+    chain = [(0, 0)]
+    while (nxt := p.next_sub(*chain[-1])) is not None:
+        chain.append(nxt)
+    assert chain == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert unit_label(3) == "s3" and unit_label(5, 1) == "s5.1" and unit_label(2, -1) == "s2"

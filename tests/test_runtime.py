@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import gc
 import glob
+import re
 import threading
 from pathlib import Path
 
@@ -30,10 +31,9 @@ from sysx.runtime import (
     TransferSpec,
     make_schedule,
     options_from_config,
-    trace_name,
 )
 from sysx.runtime.p2p import P2P, Pending
-from sysx.schedule import Op, OpKind
+from sysx.schedule import Message, Op, OpKind
 from sysx.trainers.pipeline import PipelineTrainer
 from sysx.trainers.reference import ReferenceTrainer
 
@@ -163,7 +163,7 @@ def test_leftover_tensors_are_reported_at_validate(trainer: PipelineTrainer) -> 
 
 
 def test_transfer_checks_name_stage_micro_batch_and_tensor() -> None:
-    spec = TransferSpec("ckpt", 2, 0, 1, (2, 16, 128), torch.float32)
+    spec = TransferSpec(Message.CKPT, 2, 0, 1, (2, 16, 128), torch.float32)
     assert spec.label == "ckpt s2.0 mb1"
     with pytest.raises(TransferMismatch, match=r"rank 3: op: sending ckpt s2.0 mb1: the tensor is \[2, 16, 64\] "
                                                r"torch.float32 but the plan says \[2, 16, 128\].*stage 2.0, micro-batch 1, tensor ckpt"):
@@ -175,7 +175,7 @@ def test_transfer_checks_name_stage_micro_batch_and_tensor() -> None:
     assert TransferSpec.from_header([0] * 11) is None
 
     p2p = P2P(1, device=torch.device("cpu"), timeout_s=1.0, verify=True)
-    other = TransferSpec("act", 2, -1, 1, (2, 16, 128), torch.float32)
+    other = TransferSpec(Message.ACT, 2, -1, 1, (2, 16, 128), torch.float32)
     pending = Pending(other, 0, "step 0: op #4 `RECV_ACT s2 mb1 <-r0`", [], torch.empty(0), spec.header(torch.device("cpu")), is_send=False)
     with pytest.raises(TransferMismatch, match=r"rank 1: step 0: op #4 .*rank 0 sent ckpt s2.0 mb1 \[2, 16, 128\].*"
                                                r"this rank expects act s2 mb1.*disagree about the plan"):
@@ -260,19 +260,6 @@ def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_referenc
     assert [json.loads(x)["loss"] for x in a] == pytest.approx([json.loads(x)["loss"] for x in b], rel=TOL)
 
 
-def test_trace_names() -> None:
-    assert trace_name(Op(OpKind.FORWARD, 3, -1, 2)) == "F s3 mb2"
-    assert trace_name(Op(OpKind.BACKWARD, 5, 1, 0)) == "B s5.1 mb0"
-    assert trace_name(Op(OpKind.LOAD_PARAMS, 4, -1)) == "H2D s4"
-    assert trace_name(Op(OpKind.OFFLOAD_GRADS, 5, 1)) == "D2H s5.1"
-    assert trace_name(Op(OpKind.OPTIM_STEP, 5, 1)) == "OPT s5.1"
-    assert trace_name(Op(OpKind.SEND_CKPT, 2, 0, 1, 3, True)) == "SEND ckpt s2.0 mb1"
-    assert trace_name(Op(OpKind.RECV_CKPT, 2, 0, 1, 0, True)) == "RECV ckpt s2.0 mb1"
-    assert trace_name(Op(OpKind.WAIT_CKPT, 2, 0, 1, 0)) == "WAIT ckpt s2.0 mb1"
-    assert trace_name(Op(OpKind.RECV_ACT, 3, -1, 0, 1)) == "RECV act s3 mb0"
-    assert trace_name(Op(OpKind.SEND_GRAD, 3, 1, 0, 1)) == "SEND grad s3.1 mb0"
-
-
 def test_nvtx_ranges_cover_every_op_and_the_optimizer_threads(trainer: PipelineTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
     import nvtx
 
@@ -318,3 +305,22 @@ def test_shm_close_collects_garbage_only_when_views_remain(monkeypatch: pytest.M
     del cycle
     buf.close()
     assert calls == [1] and buf.closed
+
+
+def test_an_execution_error_shows_the_ops_around_the_failing_one(trainer: PipelineTrainer) -> None:
+    ops = list(trainer.ops)
+    at = next(i for i, op in enumerate(ops) if op.kind == OpKind.BACKWARD)
+    ops[at] = Op(OpKind.WAIT_CKPT, 1, 1, 0, 1)  # no receive of that checkpoint was posted
+    with pytest.raises(ExecutionError) as info:
+        trainer.executor.run(ops, StepContext(step=4))
+    trainer.executor.reset()
+    lines = str(info.value).splitlines()
+    assert re.match(rf"rank 0: step 4: op #{at} `WAIT_CKPT s1.1 mb0 <-r1` of schedule 'sysx' failed: RuntimeError: no "
+                    rf"receive of checkpoint s1.1 mb0 was posted before$", lines[0])
+    assert lines[1] == f"  rank 0's ops around op #{at} (of {len(ops)}):"
+    marked = [line for line in lines if line.endswith("<-- ERROR HERE")]
+    assert marked == [f"  {at:>3}  WAIT_CKPT s1.1 mb0 <-r1   <-- ERROR HERE"]
+    rows = lines[2:]
+    assert rows[0] == "  ..." and rows[-1] == f"  ... ({len(ops) - at - 4} more)"
+    assert [line.split()[0] for line in rows[1:-1]] == [str(i) for i in range(at - 3, at + 4)]
+    assert f"  {at - 1:>3}  {ops[at - 1]}" in rows

@@ -12,11 +12,13 @@ from sysx.schedule import (
     OpKind,
     Schedule,
     ScheduleError,
+    ScheduleOptions,
     build,
     build_gpipe,
     build_interleaved_1f1b,
     build_mobius,
     build_sysx,
+    evaluation_schedule,
     validate,
 )
 from sysx.schedule.ops import B, F
@@ -131,7 +133,7 @@ def test_ablation_switches() -> None:
         assert ck == ({"sync"} if cfg < 2 else {"async"})
         opt = {op.is_async for ops in s.ops for op in ops if op.kind == OpKind.OPTIM_STEP}
         assert opt == {cfg == 3}
-        assert s.options["cfg"] == cfg
+        assert s.options.cfg == cfg
     with pytest.raises(PartitionError, match="cfg=7"):
         build_sysx(4, 4, cfg=7)
 
@@ -267,3 +269,55 @@ def test_out_of_range_ops_are_rejected() -> None:
     ops = list(s.ops[0]) + [Op(OpKind.SEND_ACT, 0, -1, 5, 7)]
     with pytest.raises(ScheduleError, match=r"micro-batch 5 not in 0..1, peer 7 is not another rank in 0..1"):
         validate(_edit(s, 0, ops))
+
+
+def test_trace_names() -> None:
+    assert Op(OpKind.FORWARD, 3, -1, 2).trace_name() == "F s3 mb2"
+    assert Op(OpKind.BACKWARD, 5, 1, 0).trace_name() == "B s5.1 mb0"
+    assert Op(OpKind.LOAD_PARAMS, 4, -1).trace_name() == "H2D s4"
+    assert Op(OpKind.OFFLOAD_GRADS, 5, 1).trace_name() == "D2H s5.1"
+    assert Op(OpKind.OPTIM_STEP, 5, 1).trace_name() == "OPT s5.1"
+    assert Op(OpKind.SEND_CKPT, 2, 0, 1, 3, True).trace_name() == "SEND ckpt s2.0 mb1"
+    assert Op(OpKind.RECV_CKPT, 2, 0, 1, 0, True).trace_name() == "RECV ckpt s2.0 mb1"
+    assert Op(OpKind.WAIT_CKPT, 2, 0, 1, 0).trace_name() == "WAIT ckpt s2.0 mb1"
+    assert Op(OpKind.RECV_ACT, 3, -1, 0, 1).trace_name() == "RECV act s3 mb0"
+    assert Op(OpKind.SEND_GRAD, 3, 1, 0, 1).trace_name() == "SEND grad s3.1 mb0"
+
+
+@pytest.mark.parametrize("name,ng", [("gpipe", 3), ("1f1b", 4), ("interleaved_1f1b", 2), ("mobius", 3), ("sysx", 4)])
+def test_the_evaluation_program_is_a_schedule_that_validates(name: str, ng: int) -> None:
+    train = build(name, ng, 4, split=2)
+    for n in (1, 3, 6):
+        program = evaluation_schedule(train, n)
+        validate(program)
+        assert not program.options.training and program.n_micro == n and program.ckpt_plan == ()
+        assert {op.kind for ops in program.ops for op in ops} <= {OpKind.LOAD_PARAMS, OpKind.FREE, OpKind.FORWARD,
+                                                                    OpKind.SEND_ACT, OpKind.RECV_ACT}
+        assert sum(op.kind == OpKind.FORWARD for ops in program.ops for op in ops) == train.n_stages * n
+
+
+def test_forward_only_validation_still_refuses_what_training_needs() -> None:
+    train = build_sysx(2, 2, n_stages=4, split=2)
+    program = evaluation_schedule(train, 2)
+    ops = [list(x) for x in program.ops]
+    ops[0].insert(2, B(0, 0, 0))
+    with pytest.raises(ScheduleError, match=r"a forward-only program has no BACKWARD"):
+        validate(program.with_ops(ops))
+    dropped = [[op for op in x if op != F(1, 1)] for x in program.ops]
+    with pytest.raises(ScheduleError, match=r"`F s1 mb1` never runs on any rank"):
+        validate(program.with_ops(dropped))
+    # the training list without its VALIDATE is refused as before
+    no_validate = [[op for op in x if op.kind != OpKind.VALIDATE] for x in train.ops]
+    with pytest.raises(ScheduleError, match=r"never runs VALIDATE"):
+        validate(train.with_ops(no_validate))
+
+
+def test_schedule_options_are_typed_fields() -> None:
+    s = build_sysx(2, 2, n_stages=4, split=2, cfg=2, param_buffers=3)
+    assert s.options == ScheduleOptions(ckpt="async", optimizer="sync", param_buffers=3, cfg=2)
+    assert not s.options.async_optimizer and build_sysx(2, 2, n_stages=4, split=2).options.async_optimizer
+    assert build("gpipe", 2, 2).options == ScheduleOptions(ckpt="local", optimizer="sync", param_buffers=2)
+    with pytest.raises(ScheduleError, match="optimizer mode 'eager'"):
+        ScheduleOptions(ckpt="local", optimizer="eager")  # type: ignore[arg-type]
+    # no shared cached object: every build is a new schedule
+    assert build("gpipe", 2, 2) == build("gpipe", 2, 2) and build("gpipe", 2, 2) is not build("gpipe", 2, 2)

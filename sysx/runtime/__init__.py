@@ -10,11 +10,11 @@
 The trainer that drives them is :class:`sysx.trainers.pipeline.PipelineTrainer`.
 """
 
-from sysx.runtime.executor import ExecutionError, Executor, StepContext, forward_program, trace_name
+from sysx.runtime.executor import ExecutionError, Executor, StepContext
 from sysx.runtime.options import PipelineOptions, RuntimeConfigError, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch, TransferSpec
 
 __all__ = [
     "ExecutionError", "Executor", "P2P", "PipelineOptions", "RuntimeConfigError", "StepContext",
-    "TransferMismatch", "TransferSpec", "forward_program", "make_schedule", "options_from_config", "trace_name",
+    "TransferMismatch", "TransferSpec", "make_schedule", "options_from_config",
 ]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sysx import device as dev
+from sysx.partition import unit_label
 
 
 class BufferError(RuntimeError):
@@ -66,7 +67,7 @@ class ParamSlots:
     def load(self, unit: tuple[int, int], layers: range, pieces: Sequence[torch.Tensor], label: str) -> None:
         """Start copying ``pieces`` (host tensors, concatenated) into a free slot for ``unit``."""
         if self._find(unit) is not None:
-            raise BufferError(f"{label}: s{unit[0]}{'' if unit[1] < 0 else f'.{unit[1]}'} is already loaded")
+            raise BufferError(f"{label}: {unit_label(*unit)} is already loaded")
         slot = next((s for s in self.slots if s.unit is None), None)
         if slot is None:
             busy = ", ".join(f"slot {s.index}: {s.unit}" for s in self.slots)
@@ -104,7 +105,7 @@ class ParamSlots:
         """Return ``unit``'s slot once the compute stream's work so far is done."""
         slot = self._find(unit)
         if slot is None:
-            raise BufferError(f"{label}: s{unit[0]}{'' if unit[1] < 0 else f'.{unit[1]}'} is not loaded")
+            raise BufferError(f"{label}: {unit_label(*unit)} is not loaded")
         slot.released = self.compute.record_event()
         slot.unit, slot.layers, slot.ready = None, range(0), None
 
@@ -146,9 +147,9 @@ class GradBuffers:
         """Copy ``unit``'s gradients into ``host`` on the D2H stream; returns the copy's event."""
         buf = self.active.pop(unit, None)
         if buf is None:
-            raise BufferError(f"OFFLOAD s{unit[0]}.{unit[1]}: no gradients were accumulated for it on this rank")
+            raise BufferError(f"OFFLOAD {unit_label(*unit)}: no gradients were accumulated for it on this rank")
         if host.numel() != buf.numel():
-            raise BufferError(f"OFFLOAD s{unit[0]}.{unit[1]}: host buffer has {host.numel()} elements, gradients {buf.numel()}")
+            raise BufferError(f"OFFLOAD {unit_label(*unit)}: host buffer has {host.numel()} elements, gradients {buf.numel()}")
         self.d2h.wait_stream(self.compute)
         with self.d2h.use():
             host.copy_(buf, non_blocking=True)

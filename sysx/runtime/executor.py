@@ -1,11 +1,12 @@
 """The one interpreter of a rank's op list: a dispatch table from :class:`OpKind` to a handler.
 
 Every schedule (gpipe, 1f1b, interleaved_1f1b, mobius, sysx and its ablations) and the
-forward-only evaluation program run through :meth:`Executor.run`; the op semantics are those of
-:mod:`sysx.schedule.ops`. An op kind without a handler is an error, and any failure is re-raised
-as :class:`ExecutionError` naming the rank, the step, the op's index and the op (a
-:class:`~sysx.dist.PeerTimeout` or :class:`~sysx.runtime.p2p.TransferMismatch` passes unchanged:
-it already names the rank, the step, the op and the peer).
+forward-only evaluation program (:func:`sysx.schedule.evaluation_schedule`) run through
+:meth:`Executor.run`; the op semantics are those of :mod:`sysx.schedule.ops`. An op kind without
+a handler is an error, and any failure is re-raised as :class:`ExecutionError`: its first line
+names the rank, the step, the op's index and the op, the lines after it show the ops around it
+in the rank's list (a :class:`~sysx.dist.PeerTimeout` or :class:`~sysx.runtime.p2p.TransferMismatch`
+passes unchanged: it already names the rank, the step, the op and the peer).
 
 What lives between ops (all keyed by stage / sub-stage / micro-batch, and all empty again at
 VALIDATE, which checks it):
@@ -44,14 +45,16 @@ from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.p2p import P2P, Pending, TransferMismatch, TransferSpec
 from sysx.runtime.stage_params import StageParams
-from sysx.schedule import Op, OpKind, Schedule
-from sysx.schedule.lower import next_sub
+from sysx.partition import unit_label
+from sysx.schedule import Message, Op, OpKind, Schedule
+from sysx.schedule.ops import format_op_window
 
 BatchFn = Callable[[int, int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class ExecutionError(RuntimeError):
-    """An op failed; the message names the rank, the step, the op index and the op."""
+    """An op failed; the first line names the rank, the step, the op index and the op, the next
+    ones show the ops around it in the rank's list."""
 
 
 @dataclass
@@ -66,28 +69,6 @@ class StepContext:
     training: bool = True
     losses: list[torch.Tensor] = field(default_factory=list)
     op_seconds: dict[str, float] = field(default_factory=dict)
-
-
-def trace_name(op: Op) -> str:
-    """The NVTX range name of an op: ``F s3 mb2``, ``B s5.1 mb0``, ``H2D s4``, ``D2H s5.1``,
-    ``OPT s5.1``, ``SEND ckpt s2.0 mb1``, ``RECV act s3 mb0``, ``WAIT ckpt s2.0 mb1``."""
-    where = f"s{op.stage}" if op.sub < 0 else f"s{op.stage}.{op.sub}"
-    k = op.kind
-    if k in (OpKind.FORWARD, OpKind.BACKWARD):
-        return f"{'F' if k == OpKind.FORWARD else 'B'} {where} mb{op.mb}"
-    if k == OpKind.LOAD_PARAMS:
-        return f"H2D {where}"
-    if k == OpKind.OFFLOAD_GRADS:
-        return f"D2H {where}"
-    if k == OpKind.OPTIM_STEP:
-        return f"OPT {where}" if not op.is_async else f"OPT queue {where}"
-    if k == OpKind.FREE:
-        return f"FREE {where}"
-    if k == OpKind.VALIDATE:
-        return "VALIDATE"
-    family = {OpKind.SEND_ACT: "act", OpKind.RECV_ACT: "act", OpKind.SEND_GRAD: "grad", OpKind.RECV_GRAD: "grad"}.get(k, "ckpt")
-    verb = k.name.split("_")[0]
-    return f"{verb} {family} {where} mb{op.mb}"
 
 
 class Executor:
@@ -149,6 +130,7 @@ class Executor:
         self.inflight: dict[tuple[int, int, int], Pending] = {}
         self.sends: list[Pending] = []
         self.ctx = StepContext(step=-1)
+        self._ops: Sequence[Op] = ()
         self._index = -1
         self._op: Op | None = None
 
@@ -156,25 +138,26 @@ class Executor:
     def run(self, ops: Sequence[Op], ctx: StepContext) -> StepContext:
         """Execute ``ops`` in order; returns ``ctx`` with the losses this rank computed."""
         self.ctx = ctx
+        self._ops = ops
         self._batches.clear()
         tracing = trace.enabled()
         for index, op in enumerate(ops):
             handler = self.handlers.get(op.kind)
             self._index, self._op = index, op
             if handler is None:
-                raise ExecutionError(f"{self._label}: no handler for op kind {op.kind!r} in the executor's dispatch table "
-                                     f"(known: {', '.join(k.name for k in self.handlers)})")
+                raise self._error(f"{self._label}: no handler for op kind {op.kind!r} in the executor's dispatch table "
+                                  f"(known: {', '.join(k.name for k in self.handlers)})")
             t0 = time.perf_counter()
             try:
                 if tracing:
-                    with trace.nvtx_range(trace_name(op)):
+                    with trace.nvtx_range(op.trace_name()):
                         handler(op)
                 else:
                     handler(op)
             except (ExecutionError, PeerTimeout, TransferMismatch):
                 raise  # they already name the rank, the op and the peer
             except Exception as err:
-                raise ExecutionError(f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}") from err
+                raise self._error(f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}") from err
             kind = op.kind.name
             ctx.op_seconds[kind] = ctx.op_seconds.get(kind, 0.0) + time.perf_counter() - t0
             if self.sends:
@@ -194,13 +177,19 @@ class Executor:
     def _label(self) -> str:
         return f"rank {self.rank}: {self._where}"
 
+    def _error(self, message: str) -> ExecutionError:
+        """``message`` followed by the ops around the current one in the list being run."""
+        context = format_op_window(self._ops, self._index)
+        return ExecutionError(f"{message}\n  rank {self.rank}'s ops around op #{self._index} "
+                              f"(of {len(self._ops)}):\n{context}")
+
     def leftovers(self) -> list[str]:
         """Tensors still held between ops (empty after a complete op list)."""
-        out = [f"act s{s} mb{j}" for s, j in self.acts]
-        out += [f"checkpoint s{s}.{k} mb{j}" for s, k, j in self.ckpts]
-        out += [f"input gradient s{s}.{k} mb{j}" for s, k, j in self.igrads]
-        out += [f"posted receive of checkpoint s{s}.{k} mb{j}" for s, k, j in self.inflight]
-        out += [f"gradients of s{s}.{k} not offloaded" for s, k in self.grads.active]
+        out = [f"act {unit_label(s)} mb{j}" for s, j in self.acts]
+        out += [f"checkpoint {unit_label(s, k)} mb{j}" for s, k, j in self.ckpts]
+        out += [f"input gradient {unit_label(s, k)} mb{j}" for s, k, j in self.igrads]
+        out += [f"posted receive of checkpoint {unit_label(s, k)} mb{j}" for s, k, j in self.inflight]
+        out += [f"gradients of {unit_label(s, k)} not offloaded" for s, k in self.grads.active]
         return out
 
     def reset(self) -> None:
@@ -237,14 +226,15 @@ class Executor:
         labels = self._batch(mb)[1] if self.head_layer in layers else None
         return run_layers(mods, x, labels)
 
-    def _spec(self, family: str, s: int, k: int, j: int) -> TransferSpec:
-        if family == "ckpt" and self.schedule.partition.sub_layers(s, k).start == 0:
-            return TransferSpec(family, s, k, j, self.ids_shape, torch.int64)
-        return TransferSpec(family, s, k, j, self.act_shape, self.dtype)
+    def _spec(self, kind: Message, s: int, k: int, j: int) -> TransferSpec:
+        # the checkpoint of the model's first sub-stage is its input: the token ids
+        if kind == Message.CKPT and self.schedule.partition.sub_layers(s, k).start == 0:
+            return TransferSpec(kind, s, k, j, self.ids_shape, torch.int64)
+        return TransferSpec(kind, s, k, j, self.act_shape, self.dtype)
 
     def _need_p2p(self) -> P2P:
         if self.p2p is None:
-            raise ExecutionError(f"{self._label}: a transfer between ranks in a single-process run")
+            raise self._error(f"{self._label}: a transfer between ranks in a single-process run")
         return self.p2p
 
     @staticmethod
@@ -272,7 +262,7 @@ class Executor:
         part = self.schedule.partition
         layers = part.stage_layers(s)
         mods, _ = self._bound(layers)
-        x = self._batch(j)[0] if s == 0 else self._pop(self.acts, (s - 1, j), f"the input of F s{s} mb{j} (act s{s - 1} mb{j})")
+        x = self._batch(j)[0] if s == 0 else self._pop(self.acts, (s - 1, j), f"the input of {op} (act s{s - 1} mb{j})")
         with torch.no_grad():
             h = x
             for k in range(part.split):
@@ -291,10 +281,10 @@ class Executor:
         layers = self.schedule.partition.sub_layers(s, k)
         mods, layout = self._bound(layers)
         layout.bind_grads(mods, self.grads.get((s, k), layout.numel))
-        x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of B s{s}.{k} mb{j}")
-        nxt = next_sub(s, k, self.schedule.n_stages, self.schedule.split)
+        x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of {op}")
+        nxt = self.schedule.partition.next_sub(s, k)
         grad_out = None if nxt is None else self._pop(self.igrads, (nxt[0], nxt[1], j),
-                                                      f"the output gradient of B s{s}.{k} mb{j} (from B s{nxt[0]}.{nxt[1]})")
+                                                      f"the output gradient of {op} (from B {unit_label(*nxt)})")
         with torch.enable_grad():
             x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
             out = self._run(mods, layers, x, j)
@@ -307,54 +297,54 @@ class Executor:
                 torch.autograd.backward(out, grad_out)
         if x.requires_grad:
             if x.grad is None:
-                raise RuntimeError(f"B s{s}.{k} mb{j}: no gradient reached the sub-stage input")
+                raise RuntimeError(f"{op}: no gradient reached the sub-stage input")
             self.igrads[(s, k, j)] = x.grad
 
     def _send_act(self, op: Op) -> None:
         t = self._pop(self.acts, (op.stage, op.mb), f"act s{op.stage} mb{op.mb}")
-        self._need_p2p().send(t, self._spec("act", op.stage, -1, op.mb), op.peer, self._where)
+        self._need_p2p().send(t, self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where)
 
     def _recv_act(self, op: Op) -> None:
-        self.acts[(op.stage, op.mb)] = self._need_p2p().recv(self._spec("act", op.stage, -1, op.mb), op.peer, self._where)
+        self.acts[(op.stage, op.mb)] = self._need_p2p().recv(self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where)
 
     def _send_grad(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
-        t = self._pop(self.igrads, key, f"input gradient s{op.stage}.{op.sub} mb{op.mb}")
-        self._need_p2p().send(t, self._spec("grad", *key), op.peer, self._where)
+        t = self._pop(self.igrads, key, f"input gradient {unit_label(op.stage, op.sub)} mb{op.mb}")
+        self._need_p2p().send(t, self._spec(Message.GRAD, *key), op.peer, self._where)
 
     def _recv_grad(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
-        self.igrads[key] = self._need_p2p().recv(self._spec("grad", *key), op.peer, self._where)
+        self.igrads[key] = self._need_p2p().recv(self._spec(Message.GRAD, *key), op.peer, self._where)
 
     def _send_ckpt(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
-        t = self._pop(self.ckpts, key, f"checkpoint s{op.stage}.{op.sub} mb{op.mb}")
+        t = self._pop(self.ckpts, key, f"checkpoint {unit_label(op.stage, op.sub)} mb{op.mb}")
         p2p = self._need_p2p()
         if op.is_async:
-            self.sends.append(p2p.isend(t, self._spec("ckpt", *key), op.peer, self._where))
+            self.sends.append(p2p.isend(t, self._spec(Message.CKPT, *key), op.peer, self._where))
         else:
-            p2p.send(t, self._spec("ckpt", *key), op.peer, self._where)
+            p2p.send(t, self._spec(Message.CKPT, *key), op.peer, self._where)
 
     def _recv_ckpt(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
         p2p = self._need_p2p()
         if op.is_async:
-            self.inflight[key] = p2p.irecv(self._spec("ckpt", *key), op.peer, self._where)
+            self.inflight[key] = p2p.irecv(self._spec(Message.CKPT, *key), op.peer, self._where)
         else:
-            self.ckpts[key] = p2p.recv(self._spec("ckpt", *key), op.peer, self._where)
+            self.ckpts[key] = p2p.recv(self._spec(Message.CKPT, *key), op.peer, self._where)
 
     def _wait_ckpt(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
         pending = self.inflight.pop(key, None)
         if pending is None:
-            raise RuntimeError(f"no receive of checkpoint s{op.stage}.{op.sub} mb{op.mb} was posted before")
+            raise RuntimeError(f"no receive of checkpoint {unit_label(op.stage, op.sub)} mb{op.mb} was posted before")
         self.ckpts[key] = self._need_p2p().wait(pending)
 
     def _offload(self, op: Op) -> None:
         unit = (op.stage, op.sub)
         host = self.optimizer.host_grads.get(unit)
         if host is None:
-            raise RuntimeError(f"s{op.stage}.{op.sub} is not owned by rank {self.rank}: no host gradient buffer")
+            raise RuntimeError(f"{unit_label(*unit)} is not owned by rank {self.rank}: no host gradient buffer")
         self.optimizer.offloaded(unit, self.grads.offload(unit, host))
 
     def _optim_step(self, op: Op) -> None:
@@ -374,25 +364,8 @@ class Executor:
         if left:
             raise RuntimeError(f"tensors left over at the end of the step: {', '.join(left[:8])}; the op list does not "
                                f"consume what it produces")
-        if self.schedule.options.get("optimizer") == "async":
+        if self.schedule.options.async_optimizer:
             self.optimizer.validate_async(lr=self.ctx.lr)
         else:
             self.optimizer.validate_sync(scale=self.ctx.scale)
 
-
-def forward_program(schedule: Schedule, rank: int, n_micro: int) -> list[Op]:
-    """A forward-only op list for evaluation: this rank's stages ascending, each loaded, all
-    micro-batches received, computed and sent on, then freed. Every rank's list is a subsequence
-    of one global order in which each send is directly followed by its receive, so blocking
-    transfers cannot deadlock."""
-    fwd = schedule.placement.fwd_rank
-    ops: list[Op] = []
-    for s in schedule.placement.fwd_stages(rank):
-        ops.append(Op(OpKind.LOAD_PARAMS, s, -1))
-        if s > 0 and fwd[s - 1] != rank:
-            ops += [Op(OpKind.RECV_ACT, s - 1, -1, j, fwd[s - 1]) for j in range(n_micro)]
-        ops += [Op(OpKind.FORWARD, s, -1, j) for j in range(n_micro)]
-        if s < schedule.n_stages - 1 and fwd[s + 1] != rank:
-            ops += [Op(OpKind.SEND_ACT, s, -1, j, fwd[s + 1]) for j in range(n_micro)]
-        ops.append(Op(OpKind.FREE, s, -1))
-    return ops

@@ -1,9 +1,9 @@
 """Point-to-point transfers between pipeline ranks: activations, input gradients, checkpoints.
 
-Every transfer has a :class:`TransferSpec` computed from the plan (family, stage, sub-stage,
-micro-batch, shape, dtype), identically on both ranks. The sender checks its tensor against the
+Every transfer has a :class:`TransferSpec` computed from the plan (message kind, stage,
+sub-stage, micro-batch, shape, dtype), identically on both ranks. The sender checks its tensor against the
 spec before it sends; the receiver allocates exactly the planned buffer. With ``verify`` a small
-int64 header (family, stage, sub, micro-batch, dtype, shape) travels before each payload and the
+int64 header (message kind, stage, sub, micro-batch, dtype, shape) travels before each payload and the
 receiver compares it with its own spec, so a plan disagreement between ranks is an error naming
 the stage, the micro-batch and the tensor on both sides instead of garbage or a hang.
 
@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from sysx.dist import wait_for
+from sysx.partition import unit_label
+from sysx.schedule.ops import Message
 
-FAMILIES = ("act", "grad", "ckpt")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.int32)
 _HEADER_LEN = 11
 _MAGIC = 0x5359535850  # "SYSXP"
@@ -37,7 +38,7 @@ class TransferMismatch(RuntimeError):
 class TransferSpec:
     """The planned content of one message."""
 
-    family: str  # act | grad | ckpt
+    family: Message
     stage: int
     sub: int
     mb: int
@@ -47,8 +48,7 @@ class TransferSpec:
     @property
     def label(self) -> str:
         """``ckpt s2.0 mb1``, ``act s3 mb0``, ``grad s5.1 mb2``."""
-        where = f"s{self.stage}" if self.sub < 0 else f"s{self.stage}.{self.sub}"
-        return f"{self.family} {where} mb{self.mb}"
+        return f"{self.family.label} {unit_label(self.stage, self.sub)} mb{self.mb}"
 
     def describe(self) -> str:
         """``ckpt s2.0 mb1 [2, 16, 128] torch.float32``."""
@@ -60,25 +60,25 @@ class TransferSpec:
             raise TransferMismatch(
                 f"rank {rank}: {action} {self.label}: the tensor is {list(tensor.shape)} {tensor.dtype} but the plan says "
                 f"{list(self.shape)} {self.dtype} (stage {self.stage}{'' if self.sub < 0 else f'.{self.sub}'}, "
-                f"micro-batch {self.mb}, tensor {self.family}); every rank must run the same model, batch shape, "
+                f"micro-batch {self.mb}, tensor {self.family.label}); every rank must run the same model, batch shape, "
                 f"precision and schedule")
 
     def header(self, device: torch.device) -> torch.Tensor:
         """The int64 header announcing this message."""
         if len(self.shape) > _MAX_DIMS:
             raise ValueError(f"{self.label}: {len(self.shape)} dimensions, the header holds {_MAX_DIMS}")
-        values = [_MAGIC, FAMILIES.index(self.family), self.stage, self.sub, self.mb, _DTYPES.index(self.dtype), len(self.shape)]
+        values = [_MAGIC, int(self.family), self.stage, self.sub, self.mb, _DTYPES.index(self.dtype), len(self.shape)]
         values += list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     @staticmethod
     def from_header(values: list[int]) -> TransferSpec | None:
         """Decode a header (None when it is not one)."""
-        if len(values) != _HEADER_LEN or values[0] != _MAGIC or not 0 <= values[1] < len(FAMILIES):
+        if len(values) != _HEADER_LEN or values[0] != _MAGIC or not 0 <= values[1] < len(Message):
             return None
         if not 0 <= values[5] < len(_DTYPES) or not 0 <= values[6] <= _MAX_DIMS:
             return None
-        return TransferSpec(FAMILIES[values[1]], values[2], values[3], values[4], tuple(values[7:7 + values[6]]), _DTYPES[values[5]])
+        return TransferSpec(Message(values[1]), values[2], values[3], values[4], tuple(values[7:7 + values[6]]), _DTYPES[values[5]])
 
 
 @dataclass
@@ -158,7 +158,7 @@ class P2P:
             raise TransferMismatch(
                 f"rank {self.rank}: {pending.what}: rank {pending.peer} sent {sent} but this rank expects "
                 f"{pending.spec.describe()} (stage {pending.spec.stage}, micro-batch {pending.spec.mb}, tensor "
-                f"{pending.spec.family}); the two ranks disagree about the plan: check that every rank runs the same "
+                f"{pending.spec.family.label}); the two ranks disagree about the plan: check that every rank runs the same "
                 f"config and schedule")
 
     def completed(self, pending: Pending) -> bool:

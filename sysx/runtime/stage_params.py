@@ -35,12 +35,8 @@ from sysx.dist import DistInfo, wait_for
 from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import make_layer
+from sysx.partition import unit_label
 from sysx.schedule import Schedule
-
-
-def unit_key(stage: int, sub: int) -> str:
-    """Shared-memory key of backward sub-stage ``(stage, sub)``: ``s3.1``."""
-    return f"s{stage}.{sub}"
 
 
 def layer_params(model_cfg: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -69,7 +65,7 @@ class SubStage:
     @property
     def key(self) -> str:
         """``s<stage>.<sub>``."""
-        return unit_key(self.stage, self.sub)
+        return unit_label(self.stage, self.sub)
 
     @property
     def mirrored(self) -> bool:
@@ -183,7 +179,7 @@ class StageParams:
             return [self.shared[(stage, k)] for k in sorted(subs)]
         except KeyError as err:
             raise RuntimeError(
-                f"rank {self.rank}: parameters of s{stage}{'' if sub < 0 else f'.{sub}'} are not mapped on this rank "
+                f"rank {self.rank}: parameters of {unit_label(stage, sub)} are not mapped on this rank "
                 f"(missing {err}); the schedule loads a unit this rank neither owns nor runs forward") from None
 
     def push_mirrors(self) -> int:

@@ -1,23 +1,24 @@
 """Pipeline schedules as data: ops, builders, validator, simulator, pictures.
 
 ``build(name, n_ranks, n_micro, ...)`` returns a :class:`Schedule` for any of
-``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``, ``sysx``; :func:`validate` proves it
-executable, :func:`simulate` turns it plus costs into a :class:`Timeline`.
+``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``, ``sysx``; :func:`evaluation_schedule` its
+forward-only program; :func:`validate` proves either executable, :func:`simulate` turns it plus
+costs into a :class:`Timeline`.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
 from sysx.partition import Partition, PartitionError, uniform_partition
 from sysx.schedule.costs import CostTable, Costs, UnitCosts, costs_from_model
+from sysx.schedule.evaluation import evaluation_schedule
 from sysx.schedule.gpipe import build_gpipe
 from sysx.schedule.interleaved import build_interleaved_1f1b
 from sysx.schedule.mobius import build_mobius
 from sysx.schedule.one_f_one_b import build_1f1b
-from sysx.schedule.ops import CkptRoute, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.ops import CkptRoute, Message, Op, OpKind, Schedule, ScheduleError, ScheduleOptions
 from sysx.schedule.simulate import Event, Timeline, simulate
 from sysx.schedule.sysx import CFG_FEATURES, build_sysx
 from sysx.schedule.validate import validate
@@ -30,15 +31,9 @@ def build(name: str, n_ranks: int, n_micro: int, partition: Partition | None = N
     """Build schedule ``name``. Without ``partition``, a uniform one with ``n_stages`` stages
     (default: ``Ng`` for gpipe/1f1b, ``2 Ng`` otherwise) and ``split`` (sysx only).
 
-    Schedules do not depend on costs, so equal requests return the same (immutable) object from
-    a cache; its compiled form for the simulator is cached with it.
+    Every call builds a new schedule (milliseconds even for thousands of ops; a caller that
+    builds the same one repeatedly keeps it).
     """
-    return _build_cached(name, n_ranks, n_micro, partition, n_stages, split, cfg, param_buffers)
-
-
-@lru_cache(maxsize=256)
-def _build_cached(name: str, n_ranks: int, n_micro: int, partition: Partition | None, n_stages: int | None,
-                  split: int, cfg: int, param_buffers: int) -> Schedule:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
     if partition is None:
@@ -61,7 +56,8 @@ def _build_cached(name: str, n_ranks: int, n_micro: int, partition: Partition | 
 
 
 __all__ = [
-    "CFG_FEATURES", "CkptRoute", "CostTable", "Costs", "Event", "Op", "OpKind", "Partition", "PartitionError",
-    "SCHEDULES", "Schedule", "ScheduleError", "Timeline", "UnitCosts", "build", "build_1f1b", "build_gpipe",
-    "build_interleaved_1f1b", "build_mobius", "build_sysx", "costs_from_model", "simulate", "validate",
+    "CFG_FEATURES", "CkptRoute", "CostTable", "Costs", "Event", "Message", "Op", "OpKind", "Partition", "PartitionError",
+    "SCHEDULES", "Schedule", "ScheduleError", "ScheduleOptions", "Timeline", "UnitCosts", "build", "build_1f1b",
+    "build_gpipe", "build_interleaved_1f1b", "build_mobius", "build_sysx", "costs_from_model", "evaluation_schedule",
+    "simulate", "validate",
 ]

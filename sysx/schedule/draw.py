@@ -97,8 +97,8 @@ def title_of(tl: Timeline) -> str:
     name = tl.name
     extra = ""
     if sch is not None:
-        if sch.options.get("cfg") is not None and name == "sysx":
-            name = f"sysx CFG{sch.options['cfg']}"
+        if sch.options.cfg is not None and name == "sysx":
+            name = f"sysx CFG{sch.options.cfg}"
         extra = f"  Ng={sch.n_ranks} Nm={sch.n_micro} Nsf={sch.n_stages}" + (f" d={sch.split}" if sch.split > 1 else "")
     unit = "" if tl.unit == "units" else " s"
     return f"{name}{extra}   iteration {tl.iteration:.4g}{unit}   bubble {100 * tl.bubble_ratio:.1f}%"

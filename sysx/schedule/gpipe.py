@@ -23,4 +23,4 @@ def build_gpipe(n_ranks: int, n_micro: int, partition: Partition | None = None, 
     placement = coupled_placement(n_ranks, n_ranks)
     orders = [afab_forwards([r], n_micro) + afab_backwards([(r, 0)], n_micro) for r in range(n_ranks)]
     return lower("gpipe", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers, options={"family": "gpipe"})
+                 param_buffers=param_buffers)

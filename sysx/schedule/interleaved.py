@@ -81,4 +81,4 @@ def build_interleaved_1f1b(n_ranks: int, n_micro: int, partition: Partition | No
     placement = coupled_placement(partition.n_stages, n_ranks)
     orders = [interleaved_order(r, n_ranks, n_micro, chunks) for r in range(n_ranks)]
     return lower("interleaved_1f1b", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers, options={"family": "interleaved_1f1b", "chunks": chunks})
+                 param_buffers=param_buffers)

@@ -29,37 +29,21 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from sysx.partition import Partition, Placement
-from sysx.schedule.ops import CkptRoute, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.ops import (
+    RECV_OF, SEND_OF, B, CkptMode, CkptRoute, F, Message, Op, OpKind, OptimizerMode, Schedule, ScheduleError,
+    ScheduleOptions,
+)
 
-_ACT, _GRAD, _CKPT, _WAIT = 0, 1, 2, 3
-_SEND_OF = {_ACT: OpKind.SEND_ACT, _GRAD: OpKind.SEND_GRAD, _CKPT: OpKind.SEND_CKPT}
-_RECV_OF = {_ACT: OpKind.RECV_ACT, _GRAD: OpKind.RECV_GRAD, _CKPT: OpKind.RECV_CKPT}
-
-
-def next_sub(s: int, k: int, n_stages: int, split: int) -> tuple[int, int] | None:
-    """The backward sub-stage whose input gradient ``(s, k)`` consumes (``None`` for the last)."""
-    if k < split - 1:
-        return (s, k + 1)
-    if s < n_stages - 1:
-        return (s + 1, 0)
-    return None
+# An op list under construction: (sort key, op); merging by key interleaves the passes' ops.
+Keyed = list[tuple[tuple, Op]]
 
 
-def prev_sub(s: int, k: int, split: int) -> tuple[int, int] | None:
-    """The backward sub-stage that consumes ``(s, k)``'s input gradient (``None`` for the first)."""
-    if k > 0:
-        return (s, k - 1)
-    if s > 0:
-        return (s - 1, split - 1)
-    return None
-
-
-def logical_times(orders: Sequence[Sequence[Op]], n_stages: int, split: int, n_micro: int
-                  ) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
-    """Rank of every pass, and its (start, end) on the logical timeline (see the module doc)."""
+def _check_orders(orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int) -> dict[Op, int]:
+    """The rank of every pass; every forward and backward pass must appear exactly once."""
+    n_stages, split = partition.n_stages, partition.split
     where: dict[Op, int] = {}
     for r, order in enumerate(orders):
         for op in order:
@@ -68,18 +52,34 @@ def logical_times(orders: Sequence[Sequence[Op]], n_stages: int, split: int, n_m
             if op in where:
                 raise ScheduleError(f"`{op}` appears twice in the compute orders (ranks {where[op]} and {r})")
             where[op] = r
-    missing = [f"F s{s} mb{j}" for s in range(n_stages) for j in range(n_micro)
-               if Op(OpKind.FORWARD, s, -1, j) not in where]
-    missing += [f"B s{s}.{k} mb{j}" for s in range(n_stages) for k in range(split) for j in range(n_micro)
-                if Op(OpKind.BACKWARD, s, k, j) not in where]
+    missing = [str(F(s, j)) for s in range(n_stages) for j in range(n_micro) if F(s, j) not in where]
+    missing += [str(B(s, k, j)) for s in range(n_stages) for k in range(split) for j in range(n_micro)
+                if B(s, k, j) not in where]
     if missing:
         raise ScheduleError(f"the compute orders miss {len(missing)} pass(es): {', '.join(missing[:8])}")
     if len(where) != n_stages * n_micro * (1 + split):
         extra = [str(op) for op in where if not (0 <= op.stage < n_stages and 0 <= op.mb < n_micro
                                                    and (op.kind == OpKind.FORWARD or 0 <= op.sub < split))]
         raise ScheduleError(f"the compute orders hold passes outside the schedule: {', '.join(extra[:8])}")
+    return where
 
-    fwd_t, bwd_t = float(split), 2.0
+
+def _inputs(op: Op, partition: Partition) -> list[Op]:
+    """The passes whose results ``op`` consumes (its checkpoint's forward, its input or output gradient)."""
+    if op.kind == OpKind.FORWARD:
+        return [F(op.stage - 1, op.mb)] if op.stage > 0 else []
+    deps = [F(op.stage, op.mb)]
+    nxt = partition.next_sub(op.stage, op.sub)
+    if nxt is not None:
+        deps.append(B(nxt[0], nxt[1], op.mb))
+    return deps
+
+
+def logical_times(orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int
+                  ) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
+    """Rank of every pass, and its (start, end) on the logical timeline (see the module doc)."""
+    where = _check_orders(orders, partition, n_micro)
+    duration = {OpKind.FORWARD: float(partition.split), OpKind.BACKWARD: 2.0}
     times: dict[Op, tuple[float, float]] = {}
     pc = [0] * len(orders)
     clock = [0.0] * len(orders)
@@ -89,20 +89,12 @@ def logical_times(orders: Sequence[Sequence[Op]], n_stages: int, split: int, n_m
         for r, order in enumerate(orders):
             while pc[r] < len(order):
                 op = order[pc[r]]
-                if op.kind == OpKind.FORWARD:
-                    deps = [Op(OpKind.FORWARD, op.stage - 1, -1, op.mb)] if op.stage > 0 else []
-                    dur = fwd_t
-                else:
-                    deps = [Op(OpKind.FORWARD, op.stage, -1, op.mb)]
-                    nxt = next_sub(op.stage, op.sub, n_stages, split)
-                    if nxt is not None:
-                        deps.append(Op(OpKind.BACKWARD, nxt[0], nxt[1], op.mb))
-                    dur = bwd_t
+                deps = _inputs(op, partition)
                 if any(d not in times for d in deps):
                     break
                 start = max([clock[r]] + [times[d][1] for d in deps])
-                times[op] = (start, start + dur)
-                clock[r] = start + dur
+                times[op] = (start, start + duration[op.kind])
+                clock[r] = start + duration[op.kind]
                 pc[r] += 1
                 progress = True
     if any(pc[r] < len(o) for r, o in enumerate(orders)):
@@ -166,7 +158,7 @@ class _Msg(NamedTuple):
     """A message between two ranks, ready at logical time ``tau``."""
 
     tau: float
-    fam: int
+    kind: Message
     src: int
     dst: int
     stage: int
@@ -175,10 +167,10 @@ class _Msg(NamedTuple):
     is_async: bool
 
 
-def _global_order(msgs: list[_Msg], progress: Callable[[int, int, int], int]) -> list[_Msg]:
+def _global_order(msgs: list[_Msg], progress: Callable[[Message, int, int], int]) -> list[_Msg]:
     """All messages in one order: by logical time; within one time, a rank's sends before its
     receives wherever that is consistent (Kahn's algorithm on send->receive edges), cycles and
-    remaining ties broken by (family, pipeline progress descending, micro-batch, ranks)."""
+    remaining ties broken by (message kind, pipeline progress descending, micro-batch, ranks)."""
     by_time: dict[float, list[_Msg]] = {}
     for m in msgs:
         by_time.setdefault(m.tau, []).append(m)
@@ -188,7 +180,7 @@ def _global_order(msgs: list[_Msg], progress: Callable[[int, int, int], int]) ->
         if len(group) == 1:
             out.append(group[0])
             continue
-        prio = {m: (m.fam, -progress(m.fam, m.stage, m.sub), m.mb, m.src, m.dst, m.stage, m.sub) for m in group}
+        prio = {m: (m.kind, -progress(m.kind, m.stage, m.sub), m.mb, m.src, m.dst, m.stage, m.sub) for m in group}
         sends: dict[int, list[_Msg]] = {}
         for m in group:
             sends.setdefault(m.src, []).append(m)
@@ -209,6 +201,103 @@ def _global_order(msgs: list[_Msg], progress: Callable[[int, int, int], int]) ->
     return out
 
 
+def _messages(orders: Sequence[Sequence[Op]], where: dict[Op, int], times: dict[Op, tuple[float, float]],
+              partition: Partition, ckpt: CkptMode) -> tuple[list[Keyed], list[_Msg], list[CkptRoute]]:
+    """Every rank's passes keyed by their logical start, the messages between ranks, WAIT_CKPTs,
+    and the route of every checkpoint."""
+    items: list[Keyed] = [[] for _ in orders]
+    msgs: list[_Msg] = []
+    routes: list[CkptRoute] = []
+    for r, order in enumerate(orders):
+        for seq, op in enumerate(order):
+            items[r].append(((times[op][0], 1, seq), op))
+            if op.kind == OpKind.FORWARD and op.stage > 0:
+                prod = F(op.stage - 1, op.mb)
+                if where[prod] != r:
+                    msgs.append(_Msg(times[prod][1], Message.ACT, where[prod], r, op.stage - 1, -1, op.mb, False))
+            elif op.kind == OpKind.BACKWARD:
+                nxt = partition.next_sub(op.stage, op.sub)
+                if nxt is not None:
+                    prod = B(nxt[0], nxt[1], op.mb)
+                    if where[prod] != r:
+                        msgs.append(_Msg(times[prod][1], Message.GRAD, where[prod], r, nxt[0], nxt[1], op.mb, False))
+                _route_checkpoint(op, r, where, times, ckpt, items[r], msgs, routes)
+    return items, msgs, routes
+
+
+def _route_checkpoint(op: Op, r: int, where: dict[Op, int], times: dict[Op, tuple[float, float]], ckpt: CkptMode,
+                      items: Keyed, msgs: list[_Msg], routes: list[CkptRoute]) -> None:
+    """The route of backward ``op``'s checkpoint from its forward; a message (and a WAIT_CKPT) across ranks."""
+    fwd = F(op.stage, op.mb)
+    src = where[fwd]
+    if src == r:
+        routes.append(CkptRoute(op.stage, op.sub, op.mb, r, r, "local", times[fwd][1]))
+    elif ckpt == "local":
+        raise ScheduleError(
+            f"`{op}` runs on rank {r} but `{fwd}` on rank {src}: a coupled schedule keeps every "
+            f"checkpoint on its rank; build it with ckpt='sync' or 'async'")
+    elif ckpt == "async":
+        tau = times[fwd][1]
+        msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, op.mb, True))
+        # right before the backward, after the messages keyed at its start
+        items.append(((times[op][0], 0, float("inf"), op.stage, op.sub, op.mb),
+                      Op(OpKind.WAIT_CKPT, op.stage, op.sub, op.mb, src)))
+        routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "async", tau))
+    else:
+        tau = times[op][0]
+        msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, op.mb, False))
+        routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "sync", tau))
+
+
+def _add_messages(items: list[Keyed], msgs: list[_Msg], partition: Partition) -> None:
+    """A send and a receive per message, both keyed by its place in the one global order."""
+    nsf, d = partition.n_stages, partition.split
+
+    def progress(kind: Message, s: int, k: int) -> int:
+        if kind == Message.ACT:
+            return s
+        return (nsf - 1 - s) * d + (d - 1 - k) if kind == Message.GRAD else s * d + k
+
+    for idx, (tau, kind, src, dst, s, k, j, a) in enumerate(_global_order(msgs, progress)):
+        key = (tau, 0, idx)
+        items[src].append((key, Op(SEND_OF[kind], s, k, j, dst, a)))
+        items[dst].append((key, Op(RECV_OF[kind], s, k, j, src, a)))
+
+
+def _add_param_ops(ops: list[Op], partition: Partition, slots: int) -> list[Op]:
+    """LOAD_PARAMS / FREE around the passes of one rank's list (see the module doc)."""
+    compute = [op for op in ops if op.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
+    before, after = _param_actions(compute, partition, slots)
+    out = list(before)
+    ci = 0
+    for op in ops:
+        out.append(op)
+        if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
+            out.extend(after[ci])
+            ci += 1
+    return out
+
+
+def _add_optimizer_ops(ops: list[Op], optimizer: OptimizerMode) -> list[Op]:
+    """OFFLOAD_GRADS right after a sub-stage's last backward, the async OPTIM_STEP right after
+    it, VALIDATE at the end and the sync OPTIM_STEPs after VALIDATE."""
+    last_b = {(op.stage, op.sub): i for i, op in enumerate(ops) if op.kind == OpKind.BACKWARD}
+    grads_after = {i: u for u, i in last_b.items()}
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        out.append(op)
+        if i in grads_after:
+            s, k = grads_after[i]
+            out.append(Op(OpKind.OFFLOAD_GRADS, s, k))
+            if optimizer == "async":
+                out.append(Op(OpKind.OPTIM_STEP, s, k, is_async=True))
+    steps = [Op(OpKind.OPTIM_STEP, op.stage, op.sub) for op in out if op.kind == OpKind.OFFLOAD_GRADS]
+    out.append(Op(OpKind.VALIDATE))
+    if optimizer == "sync":
+        out.extend(steps)
+    return out
+
+
 def lower(
     name: str,
     partition: Partition,
@@ -216,118 +305,27 @@ def lower(
     n_micro: int,
     orders: Sequence[Sequence[Op]],
     *,
-    ckpt: str,
-    optimizer: str,
+    ckpt: CkptMode,
+    optimizer: OptimizerMode,
     param_buffers: int = 2,
-    options: dict[str, Any] | None = None,
+    cfg: int | None = None,
 ) -> Schedule:
-    """Build the complete :class:`Schedule` from per-rank compute orders.
+    """Build the complete :class:`Schedule` from per-rank compute orders, pass by pass: logical
+    times, messages, parameter loads/frees, gradient offloads and optimizer steps, checkpoint plan.
 
-    ``ckpt``: ``"local"`` (coupled schedules: every checkpoint stays on its rank), ``"sync"``
-    (blocking transfer right before the backward) or ``"async"`` (isend/irecv when produced).
-    ``optimizer``: ``"sync"`` (after VALIDATE, one sub-stage after another) or ``"async"``.
+    ``ckpt`` and ``optimizer`` are the :class:`ScheduleOptions` modes; ``cfg`` the sysx ablation.
     """
-    if ckpt not in ("local", "sync", "async"):
-        raise ScheduleError(f"ckpt mode {ckpt!r} must be 'local', 'sync' or 'async'")
-    if optimizer not in ("sync", "async"):
-        raise ScheduleError(f"optimizer mode {optimizer!r} must be 'sync' or 'async'")
-    if not isinstance(param_buffers, int) or param_buffers < 1:
-        raise ScheduleError(f"param_buffers={param_buffers!r} must be an int >= 1 (2 = current + prefetch)")
-    n_ranks, nsf, d = placement.n_ranks, partition.n_stages, partition.split
-    if len(orders) != n_ranks:
-        raise ScheduleError(f"{len(orders)} compute orders for {n_ranks} ranks")
-    where, times = logical_times(orders, nsf, d, n_micro)
-
-    # --- messages, keyed by one global order ----------------------------------------------------
-    items: list[list[tuple[tuple, Op]]] = [[] for _ in range(n_ranks)]
-    msgs: list[_Msg] = []
-    routes: list[CkptRoute] = []
-
-    def progress(fam: int, s: int, k: int) -> int:
-        return s if fam == _ACT else ((nsf - 1 - s) * d + (d - 1 - k) if fam == _GRAD else s * d + k)
-
-    for r, order in enumerate(orders):
-        for seq, op in enumerate(order):
-            items[r].append(((times[op][0], 1, seq), op))
-            if op.kind == OpKind.FORWARD and op.stage > 0:
-                prod = Op(OpKind.FORWARD, op.stage - 1, -1, op.mb)
-                if where[prod] != r:
-                    msgs.append(_Msg(times[prod][1], _ACT, where[prod], r, op.stage - 1, -1, op.mb, False))
-            elif op.kind == OpKind.BACKWARD:
-                nxt = next_sub(op.stage, op.sub, nsf, d)
-                if nxt is not None:
-                    prod = Op(OpKind.BACKWARD, nxt[0], nxt[1], op.mb)
-                    if where[prod] != r:
-                        msgs.append(_Msg(times[prod][1], _GRAD, where[prod], r, nxt[0], nxt[1], op.mb, False))
-                fwd = Op(OpKind.FORWARD, op.stage, -1, op.mb)
-                src = where[fwd]
-                if src == r:
-                    routes.append(CkptRoute(op.stage, op.sub, op.mb, r, r, "local", times[fwd][1]))
-                elif ckpt == "local":
-                    raise ScheduleError(
-                        f"`{op}` runs on rank {r} but `{fwd}` on rank {src}: a coupled schedule keeps every "
-                        f"checkpoint on its rank; build it with ckpt='sync' or 'async'")
-                elif ckpt == "async":
-                    tau = times[fwd][1]
-                    msgs.append(_Msg(tau, _CKPT, src, r, op.stage, op.sub, op.mb, True))
-                    items[r].append(((times[op][0], 0, float("inf"), _WAIT, op.stage, op.sub, op.mb),
-                                     Op(OpKind.WAIT_CKPT, op.stage, op.sub, op.mb, src)))
-                    routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "async", tau))
-                else:
-                    tau = times[op][0]
-                    msgs.append(_Msg(tau, _CKPT, src, r, op.stage, op.sub, op.mb, False))
-                    routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "sync", tau))
-    for idx, (tau, fam, src, dst, s, k, j, a) in enumerate(_global_order(msgs, progress)):
-        key = (tau, 0, idx)
-        items[src].append((key, Op(_SEND_OF[fam], s, k, j, dst, a)))
-        items[dst].append((key, Op(_RECV_OF[fam], s, k, j, src, a)))
-
-    # --- per rank: merge by key, add params / gradients / optimizer ------------------------------
-    lists: list[tuple[Op, ...]] = []
-    for r in range(n_ranks):
-        merged = [op for _, op in sorted(items[r], key=lambda kv: kv[0])]
-        compute = [op for op in merged if op.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
-        before, after = _param_actions(compute, partition, param_buffers)
-        last_b: dict[tuple[int, int], int] = {}
-        for i, op in enumerate(compute):
-            if op.kind == OpKind.BACKWARD:
-                last_b[(op.stage, op.sub)] = i
-        grads_after: dict[int, tuple[int, int]] = {i: u for u, i in last_b.items()}
-        out: list[Op] = list(before)
-        stepped: list[tuple[int, int]] = []
-        ci = 0
-        for op in merged:
-            out.append(op)
-            if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
-                if ci in grads_after:
-                    s, k = grads_after[ci]
-                    out.append(Op(OpKind.OFFLOAD_GRADS, s, k))
-                    stepped.append((s, k))
-                    if optimizer == "async":
-                        out.append(Op(OpKind.OPTIM_STEP, s, k, is_async=True))
-                out.extend(after[ci])
-                ci += 1
-        out.append(Op(OpKind.VALIDATE))
-        if optimizer == "sync":
-            out.extend(Op(OpKind.OPTIM_STEP, s, k) for s, k in stepped)
-        lists.append(tuple(out))
-
-    # --- checkpoint plan with op positions ------------------------------------------------------
-    index: dict[tuple[int, Op], int] = {}
-    for r, ops in enumerate(lists):
-        for i, op in enumerate(ops):
-            if op.kind in (OpKind.SEND_CKPT, OpKind.RECV_CKPT):
-                index[(r, op)] = i
-    plan = []
-    for rt in routes:
-        if rt.mode == "local":
-            plan.append(rt)
-            continue
-        a = rt.mode == "async"
-        si = index[(rt.src, Op(OpKind.SEND_CKPT, rt.stage, rt.sub, rt.mb, rt.dst, a))]
-        di = index[(rt.dst, Op(OpKind.RECV_CKPT, rt.stage, rt.sub, rt.mb, rt.src, a))]
-        plan.append(CkptRoute(rt.stage, rt.sub, rt.mb, rt.src, rt.dst, rt.mode, rt.step, si, di))
-    plan.sort(key=lambda rt: (rt.stage, rt.sub, rt.mb))
-    opts = {"ckpt": ckpt, "optimizer": optimizer, "param_buffers": param_buffers}
-    opts.update(options or {})
-    return Schedule(name, n_ranks, n_micro, partition, placement, tuple(lists), tuple(plan), opts)
+    options = ScheduleOptions(ckpt, optimizer, param_buffers, cfg)
+    if len(orders) != placement.n_ranks:
+        raise ScheduleError(f"{len(orders)} compute orders for {placement.n_ranks} ranks")
+    where, times = logical_times(orders, partition, n_micro)
+    items, msgs, routes = _messages(orders, where, times, partition, ckpt)
+    _add_messages(items, msgs, partition)
+    lists = []
+    for keyed in items:
+        merged = [op for _, op in sorted(keyed, key=lambda kv: kv[0])]
+        # parameter ops first: the offload of a sub-stage then lands right after its last backward
+        lists.append(_add_optimizer_ops(_add_param_ops(merged, partition, param_buffers), optimizer))
+    routes.sort(key=lambda rt: (rt.stage, rt.sub, rt.mb))
+    bare = Schedule(name, placement.n_ranks, n_micro, partition, placement, (), tuple(routes), options)
+    return bare.with_ops(lists)

@@ -28,4 +28,4 @@ def build_mobius(n_ranks: int, n_micro: int, partition: Partition | None = None,
         stages = placement.fwd_stages(r)
         orders.append(afab_forwards(stages, n_micro) + afab_backwards([(s, 0) for s in reversed(stages)], n_micro))
     return lower("mobius", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers, options={"family": "mobius"})
+                 param_buffers=param_buffers)

@@ -30,4 +30,4 @@ def build_1f1b(n_ranks: int, n_micro: int, partition: Partition | None = None, *
     placement = coupled_placement(n_ranks, n_ranks)
     orders = [one_f_one_b_order(r, r, n_ranks, n_micro) for r in range(n_ranks)]
     return lower("1f1b", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers, options={"family": "1f1b"})
+                 param_buffers=param_buffers)

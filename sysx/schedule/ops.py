@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from sysx.partition import Partition, Placement
+from sysx.partition import Partition, Placement, unit_label
 
 
 class ScheduleError(ValueError):
@@ -67,16 +67,30 @@ class OpKind(enum.IntEnum):
     VALIDATE = 13
 
 
-SENDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD, OpKind.SEND_CKPT})
-RECVS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.RECV_CKPT})
+class Message(enum.IntEnum):
+    """What a message between ranks carries; the value orders messages that are ready at once."""
+
+    ACT = 0  # output of a forward stage
+    GRAD = 1  # gradient w.r.t. the input of a backward sub-stage
+    CKPT = 2  # checkpoint of a backward sub-stage
+
+    @property
+    def label(self) -> str:
+        """``act``, ``grad`` or ``ckpt``."""
+        return self.name.lower()
+
+
+SEND_OF = {Message.ACT: OpKind.SEND_ACT, Message.GRAD: OpKind.SEND_GRAD, Message.CKPT: OpKind.SEND_CKPT}
+RECV_OF = {Message.ACT: OpKind.RECV_ACT, Message.GRAD: OpKind.RECV_GRAD, Message.CKPT: OpKind.RECV_CKPT}
+MESSAGE_OF = {**{k: m for m, k in SEND_OF.items()}, **{k: m for m, k in RECV_OF.items()}, OpKind.WAIT_CKPT: Message.CKPT}
+SENDS = frozenset(SEND_OF.values())
+RECVS = frozenset(RECV_OF.values())
 COMMS = SENDS | RECVS
-PARTNER = {
-    OpKind.SEND_ACT: OpKind.RECV_ACT, OpKind.RECV_ACT: OpKind.SEND_ACT,
-    OpKind.SEND_GRAD: OpKind.RECV_GRAD, OpKind.RECV_GRAD: OpKind.SEND_GRAD,
-    OpKind.SEND_CKPT: OpKind.RECV_CKPT, OpKind.RECV_CKPT: OpKind.SEND_CKPT,
-}
+PARTNER = {**{SEND_OF[m]: RECV_OF[m] for m in Message}, **{RECV_OF[m]: SEND_OF[m] for m in Message}}
 _SHORT = {OpKind.FORWARD: "F", OpKind.BACKWARD: "B", OpKind.LOAD_PARAMS: "LOAD", OpKind.OFFLOAD_GRADS: "OFFLOAD",
           OpKind.OPTIM_STEP: "OPT"}
+# NVTX range names name the copy direction, not the op
+_TRACE = {OpKind.LOAD_PARAMS: "H2D", OpKind.OFFLOAD_GRADS: "D2H", OpKind.FREE: "FREE"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +109,7 @@ class Op:
         name = _SHORT.get(k, k.name)
         if k == OpKind.VALIDATE:
             return name
-        where = f"s{self.stage}" if self.sub < 0 else f"s{self.stage}.{self.sub}"
-        parts = [name, where]
+        parts = [name, unit_label(self.stage, self.sub)]
         if self.mb >= 0:
             parts.append(f"mb{self.mb}")
         if k in SENDS:
@@ -108,11 +121,24 @@ class Op:
         return " ".join(parts)
 
     @property
-    def message(self) -> tuple[int, int, int, int]:
-        """Identity of the message a send/recv/wait carries: (family, stage, sub, mb)."""
-        fam = {OpKind.SEND_ACT: 0, OpKind.RECV_ACT: 0, OpKind.SEND_GRAD: 1, OpKind.RECV_GRAD: 1,
-               OpKind.SEND_CKPT: 2, OpKind.RECV_CKPT: 2, OpKind.WAIT_CKPT: 2}[self.kind]
-        return (fam, self.stage, self.sub, self.mb)
+    def message(self) -> tuple[Message, int, int, int]:
+        """Identity of the message a send/recv/wait carries: (kind, stage, sub, mb)."""
+        return (MESSAGE_OF[self.kind], self.stage, self.sub, self.mb)
+
+    def trace_name(self) -> str:
+        """The NVTX range name: ``F s3 mb2``, ``B s5.1 mb0``, ``H2D s4``, ``D2H s5.1``, ``OPT s5.1``,
+        ``OPT queue s5.1`` (async), ``SEND ckpt s2.0 mb1``, ``RECV act s3 mb0``, ``WAIT ckpt s2.0 mb1``."""
+        k = self.kind
+        where = unit_label(self.stage, self.sub)
+        if k in (OpKind.FORWARD, OpKind.BACKWARD):
+            return f"{_SHORT[k]} {where} mb{self.mb}"
+        if k == OpKind.OPTIM_STEP:
+            return f"OPT queue {where}" if self.is_async else f"OPT {where}"
+        if k == OpKind.VALIDATE:
+            return "VALIDATE"
+        if k in _TRACE:
+            return f"{_TRACE[k]} {where}"
+        return f"{k.name.split('_')[0]} {MESSAGE_OF[k].label} {where} mb{self.mb}"
 
 
 def F(stage: int, mb: int) -> Op:
@@ -147,14 +173,51 @@ class CkptRoute:
     dst_index: int = -1
 
 
+CkptMode = Literal["local", "sync", "async"]
+OptimizerMode = Literal["sync", "async"]
+CKPT_MODES: tuple[CkptMode, ...] = ("local", "sync", "async")
+OPTIMIZER_MODES: tuple[OptimizerMode, ...] = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How a schedule was built.
+
+    ``ckpt``: ``"local"`` (coupled schedules: every checkpoint stays on its rank), ``"sync"``
+    (blocking transfer right before the backward) or ``"async"`` (isend/irecv when produced).
+    ``optimizer``: ``"sync"`` (step after VALIDATE) or ``"async"`` (step when offloaded, roll back
+    at VALIDATE). ``param_buffers``: GPU stage buffers per rank. ``cfg``: the sysx ablation
+    (paper Table 3), ``None`` for other schedules. ``training``: False for a forward-only
+    evaluation program (no backward, no optimizer, no VALIDATE).
+    """
+
+    ckpt: CkptMode
+    optimizer: OptimizerMode
+    param_buffers: int = 2
+    cfg: int | None = None
+    training: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ckpt not in CKPT_MODES:
+            raise ScheduleError(f"ckpt mode {self.ckpt!r} must be 'local', 'sync' or 'async'")
+        if self.optimizer not in OPTIMIZER_MODES:
+            raise ScheduleError(f"optimizer mode {self.optimizer!r} must be 'sync' or 'async'")
+        if not isinstance(self.param_buffers, int) or self.param_buffers < 1:
+            raise ScheduleError(f"param_buffers={self.param_buffers!r} must be an int >= 1 (2 = current + prefetch)")
+
+    @property
+    def async_optimizer(self) -> bool:
+        """True when sub-stages step as soon as their gradients are offloaded (validated afterwards)."""
+        return self.optimizer == "async"
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-rank op lists plus everything the runtime needs to execute them.
 
     ``ops[r]``: rank ``r``'s list. ``partition``: layer ranges of every stage / sub-stage.
     ``placement``: ranks of forward stages and backward sub-stages. ``ckpt_plan``: one route
-    per ``(stage, sub, mb)`` checkpoint. ``options``: how it was built (schedule family, ablation
-    config, optimizer and checkpoint modes, number of parameter buffers, ...).
+    per ``(stage, sub, mb)`` checkpoint. ``options``: how it was built (:class:`ScheduleOptions`).
     """
 
     name: str
@@ -164,7 +227,7 @@ class Schedule:
     placement: Placement
     ops: tuple[tuple[Op, ...], ...]
     ckpt_plan: tuple[CkptRoute, ...]
-    options: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    options: ScheduleOptions
 
     @property
     def n_stages(self) -> int:
@@ -187,8 +250,7 @@ class Schedule:
         for r in ranks:
             ops = self.ops[r]
             out.append(f"rank {r} ({len(ops)} ops):")
-            for i, op in enumerate(ops):
-                out.append(f"  {i:>{max(3, width)}}  {op}")
+            out += [_op_row(i, op, width) for i, op in enumerate(ops)]
         return "\n".join(out)
 
     def with_ops(self, ops: Sequence[Sequence[Op]]) -> "Schedule":
@@ -213,3 +275,18 @@ class Schedule:
         """How many ops of ``kind`` (on one rank or all)."""
         lists = self.ops if rank is None else [self.ops[rank]]
         return sum(1 for ops in lists for op in ops if op.kind == kind)
+
+
+def _op_row(i: int, op: Op, width: int = 0) -> str:
+    return f"  {i:>{max(3, width)}}  {op}"
+
+
+def format_op_window(ops: Sequence[Op], index: int, around: int = 3) -> str:
+    """The ops of one list around position ``index``, the op there marked ``<-- ERROR HERE``
+    (the grid torch's pipelining schedules print when an action fails)."""
+    lo, hi = max(0, index - around), min(len(ops), index + around + 1)
+    rows = ["  ..."] if lo > 0 else []
+    rows += [_op_row(i, ops[i]) + ("   <-- ERROR HERE" if i == index else "") for i in range(lo, hi)]
+    if hi < len(ops):
+        rows.append(f"  ... ({len(ops) - hi} more)")
+    return "\n".join(rows)

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
         chrome_trace(timelines, args.trace)
     if args.json:
-        out = [dict(tl.summary(), cfg=s.options.get("cfg"), note=note) for s, tl, note in runs]
+        out = [dict(tl.summary(), cfg=s.options.cfg, note=note) for s, tl, note in runs]
         print(json.dumps(out[0] if not args.compare else {"compare": out}))
         return 0
     if args.compare:

@@ -55,5 +55,4 @@ def build_sysx(n_ranks: int, n_micro: int, partition: Partition | None = None, *
                       + afab_backwards(placement.bwd_substages(r), n_micro))
     return lower("sysx", partition, placement, n_micro, orders,
                  ckpt="async" if cfg >= 2 else "sync", optimizer="async" if cfg >= 3 else "sync",
-                 param_buffers=param_buffers,
-                 options={"family": "sysx", "cfg": cfg, "features": CFG_FEATURES[cfg]})
+                 param_buffers=param_buffers, cfg=cfg)

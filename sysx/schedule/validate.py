@@ -3,7 +3,8 @@
 Checks, each error naming the rank, the op index, the op and what is missing:
 
 1. every op's stage / sub-stage / micro-batch / peer is in range;
-2. every forward ``(stage, mb)`` and every backward ``(stage, sub, mb)`` runs exactly once;
+2. every forward ``(stage, mb)`` and every backward ``(stage, sub, mb)`` runs exactly once (a
+   forward-only evaluation program: every forward, and nothing of training);
 3. every send has exactly one matching receive on its peer (same message, same sync/async
    mode) and vice versa, and each pair of ranks posts its messages in the same order (NCCL
    matches a pair's point-to-point messages in posting order, without tags);
@@ -21,14 +22,18 @@ Checks, each error naming the rank, the op index, the op and what is missing:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from sysx.partition import unit_label
 from sysx.schedule.costs import UnitCosts
-from sysx.schedule.lower import next_sub
-from sysx.schedule.ops import COMMS, PARTNER, RECVS, SENDS, Op, OpKind, Schedule, ScheduleError
-from sysx.schedule.simulate import Deadlock, run_program
+from sysx.schedule.ops import COMMS, PARTNER, RECVS, SENDS, B, F, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.engine import Deadlock, run_program
 
-
-def _fmt_s(s: int, k: int) -> str:
-    return f"s{s}" if k < 0 else f"s{s}.{k}"
+# op kinds that only a training step has
+_TRAINING_ONLY = frozenset({OpKind.BACKWARD, OpKind.SEND_GRAD, OpKind.RECV_GRAD, OpKind.SEND_CKPT, OpKind.RECV_CKPT,
+                            OpKind.WAIT_CKPT, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP, OpKind.VALIDATE})
+_NEEDS_SUB = frozenset({OpKind.BACKWARD, OpKind.SEND_GRAD, OpKind.RECV_GRAD, OpKind.SEND_CKPT, OpKind.RECV_CKPT,
+                        OpKind.WAIT_CKPT, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP})
 
 
 def _partner_str(op: Op, rank: int) -> str:
@@ -37,22 +42,29 @@ def _partner_str(op: Op, rank: int) -> str:
 
 def validate(schedule: Schedule, *, max_errors: int = 25) -> None:
     """Raise :class:`ScheduleError` listing every problem found (see the module doc); else return."""
-    errors: list[str] = []
-    R, nm = schedule.n_ranks, schedule.n_micro
-    nsf, d = schedule.n_stages, schedule.split
-    if len(schedule.ops) != R:
-        raise ScheduleError(f"schedule {schedule.name!r} has {len(schedule.ops)} op lists for n_ranks={R}")
+    if len(schedule.ops) != schedule.n_ranks:
+        raise ScheduleError(f"schedule {schedule.name!r} has {len(schedule.ops)} op lists for n_ranks={schedule.n_ranks}")
+    errors = check_ranges(schedule)
+    if errors:
+        _raise(schedule, errors, max_errors)
+    errors = check_coverage(schedule) + check_pairing(schedule) + check_dependencies(schedule)
+    errors += check_ckpt_plan(schedule)
+    if errors:
+        _raise(schedule, errors, max_errors)
+    check_deadlock(schedule)
 
-    # 1. ranges ----------------------------------------------------------------------------------
+
+def check_ranges(schedule: Schedule) -> list[str]:
+    """1. Every op's stage, sub-stage, micro-batch and peer exist."""
+    errors = []
+    R, nm, nsf, d = schedule.n_ranks, schedule.n_micro, schedule.n_stages, schedule.split
     for r, ops in enumerate(schedule.ops):
         for i, op in enumerate(ops):
             bad = []
             k = op.kind
             if k != OpKind.VALIDATE and not 0 <= op.stage < nsf:
                 bad.append(f"stage {op.stage} not in 0..{nsf - 1}")
-            needs_sub = k in (OpKind.BACKWARD, OpKind.SEND_GRAD, OpKind.RECV_GRAD, OpKind.SEND_CKPT,
-                              OpKind.RECV_CKPT, OpKind.WAIT_CKPT, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP)
-            if needs_sub and not 0 <= op.sub < d:
+            if k in _NEEDS_SUB and not 0 <= op.sub < d:
                 bad.append(f"sub-stage {op.sub} not in 0..{d - 1}")
             if k in (OpKind.LOAD_PARAMS, OpKind.FREE) and not -1 <= op.sub < d:
                 bad.append(f"sub-stage {op.sub} not in -1..{d - 1}")
@@ -63,31 +75,42 @@ def validate(schedule: Schedule, *, max_errors: int = 25) -> None:
                 bad.append(f"peer {op.peer} is not another rank in 0..{R - 1}")
             if bad:
                 errors.append(f"rank {r} op #{i} `{op}`: " + ", ".join(bad))
-    if errors:
-        _raise(schedule, errors, max_errors)
+    return errors
 
-    # 2. coverage --------------------------------------------------------------------------------
-    seen: dict[tuple, list[tuple[int, int]]] = {}
+
+def check_coverage(schedule: Schedule) -> list[str]:
+    """2. Every pass runs exactly once; a forward-only program holds no op of training."""
+    errors = []
+    training = schedule.options.training
+    seen: dict[Op, list[tuple[int, int]]] = {}
     for r, ops in enumerate(schedule.ops):
         for i, op in enumerate(ops):
+            if not training and op.kind in _TRAINING_ONLY:
+                errors.append(f"rank {r} op #{i} `{op}`: a forward-only program has no {op.kind.name}")
             if op.kind == OpKind.FORWARD:
-                seen.setdefault(("F", op.stage, -1, op.mb), []).append((r, i))
+                seen.setdefault(F(op.stage, op.mb), []).append((r, i))
             elif op.kind == OpKind.BACKWARD:
-                seen.setdefault(("B", op.stage, op.sub, op.mb), []).append((r, i))
-    for s in range(nsf):
-        for j in range(nm):
-            for key in [("F", s, -1, j)] + [("B", s, k, j) for k in range(d)]:
+                seen.setdefault(B(op.stage, op.sub, op.mb), []).append((r, i))
+    for s in range(schedule.n_stages):
+        for j in range(schedule.n_micro):
+            passes = [F(s, j)] + ([B(s, k, j) for k in range(schedule.split)] if training else [])
+            for key in passes:
                 at = seen.get(key, [])
-                name = f"{key[0]} {_fmt_s(key[1], key[2])} mb{j}"
                 if not at:
-                    errors.append(f"`{name}` never runs on any rank")
+                    errors.append(f"`{key}` never runs on any rank")
                 elif len(at) > 1:
                     where = ", ".join(f"rank {r} op #{i}" for r, i in at)
-                    errors.append(f"`{name}` runs {len(at)} times ({where}); every pass must run exactly once")
+                    errors.append(f"`{key}` runs {len(at)} times ({where}); every pass must run exactly once")
+    return errors
 
-    # 3. pairing and per-pair order -------------------------------------------------------------
-    sends: dict[tuple, list[tuple[int, int, Op]]] = {}
-    recvs: dict[tuple, list[tuple[int, int, Op]]] = {}
+
+_Posted = dict[tuple, list[tuple[int, int, Op]]]
+
+
+def _posted_messages(schedule: Schedule) -> tuple[_Posted, _Posted, dict[tuple[int, int, str], list]]:
+    """Sends and receives by (message, src, dst), and each pair's sends / receives in posting order."""
+    sends: _Posted = {}
+    recvs: _Posted = {}
     order: dict[tuple[int, int, str], list[tuple[tuple, int, Op]]] = {}
     for r, ops in enumerate(schedule.ops):
         for i, op in enumerate(ops):
@@ -99,162 +122,210 @@ def validate(schedule: Schedule, *, max_errors: int = 25) -> None:
                 key = (op.message, op.peer, r)
                 recvs.setdefault(key, []).append((r, i, op))
                 order.setdefault((op.peer, r, "r"), []).append((key, i, op))
-    pair_errors = 0
-    for key, lst in sends.items():
-        r, i, op = lst[0]
-        if len(lst) > 1:
-            errors.append(f"rank {r} sends `{op}` {len(lst)} times (ops " + ", ".join(f"#{x[1]}" for x in lst) + ")")
-            pair_errors += 1
-        if key not in recvs:
-            errors.append(f"rank {r} op #{i} `{op}` has no matching `{_partner_str(op, r)}` on rank {op.peer}")
-            pair_errors += 1
-        elif recvs[key][0][2].is_async != op.is_async:
-            ro = recvs[key][0]
-            errors.append(f"rank {r} op #{i} `{op}` is matched by `{ro[2]}` (rank {ro[0]} op #{ro[1]}) in the other "
-                          f"mode; post both sides sync or both async")
-            pair_errors += 1
-    for key, lst in recvs.items():
-        r, i, op = lst[0]
-        if len(lst) > 1:
-            errors.append(f"rank {r} receives `{op}` {len(lst)} times (ops " + ", ".join(f"#{x[1]}" for x in lst) + ")")
-            pair_errors += 1
-        if key not in sends:
-            errors.append(f"rank {r} op #{i} `{op}` has no matching `{_partner_str(op, r)}` on rank {op.peer}")
-            pair_errors += 1
-    if not pair_errors:
-        for (a, b, side), lst in order.items():
-            if side != "s":
-                continue
-            other = order.get((a, b, "r"), [])
-            for n, ((ks, i_s, op_s), (kr, i_r, op_r)) in enumerate(zip(lst, other)):
-                if ks != kr:
-                    errors.append(
-                        f"ranks {a} and {b} post their messages in different orders: message {n} from rank {a} to "
-                        f"rank {b} is `{op_s}` (rank {a} op #{i_s}) but rank {b}'s receive {n} from rank {a} is "
-                        f"`{op_r}` (op #{i_r}); NCCL matches a pair's messages in posting order, so post them "
-                        f"in the same order on both ranks")
-                    pair_errors += 1
-                    break
+    return sends, recvs, order
 
-    # 4. per-rank dependencies ------------------------------------------------------------------
+
+def check_pairing(schedule: Schedule) -> list[str]:
+    """3. Every send meets exactly one receive in the same mode, and each pair of ranks posts
+    its messages in one order (checked only once every message is paired)."""
+    errors: list[str] = []
+    sends, recvs, order = _posted_messages(schedule)
+    for mine, theirs, verb in ((sends, recvs, "sends"), (recvs, sends, "receives")):
+        for key, lst in mine.items():
+            r, i, op = lst[0]
+            if len(lst) > 1:
+                errors.append(f"rank {r} {verb} `{op}` {len(lst)} times (ops " + ", ".join(f"#{x[1]}" for x in lst) + ")")
+            if key not in theirs:
+                errors.append(f"rank {r} op #{i} `{op}` has no matching `{_partner_str(op, r)}` on rank {op.peer}")
+            elif verb == "sends" and theirs[key][0][2].is_async != op.is_async:
+                ro = theirs[key][0]
+                errors.append(f"rank {r} op #{i} `{op}` is matched by `{ro[2]}` (rank {ro[0]} op #{ro[1]}) in the other "
+                              f"mode; post both sides sync or both async")
+    if errors:
+        return errors
+    for (a, b, side), lst in order.items():
+        if side != "s":
+            continue
+        other = order.get((a, b, "r"), [])
+        for n, ((ks, i_s, op_s), (kr, i_r, op_r)) in enumerate(zip(lst, other)):
+            if ks != kr:
+                errors.append(
+                    f"ranks {a} and {b} post their messages in different orders: message {n} from rank {a} to "
+                    f"rank {b} is `{op_s}` (rank {a} op #{i_s}) but rank {b}'s receive {n} from rank {a} is "
+                    f"`{op_r}` (op #{i_r}); NCCL matches a pair's messages in posting order, so post them "
+                    f"in the same order on both ranks")
+                break
+    return errors
+
+
+class _RankState:
+    """What one rank has computed, received, loaded, offloaded and stepped so far (check 4)."""
+
+    def __init__(self, schedule: Schedule, rank: int, offloaded: dict, stepped: dict) -> None:
+        self.schedule, self.rank = schedule, rank
+        self.offloaded, self.stepped = offloaded, stepped  # over all ranks: (s, k) -> rank
+        self.done_f: set[tuple[int, int]] = set()
+        self.done_b: set[tuple[int, int, int]] = set()
+        self.got_act: set[tuple[int, int]] = set()
+        self.got_grad: set[tuple[int, int, int]] = set()
+        self.posted: set[tuple[int, int, int]] = set()
+        self.ready_ck: set[tuple[int, int, int]] = set()
+        self.resident: dict[tuple[int, int], range] = {}
+        self.local_off: set[tuple[int, int]] = set()
+        self.validated = -1
+        self.errors: list[str] = []
+        self.checks: dict[OpKind, Callable[[Op, str], None]] = {
+            OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward, OpKind.SEND_ACT: self._send_act,
+            OpKind.SEND_GRAD: self._send_grad, OpKind.SEND_CKPT: self._send_ckpt, OpKind.RECV_ACT: self._recv_act,
+            OpKind.RECV_GRAD: self._recv_grad, OpKind.RECV_CKPT: self._recv_ckpt, OpKind.WAIT_CKPT: self._wait_ckpt,
+            OpKind.LOAD_PARAMS: self._load, OpKind.FREE: self._free, OpKind.OFFLOAD_GRADS: self._offload,
+            OpKind.OPTIM_STEP: self._optim_step,
+        }
+
+    def run(self, ops: tuple[Op, ...]) -> list[str]:
+        """Check every op of the rank's list in order; then what the list must end with."""
+        for i, op in enumerate(ops):
+            here = f"rank {self.rank} op #{i} `{op}`"
+            k = op.kind
+            if self.validated >= 0 and not (k == OpKind.OPTIM_STEP and not op.is_async) and k != OpKind.FREE:
+                self.errors.append(f"{here} comes after VALIDATE (op #{self.validated}); only synchronous OPTIM_STEPs "
+                                   f"may follow it")
+            if k in (OpKind.FORWARD, OpKind.BACKWARD):
+                self._params_loaded(op, here)
+            if k == OpKind.VALIDATE:
+                if self.validated >= 0:
+                    self.errors.append(f"{here}: second VALIDATE on this rank (first at op #{self.validated})")
+                self.validated = i
+            else:
+                self.checks[k](op, here)
+        if self.validated < 0 and self.schedule.options.training:
+            self.errors.append(f"rank {self.rank} never runs VALIDATE (the all-reduce of overflow flags every rank joins)")
+        if self.resident:
+            self.errors.append(f"rank {self.rank} never frees " + ", ".join(unit_label(*u) for u in self.resident)
+                               + " (add FREE after the last use)")
+        return self.errors
+
+    def _params_loaded(self, op: Op, here: str) -> None:
+        need = self.schedule.partition.layers(op.stage, -1 if op.kind == OpKind.FORWARD else op.sub)
+        if not any(u.start <= need.start and need.stop <= u.stop for u in self.resident.values()):
+            self.errors.append(f"{here}: the parameters of layers {need.start}..{need.stop - 1} are not loaded "
+                               f"(no earlier LOAD_PARAMS covering them without a FREE since)")
+
+    def _forward(self, op: Op, here: str) -> None:
+        prev = (op.stage - 1, op.mb)
+        if op.stage > 0 and prev not in self.done_f and prev not in self.got_act:
+            self.errors.append(f"{here}: its input (output of stage {op.stage - 1}, mb {op.mb}) was neither computed on "
+                               f"this rank nor received before (missing `RECV_ACT s{op.stage - 1} mb{op.mb}`)")
+        self.done_f.add((op.stage, op.mb))
+
+    def _backward(self, op: Op, here: str) -> None:
+        key = (op.stage, op.sub, op.mb)
+        if (op.stage, op.mb) not in self.done_f and key not in self.ready_ck:
+            why = ("its async RECV_CKPT was posted but no WAIT_CKPT precedes it" if key in self.posted
+                   else f"no earlier `F s{op.stage} mb{op.mb}` here and no RECV_CKPT")
+            self.errors.append(f"{here}: checkpoint of {unit_label(op.stage, op.sub)} mb{op.mb} not available: {why}")
+        nxt = self.schedule.partition.next_sub(op.stage, op.sub)
+        if nxt is not None and (*nxt, op.mb) not in self.done_b and (*nxt, op.mb) not in self.got_grad:
+            self.errors.append(f"{here}: its output gradient (from `B {unit_label(*nxt)} mb{op.mb}`) was neither "
+                               f"computed on this rank nor received before (missing `RECV_GRAD {unit_label(*nxt)} mb{op.mb}`)")
+        self.done_b.add(key)
+
+    def _send_act(self, op: Op, here: str) -> None:
+        if (op.stage, op.mb) not in self.done_f:
+            self.errors.append(f"{here}: sends the output of `F s{op.stage} mb{op.mb}` before computing it here")
+
+    def _send_grad(self, op: Op, here: str) -> None:
+        if (op.stage, op.sub, op.mb) not in self.done_b:
+            self.errors.append(f"{here}: sends the input gradient of `{B(op.stage, op.sub, op.mb)}` before computing it here")
+
+    def _send_ckpt(self, op: Op, here: str) -> None:
+        if (op.stage, op.mb) not in self.done_f:
+            self.errors.append(f"{here}: sends a checkpoint of `F s{op.stage} mb{op.mb}` before computing it here")
+
+    def _recv_act(self, op: Op, here: str) -> None:
+        self.got_act.add((op.stage, op.mb))
+
+    def _recv_grad(self, op: Op, here: str) -> None:
+        self.got_grad.add((op.stage, op.sub, op.mb))
+
+    def _recv_ckpt(self, op: Op, here: str) -> None:
+        (self.posted if op.is_async else self.ready_ck).add((op.stage, op.sub, op.mb))
+
+    def _wait_ckpt(self, op: Op, here: str) -> None:
+        key = (op.stage, op.sub, op.mb)
+        if key not in self.posted:
+            self.errors.append(f"{here}: waits for a checkpoint whose async RECV_CKPT was not posted before")
+        self.ready_ck.add(key)
+
+    def _load(self, op: Op, here: str) -> None:
+        u = (op.stage, op.sub)
+        if u in self.resident:
+            self.errors.append(f"{here}: {unit_label(*u)} is already loaded (no FREE since the last LOAD_PARAMS)")
+        self.resident[u] = self.schedule.partition.layers(op.stage, op.sub)
+
+    def _free(self, op: Op, here: str) -> None:
+        u = (op.stage, op.sub)
+        if u not in self.resident:
+            self.errors.append(f"{here}: frees {unit_label(*u)}, which is not loaded")
+        self.resident.pop(u, None)
+
+    def _offload(self, op: Op, here: str) -> None:
+        g = (op.stage, op.sub)
+        miss = [j for j in range(self.schedule.n_micro) if (op.stage, op.sub, j) not in self.done_b]
+        if miss:
+            self.errors.append(f"{here}: the backward of micro-batch(es) {miss} of {unit_label(*g)} did not run on "
+                               f"this rank before; a sub-stage's gradients must accumulate on one rank")
+        if g in self.offloaded:
+            self.errors.append(f"{here}: {unit_label(*g)} is offloaded twice")
+        self.offloaded[g] = self.rank
+        self.local_off.add(g)
+
+    def _optim_step(self, op: Op, here: str) -> None:
+        g = (op.stage, op.sub)
+        if g not in self.local_off:
+            self.errors.append(f"{here}: steps {unit_label(*g)} before its OFFLOAD_GRADS on this rank")
+        if not op.is_async and self.validated < 0:
+            self.errors.append(f"{here}: a synchronous optimizer step must follow VALIDATE (the overflow check)")
+        if g in self.stepped:
+            self.errors.append(f"{here}: {unit_label(*g)} is stepped twice")
+        self.stepped[g] = self.rank
+
+
+def check_dependencies(schedule: Schedule) -> list[str]:
+    """4. Per rank: inputs, checkpoints, gradients and parameters are there when used; every
+    sub-stage of a training step is offloaded and stepped once."""
+    errors: list[str] = []
     offloaded: dict[tuple[int, int], int] = {}
     stepped: dict[tuple[int, int], int] = {}
-    layers = schedule.partition.layers
     for r, ops in enumerate(schedule.ops):
-        done_f: set[tuple[int, int]] = set()
-        done_b: set[tuple[int, int, int]] = set()
-        got_act: set[tuple[int, int]] = set()
-        got_grad: set[tuple[int, int, int]] = set()
-        posted: set[tuple[int, int, int]] = set()
-        ready_ck: set[tuple[int, int, int]] = set()
-        resident: dict[tuple[int, int], range] = {}
-        local_off: set[tuple[int, int]] = set()
-        validated = -1
-        for i, op in enumerate(ops):
-            k = op.kind
-            here = f"rank {r} op #{i} `{op}`"
-            if validated >= 0 and not (k == OpKind.OPTIM_STEP and not op.is_async) and k != OpKind.FREE:
-                errors.append(f"{here} comes after VALIDATE (op #{validated}); only synchronous OPTIM_STEPs may follow it")
-            if k in (OpKind.FORWARD, OpKind.BACKWARD):
-                need = layers(op.stage, -1 if k == OpKind.FORWARD else op.sub)
-                if not any(u.start <= need.start and need.stop <= u.stop for u in resident.values()):
-                    errors.append(f"{here}: the parameters of layers {need.start}..{need.stop - 1} are not loaded "
-                                  f"(no earlier LOAD_PARAMS covering them without a FREE since)")
-            if k == OpKind.FORWARD:
-                if op.stage > 0 and (op.stage - 1, op.mb) not in done_f and (op.stage - 1, op.mb) not in got_act:
-                    errors.append(f"{here}: its input (output of stage {op.stage - 1}, mb {op.mb}) was neither "
-                                  f"computed on this rank nor received before (missing `RECV_ACT s{op.stage - 1} mb{op.mb}`)")
-                done_f.add((op.stage, op.mb))
-            elif k == OpKind.BACKWARD:
-                key = (op.stage, op.sub, op.mb)
-                if (op.stage, op.mb) not in done_f and key not in ready_ck:
-                    why = ("its async RECV_CKPT was posted but no WAIT_CKPT precedes it" if key in posted
-                           else f"no earlier `F s{op.stage} mb{op.mb}` here and no RECV_CKPT")
-                    errors.append(f"{here}: checkpoint of s{op.stage}.{op.sub} mb{op.mb} not available: {why}")
-                nxt = next_sub(op.stage, op.sub, nsf, d)
-                if nxt is not None and (nxt[0], nxt[1], op.mb) not in done_b and (nxt[0], nxt[1], op.mb) not in got_grad:
-                    errors.append(f"{here}: its output gradient (from `B {_fmt_s(*nxt)} mb{op.mb}`) was neither "
-                                  f"computed on this rank nor received before (missing `RECV_GRAD {_fmt_s(*nxt)} mb{op.mb}`)")
-                done_b.add(key)
-            elif k == OpKind.SEND_ACT:
-                if (op.stage, op.mb) not in done_f:
-                    errors.append(f"{here}: sends the output of `F s{op.stage} mb{op.mb}` before computing it here")
-            elif k == OpKind.SEND_GRAD:
-                if (op.stage, op.sub, op.mb) not in done_b:
-                    errors.append(f"{here}: sends the input gradient of `B s{op.stage}.{op.sub} mb{op.mb}` before computing it here")
-            elif k == OpKind.SEND_CKPT:
-                if (op.stage, op.mb) not in done_f:
-                    errors.append(f"{here}: sends a checkpoint of `F s{op.stage} mb{op.mb}` before computing it here")
-            elif k == OpKind.RECV_ACT:
-                got_act.add((op.stage, op.mb))
-            elif k == OpKind.RECV_GRAD:
-                got_grad.add((op.stage, op.sub, op.mb))
-            elif k == OpKind.RECV_CKPT:
-                (posted if op.is_async else ready_ck).add((op.stage, op.sub, op.mb))
-            elif k == OpKind.WAIT_CKPT:
-                key = (op.stage, op.sub, op.mb)
-                if key not in posted:
-                    errors.append(f"{here}: waits for a checkpoint whose async RECV_CKPT was not posted before")
-                ready_ck.add(key)
-            elif k == OpKind.LOAD_PARAMS:
-                u = (op.stage, op.sub)
-                if u in resident:
-                    errors.append(f"{here}: {_fmt_s(*u)} is already loaded (no FREE since the last LOAD_PARAMS)")
-                resident[u] = layers(op.stage, op.sub)
-            elif k == OpKind.FREE:
-                u = (op.stage, op.sub)
-                if u not in resident:
-                    errors.append(f"{here}: frees {_fmt_s(*u)}, which is not loaded")
-                resident.pop(u, None)
-            elif k == OpKind.OFFLOAD_GRADS:
-                g = (op.stage, op.sub)
-                miss = [j for j in range(nm) if (op.stage, op.sub, j) not in done_b]
-                if miss:
-                    errors.append(f"{here}: the backward of micro-batch(es) {miss} of s{op.stage}.{op.sub} did not run on "
-                                  f"this rank before; a sub-stage's gradients must accumulate on one rank")
-                if g in offloaded:
-                    errors.append(f"{here}: s{op.stage}.{op.sub} is offloaded twice")
-                offloaded[g] = r
-                local_off.add(g)
-            elif k == OpKind.OPTIM_STEP:
-                g = (op.stage, op.sub)
-                if g not in local_off:
-                    errors.append(f"{here}: steps s{op.stage}.{op.sub} before its OFFLOAD_GRADS on this rank")
-                if not op.is_async and validated < 0:
-                    errors.append(f"{here}: a synchronous optimizer step must follow VALIDATE (the overflow check)")
-                if g in stepped:
-                    errors.append(f"{here}: s{op.stage}.{op.sub} is stepped twice")
-                stepped[g] = r
-            elif k == OpKind.VALIDATE:
-                if validated >= 0:
-                    errors.append(f"{here}: second VALIDATE on this rank (first at op #{validated})")
-                validated = i
-        if validated < 0:
-            errors.append(f"rank {r} never runs VALIDATE (the all-reduce of overflow flags every rank joins)")
-        if resident:
-            errors.append(f"rank {r} never frees " + ", ".join(_fmt_s(*u) for u in resident) + " (add FREE after the last use)")
-    for s in range(nsf):
-        for k in range(d):
-            if (s, k) not in offloaded:
-                errors.append(f"OFFLOAD_GRADS s{s}.{k} is missing (after its last backward)")
-            if (s, k) not in stepped:
-                errors.append(f"OPTIM_STEP s{s}.{k} is missing")
+        errors += _RankState(schedule, r, offloaded, stepped).run(ops)
+    if schedule.options.training:
+        for s in range(schedule.n_stages):
+            for k in range(schedule.split):
+                if (s, k) not in offloaded:
+                    errors.append(f"OFFLOAD_GRADS s{s}.{k} is missing (after its last backward)")
+                if (s, k) not in stepped:
+                    errors.append(f"OPTIM_STEP s{s}.{k} is missing")
+    return errors
 
-    # checkpoint plan --------------------------------------------------------------------------------
+
+def check_ckpt_plan(schedule: Schedule) -> list[str]:
+    """Every checkpoint route between ranks points at its SEND_CKPT and RECV_CKPT."""
+    errors = []
     for rt in schedule.ckpt_plan:
         if rt.mode == "local":
             continue
         for rank, idx, kind in ((rt.src, rt.src_index, OpKind.SEND_CKPT), (rt.dst, rt.dst_index, OpKind.RECV_CKPT)):
-            ops = schedule.ops[rank] if 0 <= rank < R else ()
+            ops = schedule.ops[rank] if 0 <= rank < schedule.n_ranks else ()
             op = ops[idx] if 0 <= idx < len(ops) else None
             if op is None or op.kind != kind or (op.stage, op.sub, op.mb) != (rt.stage, rt.sub, rt.mb):
                 errors.append(f"checkpoint plan entry s{rt.stage}.{rt.sub} mb{rt.mb} ({rt.src}->{rt.dst}) points at "
                               f"rank {rank} op #{idx} `{op}`, not a {kind.name} of that checkpoint")
+    return errors
 
-    if errors:
-        _raise(schedule, errors, max_errors)
 
-    # 5. deadlock freedom, by executing all ranks together ------------------------------------------
+def check_deadlock(schedule: Schedule) -> None:
+    """5. Execute all ranks together with blocking semantics; a deadlock is a :class:`ScheduleError`."""
     try:
         run_program(schedule, UnitCosts(0.0, 0.0, 0.0).table(schedule), rendezvous=True, record=False, memory=False)
     except Deadlock as err:

@@ -34,12 +34,13 @@ from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.runtime.buffers import GradBuffers, ParamSlots
-from sysx.runtime.executor import Executor, ExecutionError, StepContext, forward_program
+from sysx.runtime.executor import Executor, ExecutionError, StepContext
 from sysx.runtime.optimizer import OptimSettings, RankOptimizer
 from sysx.runtime.options import PipelineOptions, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
-from sysx.schedule import OpKind
+from sysx.partition import unit_label
+from sysx.schedule import OpKind, Schedule, evaluation_schedule, validate
 from sysx.trainers.base import Trainer, run_job
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class PipelineTrainer(Trainer):
         loads += [self.schedule.partition.stage_layers(s) for s in self.schedule.placement.fwd_stages(self.rank)]
         numels = self.params.numels
         slot_numel = max(sum(numels[i] for i in r) for r in loads)
-        self.slots = ParamSlots(self.schedule.options["param_buffers"], slot_numel, self.dtype, self.device,
+        self.slots = ParamSlots(self.schedule.options.param_buffers, slot_numel, self.dtype, self.device,
                                 layer_numels=numels, h2d=h2d, compute=compute)
         self.grads = GradBuffers(self.dtype, self.device, compute=compute, d2h=d2h)
         o = cfg.optim
@@ -119,9 +120,15 @@ class PipelineTrainer(Trainer):
             self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,
             micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, params=self.params, slots=self.slots,
             grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch)
-        self._eval_ops = forward_program(self.schedule, self.rank, cfg.eval.batches)
+        self._eval = self._evaluation(cfg.eval.batches)
 
     # ------------------------------------------------------------------------------------ pieces
+    def _evaluation(self, n_micro: int) -> Schedule:
+        """The validated forward-only program over ``n_micro`` micro-batches."""
+        program = evaluation_schedule(self.schedule, n_micro)
+        validate(program)
+        return program
+
     @property
     def n_params(self) -> int:
         """Parameters of the whole model."""
@@ -182,7 +189,8 @@ class PipelineTrainer(Trainer):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``eval.batches`` micro-batches of the val split (forward-only program)."""
         n = self.cfg.eval.batches if batches is None else batches
-        ops = self._eval_ops if n == self.cfg.eval.batches else forward_program(self.schedule, self.rank, n)
+        program = self._eval if n == self._eval.n_micro else self._evaluation(n)
+        ops = program.ops[self.rank]
         ctx = StepContext(step=0, n_micro=n, split="val", training=False)
         try:
             self.executor.run(ops, ctx)
@@ -210,11 +218,11 @@ class PipelineTrainer(Trainer):
     def describe(self) -> str:
         """The plan of this run: schedule and options, partition, and which rank runs what."""
         sch, place = self.schedule, self.schedule.placement
-        fwd = " | ".join(f"r{r}: " + ",".join(map(str, place.fwd_stages(r))) for r in range(self.world))
-        bwd = " | ".join(f"r{r}: " + ",".join(f"{s}.{k}" for s, k in place.bwd_substages(r)) for r in range(self.world))
+        fwd = " | ".join(f"r{r}: " + ",".join(map(unit_label, place.fwd_stages(r))) for r in range(self.world))
+        bwd = " | ".join(f"r{r}: " + ",".join(unit_label(s, k) for s, k in place.bwd_substages(r)) for r in range(self.world))
         lines = [f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
-                 f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.get('ckpt')} | "
-                 f"optimizer {sch.options.get('optimizer')} | job {getattr(self, 'job_id', '?')}",
+                 f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.ckpt} | "
+                 f"optimizer {sch.options.optimizer} | job {getattr(self, 'job_id', '?')}",
                  *("  " + line for line in sch.partition.describe().splitlines()),
                  f"  forward stages   {fwd}", f"  backward (owner) {bwd}"]
         return "\n".join(lines)

@@ -1,0 +1,437 @@
+"""The discrete-event engine behind :func:`~sysx.schedule.simulate.simulate` and the validator's
+deadlock check: the op lists compiled to integer instructions, executed on all ranks at once.
+
+The op semantics and timing rules are those described in :mod:`sysx.schedule.simulate`. A rank
+runs until an instruction blocks (a receive whose data is not there, a rendezvous send whose
+receive is not posted, a WAIT_CKPT, the VALIDATE barrier); a message that arrives wakes its
+waiters. Ranks left unfinished when nothing can run any more are a :class:`Deadlock`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from sysx.schedule.costs import CostTable
+from sysx.schedule.ops import PARTNER, Message, Op, OpKind, Schedule, ScheduleError
+
+LANES = ("gpu", "h2d", "d2h", "p2p", "cpu")
+GPU, H2D, D2H, P2P, CPU = range(5)
+(_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
+PARAMS, GRADS, CKPTS, WORK = range(4)  # memory categories: params, grads, checkpoints, working activations
+
+
+class Deadlock(ScheduleError):
+    """The ranks wait for each other; ``stuck`` lists (rank, op index, op, reason)."""
+
+    def __init__(self, message: str, stuck: list[tuple[int, int, Op, str]]):
+        super().__init__(message)
+        self.stuck = stuck
+
+
+@dataclass
+class Program:
+    """A schedule in integer form: per rank, instructions ``(opcode, operand, ..., op index)``;
+    per message id, its sender, receiver, kind, cost index and (stage, sub, mb)."""
+
+    code: list[list[tuple]]
+    msg_src: list[int]
+    msg_dst: list[int]
+    msg_kind: list[Message]
+    msg_idx: list[int]
+    msg_op: list[tuple[int, int, int]]
+    n_units: int
+
+
+def _unit_index(op: Op, nsf: int, d: int) -> int:
+    return op.stage if op.sub < 0 else nsf + op.stage * d + op.sub
+
+
+class _Compiler:
+    """Numbers messages (one id per (kind, stage, sub, mb, src, dst)) and translates ops."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.partition = schedule.partition
+        self.nsf, self.d = self.partition.n_stages, self.partition.split
+        self.ids: dict[tuple, int] = {}
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.kind: list[Message] = []
+        self.idx: list[int] = []
+        self.where: list[tuple[int, int, int]] = []
+
+    def message(self, op: Op, rank: int, sending: bool) -> int:
+        a, b = (rank, op.peer) if sending else (op.peer, rank)
+        kind = op.message[0]
+        key = (kind, op.stage, op.sub, op.mb, a, b)
+        m = self.ids.get(key)
+        if m is None:
+            m = self.ids[key] = len(self.src)
+            self.src.append(a)
+            self.dst.append(b)
+            self.kind.append(kind)
+            self.idx.append(op.stage if kind == Message.ACT else op.stage * self.d + op.sub)
+            self.where.append((op.stage, op.sub, op.mb))
+        return m
+
+    def rank(self, r: int, ops: tuple[Op, ...]) -> list[tuple]:
+        p, nsf, d = self.partition, self.nsf, self.d
+        resident: list[tuple[int, range]] = []
+        seen_g: set[int] = set()
+        prog: list[tuple] = []
+        for i, op in enumerate(ops):
+            k = op.kind
+            if k == OpKind.LOAD_PARAMS:
+                u = _unit_index(op, nsf, d)
+                resident.append((u, p.layers(op.stage, op.sub)))
+                prog.append((_LOAD, u, i))
+            elif k == OpKind.FREE:
+                u = _unit_index(op, nsf, d)
+                resident[:] = [x for x in resident if x[0] != u]
+                prog.append((_FREE, u, i))
+            elif k in (OpKind.FORWARD, OpKind.BACKWARD):
+                lay = p.layers(op.stage, -1 if k == OpKind.FORWARD else op.sub)
+                u = next((x[0] for x in reversed(resident) if x[1].start <= lay.start and lay.stop <= x[1].stop), -1)
+                if k == OpKind.FORWARD:
+                    prog.append((_FWD, op.stage, u, i))
+                else:
+                    g = op.stage * d + op.sub
+                    prog.append((_BWD, g, u, i, g not in seen_g))
+                    seen_g.add(g)
+            elif k in (OpKind.SEND_ACT, OpKind.SEND_GRAD, OpKind.SEND_CKPT):
+                prog.append((_ASEND if op.is_async else _SEND, self.message(op, r, True), i))
+            elif k in (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.RECV_CKPT):
+                prog.append((_ARECV if op.is_async else _RECV, self.message(op, r, False), i))
+            elif k == OpKind.WAIT_CKPT:
+                prog.append((_WAIT, self.message(Op(OpKind.RECV_CKPT, op.stage, op.sub, op.mb, op.peer), r, False), i))
+            elif k == OpKind.OFFLOAD_GRADS:
+                prog.append((_OFFL, op.stage * d + op.sub, i))
+            elif k == OpKind.OPTIM_STEP:
+                prog.append((_OPTA if op.is_async else _OPTS, op.stage * d + op.sub, i))
+            elif k == OpKind.VALIDATE:
+                prog.append((_VAL, 0, i))
+        return prog
+
+
+def compile_schedule(schedule: Schedule) -> Program:
+    """Integer form of the op lists."""
+    c = _Compiler(schedule)
+    code = [c.rank(r, ops) for r, ops in enumerate(schedule.ops)]
+    return Program(code, c.src, c.dst, c.kind, c.idx, c.where, c.nsf + c.nsf * c.d)
+
+
+class ProgramCache:
+    """Compiled programs of live schedules, by identity. Compiling costs more than a small run,
+    and one schedule is run many times (validated, then simulated under many cost tables in a
+    configuration search); an entry goes when its schedule is garbage-collected."""
+
+    def __init__(self) -> None:
+        self._programs: dict[int, Program] = {}
+
+    def get(self, schedule: Schedule) -> Program:
+        """The program of ``schedule``, compiled on first use."""
+        key = id(schedule)
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._programs[key] = compile_schedule(schedule)
+            weakref.finalize(schedule, self._programs.pop, key, None)
+        return prog
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+
+PROGRAMS = ProgramCache()
+
+
+def op_index(ins: tuple) -> int:
+    """Position in the rank's op list of the op an instruction came from."""
+    return ins[3] if ins[0] in (_FWD, _BWD) else ins[-1]
+
+
+class _Engine:
+    """State of one run: per-rank cursors and streams, per-message posting and arrival times."""
+
+    def __init__(self, prog: Program, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool) -> None:
+        R, M = len(prog.code), len(prog.msg_src)
+        self.prog, self.tab, self.rendezvous, self.record, self.memory = prog, tab, rendezvous, record, memory
+        xfers = (tab.act_xfer, tab.grad_xfer, tab.ckpt_xfer)
+        self.xfer = [xfers[f][i] for f, i in zip(prog.msg_kind, prog.msg_idx)]
+        self.ckmem = ([tab.ckpt_mem[i] if f == Message.CKPT else 0.0 for f, i in zip(prog.msg_kind, prog.msg_idx)]
+                      if memory else [0.0] * M)
+        self.load = list(tab.load_stage) + list(tab.load_sub)
+        if memory:
+            nsf, d = len(tab.fwd), tab.split
+            self.param_mem = list(tab.param_stage) + list(tab.param_sub)
+            self.f_ckpt = [sum(tab.ckpt_mem[s * d + k] for k in range(d)) for s in range(nsf)]
+        self.pcs = [0] * R
+        self.clock = [0.0] * R
+        self.busy = [0.0] * R
+        self.gpu_end = [0.0] * R
+        self.h2d = [0.0] * R
+        self.d2h = [0.0] * R
+        self.cpu_end = [0.0] * R
+        self.asend_end = [0.0] * R
+        self.unit_ready = [[0.0] * prog.n_units for _ in range(R)]
+        self.offl_end: dict[int, float] = {}
+        self.heaps: list[list[float]] = [[] for _ in range(R)]
+        self.send_post: list[float | None] = [None] * M
+        self.recv_post: list[float | None] = [None] * M
+        self.arrival: list[float | None] = [None] * M
+        self.waiters: list[list[int]] = [[] for _ in range(M)]
+        self.mem: list[list[tuple[float, float, int]]] = [[] for _ in range(R)]
+        self.events: list[tuple] = []
+        self.arrived: list[int] = []
+        self.val_time: float | None = None
+        self.val_wait: list[int] = []
+        self.blocked_on: list[str] = [""] * R
+        self.queue = deque(range(R))
+        self.inq = [True] * R
+        # each handler returns the rank's new time, or None when the instruction blocks
+        self.handlers = {
+            _LOAD: self._load, _FREE: self._free, _FWD: self._forward, _BWD: self._backward, _SEND: self._send,
+            _RECV: self._recv, _ASEND: self._post_async, _ARECV: self._post_async, _WAIT: self._wait,
+            _OFFL: self._offload, _OPTA: self._optim_async, _OPTS: self._optim_sync, _VAL: self._validate,
+        }
+
+    def run(self) -> None:
+        """Advance ranks until every list is done or every unfinished rank is blocked."""
+        while self.queue:
+            r = self.queue.popleft()
+            self.inq[r] = False
+            ops = self.prog.code[r]
+            pc, t = self.pcs[r], self.clock[r]
+            while pc < len(ops):
+                ins = ops[pc]
+                nt = self.handlers[ins[0]](r, ins, t)
+                if nt is None:
+                    break
+                t = nt
+                pc += 1
+            self.pcs[r] = pc
+            self.clock[r] = t
+
+    def _enqueue(self, r: int) -> None:
+        if not self.inq[r]:
+            self.inq[r] = True
+            self.queue.append(r)
+
+    def _wake(self, m: int) -> None:
+        for x in self.waiters[m]:
+            self._enqueue(x)
+        self.waiters[m].clear()
+
+    def _block(self, r: int, m: int, why: str) -> None:
+        self.waiters[m].append(r)
+        self.blocked_on[r] = why
+
+    def _compute(self, r: int, ins: tuple, t: float, cost: float, work: list[float]) -> tuple[float, float]:
+        """A pass on the GPU from when its unit is loaded; ``work``: its working memory per unit."""
+        u = ins[2]
+        ready = self.unit_ready[r][u] if u >= 0 else t
+        st = t if t >= ready else ready
+        en = st + cost
+        self.busy[r] += en - st
+        self.gpu_end[r] = en
+        if self.record:
+            self.events.append((r, GPU, ins[3], st, en))
+        if self.memory:
+            w = work[ins[1]]
+            self.mem[r] += [(st, w, WORK), (en, -w, WORK)]
+        return st, en
+
+    def _forward(self, r: int, ins: tuple, t: float) -> float:
+        s = ins[1]
+        _, en = self._compute(r, ins, t, self.tab.fwd[s], self.tab.fwd_work)
+        if self.memory:
+            self.mem[r].append((en, self.f_ckpt[s], CKPTS))
+        return en
+
+    def _backward(self, r: int, ins: tuple, t: float) -> float:
+        g = ins[1]
+        st, en = self._compute(r, ins, t, self.tab.bwd[g], self.tab.bwd_work)
+        if self.memory:
+            if ins[4]:  # first backward of the sub-stage: its gradient buffer appears
+                self.mem[r].append((st, self.tab.grad_mem[g], GRADS))
+            self.mem[r].append((en, -self.tab.ckpt_mem[g], CKPTS))
+        return en
+
+    def _send(self, r: int, ins: tuple, t: float) -> float | None:
+        m = ins[1]
+        st = t
+        if self.rendezvous:
+            rp = self.recv_post[m]
+            if rp is None:
+                self._block(r, m, "recv")
+                return None
+            st = t if t >= rp else rp
+        en = st + self.xfer[m]
+        self.arrival[m] = en
+        self._wake(m)
+        if self.memory and self.ckmem[m]:
+            self.mem[r].append((en, -self.ckmem[m], CKPTS))
+        if self.record:
+            self.events.append((r, P2P, ins[2], st, en))
+        return en
+
+    def _recv(self, r: int, ins: tuple, t: float) -> float | None:
+        m = ins[1]
+        if self.recv_post[m] is None:
+            self.recv_post[m] = t
+            self._wake(m)
+        a = self.arrival[m]
+        if a is None:
+            self._block(r, m, "send")
+            return None
+        t = a if a > t else t
+        if self.memory and self.ckmem[m]:
+            self.mem[r].append((t, self.ckmem[m], CKPTS))
+        return t
+
+    def _load(self, r: int, ins: tuple, t: float) -> float:
+        u = ins[1]
+        st = t if t >= self.h2d[r] else self.h2d[r]
+        en = st + self.load[u]
+        self.h2d[r] = self.unit_ready[r][u] = en
+        if self.memory:
+            self.mem[r].append((st, self.param_mem[u], PARAMS))
+        if self.record:
+            self.events.append((r, H2D, ins[2], st, en))
+        return t
+
+    def _free(self, r: int, ins: tuple, t: float) -> float:
+        if self.memory:
+            self.mem[r].append((t, -self.param_mem[ins[1]], PARAMS))
+        return t
+
+    def _post_async(self, r: int, ins: tuple, t: float) -> float:
+        """Post an isend or irecv; the transfer starts once both sides have posted."""
+        m = ins[1]
+        if ins[0] == _ASEND:
+            self.send_post[m] = t
+            other = self.recv_post[m]
+        else:
+            self.recv_post[m] = t
+            other = self.send_post[m]
+            if self.memory and self.ckmem[m]:
+                self.mem[r].append((t, self.ckmem[m], CKPTS))
+        if other is not None:
+            st = t if t >= other else other
+            en = st + self.xfer[m]
+            self.arrival[m] = en
+            sr = self.prog.msg_src[m]
+            if en > self.asend_end[sr]:
+                self.asend_end[sr] = en
+            if self.memory and self.ckmem[m]:
+                self.mem[sr].append((en, -self.ckmem[m], CKPTS))
+            if self.record:
+                self.events.append((sr, P2P, -1 - m, st, en))
+            self._wake(m)
+        return t
+
+    def _wait(self, r: int, ins: tuple, t: float) -> float | None:
+        m = ins[1]
+        a = self.arrival[m]
+        if a is None:
+            self._block(r, m, "ckpt")
+            return None
+        return a if a > t else t
+
+    def _offload(self, r: int, ins: tuple, t: float) -> float:
+        g = ins[1]
+        st = t if t >= self.d2h[r] else self.d2h[r]
+        en = st + self.tab.offload[g]
+        self.d2h[r] = self.offl_end[g] = en
+        if self.memory:
+            self.mem[r].append((en, -self.tab.grad_mem[g], GRADS))
+        if self.record:
+            self.events.append((r, D2H, ins[2], st, en))
+        return t
+
+    def _optim_async(self, r: int, ins: tuple, t: float) -> float:
+        """On one of the rank's ``optim_workers`` CPU workers, from the end of the offload."""
+        g = ins[1]
+        workers = self.tab.optim_workers
+        st = self.offl_end.get(g, t)
+        if workers is not None:
+            hp = self.heaps[r]
+            if len(hp) >= workers:
+                free = heapq.heappop(hp)
+                st = st if st >= free else free
+        en = st + self.tab.opt[g]
+        if workers is not None:
+            heapq.heappush(self.heaps[r], en)
+        self._cpu_done(r, ins, st, en)
+        return t
+
+    def _optim_sync(self, r: int, ins: tuple, t: float) -> float:
+        g = ins[1]
+        ready = self.offl_end.get(g, t)
+        st = t if t >= ready else ready
+        en = st + self.tab.opt[g]
+        self._cpu_done(r, ins, st, en)
+        return en
+
+    def _cpu_done(self, r: int, ins: tuple, st: float, en: float) -> None:
+        if en > self.cpu_end[r]:
+            self.cpu_end[r] = en
+        if self.record:
+            self.events.append((r, CPU, ins[2], st, en))
+
+    def _validate(self, r: int, ins: tuple, t: float) -> float | None:
+        """A barrier: ends when every rank has arrived and its copies, sends and steps are done."""
+        if self.val_time is None:
+            if r not in self.arrived:
+                self.arrived.append(r)
+                self.clock[r] = t
+            R = len(self.clock)
+            if len(self.arrived) < R:
+                self.val_wait.append(r)
+                self.blocked_on[r] = "validate"
+                return None
+            top = max(max(self.clock[x], self.d2h[x], self.cpu_end[x], self.asend_end[x]) for x in range(R))
+            self.val_time = max(top, 0.0) + self.tab.allreduce
+            for x in self.val_wait:
+                self._enqueue(x)
+            self.val_wait.clear()
+        return self.val_time
+
+
+def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_on: list[str]) -> Deadlock:
+    """The :class:`Deadlock` naming, for every unfinished rank, the op it waits at and for what."""
+    code = prog.code
+    stuck = []
+    for r in range(len(code)):
+        if pcs[r] < len(code[r]):
+            i = op_index(code[r][pcs[r]])
+            stuck.append((r, i, schedule.ops[r][i], blocked_on[r]))
+    lines = []
+    for r, i, op, why in stuck:
+        if why == "validate":
+            lines.append(f"rank {r} op #{i} `{op}` waits at the VALIDATE barrier")
+        elif op.kind == OpKind.WAIT_CKPT:
+            lines.append(f"rank {r} op #{i} `{op}` waits for the checkpoint from rank {op.peer} "
+                         f"(SEND_CKPT s{op.stage}.{op.sub} mb{op.mb} ->r{r} never posted)")
+        else:
+            partner = PARTNER[op.kind].name if op.kind in PARTNER else "?"
+            at = pcs[op.peer]
+            where = (f" `{schedule.ops[op.peer][op_index(code[op.peer][at])]}`)" if at < len(code[op.peer])
+                     else ", finished)")
+            lines.append(f"rank {r} op #{i} `{op}` waits for rank {op.peer} to reach its {partner} "
+                         f"(rank {op.peer} is at op #{at}" + where)
+    return Deadlock(f"schedule {schedule.name!r} deadlocks: " + "; ".join(lines), stuck)
+
+
+def run_program(schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool) -> dict:
+    """Execute every rank's list together; returns iteration time, per-rank busy time, GPU end,
+    memory deltas, raw events and clocks. Raises :class:`Deadlock` when ranks wait for each other."""
+    prog = PROGRAMS.get(schedule)
+    eng = _Engine(prog, tab, rendezvous=rendezvous, record=record, memory=memory)
+    eng.run()
+    if any(eng.pcs[r] < len(prog.code[r]) for r in range(len(prog.code))):
+        raise deadlock_report(schedule, prog, eng.pcs, eng.blocked_on)
+    iteration = max(max(eng.clock), max(eng.cpu_end), max(eng.d2h), max(eng.h2d)) if prog.code else 0.0
+    return {"iteration": iteration, "busy": eng.busy, "gpu_end": eng.gpu_end, "mem": eng.mem, "events": eng.events,
+            "clock": eng.clock}
