@@ -163,11 +163,6 @@ def record_tensor_use(tensor: torch.Tensor, stream: Stream) -> None:
         tensor.record_stream(stream.raw)
 
 
-def empty_host(shape: tuple[int, ...] | int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """A host tensor, page-locked when ``pin`` and CUDA is present (pinning raises without CUDA)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin and cuda_available())
-
-
 def memory_allocated(device: torch.device) -> int:
     """Bytes currently allocated by tensors on ``device`` (0 on CPU: see host memory instead)."""
     return torch.cuda.memory_allocated(device) if is_cuda(device) else 0

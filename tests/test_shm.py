@@ -431,6 +431,26 @@ def test_pinned_registration_paths(code: int, mode: str, monkeypatch: pytest.Mon
         assert fake.calls[1:] == []
 
 
+def test_host_buffers_register_exact_sizes_or_stay_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window's and the pipeline's host buffers: exact-size registrations with CUDA (no power-of-two
+    rounding), unregistered on close; plain torch.empty tensors without CUDA."""
+    monkeypatch.setattr(pinned, "_cuda_available", lambda: False)
+    plain = pinned.HostBuffers("test", pin=True).empty(10, torch.bfloat16)
+    assert plain.numel() == 10 and plain.dtype == torch.bfloat16 and not plain.is_pinned()
+    fake = _FakeCudart(0, [])
+    monkeypatch.setattr(pinned, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pinned, "_cudart", lambda: fake)
+    buffers = pinned.HostBuffers("test")
+    t = buffers.empty(3 * 4096 + 5, torch.bfloat16)
+    assert t.numel() == 3 * 4096 + 5 and buffers.pinned_bytes == 2 * (3 * 4096 + 5)
+    assert [c[0] for c in fake.calls] == ["register"]
+    buffers.close()  # still viewed: stays mapped and registered
+    assert [c[0] for c in fake.calls] == ["register"]
+    del t
+    buffers.close()
+    assert [c[0] for c in fake.calls] == ["register", "unregister"] and buffers.pinned_bytes == 0
+
+
 @pytest.mark.gpu
 def test_pinned_staging_and_store_register_on_gpu(job: str) -> None:
     staging = pinned.PinnedStaging(MiB)

@@ -5,7 +5,8 @@ Per node, sysx needs (formulas used by :func:`plan_host_memory`, N = parameters 
 * shared memory (``/dev/shm``): the 16-bit working copy of every sub-stage owned on the node and
   of every mirrored remote stage, as segments of ``header page + sum of per-dtype sections``;
 * host RAM beyond that, per owned sub-stage: fp32 master weights ``4N`` (none when the working
-  copy is already fp32: it is the master), Adam ``m`` and ``v`` ``8N``, fp32 gradients ``4N``;
+  copy is already fp32: it is the master), Adam ``m`` and ``v`` ``8N``, fp32 gradients ``4N``
+  (:func:`training_state_bytes`, which the sliding window's planner and ``sysx plan`` count with too);
 * pinned staging buffers (given in bytes).
 
 Shared memory lives in RAM too, so the RAM and cgroup checks compare the *total* with what is
@@ -195,6 +196,44 @@ def _cgroup_fix_hint(needed_total: int) -> str:
     )
 
 
+# --- the training state, per parameter ---------------------------------------------------------
+@dataclass(frozen=True)
+class StateBytes:
+    """Host bytes per parameter of the training state, by component."""
+
+    master: int  # fp32 master weights (0 when the working copy is fp32: it is the master)
+    adam: int  # Adam m and v, fp32
+    grads: int  # gradients as the optimizer reads them
+    working: int  # the working copy the device loads
+    snapshot: int  # optim.rollback=snapshot: p, m, v copied before every step
+
+    @property
+    def optimizer(self) -> int:
+        """Everything but the working copy (which the pipeline keeps in shared memory)."""
+        return self.master + self.adam + self.grads + self.snapshot
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.optimizer + self.working
+
+    def rows(self) -> dict[str, int]:
+        """Non-zero components by name."""
+        working = "working copy" if self.master else "fp32 masters (= working copy)"
+        names = {"fp32 masters": self.master, "Adam m+v": self.adam, "grads": self.grads,
+                 working: self.working, "rollback snapshot": self.snapshot}
+        return {name: n for name, n in names.items() if n}
+
+
+def training_state_bytes(work_dtype: Any, *, grad_dtype: Any = "float32", rollback: str = "undo") -> StateBytes:
+    """Bytes per parameter of the host training state: the working copy in ``work_dtype``, the
+    gradients in ``grad_dtype``, fp32 masters unless the working copy is fp32, Adam m and v, and
+    the snapshot of ``rollback="snapshot"``."""
+    work = dtype_itemsize(work_dtype)
+    master = 0 if canonical_dtype(work_dtype) == "float32" else 4
+    return StateBytes(master, 8, dtype_itemsize(grad_dtype), work, 12 if rollback == "snapshot" else 0)
+
+
 # --- the per-node plan ------------------------------------------------------------------------
 StageSizes = Mapping[Any, int] | tuple[int, Any]
 
@@ -288,29 +327,24 @@ def plan_host_memory(
     owned: Sequence[StageSizes],
     *,
     mirrors: Sequence[StageSizes] = (),
-    master_dtype: Any = "float32",
-    grad_dtype: Any = "float32",
-    optimizer_states: int = 2,
     pinned_bytes: int = 0,
 ) -> HostMemoryPlan:
     """Host bytes one node needs.
 
     ``owned``: the sub-stages whose optimizer runs on this node, each ``(numel, dtype)`` of its
     shared working copy or a ``{dtype: numel}`` mapping; ``mirrors``: remote-owned stages mirrored
-    here (shared memory only). Master weights are skipped for sections already in ``master_dtype``
-    (the shared copy is the master). ``optimizer_states`` is 2 for Adam (m, v), in fp32.
+    here (shared memory only). Per parameter, :func:`training_state_bytes` with fp32 gradients
+    (master weights are skipped for fp32 sections: the shared copy is the master).
     """
     shared = master = optimizer = grads = 0
-    master_size, grad_size = dtype_itemsize(master_dtype), dtype_itemsize(grad_dtype)
-    master_name = canonical_dtype(master_dtype)
     for stage in owned:
         sections = _sections(stage)
         shared += segment_bytes(stage_data_bytes(sections))
         for dtype, numel in sections:
-            if canonical_dtype(dtype) != master_name:
-                master += numel * master_size
-            optimizer += optimizer_states * numel * 4
-            grads += numel * grad_size
+            per_param = training_state_bytes(dtype)
+            master += numel * per_param.master
+            optimizer += numel * per_param.adam
+            grads += numel * per_param.grads
     for stage in mirrors:
         shared += segment_bytes(stage_data_bytes(_sections(stage)))
     if pinned_bytes < 0:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sysx.memory.budget import fmt_bytes
-from sysx.memory.views import MappedBuffer
+from sysx.memory.views import LiveViewsError, MappedBuffer
 
 if TYPE_CHECKING:
     import torch
@@ -165,3 +165,42 @@ class PinnedStaging:
 
     def __repr__(self) -> str:
         return f"PinnedStaging({fmt_bytes(self.nbytes)}, {self.mode})"
+
+
+class HostBuffers:
+    """Exact-size host tensors of one owner, page-locked in place when CUDA is present.
+
+    Each tensor is a :class:`PinnedStaging` of exactly its bytes (``torch.empty(pin_memory=True)``
+    would round it up to a power of two); without CUDA, or with ``pin=False``, a plain
+    ``torch.empty`` tensor. :meth:`close` unpins and frees every buffer no tensor views any more.
+    """
+
+    def __init__(self, label: str, *, pin: bool | None = None) -> None:
+        self.label = label
+        self.pin = _cuda_available() if pin is None else pin and _cuda_available()
+        self._staging: list[PinnedStaging] = []
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat uninitialised host tensor of ``numel`` elements."""
+        import torch
+
+        if not self.pin:
+            return torch.empty(numel, dtype=dtype)
+        staging = PinnedStaging(numel * dtype.itemsize, label=f"{self.label} #{len(self._staging)}", pin=True)
+        self._staging.append(staging)
+        return staging.view(dtype, numel)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes held in page-locked buffers."""
+        return sum(s.nbytes for s in self._staging if s.pinned)
+
+    def close(self) -> None:
+        """Free the buffers; one still viewed by a tensor stays mapped (and pinned) until the process ends."""
+        kept = []
+        for staging in self._staging:
+            try:
+                staging.close()
+            except LiveViewsError:
+                kept.append(staging)
+        self._staging = kept

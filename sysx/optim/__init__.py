@@ -3,8 +3,9 @@
 * :class:`CpuAdam` - AdamW over one flat fp32 buffer (DeepSpeed or torch backend), ``undo``;
 * :class:`StageOptimizer`, :class:`OptimizerThreads` - one sub-stage's optimizer and the
   worker threads that step sub-stages as their gradients arrive;
-* :func:`post_step_validate` (SysX) and :func:`sync_step` (baselines) - overflow check,
-  global-norm clipping and rollback across stages and ranks;
+* :func:`post_step_validate` (SysX) and :func:`sync_step` (baselines, in two parts:
+  :func:`load_and_check` / :func:`check_reports` and :func:`apply_checked`) - overflow check,
+  global-norm clipping and rollback across stages and ranks, for the pipeline and the window;
 * :func:`plan_cores` / :func:`apply_plan` - thread counts per local rank;
 * :func:`lr_at`, :func:`make_scaler` and the loss scalers.
 
@@ -20,10 +21,14 @@ _LAZY = {
     "CpuAdam": "sysx.optim.cpu_adam",
     "StageOptimizer": "sysx.optim.stage",
     "StageReport": "sysx.optim.stage",
+    "OptimSettings": "sysx.optim.stage",
     "OptimizerThreads": "sysx.optim.threads",
     "StepOutcome": "sysx.optim.validation",
     "post_step_validate": "sysx.optim.validation",
     "sync_step": "sysx.optim.validation",
+    "load_and_check": "sysx.optim.validation",
+    "check_reports": "sysx.optim.validation",
+    "apply_checked": "sysx.optim.validation",
     "CorePlan": "sysx.optim.cores",
     "plan_cores": "sysx.optim.cores",
     "apply_plan": "sysx.optim.cores",

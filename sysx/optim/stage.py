@@ -7,16 +7,23 @@ shared parameter store; any dtype and any host tensor works). Its operations:
 
 * :meth:`load_grads` converts the (16-bit or fp32) gradients to fp32, divides by the loss scale
   and returns the local overflow flag and squared L2 norm (accumulated in fp64, so finite fp32
-  gradients never read as overflow);
+  gradients never read as overflow; with ``param_spans`` also one fp32 norm per parameter, as
+  ``torch.nn.utils.get_total_norm`` takes them, in :attr:`StageOptimizer.param_norms`);
 * :meth:`apply` steps (only called when the local gradients are finite) and writes the target;
 * :meth:`undo` rolls the step back and rewrites the target;
 * :meth:`restep` undoes and steps again with the gradients multiplied by a clip coefficient.
+
+With ``keep_grads=False`` the fp32 gradients are a temporary: they live from :meth:`load_grads`
+until the next step, undo or :meth:`drop_grads`, and are made again from the loaded (16-bit)
+source when a later undo or re-step needs them (the same values: conversion is deterministic),
+so a stage costs no fp32 gradient buffer between its jobs.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +31,21 @@ import torch
 from sysx.optim.cpu_adam import CpuAdam
 
 CHUNK_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """Hyper-parameters and mechanics of a host optimizer (``optim.*``)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    backend: str = "auto"
+    rollback: str = "undo"
+    workers: int | None = None
+    threads_per_worker: int | None = None
 
 
 @dataclass
@@ -57,6 +79,8 @@ class StageOptimizer:
         rollback: str = "undo",
         target: torch.Tensor | None = None,
         grad_buffer: torch.Tensor | None = None,
+        keep_grads: bool = True,
+        param_spans: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.name = name
         self.optimizer = CpuAdam(
@@ -68,12 +92,28 @@ class StageOptimizer:
         if target is not None and target.device.type != "cpu":
             raise ValueError(f"stage {name}: target is on {target.device}; it must be a host tensor (shared store view)")
         self.target = target.view(-1) if target is not None else None
-        if grad_buffer is None:
+        if grad_buffer is not None and not keep_grads:
+            raise ValueError(f"stage {name}: a grad_buffer is kept by definition; keep_grads=False allocates per job")
+        if grad_buffer is None and keep_grads:
             grad_buffer = torch.empty(n, dtype=torch.float32)
-        if grad_buffer.dtype != torch.float32 or grad_buffer.numel() != n or not grad_buffer.is_contiguous():
+        if grad_buffer is not None and (grad_buffer.dtype != torch.float32 or grad_buffer.numel() != n
+                                        or not grad_buffer.is_contiguous()):
             raise ValueError(f"stage {name}: grad_buffer must be a contiguous fp32 tensor of {n} elements")
-        self.grad32 = grad_buffer.view(-1)
+        self._buffer = grad_buffer.view(-1) if grad_buffer is not None else None
+        self.grad32: torch.Tensor | None = self._buffer  # the fp32 unscaled gradients while they exist
+        self.param_spans = tuple(param_spans) if param_spans is not None else None
+        self.param_norms: list[torch.Tensor] = []  # fp32 norm per span, from the last load_grads
+        self._source: torch.Tensor | None = None  # the loaded gradients as given (to convert again)
+        self._scale = 1.0
+        self._coef = 1.0  # clip coefficient applied to grad32 by restep
         self.stepped = False
+
+    @classmethod
+    def from_settings(cls, name: str, master: torch.Tensor, settings: OptimSettings, **kw: object) -> StageOptimizer:
+        """A stage with ``settings``' hyper-parameters, backend and rollback; ``kw`` as for the constructor."""
+        return cls(name, master, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                   weight_decay=settings.weight_decay, backend=settings.backend, rollback=settings.rollback,
+                   **kw)  # type: ignore[arg-type]
 
     @property
     def master(self) -> torch.Tensor:
@@ -98,39 +138,76 @@ class StageOptimizer:
             raise ValueError(f"stage {self.name}: gradients have {grads.numel()} elements, the parameters {self.numel}")
         if grads.device.type != "cpu":
             raise ValueError(f"stage {self.name}: gradients are on {grads.device}; copy them to the host first")
-        src = grads.reshape(-1)
+        self._source, self._scale, self._coef = grads.reshape(-1), scale, 1.0
+        self.grad32 = self._buffer if self._buffer is not None else torch.empty(self.numel, dtype=torch.float32)
+        sq = self._convert(self.grad32, fp64_norm=self.param_spans is None)
+        if self.param_spans is not None:
+            self.param_norms = [torch.linalg.vector_norm(self.grad32[lo:lo + n]) for lo, n in self.param_spans]
+            sq = sum(float(norm) ** 2 for norm in self.param_norms)
+        return (not math.isfinite(sq)), sq
+
+    def _convert(self, out: torch.Tensor, *, fp64_norm: bool) -> float:
+        """Write the loaded gradients, unscaled and clipped, into ``out`` chunk by chunk; returns their
+        squared norm when ``fp64_norm`` (0.0 otherwise)."""
+        src = self._source
+        if src is None:
+            raise RuntimeError(f"stage {self.name}: no gradients loaded")
         sq = 0.0
         for lo, hi in self._chunks():
-            g = self.grad32[lo:hi]
-            if src.data_ptr() != self.grad32.data_ptr():
+            g = out[lo:hi]
+            if src.data_ptr() != out.data_ptr():
                 g.copy_(src[lo:hi])
-            if scale != 1.0:
-                g.div_(scale)
-            sq += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-        return (not math.isfinite(sq)), sq
+            if self._scale != 1.0:
+                g.div_(self._scale)
+            if self._coef != 1.0:
+                g.mul_(self._coef)
+            if fp64_norm:
+                sq += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+        return sq
+
+    def _grads(self) -> torch.Tensor:
+        """The fp32 gradients of this iteration, converted again when they were dropped."""
+        if self.grad32 is None:
+            self.grad32 = torch.empty(self.numel, dtype=torch.float32)
+            self._convert(self.grad32, fp64_norm=False)
+        return self.grad32
+
+    def drop_grads(self) -> None:
+        """Free the fp32 gradients when they are a temporary (``keep_grads=False``)."""
+        if self._buffer is None:
+            self.grad32 = None
 
     def apply(self, lr: float) -> None:
         """Step with the loaded gradients and write the target."""
-        self.optimizer.step(self.grad32, lr=lr)
+        self.optimizer.step(self._grads(), lr=lr)
         self.stepped = True
+        self.drop_grads()
         self.write_target()
 
     def undo(self) -> None:
         """Roll back the step of this iteration (if one was taken) and rewrite the target."""
         if not self.stepped:
             return
-        self.optimizer.undo(self.grad32)
+        self.optimizer.undo(self._grads())
         self.stepped = False
+        self.drop_grads()
         self.write_target()
 
     def restep(self, coef: float, lr: float) -> None:
         """Undo, multiply the gradients by ``coef`` (clipping) and step again."""
         if not self.stepped:
             raise RuntimeError(f"stage {self.name}: restep without a step to redo")
-        self.optimizer.undo(self.grad32)
+        grads = self._grads()
+        self.optimizer.undo(grads)
         self.stepped = False
-        self.grad32.mul_(coef)
+        self.scale_grads(coef)
         self.apply(lr)
+
+    def scale_grads(self, coef: float) -> None:
+        """Multiply the loaded gradients by ``coef`` (clipping), also when they are made again later."""
+        if coef != 1.0:
+            self._grads().mul_(coef)
+            self._coef *= coef
 
     def write_target(self) -> None:
         """Copy the masters into the target (casting to its dtype), chunk by chunk."""

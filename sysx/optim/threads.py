@@ -13,7 +13,10 @@ the event travels through the executor's queue). A worker then
 4. returns a :class:`StageReport` with the flags, the squared norm and timestamps.
 
 Validation across stages and ranks happens afterwards (:mod:`sysx.optim.validation`), which can
-use :meth:`OptimizerThreads.run_all` to undo or re-step stages in parallel.
+use :meth:`OptimizerThreads.run_all` to undo or re-step stages in parallel, or queue that work
+with :meth:`OptimizerThreads.submit` and let the caller wait per stage (:meth:`wait_stage`)
+right before it needs the stage's parameters again. :meth:`submit_load` is a step job that only
+loads and checks (the validate-first order steps after the decision).
 
 Workers are ordinary (non-daemon) threads of a :class:`concurrent.futures.ThreadPoolExecutor`;
 :meth:`OptimizerThreads.close` (or leaving the ``with`` block, also on exceptions and Ctrl-C)
@@ -65,6 +68,7 @@ class OptimizerThreads:
             max_workers=self.workers, thread_name_prefix=name, initializer=self._init_worker
         )
         self._pending: list[Future[StageReport]] = []
+        self._last: dict[str, Future[object]] = {}  # each stage's latest job
         self._lock = threading.Lock()
         log.info(
             "optimizer threads: %d worker(s) x %s intra-op thread(s) for %d stage(s): %s",
@@ -95,11 +99,20 @@ class OptimizerThreads:
         self, name: str, grads: torch.Tensor, event: Event | None = None, *, scale: float = 1.0, lr: float
     ) -> Future[StageReport]:
         """Queue stage ``name``'s step: wait ``event``, load ``grads``, step if finite."""
-        stage = self.stage(name)
-        t_submit = now()
-        future = self._executor().submit(_step_job, stage, grads, event, scale, lr, t_submit)
+        return self._submit_report(name, grads, event, scale, lr)
+
+    def submit_load(self, name: str, grads: torch.Tensor, event: Event | None = None, *,
+                    scale: float = 1.0) -> Future[StageReport]:
+        """Queue stage ``name``'s check only: wait ``event``, load ``grads`` (no step)."""
+        return self._submit_report(name, grads, event, scale, None)
+
+    def _submit_report(self, name: str, grads: torch.Tensor, event: Event | None, scale: float,
+                       lr: float | None) -> Future[StageReport]:
+        pool = self._executor()  # "closed" before "no stage": close() lets go of the stages
+        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now())
         with self._lock:
             self._pending.append(future)
+            self._last[name] = future
         return future
 
     def wait(self) -> list[StageReport]:
@@ -114,16 +127,40 @@ class OptimizerThreads:
     # ---------------------------------------------------------------------------- other jobs
     def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str) -> list[T]:
         """Run ``fn(stage)`` for each named stage on the workers; wait for all, return the results."""
-        return _results([self._executor().submit(_labelled_job, fn, self.stage(n), label) for n in names])
+        return _results([self.submit(fn, n, label) for n in names])
+
+    def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str) -> Future[T]:
+        """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it."""
+        pool = self._executor()
+        future = pool.submit(_labelled_job, fn, self.stage(name), label)
+        with self._lock:
+            self._last[name] = future
+        return future
+
+    def wait_stage(self, name: str) -> None:
+        """Block until stage ``name``'s latest job is done (re-raises its error)."""
+        with self._lock:
+            future = self._last.get(name)
+        if future is not None:
+            future.result()
+
+    def wait_stages(self) -> None:
+        """Block until every stage's latest job is done (all are waited for, then the first error raised)."""
+        with self._lock:
+            futures = list(self._last.values())
+        _results(futures)
 
     # ------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Cancel queued jobs, finish running ones, join all worker threads (idempotent)."""
+        """Cancel queued jobs, finish running ones, join all worker threads and let go of the
+        stages, so their buffers can be freed (idempotent)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._pending.clear()
+            self._last.clear()
+        self.stages.clear()
 
     def __enter__(self) -> OptimizerThreads:
         return self
@@ -133,21 +170,25 @@ class OptimizerThreads:
 
 
 def _step_job(
-    stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float, t_submit: float
+    stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None, t_submit: float
 ) -> StageReport:
+    """Wait for the copy, load and check; step too unless ``lr`` is None (a check only)."""
     with nvtx_range(f"OPT {stage.name}"):
         if event is not None:
             event.synchronize()
         t_ready = now()
         stage.new_iteration()
         found_inf, sq = stage.load_grads(grads, scale=scale)
-        if not found_inf:
+        stepped = lr is not None and not found_inf
+        if stepped:
             stage.apply(lr)
+        else:
+            stage.drop_grads()
         return StageReport(
             stage=stage.name,
             found_inf=found_inf,
             sq_norm=sq,
-            stepped=not found_inf,
+            stepped=stepped,
             t_submit=t_submit,
             t_ready=t_ready,
             t_done=now(),

@@ -13,11 +13,21 @@ squared gradient norms]`` over ``group`` (gloo or NCCL; none when not distribute
   (``torch.nn.utils.clip_grad_norm_`` semantics).
 
 **Validate first** (the baselines, :func:`sync_step`): convert, unscale and check every stage,
-reduce, then clip and step only if nothing overflowed. Same components, same numbers.
+reduce, then clip and step only if nothing overflowed. Same components, same numbers. Its two
+parts are separate for callers that step each stage on its own schedule: :func:`load_and_check`
+(or :func:`check_reports` when the loads ran as :meth:`OptimizerThreads.submit_load` jobs) decides,
+:func:`apply_checked` clips and steps one stage.
+
+Options both orders share: ``total_norm`` replaces the sum of the stages' squared norms with the
+caller's global norm (the sliding window stacks the stages' ``param_norms`` in its reference's
+parameter order, so its norm is that of ``torch.nn.utils.get_total_norm`` bit for bit; single
+process only); ``wait=False`` queues the rollback and re-step jobs on the threads instead of
+waiting for them (the caller waits per stage with :meth:`OptimizerThreads.wait_stage`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -97,16 +107,42 @@ def _run(
     fn: Callable[[StageOptimizer], Any],
     names: Sequence[str],
     label: str,
+    *,
+    wait: bool = True,
 ) -> list[Any]:
-    if threads is not None:
+    if threads is None:
+        return [fn(stages[n]) for n in names]
+    if wait:
         return threads.run_all(fn, names, label)
-    return [fn(stages[n]) for n in names]
+    for name in names:
+        threads.submit(fn, name, label)
+    return []
 
 
 def _stage_map(stages: OptimizerThreads | Sequence[StageOptimizer]) -> tuple[dict[str, StageOptimizer], OptimizerThreads | None]:
     if isinstance(stages, OptimizerThreads):
         return stages.stages, stages
     return {s.name: s for s in stages}, None
+
+
+def _reduce(
+    reports: Sequence[StageReport], group: dist.ProcessGroup | None, total_norm: Callable[[], float] | None
+) -> tuple[int, float]:
+    """``(#overflowed stages over all ranks, global gradient norm)`` of this iteration's reports."""
+    n_inf, sq = reduce_flags([r.found_inf for r in reports], [r.sq_norm for r in reports], group)
+    if total_norm is None:
+        return n_inf, math.sqrt(sq) if math.isfinite(sq) else math.inf
+    if _world(group) != 1:
+        raise ValueError("total_norm: a caller's global norm is for single-process optimizers only")
+    return n_inf, total_norm() if n_inf == 0 else math.inf
+
+
+def _skip(n_inf: int, scale: float, scaler: LossScaler, group: dist.ProcessGroup | None, undone: int,
+          t0: float) -> StepOutcome:
+    """Back the scaler off (it raises for bf16/fp32) and report the skipped step."""
+    skipped = scaler.update(True)
+    _log_skip(n_inf, scale, scaler, group, undone)
+    return StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), undone, 0, time.perf_counter() - t0)
 
 
 def post_step_validate(
@@ -117,32 +153,85 @@ def post_step_validate(
     lr: float,
     max_grad_norm: float = 0.0,
     group: dist.ProcessGroup | None = None,
+    total_norm: Callable[[], float] | None = None,
+    wait: bool = True,
 ) -> StepOutcome:
     """SysX's post-step validation of an iteration whose stages already stepped (see module doc).
 
-    ``reports`` are this rank's :class:`StageReport` s (from :meth:`OptimizerThreads.wait`);
-    ``stages`` are the stages (an :class:`OptimizerThreads` runs rollbacks on its workers);
-    ``lr`` is the learning rate the steps used. Every rank of ``group`` must call this.
+    ``reports`` are this rank's :class:`StageReport` s (from :meth:`OptimizerThreads.wait`), in
+    the order rollbacks should run; ``stages`` are the stages (an :class:`OptimizerThreads` runs
+    rollbacks on its workers); ``lr`` is the learning rate the steps used. Every rank of
+    ``group`` must call this.
     """
     t0 = time.perf_counter()
     by_name, threads = _stage_map(stages)
     scale = float(scaler.scale)
-    n_inf, sq = reduce_flags([r.found_inf for r in reports], [r.sq_norm for r in reports], group)
+    n_inf, norm = _reduce(reports, group, total_norm)
     stepped = [r.stage for r in reports if r.stepped]
-    overflow = n_inf > 0 or not math.isfinite(sq)
-    if overflow:
-        _run(by_name, threads, StageOptimizer.undo, stepped, "undo")
-        skipped = scaler.update(True)
-        _log_skip(n_inf, scale, scaler, group, len(stepped))
-        return StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), len(stepped), 0, time.perf_counter() - t0)
+    if n_inf > 0 or not math.isfinite(norm):
+        _run(by_name, threads, StageOptimizer.undo, stepped, "undo")  # before the scaler raises (bf16/fp32)
+        return _skip(n_inf, scale, scaler, group, len(stepped), t0)
     scaler.update(False)
-    norm = math.sqrt(sq)
     coef = clip_coefficient(norm, max_grad_norm)
     restepped = 0
     if coef < 1.0:
-        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip")
+        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip", wait=wait)
         restepped = len(stepped)
     return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, restepped, time.perf_counter() - t0)
+
+
+def check_reports(
+    reports: Sequence[StageReport],
+    scaler: LossScaler,
+    *,
+    max_grad_norm: float = 0.0,
+    group: dist.ProcessGroup | None = None,
+    total_norm: Callable[[], float] | None = None,
+) -> StepOutcome:
+    """The check part of validate-first over loaded, not yet stepped stages: reduce over ``group``,
+    update the scaler (warning on a skipped step) and decide the clip coefficient."""
+    t0 = time.perf_counter()
+    scale = float(scaler.scale)
+    n_inf, norm = _reduce(reports, group, total_norm)
+    if n_inf > 0 or not math.isfinite(norm):
+        return _skip(n_inf, scale, scaler, group, 0, t0)
+    scaler.update(False)
+    coef = clip_coefficient(norm, max_grad_norm)
+    return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, 0, time.perf_counter() - t0)
+
+
+def load_and_check(
+    grads: Mapping[str, torch.Tensor],
+    stages: OptimizerThreads | Sequence[StageOptimizer],
+    scaler: LossScaler,
+    *,
+    max_grad_norm: float = 0.0,
+    group: dist.ProcessGroup | None = None,
+    events: Mapping[str, Event] | None = None,
+    scale: float | None = None,
+) -> StepOutcome:
+    """The check part of validate-first: load every stage in ``grads`` (after its event, unscaled
+    by ``scale``, default the scaler's), then :func:`check_reports`. Every rank of ``group`` must call this."""
+    by_name, threads = _stage_map(stages)
+    scale = float(scaler.scale) if scale is None else scale
+
+    def load(stage: StageOptimizer) -> StageReport:
+        if events is not None and stage.name in events:
+            events[stage.name].synchronize()
+        stage.new_iteration()
+        found_inf, sq = stage.load_grads(grads[stage.name], scale=scale)
+        return StageReport(stage=stage.name, found_inf=found_inf, sq_norm=sq)
+
+    reports = _run(by_name, threads, load, list(grads), "check")
+    return check_reports(reports, scaler, max_grad_norm=max_grad_norm, group=group)
+
+
+def apply_checked(stage: StageOptimizer, outcome: StepOutcome, lr: float) -> None:
+    """The apply part of validate-first: clip and step ``stage`` as ``outcome`` decided (nothing when skipped)."""
+    if outcome.skipped:
+        return
+    stage.scale_grads(outcome.clip_coef)
+    stage.apply(lr)
 
 
 def sync_step(
@@ -163,30 +252,6 @@ def sync_step(
     """
     t0 = time.perf_counter()
     by_name, threads = _stage_map(stages)
-    scale = float(scaler.scale)
-    names = list(grads)
-
-    def load(stage: StageOptimizer) -> tuple[bool, float]:
-        if events is not None and stage.name in events:
-            events[stage.name].synchronize()
-        stage.new_iteration()
-        return stage.load_grads(grads[stage.name], scale=scale)
-
-    checks = _run(by_name, threads, load, names, "check")
-    n_inf, sq = reduce_flags([c[0] for c in checks], [c[1] for c in checks], group)
-    overflow = n_inf > 0 or not math.isfinite(sq)
-    if overflow:
-        skipped = scaler.update(True)
-        _log_skip(n_inf, scale, scaler, group, 0)
-        return StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), 0, 0, time.perf_counter() - t0)
-    scaler.update(False)
-    norm = math.sqrt(sq)
-    coef = clip_coefficient(norm, max_grad_norm)
-
-    def step(stage: StageOptimizer) -> None:
-        if coef < 1.0:
-            stage.grad32.mul_(coef)
-        stage.apply(lr)
-
-    _run(by_name, threads, step, names, "step")
-    return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, 0, time.perf_counter() - t0)
+    outcome = load_and_check(grads, stages, scaler, max_grad_norm=max_grad_norm, group=group, events=events)
+    _run(by_name, threads, lambda s: apply_checked(s, outcome, lr), list(grads), "step")
+    return dataclasses.replace(outcome, seconds=time.perf_counter() - t0)

@@ -10,41 +10,24 @@ copy is asynchronous; with fp32 they are the optimizer's own fp32 gradient buffe
   for the offload event, unscales, checks and steps at once; ``VALIDATE`` waits for the workers
   and runs :func:`sysx.optim.post_step_validate` (one all-reduce, rollback or clipping re-step);
 * synchronous (baselines): ``VALIDATE`` loads and checks every offloaded sub-stage, all-reduces
-  the overflow count and squared norms and decides (the validate-first order of
-  :func:`sysx.optim.sync_step`, split so that each ``OPTIM_STEP`` op then steps its own sub-stage).
+  the overflow count and squared norms and decides (:func:`sysx.optim.validation.load_and_check`,
+  the check part of :func:`sysx.optim.sync_step`); each ``OPTIM_STEP`` op then steps its own
+  sub-stage (:func:`sysx.optim.validation.apply_checked`, the apply part).
 """
 
 from __future__ import annotations
-
-import math
-import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from sysx import device as dev
+from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.loss_scaler import LossScaler
-from sysx.optim.stage import StageOptimizer
+from sysx.optim.stage import OptimSettings, StageOptimizer
 from sysx.optim.threads import OptimizerThreads
-from sysx.optim.validation import StepOutcome, clip_coefficient, post_step_validate, reduce_flags
+from sysx.optim.validation import StepOutcome, apply_checked, load_and_check, post_step_validate
 from sysx.runtime.stage_params import StageParams
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """Hyper-parameters and mechanics of the host optimizer."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    grad_clip: float
-    backend: str = "auto"
-    rollback: str = "undo"
-    workers: int | None = None
-    threads_per_worker: int | None = None
 
 
 class RankOptimizer:
@@ -58,17 +41,16 @@ class RankOptimizer:
         self.dtype = params.dtype
         self.stages: dict[tuple[int, int], StageOptimizer] = {}
         self.host_grads: dict[tuple[int, int], torch.Tensor] = {}
-        pin = dev.cuda_available()
+        self.buffers = HostBuffers(f"rank {params.rank} host gradients")  # the D2H copies land here
         try:
             for unit in params.owned():
                 key = (unit.stage, unit.sub)
-                grad32 = dev.empty_host(unit.numel, torch.float32, pin=pin and self.dtype == torch.float32)
-                target = None if self.dtype == torch.float32 else params.shared[key]
-                self.stages[key] = StageOptimizer(
-                    unit.key, params.masters[key], lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                    weight_decay=settings.weight_decay, backend=settings.backend, rollback=settings.rollback,
-                    target=target, grad_buffer=grad32)
-                self.host_grads[key] = grad32 if self.dtype == torch.float32 else dev.empty_host(unit.numel, self.dtype, pin=pin)
+                fp32 = self.dtype == torch.float32
+                grad32 = self.buffers.empty(unit.numel, torch.float32) if fp32 else torch.empty(unit.numel, dtype=torch.float32)
+                target = None if fp32 else params.shared[key]
+                self.stages[key] = StageOptimizer.from_settings(unit.key, params.masters[key], settings,
+                                                                target=target, grad_buffer=grad32)
+                self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
             workers, threads = settings.workers, settings.threads_per_worker
             if workers is None or threads is None:
                 plan = plan_cores(n_stages=len(self.stages), backend="torch" if settings.backend == "torch" else "deepspeed",
@@ -108,38 +90,17 @@ class RankOptimizer:
 
     def validate_sync(self, *, scale: float) -> StepOutcome:
         """Validate first (baselines): load and check every offloaded sub-stage, reduce, decide."""
-        t0 = time.perf_counter()
         names = {self.stages[u].name: u for u in self.events}
-
-        def load(stage: StageOptimizer) -> tuple[bool, float]:
-            unit = names[stage.name]
-            self.events[unit].synchronize()
-            stage.new_iteration()
-            return stage.load_grads(self.host_grads[unit], scale=scale)
-
-        checks = self.threads.run_all(load, list(names), "check")
-        n_inf, sq = reduce_flags([c[0] for c in checks], [c[1] for c in checks], self.group)
-        if n_inf > 0 or not math.isfinite(sq):
-            skipped = self.scaler.update(True)
-            self.outcome = StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(self.scaler.scale), 0, 0,
-                                       time.perf_counter() - t0)
-            return self.outcome
-        self.scaler.update(False)
-        norm = math.sqrt(sq)
-        coef = clip_coefficient(norm, self.settings.grad_clip)
-        self.outcome = StepOutcome(False, False, norm, coef, scale, float(self.scaler.scale), 0, 0, time.perf_counter() - t0)
+        self.outcome = load_and_check({n: self.host_grads[u] for n, u in names.items()}, self.threads, self.scaler,
+                                      max_grad_norm=self.settings.grad_clip, group=self.group,
+                                      events={n: self.events[u] for n, u in names.items()}, scale=scale)
         return self.outcome
 
     def step_sync(self, unit: tuple[int, int], *, lr: float) -> None:
         """Synchronous OPTIM_STEP after :meth:`validate_sync`: clip and step ``unit`` (unless skipped)."""
         if self.outcome is None:
             raise RuntimeError(f"OPTIM_STEP s{unit[0]}.{unit[1]}: a synchronous step needs VALIDATE first")
-        if self.outcome.skipped:
-            return
-        stage = self._stage(unit)
-        if self.outcome.clip_coef < 1.0:
-            stage.grad32.mul_(self.outcome.clip_coef)
-        stage.apply(lr)
+        apply_checked(self._stage(unit), self.outcome, lr)
 
     def _stage(self, unit: tuple[int, int]) -> StageOptimizer:
         try:
@@ -154,9 +115,9 @@ class RankOptimizer:
         threads, self.threads = getattr(self, "threads", None), None
         if threads is not None:
             threads.close()
-            threads.stages.clear()
         for stage in self.stages.values():
             stage.close()
         self.stages.clear()
         self.host_grads.clear()
         self.events = {}
+        self.buffers.close()

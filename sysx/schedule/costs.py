@@ -16,7 +16,7 @@ Memory model (bytes, per micro-batch where it says so):
   backward all the activations of its sub-stage (recomputed from the checkpoint).
 
 Host memory of the owner of a backward sub-stage: ``host_bytes_per_param`` (fp32 master, Adam m
-and v, fp32 gradients: 16) x its parameters. Shared memory of a node: ``param_bytes`` x the
+and v, fp32 gradients: 16, :func:`sysx.memory.budget.training_state_bytes`) x its parameters. Shared memory of a node: ``param_bytes`` x the
 parameters of the sub-stages owned on the node plus the forward stages its ranks run.
 """
 
@@ -26,8 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sysx.memory.budget import training_state_bytes
 from sysx.partition import Partition
 from sysx.schedule.ops import Schedule
+
+HOST_BYTES_PER_PARAM = float(training_state_bytes("bfloat16").optimizer)  # its shared working copy is counted apart
 
 
 @dataclass
@@ -55,7 +58,7 @@ class CostTable:
     ckpt_mem: list[float] = field(default_factory=list)
     fwd_work: list[float] = field(default_factory=list)
     bwd_work: list[float] = field(default_factory=list)
-    host_bytes_per_param: float = 16.0
+    host_bytes_per_param: float = HOST_BYTES_PER_PARAM
     param_bytes: float = 2.0
     params_stage: list[float] = field(default_factory=list)
     params_sub: list[float] = field(default_factory=list)
@@ -116,7 +119,7 @@ class Costs:
     recompute: bool = True
     param_bytes: float = 2.0
     grad_bytes: float = 2.0
-    host_bytes_per_param: float = 16.0
+    host_bytes_per_param: float = HOST_BYTES_PER_PARAM
     p2p_latency: float = 20e-6
     p2p_bandwidth: float = 10e9
     h2d_bandwidth: float = 12e9

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sysx import device as dev
+from sysx.memory.pinned import HostBuffers
 from sysx.model.flat import FlatLayout
 from sysx.single.host import HostState
 from sysx.single.planner import SinglePlan
@@ -123,9 +124,9 @@ class SlidingWindowExecutor:
         self.static_layout.bind([self.emb, self.head], self.static_w)
         self.static_layout.bind_grads([self.emb, self.head], self.static_g)
 
-        pin = dev.is_cuda(self.device)
+        self.host_buffers = HostBuffers("saved activations", pin=dev.is_cuda(self.device))
         self.host_acts = {
-            (k, c): dev.empty_host(self.layouts[k].nbytes, torch.uint8, pin=pin)
+            (k, c): self.host_buffers.empty(self.layouts[k].nbytes, torch.uint8)
             for k in range(self.n_transfer) for c in range(self.n)
         }
         self.compute = dev.current_stream(self.device)
@@ -146,10 +147,6 @@ class SlidingWindowExecutor:
     def device_bytes(self) -> dict[str, int]:
         """Bytes of every arena region (the whole preallocated working set)."""
         return self.arena.describe()
-
-    def host_activation_bytes(self) -> int:
-        """Pinned host bytes reserved for saved activations."""
-        return sum(t.numel() for t in self.host_acts.values())
 
     # ------------------------------------------------------------------------------------- step
     def run_step(self, batches: Sequence[Batch], *, scale: float, on_grads: Callable[[int, dev.Event], None],
@@ -369,6 +366,11 @@ class SlidingWindowExecutor:
             if self.ring_w.state(s) == "ready":
                 self.ring_w.drop(s)
         return out
+
+    def close(self) -> None:
+        """Free the host buffers of the saved activations."""
+        self.host_acts.clear()
+        self.host_buffers.close()
 
 
 def _stride(nbytes: int) -> int:

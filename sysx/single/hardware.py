@@ -26,6 +26,7 @@ import torch
 
 from sysx import device as dev
 from sysx.config.choices import ASSUMED_HARDWARE
+from sysx.memory.pinned import HostBuffers
 
 GiB = 1024**3
 GB = 1e9
@@ -163,8 +164,9 @@ def measure_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
 def _measure_cuda(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int,
                   host_free: int, host_total: int) -> HardwareProfile:
     n = nbytes // 4
-    host_a = dev.empty_host(n, torch.float32, pin=True).fill_(1.0)
-    host_b = dev.empty_host(n, torch.float32, pin=True)
+    buffers = HostBuffers("copy-rate probe", pin=True)
+    host_a = buffers.empty(n, torch.float32).fill_(1.0)
+    host_b = buffers.empty(n, torch.float32)
     dev_a = torch.empty(n, dtype=torch.float32, device=device)
     dev_b = torch.ones(n, dtype=torch.float32, device=device)
     h2d = nbytes / _time_cuda(lambda: dev_a.copy_(host_a, non_blocking=True), device, repeats)
@@ -186,7 +188,8 @@ def _measure_cuda(device: torch.device, dtype: torch.dtype, nbytes: int, repeats
     d2d = 2 * nbytes / _time_cuda(lambda: dev_a.copy_(dev_b), device, repeats)  # read + write
     flops = measure_matmul(device, dtype, repeats=repeats)
     free, total = torch.cuda.mem_get_info(device)
-    del host_a, host_b, dev_a, dev_b
+    del host_a, host_b, dev_a, dev_b, both
+    buffers.close()
     return HardwareProfile(
         name=f"{device} ({torch.cuda.get_device_name(device)})", kind="cuda",
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, bidir_bytes_per_s=min(bidir, h2d, d2h),

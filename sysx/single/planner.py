@@ -29,6 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+from sysx.memory.budget import training_state_bytes
 from sysx.model.config import ModelConfig
 from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, SaveProblem, simulate_forward, solve_save_levels
 from sysx.single.hardware import GiB, HardwareProfile
@@ -90,11 +93,9 @@ def _fit(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int
 
 
 def _host_fixed(req: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
-    tau = req.param_bytes
     n = sizes.total_params
-    out = {"fp32 masters": 4 * n, "Adam m+v": 8 * n, "grads": tau * n}
+    out = {name: per * n for name, per in training_state_bytes(req.dtype, grad_dtype=req.dtype).rows().items()}
     if req.precision != "fp32":
-        out["16-bit working copy"] = tau * n
         out["fp32 grad scratch"] = 4 * max(sizes.block_params, sizes.static_params) * 2
     return out
 

@@ -7,22 +7,24 @@ under the same names. A step computes exactly what the reference computes — th
 the per-micro-batch losses, fp32 unscaled gradients, global L2 norm, loss-scaler decision, clipping
 with ``clip_grad_norm_`` semantics, AdamW at ``lr_at(step)`` with weight decay on every parameter.
 
-Optimizer pipeline (beyond the paper, as SysX does it): in the last round, each block's gradients
-are handed to a CPU thread the moment their copy home completes; the thread converts and unscales
-them, takes their norm and — when the step is *speculative* — applies that block's Adam step while
+Optimizer pipeline (beyond the paper, as SysX does it), through the pipeline's own protocol
+(:mod:`sysx.optim`: one :class:`~sysx.optim.StageOptimizer` per group, run by
+:class:`~sysx.optim.OptimizerThreads`): in the last round, each block's gradients are handed to a
+CPU worker the moment their copy home completes; the worker converts and unscales them, takes their
+per-parameter norms and — when the step is *speculative* — applies that block's Adam step while
 the GPU is still working on earlier blocks. Clipping and fp16 overflow need the global norm, which
-is known only after the whole backward: a speculative step that turns out to need clipping (or an
-fp16 overflow) is undone (``CpuAdam.undo``) and redone/skipped. ``single.optimizer_overlap=auto``
-speculates when no check can veto the step or when the previous step passed the checks, and
-otherwise steps after the norm in forward order, overlapped with the next step's forward (the next
-forward waits per block for that block's step).
+is known only after the whole backward: :func:`~sysx.optim.post_step_validate` undoes a
+speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it (or skips).
+``single.optimizer_overlap=auto`` speculates when no check can veto the step or when the previous
+step passed the checks, and otherwise validates first (:func:`~sysx.optim.validation.check_reports`)
+and steps in forward order (:func:`~sysx.optim.validation.apply_checked`), overlapped with the next
+step's forward: the next forward waits per block for that block's work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +34,10 @@ from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.metrics import StepResult
 from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure_hardware
-from sysx.single.host import AdamHyper, HostState, OptimizerWorker
+from sysx.optim.stage import OptimSettings, StageReport
+from sysx.optim.threads import OptimizerThreads
+from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
+from sysx.single.host import HostState
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
 from sysx.trainers.base import Trainer, job_device, run_job
@@ -82,12 +87,12 @@ class SingleTrainer(Trainer):
             torch.cuda.set_per_process_memory_fraction(min(1.0, request.device_budget_bytes / total), self.device)
 
         o = cfg.optim
-        backend = optimizer_backend or getattr(o, "backend", "auto")
-        hyper = AdamHyper(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, backend=backend)
-        self.host = HostState(self.model_cfg, dtype=self.dtype, hyper=hyper, seed=cfg.seed, model=model)
+        settings = OptimSettings(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
+                                 grad_clip=o.grad_clip, backend=optimizer_backend or o.backend)
+        self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, seed=cfg.seed, model=model)
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
-        self.worker = OptimizerWorker("adam")  # per-group Adam steps, in submission order
-        self.norm_worker = OptimizerWorker("norm")  # gradient conversion and norms, ahead of the steps
+        # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
+        self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt")
         self._last_passed = True  # did the previous step need neither clipping nor a skip?
         self.redone_steps = 0
         self.speculated_steps = 0
@@ -109,7 +114,7 @@ class SingleTrainer(Trainer):
 
     def _before_load(self, group: int) -> None:
         """Block until ``group``'s optimizer work is done (the executor names Embedding+Head ``-1``)."""
-        self.worker.wait(group % len(self.host.groups))
+        self.threads.wait_stage(self.host.groups[group].name)
 
     def _speculate(self) -> bool:
         can_veto = self.cfg.optim.grad_clip > 0 or self.cfg.precision == "fp16"
@@ -131,88 +136,45 @@ class SingleTrainer(Trainer):
         batches = [self.batch(step, j, rows=plan.chunk) for j in range(plan.micro_batches)]
         speculate = self._speculate()
         groups = self.host.groups
-        norms: dict[int, list[torch.Tensor]] = {}  # per-parameter norms, like get_total_norm
 
         def on_grads(g: int, event: dev.Event) -> None:
-            g = g % len(groups)
-
-            def norm_task() -> torch.Tensor:
-                event.synchronize()
-                grad = groups[g].grad_fp32(scale)
-                norms[g] = [torch.linalg.vector_norm(v) for v in groups[g].layout.views(grad)]
-                return grad
-
-            converted = self.norm_worker.submit(g, norm_task)
+            group = groups[g]
             if speculate:
-                def step_task() -> None:
-                    groups[g].opt.step(converted.result(), lr=lr)
-                    groups[g].publish()
-
-                self.worker.submit(g, step_task)
+                self.threads.submit_step(group.name, group.grad, event, scale=scale, lr=lr)
+            else:
+                self.threads.submit_load(group.name, group.grad, event, scale=scale)
 
         losses = self.executor.run_step(batches, scale=scale, on_grads=on_grads, before_load=self._before_load)
-        self.norm_worker.wait_all()  # the norms only: speculative steps keep running into the next forward
-        order = [len(groups) - 1] + list(range(len(groups) - 1))  # embedding+head first, then blocks
-        total = torch.linalg.vector_norm(torch.stack(self._reference_order(norms)))
-        found_inf = not bool(torch.isfinite(total))
-        skipped = bool(self.scaler.update(found_inf))
-        clip = self.cfg.optim.grad_clip
-        coef = torch.clamp(clip / (total + 1e-6), max=1.0) if clip > 0 and not skipped else None
-        needs_clip = coef is not None and float(coef) < 1.0
-        self._last_passed = not skipped and not needs_clip
+        outcome = self._validate(self.threads.wait(), speculate, lr)
+        self._last_passed = not outcome.overflow and outcome.clip_coef == 1.0
         if speculate:
             self.speculated_steps += 1
-        if speculate and (skipped or needs_clip):
-            self.redone_steps += 1
-            for g in order:
-                self.worker.submit(g, self._redo_task(g, scale, lr, None if skipped else coef))
-        elif not speculate and not skipped:
-            for g in order:
-                self.worker.submit(g, self._step_task(g, scale, lr, coef))
+            self.redone_steps += not self._last_passed
         loss_value = float(torch.stack(losses).mean())
         dev.synchronize(self.device)
-        result = StepResult(step=step, loss=loss_value, lr=lr, grad_norm=float(total), skipped=skipped, scale=scale,
-                            tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
+        result = StepResult(step=step, loss=loss_value, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
+                            scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
         self.step_index += 1
         return result
 
-    def _reference_order(self, norms: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Per-parameter norms in ``model.parameters()`` order (Embedding, Blocks, Head), as the reference stacks them."""
-        groups = self.host.groups
-        static = groups[-1]
-        first = [n for n, e in zip(norms[len(groups) - 1], static.layout.entries) if e.name.startswith("0.")]
-        last = [n for n, e in zip(norms[len(groups) - 1], static.layout.entries) if not e.name.startswith("0.")]
-        return first + [n for g in range(len(groups) - 1) for n in norms[g]] + last
-
-    def _step_task(self, g: int, scale: float, lr: float, coef: torch.Tensor | None) -> Callable[[], None]:
-        group = self.host.groups[g]
-
-        def task() -> None:
-            grad = group.grad_fp32(scale)
-            if coef is not None:
-                grad.mul_(coef)
-            group.opt.step(grad, lr=lr)
-            group.publish()
-
-        return task
-
-    def _redo_task(self, g: int, scale: float, lr: float, coef: torch.Tensor | None) -> Callable[[], None]:
-        """Undo the speculative step of group ``g``; then, unless the step is skipped, step with clipped grads."""
-        group = self.host.groups[g]
-
-        def task() -> None:
-            grad = group.grad_fp32(scale)
-            group.opt.undo(grad)
-            if coef is not None:
-                grad.mul_(coef)
-                group.opt.step(grad, lr=lr)
-            group.publish()
-
-        return task
+    def _validate(self, reports: list[StageReport], speculate: bool, lr: float) -> StepOutcome:
+        """Decide this step from the groups' reports; the re-steps (speculation) or steps (validate
+        first) are queued in forward order, Embedding+Head first, and run into the next forward."""
+        forward = {g.name: i for i, g in enumerate([self.host.static, *self.host.groups[:-1]])}
+        reports = sorted(reports, key=lambda r: forward[r.stage])
+        clip = self.cfg.optim.grad_clip
+        if speculate:
+            return post_step_validate(reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip,
+                                      total_norm=self.host.grad_norm, wait=False)
+        outcome = check_reports(reports, self.scaler, max_grad_norm=clip, total_norm=self.host.grad_norm)
+        if not outcome.skipped:
+            for r in reports:
+                self.threads.submit(lambda stage: apply_checked(stage, outcome, lr), r.stage, "step")
+        return outcome
 
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over the reference's ``batches`` val micro-batches (the same sequences every time)."""
-        self.worker.wait_all()
+        self.threads.wait_stages()
         n = self.cfg.eval.batches if batches is None else batches
         mbs = self.cfg.train.micro_batch_size
         b = self.plan.chunk
@@ -227,17 +189,21 @@ class SingleTrainer(Trainer):
 
     def finish_pending(self) -> None:
         """Wait for the optimizer steps still running on the CPU threads."""
-        self.worker.wait_all()
+        self.threads.wait_stages()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 weights by the reference trainer's parameter names (after pending steps finish)."""
-        self.worker.wait_all()
+        self.threads.wait_stages()
         return self.host.state_dict()
 
     def close(self) -> None:
-        """Finish pending optimizer work and stop the threads."""
-        self.norm_worker.close()
-        self.worker.close()
+        """Finish pending optimizer work, stop the threads and free the host state."""
+        try:
+            self.threads.wait_stages()
+        finally:
+            self.threads.close()
+            self.executor.close()
+            self.host.close()
 
 
 def train(cfg: SysxConfig, info: DistInfo) -> int:
