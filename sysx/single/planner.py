@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
 from sysx.memory.budget import training_state_bytes
 from sysx.model.config import ModelConfig
 from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, SaveProblem, simulate_forward, solve_save_levels
