@@ -1,0 +1,191 @@
+"""The checkpoint folder on its own: round trips, commit protocol, latest pointer, rotation, and a
+save killed with SIGKILL while a layer file is being written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sysx.checkpoint import Checkpoint, CheckpointDir, CheckpointError, CheckpointSaver, LayerState, find_resume
+from sysx.checkpoint.store import LATEST, layer_filename
+
+
+def layer(i: int, numel: int = 64, seed: int = 0) -> LayerState:
+    g = torch.Generator().manual_seed(seed * 1000 + i)
+    names = [f"layers.{i}.a", f"layers.{i}.b"]
+    flat = torch.randn(3, 2 * numel, generator=g)  # views of one flat buffer, as the optimizers hold them
+    parts = [{n: flat[k, j * numel:(j + 1) * numel].view(8, numel // 8) for j, n in enumerate(names)} for k in range(3)]
+    return LayerState(i, parts[0], parts[1], parts[2], step=7 + seed)
+
+
+def sources(states: dict[int, LayerState]) -> dict:
+    return {i: (lambda s=s: s) for i, s in states.items()}
+
+
+def assert_same(a: LayerState, b: LayerState) -> None:
+    assert a.layer == b.layer and a.step == b.step
+    for kind in ("weight", "exp_avg", "exp_avg_sq"):
+        x, y = getattr(a, kind), getattr(b, kind)
+        assert x.keys() == y.keys()
+        for name in x:
+            assert torch.equal(x[name], y[name]), (kind, name)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_round_trip_is_bit_exact_and_files_are_group_readable(tmp_path: Path, background: bool) -> None:
+    states = {i: layer(i) for i in range(4)}
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=2, tag="job")
+    report = saver.save(3, sources(states), manifest={"model": {"n_layers": 2}}, trainer_state={"step": 3},
+                        background=background)
+    assert report.mode == ("background" if background else "sync") and report.nbytes == 4 * 3 * 128 * 4
+    saver.close()
+    ckpt = find_resume("auto", tmp_path)
+    assert ckpt is not None and ckpt.step == 3 and ckpt.model == {"n_layers": 2} and ckpt.trainer_state() == {"step": 3}
+    for i, s in states.items():
+        assert_same(ckpt.layer(i), s)
+    assert stat.S_IMODE(os.stat(ckpt.path / layer_filename(0)).st_mode) == 0o640
+    assert (tmp_path / LATEST).read_text().strip() == "step-00000003"
+
+
+def test_background_save_copies_the_state_before_training_changes_it(tmp_path: Path) -> None:
+    states = {0: layer(0)}
+    expected = states[0].snapshot()
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=1, tag="job")
+    saver.save(1, sources(states), background=True)
+    for t in states[0].weight.values():
+        t.add_(1.0)  # the next optimizer step, while the thread writes
+    saver.close()
+    assert_same(Checkpoint(tmp_path / "step-00000001").layer(0), expected)
+
+
+def test_no_room_for_a_snapshot_writes_synchronously(tmp_path: Path) -> None:
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=1, tag="job", available_bytes=lambda: 0)
+    assert saver.save(1, sources({0: layer(0)})).mode == "sync"
+    saver.close()
+
+
+def test_two_ranks_write_their_own_layers_and_rank0_commits(tmp_path: Path) -> None:
+    states = {i: layer(i) for i in range(6)}
+    owned = {0: [0, 2, 4], 1: [1, 3, 5]}  # layers by owner, as an interleaved pipeline places them
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            saver = CheckpointSaver(tmp_path, rank=r, world=2, keep=2, tag="job", commit_timeout_s=30)
+            saver.save(5, sources({i: states[i] for i in owned[r]}), manifest={"model": {}}, trainer_state={"r": r})
+            saver.close()
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    ckpt = find_resume("auto", tmp_path)
+    assert ckpt is not None and ckpt.trainer_state() == {"r": 0}
+    assert sorted(f["rank"] for n, f in ckpt.manifest["files"].items() if n.startswith("layer-")) == [0, 0, 0, 1, 1, 1]
+    for i in range(6):
+        assert_same(ckpt.layer(i), states[i])
+    assert not list(ckpt.path.glob("rank-*.done.json"))
+
+
+def test_latest_moves_last_and_only_the_newest_keep_remain(tmp_path: Path) -> None:
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=2, tag="job")
+    for step in (10, 20, 30):
+        saver.save(step, sources({0: layer(0, seed=step)}))
+    saver.close()
+    assert [p.name for p in CheckpointDir(tmp_path).complete()] == ["step-00000020", "step-00000030"]
+    assert find_resume("auto", tmp_path).step == 30  # type: ignore[union-attr]
+    (tmp_path / LATEST).write_text("step-00000099\n")  # a pointer to nothing falls back to the newest complete one
+    assert CheckpointDir(tmp_path).latest() == tmp_path / "step-00000030"
+
+
+def test_resume_choices(tmp_path: Path) -> None:
+    assert find_resume("auto", tmp_path / "none-yet") is None
+    assert find_resume("none", tmp_path) is None
+    with pytest.raises(CheckpointError, match="train.resume=.*no such file"):
+        find_resume(str(tmp_path / "missing"), tmp_path)
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=1, tag="job")
+    saver.save(4, sources({0: layer(0)}))
+    saver.close()
+    assert find_resume(str(tmp_path), "elsewhere").step == 4  # type: ignore[union-attr]
+    assert find_resume(str(tmp_path / "step-00000004"), "elsewhere").step == 4  # type: ignore[union-attr]
+
+
+def test_a_damaged_file_is_refused_with_its_name(tmp_path: Path) -> None:
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=1, tag="job")
+    saver.save(1, sources({0: layer(0)}))
+    saver.close()
+    path = tmp_path / "step-00000001" / layer_filename(0)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"layer-00000.safetensors: size or checksum differs"):
+        Checkpoint(tmp_path / "step-00000001").layer(0)
+
+
+def test_a_rank_that_never_finishes_fails_the_commit_and_keeps_the_previous(tmp_path: Path) -> None:
+    saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=2, tag="job")
+    saver.save(1, sources({0: layer(0)}))
+    saver.close()
+    lonely = CheckpointSaver(tmp_path, rank=0, world=2, keep=2, tag="job2", commit_timeout_s=0.3)
+    with pytest.raises(CheckpointError, match="rank 1 did not finish"):
+        lonely.save(2, sources({0: layer(0)}), background=False)
+    lonely.close()
+    assert CheckpointDir(tmp_path).latest() == tmp_path / "step-00000001"
+
+
+KILL_CHILD = textwrap.dedent("""
+    import sys, torch
+    from sysx.checkpoint import CheckpointSaver, LayerState
+    root = sys.argv[1]
+    def big(i, seed):
+        t = torch.full((1 << 20,), float(seed))
+        return LayerState(i, {f"layers.{i}.w": t}, {f"layers.{i}.w": t.clone()}, {f"layers.{i}.w": t.clone()}, seed)
+    saver = CheckpointSaver(root, rank=0, world=1, keep=2, tag="kill")
+    saver.save(1, {i: (lambda i=i: big(i, 1)) for i in range(2)}, background=False)
+    print("first saved", flush=True)
+    saver.save(2, {i: (lambda i=i: big(i, 2)) for i in range(400)}, background=False)  # killed in here
+    print("second saved", flush=True)
+""")
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "first saved"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # kill while the second save's layer files are being written
+            partial = [p for p in root.glob("step-00000002.partial-*") if len(list(p.glob("layer-*"))) >= 2]
+            if partial:
+                break
+            time.sleep(0.01)
+        assert partial, "the second save never started writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    ckpt = find_resume("auto", root)
+    assert ckpt is not None and ckpt.step == 1
+    assert float(ckpt.layer(1).weight["layers.1.w"][0]) == 1.0
+    saver = CheckpointSaver(root, rank=0, world=1, keep=2, tag="after")  # the next save cleans the partial folder
+    saver.save(3, sources({0: layer(0)}))
+    saver.close()
+    assert not list(root.glob("*.partial-*"))
+    assert [p.name for p in CheckpointDir(root).complete()] == ["step-00000001", "step-00000003"]
+    assert json.loads((root / "step-00000003" / "manifest.json").read_text())["step"] == 3
