@@ -24,7 +24,7 @@ from sysx.data.corpus import ensure_default_corpus
 from sysx.data.dataset import TokenDataset
 from sysx.data.errors import DataError
 from sysx.data.format import TokenWriter, meta_path_for
-from sysx.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from sysx.data.tokenizer import ByteTokenizer, HFTokenizer, keep_tokenizer_files, load_tokenizer
 
 CHUNK_BYTES = 1 << 20  # text is read and tokenized in ~1 MiB pieces cut at line ends
 SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary (skipped)
@@ -157,6 +157,8 @@ def prepare(
             "sha256": source_hash.hexdigest(),
         }
         meta = writer.finish(val_fraction=val_fraction, source=source)
+    if isinstance(tok, HFTokenizer):
+        keep_tokenizer_files(tok.path, output)
     if skipped:
         print(f"skipped {len(skipped)} binary file(s), e.g. {skipped[0]}", file=sys.stderr)
     if bad_utf8:

@@ -7,6 +7,7 @@ without it.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,6 +65,28 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# What `transformers.AutoTokenizer.from_pretrained` reads from a model folder (those present are kept).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def kept_tokenizer_dir(tokens_path: str | Path) -> Path:
+    """Where ``sysx data prepare --tokenizer`` keeps the tokenizer's files beside ``<stem>.bin``."""
+    path = Path(tokens_path)
+    return path.with_name(f"{path.stem}.tokenizer")
+
+
+def keep_tokenizer_files(tokenizer_json: Path, tokens_path: str | Path) -> Path:
+    """Copy the tokenizer's files (``TOKENIZER_FILES`` beside ``tokenizer_json``) beside the tokens,
+    so an exported model carries the tokenizer it was trained with. Returns the folder."""
+    dst = kept_tokenizer_dir(tokens_path)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_json.parent / name
+        if src.is_file():
+            shutil.copyfile(src, dst / name)
+    return dst
 
 
 class HFTokenizer:

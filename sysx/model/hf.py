@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -134,30 +136,36 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
     }
 
 
-class _DirTensors:
-    """Lazy ``key -> tensor`` access to the safetensors files of an HF directory."""
+def hf_weight_files(root: Path) -> dict[str, Path]:
+    """Every weight key of an HF directory -> the safetensors file holding it (headers only are read)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (root / WEIGHTS_FILE).is_file():
+        files = [WEIGHTS_FILE]
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in root.iterdir())
+        raise FileNotFoundError(
+            f"{root}: no safetensors weights ({WEIGHTS_FILE} or {INDEX_FILE}); found {found}. "
+            f"sysx reads safetensors only: re-save with save_pretrained(..., safe_serialization=True)"
+        )
+    where: dict[str, Path] = {}
+    for name in files:
+        path = root / name
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                where[key] = path
+    return where
 
-    def __init__(self, root: Path) -> None:
-        index = root / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif (root / WEIGHTS_FILE).is_file():
-            files = [WEIGHTS_FILE]
-        else:
-            files = sorted(p.name for p in root.glob("*.safetensors"))
-        if not files:
-            found = sorted(p.name for p in root.iterdir())
-            raise FileNotFoundError(
-                f"{root}: no safetensors weights ({WEIGHTS_FILE} or {INDEX_FILE}); found {found}. "
-                f"sysx reads safetensors only: re-save with save_pretrained(..., safe_serialization=True)"
-            )
-        self._where: dict[str, Path] = {}
-        for name in files:
-            path = root / name
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    self._where[key] = path
+
+class SafetensorsFiles:
+    """Lazy ``key -> tensor`` access to a set of safetensors files (an HF directory, a sysx model file)."""
+
+    def __init__(self, where: Mapping[str, Path]) -> None:
+        self._where = dict(where)
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -184,7 +192,7 @@ class _DictTensors:
             yield key, self._sd[key]
 
 
-def _open_source(src: Any) -> tuple[ModelConfig, _DirTensors | _DictTensors]:
+def _open_source(src: Any) -> tuple[ModelConfig, SafetensorsFiles | _DictTensors]:
     if isinstance(src, (str, os.PathLike)):
         root = Path(src)
         if not root.is_dir():
@@ -192,7 +200,7 @@ def _open_source(src: Any) -> tuple[ModelConfig, _DirTensors | _DictTensors]:
         config_path = root / CONFIG_FILE
         if not config_path.is_file():
             raise FileNotFoundError(f"load_hf_llama: {config_path} does not exist; is {root} a Hugging Face model directory?")
-        return config_from_hf(json.loads(config_path.read_text())), _DirTensors(root)
+        return config_from_hf(json.loads(config_path.read_text())), SafetensorsFiles(hf_weight_files(root))
     if isinstance(src, tuple) and len(src) == 2:
         config, state_dict = src
         hf = config if isinstance(config, Mapping) else config.to_dict()
@@ -234,8 +242,9 @@ def load_hf_llama(src: Any, *, dtype: torch.dtype | None = None, device: torch.d
 
 
 def export_hf_llama(model: LlamaModel, dst_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``model`` as an HF directory (``config.json`` + safetensors, sharded above 5 GiB)."""
+                    max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``model`` as an HF directory (``config.json`` + safetensors, sharded above 5 GiB), plus the
+    tokenizer files found in ``tokenizer_dir``; every file is readable by the user's group."""
     cfg = model.config
     dtype = dtype or model.embedding.weight.dtype
     if dtype not in _DTYPE_NAMES.values():
@@ -269,4 +278,10 @@ def export_hf_llama(model: LlamaModel, dst_dir: str | os.PathLike, *, dtype: tor
         total = sum(params[o].numel() for o in key_map) * itemsize
         (dst / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (dst / CONFIG_FILE).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for src in sorted(Path(tokenizer_dir).iterdir()):
+            if src.is_file():
+                shutil.copyfile(src, dst / src.name)
+    for path in [dst, *dst.iterdir()]:
+        path.chmod(path.stat().st_mode | stat.S_IRGRP | (stat.S_IXGRP if path.is_dir() else 0))
     return dst

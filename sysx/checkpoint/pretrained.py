@@ -1,0 +1,94 @@
+"""Pretrained weights, read one flat layer at a time (``model.init_from``).
+
+:func:`open_pretrained` takes a Hugging Face Llama folder (``config.json`` + ``model.safetensors``
+or shards with their index), a sysx model file, or a sysx checkpoint (folder or checkpoint dir),
+and returns a :class:`PretrainedWeights`: the model shape plus ``layer(i)``, the tensors of flat
+layer ``i`` under sysx's parameter names. Only the requested layer is read (safetensors files are
+memory-mapped), so owners that fill their host buffers layer by layer never hold the model twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from sysx.checkpoint.reader import find_resume
+from sysx.model.config import ModelConfig
+from sysx.model.hf import CONFIG_FILE, SafetensorsFiles, config_from_hf, hf_key_map, hf_weight_files
+from sysx.model.io import read_model_config
+from sysx.model.llama import LlamaModel
+
+
+class PretrainedWeights:
+    """A model shape and lazy per-layer access to its weights (see the module doc)."""
+
+    def __init__(self, source: str, config: ModelConfig, layer: Callable[[int], dict[str, torch.Tensor]]) -> None:
+        self.source = source
+        self.config = config
+        self._layer = layer
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Tensors of flat layer ``index`` by sysx name (``layers.<index>.<param>``), in the stored dtype."""
+        return self._layer(index)
+
+
+def _layers_of(source: str, files: SafetensorsFiles, key_map: Mapping[str, str]) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Per-layer reads through ``key_map`` (sysx name -> stored key)."""
+    grouped: dict[int, dict[str, str]] = {}
+    for ours, stored in key_map.items():
+        grouped.setdefault(int(ours.split(".")[1]), {})[ours] = stored
+    present = set(files.keys())
+
+    def layer(index: int) -> dict[str, torch.Tensor]:
+        names = grouped.get(index, {})
+        missing = sorted(stored for stored in names.values() if stored not in present)
+        if missing:
+            raise ValueError(f"{source}: flat layer {index} lacks {missing[:3]}")
+        theirs = {stored: ours for ours, stored in names.items()}
+        return {theirs[key]: tensor for key, tensor in files.items(list(theirs))}
+
+    return layer
+
+
+def open_pretrained(path: str | os.PathLike) -> PretrainedWeights:
+    """Open an HF Llama folder, a sysx model file or a sysx checkpoint (one clear error otherwise)."""
+    root = Path(path)
+    if root.is_dir() and (root / CONFIG_FILE).is_file():
+        cfg = config_from_hf(json.loads((root / CONFIG_FILE).read_text()))
+        return PretrainedWeights(str(root), cfg, _layers_of(str(root), SafetensorsFiles(hf_weight_files(root)), hf_key_map(cfg)))
+    if root.is_dir():
+        ckpt = find_resume(str(root), root)
+        assert ckpt is not None  # find_resume raises for a folder without a checkpoint
+        return PretrainedWeights(str(ckpt.path), ModelConfig.from_dict(ckpt.model), lambda index: ckpt.layer(index).weight)
+    if root.is_file():
+        cfg = read_model_config(root)
+        with safe_open(str(root), framework="pt") as f:
+            keys = list(f.keys())
+        return PretrainedWeights(str(root), cfg, _layers_of(str(root), SafetensorsFiles({k: root for k in keys}), {k: k for k in keys}))
+    raise FileNotFoundError(f"{path} does not exist; give a Hugging Face Llama folder "
+                            f"(config.json + *.safetensors), a sysx model file or a sysx checkpoint")
+
+
+@torch.no_grad()
+def build_model(weights: PretrainedWeights, *, dtype: torch.dtype | None = None) -> LlamaModel:
+    """A whole :class:`LlamaModel` holding ``weights`` (for export and inspection; training streams
+    layers into its own buffers instead). ``dtype`` defaults to the stored one."""
+    cfg = weights.config
+    first = weights.layer(0)
+    model = LlamaModel(cfg, dtype=dtype or next(iter(first.values())).dtype)
+    params = dict(model.named_parameters())
+    for index in range(cfg.n_layers + 2):
+        tensors = first if index == 0 else weights.layer(index)
+        for name, tensor in tensors.items():
+            if name not in params:
+                raise ValueError(f"{weights.source}: {name} is not a parameter of a {cfg.n_layers}-layer Llama")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"{weights.source}: {name} has shape {tuple(tensor.shape)}, the model needs "
+                                 f"{tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+    return model
