@@ -16,12 +16,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from sysx.checkpoint.reader import find_resume
 from sysx.model.config import ModelConfig
 from sysx.model.hf import CONFIG_FILE, SafetensorsFiles, config_from_hf, hf_key_map, hf_weight_files
 from sysx.model.io import read_model_config
-from sysx.model.llama import LlamaModel
+from sysx.model import llama
+from sysx.model.layers import Head
+from sysx.model.llama import LayerInit, LlamaModel
 
 
 class PretrainedWeights:
@@ -74,21 +77,32 @@ def open_pretrained(path: str | os.PathLike) -> PretrainedWeights:
                             f"(config.json + *.safetensors), a sysx model file or a sysx checkpoint")
 
 
-@torch.no_grad()
+def pretrained_init(weights: PretrainedWeights) -> LayerInit:
+    """A :data:`sysx.model.llama.LayerInit` that fills flat layer ``i`` from ``weights.layer(i)``
+    (read only then, so builders stream the model layer by layer)."""
+
+    @torch.no_grad()
+    def init(layer: nn.Module, index: int) -> None:
+        tensors = weights.layer(index)
+        own = {f"layers.{index}.{name}": p for name, p in layer.named_parameters()}
+        if isinstance(layer, Head) and layer.tied_to_embedding:
+            own.pop(f"layers.{index}.lm_head.weight")  # the Embedding (layer 0) holds the tied weight
+        missing = sorted(set(own) - set(tensors))
+        extra = sorted(set(tensors) - set(own))
+        if missing or extra:
+            raise ValueError(f"{weights.source}: flat layer {index} does not match the model: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}")
+        for name, param in own.items():
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise ValueError(f"{weights.source}: {name} has shape {tuple(tensors[name].shape)}, the model needs "
+                                 f"{tuple(param.shape)}")
+            param.copy_(tensors[name])
+
+    return init
+
+
 def build_model(weights: PretrainedWeights, *, dtype: torch.dtype | None = None) -> LlamaModel:
     """A whole :class:`LlamaModel` holding ``weights`` (for export and inspection; training streams
     layers into its own buffers instead). ``dtype`` defaults to the stored one."""
-    cfg = weights.config
-    first = weights.layer(0)
-    model = LlamaModel(cfg, dtype=dtype or next(iter(first.values())).dtype)
-    params = dict(model.named_parameters())
-    for index in range(cfg.n_layers + 2):
-        tensors = first if index == 0 else weights.layer(index)
-        for name, tensor in tensors.items():
-            if name not in params:
-                raise ValueError(f"{weights.source}: {name} is not a parameter of a {cfg.n_layers}-layer Llama")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"{weights.source}: {name} has shape {tuple(tensor.shape)}, the model needs "
-                                 f"{tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-    return model
+    dtype = dtype or next(iter(weights.layer(0).values())).dtype
+    return llama.build_model(weights.config, dtype=dtype, init=pretrained_init(weights))

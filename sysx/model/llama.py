@@ -8,7 +8,7 @@ its own generator seeded by ``(seed, layer index)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +17,16 @@ from sysx.model.config import ModelConfig
 from sysx.model.layers import Block, Embedding, Head, RMSNorm
 
 INIT_STD = 0.02  # HF LlamaConfig.initializer_range
+
+# How a freshly made flat layer gets its values: ``init(layer, index)`` fills it in place. The default
+# is :func:`init_layer` with the job's seed; pretrained weights come through the same door
+# (:func:`sysx.checkpoint.pretrained.pretrained_init`), so every builder streams them layer by layer.
+LayerInit = Callable[[nn.Module, int], None]
+
+
+def seed_init(seed: int) -> LayerInit:
+    """The deterministic random initialisation of :func:`init_layer` with ``seed``."""
+    return lambda layer, index: init_layer(layer, index, seed=seed)
 
 
 def make_layer(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float32,
@@ -102,16 +112,18 @@ class LlamaModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", seed: int = 0) -> LlamaModel:
-    """A deterministically initialised :class:`LlamaModel` (independent of the global RNG)."""
+                device: torch.device | str = "cpu", seed: int = 0, init: LayerInit | None = None) -> LlamaModel:
+    """A deterministically initialised :class:`LlamaModel` (independent of the global RNG), or one
+    filled by ``init``."""
     model = LlamaModel(cfg, dtype=dtype, device=device)
+    init = init or seed_init(seed)
     for index, layer in enumerate(model.layers):
-        init_layer(layer, index, seed=seed)
+        init(layer, index)
     return model
 
 
 def build_layers(cfg: ModelConfig, start: int, stop: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0) -> list[nn.Module]:
+                 device: torch.device | str = "cpu", seed: int = 0, init: LayerInit | None = None) -> list[nn.Module]:
     """Flat layers ``start..stop-1``, equal to ``build_model(cfg, ...).layers[start:stop]``.
 
     With tied embeddings the slice must hold both the Embedding and the Head or neither.
@@ -128,8 +140,9 @@ def build_layers(cfg: ModelConfig, start: int, stop: int, *, dtype: torch.dtype 
     layers = [make_layer(cfg, i, dtype=dtype, device=device) for i in range(start, stop)]
     if cfg.tie_embeddings and start == 0:
         tie_embeddings(layers[0], layers[-1])
+    init = init or seed_init(seed)
     for offset, layer in enumerate(layers):
-        init_layer(layer, start + offset, seed=seed)
+        init(layer, start + offset)
     return layers
 
 
