@@ -31,6 +31,7 @@ from sysx.config.compose import (
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.schema import SysxConfig, model_config, validate
 from sysx.config.sections import (
+    CheckpointSection,
     DataSection,
     EvalSection,
     LogSection,
@@ -43,7 +44,7 @@ from sysx.config.sections import (
 )
 
 __all__ = [
-    "ConfigError", "DataSection", "EvalSection", "LogSection", "LossScaleSection", "ModelSection", "OptimSection",
+    "CheckpointSection", "ConfigError", "DataSection", "EvalSection", "LogSection", "LossScaleSection", "ModelSection", "OptimSection",
     "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection", "compose_config", "config_dir", "from_yaml",
     "group_options", "load_config", "model_config", "refuse_ignored_keys", "register_schema", "resolve", "to_yaml",
     "validate",

@@ -10,6 +10,7 @@ from sysx.config.checks import check_choice, check_int, fail
 from sysx.config.choices import PRECISIONS
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.sections import (
+    CheckpointSection,
     DataSection,
     EvalSection,
     LogSection,
@@ -38,10 +39,16 @@ class SysxConfig:
     log: LogSection = field(default_factory=LogSection)
     eval: EvalSection = field(default_factory=EvalSection)
     single: SingleSection = field(default_factory=SingleSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     seed: int = 0
     device: str = "auto"
     precision: str = "fp32"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints go: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+        return self.checkpoint.dir if self.checkpoint.dir is not None else f"{self.run_dir}/checkpoints"
 
     @property
     def tokens_per_step(self) -> int:
@@ -58,7 +65,8 @@ def validate(cfg: SysxConfig) -> None:
     check_int("seed", cfg.seed, 0)
     if not str(cfg.run_dir).strip():
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
-    for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule):
+    for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule,
+                    cfg.checkpoint):
         section.validate()
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)

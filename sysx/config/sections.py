@@ -59,11 +59,15 @@ class ModelSection:
     rope_theta: Optional[float] = None
     max_seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
+    init_from: Optional[str] = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
 
     def resolve(self) -> ModelConfig:
-        """The :class:`sysx.model.ModelConfig`: the preset with the fields that are set, checked."""
+        """The :class:`sysx.model.ModelConfig`: the preset with the fields that are set, checked; with
+        ``init_from``, the shape of the pretrained weights (a field set to another value is refused)."""
         from sysx.model import PRESETS, get_preset  # torch: only when a model is built, not for --help
 
+        if self.init_from is not None:
+            return self._pretrained_shape()
         check_choice("model.preset", self.preset, sorted(PRESETS))
         changes = {name: getattr(self, name) for name in MODEL_OVERRIDE_FIELDS if getattr(self, name) is not None}
         for name in _MODEL_COUNTS:
@@ -80,6 +84,23 @@ class ModelSection:
         except (ValueError, TypeError) as err:
             set_ = " ".join(f"model.{k}={v}" for k, v in changes.items())
             raise ConfigError(f"model={self.preset} {set_} is not a valid model: {first_line(err)}") from None
+
+    def _pretrained_shape(self) -> ModelConfig:
+        from sysx.checkpoint import CheckpointError
+        from sysx.checkpoint.pretrained import open_pretrained
+
+        try:
+            shape = open_pretrained(str(self.init_from)).config
+        except (OSError, ValueError, CheckpointError) as err:
+            raise ConfigError(f"model.init_from={self.init_from}: {first_line(err)}") from None
+        for name in MODEL_OVERRIDE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and name != "max_seq_len" and value != getattr(shape, name):
+                fail(f"model.{name}", value, f"model.init_from={self.init_from} has {name}={getattr(shape, name)}; "
+                     f"remove model.{name} (the shape comes from the pretrained weights)")
+        if self.max_seq_len is not None:
+            shape = dataclasses.replace(shape, max_seq_len=self.max_seq_len)
+        return shape
 
 
 @dataclass
@@ -183,11 +204,32 @@ class TrainSection:
     micro_batch_size: int = 8
     micro_batches: int = 2
     seq_len: int = 128
+    resume: str = "auto"  # auto (the latest checkpoint in checkpoint.dir, if any) | none | <checkpoint path>
 
     def validate(self) -> None:
-        """Every count is at least 1."""
+        """Every count is at least 1; ``resume`` is auto, none or a path."""
         for key in ("steps", "micro_batch_size", "micro_batches", "seq_len"):
             check_int(f"train.{key}", getattr(self, key), 1)
+        if not str(self.resume).strip():
+            fail("train.resume", repr(self.resume), "give auto, none or a checkpoint path")
+
+
+@dataclass
+class CheckpointSection:
+    """Saving training state: every ``every`` steps (0 = only at the end, which always saves) into
+    ``dir`` (null: ``<run_dir>/checkpoints``), keeping the newest ``keep``."""
+
+    every: int = 0
+    dir: Optional[str] = None
+    keep: int = 2
+    export_hf: bool = False  # also write the final weights as a Hugging Face folder (<run_dir>/hf)
+
+    def validate(self) -> None:
+        """Counts and the folder."""
+        check_int("checkpoint.every", self.every, 0)
+        check_int("checkpoint.keep", self.keep, 1)
+        if self.dir is not None and not str(self.dir).strip():
+            fail("checkpoint.dir", repr(self.dir), "give a folder, or null for <run_dir>/checkpoints")
 
 
 @dataclass
