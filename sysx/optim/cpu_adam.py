@@ -48,6 +48,8 @@ class Backend(Protocol):
 
     def direction_chunk(self, m: torch.Tensor, v: torch.Tensor, c: StepConstants, out: torch.Tensor) -> None: ...
 
+    def resume_at(self, step: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -226,8 +228,21 @@ class CpuAdam:
             raise ValueError(f"CpuAdam.load_state_dict: saved hyper-parameters {saved} differ from this optimizer's {self.hyper}")
         self.exp_avg.copy_(state["exp_avg"].view(-1))
         self.exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
-        self.step_count = int(state["step"])
+        self.resume_at(int(state["step"]))
         self.lr = float(state["lr"])
+
+    def resume_at(self, step: int) -> None:
+        """Continue as if ``step`` steps had been taken here: the bias corrections are running
+        products (``b1^t`` multiplied step by step, in the backend too), which a fresh optimizer
+        would compute with ``pow`` and round differently; replaying them keeps a resumed run
+        bit-identical to an uninterrupted one."""
+        if step < 0:
+            raise ValueError(f"CpuAdam.resume_at: step={step} must be >= 0")
+        self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
+        for t in range(1, step + 1):
+            self._powers.at(t)
+        self._backend.resume_at(step)
+        self.step_count = step
         self._last = None
 
     def close(self) -> None:

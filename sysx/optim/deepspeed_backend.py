@@ -277,6 +277,16 @@ class DeepSpeedBackend:
         out.copy_(d)  # fp32 denominator
         torch.div(m, out, out=out)  # fp32 division is correctly rounded, like the kernel's
 
+    def resume_at(self, step: int) -> None:
+        """Put the op's running ``b1^t, b2^t`` where ``step`` sequential steps left them
+        (``Adam_Optimizer::IncrementStep`` multiplies once per new step and skips repeated calls of
+        the same step; a jump would use ``pow``, which rounds differently). The replayed calls update
+        a one-element dummy, never the parameters."""
+        h = self.hyper
+        p, g, m, v = (torch.zeros(1) for _ in range(4))
+        for t in range(1, step + 1):
+            self._op.adam_update(self._id, t, 0.0, h.beta1, h.beta2, h.eps, h.weight_decay, True, p, g, m, v)
+
     def close(self) -> None:
         """Remove this optimizer from the op's table."""
         if not self._closed:

@@ -56,5 +56,8 @@ class TorchBackend:
         out.mul_(c.bias_correction2_inv).add_(c.eps)
         torch.div(m, out, out=out)
 
+    def resume_at(self, step: int) -> None:
+        """Nothing to replay: every step's constants come from :class:`CpuAdam`."""
+
     def close(self) -> None:
         """Nothing to release."""
