@@ -44,6 +44,7 @@ class StepResult:
     tokens: int
     step_time_s: float
     val_loss: float | None = None
+    checkpoint_stall_s: float | None = None  # set on steps after which a checkpoint was saved
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,7 +110,7 @@ def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra:
     """The configuration summary printed at start (model, batch, device, precision, run_dir)."""
     t, o = cfg.train, cfg.optim
     lines = [
-        f"sysx-train: schedule={cfg.schedule.name} model={cfg.model.preset} ({fmt_count(n_params)} parameters) "
+        f"sysx-train: schedule={cfg.schedule.name} model={cfg.model.init_from or cfg.model.preset} ({fmt_count(n_params)} parameters) "
         f"device={device} precision={cfg.precision} seed={cfg.seed}",
         f"  tokens/step {cfg.tokens_per_step} = {t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
         f"{t.seq_len} tokens | steps {t.steps} | {o.name} lr {o.lr:g} (warmup {o.warmup_steps}, min {o.min_lr:g}) "
@@ -119,6 +120,22 @@ def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra:
     if extra:
         lines.insert(2, f"  {extra}")
     return "\n".join(lines)
+
+
+def _open_metrics(path: Path, first_step: int) -> IO[str]:
+    """``metrics.jsonl`` for appending: a fresh file, or for a run resumed at ``first_step`` the
+    earlier run's records of the steps before it (steps it did after its last checkpoint are redone)."""
+    kept: list[str] = []
+    if first_step > 0 and path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if int(json.loads(line)["step"]) < first_step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the crash that made the resume necessary
+    f = open(path, "w", buffering=1, encoding="utf-8")
+    f.writelines(kept)
+    return f
 
 
 class RunLogger:
@@ -134,6 +151,7 @@ class RunLogger:
         device: torch.device,
         enabled: bool = True,
         stream: IO[str] | None = None,
+        first_step: int = 0,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -141,18 +159,20 @@ class RunLogger:
         self.device = torch.device(device)
         self.stream = stream if stream is not None else sys.stdout
         self.results: list[StepResult] = []
+        self.notes: dict[str, Any] = {}
         self._start = time.perf_counter()
         self._file: IO[str] | None = None
         self._bar: Any = None
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if not enabled:
             return
-        if run_dir is not None:
-            self._file = open(self.run_dir / METRICS_FILE, "w", buffering=1, encoding="utf-8")
+        if self.run_dir is not None:
+            self._file = _open_metrics(self.run_dir / METRICS_FILE, first_step)
         if progress and self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", file=self.stream, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", file=self.stream,
+                             dynamic_ncols=True)
 
     # -- per step
     def record(self, result: StepResult) -> dict[str, Any]:
@@ -164,8 +184,9 @@ class RunLogger:
         rec["peak_device_mem_bytes"] = dev.max_memory_allocated(self.device)
         rec["peak_host_rss_bytes"] = dev.host_peak_rss_bytes()
         rec["elapsed_s"] = time.perf_counter() - self._start
-        if result.val_loss is None:
-            del rec["val_loss"]
+        for optional in ("val_loss", "checkpoint_stall_s"):
+            if rec[optional] is None:
+                del rec[optional]
         return rec
 
     def log(self, result: StepResult) -> None:
@@ -181,7 +202,7 @@ class RunLogger:
             self._bar.update(1)
             self._bar.set_postfix_str(f"loss {result.loss:.4f} {fmt_count(result.tokens_per_s)} tok/s", refresh=False)
         last = result.step == self.total_steps - 1
-        if result.step % self.every == 0 or last or result.val_loss is not None:
+        if result.step % self.every == 0 or last or result.val_loss is not None or result.checkpoint_stall_s is not None:
             self._print(self.format_line(rec))
 
     def format_line(self, rec: dict[str, Any]) -> str:
@@ -201,6 +222,8 @@ class RunLogger:
         if dev.is_cuda(self.device):
             parts.append(f"dev mem {fmt_bytes(rec['peak_device_mem_bytes'])}")
         parts.append(f"host rss {fmt_bytes(rec['peak_host_rss_bytes'])}")
+        if rec.get("checkpoint_stall_s") is not None:
+            parts.append(f"checkpoint saved (stalled {rec['checkpoint_stall_s'] * 1000:.0f} ms)")
         if rec["skipped"]:
             parts.append("SKIPPED (overflow)")
         if rec["scale"] != 1.0:
@@ -212,6 +235,10 @@ class RunLogger:
             self._bar.write(line, file=self.stream)
         else:
             print(line, file=self.stream, flush=True)
+
+    def note(self, key: str, value: Any) -> None:
+        """Add ``key`` to the run's summary (``summary.json``'s ``extra``)."""
+        self.notes[key] = value
 
     def info(self, text: str) -> None:
         """Print a message (rank 0 only), above the progress bar if there is one."""
@@ -239,6 +266,7 @@ class RunLogger:
             total_time_s=time.perf_counter() - self._start,
             peak_device_mem_bytes=dev.max_memory_allocated(self.device),
             peak_host_rss_bytes=dev.host_peak_rss_bytes(),
+            extra=dict(self.notes),
         )
 
     def close(self) -> RunSummary:

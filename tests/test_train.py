@@ -66,7 +66,8 @@ def test_python_dash_m_runs_without_creating_outputs(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no outputs/, no .hydra
-    assert sorted(p.name for p in run_dir.iterdir()) == [CONFIG_FILE, METRICS_FILE, "summary.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", CONFIG_FILE, METRICS_FILE, "summary.json"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()] == ["step-00000002"]  # the end always saves
     assert "done: 2 steps" in proc.stdout
 
 

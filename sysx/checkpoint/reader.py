@@ -42,6 +42,15 @@ class Checkpoint:
         """The model shape it was saved with (``ModelConfig`` fields)."""
         return dict(self.manifest["model"])
 
+    def model_mismatch(self, current: dict[str, Any]) -> str | None:
+        """How the saved model shape differs from ``current`` (``ModelConfig`` fields), in words, or None.
+        ``max_seq_len`` may differ: positions are not weights."""
+        saved = self.model
+        for key in sorted(set(saved) | set(current)):
+            if key != "max_seq_len" and saved.get(key) != current.get(key):
+                return f"the checkpoint's model has {key}={saved.get(key)}, this configuration has {key}={current.get(key)}"
+        return None
+
     def read(self, name: str) -> bytes:
         """The bytes of one file, checked against the manifest."""
         info = self.manifest["files"].get(name)

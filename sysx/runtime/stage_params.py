@@ -34,7 +34,7 @@ import torch.distributed as dist
 from sysx.dist import DistInfo, wait_for
 from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
-from sysx.model.llama import make_layer
+from sysx.model.llama import LayerInit, make_layer, seed_init
 from sysx.partition import unit_label
 from sysx.schedule import Schedule
 
@@ -100,8 +100,10 @@ class StageParams:
         group: dist.ProcessGroup | None,
         timeout_s: float,
         pin: bool | None = None,
+        init: LayerInit | None = None,
     ) -> None:
         self.info = info
+        self.model_cfg = model_cfg
         self.rank = info.rank
         self.dtype = dtype
         self.group = group
@@ -114,7 +116,7 @@ class StageParams:
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
         try:
-            self._open(model_cfg, seed)
+            self._open(model_cfg, init or seed_init(seed))
         except BaseException:
             self.close()
             raise
@@ -140,13 +142,13 @@ class StageParams:
             pinned = sum(n for n, _ in owned) * torch.tensor([], dtype=self.dtype).element_size()
         return plan_host_memory(owned, mirrors=mirrors, pinned_bytes=pinned)
 
-    def _open(self, model_cfg: ModelConfig, seed: int) -> None:
+    def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
         if self.info.local_rank == 0:  # one check per node, before any rank of it allocates
             self.node_plan().check()
         self._barrier()
         for unit in self.owned():
             buffers = self.store.create(self._spec(unit))
-            layers = build_layers(model_cfg, unit.layers.start, unit.layers.stop, seed=seed)
+            layers = build_layers(model_cfg, unit.layers.start, unit.layers.stop, init=init)
             master = FlatLayout.from_modules(layers).flatten(layers)
             del layers
             shared = buffers[self.dtype]
@@ -213,11 +215,20 @@ class StageParams:
                     offset += n
         return out
 
+    def layout(self, key: tuple[int, int]) -> FlatLayout:
+        """How sub-stage ``key``'s parameters lie in its flat buffers (built on the meta device)."""
+        r = self.units[key].layers
+        return FlatLayout.from_modules(build_layers(self.model_cfg, r.start, r.stop, device="meta", init=_no_init))
+
     def close(self) -> None:
         """Drop every view of shared memory and close the store (unlink what this rank created)."""
         self.masters.clear()
         self.shared.clear()
         self.store.close()
+
+
+def _no_init(layer: object, index: int) -> None:
+    """Meta layers hold no values to fill."""
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -23,6 +23,7 @@ from torch import nn
 from sysx.memory.pinned import HostBuffers
 from sysx.model.config import ModelConfig
 from sysx.model.flat import FlatLayout
+from sysx.model.llama import LayerInit, make_layer, seed_init, tie_embeddings
 from sysx.optim.stage import OptimSettings, StageOptimizer
 
 
@@ -43,32 +44,28 @@ class HostGroup:
         return self.optimizer.master
 
 
-def _init_layers(cfg: ModelConfig, seed: int, model: nn.Module | None) -> Callable[[int], nn.Module]:
-    """A function giving flat layer ``i`` (fp32, initialised like ``build_model(cfg, seed=seed)``)."""
-    from sysx.model.llama import init_layer, make_layer
-
+def _init_layers(cfg: ModelConfig, init: LayerInit, model: nn.Module | None) -> Callable[[int], nn.Module]:
+    """A function giving flat layer ``i`` (fp32, filled by ``init``: one layer at a time)."""
     if model is not None:
         return lambda i: model.layers[i]  # type: ignore[index]
 
     def build(i: int) -> nn.Module:
         layer = make_layer(cfg, i, dtype=torch.float32, device="cpu")
-        init_layer(layer, i, seed=seed)
+        init(layer, i)
         return layer
 
     return build
 
 
-def _static_layers(cfg: ModelConfig, seed: int, model: nn.Module | None) -> list[nn.Module]:
-    from sysx.model.llama import init_layer, make_layer, tie_embeddings
-
+def _static_layers(cfg: ModelConfig, init: LayerInit, model: nn.Module | None) -> list[nn.Module]:
     if model is not None:
         return [model.layers[0], model.layers[-1]]  # type: ignore[index]
     emb = make_layer(cfg, 0, dtype=torch.float32, device="cpu")
     head = make_layer(cfg, cfg.n_layers + 1, dtype=torch.float32, device="cpu")
     if cfg.tie_embeddings:
         tie_embeddings(emb, head)
-    init_layer(emb, 0, seed=seed)
-    init_layer(head, cfg.n_layers + 1, seed=seed)
+    init(emb, 0)
+    init(head, cfg.n_layers + 1)
     return [emb, head]
 
 
@@ -76,17 +73,18 @@ class HostState:
     """Masters, working copies, gradient buffers and optimizers of every group (blocks, then static)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, optim: OptimSettings, seed: int = 0,
-                 model: nn.Module | None = None, pin: bool | None = None) -> None:
+                 model: nn.Module | None = None, pin: bool | None = None, init: LayerInit | None = None) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.optim = optim
         self.buffers = HostBuffers("sliding-window training state", pin=pin)
-        layer = _init_layers(cfg, seed, model)
+        init = init or seed_init(seed)
+        layer = _init_layers(cfg, init, model)
         self.groups: list[HostGroup] = []
         members: list[tuple[str, tuple[int, ...], list[nn.Module]]] = [
             (f"block{k}", (k + 1,), [layer(k + 1)]) for k in range(cfg.n_layers)
         ]
-        members.append(("embedding+head", (0, cfg.n_layers + 1), _static_layers(cfg, seed, model)))
+        members.append(("embedding+head", (0, cfg.n_layers + 1), _static_layers(cfg, init, model)))
         fp32 = dtype == torch.float32
         for name, indices, modules in members:
             layout = FlatLayout.from_modules(modules)

@@ -7,18 +7,31 @@ schedule logs, evaluates and reports the same way, and a test can swap one train
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from sysx.config import ConfigError, SysxConfig, model_config
-from sysx.metrics import RunLogger, StepResult, describe_run, prepare_run_dir
+from sysx.checkpoint import Checkpoint
+from sysx.checkpoint.saver import LayerSource
+from sysx.checkpoint.trainer_state import rng_state, set_rng_state
+from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
+from sysx.metrics import RunLogger, StepResult
+from sysx.model.llama import LayerInit, seed_init
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
+
+
+class StepHook(Protocol):
+    """Called after every step, before it is logged (checkpoints record their stall on the result)."""
+
+    def after_step(self, result: StepResult) -> None: ...
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -77,6 +90,54 @@ class Trainer(ABC):
         self.scaler = make_scaler(cfg.precision, init_scale=s.init, growth_factor=s.growth_factor,
                                   backoff_factor=s.backoff, growth_interval=s.growth_interval, min_scale=s.min)
         self.step_index = 0
+        self.rank, self.world = 0, 1  # a multi-process trainer sets its own
+        self._tag = uuid.uuid4().hex[:12]
+
+    @property
+    def job_tag(self) -> str:
+        """Names this run's checkpoint saves; the same on every rank of a job."""
+        return self._tag
+
+    def layer_init(self) -> LayerInit:
+        """How fresh layers get their values: ``model.init_from``'s weights, else the seeded init."""
+        if self.cfg.model.init_from is None:
+            return seed_init(self.cfg.seed)
+        from sysx.checkpoint.pretrained import open_pretrained, pretrained_init
+
+        return pretrained_init(open_pretrained(self.cfg.model.init_from))
+
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer files kept beside the token file (``sysx data prepare --tokenizer``), if any."""
+        from sysx.data.tokenizer import kept_tokenizer_dir
+
+        kept = kept_tokenizer_dir(self.dataset.path)
+        return kept if kept.is_dir() else None
+
+    # ------------------------------------------------------------------------------ checkpoints
+    @abstractmethod
+    def checkpoint_layers(self) -> dict[int, LayerSource]:
+        """The flat layers this rank owns (weights, Adam moments, step count), as sources read at save time."""
+
+    @abstractmethod
+    def restore_layers(self, ckpt: Checkpoint) -> None:
+        """Load the layers this rank owns from ``ckpt`` (weights, moments, step counts) into place."""
+
+    def training_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the layers (written by rank 0)."""
+        return {"step": self.step_index, "scaler": self.scaler.state_dict(), "rng": rng_state(),
+                "config": to_yaml(self.cfg)}
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
+        """Continue from ``ckpt``: its model must be this model; restores layers, scaler, RNG, step."""
+        mismatch = ckpt.model_mismatch(dataclasses.asdict(self.model_cfg))
+        if mismatch:
+            raise ConfigError(f"train.resume={ckpt.path}: {mismatch}; resume with the same model, or set "
+                              f"train.resume=none (or another checkpoint.dir) to start fresh")
+        state = ckpt.trainer_state()
+        self.restore_layers(ckpt)
+        self.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        self.step_index = ckpt.step
 
     @property
     def tokens_per_step(self) -> int:
@@ -102,11 +163,11 @@ class Trainer(ABC):
         """Wait for work a step left running in the background (optimizer threads)."""
 
     def run(self, steps: int | None = None, *, logger: RunLogger | None = None,
-            on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+            on_step: Callable[[StepResult], None] | None = None, hook: StepHook | None = None) -> list[StepResult]:
         """Train ``steps`` more steps (default ``train.steps``).
 
         With ``eval.every > 0`` the val loss is measured after steps ``0, every, 2*every, ...`` and
-        the last step (``result.val_loss``). Each result goes to ``logger`` and ``on_step``.
+        the last step (``result.val_loss``). Each result goes to ``hook``, ``logger`` and ``on_step``.
         """
         steps = self.cfg.train.steps if steps is None else steps
         every = self.cfg.eval.every
@@ -115,6 +176,8 @@ class Trainer(ABC):
             result = self.train_step()
             if every > 0 and (result.step % every == 0 or result.step + 1 == self.cfg.train.steps):
                 result.val_loss = self.evaluate()
+            if hook is not None:
+                hook.after_step(result)
             results.append(result)
             if logger is not None:
                 logger.log(result)
@@ -131,21 +194,3 @@ class Trainer(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
-    """The body of every ``sysx-train`` job: describe the run, train with logging, close. Returns 0."""
-    cfg = trainer.cfg
-    try:
-        run_dir = prepare_run_dir(cfg, is_main=is_main)
-        if is_main:
-            data = f"data {cfg.data.name} ({len(trainer.dataset.split('train'))} train tokens, vocab {trainer.dataset.vocab_size})"
-            lines = [data] + ([extra] if extra else [])
-            print(describe_run(cfg, n_params=trainer.n_params, device=trainer.device, extra="\n  ".join(lines)), flush=True)
-        with RunLogger(run_dir if is_main else None, total_steps=cfg.train.steps, every=cfg.log.every,
-                       progress=cfg.log.progress, device=trainer.device, enabled=is_main) as logger:
-            trainer.run(cfg.train.steps, logger=logger)
-            logger.close()
-    finally:
-        trainer.close()
-    return 0

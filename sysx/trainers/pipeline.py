@@ -30,6 +30,8 @@ from omegaconf import DictConfig
 
 from sysx import device as dev
 from sysx import dist as sdist
+from sysx.checkpoint import Checkpoint
+from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
@@ -41,7 +43,9 @@ from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
 from sysx.partition import unit_label
 from sysx.schedule import OpKind, Schedule, evaluation_schedule, validate
-from sysx.trainers.base import Trainer, run_job
+from sysx.trainers.base import Trainer
+from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
+from sysx.trainers.job import run_job
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -94,7 +98,7 @@ class PipelineTrainer(Trainer):
         base = opts.job_id or resolve_job_id(rank=self.rank, broadcast=torch_broadcast(self.group) if self.world > 1 else None)
         self.job_id = f"{base}.t{next(_instances)}"
         self.params = StageParams(self.schedule, self.model_cfg, self.info, dtype=self.dtype, job=self.job_id,
-                                  seed=cfg.seed, group=self.group, timeout_s=opts.timeout_s)
+                                  group=self.group, timeout_s=opts.timeout_s, seed=cfg.seed, init=self.layer_init())
         compute = dev.current_stream(self.device)
         h2d, d2h = dev.new_stream(self.device), dev.new_stream(self.device)
         loads = [self.schedule.layers(op) for op in self.ops if op.kind == OpKind.LOAD_PARAMS]
@@ -200,6 +204,29 @@ class PipelineTrainer(Trainer):
         local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
         total, count = self._all_reduce([local, float(len(ctx.losses))], "evaluation (loss all-reduce)")
         return total / count
+
+    @property
+    def job_tag(self) -> str:
+        """The job id every rank shares (it names the checkpoint saves too)."""
+        return self.job_id
+
+    def checkpoint_layers(self) -> dict[int, LayerSource]:
+        """The layers of the sub-stages this rank owns (their masters, moments and step counts)."""
+        assert self.optimizer is not None and self.params is not None
+        out: dict[int, LayerSource] = {}
+        for key, stage in self.optimizer.stages.items():
+            out.update(stage_layer_sources(stage, self.params.layout(key), list(self.params.units[key].layers)))
+        return out
+
+    def restore_layers(self, ckpt: Checkpoint) -> None:
+        """The owned sub-stages from ``ckpt`` (whatever schedule and rank count wrote it), then the
+        owners push the new values to mirrors on other nodes (every rank calls this)."""
+        assert self.optimizer is not None and self.params is not None
+        for key, stage in self.optimizer.stages.items():
+            indices = list(self.params.units[key].layers)
+            restore_stage(stage, self.params.layout(key), indices, {i: ckpt.layer(i) for i in indices},
+                          what=f"checkpoint {ckpt.path}")
+        self.params.push_mirrors()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name (``layers.<i>.<name>``); collective: every rank

@@ -31,9 +31,12 @@ import torch
 from omegaconf import DictConfig
 
 from sysx import device as dev
+from sysx.checkpoint import Checkpoint, LayerState
+from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.metrics import StepResult
-from sysx.trainers.base import Trainer, job_device, open_dataset, run_job
+from sysx.trainers.base import Trainer, job_device, open_dataset
+from sysx.trainers.job import run_job
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -66,7 +69,7 @@ class ReferenceTrainer(Trainer):
         self.device = job_device(self.cfg, device)
         cfg = self.cfg
 
-        fp32_model = model if model is not None else build_model(self.model_cfg, seed=cfg.seed)
+        fp32_model = model if model is not None else build_model(self.model_cfg, init=self.layer_init())
         fp32_model = fp32_model.to(self.device)
         if self.dtype == torch.float32:
             self.model = fp32_model
@@ -182,6 +185,40 @@ class ReferenceTrainer(Trainer):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 weights (the masters for 16-bit runs), by parameter name, detached copies."""
         return {name: m.detach().clone() for name, m in zip(self._names, self.masters)}
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _by_layer(self) -> dict[int, list[tuple[str, torch.Tensor]]]:
+        out: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, master in zip(self._names, self.masters):
+            out.setdefault(int(name.split(".")[1]), []).append((name, master))
+        return out
+
+    def checkpoint_layers(self) -> dict[int, LayerSource]:
+        """Every layer: fp32 masters and torch AdamW's moments and step (zeros before the first step)."""
+        def source(index: int, params: list[tuple[str, torch.Tensor]]) -> LayerState:
+            states = [self.optimizer.state.get(m, {}) for _, m in params]
+            moments = [{n: s.get(k, torch.zeros_like(m)).detach().cpu() for (n, m), s in zip(params, states)}
+                       for k in ("exp_avg", "exp_avg_sq")]
+            steps = {int(s["step"]) if "step" in s else 0 for s in states}
+            return LayerState(index, {n: m.detach().cpu() for n, m in params}, moments[0], moments[1], steps.pop())
+
+        return {i: (lambda i=i, params=params: source(i, params)) for i, params in self._by_layer().items()}
+
+    @torch.no_grad()
+    def restore_layers(self, ckpt: Checkpoint) -> None:
+        """Masters, the 16-bit copy, and torch AdamW's state of every layer from ``ckpt``."""
+        for index, params in self._by_layer().items():
+            saved = ckpt.layer(index)
+            for name, master in params:
+                master.copy_(saved.weight[name])
+                self.optimizer.state[master] = {
+                    "step": torch.tensor(float(saved.step)),
+                    "exp_avg": saved.exp_avg[name].to(master.device).clone(),
+                    "exp_avg_sq": saved.exp_avg_sq[name].to(master.device).clone(),
+                }
+        if self.masters is not self.params:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
 
 
 def check_single_process(info: DistInfo, schedule: str = "reference") -> None:

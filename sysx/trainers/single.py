@@ -25,22 +25,26 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sysx import device as dev
+from sysx.checkpoint import Checkpoint
+from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.metrics import StepResult
-from sysx.single.executor import SlidingWindowExecutor
-from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure_hardware
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
+from sysx.single.executor import SlidingWindowExecutor
+from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure_hardware
 from sysx.single.host import HostState
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
-from sysx.trainers.base import Trainer, job_device, run_job
+from sysx.trainers.base import Trainer, job_device
+from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
+from sysx.trainers.job import run_job
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -89,7 +93,7 @@ class SingleTrainer(Trainer):
         o = cfg.optim
         settings = OptimSettings(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
                                  grad_clip=o.grad_clip, backend=optimizer_backend or o.backend)
-        self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, seed=cfg.seed, model=model)
+        self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
         self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt")
@@ -195,6 +199,30 @@ class SingleTrainer(Trainer):
         """The fp32 weights by the reference trainer's parameter names (after pending steps finish)."""
         self.threads.wait_stages()
         return self.host.state_dict()
+
+    def checkpoint_layers(self) -> dict[int, LayerSource]:
+        """Every layer: each group's masters, moments and step count (call after :meth:`finish_pending`)."""
+        out: dict[int, LayerSource] = {}
+        for g in self.host.groups:
+            out.update(stage_layer_sources(g.optimizer, g.layout, g.layer_indices))
+        return out
+
+    def training_state(self) -> dict[str, Any]:
+        """The common state, and whether the next step speculates (an undone speculative step is
+        exact only to an ulp, so a resumed run must choose as the uninterrupted one would)."""
+        return {**super().training_state(), "last_step_passed": self._last_passed}
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
+        """The common state, and the speculation decision (absent from other trainers' checkpoints)."""
+        super().load_checkpoint(ckpt)
+        self._last_passed = bool(ckpt.trainer_state().get("last_step_passed", True))
+
+    def restore_layers(self, ckpt: Checkpoint) -> None:
+        """Every group's masters, moments and step count from ``ckpt``; working copies rewritten."""
+        self.threads.wait_stages()
+        for g in self.host.groups:
+            layers = {i: ckpt.layer(i) for i in g.layer_indices}
+            restore_stage(g.optimizer, g.layout, g.layer_indices, layers, what=f"checkpoint {ckpt.path}")
 
     def close(self) -> None:
         """Finish pending optimizer work, stop the threads and free the host state."""

@@ -1,0 +1,122 @@
+"""Resume is exact: N steps straight equal N/2 steps, a checkpoint, a fresh trainer and N/2 more
+(losses, gradient norms, parameters, bit for bit), for the reference loop and the sliding window
+in fp32 and in fp16 with dynamic loss scaling; a checkpoint of one trainer continues in another;
+a checkpoint of another model is refused with one line naming both values."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sysx.config import (CheckpointSection, ConfigError, EvalSection, LossScaleSection, ModelSection, OptimSection,
+                         SingleSection, SysxConfig, TrainSection)
+from sysx.single.hardware import assumed_hardware
+from sysx.trainers.checkpointing import JobCheckpoints
+from sysx.trainers.reference import ReferenceTrainer
+from sysx.trainers.single import SingleTrainer
+
+STEPS = 6
+HW = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)
+# fp16: a scale that overflows at first and grows back every 2 clean steps, so the scaler's state
+# (scale, good-step count, skipped steps) changes on both sides of the checkpoint.
+FP16_SCALE = LossScaleSection(init=2.0**22, growth_interval=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_cfg(tmp_path: Path, precision: str, **train) -> SysxConfig:
+    return SysxConfig(
+        model=ModelSection(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64),
+        train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=2, seq_len=16, **train),
+        optim=OptimSection(lr=1e-3, warmup_steps=2, grad_clip=0.5), eval=EvalSection(every=0),
+        loss_scale=FP16_SCALE if precision == "fp16" else LossScaleSection(), precision=precision, device="cpu",
+        checkpoint=CheckpointSection(dir=str(tmp_path / "ckpt")), run_dir=str(tmp_path / "run"),
+    )
+
+
+def make_trainer(kind: str, cfg: SysxConfig):
+    if kind == "reference":
+        return ReferenceTrainer(cfg)
+    single = SingleSection(window=2, micro_batch_size=1, round_sequences=2, policy="input", print_plan=False)
+    return SingleTrainer(cfg, single=single, hardware=HW)
+
+
+def straight_and_resumed(kind: str, cfg: SysxConfig, resume_kind: str | None = None):
+    with make_trainer(kind, cfg) as t:
+        straight = t.run(STEPS)
+        straight_state = t.state_dict()
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=cfg.checkpoint.dir + "-split"))
+    with make_trainer(kind, cfg) as t:
+        first = t.run(STEPS // 2)
+        ckpts = JobCheckpoints(t)
+        assert ckpts.save().stall_s >= 0
+        ckpts.close()
+    with make_trainer(resume_kind or kind, cfg) as t:
+        ckpts = JobCheckpoints(t)
+        assert ckpts.resume() is not None and t.step_index == STEPS // 2
+        second = t.run(STEPS - STEPS // 2)
+        state = t.state_dict()
+        ckpts.close()
+    return straight, straight_state, first + second, state
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("kind", ["reference", "single"])
+def test_resume_is_bit_identical(tmp_path: Path, kind: str, precision: str) -> None:
+    straight, straight_state, resumed, state = straight_and_resumed(kind, make_cfg(tmp_path, precision))
+    assert [r.step for r in resumed] == list(range(STEPS))
+    # repr: exact for floats, and nan (an overflowed fp16 step's norm) equals itself
+    assert [repr(r.loss) for r in resumed] == [repr(r.loss) for r in straight]
+    assert [repr(r.grad_norm) for r in resumed] == [repr(r.grad_norm) for r in straight]
+    assert [(r.skipped, r.scale) for r in resumed] == [(r.skipped, r.scale) for r in straight]
+    if precision == "fp16":
+        assert any(r.skipped for r in straight) and len({r.scale for r in straight}) > 2  # the scaler did move
+    assert state.keys() == straight_state.keys()
+    assert all(torch.equal(state[k], straight_state[k]) for k in state)
+
+
+def test_a_window_checkpoint_continues_in_the_reference_loop(tmp_path: Path) -> None:
+    """Shards are keyed by layer, so another trainer resumes them; its AdamW arithmetic differs from
+    the window's CPU Adam in the last bits, so the continuation is close, not bit-identical."""
+    straight, _, resumed, _ = straight_and_resumed("single", make_cfg(tmp_path, "fp32"), resume_kind="reference")
+    for a, b in zip(resumed, straight):
+        assert a.loss == pytest.approx(b.loss, rel=1e-5)
+
+
+def test_another_model_is_refused_with_both_values(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, "fp32")
+    with make_trainer("reference", cfg) as t:
+        t.run(1)
+        JobCheckpoints(t).save(background=False)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=64))
+    with make_trainer("reference", other) as t:
+        with pytest.raises(ConfigError) as err:
+            JobCheckpoints(t).resume()
+    message = str(err.value)
+    assert "\n" not in message and "dim=32" in message and "dim=64" in message and "train.resume=none" in message
+
+
+def test_the_job_resumes_where_it_stopped_and_keeps_the_earlier_metrics(tmp_path: Path) -> None:
+    from sysx.train import main
+
+    args = ["schedule=reference", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_dim=64", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=0", "device=cpu",
+            "log.progress=false", f"run_dir={tmp_path / 'run'}", "checkpoint.every=2"]
+    assert main([*args, "train.steps=4"]) == 0  # as if stopped after step 4 of a longer run
+    assert main([*args, "train.steps=6"]) == 0  # the same command, longer: resumes at step 4
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(6))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["extra"]["checkpoint"]["last"].endswith("step-00000006")
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())
+    assert saved == ["step-00000004", "step-00000006"]  # keep=2
