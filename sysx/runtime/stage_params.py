@@ -145,7 +145,7 @@ class StageParams:
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
         if self.info.local_rank == 0:  # one check per node, before any rank of it allocates
             self.node_plan().check()
-        self._barrier()
+        self.barrier()
         for unit in self.owned():
             buffers = self.store.create(self._spec(unit))
             layers = build_layers(model_cfg, unit.layers.start, unit.layers.stop, init=init)
@@ -155,7 +155,7 @@ class StageParams:
             shared.copy_(master)
             self.shared[(unit.stage, unit.sub)] = shared
             self.masters[(unit.stage, unit.sub)] = shared if self.dtype == torch.float32 else master
-        self._barrier()
+        self.barrier()
         for unit in self.units.values():
             key = (unit.stage, unit.sub)
             if unit.fwd_rank != self.rank or key in self.shared:
@@ -165,12 +165,13 @@ class StageParams:
             else:
                 self.shared[key] = self.store.attach(self._spec(unit))[self.dtype]
         self.push_mirrors()
-        self._barrier()
+        self.barrier()
 
-    def _barrier(self) -> None:
+    def barrier(self, what: str = "parameter store set-up barrier") -> None:
+        """Every rank waits here (bounded by the timeout): what owners wrote is visible after it."""
         if self.group is not None and self.info.world_size > 1:
             work = dist.barrier(group=self.group, async_op=True)
-            wait_for(work, rank=self.rank, what="parameter store set-up barrier", peer=None, timeout_s=self.timeout_s)
+            wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.timeout_s)
 
     # ------------------------------------------------------------------------------------- use
     def pieces(self, stage: int, sub: int) -> list[torch.Tensor]:

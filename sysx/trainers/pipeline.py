@@ -227,6 +227,7 @@ class PipelineTrainer(Trainer):
             restore_stage(stage, self.params.layout(key), indices, {i: ckpt.layer(i) for i in indices},
                           what=f"checkpoint {ckpt.path}")
         self.params.push_mirrors()
+        self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name (``layers.<i>.<name>``); collective: every rank
