@@ -151,23 +151,29 @@ def test_a_rank_that_never_finishes_fails_the_commit_and_keeps_the_previous(tmp_
 KILL_CHILD = textwrap.dedent("""
     import sys, torch
     from sysx.checkpoint import CheckpointSaver, LayerState
-    root = sys.argv[1]
+    root, world = sys.argv[1], int(sys.argv[2])
     def big(i, seed):
         t = torch.full((1 << 20,), float(seed))
         return LayerState(i, {f"layers.{i}.w": t}, {f"layers.{i}.w": t.clone()}, {f"layers.{i}.w": t.clone()}, seed)
-    saver = CheckpointSaver(root, rank=0, world=1, keep=2, tag="kill")
-    saver.save(1, {i: (lambda i=i: big(i, 1)) for i in range(2)}, background=False)
-    print("first saved", flush=True)
-    saver.save(2, {i: (lambda i=i: big(i, 2)) for i in range(400)}, background=False)  # killed in here
+    if world == 1:
+        saver = CheckpointSaver(root, rank=0, world=1, keep=2, tag="kill")
+        saver.save(1, {i: (lambda i=i: big(i, 1)) for i in range(2)}, background=False)
+        print("first saved", flush=True)
+    # rank `world - 1` of the second save; killed while it writes its layers
+    saver = CheckpointSaver(root, rank=world - 1, world=world, keep=2, tag="kill2")
+    print("second started", flush=True)
+    saver.save(2, {i: (lambda i=i: big(i, 2)) for i in range(2, 400)}, background=False)
     print("second saved", flush=True)
 """)
 
 
-def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(root)], stdout=subprocess.PIPE, text=True)
+def _kill_while_writing(root: Path, world: int) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(root), str(world)], stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "first saved"
+        assert proc.stdout is not None
+        if world == 1:
+            assert proc.stdout.readline().strip() == "first saved"
+        assert proc.stdout.readline().strip() == "second started"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill while the second save's layer files are being written
             partial = [p for p in root.glob("step-00000002.partial-*") if len(list(p.glob("layer-*"))) >= 2]
@@ -180,9 +186,28 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path:
         proc.kill()
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path, world: int) -> None:
+    """world 1: the only writer is killed. world 2: rank 1 is killed while it writes its layers; rank 0
+    writes its own, then its commit gives up on rank 1 and the previous checkpoint stays the latest."""
+    root = tmp_path / "ckpt"
+    if world == 2:
+        first = CheckpointSaver(root, rank=0, world=1, keep=2, tag="first")
+        first.save(1, {i: (lambda i=i: LayerState(i, {f"layers.{i}.w": torch.ones(8)}, {f"layers.{i}.w": torch.ones(8)},
+                                                    {f"layers.{i}.w": torch.ones(8)}, 1)) for i in range(2)})
+        first.close()
+    _kill_while_writing(root, world)
+    if world == 2:
+        rank0 = CheckpointSaver(root, rank=0, world=2, keep=2, tag="kill2", commit_timeout_s=1.0)
+        with pytest.raises(CheckpointError, match="rank 1 did not finish"):
+            rank0.save(2, sources({0: layer(0), 1: layer(1)}), background=False)
+        rank0.close()
     ckpt = find_resume("auto", root)
     assert ckpt is not None and ckpt.step == 1
     assert float(ckpt.layer(1).weight["layers.1.w"][0]) == 1.0
+    assert list(root.glob("step-00000002.partial-*"))  # the killed save's folder, ignored by readers
     saver = CheckpointSaver(root, rank=0, world=1, keep=2, tag="after")  # the next save cleans the partial folder
     saver.save(3, sources({0: layer(0)}))
     saver.close()
