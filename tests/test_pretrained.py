@@ -80,3 +80,89 @@ def test_export_is_group_readable_and_carries_the_tokenizer(tmp_path: Path) -> N
     transformers = pytest.importorskip("transformers")
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert loaded.convert_tokens_to_ids("w2") == 4
+
+
+@pytest.mark.parametrize("trainer", ["reference", "single"])
+def test_training_from_a_sharded_hf_llama_starts_at_transformers_loss(tmp_path: Path, trainer: str) -> None:
+    """model.init_from: the shape comes from config.json (no preset), the weights stream layer by
+    layer from the shards, and the first step's loss is what transformers computes for that batch."""
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from sysx.config import EvalSection, ModelSection, SingleSection, SysxConfig, TrainSection
+    from sysx.data import TokenDataset, default_corpus_path, get_batch
+    from sysx.single.hardware import assumed_hardware
+    from sysx.trainers.reference import ReferenceTrainer
+    from sysx.trainers.single import SingleTrainer
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).float()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    cfg = SysxConfig(model=ModelSection(init_from=str(tmp_path / "hf")),
+                     train=TrainSection(steps=1, micro_batch_size=2, micro_batches=2, seq_len=32),
+                     eval=EvalSection(every=0), device="cpu")
+    if trainer == "reference":
+        t = ReferenceTrainer(cfg)
+    else:
+        t = SingleTrainer(cfg, single=SingleSection(window=1, micro_batch_size=2, print_plan=False),
+                          hardware=assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8))
+    with t:
+        assert t.model_cfg.n_layers == 3 and t.model_cfg.n_kv_heads == 2 and not t.model_cfg.tie_embeddings
+        first = t.run(1)[0].loss
+    dataset = TokenDataset(default_corpus_path())
+    losses = []
+    with torch.no_grad():
+        for j in range(2):
+            x, y = get_batch(dataset, seed=0, step=0, micro_batch=j, micro_batch_size=2, seq_len=32, split="train")
+            logits = hf(input_ids=x).logits
+            losses.append(float(F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))))
+    expected = sum(losses) / len(losses)
+    assert abs(first - expected) <= 1e-5 * expected, (first, expected)
+
+
+def test_init_from_takes_the_shape_and_refuses_a_conflicting_field(tmp_path: Path) -> None:
+    from sysx.config import ConfigError, load_config
+
+    _, hf = make_hf("gqa")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = load_config([f"model.init_from={tmp_path / 'hf'}", "train.seq_len=32"])
+    from sysx.config import model_config
+
+    assert model_config(cfg).n_kv_heads == hf.config.num_key_value_heads
+    with pytest.raises(ConfigError) as err:
+        load_config([f"model.init_from={tmp_path / 'hf'}", "model.dim=128"])
+    assert "model.dim=128" in str(err.value) and "dim=64" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="model.init_from=.*nope.*does not exist"):
+        load_config([f"model.init_from={tmp_path / 'nope'}"])
+
+
+def test_the_fine_tuning_path_of_the_readme(tmp_path: Path) -> None:
+    """Prepare text with the model's tokenizer, train from the HF folder, stop, resume, export with
+    checkpoint.export_hf=true, load the export with transformers and generate."""
+    transformers = pytest.importorskip("transformers")
+    from sysx.train import main
+
+    (tmp_path / "base").mkdir()
+    _word_tokenizer(tmp_path / "base" / "tokenizer.json", 60)  # vocab 62
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    (tmp_path / "text.txt").write_text(" ".join(f"w{i % 60}" for i in range(3000)))
+    prepare([tmp_path / "text.txt"], tmp_path / "data" / "tok.bin", tokenizer=tmp_path / "base", val_fraction=0.1,
+            progress=False)
+    args = [f"model.init_from={tmp_path / 'base'}", "data=file", f"data.path={tmp_path / 'data' / 'tok.bin'}",
+            "train.seq_len=16", "train.micro_batch_size=2", "eval.every=0", "device=cpu", "log.progress=false",
+            f"run_dir={tmp_path / 'run'}", "checkpoint.export_hf=true", "schedule=reference"]
+    assert main([*args, "train.steps=2"]) == 0  # "stopped" after 2 steps
+    assert main([*args, "train.steps=4"]) == 0  # the same command again resumes and finishes
+    export = tmp_path / "run" / "hf"
+    assert (export / "tokenizer.json").is_file() and (export / "config.json").is_file()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4)
