@@ -258,10 +258,14 @@ class _Engine:
         self.waiters.setdefault(m, []).append(r)
         self.blocked_on[r] = why
 
-    def _forward(self, r: int, ins: tuple, t: float) -> float:
-        s, u = ins[1], ins[2]
+    def _gpu_start(self, r: int, u: int, t: float) -> float:
+        """When a pass the cursor reaches at ``t`` starts: once its unit ``u`` (if any) is loaded."""
         ready = self.unit_ready[r][u] if u >= 0 else t
-        st = t if t >= ready else ready
+        return t if t >= ready else ready
+
+    def _forward(self, r: int, ins: tuple, t: float) -> float:
+        s = ins[1]
+        st = self._gpu_start(r, ins[2], t)
         en = st + self.fwd[s]
         self.busy[r] += en - st
         self.gpu_end[r] = en
@@ -276,9 +280,8 @@ class _Engine:
         return en
 
     def _backward(self, r: int, ins: tuple, t: float) -> float:
-        g, u = ins[1], ins[2]
-        ready = self.unit_ready[r][u] if u >= 0 else t
-        st = t if t >= ready else ready
+        g = ins[1]
+        st = self._gpu_start(r, ins[2], t)
         en = st + self.bwd[g]
         self.busy[r] += en - st
         self.gpu_end[r] = en
