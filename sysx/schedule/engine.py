@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from sysx.schedule.costs import CostTable
 from sysx.schedule.ops import PARTNER, Message, Op, OpKind, Schedule, ScheduleError
 
-LANES = ("gpu", "h2d", "d2h", "p2p", "cpu")
-GPU, H2D, D2H, P2P, CPU = range(5)
+LANES = GPU, H2D, D2H, P2P, CPU = ("gpu", "h2d", "d2h", "p2p", "cpu")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
 PARAMS, GRADS, CKPTS, WORK = range(4)  # memory categories: params, grads, checkpoints, working activations
 
@@ -34,14 +33,15 @@ class Deadlock(ScheduleError):
 @dataclass
 class Program:
     """A schedule in integer form: per rank, instructions ``(opcode, operand, ..., op index)``;
-    per message id, its sender, receiver, kind, cost index and (stage, sub, mb)."""
+    per message id, its sender, receiver, kind and cost index; per async message, the SEND op
+    that names its transfer on the timeline."""
 
     code: list[list[tuple]]
     msg_src: list[int]
     msg_dst: list[int]
     msg_kind: list[Message]
     msg_idx: list[int]
-    msg_op: list[tuple[int, int, int]]
+    transfer_op: dict[int, Op]
     n_units: int
 
 
@@ -60,7 +60,7 @@ class _Compiler:
         self.dst: list[int] = []
         self.kind: list[Message] = []
         self.idx: list[int] = []
-        self.where: list[tuple[int, int, int]] = []
+        self.transfer: dict[int, Op] = {}
 
     def message(self, op: Op, rank: int, sending: bool) -> int:
         a, b = (rank, op.peer) if sending else (op.peer, rank)
@@ -73,7 +73,13 @@ class _Compiler:
             self.dst.append(b)
             self.kind.append(kind)
             self.idx.append(op.stage if kind == Message.ACT else op.stage * self.d + op.sub)
-            self.where.append((op.stage, op.sub, op.mb))
+        return m
+
+    def async_message(self, op: Op, rank: int, sending: bool) -> int:
+        """A message posted with isend/irecv; its transfer is drawn as the SEND_CKPT of the sender."""
+        m = self.message(op, rank, sending)
+        if m not in self.transfer:
+            self.transfer[m] = Op(OpKind.SEND_CKPT, op.stage, op.sub, op.mb, self.dst[m], True)
         return m
 
     def rank(self, r: int, ops: tuple[Op, ...]) -> list[tuple]:
@@ -101,9 +107,11 @@ class _Compiler:
                     prog.append((_BWD, g, u, i, g not in seen_g))
                     seen_g.add(g)
             elif k in (OpKind.SEND_ACT, OpKind.SEND_GRAD, OpKind.SEND_CKPT):
-                prog.append((_ASEND if op.is_async else _SEND, self.message(op, r, True), i))
+                prog.append((_ASEND, self.async_message(op, r, True), i) if op.is_async
+                            else (_SEND, self.message(op, r, True), i))
             elif k in (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.RECV_CKPT):
-                prog.append((_ARECV if op.is_async else _RECV, self.message(op, r, False), i))
+                prog.append((_ARECV, self.async_message(op, r, False), i) if op.is_async
+                            else (_RECV, self.message(op, r, False), i))
             elif k == OpKind.WAIT_CKPT:
                 prog.append((_WAIT, self.message(Op(OpKind.RECV_CKPT, op.stage, op.sub, op.mb, op.peer), r, False), i))
             elif k == OpKind.OFFLOAD_GRADS:
@@ -119,7 +127,7 @@ def compile_schedule(schedule: Schedule) -> Program:
     """Integer form of the op lists."""
     c = _Compiler(schedule)
     code = [c.rank(r, ops) for r, ops in enumerate(schedule.ops)]
-    return Program(code, c.src, c.dst, c.kind, c.idx, c.where, c.nsf + c.nsf * c.d)
+    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d)
 
 
 class ProgramCache:
@@ -152,20 +160,32 @@ def op_index(ins: tuple) -> int:
 
 
 class _Engine:
-    """State of one run: per-rank cursors and streams, per-message posting and arrival times."""
+    """State of one run: per-rank cursors and streams, per-message posting and arrival times.
+
+    A handler runs per instruction, tens of thousands of times per run: the state and the cost
+    table's lists live in slots and plain lists, and memory deltas go straight into per-rank,
+    per-category lists of ``(time, delta)``. Records hold numbers and lane names only (an op is
+    named by its index), tuples the garbage collector stops tracking at its first pass.
+    """
+
+    __slots__ = (
+        "code", "msg_src", "rendezvous", "record", "memory", "xfer", "fwd", "bwd", "opt",
+        "offload", "load", "workers", "allreduce", "ckmem", "param_mem", "grad_mem", "ckpt_mem", "f_ckpt",
+        "fwd_work", "bwd_work", "pcs", "clock", "busy", "gpu_end", "h2d", "d2h", "cpu_end", "asend_end",
+        "unit_ready", "offl_end", "heaps", "send_post", "recv_post", "arrival", "waiters", "mem", "events",
+        "arrived", "val_time", "val_wait", "blocked_on", "queue", "inq",
+    )
 
     def __init__(self, prog: Program, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool) -> None:
         R, M = len(prog.code), len(prog.msg_src)
-        self.prog, self.tab, self.rendezvous, self.record, self.memory = prog, tab, rendezvous, record, memory
+        self.code, self.msg_src = prog.code, prog.msg_src
+        self.rendezvous, self.record, self.memory = rendezvous, record, memory
         xfers = (tab.act_xfer, tab.grad_xfer, tab.ckpt_xfer)
         self.xfer = [xfers[f][i] for f, i in zip(prog.msg_kind, prog.msg_idx)]
-        self.ckmem = ([tab.ckpt_mem[i] if f == Message.CKPT else 0.0 for f, i in zip(prog.msg_kind, prog.msg_idx)]
-                      if memory else [0.0] * M)
+        self.fwd, self.bwd, self.opt, self.offload = tab.fwd, tab.bwd, tab.opt, tab.offload
         self.load = list(tab.load_stage) + list(tab.load_sub)
-        if memory:
-            nsf, d = len(tab.fwd), tab.split
-            self.param_mem = list(tab.param_stage) + list(tab.param_sub)
-            self.f_ckpt = [sum(tab.ckpt_mem[s * d + k] for k in range(d)) for s in range(nsf)]
+        self.workers, self.allreduce = tab.optim_workers, tab.allreduce
+        self._memory_tables(prog, tab)
         self.pcs = [0] * R
         self.clock = [0.0] * R
         self.busy = [0.0] * R
@@ -180,8 +200,8 @@ class _Engine:
         self.send_post: list[float | None] = [None] * M
         self.recv_post: list[float | None] = [None] * M
         self.arrival: list[float | None] = [None] * M
-        self.waiters: list[list[int]] = [[] for _ in range(M)]
-        self.mem: list[list[tuple[float, float, int]]] = [[] for _ in range(R)]
+        self.waiters: dict[int, list[int]] = {}  # few messages are ever waited for
+        self.mem: list[tuple[list, ...]] = [([], [], [], []) for _ in range(R)]
         self.events: list[tuple] = []
         self.arrived: list[int] = []
         self.val_time: float | None = None
@@ -189,73 +209,92 @@ class _Engine:
         self.blocked_on: list[str] = [""] * R
         self.queue = deque(range(R))
         self.inq = [True] * R
-        # each handler returns the rank's new time, or None when the instruction blocks
-        self.handlers = {
-            _LOAD: self._load, _FREE: self._free, _FWD: self._forward, _BWD: self._backward, _SEND: self._send,
-            _RECV: self._recv, _ASEND: self._post_async, _ARECV: self._post_async, _WAIT: self._wait,
-            _OFFL: self._offload, _OPTA: self._optim_async, _OPTS: self._optim_sync, _VAL: self._validate,
-        }
+
+    def _memory_tables(self, prog: Program, tab: CostTable) -> None:
+        M = len(prog.msg_src)
+        if not self.memory:
+            self.ckmem = [0.0] * M
+            return
+        nsf, d = len(tab.fwd), tab.split
+        self.ckmem = [tab.ckpt_mem[i] if f == Message.CKPT else 0.0 for f, i in zip(prog.msg_kind, prog.msg_idx)]
+        self.param_mem = list(tab.param_stage) + list(tab.param_sub)
+        self.grad_mem, self.ckpt_mem = tab.grad_mem, tab.ckpt_mem
+        self.fwd_work, self.bwd_work = tab.fwd_work, tab.bwd_work
+        self.f_ckpt = [sum(tab.ckpt_mem[s * d + k] for k in range(d)) for s in range(nsf)]
 
     def run(self) -> None:
         """Advance ranks until every list is done or every unfinished rank is blocked."""
-        while self.queue:
-            r = self.queue.popleft()
-            self.inq[r] = False
-            ops = self.prog.code[r]
-            pc, t = self.pcs[r], self.clock[r]
-            while pc < len(ops):
+        code, pcs, clock, queue, inq = self.code, self.pcs, self.clock, self.queue, self.inq
+        # by opcode; each returns the rank's new time, or None when the instruction blocks. Bound
+        # here, not in __init__: kept on the engine, they would make it a reference cycle that only
+        # the garbage collector frees (and all its lists with it)
+        handlers = (self._load, self._free, self._forward, self._backward, self._send, self._recv, self._isend,
+                    self._irecv, self._wait, self._offload, self._optim_async, self._optim_sync, self._validate)
+        while queue:
+            r = queue.popleft()
+            inq[r] = False
+            ops = code[r]
+            n = len(ops)
+            pc, t = pcs[r], clock[r]
+            while pc < n:
                 ins = ops[pc]
-                nt = self.handlers[ins[0]](r, ins, t)
+                nt = handlers[ins[0]](r, ins, t)
                 if nt is None:
                     break
                 t = nt
                 pc += 1
-            self.pcs[r] = pc
-            self.clock[r] = t
-
-    def _enqueue(self, r: int) -> None:
-        if not self.inq[r]:
-            self.inq[r] = True
-            self.queue.append(r)
+            pcs[r] = pc
+            clock[r] = t
 
     def _wake(self, m: int) -> None:
-        for x in self.waiters[m]:
-            self._enqueue(x)
-        self.waiters[m].clear()
+        """Queue the ranks blocked on message ``m`` (callers check ``m in self.waiters`` first)."""
+        inq, queue = self.inq, self.queue
+        for x in self.waiters.pop(m):
+            if not inq[x]:
+                inq[x] = True
+                queue.append(x)
 
     def _block(self, r: int, m: int, why: str) -> None:
-        self.waiters[m].append(r)
+        self.waiters.setdefault(m, []).append(r)
         self.blocked_on[r] = why
 
-    def _compute(self, r: int, ins: tuple, t: float, cost: float, work: list[float]) -> tuple[float, float]:
-        """A pass on the GPU from when its unit is loaded; ``work``: its working memory per unit."""
-        u = ins[2]
+    def _gpu_start(self, r: int, u: int, t: float) -> float:
+        """When a pass the cursor reaches at ``t`` starts: once its unit ``u`` (if any) is loaded."""
         ready = self.unit_ready[r][u] if u >= 0 else t
-        st = t if t >= ready else ready
-        en = st + cost
-        self.busy[r] += en - st
-        self.gpu_end[r] = en
-        if self.record:
-            self.events.append((r, GPU, ins[3], st, en))
-        if self.memory:
-            w = work[ins[1]]
-            self.mem[r] += [(st, w, WORK), (en, -w, WORK)]
-        return st, en
+        return t if t >= ready else ready
 
     def _forward(self, r: int, ins: tuple, t: float) -> float:
         s = ins[1]
-        _, en = self._compute(r, ins, t, self.tab.fwd[s], self.tab.fwd_work)
+        st = self._gpu_start(r, ins[2], t)
+        en = st + self.fwd[s]
+        self.busy[r] += en - st
+        self.gpu_end[r] = en
         if self.memory:
-            self.mem[r].append((en, self.f_ckpt[s], CKPTS))
+            mem = self.mem[r]
+            w = self.fwd_work[s]
+            if w:  # zero in unit-cost models; a zero delta never moves a peak
+                mem[WORK].extend(((st, w), (en, -w)))
+            mem[CKPTS].append((en, self.f_ckpt[s]))
+        if self.record:
+            self.events.append((r, GPU, ins[3], st, en))
         return en
 
     def _backward(self, r: int, ins: tuple, t: float) -> float:
         g = ins[1]
-        st, en = self._compute(r, ins, t, self.tab.bwd[g], self.tab.bwd_work)
+        st = self._gpu_start(r, ins[2], t)
+        en = st + self.bwd[g]
+        self.busy[r] += en - st
+        self.gpu_end[r] = en
         if self.memory:
+            mem = self.mem[r]
             if ins[4]:  # first backward of the sub-stage: its gradient buffer appears
-                self.mem[r].append((st, self.tab.grad_mem[g], GRADS))
-            self.mem[r].append((en, -self.tab.ckpt_mem[g], CKPTS))
+                mem[GRADS].append((st, self.grad_mem[g]))
+            w = self.bwd_work[g]
+            if w:
+                mem[WORK].extend(((st, w), (en, -w)))
+            mem[CKPTS].append((en, -self.ckpt_mem[g]))
+        if self.record:
+            self.events.append((r, GPU, ins[3], st, en))
         return en
 
     def _send(self, r: int, ins: tuple, t: float) -> float | None:
@@ -269,9 +308,10 @@ class _Engine:
             st = t if t >= rp else rp
         en = st + self.xfer[m]
         self.arrival[m] = en
-        self._wake(m)
+        if m in self.waiters:
+            self._wake(m)
         if self.memory and self.ckmem[m]:
-            self.mem[r].append((en, -self.ckmem[m], CKPTS))
+            self.mem[r][CKPTS].append((en, -self.ckmem[m]))
         if self.record:
             self.events.append((r, P2P, ins[2], st, en))
         return en
@@ -280,56 +320,68 @@ class _Engine:
         m = ins[1]
         if self.recv_post[m] is None:
             self.recv_post[m] = t
-            self._wake(m)
+            if m in self.waiters:
+                self._wake(m)
         a = self.arrival[m]
         if a is None:
             self._block(r, m, "send")
             return None
         t = a if a > t else t
         if self.memory and self.ckmem[m]:
-            self.mem[r].append((t, self.ckmem[m], CKPTS))
+            self.mem[r][CKPTS].append((t, self.ckmem[m]))
         return t
 
     def _load(self, r: int, ins: tuple, t: float) -> float:
         u = ins[1]
-        st = t if t >= self.h2d[r] else self.h2d[r]
+        free = self.h2d[r]
+        st = t if t >= free else free
         en = st + self.load[u]
         self.h2d[r] = self.unit_ready[r][u] = en
         if self.memory:
-            self.mem[r].append((st, self.param_mem[u], PARAMS))
+            self.mem[r][PARAMS].append((st, self.param_mem[u]))
         if self.record:
             self.events.append((r, H2D, ins[2], st, en))
         return t
 
     def _free(self, r: int, ins: tuple, t: float) -> float:
         if self.memory:
-            self.mem[r].append((t, -self.param_mem[ins[1]], PARAMS))
+            self.mem[r][PARAMS].append((t, -self.param_mem[ins[1]]))
         return t
 
-    def _post_async(self, r: int, ins: tuple, t: float) -> float:
-        """Post an isend or irecv; the transfer starts once both sides have posted."""
+    def _isend(self, r: int, ins: tuple, t: float) -> float:
+        """Post an isend; the transfer starts once the receive is posted too."""
         m = ins[1]
-        if ins[0] == _ASEND:
-            self.send_post[m] = t
-            other = self.recv_post[m]
-        else:
-            self.recv_post[m] = t
-            other = self.send_post[m]
-            if self.memory and self.ckmem[m]:
-                self.mem[r].append((t, self.ckmem[m], CKPTS))
+        self.send_post[m] = t
+        other = self.recv_post[m]
         if other is not None:
-            st = t if t >= other else other
-            en = st + self.xfer[m]
-            self.arrival[m] = en
-            sr = self.prog.msg_src[m]
-            if en > self.asend_end[sr]:
-                self.asend_end[sr] = en
-            if self.memory and self.ckmem[m]:
-                self.mem[sr].append((en, -self.ckmem[m], CKPTS))
-            if self.record:
-                self.events.append((sr, P2P, -1 - m, st, en))
-            self._wake(m)
+            self._transfer(m, t, other)
         return t
+
+    def _irecv(self, r: int, ins: tuple, t: float) -> float:
+        """Post an irecv (its checkpoint buffer appears now); the transfer starts once the send is posted too."""
+        m = ins[1]
+        self.recv_post[m] = t
+        if self.memory and self.ckmem[m]:
+            self.mem[r][CKPTS].append((t, self.ckmem[m]))
+        other = self.send_post[m]
+        if other is not None:
+            self._transfer(m, t, other)
+        return t
+
+    def _transfer(self, m: int, t: float, other: float) -> None:
+        """Async message ``m`` moves from when both sides have posted (``t``: the later post's rank time)."""
+        st = t if t >= other else other
+        en = st + self.xfer[m]
+        self.arrival[m] = en
+        sr = self.msg_src[m]
+        if en > self.asend_end[sr]:
+            self.asend_end[sr] = en
+        if self.memory and self.ckmem[m]:
+            self.mem[sr][CKPTS].append((en, -self.ckmem[m]))
+        if self.record:
+            self.events.append((sr, P2P, ~m, st, en))
+        if m in self.waiters:
+            self._wake(m)
 
     def _wait(self, r: int, ins: tuple, t: float) -> float | None:
         m = ins[1]
@@ -341,11 +393,12 @@ class _Engine:
 
     def _offload(self, r: int, ins: tuple, t: float) -> float:
         g = ins[1]
-        st = t if t >= self.d2h[r] else self.d2h[r]
-        en = st + self.tab.offload[g]
+        free = self.d2h[r]
+        st = t if t >= free else free
+        en = st + self.offload[g]
         self.d2h[r] = self.offl_end[g] = en
         if self.memory:
-            self.mem[r].append((en, -self.tab.grad_mem[g], GRADS))
+            self.mem[r][GRADS].append((en, -self.grad_mem[g]))
         if self.record:
             self.events.append((r, D2H, ins[2], st, en))
         return t
@@ -353,14 +406,14 @@ class _Engine:
     def _optim_async(self, r: int, ins: tuple, t: float) -> float:
         """On one of the rank's ``optim_workers`` CPU workers, from the end of the offload."""
         g = ins[1]
-        workers = self.tab.optim_workers
+        workers = self.workers
         st = self.offl_end.get(g, t)
         if workers is not None:
             hp = self.heaps[r]
             if len(hp) >= workers:
                 free = heapq.heappop(hp)
                 st = st if st >= free else free
-        en = st + self.tab.opt[g]
+        en = st + self.opt[g]
         if workers is not None:
             heapq.heappush(self.heaps[r], en)
         self._cpu_done(r, ins, st, en)
@@ -370,7 +423,7 @@ class _Engine:
         g = ins[1]
         ready = self.offl_end.get(g, t)
         st = t if t >= ready else ready
-        en = st + self.tab.opt[g]
+        en = st + self.opt[g]
         self._cpu_done(r, ins, st, en)
         return en
 
@@ -392,9 +445,11 @@ class _Engine:
                 self.blocked_on[r] = "validate"
                 return None
             top = max(max(self.clock[x], self.d2h[x], self.cpu_end[x], self.asend_end[x]) for x in range(R))
-            self.val_time = max(top, 0.0) + self.tab.allreduce
+            self.val_time = max(top, 0.0) + self.allreduce
             for x in self.val_wait:
-                self._enqueue(x)
+                if not self.inq[x]:
+                    self.inq[x] = True
+                    self.queue.append(x)
             self.val_wait.clear()
         return self.val_time
 
@@ -426,7 +481,9 @@ def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_o
 
 def run_program(schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool) -> dict:
     """Execute every rank's list together; returns iteration time, per-rank busy time, GPU end,
-    memory deltas, raw events and clocks. Raises :class:`Deadlock` when ranks wait for each other."""
+    memory deltas (per rank, per category: ``(time, delta)`` lists), events ``(rank, lane, op
+    index, start, end)`` (index ``~m`` for the async transfer of message ``m``) and clocks.
+    Raises :class:`Deadlock` when ranks wait for each other."""
     prog = PROGRAMS.get(schedule)
     eng = _Engine(prog, tab, rendezvous=rendezvous, record=record, memory=memory)
     eng.run()

@@ -26,11 +26,13 @@ exactly the unit-cost model of the issue/paper. The engine that executes the lis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
+from operator import itemgetter
 from typing import Union
 
 from sysx.schedule.costs import Costs, CostTable, UnitCosts
-from sysx.schedule.engine import CKPTS, GRADS, LANES, PARAMS, PROGRAMS, WORK, run_program
-from sysx.schedule.ops import Op, OpKind, Schedule
+from sysx.schedule.engine import CKPTS, GRADS, PARAMS, PROGRAMS, WORK, run_program
+from sysx.schedule.ops import Op, Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +84,16 @@ class Timeline:
         }
 
 
-def _peaks(mem: list[tuple[float, float, int]]) -> tuple[float, list[float]]:
-    mem.sort(key=lambda e: (e[0], e[1]))
-    total = peak = 0.0
-    cat = [0.0] * 4
-    cpk = [0.0] * 4
-    for _, delta, k in mem:
-        total += delta
-        cat[k] += delta
-        if total > peak:
-            peak = total
-        if cat[k] > cpk[k]:
-            cpk[k] = cat[k]
-    return peak, cpk
+def _peaks(mem: tuple[list[tuple[float, float]], ...]) -> tuple[float, list[float]]:
+    """Peak of the running total of all deltas, and of each category's, in (time, delta) order
+    (at equal times frees first). Sorting plain tuples and summing with ``accumulate`` keeps the
+    sweep in C; deltas with equal keys are equal, so the order among them changes no sum."""
+    for deltas in mem:
+        deltas.sort()
+    cat_peaks = [max(accumulate(map(itemgetter(1), deltas), initial=0.0)) for deltas in mem]
+    # the categories are sorted runs already: this sort only merges them
+    merged = sorted(chain.from_iterable(mem))
+    return max(accumulate(map(itemgetter(1), merged), initial=0.0)), cat_peaks
 
 
 def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple[list[float], list[float]]:
@@ -153,16 +152,8 @@ def simulate(schedule: Schedule, costs: CostsLike | None = None, *, record: bool
     host, shm = host_memory(schedule, tab, gpn)
     events: list[Event] = []
     if record:
-        ops = schedule.ops
-        prog = PROGRAMS.get(schedule)
-        for r, lane, i, st, en in out["events"]:
-            if i < 0:  # async transfer: find the SEND op on the sender
-                m = -1 - i
-                st_, sub_, mb_ = prog.msg_op[m]
-                op = Op(OpKind.SEND_CKPT, st_, sub_, mb_, prog.msg_dst[m], True)
-            else:
-                op = ops[r][i]
-            events.append(Event(r, LANES[lane], op, st, en))
+        ops, transfer = schedule.ops, PROGRAMS.get(schedule).transfer_op
+        events = [Event(r, lane, ops[r][i] if i >= 0 else transfer[~i], st, en) for r, lane, i, st, en in out["events"]]
     return Timeline(schedule.name, R, it, busy, bubble, ratio, out["gpu_end"], peaks, cats[PARAMS], cats[GRADS],
                     cats[CKPTS], cats[WORK], host, shm, gpn, tab.unit, events, schedule)
 
