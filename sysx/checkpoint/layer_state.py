@@ -14,8 +14,8 @@ import struct
 from dataclasses import dataclass
 
 import torch
+from safetensors import TensorSpec, serialize
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 
@@ -35,21 +35,34 @@ class LayerState:
         """Bytes of the tensors (what a snapshot of this layer costs in host memory)."""
         return sum(t.numel() * t.element_size() for kind in KINDS for t in getattr(self, kind).values())
 
-    def snapshot(self) -> LayerState:
-        """A copy that owns its memory: training may go on changing the original."""
-        copy = {kind: {n: t.detach().clone(memory_format=torch.contiguous_format) for n, t in getattr(self, kind).items()}
-                for kind in KINDS}
+    def snapshot(self, into: LayerState | None = None) -> LayerState:
+        """A copy that owns its memory (training may go on changing the original), written into
+        ``into``'s tensors when their shapes match: a saver reuses its buffers, so only its first
+        save pays for fresh pages."""
+        copy: dict[str, dict[str, torch.Tensor]] = {}
+        for kind in KINDS:
+            old = getattr(into, kind) if into is not None else {}
+            copy[kind] = {}
+            for n, t in getattr(self, kind).items():
+                buf = old.get(n)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype)
+                copy[kind][n] = buf.copy_(t.detach())
         return LayerState(self.layer, copy["weight"], copy["exp_avg"], copy["exp_avg_sq"], self.step)
 
 
 def encode_layer(state: LayerState) -> bytes:
-    """The safetensors bytes of a layer file."""
-    tensors = {}
-    for kind in KINDS:
-        for name, tensor in getattr(state, kind).items():
-            # safetensors refuses views that share one flat buffer; a contiguous copy per tensor is its format
-            tensors[f"{kind}/{name}"] = tensor.detach().to("cpu").contiguous().clone()
-    return st_save(tensors, metadata={"layer": str(state.layer), "step": str(state.step)})
+    """The safetensors bytes of a layer file, serialized straight from the tensors' memory.
+
+    The tensors are usually views of one flat optimizer buffer, which ``safetensors.torch.save``
+    refuses (shared storage) and would copy; :func:`safetensors.serialize` takes each view's
+    address instead, so the only copy is into the file's bytes."""
+    tensors = {f"{kind}/{name}": t.detach().contiguous() for kind in KINDS for name, t in getattr(state, kind).items()}
+    specs = {name: TensorSpec(dtype=str(t.dtype).split(".")[-1], shape=list(t.shape), data_ptr=t.data_ptr(),
+                              data_len=t.numel() * t.element_size()) for name, t in tensors.items()}
+    if any(t.device.type != "cpu" for t in tensors.values()):
+        raise ValueError(f"layer {state.layer}: checkpoint tensors must be host tensors")
+    return serialize(specs, metadata={"layer": str(state.layer), "step": str(state.step)})  # `tensors` keeps them alive
 
 
 def decode_layer(data: bytes, layer: int) -> LayerState:

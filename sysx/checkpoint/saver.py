@@ -55,6 +55,7 @@ class CheckpointSaver:
         self._pool: cf.ThreadPoolExecutor | None = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sysx-ckpt")
         self._inflight: cf.Future[Path | None] | None = None
         self._saves = 0
+        self._snapshots: dict[int, LayerState] = {}  # reused from save to save (see LayerState.snapshot)
         self.last_path: Path | None = None
 
     def save(self, step: int, layers: Mapping[int, LayerSource], *, manifest: Mapping[str, Any] | None = None,
@@ -69,7 +70,8 @@ class CheckpointSaver:
         nbytes = sum(s.nbytes for s in states)
         extra = {"manifest": dict(manifest or {}), "trainer": dict(trainer_state or {})}
         if background and nbytes + HOST_MARGIN_BYTES <= self._available():
-            snapshot = [s.snapshot() for s in states]
+            snapshot = [s.snapshot(into=self._snapshots.get(s.layer)) for s in states]
+            self._snapshots = {s.layer: s for s in snapshot}
             self._inflight = self._executor().submit(self._write, pending, snapshot, extra, False)
             return SaveReport(step, "background", time.perf_counter() - t0, nbytes)
         self.last_path = self._write(pending, states, extra, show_progress=True)
@@ -90,6 +92,7 @@ class CheckpointSaver:
             pool, self._pool = self._pool, None
             if pool is not None:
                 pool.shutdown(wait=True)
+            self._snapshots.clear()
 
     def _executor(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:

@@ -81,12 +81,15 @@ class HostState:
         init = init or seed_init(seed)
         layer = _init_layers(cfg, init, model)
         self.groups: list[HostGroup] = []
-        members: list[tuple[str, tuple[int, ...], list[nn.Module]]] = [
-            (f"block{k}", (k + 1,), [layer(k + 1)]) for k in range(cfg.n_layers)
+        # Each group's layers are built (or read from pretrained weights) only when its turn comes and
+        # dropped after, so the model is never held twice in host memory.
+        members: list[tuple[str, tuple[int, ...], Callable[[], list[nn.Module]]]] = [
+            (f"block{k}", (k + 1,), lambda k=k: [layer(k + 1)]) for k in range(cfg.n_layers)
         ]
-        members.append(("embedding+head", (0, cfg.n_layers + 1), _static_layers(cfg, init, model)))
+        members.append(("embedding+head", (0, cfg.n_layers + 1), lambda: _static_layers(cfg, init, model)))
         fp32 = dtype == torch.float32
-        for name, indices, modules in members:
+        for name, indices, build in members:
+            modules = build()
             layout = FlatLayout.from_modules(modules)
             flat = layout.flatten(modules).float()
             master = (self.buffers.empty(layout.numel, torch.float32) if fp32 else torch.empty(layout.numel)).copy_(flat)
@@ -96,7 +99,7 @@ class HostState:
             stage = StageOptimizer.from_settings(name, master, optim, target=None if fp32 else work,
                                                  grad_buffer=grad if fp32 else None, keep_grads=fp32, param_spans=spans)
             self.groups.append(HostGroup(name, indices, layout, work, grad, stage))
-            del flat
+            del flat, modules
 
     @property
     def static(self) -> HostGroup:
