@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from sysx.checkpoint.layer_state import LayerState, encode_layer
 from sysx.checkpoint.store import TRAINER_STATE, CheckpointDir, PendingCheckpoint, layer_filename
 from sysx.memory.budget import ram_available_bytes
@@ -74,6 +76,10 @@ class CheckpointSaver:
             self._snapshots = {s.layer: s for s in snapshot}
             self._inflight = self._executor().submit(self._write, pending, snapshot, extra, False)
             return SaveReport(step, "background", time.perf_counter() - t0, nbytes)
+        if background and self.rank == 0:
+            print(f"checkpoint step {step}: {nbytes / 2**30:.2f} GiB do not fit beside training in the host memory "
+                  f"available ({self._available() / 2**30:.2f} GiB); writing them before training goes on",
+                  file=sys.stderr, flush=True)
         self.last_path = self._write(pending, states, extra, show_progress=True)
         return SaveReport(step, "sync", time.perf_counter() - t0, nbytes)
 
@@ -101,13 +107,13 @@ class CheckpointSaver:
 
     def _write(self, pending: PendingCheckpoint, states: Sequence[LayerState], extra: dict[str, dict[str, Any]],
                show_progress: bool) -> Path | None:
-        progress = show_progress and self.rank == 0 and len(states) > 1
-        for n, state in enumerate(states, 1):
-            pending.write_file(layer_filename(state.layer), encode_layer(state), layer=state.layer, rank=self.rank)
-            if progress:
-                print(f"\rcheckpoint step {pending.step}: wrote {n}/{len(states)} layers", end="", file=sys.stderr, flush=True)
-        if progress:
-            print(file=sys.stderr, flush=True)
+        # a bar on rank 0's terminal, only for writes long enough to watch (tqdm's delay)
+        bar = tqdm(total=len(states), desc=f"checkpoint step {pending.step}", unit="layer", delay=1.0, file=sys.stderr,
+                   disable=not (show_progress and self.rank == 0 and sys.stderr.isatty()))
+        with bar:
+            for state in states:
+                pending.write_file(layer_filename(state.layer), encode_layer(state), layer=state.layer, rank=self.rank)
+                bar.update(1)
         if self.rank == 0:
             pending.write_file(TRAINER_STATE, json.dumps(extra["trainer"], indent=1, sort_keys=True).encode())
         pending.finish_rank(self.rank)
