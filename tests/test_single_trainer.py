@@ -161,8 +161,18 @@ def test_bf16_matches_reference_bf16() -> None:
     assert results[0].loss == ref_results[0].loss and results[0].grad_norm == ref_results[0].grad_norm
     # afterwards CpuAdam's fp32 rounding (not torch.optim.AdamW's) flips a few bf16 roundings of the
     # published weights (1 bf16 ulp = 2^-8), which the following steps carry along
-    loss, norm, param = diffs(results, state, ref_results, ref_state)
-    assert loss <= 1e-4 and norm <= 1e-3 and param <= 1e-2, (loss, norm, param)
+    loss, norm, _ = diffs(results, state, ref_results, ref_state)
+    assert loss <= 1e-4 and norm <= 1e-3, (loss, norm)
+    # the parameters move by only ~0.04% of their size in 3 steps, so compare the updates (measured
+    # 1.1%); unmoved parameters (a skipped step) give 1.0, a lost step of three ~0.33
+    init = ReferenceTrainer(cfg).state_dict()
+    assert update_diff(init, ref_state, init) == 1.0
+    assert update_diff(state, ref_state, init) <= 3e-2, update_diff(state, ref_state, init)
+
+
+def update_diff(state: dict, ref_state: dict, init: dict) -> float:
+    """Max over tensors of ``|update - reference update| / |reference update|`` (L2 norms), updates from ``init``."""
+    return max(float((state[k].cpu() - v).norm() / (v - init[k]).norm()) for k, v in ref_state.items())
 
 
 def test_int8_compression_trains_close_and_moves_fewer_bytes() -> None:
