@@ -3,8 +3,8 @@
     RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. LOCAL_WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. \
         python tests/runtime_parity_job.py SPEC.json RESULT.json
 
-SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "schedules": [{PipelineOptions
-fields}, ...]}``. Rank 0 trains the single-process reference in-process once; then every rank runs
+SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "optim": {...OptimSection
+fields, optional}, "schedules": [{PipelineOptions fields}, ...]}`` (``optim_backend`` defaults to torch). Rank 0 trains the single-process reference in-process once; then every rank runs
 each schedule in turn in the same process group (a fresh PipelineTrainer each, same seed and
 batches), and rank 0 compares per-step losses, gradient norms and the final fp32 parameters with
 the reference and writes the figures to RESULT.json.
@@ -53,6 +53,7 @@ def main(spec_path: str, out_path: str) -> int:
             state = trainer.state_dict()
             sched = trainer.schedule
             mirrored = sum(u.mirrored for u in trainer.params.units.values())
+            backends = sorted({s.optimizer.backend for s in trainer.optimizer.stages.values()})
             n_messages = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
         if info.rank != 0:
             continue
@@ -66,7 +67,7 @@ def main(spec_path: str, out_path: str) -> int:
             "options": options,
             "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.ckpt,
             "optimizer": sched.options.optimizer, "messages_per_step": n_messages, "mirrored_units": mirrored,
-            "losses": losses, "ref_losses": ref_losses,
+            "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends,
             "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
             "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
             "param_rel": float((a - b).norm() / a.norm()),
