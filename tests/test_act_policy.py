@@ -4,7 +4,6 @@ ring-capacity and host constraints), the forward-pass simulator, and PyAO's IQR 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -146,16 +145,14 @@ def test_dp_matches_brute_force_on_random_small_problems(seed: int) -> None:
         assert simulate_forward(p, sol.levels)[0]
 
 
-def test_dp_is_fast_for_a_real_model_size() -> None:
-    # 80 transferring blocks, 5 options, 4 chunks per round (paper: hundreds of microseconds in C)
+def test_dp_solves_a_real_model_size() -> None:
+    # 80 transferring blocks, 5 options, 4 chunks per round; its speed is profiling/bench_planners.py's
     n_tr, W, O, chunks = 80, 8, 5, 4
     p = SaveProblem.make([1.0] * (n_tr + W), [[0.12 * o for o in range(1, O + 1)]] * n_tr,
                          [[float(o) for o in range(O)]] * n_tr, ring_slots=W * chunks, chunks=chunks,
                          transfer_layers=n_tr, host_bytes=[[float(o + 1) for o in range(O)]] * n_tr,
                          host_capacity=3.0 * n_tr * chunks)
-    t0 = time.perf_counter()
     sol = solve_save_levels(p)
-    assert time.perf_counter() - t0 < 5.0
     assert sol.feasible and simulate_forward(p, sol.levels)[0]
 
 

@@ -330,9 +330,7 @@ def test_get_batch_same_in_separate_processes(dataset: TokenDataset) -> None:
 
 
 def test_default_corpus_built_once_and_cached(_private_cache: Path) -> None:
-    start = time.perf_counter()
     path, built = ensure_default_corpus()
-    build_s = time.perf_counter() - start
     assert built and path.parent == _private_cache / "data" and path == default_corpus_path()
     mtime = path.stat().st_mtime_ns
     assert ensure_default_corpus() == (path, False) and path.stat().st_mtime_ns == mtime
@@ -343,7 +341,6 @@ def test_default_corpus_built_once_and_cached(_private_cache: Path) -> None:
     assert 0 < len(ds.split("val")) <= 0.02 * len(ds)
     head = ByteTokenizer().decode(ds.tokens[:4000].tolist())
     assert head.startswith("# ==== ") and "def " in head
-    assert build_s < 10, build_s
 
     with open(path, "r+b") as f:  # a truncated cache file is rebuilt, not used
         f.truncate(1000)

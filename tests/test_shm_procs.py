@@ -229,7 +229,7 @@ def test_sigterm_to_owner_and_attacher_together(job: str) -> None:
     owner.send_signal(signal.SIGTERM)
     reader.send_signal(signal.SIGTERM)
     assert owner.wait(30) == -signal.SIGTERM and reader.wait(30) == -signal.SIGTERM
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 8  # under the owner's 10 s detach timeout on a signal: nobody waited
     assert not os.path.exists(segment_name("p.a", job=job, node=0).path)
 
 
@@ -244,7 +244,7 @@ def test_attacher_killed_owner_closes_promptly(job: str) -> None:
     owner.stdin.write("close\n")
     owner.stdin.flush()
     word, seconds = owner.stdout.readline().split()
-    assert word == "closed" and float(seconds) < 2.0
+    assert word == "closed" and float(seconds) < 10.0  # half its 20 s timeout: it did not wait for the dead reader
     assert owner.wait(30) == 0
     assert not os.path.exists(segment_name("p.a", job=job, node=0).path)
 

@@ -148,12 +148,12 @@ class OptimSection:
     """``optim=adamw``: AdamW with linear warmup and cosine decay to ``min_lr`` over ``train.steps``."""
 
     name: str = "adamw"
-    lr: float = 0.003
+    lr: float = 0.001
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
-    warmup_steps: int = 30
-    min_lr: float = 0.0003
+    warmup_steps: int = 50
+    min_lr: float = 0.0001
     grad_clip: float = 1.0
     backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
     rollback: str = "undo"  # undoing a step on overflow: undo (Adam's arithmetic inverse) | snapshot (exact copy)
