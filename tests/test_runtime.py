@@ -95,7 +95,7 @@ def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(datas
 
     cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
                      train=TrainSection(steps=5, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0), device="cpu", precision="fp16",
+                     optim=OptimSection(lr=3e-3, warmup_steps=2), eval=EvalSection(every=0), device="cpu", precision="fp16",
                      loss_scale=LossScaleSection(init=2.0**20))
     ref = ReferenceTrainer(cfg, dataset=dataset)
     expected = [(r.skipped, r.scale) for r in ref.run(5)]
