@@ -36,18 +36,38 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sysx.config import SysxConfig, load_config, model_config
+from sysx.device_memory import MemoryCap, device_usage, over_budget
 from sysx.model import Block, build_model, flops_per_token, get_preset
 
 GiB = 1 << 30
 LONG_CONTEXT = (8192, 16384, 32768, 65536)
 METHODS = ("sysx single", "pytorch ckpt", "zero3 offload")
-# Dense peak TFLOP/s by GPU name fragment: (16-bit tensor cores, TF32 for precision=fp32).
-PEAK_TFLOPS = {
-    "H200": (989.0, 494.5),
-    "H100": (989.0, 494.5),
-    "A100": (312.0, 156.0),
-    "RTX 4090": (165.2, 82.6),
+# Dense peak TFLOP/s by the exact name torch.cuda.get_device_name() reports: (16-bit tensor cores,
+# TF32 tensor cores, fp32 CUDA cores). Exact names: an H100 PCIe or NVL is not an H100 SXM.
+GPU_PEAKS: dict[str, tuple[float, float, float]] = {
+    "NVIDIA H100 80GB HBM3": (989.4, 494.7, 66.9),  # SXM5
+    "NVIDIA H100 PCIe": (756.5, 378.0, 51.2),
+    "NVIDIA H100 NVL": (835.5, 417.5, 60.0),
+    "NVIDIA H200": (989.4, 494.7, 66.9),  # SXM
+    "NVIDIA H200 NVL": (835.5, 417.5, 60.0),
+    "NVIDIA A100-SXM4-80GB": (312.0, 156.0, 19.5),
+    "NVIDIA A100-SXM4-40GB": (312.0, 156.0, 19.5),
+    "NVIDIA A100 80GB PCIe": (312.0, 156.0, 19.5),
+    "NVIDIA A100-PCIE-40GB": (312.0, 156.0, 19.5),
+    "NVIDIA GeForce RTX 4090": (165.2, 82.6, 82.6),
 }
+
+
+def gpu_peak(name: str, precision: str, *, tf32: bool) -> float | None:
+    """Dense peak TFLOP/s of the GPU called exactly ``name`` at ``precision`` (fp32 counts against
+    the TF32 peak only when TF32 matmuls are enabled, else the fp32 CUDA-core peak); None when unknown."""
+    peaks = GPU_PEAKS.get(name.strip())
+    if peaks is None:
+        return None
+    half, tf32_peak, fp32 = peaks
+    if precision != "fp32":
+        return half
+    return tf32_peak if tf32 else fp32
 
 
 @dataclass
@@ -94,16 +114,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def peak_tflops(args: argparse.Namespace, precision: str) -> float | None:
-    """The device peak for MFU: ``--peak-tflops``, else from the GPU name; None on CPU."""
+    """The device peak for MFU: ``--peak-tflops``, else from the GPU's exact name; None on CPU."""
     if not torch.cuda.is_available():
         return args.peak_tflops
     if args.peak_tflops is not None:
         return args.peak_tflops
     name = torch.cuda.get_device_name()
-    for key, (half, tf32) in PEAK_TFLOPS.items():
-        if key.lower() in name.lower():
-            return tf32 if precision == "fp32" else half
-    raise SystemExit(f"bench_single: unknown GPU {name!r}: pass --peak-tflops (dense TFLOP/s at {precision})")
+    peak = gpu_peak(name, precision, tf32=torch.get_float32_matmul_precision() != "highest")
+    if peak is None:
+        raise SystemExit(f"bench_single: no peak known for GPU {name!r}: pass --peak-tflops (dense TFLOP/s at {precision})")
+    return peak
 
 
 def make_config(args: argparse.Namespace, seq_len: int, budget_gb: float, precision: str) -> SysxConfig:
@@ -119,33 +139,39 @@ def make_config(args: argparse.Namespace, seq_len: int, budget_gb: float, precis
 
 @contextlib.contextmanager
 def device_budget(device: torch.device, budget_gb: float) -> Iterator[None]:
-    """On CUDA: cap this process at ``budget_gb`` and reset the peak; restore the cap afterwards."""
+    """On CUDA: cap this process at ``budget_gb`` and reset the peak; restore the previous cap afterwards."""
     if device.type != "cuda":
         yield
         return
     gc.collect()
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * GiB / total), device)
+    cap = MemoryCap(device, int(budget_gb * GiB))
     torch.cuda.reset_peak_memory_stats(device)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        cap.close()
         gc.collect()
         torch.cuda.empty_cache()
 
 
 def finish_row(row: Row, cfg: SysxConfig, device: torch.device, seconds: float, steps: int,
                peak: float | None) -> Row:
-    """Fill tokens/s, MFU, peak memory and the budget check from a timed run of ``steps`` steps."""
+    """Fill tokens/s, MFU, peak memory and the budget check from a timed run of ``steps`` steps.
+
+    The budget check is on what the cap limits (peak reserved memory) and on what the GPU gives up
+    (this process's NVML usage, CUDA context included), not on the allocated peak alone."""
     tokens = cfg.tokens_per_step * steps
     row.tokens_per_s = tokens / seconds
     if peak is not None:
         row.mfu = row.tokens_per_s * flops_per_token(model_config(cfg), cfg.train.seq_len) / (peak * 1e12)
-    if device.type == "cuda":
-        row.peak_gib = torch.cuda.max_memory_allocated(device) / GiB
-        row.within_budget = row.peak_gib <= row.budget_gb
+    usage = device_usage(device)
+    if usage is not None:
+        row.peak_gib = usage.peak_allocated / GiB
+        over = over_budget(usage, int(row.budget_gb * GiB))
+        row.within_budget = not over
+        if over:
+            row.note = (row.note + "; " if row.note else "") + "; ".join(over)
     return row
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sysx.placement import backend_for, local_device
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -115,7 +117,7 @@ def _mpi_rendezvous() -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address[0], str(address[1])
 
 
-def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "auto") -> DistInfo:
     """Join the job's process group (NCCL with GPUs, gloo without) and return this rank's place.
 
     A single process with no launcher gets ``DistInfo()`` and no process group.
@@ -127,9 +129,9 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Dist
     if info.launcher == "mpi":
         _mpi_rendezvous()
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(device)  # from the job's device: a device=cpu job on a GPU machine talks gloo
     if backend == "nccl":
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_device(info.local_rank, info.local_world_size, torch.cuda.device_count()))
     dist.init_process_group(
         backend=backend,
         init_method="env://",

@@ -45,7 +45,10 @@ def _cudart() -> Any:
 def _clear_cuda_error() -> None:
     """Reset the CUDA runtime's last-error slot after a failed registration, so the next kernel
     launch check does not report our (handled) error. Best effort: uses the libcudart this process
-    already loaded, if it is a shared library."""
+    already loaded, if it is a shared library. With a statically linked CUDA runtime there is no
+    such library to open (and opening another copy would clear *its* error slot, not torch's): the
+    handled error can then surface at the next kernel-launch check as a stale host-memory error;
+    the registration warning says so, so that such a report can be told apart."""
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line}
@@ -102,7 +105,8 @@ def register_host_memory(address: int, nbytes: int, *, label: str, pin: bool | N
         f"sysx: could not page-lock {fmt_bytes(nbytes)} of host memory for {label} "
         f"(cudaHostRegister: {_error_text(cudart, code)}); FALLING BACK TO PAGEABLE MEMORY: host<->GPU copies "
         "will be slower and will not overlap with compute. Fix: raise the locked-memory limit (`ulimit -l "
-        "unlimited`, `docker run --ulimit memlock=-1`, Slurm/K8s memlock settings) or reduce pinned memory.",
+        "unlimited`, `docker run --ulimit memlock=-1`, Slurm/K8s memlock settings) or reduce pinned memory. "
+        "(A later CUDA error with this same text is this handled one, left behind by a statically linked runtime.)",
         RuntimeWarning,
         stacklevel=2,
     )

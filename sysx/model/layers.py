@@ -18,6 +18,10 @@ from sysx.model.config import ModelConfig
 IGNORE_INDEX = -100
 
 
+# torch >= 2.5: scaled_dot_product_attention takes fewer K/V heads than query heads (enable_gqa)
+SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 def _linear(in_features: int, out_features: int, device: torch.device | str | None, dtype: torch.dtype) -> nn.Linear:
     """A bias-free ``nn.Linear`` whose weight is left uninitialised (no wasted default init)."""
     device = torch.get_default_device() if device is None else device
@@ -91,14 +95,17 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(self.head_dim, self.rope_theta, seq_len, x.device, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = self.n_heads // self.n_kv_heads
-        if n_rep > 1:
-            # Each KV head serves n_rep consecutive query heads (HF ``repeat_kv``). Expanding here
-            # instead of passing enable_gqa keeps every SDPA backend (flash, efficient, math) usable.
+        gqa: dict[str, bool] = {}
+        if n_rep > 1 and SDPA_GQA:
+            # Each KV head serves n_rep consecutive query heads (HF ``repeat_kv``); the flash kernels
+            # read the shared K/V directly instead of n_rep materialised copies.
+            gqa = {"enable_gqa": True}
+        elif n_rep > 1:
             k = k[:, :, None].expand(bsz, self.n_kv_heads, n_rep, seq_len, self.head_dim).reshape(
                 bsz, self.n_heads, seq_len, self.head_dim)
             v = v[:, :, None].expand(bsz, self.n_kv_heads, n_rep, seq_len, self.head_dim).reshape(
                 bsz, self.n_heads, seq_len, self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5, **gqa)
         y = y.transpose(1, 2).reshape(bsz, seq_len, self.n_heads * self.head_dim)
         return self.o_proj(y)
 

@@ -42,6 +42,28 @@ def make_layer(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float
     return Block(cfg, device=device, dtype=dtype)
 
 
+def make_shell(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Layer ``index`` with parameters of the right shapes but no storage behind them: each is a
+    one-element CPU tensor broadcast to its shape, to be bound to a buffer on the device
+    (:meth:`~sysx.model.flat.FlatLayout.bind`) before use. Building compute modules this way
+    allocates nothing on the device and (almost) nothing on the host."""
+    layer = make_layer(cfg, index, dtype=dtype, device="meta")
+    _placeholders(layer, {})
+    return layer
+
+
+def _placeholders(module: nn.Module, made: dict[int, nn.Parameter]) -> None:
+    """Swap every meta Parameter of ``module`` for a storage-less CPU stand-in (one per Parameter, so ties stay ties)."""
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                empty = torch.empty(1, dtype=p.dtype).expand(p.shape)
+                made[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+            sub._parameters[name] = made[id(p)]
+
+
 def tie_embeddings(embedding: Embedding, head: Head) -> None:
     """Make ``head.lm_head.weight`` the very Parameter of ``embedding.weight`` (tied embeddings)."""
     head.lm_head.weight = embedding.weight

@@ -8,7 +8,9 @@ The op is compiled on first use (ninja + g++, about a minute) by DeepSpeed's own
   (torch's build cache key includes include paths, so two venvs must not share a directory);
 * a ``lock`` file left behind by a killed build (torch would wait on it forever) is removed with a
   warning once it is older than :data:`STALE_LOCK_S`;
-* ``DS_ACCELERATOR=cpu`` is set (when unset) so DeepSpeed picks its CPU accelerator quietly;
+* ``DS_ACCELERATOR=cpu`` is set (when unset) on machines without CUDA, so DeepSpeed picks its CPU
+  accelerator quietly; never where CUDA is present (DeepSpeed fixes its accelerator once per
+  process, and later DeepSpeed users there, e.g. ZeRO-3, need the CUDA one);
 * the SIMD flag DeepSpeed would pick (``-D__AVX512__`` ...) is read from ``/proc/cpuinfo``
   instead of ``py-cpuinfo`` (1.1 s per call, three calls per load), with the same result.
 
@@ -93,9 +95,17 @@ def simd_flag() -> str | None:
     return None
 
 
+def quiet_cpu_accelerator() -> None:
+    """Set ``DS_ACCELERATOR=cpu`` (when unset) only where CUDA is absent: DeepSpeed chooses its
+    accelerator once per process, so on a GPU machine this would give every later DeepSpeed use in
+    the process (the ZeRO-3 rows of ``bench_single.py``) the CPU accelerator."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def _builder() -> Any:
     """DeepSpeed's CPU ``CPUAdamBuilder`` with the cheap CPU-feature probe of :func:`simd_flag`."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    quiet_cpu_accelerator()
     try:
         from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
     except Exception as exc:  # ImportError, or DeepSpeed failing its own import-time checks

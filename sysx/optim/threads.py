@@ -43,6 +43,18 @@ log = logging.getLogger("sysx.optim")
 T = TypeVar("T")
 
 
+def worker_device(device: torch.device | str | None) -> torch.device | None:
+    """The GPU the workers must make current: ``device`` when it is a CUDA device; when None, the
+    creating thread's current GPU if this process already uses CUDA; else None (CPU jobs never
+    touch CUDA, so a GPU machine's CPU job creates no context)."""
+    if device is not None:
+        device = torch.device(device)
+        return device if device.type == "cuda" else None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 class OptimizerThreads:
     """A pool of optimizer worker threads for the sub-stages this rank owns."""
 
@@ -53,6 +65,7 @@ class OptimizerThreads:
         workers: int | None = None,
         threads_per_worker: int | None = None,
         name: str = "sysx-opt",
+        device: torch.device | str | None = None,
     ) -> None:
         if not stages:
             raise ValueError("OptimizerThreads: no stages given")
@@ -64,6 +77,7 @@ class OptimizerThreads:
         if threads_per_worker is not None and threads_per_worker < 1:
             raise ValueError(f"OptimizerThreads: threads_per_worker={threads_per_worker} must be >= 1")
         self.threads_per_worker = threads_per_worker
+        self.device = worker_device(device)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=self.workers, thread_name_prefix=name, initializer=self._init_worker
         )
@@ -81,6 +95,10 @@ class OptimizerThreads:
     def _init_worker(self) -> None:
         if self.threads_per_worker is not None:
             torch.set_num_threads(self.threads_per_worker)  # OpenMP: affects this thread only
+        if self.device is not None:
+            # the current device is per thread: without this a worker's first CUDA call (an event
+            # wait) would create a context on GPU 0
+            torch.cuda.set_device(self.device)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

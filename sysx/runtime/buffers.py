@@ -153,7 +153,7 @@ class GradBuffers:
         self.d2h.wait_stream(self.compute)
         with self.d2h.use():
             host.copy_(buf, non_blocking=True)
-            event = self.d2h.record_event()
+            event = self.d2h.record_event(blocking=True)  # an optimizer thread waits on it: sleep, do not spin
         dev.record_tensor_use(buf, self.d2h)
         base = buf if buf._base is None else buf._base
         self._pool.append((base, event))

@@ -30,17 +30,17 @@ holding the Head), accumulates parameter gradients into the sub-stage's flat gra
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from sysx import device as dev
 from sysx import trace
 from sysx.dist import PeerTimeout
 from sysx.model import FlatLayout, ModelConfig, run_layers
-from sysx.model.llama import make_layer
+from sysx.model.llama import make_shell
 from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.p2p import P2P, Pending, TransferMismatch, TransferSpec
@@ -123,6 +123,7 @@ class Executor:
             OpKind.VALIDATE: self._validate,
         }
         self._modules: dict[tuple[int, int], tuple[list[nn.Module], FlatLayout]] = {}
+        self._bindings: dict[tuple[int, int], tuple[torch.device, int, int]] = {}  # layers -> slot region bound
         self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.acts: dict[tuple[int, int], torch.Tensor] = {}
         self.ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -141,13 +142,14 @@ class Executor:
         self._ops = ops
         self._batches.clear()
         tracing = trace.enabled()
+        timer = dev.OpTimer(self.device)  # device time per op kind, not host enqueue time
         for index, op in enumerate(ops):
             handler = self.handlers.get(op.kind)
             self._index, self._op = index, op
             if handler is None:
                 raise self._error(f"{self._label}: no handler for op kind {op.kind!r} in the executor's dispatch table "
                                   f"(known: {', '.join(k.name for k in self.handlers)})")
-            t0 = time.perf_counter()
+            started = timer.start()
             try:
                 if tracing:
                     with trace.nvtx_range(op.trace_name()):
@@ -158,10 +160,11 @@ class Executor:
                 raise  # they already name the rank, the op and the peer
             except Exception as err:
                 raise self._error(f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}") from err
-            kind = op.kind.name
-            ctx.op_seconds[kind] = ctx.op_seconds.get(kind, 0.0) + time.perf_counter() - t0
+            timer.stop(op.kind.name, started)
             if self.sends:
                 self._reap_sends()
+        for kind, seconds in timer.seconds().items():
+            ctx.op_seconds[kind] = ctx.op_seconds.get(kind, 0.0) + seconds
         return ctx
 
     @property
@@ -211,15 +214,23 @@ class Executor:
         return self._batches[key]
 
     def _layers_modules(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
+        """Compute modules for ``layers``: storage-less shells (the weights live in the slots)."""
         key = (layers.start, layers.stop)
         if key not in self._modules:
-            mods = [make_layer(self.model_cfg, i, dtype=self.dtype, device=self.device) for i in layers]
+            mods = [make_shell(self.model_cfg, i, dtype=self.dtype) for i in layers]
             self._modules[key] = (mods, FlatLayout.from_modules(mods))
         return self._modules[key]
 
     def _bound(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
+        """The modules of ``layers`` with their parameters viewing the loaded slot; rebinding (one
+        ``.data`` swap per parameter) only when the slot region differs from the last binding."""
         mods, layout = self._layers_modules(layers)
-        layout.bind(mods, self.slots.view(layers, self._op_name))
+        view = self.slots.view(layers, self._op_name)  # also orders compute after the slot's copy
+        key = (layers.start, layers.stop)
+        where = (view.device, view.data_ptr(), view.numel())
+        if self._bindings.get(key) != where:
+            layout.bind(mods, view)
+            self._bindings[key] = where
         return mods, layout
 
     def _run(self, mods: list[nn.Module], layers: range, x: torch.Tensor, mb: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sysx import device as dev
 from sysx.dist import DistInfo, wait_for
 from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
@@ -223,6 +224,7 @@ class StageParams:
 
     def close(self) -> None:
         """Drop every view of shared memory and close the store (unlink what this rank created)."""
+        dev.synchronize_all()  # after an error, H2D copies from these mappings may still be in flight
         self.masters.clear()
         self.shared.clear()
         self.store.close()

@@ -182,7 +182,7 @@ class SlidingWindowExecutor:
         with self.outbound.use():
             self.host.static.grad.copy_(self.static_g, non_blocking=True)
         self.stats.d2h_grads += self.static_g.numel() * self.static_g.element_size()
-        self._static_home = self.outbound.record_event()
+        self._static_home = self.outbound.record_event(blocking=True)  # an optimizer thread waits on it
         on_grads(self.STATIC, self._static_home)
         return losses
 

@@ -27,7 +27,10 @@ A plan that cannot fit raises :class:`PlanError` before anything is allocated, w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
+
+import torch
 
 from sysx.memory.budget import training_state_bytes
 from sysx.model.config import ModelConfig
@@ -340,16 +343,47 @@ def _fit_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
 
 def _choose_chunk(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, x: int,
                   budget: int, cuda: bool) -> int:
+    """The largest divisor of ``x`` whose workspace fits :data:`WORKSPACE_SHARE` of the budget left.
+
+    Sizes come from exact byte counts (a ``meta`` profile: no memory, no time); only the size
+    chosen is then run by ``profiler`` (on the training device), and a size the device runs out
+    of memory on does not fit: the next smaller one is tried.
+    """
     if req.chunk:
+        if not _runs_on_device(profiler, req.chunk):
+            raise PlanError(f"single.micro_batch_size={req.chunk}: the device ran out of memory running one block on "
+                            f"{req.chunk} sequence(s) of train.seq_len={req.seq_len} while planning; lower it")
         return req.chunk
+    sizer = _sizer(req.model, req.seq_len, req.dtype)
     static_weights = 2 * align(sizes.static_params * req.param_bytes)
     room = max(0.0, (budget - static_weights) * WORKSPACE_SHARE)
-    best = 1
-    for b in _divisors(x):
-        table = level_table(profiler(b), req, hw, b, req.model)
-        if table.workspace_bytes <= room:
-            best = b
-    return best
+    divisors = _divisors(x)
+    fitting = [b for b in divisors if level_table(sizer(b), req, hw, b, req.model).workspace_bytes <= room]
+    first = fitting[-1] if fitting else 1
+    for b in (d for d in reversed(divisors) if d <= first):
+        if _runs_on_device(profiler, b):
+            return b
+    raise PlanError(f"the device ran out of memory running one block on 1 sequence of train.seq_len={req.seq_len} "
+                    f"while planning; shorten train.seq_len or free device memory (other processes on the GPU?)")
+
+
+@functools.lru_cache(maxsize=8)
+def _sizer(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
+    """The ``meta`` profiler of a shape (cached: every round size asks for the same chunk sizes)."""
+    return meta_profiler(cfg, seq_len, dtype)
+
+
+def _runs_on_device(profiler: Profiler, chunk: int) -> bool:
+    """Profile ``chunk`` sequences; False when the device runs out of memory doing it."""
+    try:
+        profiler(chunk)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    else:
+        return True
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the failed attempt's blocks back before the next size
+    return False
 
 
 def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, fit: _Fit,
@@ -406,7 +440,7 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
 def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, budget: int,
             act_capacity: int, cuda: bool, tried: list[str]) -> None:
     """Raise the PlanError of a budget that is too small, with the smallest plan's needs."""
-    table = level_table(profiler(1), replace(req, policy="input"), hw, 1, req.model)
+    table = level_table(_sizer(req.model, req.seq_len, req.dtype)(1), replace(req, policy="input"), hw, 1, req.model)
     smallest = _fit(req, sizes, table, 1, budget, 0, cuda)
     need_dev = sum(smallest.static.values()) + smallest.per_block  # a window of one block
     need_two = need_dev + (smallest.per_block if sizes.n_blocks > 1 else 0)

@@ -165,7 +165,7 @@ class Ring:
         s = self._slots[i]
         if s.state != "in_use":
             raise RingError(f"ring {self.name}: slot {i} released while {s.state} (holding {s.key!r})")
-        s.released = stream.record_event()
+        s.released = stream.record_event(blocking=True)  # optimizer threads wait on grad-ring releases
         s.state = "ready" if keep else "free"
         if keep:
             s.ready = s.released

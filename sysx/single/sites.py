@@ -485,22 +485,33 @@ Profiler = Callable[[int], LayerProfile]  # chunk size -> profile of one Block a
 
 def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *,
                     measure: bool) -> Profiler:
-    """Profile a Block with random weights at chunk size ``b`` on the training device (cached per ``b``)."""
+    """Profile a Block with random weights at chunk size ``b`` on the training device (cached per ``b``).
+
+    The planner sizes chunks from ``meta`` profiles and calls this only for the sizes it chose, so
+    the block is built once and each input is drawn directly on the device in ``dtype`` (no fp32
+    host copy per size). A ``torch.cuda.OutOfMemoryError`` propagates: to the planner it means the
+    size does not fit.
+    """
     from sysx.model.llama import make_layer
 
     cache: dict[int, LayerProfile] = {}
+    blocks: list[nn.Module] = []
+
+    def block() -> nn.Module:
+        if not blocks:
+            gen = torch.Generator(device="cpu").manual_seed(1234)
+            layer = make_layer(cfg, 1, dtype=torch.float32, device="cpu")
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+            blocks.append(layer.to(device=device, dtype=dtype))
+        return blocks[0]
 
     def run(b: int) -> LayerProfile:
         if b not in cache:
-            gen = torch.Generator(device="cpu").manual_seed(1234)
-            block = make_layer(cfg, 1, dtype=torch.float32, device="cpu")
-            with torch.no_grad():
-                for p in block.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
-            block = block.to(device=device, dtype=dtype)
-            x = (torch.randn((b, seq_len, cfg.dim), generator=gen)).to(device=device, dtype=dtype)
-            cache[b] = profile_layer(block, x, model_dim=cfg.dim, measure=measure)
-            del block, x
+            gen = torch.Generator(device=device).manual_seed(1234 + b)
+            x = torch.randn((b, seq_len, cfg.dim), generator=gen, device=device, dtype=dtype)
+            cache[b] = profile_layer(block(), x, model_dim=cfg.dim, measure=measure)
         return cache[b]
 
     return run

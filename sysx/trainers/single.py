@@ -33,6 +33,7 @@ from sysx import device as dev
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
+from sysx.device_memory import MemoryCap
 from sysx.metrics import StepResult
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
@@ -86,21 +87,26 @@ class SingleTrainer(Trainer):
         self.plan: SinglePlan = make_plan(request, hardware, profiler=profiler)
         if self.settings.print_plan:
             print(self.plan.render(), flush=True)
-        if dev.is_cuda(self.device) and request.device_budget_bytes:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, request.device_budget_bytes / total), self.device)
+        self.memory_cap = MemoryCap(self.device, request.device_budget_bytes)  # restored by close()
+        try:
+            self._build(cfg, optimizer_backend, model)
+        except BaseException:
+            self.memory_cap.close()
+            raise
+        dev.reset_peak_memory(self.device)
 
+    def _build(self, cfg: SysxConfig, optimizer_backend: str | None, model: LlamaModel | None) -> None:
+        """The host state, the executor and the optimizer threads."""
         o = cfg.optim
         settings = OptimSettings(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
                                  grad_clip=o.grad_clip, backend=optimizer_backend or o.backend)
         self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
-        self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt")
+        self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt", device=self.device)
         self._last_passed = True  # did the previous step need neither clipping nor a skip?
         self.redone_steps = 0
         self.speculated_steps = 0
-        dev.reset_peak_memory(self.device)
 
     # ------------------------------------------------------------------------------------ pieces
     @property
@@ -229,9 +235,12 @@ class SingleTrainer(Trainer):
         try:
             self.threads.wait_stages()
         finally:
-            self.threads.close()
-            self.executor.close()
-            self.host.close()
+            try:
+                self.threads.close()
+                self.executor.close()
+                self.host.close()
+            finally:
+                self.memory_cap.close()
 
 
 def train(cfg: SysxConfig, info: DistInfo) -> int:

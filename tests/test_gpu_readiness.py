@@ -1,0 +1,321 @@
+"""Issue 17 (GPU readiness), the logic that a CPU can check: which backend and GPU a process gets,
+what the planner does with an out-of-memory, what the executor allocates, which env DeepSpeed
+sees, how op times and offload events are taken, how a memory cap is restored, which peak an MFU
+uses. CUDA calls are replaced by stand-ins; what only a GPU can confirm is run by
+``profiling/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from sysx import device as dev
+from sysx.device_memory import DeviceUsage, MemoryCap, over_budget
+from sysx.model import get_preset
+from sysx.model.flat import FlatLayout
+from sysx.model.llama import init_layer, make_layer, make_shell
+from sysx.placement import PlacementError, backend_for, local_device
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = get_preset("tiny")
+
+
+# ------------------------------------------------------------------------------ items 2 and 4
+@pytest.mark.parametrize(("device", "cuda", "backend"), [
+    ("cpu", True, "gloo"), ("cuda", True, "nccl"), ("cuda:1", True, "nccl"), ("auto", True, "nccl"),
+    ("auto", False, "gloo"), (torch.device("cpu"), True, "gloo"),
+])
+def test_the_backend_follows_the_resolved_device_not_the_presence_of_cuda(
+        monkeypatch: pytest.MonkeyPatch, device: object, cuda: bool, backend: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert backend_for(device) == backend
+
+
+def test_more_processes_per_node_than_gpus_is_refused_in_one_line() -> None:
+    assert [local_device(r, 4, 8) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(PlacementError) as err:
+        local_device(2, 4, 2)  # today's modulo would put ranks 0 and 2 on GPU 0
+    assert "4 processes on this node but only 2 GPU(s)" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(PlacementError, match="no GPU"):
+        local_device(0, 1, 0)
+
+
+def test_default_device_uses_the_gpu_chosen_at_init_and_refuses_oversubscription(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the environment disagrees: the process group's choice wins
+    assert dev.default_device() == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert dev.default_device() == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(PlacementError):
+        dev.default_device()
+
+
+# ----------------------------------------------------------------------------------- item 1
+def test_planning_sizes_chunks_from_meta_and_runs_only_the_chosen_size_treating_oom_as_no_fit() -> None:
+    from sysx.single.hardware import assumed_hardware
+    from sysx.single.planner import PlanError, make_plan
+    from sysx.single.plan_costs import meta_profiler
+    from sysx.single.plan_request import PlanRequest
+
+    meta = meta_profiler(TINY, 128, torch.float32)
+    asked: list[int] = []
+
+    def device_profiler(b: int):  # a stand-in for the GPU: out of memory above 2 sequences
+        asked.append(b)
+        if b > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return meta(b)
+
+    req = PlanRequest(model=TINY, seq_len=128, global_batch=16, precision="fp32", device_budget_bytes=8 << 30,
+                      host_budget_bytes=4 << 30, round_sequences=16)
+    hw = assumed_hardware("rtx4090")
+    free = make_plan(req, hw, profiler=meta)
+    assert free.chunk > 2  # the budget alone allows more than the stand-in device can run
+    plan = make_plan(req, hw, profiler=device_profiler)
+    assert plan.chunk == 2
+    assert sorted(set(asked), reverse=True) == [d for d in (16, 8, 4, 2) if d <= free.chunk]  # largest fitting first, no others
+    with pytest.raises(PlanError, match="single.micro_batch_size=4: the device ran out of memory"):
+        make_plan(PlanRequest(**{**req.__dict__, "chunk": 4}), hw, profiler=device_profiler)
+
+
+# ----------------------------------------------------------------------------------- item 3
+def test_executor_shells_hold_no_weights_and_compute_like_full_layers() -> None:
+    from sysx.runtime.executor import Executor
+
+    ex = Executor.__new__(Executor)  # only what _layers_modules reads
+    ex.model_cfg, ex.dtype, ex.device, ex._modules = TINY, torch.float32, torch.device("cpu"), {}
+    mods, layout = ex._layers_modules(range(0, TINY.n_layers + 2))
+    held = sum(p.untyped_storage().nbytes() for m in mods for p in m.parameters())
+    assert layout.numel > 400_000 and held <= 4 * len(layout.entries)  # one element per parameter, not the unit
+    assert not any(p.is_meta for m in mods for p in m.parameters())
+    ref = make_layer(TINY, 1)
+    init_layer(ref, 1, seed=3)
+    shell = make_shell(TINY, 1)
+    FlatLayout.from_modules([shell]).bind([shell], FlatLayout.from_modules([ref]).flatten([ref]))
+    x = torch.randn(2, 8, TINY.dim)
+    assert torch.equal(shell(x), ref(x))
+
+
+# ---------------------------------------------------------------------------------- item 13
+def test_parameters_are_bound_once_per_slot_and_unit_not_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
+    from sysx.data import TokenDataset, default_corpus_path
+    from sysx.runtime import PipelineOptions
+    from sysx.trainers.pipeline import PipelineTrainer
+
+    binds: list[int] = []
+    real = FlatLayout.bind
+    monkeypatch.setattr(FlatLayout, "bind", lambda self, mods, buf: (binds.append(1), real(self, mods, buf))[1])
+    cfg = SysxConfig(model=ModelSection(preset="tiny"),
+                     train=TrainSection(steps=3, micro_batch_size=2, micro_batches=4, seq_len=16),
+                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0, batches=1), device="cpu")
+    validate(cfg)
+    trainer = PipelineTrainer(cfg, PipelineOptions(optim_backend="torch", schedule="gpipe"),
+                              dataset=TokenDataset(default_corpus_path()))
+    try:
+        trainer.run(1)
+        first = len(binds)
+        ops = sum(1 for o in trainer.ops if o.kind.name in ("FORWARD", "BACKWARD"))
+        trainer.run(2)
+    finally:
+        trainer.close()
+    assert 0 < first < ops  # 4 micro-batches x (F + B) share one binding per unit
+    assert len(binds) == first  # later steps reuse the same slots: no rebinding at all
+
+
+# ----------------------------------------------------------------------------------- item 6
+class _FakeCuda:
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.calls: list[float] = []
+
+    def set(self, value: float, device: object = None) -> None:
+        self.calls.append(value)
+        self.fraction = value
+
+
+def test_the_memory_cap_is_restored_when_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCuda(0.7)  # a cap some earlier code set
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fake.set)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fake.fraction)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 80 << 30})())
+    cap = MemoryCap(torch.device("cuda", 0), 20 << 30)
+    assert cap.active and fake.fraction == 0.25
+    cap.close()
+    cap.close()
+    assert fake.calls == [0.25, 0.7] and not cap.active
+    MemoryCap(torch.device("cpu"), 20 << 30).close()
+    assert fake.calls == [0.25, 0.7]
+
+
+def test_the_budget_check_counts_reserved_memory_and_the_process_nvml_usage() -> None:
+    budget = 10 << 30
+    ok = DeviceUsage(peak_allocated=6 << 30, peak_reserved=9 << 30, process_nvml=9_900 << 20, device_nvml=None,
+                     free=0, total=80 << 30)
+    assert over_budget(ok, budget) == []
+    reserved = DeviceUsage(6 << 30, 11 << 30, None, None, 0, 80 << 30)  # allocated alone would pass
+    assert [m.split()[0] for m in over_budget(reserved, budget)] == ["peak"]
+    context = DeviceUsage(6 << 30, 9 << 30, 11 << 30, None, 0, 80 << 30)
+    assert "CUDA context" in over_budget(context, budget)[0]
+
+
+# ----------------------------------------------------------------------------------- item 7
+@pytest.mark.parametrize("cuda", [True, False])
+def test_ds_accelerator_cpu_is_set_only_without_cuda(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
+    from sysx.optim.deepspeed_backend import quiet_cpu_accelerator
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    quiet_cpu_accelerator()
+    import os
+
+    assert os.environ.get("DS_ACCELERATOR") == (None if cuda else "cpu")
+
+
+# ----------------------------------------------------------------------------------- item 8
+class _FakeEvent:
+    clock = [0.0]
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+        self.timing, self.blocking, self.at, self.synced = enable_timing, blocking, None, False
+
+    def record(self, stream: object = None) -> None:
+        _FakeEvent.clock[0] += 2.5  # the "GPU" advances 2.5 ms between marks
+        self.at = _FakeEvent.clock[0]
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at - self.at
+
+
+def test_op_times_on_cuda_come_from_timing_events_and_on_cpu_from_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[_FakeEvent] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: made.append(_FakeEvent(**kw)) or made[-1])
+    timer = dev.OpTimer(torch.device("cuda", 0))
+    for label in ("FORWARD", "BACKWARD", "FORWARD"):
+        timer.stop(label, timer.start())
+    assert timer.seconds() == pytest.approx({"FORWARD": 0.005, "BACKWARD": 0.0025})
+    assert all(e.timing for e in made) and made[-1].synced and made[-1].blocking
+    cpu = dev.OpTimer("cpu")
+    cpu.stop("FORWARD", cpu.start())
+    assert list(cpu.seconds()) == ["FORWARD"] and len(made) == 6  # no event on CPU
+
+
+def test_offload_events_are_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[_FakeEvent] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: made.append(_FakeEvent(**kw)) or made[-1])
+    dev.Stream(torch.device("cuda", 0), raw=object()).record_event(blocking=True)
+    dev.Event(torch.device("cuda", 0))
+    assert [e.blocking for e in made] == [True, False]
+
+
+@pytest.mark.parametrize(("name", "precision", "tf32", "peak"), [
+    ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4), ("NVIDIA H100 PCIe", "bf16", False, 756.5),
+    ("NVIDIA H100 NVL", "bf16", False, 835.5), ("NVIDIA H200", "bf16", False, 989.4),
+    ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7), ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9),
+    ("NVIDIA H100 PCIe", "fp32", False, 51.2), ("NVIDIA H100 XYZ", "bf16", False, None), ("H100", "bf16", False, None),
+])
+def test_mfu_peaks_match_gpu_names_exactly_and_fp32_counts_tf32_only_when_enabled(
+        name: str, precision: str, tf32: bool, peak: float | None) -> None:
+    sys.path.insert(0, str(ROOT / "profiling"))
+    try:
+        from bench_single import gpu_peak
+    finally:
+        sys.path.remove(str(ROOT / "profiling"))
+    assert gpu_peak(name, precision, tf32=tf32) == peak
+
+
+# ---------------------------------------------------------------------------------- item 11
+def test_optimizer_workers_set_the_cuda_device_in_their_initialiser(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.optim.stage import StageOptimizer
+    from sysx.optim.threads import OptimizerThreads, worker_device
+
+    seen: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d)))
+    stage = StageOptimizer("s0", torch.zeros(8), lr=1e-3, backend="torch")
+    with OptimizerThreads([stage], workers=2, device=torch.device("cuda", 1), name="opt-test") as threads:
+        threads.run_all(lambda s: s.name, ["s0", "s0"], "noop")
+    assert seen and all(name.startswith("opt-test") and d == torch.device("cuda", 1) for name, d in seen)
+    assert worker_device("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert worker_device(None) is None  # a CPU job on a GPU machine creates no context
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert worker_device(None) == torch.device("cuda", 3)
+
+
+# ---------------------------------------------------------------------------------- item 12
+def test_no_pinned_allocation_bypasses_the_exact_size_registration() -> None:
+    pattern = re.compile(r"pin_memory\s*=\s*True|\.pin_memory\(")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "sysx").rglob("*.py") if p.name != "pinned.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == [], f"use sysx.memory.pinned.HostBuffers instead of the power-of-two caching host allocator: {hits}"
+
+
+# ---------------------------------------------------------------------------------- item 14
+def test_default_precision_is_bf16_on_a_gpu_and_fp32_on_cpu() -> None:
+    assert dev.default_precision(torch.device("cuda", 0)) == "bf16"
+    assert dev.default_precision("cpu") == "fp32"
+
+
+def test_gqa_attention_passes_shared_kv_heads_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.functional as F
+
+    from sysx.model import layers
+
+    if not layers.SDPA_GQA:
+        pytest.skip("this torch's scaled_dot_product_attention has no enable_gqa (torch < 2.5)")
+    shapes: list[tuple[int, int, bool]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):  # noqa: ANN001, ANN202
+        shapes.append((q.shape[1], k.shape[1], kw.get("enable_gqa", False)))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    block = make_layer(TINY, 1)
+    init_layer(block, 1)
+    block(torch.randn(1, 8, TINY.dim))
+    assert shapes == [(TINY.n_heads, TINY.n_kv_heads, True)]
+
+
+# ------------------------------------------------------------------------------------- low
+def test_closing_the_stage_params_synchronises_the_device_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.runtime.stage_params import StageParams
+
+    order: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append("sync"))
+    fake = type("F", (), {})()
+    fake.masters, fake.shared = {1: torch.zeros(1)}, {}
+    fake.store = type("S", (), {"close": lambda self: order.append("unmap")})()
+    StageParams.close(fake)
+    assert order == ["sync", "unmap"]
+
+
+# ------------------------------------------------------------------------------ check script
+@pytest.mark.timeout(900)
+def test_gpu_check_runs_reduced_on_cpu_and_says_what_it_skipped(tmp_path: Path) -> None:
+    out = subprocess.run(["bash", str(ROOT / "profiling" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
+                         env={**__import__("os").environ, "OUT": str(tmp_path), "GPU_CHECK_PYTEST_ARGS": "--co"},
+                         timeout=850)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "SKIP (no CUDA)" in log and "losses cpu" in log and "gpu_check: done" in log
