@@ -223,3 +223,68 @@ def test_a_killed_rank_stops_the_other_quickly_naming_it(tmp_path: Path, victim:
         job.check_nothing_left()
     finally:
         job.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+@pytest.mark.parametrize(("how", "signum"), [("group", signal.SIGINT), ("rank1", signal.SIGTERM), ("rank1", signal.SIGKILL)])
+def test_launchers_stop_every_rank(tmp_path: Path, launcher: str, how: str, signum: int) -> None:
+    job = start_launcher(tmp_path, launcher)
+    try:
+        elapsed = signal_case(job, how, signum)
+        rc = job.procs[0].returncode
+        print(f"\n{launcher}: {how} {signal.Signals(signum).name}: the launcher and every rank exited {elapsed:.2f} s "
+              f"after the signal, status {rc}")
+        assert elapsed < (KILL_STOP_S if signum == signal.SIGKILL else SIGNAL_STOP_S)
+        assert rc != 0
+        if signum != signal.SIGKILL:
+            text = "".join(job.stderr[0])
+            # torchrun itself prints its SignalException / ChildFailedError report; the ranks print no traceback
+            assert "sysx/" not in text and (launcher == "torchrun" or "Traceback" not in text), job.errors()
+            check_stopped_summary(job, signal.Signals(signum).name)
+        job.check_nothing_left()
+    finally:
+        job.kill()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["reference", "single"])
+def test_one_process_ctrl_c(tmp_path: Path, schedule: str) -> None:
+    job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SYSX_JOB_ID=job, SYSX_TEST_MARK=mark)
+    argv = [sys.executable, "-m", "sysx.train", f"schedule={schedule}", "train.steps=100000", "train.seq_len=16",
+            "train.micro_batch_size=2", "eval.every=0", "log.every=1", "device=cpu", f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_interactive_signals)
+    run = Job(tmp_path, [proc], job, mark)
+    try:
+        run.wait_for_step(2)
+        proc.send_signal(signal.SIGINT)
+        run.wait_all(timeout=60)
+        assert proc.returncode == 130, run.errors()
+        lines = [x for x in run.stderr[0] if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("sysx-train: stopped by SIGINT at step "), lines
+        check_stopped_summary(run, "SIGINT")
+        run.check_nothing_left()
+    finally:
+        run.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_on_signal_saves_a_checkpoint_before_stopping(tmp_path: Path) -> None:
+    job = start_ranks(tmp_path, args=["checkpoint.on_signal=true"])
+    try:
+        elapsed = signal_case(job, "rank1", signal.SIGTERM)
+        assert [p.returncode for p in job.procs] == [143, 143], job.errors()
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())
+        print(f"\non_signal: stopped {elapsed:.2f} s after SIGTERM to rank 1, after step {summary['steps']}: {saved}")
+        assert summary["stopped"] == "SIGTERM" and saved, saved
+        assert any(f"{summary['steps']:08d}" in name or str(summary["steps"]) in name for name in saved), saved
+        check_one_line_per_rank(job)
+        job.check_nothing_left()
+    finally:
+        job.kill()
