@@ -25,6 +25,7 @@ from sysx.stopping import JobStopped
 
 STOP_KEY, FAILED_KEY = "sysx/stop", "sysx/failed"
 STORE_POLL_S = 0.25
+EXIT_VISIBLE_S = 1.0  # how long a connection broken by a dying peer may precede its exit in /proc
 
 
 class PeerTimeout(RuntimeError):
@@ -100,8 +101,15 @@ class PeerWatch:
 
     def explain(self, what: str) -> BaseException | None:
         """After a transport error during ``what``: the stop or failure that explains it, if any.
-        A dead peer first: it may have been the store's host (rank 0 outside torchrun)."""
-        return self.dead_peer(what) or self._published_news(what)
+        A dead peer first: it may have been the store's host (rank 0 outside torchrun). A killed
+        process closes its sockets before ``/proc`` shows it dead, hence a short look again."""
+        deadline = time.monotonic() + EXIT_VISIBLE_S
+        while True:
+            dead = self.dead_peer(what)
+            if dead is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return dead or self._published_news(what)
 
     def _published_news(self, what: str) -> BaseException | None:
         if self._store_gone():

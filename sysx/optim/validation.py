@@ -78,7 +78,7 @@ def reduce_flags(found_inf: Sequence[bool], sq_norms: Sequence[float], group: di
         return n_inf, sq
     t = torch.tensor([float(n_inf), sq], dtype=torch.float64)
     wait_for(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), rank=dist.get_rank(),
-             what="VALIDATE (overflow and gradient-norm all-reduce)", peer=None, timeout_s=group_timeout_s())
+             what="VALIDATE (overflow and gradient-norm all-reduce)", peer=None, timeout_s=group_timeout_s(), collective=True)
     return int(t[0].item()), float(t[1].item())
 
 

@@ -12,6 +12,8 @@ ranks before this rank starts closing, so they stop at once instead of after ``s
 
 from __future__ import annotations
 
+import traceback
+
 from sysx import peers, stopping
 from sysx.metrics import SUMMARY_FILE, RunLogger, describe_run, prepare_run_dir
 from sysx.stopping import JobStopped
@@ -49,9 +51,11 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             checkpoints.finish(logger)
             logger.close()
     except JobStopped as stop:
+        traceback.clear_frames(stop.__traceback__)  # their locals hold views of shared memory that close() frees
         _stopped(trainer, logger, stop)
         raise
     except Exception as err:
+        traceback.clear_frames(err.__traceback__)
         news = _failed(trainer, err)
         if isinstance(news, JobStopped):
             _stopped(trainer, logger, news)

@@ -159,7 +159,7 @@ class PipelineTrainer(Trainer):
             if news is not None:
                 raise news from err
             raise sdist.PeerTimeout(f"rank {self.rank}: {what} could not start: {str(err).splitlines()[0]}") from err
-        sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.opts.timeout_s)
+        sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.opts.timeout_s, collective=True)
         return t.tolist()
 
     # ------------------------------------------------------------------------------------- steps
