@@ -12,9 +12,9 @@ Launchers forward the terminal's signal to ranks that already got it from the te
 mpiexec: Ctrl-C reaches the whole process group), so signals within :data:`REPEAT_GRACE_S` of the
 first are the same request and are absorbed; a signal after that raises again (the user insists).
 
-Handlers sit above the shared-memory store's own (``sysx.memory.cleanup``): those are installed
-first, so a signal that arrives before any store exists still unlinks nothing twice, and the
-store's handlers run only when the normal close path did not (a second, insisting signal).
+Handlers replace the shared-memory store's own (``sysx.memory.cleanup``), which are installed
+first so that a store created later does not install them above ours: a stop unwinds through
+``trainer.close()`` (the store's release), and the store's ``atexit`` hook catches the rest.
 """
 
 from __future__ import annotations
