@@ -6,27 +6,33 @@ through a shared-memory split of ``COMM_WORLD``. MPI launchers do not set ``MAST
 rank 0 picks them and broadcasts them through mpi4py.
 
 Every blocking wait goes through :func:`wait_for`, which turns a stuck receive into an error that
-names the rank, the operation and the peer instead of a silent hang.
+names the rank, the operation and the peer instead of a silent hang, and which waits in short
+slices so that a signal (:mod:`sysx.stopping`) or another rank's stop, failure or death
+(:mod:`sysx.peers`) ends the wait within a fraction of a second.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from sysx import peers, stopping
+from sysx.peers import PeerFailed, PeerTimeout
 from sysx.placement import backend_for, local_device
 
+__all__ = ["DEFAULT_TIMEOUT_S", "DistInfo", "PeerFailed", "PeerTimeout", "cpu_group", "detect", "group_timeout_s", "init", "shutdown",
+           "wait_for"]
+
 DEFAULT_TIMEOUT_S = 300.0
-
-
-class PeerTimeout(RuntimeError):
-    """A point-to-point operation or collective did not complete in time."""
+WAIT_SLICE_S = 0.1  # how often a waiting rank looks at signals and at the other ranks
 
 
 @dataclass(frozen=True)
@@ -122,8 +128,10 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device:
 
     A single process with no launcher gets ``DistInfo()`` and no process group.
     """
+    global _timeout_s
     info = detect()
     info = DistInfo(**{**info.__dict__, "timeout_s": timeout_s})
+    _timeout_s = timeout_s
     if info.world_size == 1 or dist.is_initialized():
         return info
     if info.launcher == "mpi":
@@ -139,10 +147,17 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device:
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    peers.attach(dist.distributed_c10d._get_default_store(), info.rank, info.world_size)
     return info
 
 
 _cpu_group: dist.ProcessGroup | None = None
+_timeout_s = DEFAULT_TIMEOUT_S
+
+
+def group_timeout_s() -> float:
+    """The timeout the process group was joined with (``schedule.timeout_s``)."""
+    return _timeout_s
 
 
 def cpu_group() -> dist.ProcessGroup | None:
@@ -160,18 +175,116 @@ def cpu_group() -> dist.ProcessGroup | None:
     return _cpu_group
 
 
-def wait_for(work: dist.Work, *, rank: int, what: str, peer: int | None, timeout_s: float) -> None:
+@dataclass
+class _Wait:
+    """One ``Work.wait`` handed to the waiter thread."""
+
+    work: dist.Work
+    timeout_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+    completed: bool | None = None
+    error: RuntimeError | None = None
+
+
+class _Waiter:
+    """A daemon thread that blocks in ``Work.wait`` for the main thread. Gloo's point-to-point
+    works cannot be polled (``is_completed`` stays False until ``wait``) and a timed-out ``wait``
+    closes the connection, so the main thread waits for this thread in short slices instead."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self.in_flight = 0  # waits handed over and not finished (a stop abandons the one it interrupts)
+
+    def submit(self, work: dist.Work, timeout_s: float) -> _Wait:
+        """Start waiting for ``work`` on the thread; returns the handle to poll."""
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="sysx-wait", daemon=True)
+            self._thread.start()
+        job = _Wait(work, timeout_s)
+        self.in_flight += 1
+        self._queue.put(job)
+        return job
+
+    def stop(self) -> None:
+        """End the thread when it is idle (at shutdown: no thread is left behind)."""
+        thread = self._thread
+        if thread is None or self._pid != os.getpid() or self.in_flight > 0:
+            return
+        self._queue.put(None)
+        thread.join(timeout=5)
+        self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job.completed = job.work.wait(datetime.timedelta(seconds=job.timeout_s))
+            except RuntimeError as err:
+                job.error = err
+            finally:
+                self.in_flight -= 1
+                job.done.set()
+
+
+_waiter = _Waiter()
+
+
+def _poll_collective(work: dist.Work, timeout_s: float, watch: peers.PeerWatch | None, what: str) -> _Wait:
+    """Wait for a collective by polling ``is_completed`` (it works for collectives, not for gloo's
+    point-to-point works), backing off from 50 us to 10 ms: no helper thread, little latency."""
+    job, pause, deadline, next_look = _Wait(work, timeout_s), 5e-5, time.monotonic() + timeout_s, 0.0
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline:
+            job.completed = False
+            return job
+        if now >= next_look:
+            next_look = now + WAIT_SLICE_S
+            stopping.raise_if_requested()
+            if watch is not None:
+                watch.check(what)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    try:
+        job.completed = work.wait()
+    except RuntimeError as err:
+        job.error = err
+    return job
+
+
+def wait_for(work: dist.Work, *, rank: int, what: str, peer: int | None, timeout_s: float,
+             collective: bool = False) -> None:
     """Wait for an async operation; on timeout raise :class:`PeerTimeout` naming rank, op and peer.
 
-    A transport error well before the timeout (a peer's connection closed: it crashed or was
-    killed) is reported as such, with the time it took, instead of as a timeout."""
+    While it waits, a signal raises :class:`sysx.stopping.JobStopped`, and another rank's stop,
+    failure or death (:mod:`sysx.peers`) raises ``JobStopped`` or :class:`PeerFailed`. A
+    transport error well before the timeout (a peer's connection closed: it crashed or was
+    killed) is reported as such, naming the dead peer when it can be found, instead of as a timeout.
+    ``collective=True``: ``work`` is a collective, polled without the waiter thread."""
     started = time.monotonic()
-    try:
-        completed = work.wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as err:
-        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, err, time.monotonic() - started)) from err
-    if completed is False:
-        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, None, time.monotonic() - started))
+    stopping.raise_if_requested()
+    watch = peers.current()
+    if collective:
+        job = _poll_collective(work, timeout_s, watch, what)
+    else:
+        job = _waiter.submit(work, timeout_s)
+        while not job.done.wait(WAIT_SLICE_S):
+            stopping.raise_if_requested()
+            if watch is not None:
+                watch.check(what)
+    elapsed = time.monotonic() - started
+    if job.error is not None:
+        news = watch.explain(what) if watch is not None else None
+        if news is not None:
+            raise news from job.error
+        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, job.error, elapsed)) from job.error
+    if job.completed is False:
+        raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, None, elapsed))
 
 
 def _timeout_message(rank: int, what: str, peer: int | None, timeout_s: float, err: Exception | None,
@@ -190,9 +303,19 @@ def _timeout_message(rank: int, what: str, peer: int | None, timeout_s: float, e
     )
 
 
+def abandoned_wait() -> bool:
+    """True when a stop or failure left a wait blocked in the waiter thread. The process must
+    then end with ``os._exit`` after its cleanup: tearing gloo down under a thread blocked in it
+    aborts the process (``terminate called without an active exception``)."""
+    return _waiter.in_flight > 0
+
+
 def shutdown() -> None:
-    """Leave the process group (safe to call twice or without one)."""
+    """Leave the process group (safe to call twice or without one); with an abandoned wait the
+    group is left to the end of the process (see :func:`abandoned_wait`)."""
     global _cpu_group
-    if dist.is_initialized():
+    peers.detach()
+    if dist.is_initialized() and not abandoned_wait():
         dist.destroy_process_group()
+    _waiter.stop()
     _cpu_group = None

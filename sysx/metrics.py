@@ -69,6 +69,7 @@ class RunSummary:
     peak_device_mem_bytes: int
     peak_host_rss_bytes: int
     extra: dict[str, Any] = field(default_factory=dict)
+    stopped: str | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
 
 
 def fmt_bytes(n: float) -> str:
@@ -269,9 +270,11 @@ class RunLogger:
             extra=dict(self.notes),
         )
 
-    def close(self) -> RunSummary:
-        """Close the bar and the metrics file, print the summary line, write ``summary.json``."""
+    def close(self, *, stopped: str | None = None) -> RunSummary:
+        """Close the bar and the metrics file, print the summary line, write ``summary.json``.
+        A run ``stopped`` by a signal records it there and prints nothing (the job prints one line)."""
         s = self.summary()
+        s.stopped = stopped
         if not self.enabled:
             return s
         if self._bar is not None:
@@ -283,7 +286,8 @@ class RunLogger:
         if self.run_dir is not None:
             data = {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(data, indent=1) + "\n")
-        self._print(self.format_summary(s))
+        if stopped is None:
+            self._print(self.format_summary(s))
         return s
 
     def format_summary(self, s: RunSummary) -> str:

@@ -142,9 +142,11 @@ def train_auto(cfg: SysxConfig, info: DistInfo) -> int:
 
 def run(cfg: SysxConfig) -> int:
     """Run the job described by a validated configuration on this process's rank."""
+    from sysx import stopping
     from sysx.dist import detect
 
     job = trainer_for(cfg.schedule.name)
+    stopping.install()  # SIGINT/SIGTERM -> JobStopped: every rank unwinds, closes and exits 130/143
     return int(job(cfg, detect()) or 0)
 
 
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx-train``: parse, compose, validate, dispatch. Returns the exit status."""
     from sysx.data.errors import DataError
     from sysx.optim.loss_scaler import LossScaleTooSmall, NonFiniteGradients
+    from sysx.stopping import JobStopped
 
     args = list(sys.argv[1:] if argv is None else argv)
     is_main = env_rank() == 0
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 print(to_yaml(cfg), end="")
             return 0
-        return run(cfg)
+        return exit_status(run(cfg))
     except (ConfigError, DataError) as err:
         if is_main:
             print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
@@ -175,6 +178,29 @@ def main(argv: list[str] | None = None) -> int:
     except (LossScaleTooSmall, NonFiniteGradients) as err:
         print(f"{PROG}: training stopped (rank {env_rank()}): {err}", file=sys.stderr, flush=True)
         return 1
+    except JobStopped as stop:
+        if is_main:  # one line for the job; the other ranks stop silently
+            print(f"{PROG}: {stop}{stop.where}", file=sys.stderr, flush=True)
+        return exit_status(stop.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the job's own handlers were installed
+        if is_main:
+            print(f"{PROG}: stopped by SIGINT", file=sys.stderr, flush=True)
+        return 130
+
+
+def exit_status(code: int) -> int:
+    """``code``, or the end of the process right here when a stopped or failed multi-process job
+    left a wait blocked inside gloo (interpreter teardown would abort under it): the exit
+    handlers (shared-memory cleanup) run first, then ``os._exit``."""
+    dist_module = sys.modules.get("sysx.dist")
+    if dist_module is not None and dist_module.abandoned_wait():
+        import atexit
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ class CheckpointSection:
     dir: Optional[str] = None
     keep: int = 2
     export_hf: bool = False  # also write the final weights as a Hugging Face folder (<run_dir>/hf)
+    on_signal: bool = False  # on SIGINT/SIGTERM finish the step and save before stopping
 
     def validate(self) -> None:
         """Counts and the folder."""

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from sysx.device import Event
+from sysx.dist import group_timeout_s, wait_for
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import StageOptimizer, StageReport
 from sysx.optim.threads import OptimizerThreads
@@ -76,7 +77,8 @@ def reduce_flags(found_inf: Sequence[bool], sq_norms: Sequence[float], group: di
     if _world(group) == 1:
         return n_inf, sq
     t = torch.tensor([float(n_inf), sq], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    wait_for(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), rank=dist.get_rank(),
+             what="VALIDATE (overflow and gradient-norm all-reduce)", peer=None, timeout_s=group_timeout_s(), collective=True)
     return int(t[0].item()), float(t[1].item())
 
 

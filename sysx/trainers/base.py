@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sysx import stopping
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
@@ -168,6 +169,7 @@ class Trainer(ABC):
 
         With ``eval.every > 0`` the val loss is measured after steps ``0, every, 2*every, ...`` and
         the last step (``result.val_loss``). Each result goes to ``hook``, ``logger`` and ``on_step``.
+        A stop deferred to the end of the step (:func:`sysx.stopping.deferring`) ends the loop early.
         """
         steps = self.cfg.train.steps if steps is None else steps
         every = self.cfg.eval.every
@@ -183,6 +185,8 @@ class Trainer(ABC):
                 logger.log(result)
             if on_step is not None:
                 on_step(result)
+            if stopping.pending() is not None:
+                break
         self.finish_pending()
         return results
 

@@ -1,10 +1,22 @@
 """The body of every ``sysx-train`` job: resume, describe the run, train with logging and
 checkpoints, save at the end, close. The trainers' ``train(cfg, info)`` functions call
-:func:`run_job` once their trainer is built."""
+:func:`run_job` once their trainer is built.
+
+A stop (SIGINT/SIGTERM here or on another rank, :mod:`sysx.stopping`) ends the job through the
+same close path: the other ranks are told through the store first, rank 0 writes
+``summary.json`` with ``"stopped"``, and :class:`~sysx.stopping.JobStopped` goes up to
+``sysx-train``, which exits with 130 or 143. With ``checkpoint.on_signal=true`` the step in
+progress finishes and every rank saves before stopping. A failure is published to the other
+ranks before this rank starts closing, so they stop at once instead of after ``schedule.timeout_s``.
+"""
 
 from __future__ import annotations
 
-from sysx.metrics import RunLogger, describe_run, prepare_run_dir
+import traceback
+
+from sysx import peers, stopping
+from sysx.metrics import SUMMARY_FILE, RunLogger, describe_run, prepare_run_dir
+from sysx.stopping import JobStopped
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import JobCheckpoints
 
@@ -13,6 +25,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
     """Train ``trainer`` to ``train.steps`` (from the checkpoint ``train.resume`` finds, if any). Returns 0."""
     cfg = trainer.cfg
     checkpoints: JobCheckpoints | None = None
+    logger: RunLogger | None = None
     try:
         run_dir = prepare_run_dir(cfg, is_main=is_main)
         checkpoints = JobCheckpoints(trainer)
@@ -28,9 +41,27 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
         with RunLogger(run_dir if is_main else None, total_steps=cfg.train.steps, every=cfg.log.every,
                        progress=cfg.log.progress, device=trainer.device, enabled=is_main,
                        first_step=trainer.step_index) as logger:
-            trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
+            with stopping.deferring(cfg.checkpoint.on_signal):
+                trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
+            stop = stopping.pending()
+            if stop is not None:  # deferred by checkpoint.on_signal: the step finished on every rank
+                checkpoints.save(background=False)
+                checkpoints.saver.wait()
+                raise stop
             checkpoints.finish(logger)
             logger.close()
+    except JobStopped as stop:
+        traceback.clear_frames(stop.__traceback__)  # their locals hold views of shared memory that close() frees
+        _stopped(trainer, logger, stop)
+        raise
+    except Exception as err:
+        traceback.clear_frames(err.__traceback__)
+        news = _failed(trainer, err)
+        if isinstance(news, JobStopped):
+            _stopped(trainer, logger, news)
+        if news is not None:
+            raise news from err
+        raise
     finally:
         try:
             if checkpoints is not None:
@@ -38,3 +69,31 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
         finally:
             trainer.close()
     return 0
+
+
+def _stopped(trainer: Trainer, logger: RunLogger | None, stop: JobStopped) -> None:
+    """Tell the other ranks (first: they may be waiting for this one), then write the summary."""
+    watch = peers.current()
+    if watch is not None and stop.origin is None:
+        watch.publish_stop(stop.signum)
+    stopping.request(stop.signum, stop.origin)  # a second signal now is the launcher's echo, not a new stop
+    stop.where = f" at step {trainer.step_index}"
+    if logger is not None and logger.enabled:
+        logger.close(stopped=stopping.signal_name(stop.signum))
+        if logger.run_dir is not None:
+            stop.where += f"; {logger.run_dir / SUMMARY_FILE}"
+
+
+def _failed(trainer: Trainer, err: Exception) -> BaseException | None:
+    """This rank failed with ``err``: the stop or failure of another rank that explains it (its
+    connection broke because that rank went first), else publish this failure to the others."""
+    watch = peers.current()
+    if watch is None or isinstance(err, peers.PeerFailed):
+        return None  # a PeerFailed came from the watch already (and names the op it interrupted)
+    line = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+    news = watch.explain(line)
+    if isinstance(news, peers.PeerFailed):
+        watch.publish_failure(news.failed_rank, news.reason)
+    elif news is None:
+        watch.publish_failure(trainer.rank, line)
+    return news

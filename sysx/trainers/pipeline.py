@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from sysx import device as dev
 from sysx import dist as sdist
+from sysx import peers, stopping
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
@@ -71,7 +72,7 @@ class PipelineTrainer(Trainer):
         cfg = self.cfg
         self.opts = options if options is not None else options_from_config(cfg)
         self.opts.check()
-        self.info = info if info is not None else sdist.init(timeout_s=self.opts.timeout_s)
+        self.info = info if info is not None else sdist.init(timeout_s=self.opts.timeout_s, device=cfg.device)
         self.rank, self.world = self.info.rank, self.info.world_size
         if self.world > 1 and not dist.is_initialized():
             raise RuntimeError(f"rank {self.rank}: {self.world} processes but no process group; call sysx.dist.init() first")
@@ -153,8 +154,12 @@ class PipelineTrainer(Trainer):
         try:
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as err:  # a peer that died before the collective was posted
+            watch = peers.current()
+            news = watch.explain(f"{what} could not start") if watch is not None else None
+            if news is not None:
+                raise news from err
             raise sdist.PeerTimeout(f"rank {self.rank}: {what} could not start: {str(err).splitlines()[0]}") from err
-        sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.opts.timeout_s)
+        sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.opts.timeout_s, collective=True)
         return t.tolist()
 
     # ------------------------------------------------------------------------------------- steps
@@ -165,6 +170,9 @@ class PipelineTrainer(Trainer):
         assert self.optimizer is not None and self.params is not None
         step = self.step_index
         t0 = time.perf_counter()
+        watch = peers.current()
+        if watch is not None:
+            watch.doing(f"step {step}")
         scale = float(self.scaler.scale)
         lr = self.lr_at(step)
         self.optimizer.begin()
@@ -176,7 +184,16 @@ class PipelineTrainer(Trainer):
             self.executor.reset()
             raise
         local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
-        total, count = self._all_reduce([local, float(len(ctx.losses))], f"end of step {step} (loss all-reduce)")
+        # a stop deferred to the end of the step (checkpoint.on_signal) travels with the loss, so
+        # that every rank ends this step knowing it and saves and stops at the same point
+        stop = stopping.pending()
+        signals = [float(stop is not None and stop.signum == s) for s in stopping.STOP_SIGNALS]
+        total, count, *stops = self._all_reduce([local, float(len(ctx.losses)), *signals],
+                                                f"end of step {step} (loss all-reduce)")
+        for signum, seen in zip(stopping.STOP_SIGNALS, stops):
+            if seen > 0:
+                stopping.request(signum)
+                break
         if int(count) != self.cfg.train.micro_batches:
             raise ExecutionError(f"rank {self.rank}: step {step}: {int(count)} micro-batch losses were computed, expected "
                                  f"{self.cfg.train.micro_batches}")
@@ -280,7 +297,7 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
     from sysx.optim.cores import apply_plan, plan_cores
 
     opts = options_from_config(cfg)
-    info = sdist.init(timeout_s=opts.timeout_s)
+    info = sdist.init(timeout_s=opts.timeout_s, device=cfg.device)
     try:
         plan = plan_cores(n_stages=1, backend="torch" if opts.optim_backend == "torch" else "deepspeed",
                           local_rank=info.local_rank, local_world_size=info.local_world_size)

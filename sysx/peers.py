@@ -1,0 +1,191 @@
+"""What the ranks of a job tell each other, through the store the launcher already gives the
+process group (torchrun's c10d TCPStore; under MPI the TCPStore rank 0 hosts for ``env://``):
+
+* ``sysx/stop``: ``<signal> <rank>``, set by a rank that stops on a signal; the others stop too;
+* ``sysx/failed``: ``<rank>\\t<line>``, set by the first rank that fails (or that finds a peer
+  dead); the others stop with that line instead of waiting for ``schedule.timeout_s``;
+* ``sysx/who/<rank>``: ``<host> <pid> <start>``, so that a rank on the same host can tell a
+  SIGKILLed peer (it cannot write anything) from a slow one, from ``/proc``;
+* ``sysx/doing/<rank>``: what the rank last started (``step 12``), named when it dies.
+
+:func:`sysx.dist.wait_for` calls :meth:`PeerWatch.check` while it waits, and after a transport
+error asks :meth:`PeerWatch.explain` which peer the broken connection was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from typing import Any
+
+from sysx.memory import procinfo
+from sysx.stopping import JobStopped
+
+STOP_KEY, FAILED_KEY = "sysx/stop", "sysx/failed"
+STORE_POLL_S = 0.25
+EXIT_VISIBLE_S = 1.0  # how long a connection broken by a dying peer may precede its exit in /proc
+
+
+class PeerTimeout(RuntimeError):
+    """A point-to-point operation or collective did not complete in time."""
+
+
+class PeerFailed(PeerTimeout):
+    """Another rank failed or died; the message names it and what it was doing."""
+
+    def __init__(self, message: str, *, failed_rank: int, reason: str) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+        self.reason = reason
+
+
+class PeerWatch:
+    """This rank's view of the others through the store (see the module doc)."""
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.host = socket.gethostname()
+        self._who: dict[int, tuple[str, int, int]] = {}
+        self._store_at = 0.0
+        self.published = False
+        # outside torchrun the store lives in rank 0's process: no store call once it is gone
+        # (a call to a dead store prints a C++ stack trace before it raises)
+        self.store_on_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+    # ------------------------------------------------------------------------------- telling
+    def announce(self) -> None:
+        """Publish who this rank is (host, pid, start time)."""
+        pid, started = procinfo.self_identity()
+        self.store.set(f"sysx/who/{self.rank}", f"{self.host} {pid} {started}")
+        self._who[self.rank] = (self.host, pid, started)
+
+    def doing(self, what: str) -> None:
+        """Publish what this rank starts now (named if it dies)."""
+        with contextlib.suppress(RuntimeError):
+            self.store.set(f"sysx/doing/{self.rank}", what)
+
+    def publish_stop(self, signum: int) -> None:
+        """Tell the others to stop: this rank got ``signum``."""
+        self._publish(STOP_KEY, f"{signum} {self.rank}")
+
+    def publish_failure(self, failed_rank: int, line: str) -> None:
+        """Tell the others that ``failed_rank`` failed with ``line`` (the first report wins)."""
+        self._publish(FAILED_KEY, f"{failed_rank}\t{line}")
+
+    def _store_gone(self) -> bool:
+        return self.store_on_rank0 and self.rank != 0 and self._process_gone(0)
+
+    def _publish(self, key: str, value: str) -> None:
+        if self._store_gone():
+            return
+        with contextlib.suppress(RuntimeError):  # the store's host may be gone already
+            if not self.store.check([key]):
+                self.store.set(key, value)
+                self.published = True
+
+    # ------------------------------------------------------------------------------- hearing
+    def check(self, what: str) -> None:
+        """Raise :class:`JobStopped` or :class:`PeerFailed` if another rank stopped, failed or
+        died (``/proc`` at every call, the store every 0.25 s)."""
+        dead = self.dead_peer(what)
+        if dead is not None:
+            raise dead
+        now = time.monotonic()
+        if now - self._store_at >= STORE_POLL_S:
+            self._store_at = now
+            found = self._published_news(what)
+            if found is not None:
+                raise found
+
+    def explain(self, what: str) -> BaseException | None:
+        """After a transport error during ``what``: the stop or failure that explains it, if any.
+        A dead peer first: it may have been the store's host (rank 0 outside torchrun). A killed
+        process closes its sockets before ``/proc`` shows it dead, hence a short look again."""
+        deadline = time.monotonic() + EXIT_VISIBLE_S
+        while True:
+            dead = self.dead_peer(what)
+            if dead is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return dead or self._published_news(what)
+
+    def _published_news(self, what: str) -> BaseException | None:
+        if self._store_gone():
+            return None
+        try:  # (check() of several keys is true only when all of them exist)
+            if self.store.check([STOP_KEY]):
+                signum, origin = (int(x) for x in self.store.get(STOP_KEY).decode().split())
+                return JobStopped(signum, origin)
+            if not self.store.check([FAILED_KEY]):
+                return None
+            rank, _, line = self.store.get(FAILED_KEY).decode().partition("\t")
+        except RuntimeError as err:
+            return self._store_lost(what, err)
+        return PeerFailed(f"rank {self.rank}: {what}: stopped because rank {rank} failed: {line}",
+                          failed_rank=int(rank), reason=line)
+
+    def _store_lost(self, what: str, err: Exception) -> PeerFailed | None:
+        if self.rank == 0:
+            return None  # rank 0 hosts the store (or talks to its own launcher): not a peer's death
+        line = (f"the job's store is unreachable ({str(err).splitlines()[0][:120]}): rank 0 or the launcher "
+                f"is gone")
+        return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=0, reason=line)
+
+    def dead_peer(self, what: str) -> PeerFailed | None:
+        """A peer on this host whose process is gone (SIGKILL, a crash in C code), if any."""
+        for rank in range(self.world):
+            if rank == self.rank or not self._process_gone(rank):
+                continue
+            who = self._who[rank]
+            doing = "" if rank == 0 and self.store_on_rank0 else self._doing(rank)
+            line = f"rank {rank} died (pid {who[1]} is gone: killed or crashed){f' during {doing}' if doing else ''}"
+            return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=rank, reason=line)
+        return None
+
+    def _process_gone(self, rank: int) -> bool:
+        """True when ``rank`` runs on this host and its process has ended."""
+        who = self._identity(rank)
+        return who is not None and who[0] == self.host and not procinfo.is_alive(who[1], who[2])
+
+    def _identity(self, rank: int) -> tuple[str, int, int] | None:
+        if rank not in self._who:
+            key = f"sysx/who/{rank}"
+            try:
+                if not self.store.check([key]):
+                    return None
+                host, pid, started = self.store.get(key).decode().split()
+            except RuntimeError:
+                return None
+            self._who[rank] = (host, int(pid), int(started))
+        return self._who[rank]
+
+    def _doing(self, rank: int) -> str:
+        key = f"sysx/doing/{rank}"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else ""
+        except RuntimeError:
+            return ""
+
+
+_watch: PeerWatch | None = None
+
+
+def attach(store: Any, rank: int, world: int) -> PeerWatch:
+    """Start watching the other ranks through ``store`` (called once the process group exists)."""
+    global _watch
+    _watch = PeerWatch(store, rank, world)
+    _watch.announce()
+    return _watch
+
+
+def current() -> PeerWatch | None:
+    """This process's watch, or None without a process group."""
+    return _watch
+
+
+def detach() -> None:
+    """Stop watching (the process group is gone)."""
+    global _watch
+    _watch = None
