@@ -35,12 +35,14 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("data=file data.path={d}/raw/train.bin data.dtype=uint32 data.vocab_size=256", ["data.dtype=uint32", "set data.dtype=uint16"]),
     ("data.path={d}/raw/train.bin", ["data.path=", "add data=file"]),
     ("data=file data.path={d}/raw/train.bin data.dtype=uint16 data.vocab_size=100", ["data.vocab_size=100", "ids reach 240", "data.vocab_size=241"]),
-    ("data=file data.path={d}/odd/train.bin data.dtype=uint16 data.vocab_size=256", ["data.dtype=uint16 is wrong", "truncated"]),
+    ("data=file data.path={d}/odd/train.bin data.dtype=uint32 data.vocab_size=256", ["data.dtype=uint32", "odd count"]),
+    ("data=file data.path={d}/tiny/train.bin data.dtype=uint32 data.vocab_size=256", ["data.dtype=uint32 is wrong", "try data.dtype=uint16"]),
+    ("data=file data.path={d}/odd/train.bin data.dtype=uint16 data.vocab_size=256", ["data.dtype=uint16", "odd count", "truncated"]),
     ("data=file data.path={d}/trunc/tokens.bin", ["tokens.meta.json", "truncated", "sysx data prepare"]),
     ("data=file data.path={d}/raw/train.bin", ["no metadata", "data.dtype=uint16"]),
     ("schedule=single model=llama2_110b device=cpu", ["this machine has", "GiB", "smaller model"]),
     ("schedule=single model=llama2_7b device=cpu single.host_memory_gb=100000", ["single.host_memory_gb=100000", "free host memory", "or 0"]),
-    ("--check --ranks 4 schedule=sysx model.n_layers=1", ["needs 4 forward stages", "fewer processes", "!stages_per_rank"]),
+    ("--check --ranks 4 schedule=sysx model.n_layers=1", ["needs at least 4 forward stages (one per rank)", "fewer processes", "!stages_per_rank"]),
     ("--check --ranks 2 schedule=sysx model.n_layers=1 schedule.stages_per_rank=2", ["needs 4 forward stages", "lower schedule.stages_per_rank"]),
     ("--check --ranks 0", ["--ranks 0", ">= 1"]),
     ("--ranks x --check", ["--ranks x", "integer"]),
@@ -86,7 +88,7 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("schedule.timeout_s=0", ["schedule.timeout_s=0", "> 0"]),
     ("schedule=sysx schedule.cfg=7", ["schedule.cfg=7", "0, 1, 2, 3"]),
     ("schedule=sysx schedule.param_buffers=0", ["schedule.param_buffers=0", ">= 1"]),
-    ("schedule=sysx schedule.stage_sizes=[1,1]", ["stage_sizes", "one layer count per stage"]),
+    ("schedule=sysx schedule.stage_sizes=[1,1]", ["stage_sizes [1, 1]", "layer counts"]),
     ("data=nope", ["data=nope", "default, file"]),
     ("data=file", ["data.path=None", "data.path=/data/tokens.bin"]),
     ("data.dtype=int8", ["data.dtype=int8", "uint16, uint32"]),
@@ -124,7 +126,7 @@ def _write_files(d: Path) -> None:
     (d / "odd" / "train.bin").write_bytes(ids.tobytes() + b"\0")
     ids.astype(np.uint32).tofile(d / "u32" / "train.bin")
     (d / "empty" / "train.bin").write_bytes(b"")
-    ids[:100].tofile(d / "tiny" / "train.bin")
+    ids[:101].tofile(d / "tiny" / "train.bin")  # 202 bytes: not a whole number of uint32 ids
     for name in ("trunc", "badmeta", "corrupt"):
         with TokenWriter(d / name / "tokens.bin", vocab_size=256, tokenizer={"kind": "byte"}) as w:
             w.write(ids)

@@ -51,6 +51,9 @@ def _memmap(path: Path, dtype: np.dtype, meta: Path | None = None) -> np.memmap:
     if size % dtype.itemsize and meta is not None:
         raise DataError(f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name} per "
                         f"{meta}): the file is truncated; rebuild it with `sysx data prepare`")
+    if size % 2:
+        raise DataError(f"token file {path} has {size} bytes, an odd count no token dtype fits (data.dtype={dtype.name}): "
+                        "the file is truncated; rebuild it")
     if size % dtype.itemsize:
         raise DataError(f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize}: "
                         f"data.dtype={dtype.name} is wrong (try data.dtype=uint16) or the file is truncated")

@@ -126,8 +126,7 @@ def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int
 
     The layers are cut by forward FLOPs (or ``stage_sizes``) into ``Nsf`` stages of ``d``
     sub-stages each, trying :meth:`PipelineOptions.candidates` in order; the first that fits the
-    model wins; when none does, the error of the given values (or, when they were left to choose, of the
-    least demanding candidate) is raised with the fix.
+    model wins, and when none does the error of the preferred one is raised with the fix.
     """
     opts.check()
     n_layers = model_cfg.n_layers + 2
@@ -136,7 +135,8 @@ def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int
         if nsf > n_layers:
             # lowering schedule.stages_per_rank helps only when the user set it above 1
             fix = "lower schedule.stages_per_rank, use " if nsf > n_ranks and opts.stages_per_rank is not None else "use "
-            problem = (f"{opts.schedule} with {n_ranks} rank(s) needs {nsf} forward stages but the model has only {n_layers} "
+            need = f"at least {n_ranks} forward stages (one per rank)" if n_ranks > n_layers else f"{nsf} forward stages"
+            problem = (f"{opts.schedule} with {n_ranks} rank(s) needs {need} but the model has only {n_layers} "
                        f"flat layers (embedding + {model_cfg.n_layers} blocks + head); {fix}"
                        f"fewer processes or a deeper model (model.n_layers)")
         else:
@@ -149,6 +149,5 @@ def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int
                                  param_buffers=opts.param_buffers)
                 validate(schedule)
                 return schedule
-        # an explicit choice is reported as tried; automatic candidates by the last (least demanding) one
-        first_error = problem if first_error is None or opts.stages_per_rank is None else first_error
+        first_error = first_error or problem
     raise RuntimeConfigError(first_error or f"no candidate partition for {opts.schedule}")

@@ -433,9 +433,10 @@ def _host_shortage(req: PlanRequest, hw: HardwareProfile, sizes: ModelSizes, bud
              f"for {sizes.total_params / 1e9:.3f}B parameters")
     wanted = gib_up(need * 1.05)
     if req.host_budget_bytes and float(wanted) * GiB <= hw.host_free_bytes:
-        return f"single.host_memory_gb={req.host_budget_bytes / GiB:g} is too small: {state}; raise single.host_memory_gb to >= {wanted}"
-    return (f"this machine has {gib(hw.host_free_bytes)} of host memory free but the {state}; use a smaller model "
-            f"(model=...), or a machine with >= {wanted} GiB free")
+        return (f"host budget {gib(budget)} (single.host_memory_gb={req.host_budget_bytes / GiB:g}) is too small: {state}; "
+                f"raise single.host_memory_gb to >= {wanted}")
+    return (f"host budget {gib(budget)} is too small: {state}, and this machine has {gib(hw.host_free_bytes)} of host "
+            f"memory free; use a smaller model (model=...), or a machine with >= {wanted} GiB free")
 
 
 def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig) -> PlanRequest:
