@@ -16,4 +16,7 @@ hosts=()
 if [ -n "${HOSTS:-}" ]; then
   hosts=(-hosts "${HOSTS}")
 fi
+if [ -z "${HOSTS:-}" ]; then  # pre-flight (one node): one line and exit 2 if the job would fail
+  "${PYTHON}" -m sysx.train --check --ranks "${NP}" "$@"
+fi
 exec "${MPIEXEC}" -n "${NP}" "${hosts[@]}" "${PYTHON}" -m sysx.train "$@"

@@ -13,6 +13,7 @@ if [ -z "${NPROC:-}" ]; then
 fi
 NNODES="${NNODES:-1}"
 if [ "${NNODES}" -eq 1 ]; then
+  "${PYTHON:-python}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
   exec torchrun --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
 fi
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for this node}"

@@ -7,6 +7,7 @@ this file only maps names to those modules, so ``sysx --help`` stays fast.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sysx: unknown command {name!r}; commands: {', '.join(sorted(COMMANDS))}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except BrokenPipeError:  # `sysx plan --ops | head`: the reader left; that is not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not raise again
+        return 0
 
 
 if __name__ == "__main__":

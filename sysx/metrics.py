@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from typing import IO, Any
 import torch
 
 from sysx import device as dev
-from sysx.config import SysxConfig, model_config, to_yaml
+from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -93,6 +95,24 @@ def _json_float(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+def check_run_dir(run_dir: str | Path) -> None:
+    """Raise :class:`ConfigError` unless ``run_dir`` is, or can be made, a writable directory. Leaves
+    nothing behind: the job checks this before it allocates, and rank 0 creates the directory later."""
+    path = Path(run_dir).expanduser()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the deepest part that exists decides
+    if probe == path and not path.is_dir():
+        raise ConfigError(f"run_dir={run_dir} is an existing file, not a directory; set run_dir to a directory path")
+    if not probe.is_dir():
+        raise ConfigError(f"run_dir={run_dir} is under {probe}, which is a file; set run_dir to a path under a directory")
+    try:  # a real write decides (os.access says yes to root on read-only or virtual file systems)
+        os.rmdir(tempfile.mkdtemp(prefix=".sysx-probe-", dir=probe))
+    except OSError as exc:
+        raise ConfigError(f"run_dir={run_dir} cannot be written: {probe} is not writable ({exc.strerror or exc}); "
+                          "set run_dir to a writable directory") from None
+
+
 def prepare_run_dir(cfg: SysxConfig, *, is_main: bool) -> Path:
     """Rank 0 creates ``cfg.run_dir`` and writes the resolved ``config.yaml``; other ranks only get the path.
 
@@ -101,9 +121,14 @@ def prepare_run_dir(cfg: SysxConfig, *, is_main: bool) -> Path:
     """
     run_dir = Path(cfg.run_dir)
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        header = f"# resolved sysx-train configuration; model {cfg.model.preset} = {model_config(cfg).to_json()}\n"
-        (run_dir / CONFIG_FILE).write_text(header + to_yaml(cfg))
+        check_run_dir(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            header = f"# resolved sysx-train configuration; model {cfg.model.preset} = {model_config(cfg).to_json()}\n"
+            (run_dir / CONFIG_FILE).write_text(header + to_yaml(cfg))
+        except OSError as exc:
+            raise ConfigError(f"run_dir={cfg.run_dir} cannot be written: {exc.strerror or exc}; "
+                              "set run_dir to a writable directory") from None
     return run_dir
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from sysx.config import (ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config,
                          refuse_ignored_keys, to_yaml)
+from sysx.launcher import env_rank
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo
@@ -64,6 +64,8 @@ class Invocation:
     overrides: list[str] = field(default_factory=list)
     help: bool = False
     show_cfg: bool = False
+    check: bool = False  # --check: the pre-flight of the launch scripts (sysx.preflight)
+    ranks: int = 1  # --ranks N: how many processes the pre-flight plans for
 
 
 def parse_argv(argv: list[str]) -> Invocation:
@@ -79,11 +81,18 @@ def parse_argv(argv: list[str]) -> Invocation:
             if what != "job":
                 raise ConfigError(f"--cfg {what or '(nothing)'} is not valid: allowed: --cfg job (print the composed config)")
             inv.show_cfg = True
+        elif arg == "--check":
+            inv.check = True
+        elif arg == "--ranks" or arg.startswith("--ranks="):
+            value = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
+            if not value.lstrip("-").isdigit():
+                raise ConfigError(f"--ranks {value or '(nothing)'} is not valid: must be an integer >= 1, e.g. --ranks 2")
+            inv.ranks = int(value)
         elif arg.startswith(_LAUNCHER_ARGS):
             if "=" not in arg and args and args[0].isdigit():
                 args.pop(0)
         elif arg.startswith("-") and not arg.startswith("~"):
-            raise ConfigError(f"unknown option {arg!r}; {PROG} takes key=value overrides, --cfg job and --help")
+            raise ConfigError(f"unknown option {arg!r}; {PROG} takes key=value overrides, --cfg job, --check [--ranks N] and --help")
         else:
             inv.overrides.append(arg)
     return inv
@@ -94,12 +103,14 @@ def help_text(overrides: list[str]) -> str:
     groups = "\n".join(f"  {g:<9} {', '.join(group_options(g))}" for g in ("model", "schedule", "optim", "data"))
     cfg = compose_config(overrides)
     return (
-        f"usage: {PROG} [key=value | group=option ...] [--cfg job] [--help]\n\n"
+        f"usage: {PROG} [key=value | group=option ...] [--cfg job] [--check [--ranks N]] [--help]\n\n"
         f"Train a Llama model. Configuration: {config_dir()}/config.yaml, overridden by Hydra-style arguments, e.g.\n"
         f"  {PROG} train.steps=50 precision=bf16 run_dir=/tmp/run\n"
         f"  {PROG} model=llama2_7b data=file data.path=/data/tokens.bin\n\n"
         f"config groups (group=option):\n{groups}\n\n"
-        f"flags:\n  --cfg job   print the composed configuration and exit\n  --help      this text\n\n"
+        f"flags:\n  --cfg job   print the composed configuration and exit\n"
+        f"  --check     check the configuration, run_dir, data and memory plan for --ranks N processes "
+        f"(default 1) without allocating; exit 2 with one line if the job would fail\n  --help      this text\n\n"
         f"configuration (every key can be overridden):\n{to_yaml_dict(cfg)}"
     )
 
@@ -109,14 +120,6 @@ def to_yaml_dict(cfg: object) -> str:
     from omegaconf import OmegaConf
 
     return "\n".join("  " + line for line in OmegaConf.to_yaml(cfg).splitlines())
-
-
-def env_rank() -> int:
-    """Global rank from the launcher's environment (torchrun, MPICH/PMI, Open MPI); 0 without one."""
-    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
 
 
 def trainer_for(name: str) -> Callable[..., int]:
@@ -150,9 +153,26 @@ def run(cfg: SysxConfig) -> int:
     return int(job(cfg, detect()) or 0)
 
 
+def one_line(err: BaseException) -> str:
+    """A possibly multi-line message as one line: its text before any attached plan, lines joined."""
+    text = str(err).split("\n\nPlan:", 1)[0]
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(err).__name__
+
+
+def check(inv: Invocation, cfg: SysxConfig) -> int:
+    """``--check``: the pre-flight (:mod:`sysx.preflight`); prints its summary, returns 0."""
+    from sysx.preflight import preflight
+
+    summary = preflight(cfg, inv.ranks)
+    if env_rank() == 0:
+        print(summary, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx-train``: parse, compose, validate, dispatch. Returns the exit status."""
     from sysx.data.errors import DataError
+    from sysx.memory.budget import HostMemoryError
     from sysx.optim.loss_scaler import LossScaleTooSmall, NonFiniteGradients
     from sysx.stopping import JobStopped
 
@@ -170,10 +190,18 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 print(to_yaml(cfg), end="")
             return 0
+        if inv.check:
+            return check(inv, cfg)
+        from sysx.metrics import check_run_dir
+
+        check_run_dir(cfg.run_dir)  # before the trainer allocates anything
         return exit_status(run(cfg))
     except (ConfigError, DataError) as err:
-        if is_main:
-            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        if is_main:  # every rank composes the same config and data: rank 0 speaks for all
+            print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return 2
+    except HostMemoryError as err:  # raised by the one rank per node that checks the node's plan
+        print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
     except (LossScaleTooSmall, NonFiniteGradients) as err:
         print(f"{PROG}: training stopped (rank {env_rank()}): {err}", file=sys.stderr, flush=True)

@@ -198,7 +198,7 @@ def test_nanogpt_plain_bin(tmp_path: Path) -> None:
     train.tofile(tmp_path / "train.bin")
     val.tofile(tmp_path / "val.bin")
 
-    with pytest.raises(DataError, match="no metadata.*dtype='uint16'"):
+    with pytest.raises(DataError, match="no metadata.*data.dtype=uint16"):
         TokenDataset(tmp_path / "train.bin")
     with pytest.raises(DataError, match="vocab_size=50257"):
         TokenDataset(tmp_path / "train.bin", dtype="uint16")
@@ -227,7 +227,7 @@ def test_nanogpt_meta_pkl(tmp_path: Path) -> None:
     ds = TokenDataset(tmp_path / "train.bin")
     assert ds.vocab_size == len(chars) and ds.dtype == "uint16"
     assert ds.tokenizer().decode(ds.tokens[:14].tolist()) == "hello nanogpt\n"
-    with pytest.raises(DataError, match="says 'uint16'"):
+    with pytest.raises(DataError, match="says dtype=uint16"):
         TokenDataset(tmp_path / "train.bin", dtype="uint32")
 
     class Evil:

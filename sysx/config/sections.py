@@ -194,6 +194,11 @@ class DataSection:
             check_int("data.vocab_size", self.vocab_size, 1)
         if self.name == "file" and not self.path:
             fail("data.path", self.path, "data=file needs the token file, e.g. data.path=/data/tokens.bin")
+        if self.name == "default":
+            # data=default trains on the built-in corpus; a file key set beside it would be silently ignored
+            for key in ("path", "dtype", "vocab_size"):
+                if getattr(self, key) is not None:
+                    fail(f"data.{key}", getattr(self, key), f"data=default ignores it; add data=file to train on a token file")
 
 
 @dataclass

@@ -139,11 +139,16 @@ def ensure_default_corpus(
     bin_path = out_dir / f"stdlib-{impl}-{corpus_key(sources, max_bytes)}.bin"
     if _is_complete(bin_path):
         return bin_path, False
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(bin_path.with_suffix(".lock")):
-        if _is_complete(bin_path):  # another process built it while we waited
-            return bin_path, False
-        _build(bin_path, root, sources, progress)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with _file_lock(bin_path.with_suffix(".lock")):
+            if _is_complete(bin_path):  # another process built it while we waited
+                return bin_path, False
+            _build(bin_path, root, sources, progress)
+    except OSError as exc:
+        where = "SYSX_CACHE_DIR" if os.environ.get("SYSX_CACHE_DIR") else "the cache directory"
+        raise DataError(f"{where}={out_dir.parent} is not writable ({exc.strerror or exc}): the default corpus is "
+                        "built there once; set SYSX_CACHE_DIR to a writable directory") from None
     return bin_path, True
 
 

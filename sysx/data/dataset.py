@@ -20,6 +20,7 @@ import numpy as np
 
 from sysx.data.errors import DataError
 from sysx.data.format import check_dtype, meta_path_for, read_meta
+from sysx.data.sanity import check_ids
 from sysx.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 
@@ -42,15 +43,24 @@ def read_nanogpt_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _memmap(path: Path, dtype: np.dtype) -> np.memmap:
+def _memmap(path: Path, dtype: np.dtype, meta: Path | None = None) -> np.memmap:
+    """``path`` as read-only ids; ``meta`` names the metadata that gave ``dtype`` (None: the user gave it)."""
     size = path.stat().st_size
     if size == 0:
-        raise DataError(f"token file {path} is empty")
+        raise DataError(f"token file {path} is empty; rebuild it with `sysx data prepare`")
+    if size % dtype.itemsize and meta is not None:
+        raise DataError(f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name} per "
+                        f"{meta}): the file is truncated; rebuild it with `sysx data prepare`")
+    if size % 2:
+        raise DataError(f"token file {path} has {size} bytes, an odd count no token dtype fits (data.dtype={dtype.name}): "
+                        "the file is truncated; rebuild it")
     if size % dtype.itemsize:
-        raise DataError(
-            f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name}): wrong dtype?"
-        )
-    return np.memmap(path, dtype=dtype, mode="r")
+        raise DataError(f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize}: "
+                        f"data.dtype={dtype.name} is wrong (try data.dtype=uint16) or the file is truncated")
+    try:
+        return np.memmap(path, dtype=dtype, mode="r")
+    except OSError as exc:
+        raise DataError(f"cannot read token file {path}: {exc.strerror or exc}; check data.path and its permissions") from None
 
 
 class TokenDataset:
@@ -68,7 +78,7 @@ class TokenDataset:
         vocab = self._resolve("vocab_size", vocab_size, self.meta.get("vocab_size"))
         self.vocab_size = int(vocab)
         self._np_dtype = check_dtype(self.dtype)
-        self.tokens: np.memmap = _memmap(path, self._np_dtype)
+        self.tokens: np.memmap = _memmap(path, self._np_dtype, self.meta_source)
         expected = self.meta.get("num_tokens") if self.meta_source == meta_path_for(path) else None
         if expected is not None and int(expected) != len(self.tokens):
             raise DataError(
@@ -76,6 +86,9 @@ class TokenDataset:
                 "the file is truncated or does not belong to this metadata; rebuild it"
             )
         self._splits = self._find_splits()
+        meta = str(self.meta_source) if self.meta_source is not None and vocab_size is None else None
+        for name, ids in self._splits.items():
+            check_ids(ids, split=name, vocab_size=self.vocab_size, dtype=self.dtype, source=str(path), meta=meta)
 
     def _find_meta(self, path: Path) -> tuple[dict[str, Any], Path | None]:
         own = meta_path_for(path)
@@ -98,13 +111,14 @@ class TokenDataset:
 
     def _resolve(self, key: str, given: Any, found: Any) -> Any:
         if given is not None and found is not None and str(given) != str(found):
-            raise DataError(f"{key}={given!r} was given but {self.meta_source} says {found!r} for {self.path}")
+            raise DataError(f"data.{key}={given} contradicts {self.meta_source}, which says {key}={found} for "
+                            f"{self.path}; drop data.{key} or set data.{key}={found}")
         value = given if given is not None else found
         if value is None:
-            hint = "dtype='uint16' (nanoGPT's default)" if key == "dtype" else "vocab_size=50257 for GPT-2 ids"
+            hint = "data.dtype=uint16 (nanoGPT's default)" if key == "dtype" else "data.vocab_size=50257 for GPT-2 ids"
             raise DataError(
                 f"{self.path} has no metadata ({meta_path_for(self.path).name}, meta.json or meta.pkl) giving {key}; "
-                f"pass it explicitly, e.g. {hint}, or write the file with `sysx data prepare`"
+                f"set it, e.g. {hint}, or write the file with `sysx data prepare`"
             )
         return value
 
@@ -121,7 +135,7 @@ class TokenDataset:
         splits = {"train": self.tokens[:]}
         sibling = self.path.with_name("val.bin")
         if self.path.name == "train.bin" and sibling.is_file():
-            splits["val"] = _memmap(sibling, self._np_dtype)
+            splits["val"] = _memmap(sibling, self._np_dtype, self.meta_source)
         return splits
 
     @property
@@ -137,6 +151,20 @@ class TokenDataset:
                 "rebuild it with `sysx data prepare --val-fraction 0.01` or put a val.bin beside train.bin"
             )
         return self._splits[name]
+
+    def carve_val(self, fraction: float, min_tokens: int) -> int:
+        """Make a ``val`` split of the last ``fraction`` of ``train`` (at least ``min_tokens``) when the
+        file has none, as nanoGPT files without ``val.bin`` need for evaluation; returns its token count
+        (0 when a val split exists)."""
+        if "val" in self._splits:
+            return 0
+        train = self._splits["train"]
+        n_val = max(int(len(train) * fraction), min_tokens)
+        if 2 * n_val > len(train):
+            raise DataError(f"{self.path} has {len(train)} tokens and no val split, too few to carve {n_val} val tokens "
+                            "from its end; set eval.every=0 or give it a val split (`sysx data prepare --val-fraction 0.01`)")
+        self._splits["train"], self._splits["val"] = train[: len(train) - n_val], train[len(train) - n_val :]
+        return n_val
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -133,8 +133,11 @@ def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int
     first_error: str | None = None
     for nsf, split in opts.candidates(n_ranks):
         if nsf > n_layers:
-            problem = (f"{opts.schedule} with {n_ranks} rank(s) needs {nsf} forward stages but the model has only {n_layers} "
-                       f"flat layers (embedding + {model_cfg.n_layers} blocks + head); lower schedule.stages_per_rank, use "
+            # lowering schedule.stages_per_rank helps only when the user set it above 1
+            fix = "lower schedule.stages_per_rank, use " if nsf > n_ranks and opts.stages_per_rank is not None else "use "
+            need = f"at least {n_ranks} forward stages (one per rank)" if n_ranks > n_layers else f"{nsf} forward stages"
+            problem = (f"{opts.schedule} with {n_ranks} rank(s) needs {need} but the model has only {n_layers} "
+                       f"flat layers (embedding + {model_cfg.n_layers} blocks + head); {fix}"
                        f"fewer processes or a deeper model (model.n_layers)")
         else:
             try:

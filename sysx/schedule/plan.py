@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2")
     p.add_argument("--cfg", type=int, default=None, choices=SYSX_CFGS, help="sysx ablation config (paper Table 3), default 3")
     p.add_argument("--param-buffers", type=int, default=2, help="GPU parameter buffers per rank (current + prefetch)")
+    p.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="working-copy precision: bytes per parameter in GPU buffers and shared memory (default bf16)")
     u = p.add_argument_group("unit-cost mode (no --model)")
     u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
     u.add_argument("--t-bwd", type=float, default=2.0, help="whole backward of one stage (recompute included)")
@@ -103,7 +105,8 @@ def _entries(spec: str) -> list[tuple[str, int]]:
 
 
 DEFAULTS = {"schedule": "sysx", "ranks": 4, "microbatches": 4, "split": 2, "cfg": 3, "seq_len": 2048,
-            "micro_batch_size": 1}
+            "micro_batch_size": 1, "precision": "bf16"}
+_COUNTS = ("ranks", "microbatches", "stages", "split", "seq_len", "micro_batch_size", "param_buffers")
 
 
 def _resolve(args: argparse.Namespace) -> None:
@@ -117,7 +120,7 @@ def _resolve(args: argparse.Namespace) -> None:
         args.model_cfg = model_config(job)
         args.model = args.model or job.model.preset
         found = {"seq_len": job.train.seq_len, "micro_batch_size": job.train.micro_batch_size,
-                 "microbatches": job.train.micro_batches}
+                 "microbatches": job.train.micro_batches, "precision": job.precision}
         if job.schedule.name in SCHEDULES:
             found["schedule"] = job.schedule.name
         found["cfg"] = job.schedule.cfg
@@ -130,6 +133,10 @@ def _resolve(args: argparse.Namespace) -> None:
     for key, value in {**DEFAULTS, **found}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, found.get(key, value))
+    for key in _COUNTS:
+        value = getattr(args, key, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{key.replace('_', '-')} {value} is not valid: must be an integer >= 1")
 
 
 def _partition_for(args: argparse.Namespace, name: str, n_stages: int, manual: bool) -> Partition | None:
@@ -149,8 +156,13 @@ def _partition_for(args: argparse.Namespace, name: str, n_stages: int, manual: b
 def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
     if args.model_cfg is None:
         return UnitCosts(args.t_fwd * scale, args.t_bwd * scale, args.t_opt * scale, optim_workers=args.optim_workers)
+    from sysx.memory.budget import training_state_bytes
+
+    work = "float32" if args.precision == "fp32" else "bfloat16"
+    nbytes = 4 if args.precision == "fp32" else 2
     return costs_from_model(
-        args.model_cfg, args.seq_len, args.micro_batch_size, gpu_flops=args.gpu_tflops * 1e12,
+        args.model_cfg, args.seq_len, args.micro_batch_size, gpu_flops=args.gpu_tflops * 1e12, dtype_bytes=nbytes,
+        host_bytes_per_param=float(training_state_bytes(work).optimizer),
         p2p_bandwidth=args.p2p_gbps * 1e9, p2p_latency=args.p2p_latency_us * 1e-6, h2d_bandwidth=args.h2d_gbps * 1e9,
         d2h_bandwidth=args.d2h_gbps * 1e9, optim_params_per_s=args.optim_gparams_per_s * 1e9,
         optim_workers=args.optim_workers, rendezvous=args.rendezvous)
@@ -208,11 +220,14 @@ def _report(sched: Schedule, tl: Timeline, args: argparse.Namespace) -> str:
         lines.append(f"{r:>4} {tl.busy[r]:>9.4g} {tl.iteration - tl.busy[r]:>9.4g} {100 * tl.bubble[r]:>6.1f}% "
                      f"{tl.gpu_end[r]:>9.4g}         {mem}")
     lines.append("")
-    lines.append("shared memory per node (16-bit parameters owned or run forward there): "
-                 + ", ".join(f"node {i}: {_fmt_mem(x, u)}" for i, x in enumerate(tl.shm)))
+    unit = "" if u == "units" else " GiB"
+    work = "fp32 working-copy" if args.precision == "fp32" else f"16-bit ({args.precision})"
+    masters = "" if args.precision == "fp32" else "fp32 master weights, "
+    lines.append(f"shared memory per node ({work} parameters owned or run forward there): "
+                 + ", ".join(f"node {i}: {_fmt_mem(x, u)}{unit}" for i, x in enumerate(tl.shm)))
     gpn = tl.gpus_per_node
-    lines.append("host memory per node (fp32 master weights, Adam m and v, fp32 gradients of owned sub-stages): "
-                 + ", ".join(f"node {i}: {_fmt_mem(sum(tl.host[i * gpn:(i + 1) * gpn]), u)}" for i in range(len(tl.shm))))
+    lines.append(f"host memory per node ({masters}Adam m and v, fp32 gradients of owned sub-stages): "
+                 + ", ".join(f"node {i}: {_fmt_mem(sum(tl.host[i * gpn:(i + 1) * gpn]), u)}{unit}" for i in range(len(tl.shm))))
     exposed = tl.iteration - max(tl.gpu_end)
     lines.append(f"iteration {tl.iteration:.6g}{'' if u == 'units' else ' s'}   bubble ratio {100 * tl.bubble_ratio:.2f}%   "
                  f"optimizer time after the last backward {exposed:.4g}")

@@ -140,10 +140,7 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     host_fixed = _host_fixed(req, sizes)
     act_capacity = host_budget - sum(host_fixed.values())
     if act_capacity < 0:
-        raise PlanError(
-            f"host budget {gib(host_budget)} is too small: training state alone needs {gib(sum(host_fixed.values()))} "
-            f"({', '.join(f'{k} {gib(v)}' for k, v in host_fixed.items())}) for {sizes.total_params / 1e9:.3f}B parameters; "
-            f"raise single.host_memory_gb to >= {gib_up(sum(host_fixed.values()) * 1.05)}")
+        raise PlanError(_host_shortage(req, hw, sizes, host_budget, host_fixed))
     fit, tried = _first_fit(req, sizes, hw, profiler, candidates, device_budget, act_capacity, cuda)
     fit, grown = _grow_round(req, sizes, hw, profiler, fit, device_budget, cuda)
     x, chunk, table = fit.round_seqs, fit.chunk, fit.table
@@ -462,11 +459,31 @@ def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: 
     raise PlanError(" ".join(msg))
 
 
+def _host_shortage(req: PlanRequest, hw: HardwareProfile, sizes: ModelSizes, budget: int, fixed: dict[str, int]) -> str:
+    """Why the training state does not fit the host budget, and the fix this machine allows: a larger
+    ``single.host_memory_gb`` only while the machine has that much free, else a smaller model or a larger machine."""
+    need = sum(fixed.values())
+    state = (f"training state alone needs {gib(need)} ({', '.join(f'{k} {gib(v)}' for k, v in fixed.items())}) "
+             f"for {sizes.total_params / 1e9:.3f}B parameters")
+    wanted = gib_up(need * 1.05)
+    if req.host_budget_bytes and float(wanted) * GiB <= hw.host_free_bytes:
+        return (f"host budget {gib(budget)} (single.host_memory_gb={req.host_budget_bytes / GiB:g}) is too small: {state}; "
+                f"raise single.host_memory_gb to >= {wanted}")
+    return (f"host budget {gib(budget)} is too small: {state}, and this machine has {gib(hw.host_free_bytes)} of host "
+            f"memory free; use a smaller model (model=...), or a machine with >= {wanted} GiB free")
+
+
 def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig) -> PlanRequest:
     """A :class:`PlanRequest` from a job config (``SysxConfig``) and its ``single`` section."""
+    from sysx.memory.budget import ram_available_bytes
+
     t = cfg.train  # type: ignore[attr-defined]
     gb = single.device_memory_gb  # type: ignore[attr-defined]
     hb = single.host_memory_gb  # type: ignore[attr-defined]
+    free = ram_available_bytes()
+    if hb and hb * GiB > free:  # the job allocates on this host whatever single.hardware assumes
+        raise PlanError(f"single.host_memory_gb={hb:g} is more than this machine's {gib(free)} of free host memory; "
+                        f"set single.host_memory_gb <= {free / GiB:.0f} or 0 (all available)")
     return PlanRequest(
         model=model_cfg, seq_len=t.seq_len, global_batch=t.micro_batch_size * t.micro_batches,
         precision=cfg.precision,  # type: ignore[attr-defined]

@@ -22,11 +22,13 @@ from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
+from sysx.launcher import env_rank
 from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
+    from sysx.model import ModelConfig
 
 
 class StepHook(Protocol):
@@ -37,13 +39,30 @@ class StepHook(Protocol):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def open_dataset(cfg: SysxConfig) -> TokenDataset:
-    """The token dataset of ``cfg.data``: the built-in stdlib corpus or ``data.path``."""
+VAL_CARVE_FRACTION = 0.01  # of a file without a val split, when eval.every > 0
+
+
+def open_dataset(cfg: SysxConfig, *, announce: bool = True) -> TokenDataset:
+    """The token dataset of ``cfg.data``: the built-in stdlib corpus or ``data.path`` (ids checked on open).
+    A file without a val split gets one carved from its end when ``eval.every > 0`` (``announce``: say so)."""
     from sysx.data import TokenDataset, default_corpus_path
 
     if cfg.data.name == "default":
         return TokenDataset(default_corpus_path())
-    return TokenDataset(str(cfg.data.path), dtype=cfg.data.dtype, vocab_size=cfg.data.vocab_size)
+    dataset = TokenDataset(str(cfg.data.path), dtype=cfg.data.dtype, vocab_size=cfg.data.vocab_size)
+    if cfg.eval.every > 0:
+        carved = dataset.carve_val(VAL_CARVE_FRACTION, min_tokens=8 * (cfg.train.seq_len + 1))
+        if carved and announce:
+            print(f"sysx-train: {dataset.path} has no val split; its last {carved} tokens are the val split "
+                  f"(eval.every={cfg.eval.every})", flush=True)
+    return dataset
+
+
+def check_model_vocab(dataset: TokenDataset, model_cfg: ModelConfig) -> None:
+    """The model's embedding must hold every id of the data: a :class:`ConfigError` naming the fix."""
+    if dataset.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is too small for the data (vocab_size "
+                          f"{dataset.vocab_size}); set model.vocab_size={dataset.vocab_size} or larger")
 
 
 def job_device(cfg: SysxConfig, device: torch.device | str | None = None) -> torch.device:
@@ -76,12 +95,8 @@ class Trainer(ABC):
         self.cfg: SysxConfig = cfg
         self.model_cfg = model_config(cfg)
         self.dtype = DTYPES[cfg.precision]
-        self.dataset = dataset if dataset is not None else open_dataset(cfg)
-        if self.dataset.vocab_size > self.model_cfg.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={self.model_cfg.vocab_size} is too small for the data "
-                f"(vocab_size {self.dataset.vocab_size}); set model.vocab_size={self.dataset.vocab_size} or larger"
-            )
+        self.dataset = dataset if dataset is not None else open_dataset(cfg, announce=env_rank() == 0)  # rank 0 prints the data notes
+        check_model_vocab(self.dataset, self.model_cfg)
         if cfg.eval.every > 0 and "val" not in self.dataset.splits:
             raise ConfigError(
                 f"eval.every={cfg.eval.every} needs a val split, but {cfg.data.path or 'the data'} has only "
