@@ -3,7 +3,8 @@
 #   NPROC=4 launch/torchrun.sh schedule=sysx train.steps=100                    # this machine
 #   NNODES=2 NODE_RANK=0 MASTER=host0:29533 launch/torchrun.sh schedule=sysx    # on host0
 #   NNODES=2 NODE_RANK=1 MASTER=host0:29533 launch/torchrun.sh schedule=sysx    # on host1
-# Arguments are sysx-train overrides. Rank, world size and the node layout reach sysx through
+# torchrun runs through sysx.launch, which exits like the job (130/143 after Ctrl-C/SIGTERM, no
+# traceback of torchrun's agent). Arguments are sysx-train overrides. Rank, world size and the node layout reach sysx through
 # torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); Hydra creates no
 # directories and rank 0 alone writes run_dir. With NNODES > 1 every node runs this script with its
 # NODE_RANK and the same MASTER (host:port of node 0) and RDZV_ID (default: sysx-<MASTER>).
@@ -14,10 +15,10 @@ fi
 NNODES="${NNODES:-1}"
 if [ "${NNODES}" -eq 1 ]; then
   "${PYTHON:-python}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
-  exec torchrun --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
+  exec "${PYTHON:-python}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
 fi
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for this node}"
 : "${MASTER:?set MASTER=host:port of node 0 (the rendezvous endpoint)}"
-exec torchrun --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
+exec "${PYTHON:-python}" -m sysx.launch --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
   --rdzv_backend=c10d --rdzv_endpoint="${MASTER}" --rdzv_id="${RDZV_ID:-sysx-${MASTER}}" \
   -m sysx.train "$@"

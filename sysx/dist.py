@@ -179,7 +179,7 @@ def cpu_group() -> dist.ProcessGroup | None:
 class _Wait:
     """One ``Work.wait`` handed to the waiter thread."""
 
-    work: dist.Work
+    work: dist.Work | None
     timeout_s: float
     done: threading.Event = field(default_factory=threading.Event)
     completed: bool | None = None
@@ -227,6 +227,9 @@ class _Waiter:
             except RuntimeError as err:
                 job.error = err
             finally:
+                # the Work holds its tensor (a receive into a shared-memory segment, say): a reference
+                # kept by this idle thread would stop the store from closing
+                job.work = None
                 self.in_flight -= 1
                 job.done.set()
 

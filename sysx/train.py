@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
