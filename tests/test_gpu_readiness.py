@@ -8,6 +8,7 @@ uses. CUDA calls are replaced by stand-ins; what only a GPU can confirm is run b
 from __future__ import annotations
 
 import re
+import os
 import subprocess
 import sys
 import threading
@@ -314,7 +315,8 @@ def test_closing_the_stage_params_synchronises_the_device_first(monkeypatch: pyt
 @pytest.mark.timeout(900)
 def test_gpu_check_runs_reduced_on_cpu_and_says_what_it_skipped(tmp_path: Path) -> None:
     out = subprocess.run(["bash", str(ROOT / "profiling" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
-                         env={**__import__("os").environ, "OUT": str(tmp_path), "GPU_CHECK_PYTEST_ARGS": "--co"},
+                         env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTEST_ARGS": "--co",
+                              "PYTHON": sys.executable},  # CI runs the venv's python without activating it
                          timeout=850)
     log = (tmp_path / "gpu_check.log").read_text()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
