@@ -14,6 +14,7 @@ tokens/s. Exit code 1 when the job fails or the final loss is not below ``--max-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,15 +28,13 @@ from pathlib import Path
 def machine() -> str:
     """CPU model, widest AVX, cores and the 1-minute load average, in one line."""
     model, flags = platform.processor() or "unknown CPU", set()
-    try:
+    with contextlib.suppress(OSError):  # no /proc (not Linux): the generic processor name stays
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
-    except OSError:
-        pass
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{model}, {simd}, {os.cpu_count()} cores, load {load:.1f}"

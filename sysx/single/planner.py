@@ -374,11 +374,11 @@ def _runs_on_device(profiler: Profiler, chunk: int) -> bool:
     """Profile ``chunk`` sequences; False when the device runs out of memory doing it."""
     try:
         profiler(chunk)
-    except torch.cuda.OutOfMemoryError:
-        pass
-    else:
         return True
-    if torch.cuda.is_available():
+    except torch.cuda.OutOfMemoryError:
+        out_of_memory = True
+    # emptied outside the except block: its traceback still holds the failed attempt's tensors
+    if out_of_memory and torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand the failed attempt's blocks back before the next size
     return False
 
