@@ -34,6 +34,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny ops gain nothing from intra-op threads; on a shared 2-core machine they spin-wait.
+    Modules of tiny-model tests use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if the suite left sysx shared-memory segments behind."""
     leaked = sorted(_sysx_segments() - _segments_before_suite)

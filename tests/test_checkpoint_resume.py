@@ -26,12 +26,7 @@ HW = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)
 FP16_SCALE = LossScaleSection(init=2.0**16, growth_interval=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_cfg(tmp_path: Path, precision: str, **train) -> SysxConfig:

@@ -23,13 +23,7 @@ from sysx.single.sites import (
 CFG = get_preset("tiny")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops gain nothing from intra-op threads; on a shared 2-core machine they spin-wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,7 @@ STEPS = 3
 HW = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)  # planning figures; compute runs on CPU
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops gain nothing from intra-op threads; on a shared 2-core machine they spin-wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_cfg(**optim) -> SysxConfig:

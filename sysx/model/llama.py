@@ -48,11 +48,11 @@ def make_shell(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float
     (:meth:`~sysx.model.flat.FlatLayout.bind`) before use. Building compute modules this way
     allocates nothing on the device and (almost) nothing on the host."""
     layer = make_layer(cfg, index, dtype=dtype, device="meta")
-    _placeholders(layer, {})
+    _stand_ins(layer, {})
     return layer
 
 
-def _placeholders(module: nn.Module, made: dict[int, nn.Parameter]) -> None:
+def _stand_ins(module: nn.Module, made: dict[int, nn.Parameter]) -> None:
     """Swap every meta Parameter of ``module`` for a storage-less CPU stand-in (one per Parameter, so ties stay ties)."""
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
