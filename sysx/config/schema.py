@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sysx.config.checks import check_choice, check_int, fail
-from sysx.config.choices import PRECISIONS
+from sysx.config.choices import PRECISION_CHOICES
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.sections import (
     CheckpointSection,
@@ -42,7 +42,7 @@ class SysxConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     seed: int = 0
     device: str = "auto"
-    precision: str = "fp32"
+    precision: str = "auto"  # resolved by the trainer for its device (sysx.trainers.base.resolve_precision)
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
 
     @property
@@ -59,7 +59,7 @@ class SysxConfig:
 def validate(cfg: SysxConfig) -> None:
     """Check what types alone cannot: the top-level keys, then each section (its own
     ``validate()``), then what spans sections. Raise :class:`ConfigError` on the first problem."""
-    check_choice("precision", cfg.precision, PRECISIONS)
+    check_choice("precision", cfg.precision, PRECISION_CHOICES)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         fail("device", cfg.device, "allowed: auto, cpu, cuda, cuda:<index>")
     check_int("seed", cfg.seed, 0)

@@ -68,7 +68,7 @@ class PipelineTrainer(Trainer):
         dataset: TokenDataset | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(cfg, dataset=dataset)
+        super().__init__(cfg, dataset=dataset, device=device)
         cfg = self.cfg
         self.opts = options if options is not None else options_from_config(cfg)
         self.opts.check()
@@ -119,7 +119,9 @@ class PipelineTrainer(Trainer):
         if self.world > 1:
             backend = dist.get_backend()
             verify = opts.verify_transfers if opts.verify_transfers is not None else backend != "nccl"
-            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify)
+            # checkpoints on a communicator of their own: they overlap activations and gradients on NCCL too
+            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify,
+                      ckpt_group=sdist.checkpoint_group())
         self.p2p = p2p
         self.executor = Executor(
             self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,

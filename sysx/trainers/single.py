@@ -69,7 +69,7 @@ class SingleTrainer(Trainer):
     ) -> None:
         if single is not None:
             single.validate()  # an explicit override; cfg.single was checked with the whole config
-        super().__init__(cfg, dataset=dataset)
+        super().__init__(cfg, dataset=dataset, device=device)
         cfg = self.cfg
         self.settings = single if single is not None else cfg.single
         self.device = job_device(cfg, device)
