@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOW = [1, 2]
 JOB = ["device=cpu", "train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "train.micro_batches=2",
-       "eval.every=0", "optim.backend=torch", "log.progress=false", f"profile.timeline_steps=[{WINDOW[0]},{WINDOW[1]}]"]
+       "eval.every=0", "optim.backend=torch", "optim.workers=2", "log.progress=false", f"profile.timeline_steps=[{WINDOW[0]},{WINDOW[1]}]"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -91,8 +91,10 @@ def test_boxes_are_well_formed_and_no_two_overlap_on_one_lane(job: dict) -> None
         events.sort(key=lambda e: e["ts"])
         for a, b in zip(events, events[1:]):
             assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, f"lane {lane}: {a['name']} overlaps {b['name']}"
-    families = {lane_family(name) for name in lane_names(job["trace"]).values()}
-    assert {"compute", "h2d", "d2h", "p2p", "opt"} <= families
+    names = lane_names(job["trace"])
+    assert {"compute", "h2d", "d2h", "p2p", "opt"} <= {lane_family(name) for name in names.values()}
+    # optim.workers=2: the validation's re-steps (clipping) run on both workers at once, on two lanes
+    assert {"opt0", "opt1"} <= {name for (pid, _), name in names.items() if pid == 0}
 
 
 def test_the_chrome_trace_has_one_process_per_rank_and_one_thread_per_lane(job: dict) -> None:
@@ -193,21 +195,21 @@ def op(kind: OpKind, stage: int = -1, sub: int = -1, mb: int = -1, peer: int = -
 def test_measured_costs_takes_medians_and_pairs_both_sides_of_a_message() -> None:
     schedule = build_sysx(2, 2, n_stages=2, split=1)
     F, B = OpKind.FORWARD, OpKind.BACKWARD
-    spans = [Span(0, 0, "compute", "F", op(F, 0, -1, j), 0.0, d) for j, d in enumerate([1.0, 3.0, 2.0])]
+    spans = [Span(0, 0, "compute", "F", op(F, 0, -1, j), 0.0, d) for j, d in enumerate([1.0, 5.0, 2.0])]
     spans += [Span(1, 0, "compute", "F", op(F, 1, -1, 0), 0.0, 5.0)]
     spans += [Span(r, 0, "compute", "B", op(B, s, 0, 0), 10.0, 10.0 + 2 * s + 1) for r, s in ((1, 0), (0, 1))]
     spans += [Span(0, 0, "h2d", "H2D s0", op(OpKind.LOAD_PARAMS, 0), 0.0, 0.5, 1000),
               Span(0, 0, "opt1", "OPT s1.0", op(OpKind.OPTIM_STEP, 1, 0, is_async=True), 20.0, 24.0),
               Span(0, 0, "opt0", "OPT clip s1.0", None, 24.0, 30.0)]
-    # act s0 mb0: the receiver posted at 1, the sender at 2; the sender saw it done at 2.5, the receiver at 3
-    spans += [Span(0, 0, "p2p", "SEND act s0 mb0", op(OpKind.SEND_ACT, 0, -1, 0, peer=1), 2.0, 2.5, 64),
+    # act s0 mb0: the receiver posted at 1, the sender at 2; the receiver saw it done at 3, the sender at 3.5
+    spans += [Span(0, 0, "p2p", "SEND act s0 mb0", op(OpKind.SEND_ACT, 0, -1, 0, peer=1), 2.0, 3.5, 64),
               Span(1, 0, "p2p1", "RECV act s0 mb0", op(OpKind.RECV_ACT, 0, -1, 0, peer=0), 1.0, 3.0, 64)]
     tab = measured_costs(spans, schedule, param_bytes=4.0)
     assert isinstance(tab, CostTable) and tab.unit == "s" and tab.rendezvous
     assert tab.fwd == [2.0, 5.0] and tab.bwd == [1.0, 3.0]
     assert tab.load_stage == [0.5, 0.0] and tab.param_stage == [1000.0, 0.0] and tab.params_stage[0] == 250.0
     assert tab.opt == [0.0, 4.0]  # the clip job is validation, not the step
-    assert tab.act_xfer == [0.5, 0.0] and tab.optim_workers == 2
+    assert tab.act_xfer == [1.0, 0.0] and tab.optim_workers == 2
     with pytest.raises(ValueError, match="no recorded span of F s1"):
         measured_costs([s for s in spans if s.op is None or s.op.stage != 1], schedule)
 
@@ -247,6 +249,9 @@ def test_the_measured_numbers_of_a_simulated_run_are_the_simulator_s() -> None:
     costs.load_stage = [0.25] * 4
     tl = simulate(schedule, costs)
     spans = [s._replace(nbytes=1000) if s.lane == "h2d" else s for s in spans_of(schedule, costs, steps=3)]
+    # VALIDATE on the compute lane from the rank's last pass to the end of the step: no pass, no busy time
+    spans += [Span(r, step, "compute", "VALIDATE", op(OpKind.VALIDATE), step * tl.iteration + tl.gpu_end[r],
+                   (step + 1) * tl.iteration) for r in range(2) for step in range(3)]
     numbers = measured(spans, schedule)
     assert numbers["iteration_s"] == pytest.approx(tl.iteration) and numbers["bubble"] == pytest.approx(tl.bubble_ratio)
     assert numbers["optimizer_exposed_s"] == pytest.approx(tl.iteration - max(tl.gpu_end)) and numbers["optimizer_exposed_s"] > 0
