@@ -294,3 +294,42 @@ def test_a_window_past_the_last_step_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"profile\.nsys_steps=\[2, 4\] .* steps are 0\.\.3 .* raise train\.steps"):
         load_config(["train.steps=4", "profile.nsys_steps=[2,4]"])
     assert load_config(["train.steps=4", "profile.timeline_steps=[3,3]"]).profile.timeline_steps == [3, 3]
+
+
+# ---------------------------------------------------------------------------------- nsys wrapper
+FAKE_NSYS = """#!/usr/bin/env bash
+# a stand-in for nsys: note how it was called (per rank), drop its options, run the command
+echo "$@" > "$FAKE_NSYS_LOG.$RANK"
+shift
+while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
+exec "$@"
+"""
+
+
+def test_nsys_sh_runs_every_rank_under_its_own_report(tmp_path: Path) -> None:
+    """profiling/nsys.sh under a stand-in nsys (none here): each rank of the torchrun job runs as
+    ``nsys profile --output=<dir>/sysx_%q{RANK} --capture-range=cudaProfilerApi ... python -m sysx.train``
+    with NVTX on and the capture window passed; on CPU the job says once that the window is CUDA's."""
+    import os
+    import subprocess
+
+    from test_runtime_procs import ROOT
+
+    fake = tmp_path / "nsys"
+    fake.write_text(FAKE_NSYS)
+    fake.chmod(0o755)
+    out, log = tmp_path / "reports", tmp_path / "called"
+    env = {**os.environ, "NSYS": str(fake), "FAKE_NSYS_LOG": str(log), "NPROC": "2", "STEPS": "1,2", "OUT": str(out),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("RANK", None)
+    done = subprocess.run(["bash", str(ROOT / "profiling" / "nsys.sh"), "schedule=sysx", *JOB[:-1],
+                           f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in range(2):
+        called = (tmp_path / f"called.{rank}").read_text().split()
+        assert called[:2] == ["profile", f"--output={out}/sysx_%q{{RANK}}"]
+        assert {"--capture-range=cudaProfilerApi", "--capture-range-end=stop", "--trace=cuda,nvtx,osrt"} <= set(called)
+        job = called[called.index("-m"):]
+        assert job[:2] == ["-m", "sysx.train"] and {"profile.nvtx=true", "profile.nsys_steps=[1,2]"} <= set(job)
+    assert done.stdout.count("profile.nsys_steps=[1, 2] only applies on CUDA") == 1
+    assert f"reports in {out}/" in done.stdout
