@@ -33,7 +33,7 @@ def write_chrome(spans: Sequence[Span], path: str | Path, *, title: str, n_ranks
     for s in spans:
         args: dict[str, object] = {"step": s.step}
         if s.op is not None:
-            args.update(kind=s.op.kind.name, stage=s.op.stage, sub=s.op.sub, mb=s.op.mb)
+            args.update(kind=s.op.kind.name, stage=s.op.stage, sub=s.op.sub, mb=s.op.mb, is_async=s.op.is_async)
         if s.nbytes:
             args["bytes"] = s.nbytes
         boxes.append({"name": s.name, "cat": lane_family(s.lane), "pid": s.rank, "tid": lanes[s.rank].index(s.lane),

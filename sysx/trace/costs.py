@@ -7,7 +7,8 @@ Every duration is the median over the window (all ranks, steps and micro-batches
 
 * ``fwd[s]`` / ``bwd[s*d+k]``: FORWARD / BACKWARD spans on the compute lane;
 * ``load_stage[s]`` / ``load_sub[s*d+k]`` / ``offload[s*d+k]``: the copies on the h2d / d2h lanes;
-* ``opt[s*d+k]``: the sub-stage's optimizer step (a worker's step job, or a synchronous OPTIM_STEP);
+* ``opt[s*d+k]``: the sub-stage's optimizer step (a worker's step job, or a synchronous OPTIM_STEP
+  on the compute lane; the validation's jobs on the workers are not part of it);
 * ``act_xfer`` / ``grad_xfer`` / ``ckpt_xfer``: per message, both sides paired: from the later of
   the two posts to the earlier of the two completions (what the simulator calls the transfer;
   the waits of one side for the other are not part of it);
@@ -58,7 +59,7 @@ def _allreduce(spans: Sequence[Span]) -> float:
     """Median over steps of the shortest (over ranks) VALIDATE time after the rank's last step job."""
     last_opt: dict[tuple[int, int], float] = {}
     for s in spans:
-        if lane_family(s.lane) == OPT and s.op is not None:
+        if lane_family(s.lane) == OPT and s.op is not None and s.op.is_async:
             key = (s.step, s.rank)
             last_opt[key] = max(last_opt.get(key, s.end), s.end)
     per_step: dict[int, list[float]] = defaultdict(list)
@@ -83,7 +84,7 @@ def measured_costs(spans: Sequence[Span], schedule: Schedule, *, param_bytes: fl
         op, family = s.op, lane_family(s.lane)
         if family == OPT:
             workers[s.rank].add(s.lane)
-        if op is None:
+        if op is None or (family == OPT and not op.is_async):  # a validation job: no step of the list
             continue
         g = op.stage * d + op.sub
         if family == P2P and op.kind == OpKind.SEND_CKPT and s.nbytes:

@@ -40,8 +40,9 @@ from sysx.schedule.ops import COMMS, Op, OpKind
 
 COMPUTE, H2D, D2H, P2P, OPT = "compute", "h2d", "d2h", "p2p", "opt"
 Mark = Union[dev.Event, float]
-# what a record is about: an op of the rank's list, or an optimizer job ``(label, stage name)``
-What = Union[Op, tuple[str, str]]
+# what a record is about: an op (of the rank's list), an optimizer job ``(label, stage name)``, or a
+# name alone (a copy no op stands for, e.g. the sliding window's activation copies)
+What = Union[Op, tuple[str, str], str]
 
 
 def op_lane(op: Op) -> str:
@@ -78,7 +79,7 @@ class Span(NamedTuple):
     step: int
     lane: str
     name: str
-    op: Op | None  # None: an optimizer job that is no op of the list (check, undo, clip)
+    op: Op | None  # an optimizer job: OPTIM_STEP of its sub-stage (is_async: the step job of an async OPTIM_STEP)
     start: float
     end: float
     nbytes: int = 0
@@ -145,20 +146,22 @@ class Recorder:
         self.records.append((self.step, worker_lane(), (label, stage), start, end, 0))
 
     def spans(self, units: Mapping[str, tuple[int, int]] | None = None) -> list[Span]:
-        """The records on the host clock; ``units`` names the optimizer stages' sub-stages, so a
-        step job becomes the OPTIM_STEP op of its sub-stage (waits for the device's recorded work)."""
+        """The records on the host clock (waits for the device's recorded work). ``units`` gives the
+        optimizer stages' sub-stages: a job on a known stage becomes an OPTIM_STEP of it, asynchronous
+        for a step job (the asynchronous OPTIM_STEP of the op list), synchronous for the validation's
+        jobs (check, undo, clip, a validate-first step); a job on an unknown stage has no op."""
         units = units or {}
         out = []
         for step, lane, what, start, end, nbytes in self.records:
             if isinstance(what, Op):
                 name, op = what.trace_name(), what
-            elif what is None:
-                name, op = lane, None
+            elif what is None or isinstance(what, str):
+                name, op = what or lane, None
             else:
                 label, stage = what
                 name = f"OPT {label} {stage}" if label else f"OPT {stage}"
                 unit = units.get(stage)
-                op = Op(OpKind.OPTIM_STEP, unit[0], unit[1], is_async=True) if unit is not None and not label else None
+                op = Op(OpKind.OPTIM_STEP, unit[0], unit[1], is_async=not label) if unit is not None else None
             out.append(Span(self.rank, step, lane, name, op, self._seconds(start), self._seconds(end), nbytes))
         return out
 

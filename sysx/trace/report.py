@@ -3,7 +3,7 @@
 * ``timeline.json``: the Chrome trace (:mod:`sysx.trace.chrome`);
 * ``timeline.png``: one panel per recorded step, drawn by :func:`sysx.schedule.draw.draw_compare`
   like ``sysx plan --png`` draws a plan;
-* ``plan.png``: the plan of the same schedule, simulated with the window's profiled costs
+* ``plan.png`` (pipelines): the plan of the same schedule, simulated with the window's profiled costs
   (:func:`sysx.trace.costs.measured_costs`) or with the costs the caller passes (an emulated
   device passes the table it models time with);
 
@@ -38,13 +38,16 @@ class WindowReport:
     measured: dict[str, float]
     plan: dict[str, float]
     line: str
-    costs: CostTable
+    costs: CostTable | None  # what the plan was simulated with (None: no simulated plan)
     spans: list[Span]
     files: list[Path] = field(default_factory=list)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """The ``summary.json`` sections: ``{"measured": ..., "plan": ...}``."""
-        return {"measured": dict(self.measured), "plan": dict(self.plan)}
+        """The ``summary.json`` sections: ``{"measured": ..., "plan": ...}`` (no plan: no ``plan``)."""
+        out = {"measured": dict(self.measured)}
+        if self.plan:
+            out["plan"] = dict(self.plan)
+        return out
 
 
 def gather_parts(part: RankPart, *, rank: int, world: int, group: dist.ProcessGroup | None) -> list[RankPart] | None:
@@ -58,17 +61,27 @@ def gather_parts(part: RankPart, *, rank: int, world: int, group: dist.ProcessGr
 
 def write_report(parts: Sequence[RankPart], schedule: Schedule, run_dir: str | Path, *,
                  plan_costs: CostTable | None = None, param_bytes: float = 2.0) -> WindowReport:
-    """Merge ``parts``, write the three files into ``run_dir`` and compare with the plan (see the
-    module doc); ``plan_costs`` replaces the profiled costs of the plan."""
+    """A pipeline's window: :func:`write_window`, and ``plan.png`` with the plan simulated from the
+    window's profiled costs (or ``plan_costs``), compared in the line and the summary."""
     spans = merge(parts)
-    out = Path(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
     costs = plan_costs if plan_costs is not None else measured_costs(spans, schedule, param_bytes=param_bytes)
     plan = simulate(schedule, costs, memory=False)
-    files = [write_chrome(spans, out / TIMELINE_JSON, title=schedule.name, n_ranks=schedule.n_ranks),
-             draw_compare(step_timelines(spans, schedule), out / TIMELINE_PNG),
-             draw(plan, out / PLAN_PNG)]
-    meas, plan_numbers = measured(spans, schedule), planned(plan)
-    source = "modelled costs" if plan_costs is not None else "measured costs"
-    line = format_line(steps_of(spans), meas, plan_numbers, source) + f" | {out}/{{{TIMELINE_JSON},{TIMELINE_PNG},{PLAN_PNG}}}"
-    return WindowReport(meas, plan_numbers, line, costs, spans, files)
+    report = write_window(spans, run_dir, name=schedule.name, n_ranks=schedule.n_ranks, schedule=schedule,
+                          plan=planned(plan), plan_source="modelled costs" if plan_costs is not None else "measured costs")
+    report.costs = costs
+    report.files.append(draw(plan, Path(run_dir) / PLAN_PNG))
+    report.line += f" | {Path(run_dir)}/{{{TIMELINE_JSON},{TIMELINE_PNG},{PLAN_PNG}}}"
+    return report
+
+
+def write_window(spans: Sequence[Span], run_dir: str | Path, *, name: str, n_ranks: int, schedule: Schedule | None = None,
+                 plan: dict[str, float] | None = None, plan_source: str = "") -> WindowReport:
+    """Write merged ``spans`` as ``timeline.json`` and ``timeline.png`` into ``run_dir`` and measure
+    them; ``plan`` (``iteration_s``, optionally ``bubble``) is what they are compared with."""
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [write_chrome(spans, out / TIMELINE_JSON, title=name, n_ranks=n_ranks),
+             draw_compare(step_timelines(spans, n_ranks=n_ranks, name=name, schedule=schedule), out / TIMELINE_PNG)]
+    meas = measured(spans, n_ranks)
+    line = format_line(steps_of(spans), meas, plan, plan_source)
+    return WindowReport(meas, dict(plan or {}), line, None, list(spans), files)

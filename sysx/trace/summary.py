@@ -13,18 +13,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from statistics import mean
 
-from sysx.schedule.ops import Schedule
 from sysx.schedule.simulate import Timeline
 from sysx.trace.recorder import COMPUTE, H2D, Span
 from sysx.trace.timeline import PASSES, step_bounds, steps_of
 
 
-def measured(spans: Sequence[Span], schedule: Schedule) -> dict[str, float]:
-    """``iteration_s``, ``bubble``, ``optimizer_exposed_s``, ``h2d_gbps`` of a merged window."""
+def measured(spans: Sequence[Span], n_ranks: int) -> dict[str, float]:
+    """``iteration_s``, ``bubble``, ``optimizer_exposed_s``, ``h2d_gbps`` of a merged window of ``n_ranks`` ranks."""
     steps = steps_of(spans)
     if not steps:
         raise ValueError("no span was recorded: nothing to summarise")
-    R = schedule.n_ranks
+    R = n_ranks
     iterations, bubbles, exposed = [], [], []
     for step in steps:
         lo, hi = step_bounds(spans, step)
@@ -48,11 +47,14 @@ def planned(plan: Timeline) -> dict[str, float]:
     return {"iteration_s": plan.iteration, "bubble": plan.bubble_ratio}
 
 
-def format_line(steps: Sequence[int], meas: dict[str, float], plan: dict[str, float], source: str) -> str:
-    """``timeline: steps 3-5 measured 0.412 s/step, bubble 31.0%, ... | plan (...) 0.398 s/step (measured/plan 1.04)``."""
+def format_line(steps: Sequence[int], meas: dict[str, float], plan: dict[str, float] | None, source: str) -> str:
+    """``timeline: steps 3-5 measured 0.412 s/step, bubble 31.0%, ... | plan (...) 0.398 s/step (measured/plan 1.04)``;
+    ``plan`` may lack the bubble, or be None."""
     window = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else f"{steps[0]}"
+    line = (f"timeline: steps {window} measured {meas['iteration_s']:.4g} s/step, bubble {100 * meas['bubble']:.1f}%, "
+            f"optimizer exposed {meas['optimizer_exposed_s']:.3g} s, h2d {meas['h2d_gbps']:.3g} GB/s")
+    if not plan:
+        return line
     ratio = meas["iteration_s"] / plan["iteration_s"] if plan["iteration_s"] > 0 else float("inf")
-    return (f"timeline: steps {window} measured {meas['iteration_s']:.4g} s/step, bubble {100 * meas['bubble']:.1f}%, "
-            f"optimizer exposed {meas['optimizer_exposed_s']:.3g} s, h2d {meas['h2d_gbps']:.3g} GB/s | "
-            f"plan ({source}) {plan['iteration_s']:.4g} s/step, bubble {100 * plan['bubble']:.1f}% "
-            f"(measured/plan {ratio:.2f})")
+    bubble = f", bubble {100 * plan['bubble']:.1f}%" if "bubble" in plan else ""
+    return line + f" | plan ({source}) {plan['iteration_s']:.4g} s/step{bubble} (measured/plan {ratio:.2f})"
