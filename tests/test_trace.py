@@ -1,10 +1,12 @@
 """The timeline recorder (sysx/trace): a recorded window of a real 2-rank gloo job, the recorder's
-cost when off, NVTX ranges from the config, profiled costs, and the ``profile.*`` keys.
+cost when off, the sliding window's timeline, NVTX ranges from the config, profiling/nsys.sh,
+profiled costs and measured numbers, and the ``profile.*`` keys.
 
-The job tests run ``python -m sysx.train`` on 2 ranks the way torchrun starts them and read what
-rank 0 wrote: ``timeline.json`` (every op of each rank's list once per recorded step on the lane it
-belongs to, no two boxes of one lane overlapping), ``timeline.png``, ``plan.png`` and the
-``measured`` / ``plan`` sections of ``summary.json``.
+The job tests run ``python -m sysx.train`` on 2 ranks the way torchrun starts them (sysx with async
+checkpoints and optimizer, and mobius, validate-first) and read what rank 0 wrote:
+``timeline.json`` (every op of each rank's list once per recorded step on the lane it belongs to,
+no two boxes of one lane overlapping), ``timeline.png``, ``plan.png`` and the ``measured`` /
+``plan`` sections of ``summary.json``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def lane_names(trace: dict) -> dict[tuple[int, int], str]:
             if e["ph"] == "M" and e["name"] == "thread_name"}
 
 
+@pytest.mark.slow  # 2 processes
 def test_the_job_writes_the_timeline_the_picture_and_the_plan(job: dict) -> None:
     run_dir = job["run_dir"]
     for name in ("timeline.png", "plan.png"):
@@ -69,6 +72,7 @@ def test_the_job_writes_the_timeline_the_picture_and_the_plan(job: dict) -> None
     assert "timeline: steps 1-2 measured " in job["stdout"] and "plan (measured costs)" in job["stdout"]
 
 
+@pytest.mark.slow  # 2 processes
 def test_every_op_appears_once_per_recorded_step_on_its_lane(job: dict) -> None:
     trace, schedule = job["trace"], job["schedule"]
     lanes = lane_names(trace)
@@ -97,6 +101,7 @@ def assert_well_formed(trace: dict) -> None:
             assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, f"lane {lane}: {a['name']} overlaps {b['name']}"
 
 
+@pytest.mark.slow  # 2 processes
 def test_boxes_are_well_formed_and_no_two_overlap_on_one_lane(job: dict) -> None:
     assert_well_formed(job["trace"])
     names = lane_names(job["trace"])
@@ -105,6 +110,7 @@ def test_boxes_are_well_formed_and_no_two_overlap_on_one_lane(job: dict) -> None
     assert {"opt0", "opt1"} <= {name for (pid, _), name in names.items() if pid == 0}
 
 
+@pytest.mark.slow  # 2 processes
 def test_the_chrome_trace_has_one_process_per_rank_and_one_thread_per_lane(job: dict) -> None:
     trace = job["trace"]
     processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
@@ -117,6 +123,7 @@ def test_the_chrome_trace_has_one_process_per_rank_and_one_thread_per_lane(job: 
         assert [n for n in names if n.startswith("opt")] == sorted(n for n in names if n.startswith("opt"))
 
 
+@pytest.mark.slow  # 2 processes
 def test_the_summary_has_the_measured_and_planned_numbers(job: dict) -> None:
     summary = json.loads((job["run_dir"] / "summary.json").read_text())
     m, p = summary["measured"], summary["plan"]
@@ -351,6 +358,7 @@ exec "$@"
 """
 
 
+@pytest.mark.slow  # 2 processes
 def test_nsys_sh_runs_every_rank_under_its_own_report(tmp_path: Path) -> None:
     """profiling/nsys.sh under a stand-in nsys (none here): each rank of the torchrun job runs as
     ``nsys profile --output=<dir>/sysx_%q{RANK} --capture-range=cudaProfilerApi ... python -m sysx.train``
