@@ -17,6 +17,7 @@ from sysx.config.sections import (
     LossScaleSection,
     ModelSection,
     OptimSection,
+    ProfileSection,
     ScheduleSection,
     SingleSection,
     TrainSection,
@@ -40,6 +41,7 @@ class SysxConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     single: SingleSection = field(default_factory=SingleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"  # resolved by the trainer for its device (sysx.trainers.base.resolve_precision)
@@ -66,13 +68,26 @@ def validate(cfg: SysxConfig) -> None:
     if not str(cfg.run_dir).strip():
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
     for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule,
-                    cfg.checkpoint):
+                    cfg.checkpoint, cfg.profile):
         section.validate()
+    check_profile_window(cfg)
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
     max_seq_len = model_config(cfg).max_seq_len
     if cfg.train.seq_len > max_seq_len:
         fail("train.seq_len", cfg.train.seq_len, f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)")
+
+
+def check_profile_window(cfg: SysxConfig) -> None:
+    """A profile window lies within the run, and a timeline needs a schedule that records one."""
+    for key in ("timeline_steps", "nsys_steps"):
+        window = getattr(cfg.profile, key)
+        if window is not None and window[1] >= cfg.train.steps:
+            fail(f"profile.{key}", list(window), f"the run's steps are 0..{cfg.train.steps - 1} (train.steps="
+                 f"{cfg.train.steps}); end the window before that or raise train.steps")
+    if cfg.profile.timeline_steps is not None and cfg.schedule.name == "reference":
+        fail("profile.timeline_steps", list(cfg.profile.timeline_steps), "schedule=reference records no timeline; "
+             "remove it or use a pipeline schedule or schedule=single")
 
 
 def model_config(cfg: SysxConfig) -> ModelConfig:

@@ -31,7 +31,9 @@ import torch.distributed as dist
 
 from sysx.dist import wait_for
 from sysx.partition import unit_label
-from sysx.schedule.ops import Message
+from sysx.schedule.ops import Message, Op
+from sysx.trace.recorder import P2P as P2P_LANE
+from sysx.trace.recorder import Recorder
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.int32)
 _HEADER_LEN = 11
@@ -102,6 +104,7 @@ class Pending:
     header: torch.Tensor | None = None
     is_send: bool = True
     done: bool = field(default=False)
+    posted: tuple[Recorder, Op | None, float] | None = None  # recorded: the recorder, the posting op, its time
 
 
 class P2P:
@@ -125,6 +128,7 @@ class P2P:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages = 0
+        self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
     # ------------------------------------------------------------------------------------ posting
     def isend(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> Pending:
@@ -138,7 +142,7 @@ class P2P:
         works.append(dist.isend(payload, dst=peer, group=group))
         self.bytes_sent += payload.numel() * payload.element_size()
         self.messages += 1
-        return Pending(spec, peer, what, works, payload, header, is_send=True)
+        return Pending(spec, peer, what, works, payload, header, is_send=True, posted=self._posted())
 
     def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
         """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
@@ -150,7 +154,18 @@ class P2P:
         works.append(dist.irecv(buffer, src=peer, group=group))
         self.bytes_received += buffer.numel() * buffer.element_size()
         self.messages += 1
-        return Pending(spec, peer, what, works, buffer, header, is_send=False)
+        return Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
+
+    def _posted(self) -> tuple[Recorder, Op | None, float] | None:
+        rec = self.recorder
+        return (rec, rec.op, rec.now()) if rec is not None and rec.on else None
+
+    @staticmethod
+    def _record(pending: Pending) -> None:
+        """A recorded message completed: its span, from the post to now, under the op that posted it."""
+        if pending.posted is not None:
+            rec, op, start = pending.posted
+            rec.add(P2P_LANE, op, start, rec.now(), pending.buffer.numel() * pending.buffer.element_size())
 
     def _group(self, spec: TransferSpec) -> dist.ProcessGroup | None:
         return self.ckpt_group if spec.family == Message.CKPT else self.group
@@ -177,6 +192,7 @@ class P2P:
                 self._check_header(pending)
         wait_for(pending.works[-1], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
         pending.done = True
+        self._record(pending)
         return pending.buffer
 
     def _check_header(self, pending: Pending) -> None:
@@ -195,6 +211,7 @@ class P2P:
         if not pending.done and all(w.is_completed() for w in pending.works):
             if pending.is_send:
                 pending.done = True
+                self._record(pending)
         return pending.done
 
     def send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> None:

@@ -187,6 +187,10 @@ class Trainer(ABC):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` (default ``eval.batches``) micro-batches of the val split."""
 
+    def measurements(self) -> dict[str, Any]:
+        """Sections this trainer adds to ``summary.json`` (a recorded timeline's ``measured`` and ``plan``)."""
+        return {}
+
     def finish_pending(self) -> None:
         """Wait for work a step left running in the background (optimizer threads)."""
 
