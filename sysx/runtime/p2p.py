@@ -33,7 +33,7 @@ from sysx.dist import wait_for
 from sysx.partition import unit_label
 from sysx.schedule.ops import Message, Op
 from sysx.trace.recorder import P2P as P2P_LANE
-from sysx.trace.recorder import Recorder
+from sysx.trace.recorder import Mark, Recorder
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.int32)
 _HEADER_LEN = 11
@@ -104,7 +104,7 @@ class Pending:
     header: torch.Tensor | None = None
     is_send: bool = True
     done: bool = field(default=False)
-    posted: tuple[Recorder, Op | None, float] | None = None  # recorded: the recorder, the posting op, its time
+    posted: tuple[Recorder, Op | None, Mark] | None = None  # recorded: the recorder, the posting op, its time
 
 
 class P2P:
@@ -156,16 +156,20 @@ class P2P:
         self.messages += 1
         return Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
 
-    def _posted(self) -> tuple[Recorder, Op | None, float] | None:
+    def _posted(self) -> tuple[Recorder, Op | None, Mark] | None:
         rec = self.recorder
-        return (rec, rec.op, rec.now()) if rec is not None and rec.on else None
+        if rec is None or not rec.on:
+            return None
+        # stream-ordered: the transfer runs after the compute issued so far, and the host is no clock of it
+        return rec, rec.op, rec.mark() if self.stream_ordered else rec.now()
 
-    @staticmethod
-    def _record(pending: Pending) -> None:
-        """A recorded message completed: its span, from the post to now, under the op that posted it."""
+    def _record(self, pending: Pending) -> None:
+        """A recorded message completed: its span, from the post to now (stream-ordered: to the point
+        of the compute stream that waits for it), under the op that posted it."""
         if pending.posted is not None:
             rec, op, start = pending.posted
-            rec.add(P2P_LANE, op, start, rec.now(), pending.buffer.numel() * pending.buffer.element_size())
+            end = rec.mark() if self.stream_ordered and not isinstance(start, float) else rec.now()
+            rec.add(P2P_LANE, op, start, end, pending.buffer.numel() * pending.buffer.element_size())
 
     def _group(self, spec: TransferSpec) -> dist.ProcessGroup | None:
         return self.ckpt_group if spec.family == Message.CKPT else self.group
@@ -183,6 +187,7 @@ class P2P:
             for work in pending.works:
                 work.wait()  # NCCL without a timeout: the current stream waits for the transfer, the host does not
             pending.done = True
+            self._record(pending)
             return pending.buffer
         direction = "to" if pending.is_send else "from"
         what = f"{pending.what} ({'send' if pending.is_send else 'receive'} {pending.spec.label} {direction} rank {pending.peer})"
