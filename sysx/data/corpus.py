@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import platformdirs
 from tqdm import tqdm
 
+from sysx.cachedir import cache_root
 from sysx.data.errors import DataError
 from sysx.data.format import TokenWriter, check_dtype, meta_path_for, read_meta
 from sysx.data.tokenizer import ByteTokenizer
@@ -38,8 +38,7 @@ SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_
 
 def cache_dir() -> Path:
     """Where sysx caches data: ``$SYSX_CACHE_DIR/data`` or ``user_cache_dir("sysx")/data``."""
-    root = os.environ.get("SYSX_CACHE_DIR") or platformdirs.user_cache_dir("sysx")
-    return Path(root).expanduser() / "data"
+    return cache_root() / "data"
 
 
 def stdlib_dir() -> Path:

@@ -102,6 +102,17 @@ def _with_threads(n: int, fn: Callable[[], float]) -> float:
         torch.set_num_threads(saved)
 
 
+def adam_params_per_s(numel: int = 1 << 20, *, threads: int = 1, backend: str = "auto", repeat: int = 3) -> float:
+    """CPU Adam throughput (parameters stepped per second) of one optimizer with ``threads`` intra-op threads."""
+    p = torch.randn(numel) * 0.02
+    g = torch.randn(numel) * 1e-2
+    opt = CpuAdam(p, lr=1e-3, weight_decay=0.1, backend=backend)
+    try:
+        return numel / max(_with_threads(threads, lambda: _time(lambda: opt.step(g), repeat)), 1e-9)
+    finally:
+        opt.close()
+
+
 def bench_steps(sizes: list[int], threads: list[int], repeat: int) -> list[tuple[str, int, int, float]]:
     """``(backend, size, threads, seconds per step)`` rows."""
     rows = []

@@ -1,0 +1,62 @@
+"""Profiles cached per machine and model shape under ``<sysx cache>/autotune/``.
+
+The file name holds a hash of :func:`~sysx.autotune.profile.machine_key` (host, CPU model, GPU
+name, torch version) and one of :func:`~sysx.autotune.profile.shape_key` (every ModelConfig field,
+sequence length, dtype): a new machine or a changed shape gets a fresh profile, the same job
+reuses it. A cached profile that lacks a micro-batch size now asked for is measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sysx import device as dev
+from sysx.autotune import profile as prof
+from sysx.cachedir import cache_root
+from sysx.model import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def _digest(data: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def profile_path(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device) -> Path:
+    """Where the profile of this machine and model shape is kept."""
+    machine = _digest(prof.machine_key(device))
+    shape = _digest(prof.shape_key(cfg, seq_len, dtype))
+    return cache_root() / "autotune" / f"profile-{machine}-{shape}.json"
+
+
+def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None, refresh: bool = False,
+                    **measure: Any) -> tuple[prof.MachineProfile, bool]:
+    """The cached profile when it covers ``micro_batch_sizes``, else a new measurement (saved).
+
+    Returns ``(profile, reused)``. ``refresh`` measures even when a cached profile exists.
+    """
+    device = dev.default_device() if device is None else torch.device(device)
+    path = profile_path(cfg, seq_len, dtype, device)
+    want = {m * seq_len for m in micro_batch_sizes}
+    if path.exists() and not refresh:
+        try:
+            cached = prof.MachineProfile.from_json(path.read_text(encoding="utf-8"))
+        except (ValueError, TypeError, KeyError) as err:  # an older or damaged file: measure again
+            log.warning("ignoring the unreadable profile %s (%s)", path, err)
+        else:
+            if want <= cached.measured_tokens() and cached.shape == prof.shape_key(cfg, seq_len, dtype):
+                return cached, True
+    found = prof.measure_profile(cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, **measure)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(found.to_json(), encoding="utf-8")
+    os.replace(tmp, path)  # concurrent ranks never read a half-written file
+    return found, False

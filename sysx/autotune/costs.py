@@ -1,0 +1,51 @@
+"""A :class:`~sysx.autotune.profile.MachineProfile` turned into the simulator's
+:class:`~sysx.schedule.costs.Costs`: the cost model is :func:`sysx.schedule.simulate.simulate` fed
+with profiled numbers, the same path as ``sysx plan`` (one source of truth).
+
+Sizes (parameters, activations, checkpoints, host bytes per parameter) come from the model shape
+via :func:`~sysx.schedule.costs.costs_from_model`; the profile replaces its FLOP-based layer times
+with the measured ones, its backward ratio with the measured one, and its bandwidths and CPU Adam
+throughput with the machine's. p2p bandwidth and latency between ranks are not profiled yet: they
+keep :class:`Costs`' defaults unless given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sysx.autotune.profile import MachineProfile
+from sysx.memory.budget import training_state_bytes
+from sysx.model import ModelConfig
+from sysx.schedule.costs import Costs, costs_from_model
+
+
+def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tuple[list[float], list[float]]:
+    """Forward and backward-with-recompute seconds of each flat layer ``[Embedding, Block x L, Head]``."""
+    kinds = ["embedding"] + ["block"] * cfg.n_layers + ["head"]
+    pairs = [profile.layer_time(k, tokens) for k in kinds]
+    return [max(f, 1e-9) for f, _ in pairs], [max(b, 1e-9) for _, b in pairs]
+
+
+def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micro_batch_size: int, *,
+                   work_dtype: str = "bfloat16", optim_workers: int | None = None,
+                   threads_per_worker: int = 1, **hardware: Any) -> Costs:
+    """:class:`Costs` of ``cfg`` at ``seq_len`` x ``micro_batch_size`` on the profiled machine.
+
+    ``work_dtype``: the working copy (``float32`` or ``bfloat16``): bytes per parameter on the GPU
+    and in shared memory, and the host optimizer state. ``threads_per_worker``: CPU threads each
+    optimizer worker steps with. ``hardware`` overrides any :class:`Costs` field (e.g. p2p figures).
+    """
+    fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
+    nbytes = 4 if work_dtype == "float32" else 2
+    hw = profile.hardware
+    base = costs_from_model(
+        cfg, seq_len, micro_batch_size, dtype_bytes=nbytes,
+        host_bytes_per_param=float(training_state_bytes(work_dtype).optimizer),
+        h2d_bandwidth=hw.h2d_bytes_per_s, d2h_bandwidth=hw.d2h_bytes_per_s,
+        optim_params_per_s=profile.adam_params_per_s * threads_per_worker, optim_workers=optim_workers,
+    )
+    # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,
+    # the measured total backward over the measured total forward
+    ratio = sum(bwd) / sum(fwd) - 1.0
+    return dataclasses.replace(base, layer_fwd_time=tuple(fwd), bwd_ratio=ratio, recompute=True, **hardware)

@@ -1,0 +1,202 @@
+"""The machine's hardware figures, measured once per machine (the autotune profile and the single-GPU planner share them).
+
+AdaWS discovers "processor speed and bandwidths" at start (paper §3.2.2, appendix B). This module
+measures, on the device the job will use:
+
+- host -> device and device -> host copy rates from pinned memory, one direction at a time, and
+  each direction's rate while both run at once on two streams (one copy engine per direction on
+  server GPUs; consumer GPUs with one engine share it, PyAO §8.4);
+- the matmul rate ``P`` in the compute dtype (square ``n x n`` matmuls);
+- the device-memory copy rate (elementwise ops are bound by it);
+- free and total device and host memory.
+
+On a CPU-only machine the "device" is the host: the copy rates are ``memcpy`` rates (both ways at
+once = two threads copying), ``P`` is the CPU matmul rate, so the planner still runs and CI tests
+the same code. :func:`sysx.single.hardware.assumed_hardware` builds a profile from given numbers
+(or a named preset) to plan for a machine you are not on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sysx import device as dev
+from sysx.memory.pinned import HostBuffers
+
+GiB = 1024**3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Rates in bytes/s or FLOP/s and capacities in bytes. ``measured`` False for assumed numbers."""
+
+    name: str
+    kind: str  # "cuda" or "cpu"
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    bidir_bytes_per_s: float  # per direction, while both directions copy at once
+    matmul_flops_per_s: float
+    device_mem_bytes_per_s: float
+    device_free_bytes: int
+    device_total_bytes: int
+    host_free_bytes: int
+    host_total_bytes: int
+    measured: bool = True
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The interconnect bandwidth ``BW_inter`` of the AdaWS formulas: the slower single direction."""
+        return min(self.h2d_bytes_per_s, self.d2h_bytes_per_s)
+
+    def describe(self) -> str:
+        """One line with every figure, in GB/s, TFLOP/s and GiB."""
+        how = "measured" if self.measured else "assumed"
+        return (
+            f"{self.name} ({how}): h2d {self.h2d_bytes_per_s / GB:.1f} GB/s, d2h {self.d2h_bytes_per_s / GB:.1f} GB/s, "
+            f"both at once {self.bidir_bytes_per_s / GB:.1f} GB/s each way, matmul {self.matmul_flops_per_s / 1e12:.2f} TFLOP/s, "
+            f"device memory {self.device_mem_bytes_per_s / GB:.0f} GB/s, device free {self.device_free_bytes / GiB:.1f} of "
+            f"{self.device_total_bytes / GiB:.1f} GiB, host free {self.host_free_bytes / GiB:.1f} of {self.host_total_bytes / GiB:.1f} GiB"
+        )
+
+    def as_dict(self) -> dict[str, float | int | str | bool]:
+        """Plain fields (for logs and JSON)."""
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------- measuring
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _host_memory() -> tuple[int, int]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def _time_cpu(fn, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _time_cuda(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    return _median(times)
+
+
+def time_op(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up: CUDA events on a GPU, the wall clock on CPU."""
+    return _time_cuda(fn, device, repeats) if dev.is_cuda(device) else _time_cpu(fn, repeats)
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, *, n: int | None = None, repeats: int = 3) -> float:
+    """FLOP/s of ``n x n @ n x n`` matmuls in ``dtype`` on ``device`` (``2 n^3`` FLOPs each)."""
+    cuda = dev.is_cuda(device)
+    if n is None:
+        n = 4096 if cuda else (256 if dtype == torch.float16 else 512)  # CPU fp16 matmul is ~1 GFLOP/s
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = time_op(lambda: a @ b, device, repeats)
+    return 2.0 * n**3 / max(seconds, 1e-9)
+
+
+def measure_hardware(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, *,
+                     nbytes: int | None = None, repeats: int = 3) -> HardwareProfile:
+    """Measure the figures of :class:`HardwareProfile` on ``device`` (default: the default device).
+
+    Takes well under a second on CPU (16 MiB copies, 512^3 matmuls) and about a second on a GPU
+    (256 MiB copies, 4096^3 matmuls).
+    """
+    device = dev.default_device() if device is None else torch.device(device)
+    host_free, host_total = _host_memory()
+    if dev.is_cuda(device):
+        return _measure_cuda(device, dtype, nbytes or 256 * 1024**2, repeats, host_free, host_total)
+    return _measure_cpu(dtype, nbytes or 16 * 1024**2, repeats, host_free, host_total)
+
+
+def _measure_cuda(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int,
+                  host_free: int, host_total: int) -> HardwareProfile:
+    n = nbytes // 4
+    buffers = HostBuffers("copy-rate probe", pin=True)
+    host_a = buffers.empty(n, torch.float32).fill_(1.0)
+    host_b = buffers.empty(n, torch.float32)
+    dev_a = torch.empty(n, dtype=torch.float32, device=device)
+    dev_b = torch.ones(n, dtype=torch.float32, device=device)
+    h2d = nbytes / _time_cuda(lambda: dev_a.copy_(host_a, non_blocking=True), device, repeats)
+    d2h = nbytes / _time_cuda(lambda: host_b.copy_(dev_b, non_blocking=True), device, repeats)
+    s_in, s_out = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both() -> None:
+        cur = torch.cuda.current_stream(device)
+        s_in.wait_stream(cur)
+        s_out.wait_stream(cur)
+        with torch.cuda.stream(s_in):
+            dev_a.copy_(host_a, non_blocking=True)
+        with torch.cuda.stream(s_out):
+            host_b.copy_(dev_b, non_blocking=True)
+        cur.wait_stream(s_in)
+        cur.wait_stream(s_out)
+
+    bidir = nbytes / _time_cuda(both, device, repeats)
+    d2d = 2 * nbytes / _time_cuda(lambda: dev_a.copy_(dev_b), device, repeats)  # read + write
+    flops = measure_matmul(device, dtype, repeats=repeats)
+    free, total = torch.cuda.mem_get_info(device)
+    del host_a, host_b, dev_a, dev_b, both
+    buffers.close()
+    return HardwareProfile(
+        name=f"{device} ({torch.cuda.get_device_name(device)})", kind="cuda",
+        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, bidir_bytes_per_s=min(bidir, h2d, d2h),
+        matmul_flops_per_s=flops, device_mem_bytes_per_s=d2d,
+        device_free_bytes=int(free), device_total_bytes=int(total),
+        host_free_bytes=host_free, host_total_bytes=host_total,
+    )
+
+
+def _measure_cpu(dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, host_total: int) -> HardwareProfile:
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty(n, dtype=torch.float32)
+    src2 = torch.ones(n, dtype=torch.float32)
+    dst2 = torch.empty(n, dtype=torch.float32)
+    one_way = nbytes / _time_cpu(lambda: dst.copy_(src), repeats)
+
+    def both() -> None:
+        worker = threading.Thread(target=lambda: dst2.copy_(src2))
+        worker.start()
+        dst.copy_(src)
+        worker.join()
+
+    bidir = nbytes / _time_cpu(both, repeats)
+    flops = measure_matmul(torch.device("cpu"), dtype, repeats=repeats)
+    return HardwareProfile(
+        name="cpu (host memory stands in for the device)", kind="cpu",
+        h2d_bytes_per_s=one_way, d2h_bytes_per_s=one_way, bidir_bytes_per_s=min(bidir, one_way),
+        matmul_flops_per_s=flops, device_mem_bytes_per_s=2 * one_way,
+        device_free_bytes=host_free, device_total_bytes=host_total,
+        host_free_bytes=host_free, host_total_bytes=host_total,
+    )

@@ -1,0 +1,164 @@
+"""A machine + model profile, measured in a few seconds (ProTrain's profiler, paper section 3.3).
+
+:func:`measure_profile` times the real layers of the job's model shape (one Embedding, one Block,
+the Head) on the job's device for each micro-batch size: the forward without autograd (how the
+pipeline runs forwards) and the backward with its recompute (forward with autograd + backward).
+It adds the hardware figures of :mod:`sysx.autotune.hardware` (the same profile the single-device
+planner uses), the CPU Adam throughput of one thread (:func:`sysx.optim.bench.adam_params_per_s`)
+and the free host memory and ``/dev/shm`` (:func:`sysx.memory.budget.probe_host`).
+
+Layer times are stored per token count (micro-batch size x sequence length) and interpolated
+linearly in between (proportionally beyond the measured range), so one profile also answers for
+other micro-batch sizes and, for the memory questions of the search, shorter sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from sysx import device as dev
+from sysx.autotune.hardware import HardwareProfile, measure_hardware, time_op
+from sysx.memory.budget import probe_host
+from sysx.model import ModelConfig
+from sysx.model.llama import init_layer, make_layer
+from sysx.optim.bench import adam_params_per_s
+from sysx.optim.cores import usable_physical_cores
+
+LAYER_KINDS = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Seconds of one layer on ``tokens`` tokens: forward (no autograd) and backward with recompute."""
+
+    tokens: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass
+class MachineProfile:
+    """What :func:`measure_profile` found; JSON round trip with :meth:`to_json` / :meth:`from_json`.
+
+    ``layers[kind]``: timings sorted by tokens. ``adam_params_per_s``: parameters one CPU Adam
+    thread steps per second. ``cpu_threads``: physical cores the job may use on this node (what
+    :mod:`sysx.optim.cores` splits between ranks). ``host_available`` / ``shm_free`` / ``shm_total``: bytes.
+    """
+
+    machine: dict[str, str]
+    shape: dict[str, Any]
+    hardware: HardwareProfile
+    layers: dict[str, list[LayerTiming]]
+    adam_params_per_s: float
+    cpu_threads: int
+    host_available: int
+    shm_free: int
+    shm_total: int
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
+        """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
+        points = self.layers[kind]
+        if not points:
+            raise ValueError(f"the profile has no timing of the {kind} layer")
+        lo = max((p for p in points if p.tokens <= tokens), key=lambda p: p.tokens, default=None)
+        hi = min((p for p in points if p.tokens >= tokens), key=lambda p: p.tokens, default=None)
+        if lo is None or hi is None:  # outside the measured range: time proportional to tokens
+            near = hi or lo
+            assert near is not None
+            scale = tokens / near.tokens
+            return near.fwd_s * scale, near.bwd_s * scale
+        if hi.tokens == lo.tokens:
+            return lo.fwd_s, lo.bwd_s
+        w = (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+        return lo.fwd_s + w * (hi.fwd_s - lo.fwd_s), lo.bwd_s + w * (hi.bwd_s - lo.bwd_s)
+
+    def measured_tokens(self) -> set[int]:
+        """Token counts every layer kind was timed at."""
+        return set.intersection(*({p.tokens for p in self.layers[k]} for k in LAYER_KINDS))
+
+    def to_json(self) -> str:
+        """The profile as one JSON document."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MachineProfile:
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        data["hardware"] = HardwareProfile(**data["hardware"])
+        data["layers"] = {k: [LayerTiming(**p) for p in v] for k, v in data["layers"].items()}
+        return cls(**data)
+
+
+def _time_layer(layer: torch.nn.Module, kind: str, cfg: ModelConfig, mbs: int, seq_len: int,
+                device: torch.device, dtype: torch.dtype, repeats: int) -> LayerTiming:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (mbs, seq_len), generator=gen).to(device)
+    hidden = torch.randn(mbs, seq_len, cfg.dim, generator=gen).to(device=device, dtype=dtype)
+    x = ids if kind == "embedding" else hidden
+
+    def forward() -> torch.Tensor:
+        return layer(x, ids) if kind == "head" else layer(x)  # the head returns the loss
+
+    def backward() -> None:
+        # what a pipeline backward does: recompute from the checkpoint with autograd, then backprop
+        inp = x if kind == "embedding" else x.detach().requires_grad_(True)
+        out = layer(inp, ids) if kind == "head" else layer(inp)
+        out.backward(None if kind == "head" else torch.ones_like(out))
+
+    with torch.no_grad():
+        fwd = time_op(forward, device, repeats)
+    bwd = time_op(backward, device, repeats)
+    layer.zero_grad(set_to_none=True)
+    return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
+
+
+def machine_key(device: torch.device) -> dict[str, str]:
+    """What identifies this machine for the profile cache: host, CPU model, GPU name, torch version."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux: platform's answer is the best there is
+        import platform
+
+        cpu = platform.processor()
+    gpu = torch.cuda.get_device_name(device) if dev.is_cuda(device) else "none"
+    return {"host": os.uname().nodename, "cpu": cpu, "gpu": gpu, "torch": torch.__version__}
+
+
+def measure_profile(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None, repeats: int = 2,
+                    adam_backend: str = "auto") -> MachineProfile:
+    """Measure a :class:`MachineProfile` for ``cfg`` at ``seq_len`` and each micro-batch size."""
+    t0 = time.perf_counter()
+    device = dev.default_device() if device is None else torch.device(device)
+    hardware = measure_hardware(device, dtype, repeats=repeats)
+    layers: dict[str, list[LayerTiming]] = {k: [] for k in LAYER_KINDS}
+    for kind, index in zip(LAYER_KINDS, (0, 1, cfg.n_layers + 1)):
+        layer = make_layer(cfg, index, dtype=dtype, device=device)
+        init_layer(layer, index)  # uninitialised memory can hold denormals and NaNs, which time differently
+        for mbs in sorted(set(micro_batch_sizes)):
+            layers[kind].append(_time_layer(layer, kind, cfg, mbs, seq_len, device, dtype, repeats))
+        del layer
+    cap = probe_host()
+    host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)
+    return MachineProfile(
+        machine=machine_key(device), shape=shape_key(cfg, seq_len, dtype), hardware=hardware, layers=layers,
+        adam_params_per_s=adam_params_per_s(threads=1, backend=adam_backend, repeat=repeats),
+        cpu_threads=usable_physical_cores()[0],
+        host_available=int(host), shm_free=cap.shm_free, shm_total=cap.shm_total,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def shape_key(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The model shape a profile was measured for: every ModelConfig field, the sequence length, the dtype."""
+    return {**asdict(cfg), "seq_len": int(seq_len), "dtype": str(dtype).removeprefix("torch.")}

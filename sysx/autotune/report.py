@@ -1,0 +1,83 @@
+"""The search's answer for people (a table and reasons) and for programs (a JSON-ready dict)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from sysx.autotune.advice import Change
+from sysx.autotune.search import RESOURCES, Candidate, Result
+
+GiB = float(1 << 30)
+
+
+def _row(i: int | str, c: Candidate) -> str:
+    p = c.gpu_parts
+    return (f"{i!s:>3} {c.iteration:>9.4g} {100 * c.bubble:>6.1f}% {c.gpu / GiB:>7.2f} {p['params'] / GiB:>7.2f} "
+            f"{p['grads'] / GiB:>6.2f} {p['ckpts'] / GiB:>6.2f} {p['work'] / GiB:>6.2f} {c.host / GiB:>7.2f} "
+            f"{c.shm / GiB:>6.2f}  {c.label()}")
+
+
+def table(cands: list[Candidate], top: int) -> str:
+    """The first ``top`` candidates: predicted time, bubble, GPU memory per component, host, shm."""
+    head = (f"{'#':>3} {'iter s':>9} {'bubble':>7} {'GPU GiB':>7} {'params':>7} {'grads':>6} {'ckpts':>6} {'work':>6} "
+            f"{'host GiB':>7} {'shm GiB':>6}  options")
+    return "\n".join([head] + [_row(i + 1, c) for i, c in enumerate(cands[:top])])
+
+
+def _pct(a: float, b: float) -> float:
+    return 100.0 * (b - a) / b if b > 0 else 0.0
+
+
+def why(result: Result, baseline: Candidate | str | None) -> list[str]:
+    """Sentences on why the winner won (or, when nothing fits, on what is closest)."""
+    over = Counter(max(RESOURCES, key=lambda r: c.over[r]) for c in result.rejected)
+    rejected = ", ".join(f"{n} over the {r} budget" for r, n in sorted(over.items())) or "none over budget"
+    lines = [f"{len(result.fitting)} of {len(result.fitting) + len(result.rejected)} buildable candidates fit "
+             f"({rejected}); {len(result.invalid)} could not be built (too few layers for the stages, or too few "
+             f"micro-batches for the ranks); global batch {result.job.global_batch} sequences in every candidate"]
+    best = result.best
+    if best is None:
+        c = result.closest
+        if c is not None:
+            lines.append(f"nothing fits; closest: `{c.label()}` needs " + ", ".join(
+                f"{r} {100 * c.over[r]:.0f}%" for r in RESOURCES) + " of the budget")
+        return lines
+    lines.append(f"winner `{best.label()}`: predicted {best.iteration:.4g} s per iteration, bubble {100 * best.bubble:.1f}%")
+    slower = [c for c in result.fitting[1:] if c.iteration > best.iteration]
+    if slower:
+        r = slower[0]
+        lines.append(f"{_pct(best.iteration, r.iteration):.1f}% faster than the next different time, `{r.label()}` "
+                     f"({r.iteration:.4g} s, bubble {100 * r.bubble:.1f}%)")
+    if isinstance(baseline, Candidate):
+        state = "fits" if baseline.fits else f"does not fit ({max(baseline.over, key=baseline.over.get)} budget)"
+        lines.append(f"the fixed layout rule with the config's micro-batches, `{baseline.label()}`, predicts "
+                     f"{baseline.iteration:.4g} s and {state}: the winner is {_pct(best.iteration, baseline.iteration):.1f}% faster")
+    elif baseline:
+        lines.append(f"the fixed layout rule cannot run this job: {baseline}")
+    return lines
+
+
+def _cand_dict(c: Candidate) -> dict[str, Any]:
+    o = c.options
+    return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank, "split": o.split, "cfg": o.cfg,
+            "param_buffers": o.param_buffers, "optimizer_workers": o.optimizer_workers,
+            "threads_per_worker": c.threads_per_worker, "micro_batch_size": c.micro_batch_size,
+            "micro_batches": c.micro_batches, "global_batch": c.global_batch, "iteration_s": c.iteration,
+            "bubble": c.bubble, "gpu_bytes": c.gpu, "gpu_parts": c.gpu_parts, "host_bytes": c.host,
+            "shm_bytes": c.shm, "over": c.over, "fits": c.fits, "label": c.label()}
+
+
+def as_dict(result: Result, changes: list[Change], baseline: Candidate | str | None, top: int) -> dict[str, Any]:
+    """Everything :func:`table` and :func:`why` print, as plain data."""
+    closest = result.closest
+    return {
+        "global_batch": result.job.global_batch, "ranks": result.job.n_ranks, "seq_len": result.job.seq_len,
+        "budget": {r: getattr(result.budget, r) for r in RESOURCES},
+        "top": [_cand_dict(c) for c in result.fitting[:top]],
+        "n_fitting": len(result.fitting), "n_rejected": len(result.rejected), "n_invalid": len(result.invalid),
+        "closest": _cand_dict(closest) if result.best is None and closest is not None else None,
+        "changes": [{"kind": ch.kind, "value": ch.value, "text": ch.text} for ch in changes],
+        "baseline": _cand_dict(baseline) if isinstance(baseline, Candidate) else baseline,
+        "why": why(result, baseline),
+    }

@@ -1,0 +1,217 @@
+"""Choose a pipeline configuration by simulation (ProTrain's search, paper section 3.5).
+
+Every candidate of the job's schedule family (forward stages per rank, SysX split ``d`` and
+``cfg``, micro-batch size x micro-batches with the product, the global batch, fixed, GPU
+parameter buffers, optimizer workers per rank) is built like a run builds it
+(:func:`sysx.runtime.options.make_schedule`: partition, build, validate) and simulated with the
+profiled :class:`~sysx.schedule.costs.Costs`. Candidates over the GPU, host or ``/dev/shm``
+budget are rejected before anything runs; the rest are ranked by predicted iteration time.
+When nothing fits, :mod:`sysx.autotune.advice` says what is closest and what change makes it fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sysx.autotune.costs import profiled_costs
+from sysx.autotune.profile import MachineProfile
+from sysx.config import ConfigError
+from sysx.config.choices import ONE_STAGE_PER_RANK
+from sysx.model import ModelConfig
+from sysx.partition import PartitionError
+from sysx.runtime.options import PipelineOptions, make_schedule
+from sysx.schedule.ops import ScheduleError
+from sysx.schedule.simulate import Timeline, simulate
+
+RESOURCES = ("gpu", "host", "shm")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes available: ``gpu`` per GPU, ``host`` RAM per node (optimizer state and the shared
+    working copy both live there), ``shm`` the ``/dev/shm`` of a node."""
+
+    gpu: float
+    host: float
+    shm: float
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the search may not change: model, sequence length, global batch, ranks, schedule family."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    n_ranks: int
+    schedule: str = "sysx"
+    gpus_per_node: Optional[int] = None
+    work_dtype: str = "bfloat16"
+    optim_backend: str = "auto"
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing one node's host memory and CPU threads."""
+        return min(self.gpus_per_node or self.n_ranks, self.n_ranks)
+
+
+@dataclass(frozen=True)
+class Space:
+    """The options searched (``None`` entries are left to :func:`make_schedule`'s fixed rule)."""
+
+    stages_per_rank: tuple[int, ...] = (1, 2, 3, 4)
+    splits: tuple[int, ...] = (1, 2, 3)
+    cfgs: tuple[int, ...] = (3,)
+    param_buffers: tuple[int, ...] = (1, 2, 3)
+    micro_batch_sizes: Optional[tuple[int, ...]] = None  # None: every divisor of the global batch
+    optimizer_workers: Optional[tuple[int, ...]] = None  # None: 1, 2, 4, ... up to the rank's threads
+
+
+@dataclass
+class Candidate:
+    """One configuration and its prediction (times in seconds, memory in bytes)."""
+
+    options: PipelineOptions
+    micro_batch_size: int
+    micro_batches: int
+    threads_per_worker: int
+    iteration: float
+    bubble: float
+    gpu: float  # peak GPU bytes of the fullest rank
+    gpu_parts: dict[str, float]  # that rank's peaks: params, grads, ckpts, work
+    host: float  # host bytes of the fullest node: optimizer state + shared working copy
+    shm: float  # /dev/shm bytes of the fullest node
+    over: dict[str, float] = field(default_factory=dict)  # need / budget per resource
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per iteration (what the search keeps fixed)."""
+        return self.micro_batch_size * self.micro_batches
+
+    @property
+    def fits(self) -> bool:
+        """Within every budget."""
+        return all(x <= 1.0 for x in self.over.values())
+
+    @property
+    def worst(self) -> float:
+        """The largest need / budget ratio (<= 1 when it fits)."""
+        return max(self.over.values(), default=0.0)
+
+    def label(self) -> str:
+        """The options in ``key=value`` form, as the config spells them."""
+        o = self.options
+        parts = [f"schedule={o.schedule}"]
+        if o.schedule not in ONE_STAGE_PER_RANK:
+            parts.append(f"stages_per_rank={o.stages_per_rank}")
+        if o.schedule == "sysx":
+            parts += [f"split={o.split}", f"cfg={o.cfg}"]
+        parts += [f"micro_batch_size={self.micro_batch_size}", f"micro_batches={self.micro_batches}",
+                  f"param_buffers={o.param_buffers}", f"optim.workers={o.optimizer_workers}"]
+        return " ".join(parts)
+
+
+@dataclass
+class Result:
+    """What :func:`search` found: fitting candidates fastest first, the rejected ones, and why."""
+
+    job: Job
+    budget: Budget
+    fitting: list[Candidate]
+    rejected: list[Candidate]
+    invalid: list[str]  # candidates that cannot be built, with the reason
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest fitting candidate."""
+        return self.fitting[0] if self.fitting else None
+
+    @property
+    def closest(self) -> Candidate | None:
+        """The candidate least over budget (the answer when nothing fits)."""
+        return min(self.rejected, key=lambda c: (c.worst, c.iteration), default=None)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def thread_options(job: Job, profile: MachineProfile, space: Space) -> list[tuple[int, int]]:
+    """``(optimizer workers, threads each)`` per rank, split like :func:`sysx.optim.cores.plan_cores`:
+    the node's physical cores evenly over its ranks; the torch backend's workers share a rank's
+    cores, a DeepSpeed worker (it holds the GIL) uses all of them and more workers would not overlap."""
+    per_rank = max(1, profile.cpu_threads // job.ranks_per_node)
+    torch_backend = job.optim_backend == "torch"
+    default = tuple(w for w in (1, 2, 4, 8, 16) if w <= per_rank) if torch_backend else (1,)
+    return [(w, max(1, per_rank // w) if torch_backend else per_rank) for w in space.optimizer_workers or default]
+
+
+def _options(job: Job, space: Space) -> Iterator[PipelineOptions]:
+    """Schedule options of the job's family, without duplicates the family ignores."""
+    one = job.schedule in ONE_STAGE_PER_RANK
+    per_rank: tuple[Optional[int], ...] = (None,) if one else space.stages_per_rank
+    cfgs = space.cfgs if job.schedule == "sysx" else (3,)
+    for p, c, b in itertools.product(per_rank, cfgs, space.param_buffers):
+        # other schedules and CFG0 run whole-stage backwards: d is 1 there
+        splits: tuple[Optional[int], ...] = space.splits if job.schedule == "sysx" and c > 0 else (None,)
+        for d in splits:
+            yield PipelineOptions(schedule=job.schedule, stages_per_rank=p, split=d, cfg=c, param_buffers=b,
+                                  optim_backend=job.optim_backend)
+
+
+def evaluate(job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOptions, mbs: int,
+             workers: int, threads: int) -> Candidate:
+    """Build, validate and simulate one candidate; its memory against ``budget``.
+
+    Raises ``ScheduleError``, ``PartitionError`` or ``ConfigError`` when it cannot be built.
+    """
+    opts = PipelineOptions(**{**opts.__dict__, "optimizer_workers": workers})
+    n_micro = job.global_batch // mbs
+    sched = make_schedule(opts, job.model, n_ranks=job.n_ranks, n_micro=n_micro, seq_len=job.seq_len)
+    if opts.schedule not in ONE_STAGE_PER_RANK:  # the values the fixed rule chose, so the label says what runs
+        opts.stages_per_rank = sched.n_stages // job.n_ranks
+    if opts.schedule == "sysx":
+        opts.split = sched.split
+    costs = profiled_costs(profile, job.model, job.seq_len, mbs, work_dtype=job.work_dtype, optim_workers=workers,
+                           threads_per_worker=threads)
+    tl = simulate(sched, costs, record=False, gpus_per_node=job.ranks_per_node)
+    return _candidate(job, budget, opts, mbs, n_micro, threads, tl)
+
+
+def _candidate(job: Job, budget: Budget, opts: PipelineOptions, mbs: int, n_micro: int, threads: int,
+               tl: Timeline) -> Candidate:
+    gpn = tl.gpus_per_node
+    top = max(range(tl.n_ranks), key=lambda r: tl.peak_gpu[r])
+    node_host = [sum(tl.host[i * gpn:(i + 1) * gpn]) + tl.shm[i] for i in range(len(tl.shm))]
+    host, shm = max(node_host), max(tl.shm)
+    parts = {"params": tl.peak_params[top], "grads": tl.peak_grads[top], "ckpts": tl.peak_ckpts[top],
+             "work": tl.peak_work[top]}
+    over = {"gpu": tl.peak_gpu[top] / budget.gpu, "host": host / budget.host, "shm": shm / budget.shm}
+    return Candidate(opts, mbs, n_micro, threads, tl.iteration, tl.bubble_ratio, tl.peak_gpu[top], parts, host, shm, over)
+
+
+def search(job: Job, budget: Budget, profile: MachineProfile, space: Space = Space()) -> Result:
+    """Every candidate of ``space``: fitting ones ranked by predicted iteration time."""
+    fitting: list[Candidate] = []
+    rejected: list[Candidate] = []
+    invalid: list[str] = []
+    sizes = space.micro_batch_sizes or tuple(divisors(job.global_batch))
+    for mbs in sizes:
+        if job.global_batch % mbs:
+            invalid.append(f"micro_batch_size={mbs} does not divide the global batch {job.global_batch}")
+            continue
+        for opts in _options(job, space):
+            for workers, threads in thread_options(job, profile, space):
+                try:
+                    cand = evaluate(job, budget, profile, opts, mbs, workers, threads)
+                except (ScheduleError, PartitionError, ConfigError) as err:
+                    invalid.append(f"{opts.describe()} micro_batch_size={mbs}: {err}")
+                    continue
+                (fitting if cand.fits else rejected).append(cand)
+    # equal times: the one needing less memory and fewer buffers and workers
+    fitting.sort(key=lambda c: (c.iteration, c.gpu, c.host, c.options.param_buffers, c.options.optimizer_workers or 0))
+    return Result(job, budget, fitting, rejected, invalid)

@@ -1,0 +1,164 @@
+"""sysx.autotune: profile cache, profiled costs = simulate, the search keeps the global batch, and
+an impossible budget answers with the closest candidate and a checked change. No outcome here
+depends on this machine's speed: the profiles are synthetic except where the cache test measures
+(and then only the call count is checked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from sysx.autotune import cache as cache_mod
+from sysx.autotune import profile as prof
+from sysx.autotune.advice import advise
+from sysx.autotune.costs import profiled_costs
+from sysx.autotune.hardware import HardwareProfile
+from sysx.autotune.profile import LayerTiming, MachineProfile
+from sysx.autotune.search import Budget, Job, Space, divisors, search
+from sysx.model import get_preset
+from sysx.runtime.options import PipelineOptions, make_schedule
+from sysx.schedule.costs import Costs
+from sysx.schedule.simulate import simulate
+
+GiB = float(1 << 30)
+TINY = get_preset("tiny")
+SEQ = 64
+
+
+def synthetic_profile(cfg=TINY, seq_len: int = SEQ, sizes=(1, 2, 4, 8)) -> MachineProfile:
+    """A profile with made-up, size-proportional times (block 1 ms per 64 tokens, backward 3x)."""
+    hw = HardwareProfile(name="synthetic", kind="cpu", h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
+                         bidir_bytes_per_s=8e9, matmul_flops_per_s=1e12, device_mem_bytes_per_s=100e9,
+                         device_free_bytes=int(8 * GiB), device_total_bytes=int(8 * GiB),
+                         host_free_bytes=int(32 * GiB), host_total_bytes=int(32 * GiB), measured=False)
+    per_token = {"embedding": 1e-7, "block": 1e-3 / 64, "head": 3e-3 / 64}
+    layers = {k: [LayerTiming(m * seq_len, t * m * seq_len, 3 * t * m * seq_len) for m in sizes]
+              for k, t in per_token.items()}
+    return MachineProfile(machine={"host": "test"}, shape=prof.shape_key(cfg, seq_len, torch.float32), hardware=hw,
+                          layers=layers, adam_params_per_s=5e8, cpu_threads=8, host_available=int(32 * GiB),
+                          shm_free=int(16 * GiB), shm_total=int(16 * GiB))
+
+
+ROOMY = Budget(gpu=8 * GiB, host=32 * GiB, shm=16 * GiB)
+
+
+def test_profile_json_round_trip_and_interpolation() -> None:
+    p = synthetic_profile()
+    q = MachineProfile.from_json(p.to_json())
+    assert q == p
+    f1, b1 = p.layer_time("block", 64)
+    f3, _ = p.layer_time("block", 192)  # between the measured 128 and 256 tokens
+    assert f1 == pytest.approx(1e-3) and b1 == pytest.approx(3e-3)
+    assert f3 == pytest.approx(3e-3)
+    assert p.layer_time("head", 1024)[0] == pytest.approx(2 * p.layer_time("head", 512)[0])  # beyond: proportional
+
+
+def test_profiled_costs_are_what_simulate_gets() -> None:
+    """The cost model is simulate on Costs: same iteration and memory as Costs built by hand from the profile."""
+    p = synthetic_profile()
+    mbs = 2
+    costs = profiled_costs(p, TINY, SEQ, mbs, work_dtype="float32", optim_workers=2, threads_per_worker=3)
+    fwd = [p.layer_time(k, mbs * SEQ)[0] for k in ["embedding"] + ["block"] * TINY.n_layers + ["head"]]
+    assert costs.layer_fwd_time == pytest.approx(tuple(fwd))
+    assert costs.bwd_ratio == pytest.approx(2.0)  # backward with recompute is 3x forward: 1 + ratio
+    assert costs.optim_params_per_s == pytest.approx(3 * 5e8)
+    sched = make_schedule(PipelineOptions(stages_per_rank=2, split=1), TINY, n_ranks=2, n_micro=4, seq_len=SEQ)
+    hand = Costs(layer_fwd_time=tuple(fwd), layer_params=costs.layer_params, act_bytes=mbs * SEQ * TINY.dim * 4,
+                 layer_act_bytes=costs.layer_act_bytes, input_bytes=mbs * SEQ * 8, bwd_ratio=2.0, param_bytes=4,
+                 grad_bytes=4, host_bytes_per_param=costs.host_bytes_per_param, h2d_bandwidth=10e9, d2h_bandwidth=10e9,
+                 optim_params_per_s=1.5e9, optim_workers=2)
+    a, b = simulate(sched, costs), simulate(sched, hand)
+    assert a.iteration == pytest.approx(b.iteration) and a.iteration > 0
+    assert a.peak_gpu == pytest.approx(b.peak_gpu) and a.host == pytest.approx(b.host) and a.shm == pytest.approx(b.shm)
+    # and the search's candidate is that simulation
+    res = search(Job(TINY, SEQ, 8, 2, work_dtype="float32", optim_backend="torch"), ROOMY, p,
+                 Space(stages_per_rank=(2,), splits=(1,), param_buffers=(2,), micro_batch_sizes=(2,), optimizer_workers=(2,)))
+    (cand,) = res.fitting
+    assert cand.threads_per_worker == 2  # 8 cores over 2 ranks, 2 torch-backend workers each
+    c = simulate(sched, profiled_costs(p, TINY, SEQ, mbs, work_dtype="float32", optim_workers=2, threads_per_worker=2))
+    assert cand.iteration == pytest.approx(c.iteration) and cand.gpu == pytest.approx(max(c.peak_gpu))
+
+
+@pytest.mark.parametrize("schedule,ranks,batch", [("sysx", 2, 12), ("sysx", 3, 8), ("1f1b", 2, 8), ("mobius", 2, 6)])
+def test_search_never_changes_the_global_batch(schedule: str, ranks: int, batch: int) -> None:
+    res = search(Job(TINY, SEQ, batch, ranks, schedule=schedule), ROOMY, synthetic_profile())
+    cands = res.fitting + res.rejected
+    assert res.fitting, res.invalid[:3]
+    assert all(c.global_batch == batch for c in cands)
+    assert {c.micro_batch_size for c in cands} <= set(divisors(batch))
+    assert len({c.micro_batch_size for c in cands}) > 1  # the split of the batch is really searched
+    times = [c.iteration for c in res.fitting]
+    assert times == sorted(times)
+
+
+def test_over_budget_candidates_are_rejected_before_running() -> None:
+    p = synthetic_profile()
+    job = Job(TINY, SEQ, 8, 2)
+    roomy = search(job, ROOMY, p)
+    gpu_needs = sorted(c.gpu for c in roomy.fitting)
+    cut = gpu_needs[len(gpu_needs) // 2]
+    tight = search(job, dataclasses.replace(ROOMY, gpu=cut), p)
+    assert tight.fitting and tight.rejected
+    assert all(c.gpu <= cut for c in tight.fitting) and all(c.gpu > cut for c in tight.rejected)
+
+
+def test_impossible_budget_gives_the_closest_candidate_and_a_change_that_fits() -> None:
+    p = synthetic_profile()
+    job = Job(TINY, SEQ, 8, 2)
+    roomy = search(job, ROOMY, p)
+    least_host = min(c.host for c in roomy.fitting)
+    budget = dataclasses.replace(ROOMY, host=least_host * 0.6)  # no candidate's host memory fits
+    res = search(job, budget, p)
+    assert res.best is None
+    closest = res.closest
+    assert closest is not None and closest.over["host"] == pytest.approx(least_host / budget.host)
+    assert closest.worst == min(c.worst for c in res.rejected)
+    changes = advise(res, p)
+    kinds = {ch.kind: ch for ch in changes}
+    assert kinds["host"].value == pytest.approx(least_host)  # exactly what the closest needs
+    # more ranks (more nodes, each holding less optimizer state) is checked by a search that fits
+    assert kinds["ranks"].value in (4, 8, 16)
+    bigger = dataclasses.replace(job, n_ranks=int(kinds["ranks"].value), gpus_per_node=2)
+    assert search(bigger, budget, p).best is not None
+    assert all(ch.text for ch in changes)
+
+
+def test_shorter_sequences_are_proposed_when_activations_do_not_fit() -> None:
+    cfg = dataclasses.replace(TINY, max_seq_len=4096)
+    p = synthetic_profile(cfg, seq_len=2048, sizes=(1, 2))
+    job = Job(cfg, 2048, 2, 2)
+    need = min(c.gpu for c in search(job, ROOMY, p).fitting)
+    res = search(job, dataclasses.replace(ROOMY, gpu=need * 0.5), p)
+    assert res.best is None
+    seq = {ch.kind: ch for ch in advise(res, p, rank_factors=())}["seq_len"]
+    assert seq.value < 2048
+    assert search(dataclasses.replace(job, seq_len=int(seq.value)), dataclasses.replace(ROOMY, gpu=need * 0.5), p).best
+
+
+def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    calls: list[tuple[int, int]] = []
+    real = prof.measure_profile
+
+    def counting(cfg, seq_len, sizes, **kw):
+        calls.append((cfg.dim, seq_len))
+        return real(cfg, seq_len, sizes, repeats=1, adam_backend="torch", **kw)
+
+    monkeypatch.setattr(prof, "measure_profile", counting)
+    small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
+    first, reused = cache_mod.load_or_measure(small, 16, [1, 2], device="cpu")
+    assert not reused and len(calls) == 1
+    again, reused = cache_mod.load_or_measure(small, 16, [2], device="cpu")
+    assert reused and len(calls) == 1 and again == first
+    assert json.loads(cache_mod.profile_path(small, 16, torch.float32, torch.device("cpu")).read_text())["shape"]["dim"] == 32
+    wider = dataclasses.replace(small, ffn_dim=96)  # a changed shape: measured again
+    _, reused = cache_mod.load_or_measure(wider, 16, [1], device="cpu")
+    assert not reused and len(calls) == 2
+    _, reused = cache_mod.load_or_measure(small, 32, [1], device="cpu")  # another sequence length too
+    assert not reused and len(calls) == 3
+    _, reused = cache_mod.load_or_measure(small, 16, [4], device="cpu")  # a micro-batch size never timed
+    assert not reused and len(calls) == 4
+    assert all(len(v) >= 1 for v in first.layers.values()) and first.adam_params_per_s > 0
