@@ -17,7 +17,8 @@ from sysx.autotune.advice import advise
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.hardware import HardwareProfile
 from sysx.autotune.profile import LayerTiming, MachineProfile
-from sysx.autotune.search import Budget, Job, Space, divisors, search
+from sysx.autotune.cli import main as tune_main
+from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
 from sysx.model import get_preset
 from sysx.runtime.options import PipelineOptions, make_schedule
 from sysx.schedule.costs import Costs
@@ -105,20 +106,36 @@ def test_over_budget_candidates_are_rejected_before_running() -> None:
     assert all(c.gpu <= cut for c in tight.fitting) and all(c.gpu > cut for c in tight.rejected)
 
 
-def test_impossible_budget_gives_the_closest_candidate_and_a_change_that_fits() -> None:
+def test_impossible_gpu_budget_gives_the_closest_candidate_and_the_memory_it_needs() -> None:
     p = synthetic_profile()
     job = Job(TINY, SEQ, 8, 2)
     roomy = search(job, ROOMY, p)
-    least_host = min(c.host for c in roomy.fitting)
+    needs = sorted(c.gpu for c in roomy.fitting)
+    assert needs[0] < needs[-1]  # the layouts differ in GPU memory, so "closest" means something
+    budget = dataclasses.replace(ROOMY, gpu=needs[0] * 0.6)
+    res = search(job, budget, p)
+    assert res.best is None and len(res.rejected) == len(roomy.fitting)
+    closest = res.closest
+    assert closest is not None and closest.gpu == pytest.approx(needs[0])
+    assert closest.worst == min(c.worst for c in res.rejected)
+    gpu = {ch.kind: ch for ch in advise(res, p, rank_factors=(), min_seq=SEQ)}["gpu"]
+    assert gpu.value == pytest.approx(needs[0]) and "GPU memory" in gpu.text
+    assert search(job, dataclasses.replace(budget, gpu=gpu.value), p).best is not None  # the change is enough
+
+
+def test_impossible_host_budget_proposes_more_host_memory_or_more_ranks() -> None:
+    p = synthetic_profile()
+    job = Job(TINY, SEQ, 8, 2)
+    least_host = min(c.host for c in search(job, ROOMY, p).fitting)
     budget = dataclasses.replace(ROOMY, host=least_host * 0.6)  # no candidate's host memory fits
     res = search(job, budget, p)
     assert res.best is None
     closest = res.closest
     assert closest is not None and closest.over["host"] == pytest.approx(least_host / budget.host)
-    assert closest.worst == min(c.worst for c in res.rejected)
     changes = advise(res, p)
     kinds = {ch.kind: ch for ch in changes}
     assert kinds["host"].value == pytest.approx(least_host)  # exactly what the closest needs
+    assert search(job, dataclasses.replace(budget, host=kinds["host"].value), p).best is not None
     # more ranks (more nodes, each holding less optimizer state) is checked by a search that fits
     assert kinds["ranks"].value in (4, 8, 16)
     bigger = dataclasses.replace(job, n_ranks=int(kinds["ranks"].value), gpus_per_node=2)
@@ -162,3 +179,36 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
     _, reused = cache_mod.load_or_measure(small, 16, [4], device="cpu")  # a micro-batch size never timed
     assert not reused and len(calls) == 4
     assert all(len(v) >= 1 for v in first.layers.values()) and first.adam_params_per_s > 0
+
+
+def test_optimizer_threads_follow_the_core_plan() -> None:
+    p = synthetic_profile()  # 8 physical cores
+    torch_job, ds_job = Job(TINY, SEQ, 8, 2, optim_backend="torch"), Job(TINY, SEQ, 8, 2, optim_backend="deepspeed")
+    assert thread_options(torch_job, p, Space()) == [(1, 4), (2, 2), (4, 1)]
+    assert thread_options(ds_job, p, Space()) == [(1, 4)]  # one DeepSpeed worker holds the GIL: more would not overlap
+
+
+def _tune(monkeypatch, tmp_path, capsys, *extra: str) -> dict:
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
+    assert tune_main(["--ranks", "2", "--json", *extra, "--hydra", "model=tiny", f"train.seq_len={SEQ}",
+                      "train.micro_batch_size=2", "train.micro_batches=4", "device=cpu"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sysx_tune_json_keeps_the_batch_and_explains(monkeypatch, tmp_path, capsys) -> None:
+    out = _tune(monkeypatch, tmp_path, capsys, "--gpu-memory-gib", "8", "--host-memory-gib", "32", "--shm-gib", "16")
+    assert out["top"] and all(c["global_batch"] == 8 and c["fits"] for c in out["top"])
+    assert out["top"][0]["iteration_s"] <= out["top"][-1]["iteration_s"]
+    base = out["baseline"]  # the fixed rule: 2 stages/rank with d=2 cannot cut 6 layers, 1 stage/rank with d=2 can
+    assert (base["micro_batch_size"], base["stages_per_rank"], base["split"]) == (2, 1, 2)
+    assert out["why"][1].startswith("winner") and out["closest"] is None and not out["changes"]
+    assert not out["profile_reused"]
+    assert _tune(monkeypatch, tmp_path, capsys)["profile_reused"]
+
+
+def test_sysx_tune_with_no_room_names_the_closest_and_the_change(monkeypatch, tmp_path, capsys) -> None:
+    out = _tune(monkeypatch, tmp_path, capsys, "--host-memory-gib", "0.001")
+    assert not out["top"] and out["closest"]["global_batch"] == 8
+    assert out["closest"]["over"]["host"] > 1 and any(c["kind"] == "host" for c in out["changes"])
+    assert any(line.startswith("nothing fits; closest") for line in out["why"])
