@@ -17,8 +17,11 @@ from sysx.autotune.advice import advise
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.hardware import HardwareProfile
 from sysx.autotune.profile import LayerTiming, MachineProfile
+from sysx.autotune.apply import choice, job_from_config, tuned_job_config
 from sysx.autotune.cli import main as tune_main
 from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
+from sysx.config import ConfigError, load_config, to_yaml
+from sysx.dist import DistInfo
 from sysx.model import get_preset
 from sysx.runtime.options import PipelineOptions, make_schedule
 from sysx.schedule.costs import Costs
@@ -212,3 +215,38 @@ def test_sysx_tune_with_no_room_names_the_closest_and_the_change(monkeypatch, tm
     assert not out["top"] and out["closest"]["global_batch"] == 8
     assert out["closest"]["over"]["host"] > 1 and any(c["kind"] == "host" for c in out["changes"])
     assert any(line.startswith("nothing fits; closest") for line in out["why"])
+
+
+def _job_config(*extra: str):
+    return load_config(["schedule=sysx", "schedule.tune=true", "model=tiny", f"train.seq_len={SEQ}",
+                        "train.micro_batch_size=2", "train.micro_batches=4", "device=cpu", *extra])
+
+
+def test_schedule_tune_at_job_start_writes_the_choice_into_the_config(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
+    cfg = _job_config()
+    tuned = tuned_job_config(cfg, DistInfo(), torch.device("cpu"))
+    assert tuned.train.micro_batch_size * tuned.train.micro_batches == 8  # the global batch is the config's
+    job = job_from_config(cfg, 1, None, torch.device("cpu"))
+    best = search(job, ROOMY, synthetic_profile()).best
+    assert best is not None
+    for key, value in choice(best).items():
+        section, name = key.split(".")
+        assert getattr(getattr(tuned, section), name) == value, key
+    assert f"stages_per_rank: {best.options.stages_per_rank}" in to_yaml(tuned)  # what run_dir/config.yaml gets
+
+
+def test_schedule_tune_with_no_room_stops_with_the_closest_and_the_change(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    small = dataclasses.replace(synthetic_profile(), host_available=1 << 16)
+    monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: small)
+    with pytest.raises(ConfigError, match=r"(?s)closest: schedule=sysx .*change: host memory per node"):
+        tuned_job_config(_job_config(), DistInfo(), torch.device("cpu"))
+
+
+def test_schedule_tune_must_be_a_bool_and_needs_a_pipeline() -> None:
+    with pytest.raises(ValueError):
+        _job_config("schedule.tune=sometimes")
+    with pytest.raises(ConfigError, match="schedule=single runs one process"):
+        job_from_config(load_config(["schedule=single"]), 1, None, torch.device("cpu"))

@@ -24,6 +24,9 @@ from sysx.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
+# raised when what is measured or how changes, so profiles of an older profiler are measured again
+PROFILE_VERSION = 2
+
 
 def _digest(data: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -33,7 +36,7 @@ def profile_path(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: tor
     """Where the profile of this machine and model shape is kept."""
     machine = _digest(prof.machine_key(device))
     shape = _digest(prof.shape_key(cfg, seq_len, dtype))
-    return cache_root() / "autotune" / f"profile-{machine}-{shape}.json"
+    return cache_root() / "autotune" / f"profile-v{PROFILE_VERSION}-{machine}-{shape}.json"
 
 
 def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,

@@ -19,12 +19,11 @@ import sys
 import torch
 
 from sysx import device as dev
-from sysx.autotune.advice import advise
-from sysx.autotune.cache import load_or_measure
+from sysx.autotune.apply import job_from_config, tune
 from sysx.autotune.profile import MachineProfile
 from sysx.autotune.report import as_dict, table, why
-from sysx.autotune.search import Budget, Candidate, Job, Result, Space, divisors, evaluate, search, thread_options
-from sysx.config import ConfigError, SysxConfig, load_config, model_config
+from sysx.autotune.search import Budget, Candidate, Job, Result, Space, evaluate, thread_options
+from sysx.config import ConfigError, SysxConfig, load_config
 from sysx.partition import PartitionError
 from sysx.runtime.options import options_from_config
 from sysx.schedule.ops import ScheduleError
@@ -45,26 +44,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", action="store_true", help="measure the profile again even if one is cached")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
-
-
-def _job(cfg: SysxConfig, args: argparse.Namespace, device: torch.device) -> Job:
-    name = "sysx" if cfg.schedule.name == "auto" else cfg.schedule.name
-    if name in ("single", "reference"):
-        raise ConfigError(f"sysx tune chooses pipeline configurations; schedule={name} runs one process "
-                          f"(use schedule=auto or a pipeline schedule)")
-    precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
-    return Job(model=model_config(cfg), seq_len=cfg.train.seq_len,
-               global_batch=cfg.train.micro_batch_size * cfg.train.micro_batches, n_ranks=args.ranks, schedule=name,
-               gpus_per_node=args.gpus_per_node, work_dtype="float32" if precision == "fp32" else "bfloat16",
-               optim_backend=cfg.optim.backend)
-
-
-def _budget(profile: MachineProfile, args: argparse.Namespace) -> Budget:
-    def pick(given: float | None, found: float) -> float:
-        return given * GiB if given is not None else float(found)
-
-    return Budget(gpu=pick(args.gpu_memory_gib, profile.hardware.device_free_bytes),
-                  host=pick(args.host_memory_gib, profile.host_available), shm=pick(args.shm_gib, profile.shm_free))
 
 
 def _baseline(cfg: SysxConfig, job: Job, budget: Budget, profile: MachineProfile) -> Candidate | str:
@@ -104,17 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.hydra)
         device = dev.default_device() if cfg.device == "auto" else torch.device(cfg.device)
-        job = _job(cfg, args, device)
+        job = job_from_config(cfg, args.ranks, args.gpus_per_node, device)
     except ValueError as err:  # ConfigError and unknown presets
         print(f"sysx tune: {err}", file=sys.stderr)
         return 2
-    dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
-    profile, reused = load_or_measure(job.model, job.seq_len, divisors(job.global_batch), dtype=dtype, device=device,
-                                      refresh=args.refresh, adam_backend=cfg.optim.backend)
-    budget = _budget(profile, args)
-    result = search(job, budget, profile)
-    changes = advise(result, profile)
-    baseline = _baseline(cfg, job, budget, profile)
+    given = {"gpu": args.gpu_memory_gib, "host": args.host_memory_gib, "shm": args.shm_gib}
+    tuning = tune(job, device, adam_backend=cfg.optim.backend, refresh=args.refresh,
+                  budget={k: None if v is None else v * GiB for k, v in given.items()})
+    profile, reused, result, changes = tuning.profile, tuning.reused, tuning.result, tuning.changes
+    baseline = _baseline(cfg, job, result.budget, profile)
     if args.json:
         print(json.dumps(dict(as_dict(result, changes, baseline, args.top), profile_reused=reused)))
     else:

@@ -114,8 +114,8 @@ def _time_layer(layer: torch.nn.Module, kind: str, cfg: ModelConfig, mbs: int, s
         out.backward(None if kind == "head" else torch.ones_like(out))
 
     with torch.no_grad():
-        fwd = time_op(forward, device, repeats)
-    bwd = time_op(backward, device, repeats)
+        fwd = time_op(forward, device, repeats, fastest=True)
+    bwd = time_op(backward, device, repeats, fastest=True)
     layer.zero_grad(set_to_none=True)
     return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
 
@@ -135,7 +135,7 @@ def machine_key(device: torch.device) -> dict[str, str]:
 
 
 def measure_profile(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None, repeats: int = 2,
+                    device: torch.device | str | None = None, repeats: int = 3,
                     adam_backend: str = "auto") -> MachineProfile:
     """Measure a :class:`MachineProfile` for ``cfg`` at ``seq_len`` and each micro-batch size."""
     t0 = time.perf_counter()

@@ -47,8 +47,9 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
     slower = [c for c in result.fitting[1:] if c.iteration > best.iteration]
     if slower:
         r = slower[0]
-        lines.append(f"{_pct(best.iteration, r.iteration):.1f}% faster than the next different time, `{r.label()}` "
-                     f"({r.iteration:.4g} s, bubble {100 * r.bubble:.1f}%)")
+        gain = _pct(best.iteration, r.iteration)
+        lead = f"{gain:.1f}% faster than" if gain >= 0.1 else "within 0.1% of (a tie; less memory decided)"
+        lines.append(f"{lead} the next slower, `{r.label()}` ({r.iteration:.4g} s, bubble {100 * r.bubble:.1f}%)")
     if isinstance(baseline, Candidate):
         state = "fits" if baseline.fits else f"does not fit ({max(baseline.over, key=baseline.over.get)} budget)"
         lines.append(f"the fixed layout rule with the config's micro-batches, `{baseline.label()}`, predicts "

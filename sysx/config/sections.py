@@ -118,6 +118,7 @@ class ScheduleSection:
     stage_sizes: Optional[list[int]] = None  # manual partition: flat layers (embedding, blocks, head) per forward stage
     verify_transfers: Optional[bool] = None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
     timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
+    tune: bool = False  # choose stages/rank, split, cfg, buffers, micro-batch split, optim.workers by profile + simulation
 
     def validate(self) -> None:
         """Ranges of the pipeline keys (which schedule reads which: :mod:`sysx.config.schedule_keys`)."""
@@ -133,6 +134,8 @@ class ScheduleSection:
         if self.stage_sizes is not None and (not self.stage_sizes or min(self.stage_sizes) < 1):
             fail("schedule.stage_sizes", list(self.stage_sizes), "must be positive layer counts, one per forward stage, e.g. [3,3]")
         check_positive("schedule.timeout_s", self.timeout_s, " seconds")
+        if not isinstance(self.tune, bool):
+            fail("schedule.tune", repr(self.tune), "must be true or false")
 
 
 def check_host_adam(backend: str, rollback: str, workers: Optional[int]) -> None:

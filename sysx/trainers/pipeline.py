@@ -339,6 +339,11 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
     opts = options_from_config(cfg)
     info = sdist.init(timeout_s=opts.timeout_s, device=cfg.device)
     try:
+        if cfg.schedule.tune:  # the choice goes into the config, so run_dir/config.yaml records it
+            from sysx.autotune.apply import tuned_job_config
+
+            cfg = tuned_job_config(cfg, info, dev.resolve_device(cfg.device))
+            opts = options_from_config(cfg)
         plan = plan_cores(n_stages=1, backend="torch" if opts.optim_backend == "torch" else "deepspeed",
                           local_rank=info.local_rank, local_world_size=info.local_world_size)
         apply_plan(plan)
