@@ -250,3 +250,20 @@ def test_schedule_tune_must_be_a_bool_and_needs_a_pipeline() -> None:
         _job_config("schedule.tune=sometimes")
     with pytest.raises(ConfigError, match="schedule=single runs one process"):
         job_from_config(load_config(["schedule=single"]), 1, None, torch.device("cpu"))
+
+
+def test_sysx_train_with_schedule_tune_runs_the_choice_and_records_it(monkeypatch, tmp_path, capsys) -> None:
+    from sysx.train import main as train_main
+
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
+    run_dir = tmp_path / "run"
+    assert train_main(["schedule=sysx", "schedule.tune=true", "model=tiny", f"train.seq_len={SEQ}", "train.steps=1",
+                       "train.micro_batch_size=2", "train.micro_batches=4", "device=cpu", "eval.every=0",
+                       "log.progress=false", f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    best = search(Job(TINY, SEQ, 8, 1, work_dtype="float32"), ROOMY, synthetic_profile()).best
+    assert best is not None and "schedule.tune (profile measured" in out and best.label() in out
+    saved = (run_dir / "config.yaml").read_text()
+    assert f"stages_per_rank: {best.options.stages_per_rank}" in saved and f"split: {best.options.split}" in saved
+    assert f"micro_batch_size: {best.micro_batch_size}" in saved and "tune: true" in saved
