@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from sysx.autotune.profile import MachineProfile
-from sysx.autotune.search import RESOURCES, Budget, Candidate, Job, Result, Space, search
+from sysx.autotune.search import RESOURCES, Budget, Candidate, Result, Space, search
+from sysx.memory.budget import fmt_bytes
 
-GiB = float(1 << 30)
 _NAMES = {"gpu": "GPU memory per GPU", "host": "host memory per node", "shm": "/dev/shm per node"}
 
 
@@ -28,9 +28,9 @@ class Change:
 
 
 def _least_need(cands: list[Candidate], budget: Budget, resource: str) -> Candidate | None:
-    """The candidate needing least of ``resource`` among those within the other budgets."""
+    """The candidate needing least of ``resource`` among those within the other budgets (the faster of equals)."""
     others = [c for c in cands if all(c.over[r] <= 1.0 for r in RESOURCES if r != resource)]
-    return min(others, key=lambda c: c.over[resource], default=None)
+    return min(others, key=lambda c: (c.over[resource], c.iteration), default=None)
 
 
 def _memory_changes(result: Result) -> list[Change]:
@@ -41,7 +41,7 @@ def _memory_changes(result: Result) -> list[Change]:
             continue
         need = cand.over[resource] * getattr(result.budget, resource)
         have = getattr(result.budget, resource)
-        out.append(Change(resource, need, f"{_NAMES[resource]}: {need / GiB:.2f} GiB instead of {have / GiB:.2f} GiB "
+        out.append(Change(resource, need, f"{_NAMES[resource]}: {fmt_bytes(need)} instead of {fmt_bytes(have)} "
                                           f"lets `{cand.label()}` fit"))
     return out
 

@@ -11,18 +11,22 @@ from sysx.autotune.search import RESOURCES, Candidate, Result
 GiB = float(1 << 30)
 
 
-def _row(i: int | str, c: Candidate) -> str:
+def _row(i: int | str, c: Candidate, scale: float) -> str:
     p = c.gpu_parts
-    return (f"{i!s:>3} {c.iteration:>9.4g} {100 * c.bubble:>6.1f}% {c.gpu / GiB:>7.2f} {p['params'] / GiB:>7.2f} "
-            f"{p['grads'] / GiB:>6.2f} {p['ckpts'] / GiB:>6.2f} {p['work'] / GiB:>6.2f} {c.host / GiB:>7.2f} "
-            f"{c.shm / GiB:>6.2f}  {c.label()}")
+    mem = [c.gpu, p["params"], p["grads"], p["ckpts"], p["work"], c.host, c.shm]
+    cols = " ".join(f"{x / scale:>{w}.2f}" for x, w in zip(mem, (7, 7, 6, 6, 6, 7, 6)))
+    return f"{i!s:>3} {c.iteration:>9.4g} {100 * c.bubble:>6.1f}% {cols}  {c.label()}"
 
 
 def table(cands: list[Candidate], top: int) -> str:
-    """The first ``top`` candidates: predicted time, bubble, GPU memory per component, host, shm."""
-    head = (f"{'#':>3} {'iter s':>9} {'bubble':>7} {'GPU GiB':>7} {'params':>7} {'grads':>6} {'ckpts':>6} {'work':>6} "
-            f"{'host GiB':>7} {'shm GiB':>6}  options")
-    return "\n".join([head] + [_row(i + 1, c) for i, c in enumerate(cands[:top])])
+    """The first ``top`` candidates: predicted time, bubble, GPU memory per component, host, shm
+    (in GiB, or MiB when every figure is under a GiB)."""
+    shown = cands[:top]
+    big = max((max(c.gpu, c.host, c.shm) for c in shown), default=0.0) >= GiB
+    scale, u = (GiB, "GiB") if big else (float(1 << 20), "MiB")
+    head = (f"{'#':>3} {'iter s':>9} {'bubble':>7} {'GPU ' + u:>7} {'params':>7} {'grads':>6} {'ckpts':>6} {'work':>6} "
+            f"{'host ' + u:>7} {'shm ' + u:>6}  options")
+    return "\n".join([head] + [_row(i + 1, c, scale) for i, c in enumerate(shown)])
 
 
 def _pct(a: float, b: float) -> float:
