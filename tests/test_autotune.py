@@ -47,6 +47,8 @@ def synthetic_profile(cfg=TINY, seq_len: int = SEQ, sizes=(1, 2, 4, 8)) -> Machi
 
 
 ROOMY = Budget(gpu=8 * GiB, host=32 * GiB, shm=16 * GiB)
+# the budget tests search and re-search (advice): a smaller space keeps them fast
+SMALL = Space(cfgs=(0, 3), param_buffers=(1, 2))
 
 
 def test_profile_json_round_trip_and_interpolation() -> None:
@@ -79,7 +81,7 @@ def test_profiled_costs_are_what_simulate_gets() -> None:
     assert a.peak_gpu == pytest.approx(b.peak_gpu) and a.host == pytest.approx(b.host) and a.shm == pytest.approx(b.shm)
     # and the search's candidate is that simulation
     res = search(Job(TINY, SEQ, 8, 2, work_dtype="float32", optim_backend="torch"), ROOMY, p,
-                 Space(stages_per_rank=(2,), splits=(1,), param_buffers=(2,), micro_batch_sizes=(2,), optimizer_workers=(2,)))
+                 Space(stages_per_rank=(2,), splits=(1,), cfgs=(3,), param_buffers=(2,), micro_batch_sizes=(2,), optimizer_workers=(2,)))
     (cand,) = res.fitting
     assert cand.threads_per_worker == 2  # 8 cores over 2 ranks, 2 torch-backend workers each
     c = simulate(sched, profiled_costs(p, TINY, SEQ, mbs, work_dtype="float32", optim_workers=2, threads_per_worker=2))
@@ -101,10 +103,10 @@ def test_search_never_changes_the_global_batch(schedule: str, ranks: int, batch:
 def test_over_budget_candidates_are_rejected_before_running() -> None:
     p = synthetic_profile()
     job = Job(TINY, SEQ, 8, 2)
-    roomy = search(job, ROOMY, p)
+    roomy = search(job, ROOMY, p, SMALL)
     gpu_needs = sorted(c.gpu for c in roomy.fitting)
     cut = gpu_needs[len(gpu_needs) // 2]
-    tight = search(job, dataclasses.replace(ROOMY, gpu=cut), p)
+    tight = search(job, dataclasses.replace(ROOMY, gpu=cut), p, SMALL)
     assert tight.fitting and tight.rejected
     assert all(c.gpu <= cut for c in tight.fitting) and all(c.gpu > cut for c in tight.rejected)
 
@@ -112,37 +114,37 @@ def test_over_budget_candidates_are_rejected_before_running() -> None:
 def test_impossible_gpu_budget_gives_the_closest_candidate_and_the_memory_it_needs() -> None:
     p = synthetic_profile()
     job = Job(TINY, SEQ, 8, 2)
-    roomy = search(job, ROOMY, p)
+    roomy = search(job, ROOMY, p, SMALL)
     needs = sorted(c.gpu for c in roomy.fitting)
     assert needs[0] < needs[-1]  # the layouts differ in GPU memory, so "closest" means something
     budget = dataclasses.replace(ROOMY, gpu=needs[0] * 0.6)
-    res = search(job, budget, p)
+    res = search(job, budget, p, SMALL)
     assert res.best is None and len(res.rejected) == len(roomy.fitting)
     closest = res.closest
     assert closest is not None and closest.gpu == pytest.approx(needs[0])
     assert closest.worst == min(c.worst for c in res.rejected)
-    gpu = {ch.kind: ch for ch in advise(res, p, rank_factors=(), min_seq=SEQ)}["gpu"]
+    gpu = {ch.kind: ch for ch in advise(res, p, SMALL, rank_factors=(), min_seq=SEQ)}["gpu"]
     assert gpu.value == pytest.approx(needs[0]) and "GPU memory" in gpu.text
-    assert search(job, dataclasses.replace(budget, gpu=gpu.value), p).best is not None  # the change is enough
+    assert search(job, dataclasses.replace(budget, gpu=gpu.value), p, SMALL).best is not None  # the change is enough
 
 
 def test_impossible_host_budget_proposes_more_host_memory_or_more_ranks() -> None:
     p = synthetic_profile()
     job = Job(TINY, SEQ, 8, 2)
-    least_host = min(c.host for c in search(job, ROOMY, p).fitting)
+    least_host = min(c.host for c in search(job, ROOMY, p, SMALL).fitting)
     budget = dataclasses.replace(ROOMY, host=least_host * 0.6)  # no candidate's host memory fits
-    res = search(job, budget, p)
+    res = search(job, budget, p, SMALL)
     assert res.best is None
     closest = res.closest
     assert closest is not None and closest.over["host"] == pytest.approx(least_host / budget.host)
-    changes = advise(res, p)
+    changes = advise(res, p, SMALL)
     kinds = {ch.kind: ch for ch in changes}
     assert kinds["host"].value == pytest.approx(least_host)  # exactly what the closest needs
-    assert search(job, dataclasses.replace(budget, host=kinds["host"].value), p).best is not None
+    assert search(job, dataclasses.replace(budget, host=kinds["host"].value), p, SMALL).best is not None
     # more ranks (more nodes, each holding less optimizer state) is checked by a search that fits
     assert kinds["ranks"].value in (4, 8, 16)
     bigger = dataclasses.replace(job, n_ranks=int(kinds["ranks"].value), gpus_per_node=2)
-    assert search(bigger, budget, p).best is not None
+    assert search(bigger, budget, p, SMALL).best is not None
     assert all(ch.text for ch in changes)
 
 
@@ -150,12 +152,12 @@ def test_shorter_sequences_are_proposed_when_activations_do_not_fit() -> None:
     cfg = dataclasses.replace(TINY, max_seq_len=4096)
     p = synthetic_profile(cfg, seq_len=2048, sizes=(1, 2))
     job = Job(cfg, 2048, 2, 2)
-    need = min(c.gpu for c in search(job, ROOMY, p).fitting)
-    res = search(job, dataclasses.replace(ROOMY, gpu=need * 0.5), p)
+    need = min(c.gpu for c in search(job, ROOMY, p, SMALL).fitting)
+    res = search(job, dataclasses.replace(ROOMY, gpu=need * 0.5), p, SMALL)
     assert res.best is None
-    seq = {ch.kind: ch for ch in advise(res, p, rank_factors=())}["seq_len"]
+    seq = {ch.kind: ch for ch in advise(res, p, SMALL, rank_factors=())}["seq_len"]
     assert seq.value < 2048
-    assert search(dataclasses.replace(job, seq_len=int(seq.value)), dataclasses.replace(ROOMY, gpu=need * 0.5), p).best
+    assert search(dataclasses.replace(job, seq_len=int(seq.value)), dataclasses.replace(ROOMY, gpu=need * 0.5), p, SMALL).best
 
 
 def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypatch) -> None:

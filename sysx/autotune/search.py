@@ -64,7 +64,7 @@ class Space:
 
     stages_per_rank: tuple[int, ...] = (1, 2, 3, 4)
     splits: tuple[int, ...] = (1, 2, 3)
-    cfgs: tuple[int, ...] = (3,)
+    cfgs: tuple[int, ...] = (0, 1, 2, 3)  # sysx ablation configs: lower ones hold fewer checkpoints in flight
     param_buffers: tuple[int, ...] = (1, 2, 3)
     micro_batch_sizes: Optional[tuple[int, ...]] = None  # None: every divisor of the global batch
     optimizer_workers: Optional[tuple[int, ...]] = None  # None: 1, 2, 4, ... up to the rank's threads
