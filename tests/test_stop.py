@@ -2,9 +2,10 @@
 
 For 2 ranks started as torchrun starts them (one process group), under ``torchrun`` and under
 ``launch/mpirun.sh``: SIGINT to the whole process group, SIGTERM to one rank, SIGKILL to one rank.
-Each case checks the time from the signal to the exit of every rank (< 5 s for a signal, < 15 s
+Each case checks the time from the signal to the exit of every rank (< 20 s for a signal, < 40 s
 for SIGKILL, measured generously: from just after the signal to the moment the test sees the
-exit), the exit status (130 / 143; 1 for the survivors of a SIGKILL), at most one line per rank on
+exit; the bounds are loose so that a busy machine passes, while a
+rank that waits for ``schedule.timeout_s=120`` still fails), the exit status (130 / 143; 1 for the survivors of a SIGKILL), at most one line per rank on
 stderr and no traceback, ``"stopped"`` in ``summary.json``, no shared-memory segment of the job
 and no process of the job left. Plus one process (Ctrl-C: 130, one line, summary.json) and
 ``checkpoint.on_signal=true`` (the stop saves a checkpoint first).
@@ -32,8 +33,8 @@ import pytest
 
 from test_runtime_procs import ROOT, VENV_BIN, free_port, rank_env
 
-SIGNAL_STOP_S = 5.0
-KILL_STOP_S = 15.0
+SIGNAL_STOP_S = 20.0
+KILL_STOP_S = 40.0
 JOB_ARGS = ["schedule=sysx", "train.steps=100000", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=0",
             "log.every=1", "device=cpu", "optim.backend=torch", "schedule.timeout_s=120"]
 
