@@ -39,6 +39,11 @@ MODEL_OVERRIDE_FIELDS = (
     "rope_theta",
     "max_seq_len",
     "tie_embeddings",
+    "rope_type",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
 )
 _MODEL_COUNTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
 
@@ -59,6 +64,11 @@ class ModelSection:
     rope_theta: Optional[float] = None
     max_seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
+    rope_type: Optional[str] = None  # default | llama3 (Llama-3.1 scaling: the four rope_* fields below)
+    rope_factor: Optional[float] = None
+    rope_low_freq_factor: Optional[float] = None
+    rope_high_freq_factor: Optional[float] = None
+    rope_original_max_len: Optional[int] = None
     init_from: Optional[str] = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
 
     def resolve(self) -> ModelConfig:
