@@ -100,6 +100,8 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("single.host_memory_gb=-1", ["single.host_memory_gb=-1", ">= 0"]),
     ("single.policy=nope", ["single.policy=nope", "allowed"]),
     ("single.hardware=nope", ["single.hardware=nope", "allowed"]),
+    ("single.seq_chunk=-1", ["single.seq_chunk=-1", ">= 0", "divides train.seq_len"]),
+    ("schedule=single single.seq_chunk=100", ["single.seq_chunk=100", "must divide train.seq_len=128"]),
     ("model.rope_type=yarn", ["model.rope_type=yarn", "not supported", "default", "llama3"]),
     ("model.rope_type=llama3", ["rope_type='llama3' needs", "rope_factor=8", "rope_original_max_len=8192"]),
     ("model.rope_factor=8", ["rope_factor set", "set rope_type='llama3'"]),

@@ -308,6 +308,7 @@ class SingleSection:
     micro_batch_size: int = 0  # sequences per chunk, the unit of compute (0 = auto)
     round_sequences: int = 0  # sequences per round X, AdaWS 3.2.2 (0 = auto); divides the global batch
     window: int = 0  # blocks resident on the device W, AdaWS 3.2.3 (0 = auto)
+    seq_chunk: int = 0  # tokens per sequence chunk inside each block (0 = auto); divides train.seq_len
     policy: str = "dp"  # saved activations: dp (AdaWS DP) | pyao (IQR rule) | a fixed level name or id
     compress: bool = False  # int8-compress offloaded activations (PyAO 4.3)
     optimizer_overlap: str = "auto"  # auto | backward (step as grads arrive) | forward (after the norm)
@@ -323,6 +324,9 @@ class SingleSection:
         for name in ("micro_batch_size", "round_sequences", "window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"single.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
+        if not isinstance(self.seq_chunk, int) or isinstance(self.seq_chunk, bool) or self.seq_chunk < 0:
+            raise ConfigError(f"single.seq_chunk={self.seq_chunk} must be a whole number of tokens >= 0 that divides "
+                              f"train.seq_len (0 = automatic)")
         policy = str(self.policy)
         if policy not in POLICIES and not (policy.isdigit() and int(policy) < len(SAVE_LEVELS)):
             raise ConfigError(f"single.policy={self.policy} is not valid; allowed: {', '.join(POLICIES)} "
