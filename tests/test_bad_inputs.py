@@ -106,6 +106,14 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("model.rope_type=llama3", ["rope_type='llama3' needs", "rope_factor=8", "rope_original_max_len=8192"]),
     ("model.rope_factor=8", ["rope_factor set", "set rope_type='llama3'"]),
     ("model=llama3_1_8b model.rope_factor=0.5", ["rope_factor must be a number >= 1"]),
+    ("profile.timeline_steps=[5,2]", ["profile.timeline_steps=[5, 2]", "0 <= first <= last", "or null"]),
+    ("profile.timeline_steps=[3]", ["profile.timeline_steps=[3]", "[first,last]"]),
+    ("profile.nsys_steps=[-1,2]", ["profile.nsys_steps=[-1, 2]", "0 <= first <= last"]),
+    ("profile.timeline_steps=[3,5] train.steps=5", ["profile.timeline_steps=[3, 5]", "0..4", "raise train.steps"]),
+    ("profile.nsys_steps=abc", ["profile.nsys_steps=abc"]),
+    ("profile.nvtx=maybe", ["profile.nvtx=maybe"]),
+    ("schedule=reference profile.timeline_steps=[1,2]", ["profile.timeline_steps=[1, 2]", "schedule=reference",
+                                                          "pipeline schedule"]),
     ("foo.bar=1", ["unknown key 'foo'", "valid keys"]),
     ("train.steps", ["'train.steps'", "key=value"]),
     ("--bogus", ["'--bogus'", "key=value"]),
@@ -192,6 +200,8 @@ def test_train_bad_input(spec: str, expect: list[str], data_dir: Path, tmp_path:
 
     monkeypatch.delenv("RANK", raising=False)
     before, files_before = _segments(), sorted(data_dir.rglob("*"))
+    # an earlier in-process job's shared-memory guardian lives as long as this process: only new ones count
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     run_dir = tmp_path / "run"
     rc, stderr = _call(main, _argv(spec, data_dir, run_dir))
     assert rc == 2, stderr
@@ -199,7 +209,8 @@ def test_train_bad_input(spec: str, expect: list[str], data_dir: Path, tmp_path:
     assert not run_dir.exists(), "run_dir was created for a job that never started"
     assert sorted(data_dir.rglob("*")) == files_before, "a file was left beside the inputs"
     assert _segments() <= before, "a shared-memory segment was left"
-    assert not psutil.Process().children(recursive=True), "a process was left"
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
+    assert not left, f"a process was left: {left}"
 
 
 def test_unwritable_cache_dir(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

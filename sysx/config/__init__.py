@@ -38,6 +38,7 @@ from sysx.config.sections import (
     LossScaleSection,
     ModelSection,
     OptimSection,
+    ProfileSection,
     ScheduleSection,
     SingleSection,
     TrainSection,
@@ -45,7 +46,7 @@ from sysx.config.sections import (
 
 __all__ = [
     "CheckpointSection", "ConfigError", "DataSection", "EvalSection", "LogSection", "LossScaleSection", "ModelSection", "OptimSection",
-    "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection", "compose_config", "config_dir", "from_yaml",
+    "ProfileSection", "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection", "compose_config", "config_dir", "from_yaml",
     "group_options", "load_config", "model_config", "refuse_ignored_keys", "register_schema", "resolve", "to_yaml",
     "validate",
 ]

@@ -65,6 +65,16 @@ def check_model_vocab(dataset: TokenDataset, model_cfg: ModelConfig) -> None:
                           f"{dataset.vocab_size}); set model.vocab_size={dataset.vocab_size} or larger")
 
 
+def resolve_precision(cfg: SysxConfig, device: torch.device | str | None = None) -> SysxConfig:
+    """``cfg`` with ``precision=auto`` replaced by the job device's default (:func:`sysx.device.default_precision`:
+    bf16 on a GPU, fp32 on CPU), so the config written to ``run_dir`` and the logs say what ran."""
+    if cfg.precision != "auto":
+        return cfg
+    from sysx import device as dev
+
+    return dataclasses.replace(cfg, precision=dev.default_precision(job_device(cfg, device)))
+
+
 def job_device(cfg: SysxConfig, device: torch.device | str | None = None) -> torch.device:
     """``device`` if given, else ``cfg.device`` resolved (``auto``: cuda when present); a device that
     is not available here is a :class:`ConfigError`."""
@@ -85,13 +95,15 @@ class Trainer(ABC):
     test or another trainer (opened from ``cfg.data`` by default).
     """
 
-    def __init__(self, cfg: SysxConfig | DictConfig, *, dataset: TokenDataset | None = None) -> None:
+    def __init__(self, cfg: SysxConfig | DictConfig, *, dataset: TokenDataset | None = None,
+                 device: torch.device | str | None = None) -> None:
         from sysx.optim.loss_scaler import make_scaler
 
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         if not isinstance(cfg, SysxConfig):
             raise TypeError(f"{type(self).__name__} needs a SysxConfig, got {type(cfg).__name__}")
+        cfg = resolve_precision(cfg, device)
         self.cfg: SysxConfig = cfg
         self.model_cfg = model_config(cfg)
         self.dtype = DTYPES[cfg.precision]
@@ -174,6 +186,10 @@ class Trainer(ABC):
     @abstractmethod
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` (default ``eval.batches``) micro-batches of the val split."""
+
+    def measurements(self) -> dict[str, Any]:
+        """Sections this trainer adds to ``summary.json`` (a recorded timeline's ``measured`` and ``plan``)."""
+        return {}
 
     def finish_pending(self) -> None:
         """Wait for work a step left running in the background (optimizer threads)."""

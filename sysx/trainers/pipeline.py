@@ -43,7 +43,9 @@ from sysx.runtime.options import PipelineOptions, make_schedule, options_from_co
 from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
 from sysx.partition import unit_label
-from sysx.schedule import OpKind, Schedule, evaluation_schedule, validate
+from sysx.schedule import CostTable, OpKind, Schedule, evaluation_schedule, validate
+from sysx.trace.report import gather_parts, write_report
+from sysx.trace.window import StepWindow
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
@@ -68,7 +70,7 @@ class PipelineTrainer(Trainer):
         dataset: TokenDataset | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(cfg, dataset=dataset)
+        super().__init__(cfg, dataset=dataset, device=device)
         cfg = self.cfg
         self.opts = options if options is not None else options_from_config(cfg)
         self.opts.check()
@@ -88,6 +90,7 @@ class PipelineTrainer(Trainer):
         self.params: StageParams | None = None
         self.optimizer: RankOptimizer | None = None
         self.last_op_seconds: dict[str, float] = {}
+        self._measurements: dict[str, dict[str, float]] = {}
         try:
             self._build()
         except BaseException:
@@ -119,13 +122,20 @@ class PipelineTrainer(Trainer):
         if self.world > 1:
             backend = dist.get_backend()
             verify = opts.verify_transfers if opts.verify_transfers is not None else backend != "nccl"
-            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify)
+            # checkpoints on a communicator of their own: they overlap activations and gradients on NCCL too
+            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify,
+                      ckpt_group=sdist.checkpoint_group())
         self.p2p = p2p
         self.executor = Executor(
             self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,
             micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, params=self.params, slots=self.slots,
             grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch)
         self._eval = self._evaluation(cfg.eval.batches)
+        self.window = StepWindow(cfg.profile, self.device, self.rank, compute=compute, announce=self.rank == 0)
+        if self.window.recorder is not None:
+            for part in (self.executor, self.slots, self.grads, self.optimizer.threads, p2p):
+                if part is not None:
+                    part.recorder = self.window.recorder
 
     # ------------------------------------------------------------------------------------ pieces
     def _evaluation(self, n_micro: int) -> Schedule:
@@ -177,12 +187,15 @@ class PipelineTrainer(Trainer):
         lr = self.lr_at(step)
         self.optimizer.begin()
         ctx = StepContext(step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches)
+        self.window.begin(step)
         try:
             self.executor.run(self.ops, ctx)
             self.params.push_mirrors()
         except BaseException:
             self.executor.reset()
             raise
+        finally:
+            self.window.end()
         local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
         # a stop deferred to the end of the step (checkpoint.on_signal) travels with the loss, so
         # that every rank ends this step knowing it and saves and stops at the same point
@@ -203,8 +216,35 @@ class PipelineTrainer(Trainer):
         result = StepResult(step=step, loss=total / count, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
                             scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
         self.last_op_seconds = ctx.op_seconds
+        if self.window.after(step):
+            self._write_timeline()
         self.step_index += 1
         return result
+
+    def _write_timeline(self) -> None:
+        """The recorded window to rank 0, which writes it into ``run_dir`` beside the plan and prints
+        the comparison (collective: every rank calls it after the window's last step)."""
+        assert self.window.recorder is not None and self.optimizer is not None
+        rec = self.window.recorder
+        units = {stage.name: key for key, stage in self.optimizer.stages.items()}
+        parts = gather_parts(rec.part(units), rank=self.rank, world=self.world, group=self.group)
+        rec.clear()
+        if parts is None:
+            return
+        report = write_report(parts, self.schedule, self.cfg.run_dir, plan_costs=self.plan_costs(),
+                              param_bytes=float(self.dtype.itemsize))
+        print(report.line, flush=True)
+        self._measurements = report.summary()
+
+    def plan_costs(self) -> CostTable | None:
+        """The costs the plan beside a recorded timeline is simulated with; None: the window's own
+        profiled costs (:func:`sysx.trace.costs.measured_costs`). A device that models its time
+        (``device=emulated``) returns the table it models with."""
+        return None
+
+    def measurements(self) -> dict[str, dict[str, float]]:
+        """``{"measured": ..., "plan": ...}`` of the recorded window on rank 0, once written (else empty)."""
+        return dict(self._measurements)
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
