@@ -21,6 +21,17 @@ def _sysx_segments() -> set[str]:
 _segments_before_suite: set[str] = set()
 
 
+def _left_by_this_suite(name: str) -> bool:
+    """A new segment is this suite's leak unless a live process other than this one created it (a
+    job or another test run beside this one on a shared machine, still using it)."""
+    from sysx.memory.cleanup import inspect
+
+    info = inspect(os.path.join(SHM_DIR, name))
+    if info is None:  # gone meanwhile
+        return False
+    return info.status != "alive" or info.creator_pid == os.getpid()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _segments_before_suite.update(_sysx_segments())
 
@@ -69,7 +80,7 @@ def nvtx_ranges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if the suite left sysx shared-memory segments behind."""
-    leaked = sorted(_sysx_segments() - _segments_before_suite)
+    leaked = sorted(name for name in _sysx_segments() - _segments_before_suite if _left_by_this_suite(name))
     if leaked:
         print(f"\nLEAK: the test suite left {len(leaked)} shared-memory segment(s) in {SHM_DIR}: {leaked}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
