@@ -74,11 +74,11 @@ def test_planning_sizes_chunks_from_meta_and_runs_only_the_chosen_size_treating_
     meta = meta_profiler(TINY, 128, torch.float32)
     asked: list[int] = []
 
-    def device_profiler(b: int):  # a stand-in for the GPU: out of memory above 2 sequences
+    def device_profiler(b: int, seq_chunk: int):  # a stand-in for the GPU: out of memory above 2 sequences
         asked.append(b)
         if b > 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
-        return meta(b)
+        return meta(b, seq_chunk)
 
     req = PlanRequest(model=TINY, seq_len=128, global_batch=16, precision="fp32", device_budget_bytes=8 << 30,
                       host_budget_bytes=4 << 30, round_sequences=16)

@@ -8,6 +8,7 @@ and sharded); ``sysx convert`` in both directions and its errors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -29,12 +30,19 @@ CONFIGS = {
 }
 
 
-def make_hf(name: str, attn: str = "eager", seed: int = 0) -> tuple[LlamaConfig, LlamaForCausalLM]:
+# Llama-3.1 RoPE scaling with a short original context, so that the 16 frequencies of a 16-wide head fall
+# in all three bands (wavelength < 16 kept, > 64 divided by the factor, between interpolated).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 5000.0}
+
+
+def make_hf(name: str, attn: str = "eager", seed: int = 0, rope: dict | None = None) -> tuple[LlamaConfig, LlamaForCausalLM]:
     """A random fp32 HF Llama; norm weights are perturbed too, so a swapped norm would show."""
+    rope_args = {"rope_parameters": rope} if rope else {"rope_theta": 5000.0}
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        rms_norm_eps=1e-5, rope_theta=5000.0, max_position_embeddings=64,
-        attn_implementation=attn, **CONFIGS[name],
+        rms_norm_eps=1e-5, max_position_embeddings=256 if rope else 64,
+        attn_implementation=attn, **rope_args, **CONFIGS[name],
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
@@ -45,10 +53,10 @@ def make_hf(name: str, attn: str = "eager", seed: int = 0) -> tuple[LlamaConfig,
     return config, model
 
 
-def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch(seed: int = 1, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids, HF-style labels (unshifted, some ignored) and the equivalent sysx labels (shifted)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
     hf_labels = ids.clone()
     hf_labels[0, 4:9] = -100
     sysx_labels = F.pad(hf_labels[:, 1:], (0, 1), value=-100)
@@ -90,6 +98,45 @@ def test_logits_loss_and_grads_match_hf(name: str) -> None:
     assert logit_diff <= 1e-5
     assert loss_diff <= 1e-5
     assert grad_diffs[worst] <= 1e-5, grad_diffs
+
+
+def test_llama3_rope_tables_match_hf_rotary_embedding() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from sysx.model.attention import rope_cos_sin
+
+    config, _ = make_hf("gqa", rope=LLAMA3_ROPE)
+    cfg = config_from_hf(config.to_dict())
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_len) == ("llama3", 8.0, 64)
+    positions = torch.arange(200)[None]
+    cos_hf, sin_hf = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = rope_cos_sin(cfg, 200, torch.device("cpu"), torch.float32)
+    assert (cos - cos_hf[0]).abs().max().item() <= 1e-5 and (sin - sin_hf[0]).abs().max().item() <= 1e-5
+    plain, _ = rope_cos_sin(dataclasses.replace(cfg, rope_type="default", rope_factor=None, rope_low_freq_factor=None,
+                                                rope_high_freq_factor=None, rope_original_max_len=None),
+                            200, torch.device("cpu"), torch.float32)
+    assert (plain - cos).abs().max().item() > 0.1  # the scaling changed the long wavelengths
+
+
+def test_llama3_rope_scaling_matches_hf_logits_loss_and_grads_and_round_trips(tmp_path) -> None:
+    config, hf_model = make_hf("gqa", rope=LLAMA3_ROPE)
+    ids, hf_labels, sysx_labels = batch(seq=150)  # positions beyond the original 64
+    out = hf_model(input_ids=ids, labels=hf_labels)
+    out.loss.backward()
+    model = load_hf_llama((config, hf_model.state_dict()))
+    assert model.config.rope_type == "llama3"
+    with torch.no_grad():
+        assert (model(ids) - out.logits).abs().max().item() <= 1e-5
+    loss = model.loss(ids, sysx_labels)
+    loss.backward()
+    assert abs(loss.item() - out.loss.item()) <= 1e-5
+    assert max(max_rel_grad_diff(hf_model, model).values()) <= 1e-5
+    export_hf_llama(model, tmp_path / "out")
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert reloaded.config.rope_parameters["rope_type"] == "llama3"
+    assert load_hf_llama(tmp_path / "out").config == model.config
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - out.logits).abs().max().item() <= 1e-5
 
 
 def test_matches_hf_sdpa_attention_too() -> None:
@@ -147,8 +194,13 @@ def test_transformers_4_config_layout_is_read() -> None:
               "rms_norm_eps": 1e-6, "rope_theta": 7000.0, "rope_scaling": None, "max_position_embeddings": 64}
     cfg = config_from_hf(legacy)
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.norm_eps, cfg.tie_embeddings) == (7000.0, 2, 1e-6, False)
-    with pytest.raises(ValueError, match="rope_scaling.rope_type='llama3'"):
+    scaled = config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}})
+    assert (scaled.rope_type, scaled.rope_factor, scaled.rope_original_max_len, scaled.rope_theta) == ("llama3", 8.0, 32, 7000.0)
+    with pytest.raises(ValueError, match="rope_scaling of rope_type 'llama3' lacks"):
         config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_scaling.rope_type='yarn'"):
+        config_from_hf({**legacy, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
     with pytest.raises(ValueError, match="lacks"):
         config_from_hf({"model_type": "llama"})
 

@@ -174,5 +174,5 @@ def test_plan_single_is_a_sysx_subcommand(capsys: pytest.CaptureFixture[str]) ->
                  "--device-gb", "2", "--host-gb", "8"]) == 0
     assert "sysx single-GPU plan" in capsys.readouterr().out
     assert main(["plan-single", "--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware",
-                 "rtx4090", "--device-gb", "3"]) == 2
+                 "rtx4090", "--device-gb", "1.5"]) == 2
     assert "sysx plan-single: refused:" in capsys.readouterr().err

@@ -56,44 +56,46 @@ def test_slot_protocol_refill_only_after_release() -> None:
     assert ring.slot_of(7) == 1 and len(ring) == 3
 
 
-def _head_grads(buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-    """Head (norm, lm_head, loss) whose input, weights and grads are the three given 1-D buffers."""
+def _block_grads(buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad_out: torch.Tensor) -> torch.Tensor:
+    """A Block whose input, weights and grads are the three given 1-D buffers: backward of ``grad_out``.
+    (A Block, not the Head: the Head's chunked loss makes all its gradients in one autograd node, so
+    nothing saved is read after they accumulate.)"""
     from sysx.model import FlatLayout, get_preset
     from sysx.model.llama import make_layer
 
     cfg = get_preset("tiny")
-    head = make_layer(cfg, cfg.n_layers + 1)
-    layout = FlatLayout.from_modules([head])
+    block = make_layer(cfg, 1)
+    layout = FlatLayout.from_modules([block])
     x_buf, w_buf, g_buf = buffers
-    layout.bind([head], w_buf)
-    layout.bind_grads([head], g_buf)
+    layout.bind([block], w_buf)
+    layout.bind_grads([block], g_buf)
     x = x_buf.view(2, 16, cfg.dim).detach().requires_grad_(True)
-    head(x, labels).backward()
+    block(x).backward(grad_out)
     return g_buf.clone()
 
 
 def test_regions_have_their_own_autograd_version_counters() -> None:
-    """The head's input and weights in some regions, its grads accumulated into another region of the
+    """A block's input and weights in some regions, its grads accumulated into another region of the
     same buffer: autograd must not mistake the accumulation for an in-place change of saved tensors."""
     from sysx.model import FlatLayout, get_preset
     from sysx.model.llama import make_layer
 
     cfg = get_preset("tiny")
-    n_w = FlatLayout.from_modules([make_layer(cfg, cfg.n_layers + 1)]).numel
+    n_w = FlatLayout.from_modules([make_layer(cfg, 1)]).numel
     n_x = 2 * 16 * cfg.dim
     torch.manual_seed(0)
     x0, w0 = torch.randn(n_x), torch.randn(n_w) * 0.1
-    labels = torch.randint(0, cfg.vocab_size, (2, 16))
-    expected = _head_grads((x0.clone(), w0.clone(), torch.zeros(n_w)), labels)  # separate tensors
+    grad_out = torch.randn(2, 16, cfg.dim)
+    expected = _block_grads((x0.clone(), w0.clone(), torch.zeros(n_w)), grad_out)  # separate tensors
 
     shared = torch.zeros(n_x + 2 * n_w)  # plain views of one buffer share its version counter
     shared[:n_x], shared[n_x:n_x + n_w] = x0, w0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        _head_grads((shared[:n_x], shared[n_x:n_x + n_w], shared[n_x + n_w:]), labels)
+        _block_grads((shared[:n_x], shared[n_x:n_x + n_w], shared[n_x + n_w:]), grad_out)
 
     arena = DeviceArena(CPU, {"x": n_x * 4, "w": n_w * 4, "g": n_w * 4})
     x, w, g = (typed(arena.region(name), torch.float32) for name in ("x", "w", "g"))
     x.copy_(x0)
     w.copy_(w0)
     g.zero_()
-    assert torch.equal(_head_grads((x, w, g), labels), expected)
+    assert torch.equal(_block_grads((x, w, g), grad_out), expected)

@@ -333,5 +333,5 @@ def test_plan_command(capsys) -> None:
                  "--device-gb", "24", "--host-gb", "256"]) == 0
     assert "window W=" in capsys.readouterr().out
     assert main(["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "rtx4090",
-                 "--device-gb", "3"]) == 2
+                 "--device-gb", "1.5"]) == 2
     assert "Raise single.device_memory_gb" in capsys.readouterr().err

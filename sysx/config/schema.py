@@ -73,6 +73,9 @@ def validate(cfg: SysxConfig) -> None:
     check_profile_window(cfg)
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
+    chunk = cfg.single.seq_chunk
+    if chunk and cfg.train.seq_len % chunk:
+        fail("single.seq_chunk", chunk, f"must divide train.seq_len={cfg.train.seq_len} (or 0 = automatic)")
     max_seq_len = model_config(cfg).max_seq_len
     if cfg.train.seq_len > max_seq_len:
         fail("train.seq_len", cfg.train.seq_len, f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)")

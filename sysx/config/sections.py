@@ -39,6 +39,11 @@ MODEL_OVERRIDE_FIELDS = (
     "rope_theta",
     "max_seq_len",
     "tie_embeddings",
+    "rope_type",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
 )
 _MODEL_COUNTS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
 
@@ -59,6 +64,11 @@ class ModelSection:
     rope_theta: Optional[float] = None
     max_seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
+    rope_type: Optional[str] = None  # default | llama3 (Llama-3.1 scaling: the four rope_* fields below)
+    rope_factor: Optional[float] = None
+    rope_low_freq_factor: Optional[float] = None
+    rope_high_freq_factor: Optional[float] = None
+    rope_original_max_len: Optional[int] = None
     init_from: Optional[str] = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
 
     def resolve(self) -> ModelConfig:
@@ -301,6 +311,7 @@ class SingleSection:
     micro_batch_size: int = 0  # sequences per chunk, the unit of compute (0 = auto)
     round_sequences: int = 0  # sequences per round X, AdaWS 3.2.2 (0 = auto); divides the global batch
     window: int = 0  # blocks resident on the device W, AdaWS 3.2.3 (0 = auto)
+    seq_chunk: int = 0  # tokens per sequence chunk inside each block (0 = auto); divides train.seq_len
     policy: str = "dp"  # saved activations: dp (AdaWS DP) | pyao (IQR rule) | a fixed level name or id
     compress: bool = False  # int8-compress offloaded activations (PyAO 4.3)
     optimizer_overlap: str = "auto"  # auto | backward (step as grads arrive) | forward (after the norm)
@@ -316,6 +327,9 @@ class SingleSection:
         for name in ("micro_batch_size", "round_sequences", "window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"single.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
+        if not isinstance(self.seq_chunk, int) or isinstance(self.seq_chunk, bool) or self.seq_chunk < 0:
+            raise ConfigError(f"single.seq_chunk={self.seq_chunk} must be a whole number of tokens >= 0 that divides "
+                              f"train.seq_len (0 = automatic)")
         policy = str(self.policy)
         if policy not in POLICIES and not (policy.isdigit() and int(policy) < len(SAVE_LEVELS)):
             raise ConfigError(f"single.policy={self.policy} is not valid; allowed: {', '.join(POLICIES)} "

@@ -2,7 +2,9 @@
 
 Presets
 - ``tiny``: byte-level (vocab 256) model that trains at a few steps per second on 2 CPU cores.
-- ``llama2_7b`` and ``llama3_8b``: the published Meta shapes.
+- ``llama2_7b``, ``llama3_8b`` and ``llama3_1_8b``: the published Meta shapes (Llama-3.1 is Llama-3 with
+  the ``llama3`` RoPE scaling: factor 8, low/high frequency factors 1 and 4, original context 8192,
+  128K positions).
 - ``llama2_10b`` ... ``llama2_110b``: the eight LLaMA-2 shapes of the SysX paper, Table 2
   (layers ``l``, hidden size ``d``, ``d_FFN`` and the number of KV heads come from the table;
   vocabulary 32000 as in LLaMA-2). The paper does not give the number of query heads. We take
@@ -17,7 +19,12 @@ Presets
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
+
+ROPE_TYPES = ("default", "llama3")
+# The Llama-3.1 scaling fields: each is required with rope_type=llama3 and must be left unset otherwise.
+LLAMA3_ROPE_FIELDS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # RoPE scaling as HF ``rope_parameters``: ``default`` (none) or ``llama3`` (Llama-3.1: ``factor``,
+    # ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+    rope_type: str = "default"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -56,6 +70,30 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.norm_eps must be > 0, got {self.norm_eps!r}")
         if not self.rope_theta > 0:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        """``rope_type`` is known and its fields are all given (llama3) or all unset (default)."""
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"ModelConfig.rope_type={self.rope_type!r} is not supported; use one of {ROPE_TYPES}")
+        given = [name for name in LLAMA3_ROPE_FIELDS if getattr(self, name) is not None]
+        if self.rope_type == "default":
+            if given:
+                raise ValueError(f"ModelConfig: {', '.join(given)} set but rope_type='default' ignores them; "
+                                 f"set rope_type='llama3' or leave them unset")
+            return
+        missing = [name for name in LLAMA3_ROPE_FIELDS if name not in given]
+        if missing:
+            raise ValueError(f"ModelConfig: rope_type='llama3' needs {', '.join(missing)} (Llama-3.1: rope_factor=8, "
+                             f"rope_low_freq_factor=1, rope_high_freq_factor=4, rope_original_max_len=8192)")
+        factor, low, high = self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
+            raise ValueError(f"ModelConfig.rope_factor must be a number >= 1, got {factor!r}")
+        if not (isinstance(low, (int, float)) and low > 0 and isinstance(high, (int, float)) and high > low):
+            raise ValueError(f"ModelConfig: rope_high_freq_factor={high!r} must be > rope_low_freq_factor={low!r} > 0")
+        n = self.rope_original_max_len
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"ModelConfig.rope_original_max_len must be a positive int, got {n!r}")
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +162,11 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
         norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192,
     ),
+    "llama3_1_8b": ModelConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, rope_type="llama3", rope_factor=8.0,
+        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+    ),
     # SysX paper, Table 2: (l, d, d_FFN, # KV heads) from the table; n_heads = choose_n_heads(d, kv).
     "llama2_10b": _table2(48, 4096, 10880, 2, n_heads=32),    # head_dim 128
     "llama2_19b": _table2(48, 5632, 14976, 4, n_heads=44),    # head_dim 128
@@ -137,7 +180,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 # Nominal sizes (parameters) the presets are named after; tests compare param_count with them.
 NOMINAL_PARAMS: dict[str, float] = {
-    "llama2_7b": 6.74e9, "llama3_8b": 8.03e9,
+    "llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_1_8b": 8.03e9,
     "llama2_10b": 10e9, "llama2_19b": 19e9, "llama2_30b": 30e9, "llama2_40b": 40e9,
     "llama2_52b": 52e9, "llama2_69b": 69e9, "llama2_88b": 88e9, "llama2_110b": 110e9,
 }

@@ -4,7 +4,9 @@
 sharded ``model.safetensors.index.json``) or a pair ``(config, state_dict)`` where ``config`` is
 an HF ``LlamaConfig`` (anything with ``to_dict()``) or the ``config.json`` dict. ``export_hf_llama``
 writes a directory that ``LlamaForCausalLM.from_pretrained`` loads. Only what sysx computes is
-accepted: SiLU, no biases, default RoPE (no ``rope_scaling``), ``head_dim == hidden / heads``.
+accepted: SiLU, no biases, ``head_dim == hidden / heads``, RoPE ``default`` or ``llama3`` (the Llama-3.1
+scaling: ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``),
+read from ``rope_scaling`` (transformers 4.x) or ``rope_parameters`` (5.x) and written to both.
 """
 
 from __future__ import annotations
@@ -84,13 +86,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != hf["hidden_size"] // heads:
         raise _unsupported("head_dim", head_dim, f"hidden_size // num_attention_heads = {hf['hidden_size'] // heads}")
-    rope_theta = hf.get("rope_theta", 10000.0)
-    for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
-        rope = hf.get(key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise _unsupported(f"{key}.rope_type", rope_type, "'default' (plain RoPE, no scaling)")
-        rope_theta = rope.get("rope_theta", rope_theta)
+    rope = _rope_from_hf(hf)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
@@ -99,10 +95,50 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         ffn_dim=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
         max_seq_len=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **rope,
     )
+
+
+# HF llama3 rope keys -> ModelConfig fields
+_LLAMA3_KEYS = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_len",
+}
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE fields of a ModelConfig from ``rope_theta`` and ``rope_scaling`` / ``rope_parameters``."""
+    out: dict[str, Any] = {"rope_theta": float(hf.get("rope_theta", 10000.0))}
+    for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x / 5.x names
+        rope = hf.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise _unsupported(f"{key}.rope_type", rope_type, "'default' (plain RoPE) or 'llama3' (Llama-3.1 scaling)")
+        if "rope_theta" in rope:
+            out["rope_theta"] = float(rope["rope_theta"])
+        if rope_type == "llama3":
+            absent = [k for k in _LLAMA3_KEYS if k != "original_max_position_embeddings" and k not in rope]
+            if absent:
+                raise ValueError(f"HF Llama config: {key} of rope_type 'llama3' lacks {absent}")
+            # transformers falls back to max_position_embeddings when the original length is not given
+            original = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+            out.update(rope_type="llama3", rope_factor=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]), rope_original_max_len=int(original))
+    return out
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """``rope_theta``, ``rope_scaling`` (4.x) and ``rope_parameters`` (5.x) of ``cfg``."""
+    scaling = None
+    if cfg.rope_type == "llama3":
+        scaling = {"rope_type": "llama3", **{theirs: getattr(cfg, ours) for theirs, ours in _LLAMA3_KEYS.items()}}
+    parameters = {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -121,9 +157,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **_rope_to_hf(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,

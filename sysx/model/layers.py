@@ -7,19 +7,24 @@ pipeline stage. Parameters are created uninitialised: ``sysx.model.llama`` initi
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sysx.model.attention import (
+    SDPA_GQA,
+    KVCache,
+    apply_rope,
+    attend,
+    chunk_attention,
+    extend_cache,
+    merge_heads,
+    rope_cos_sin,
+)
 from sysx.model.config import ModelConfig
+from sysx.model.loss import IGNORE_INDEX, chunked_cross_entropy
 
-IGNORE_INDEX = -100
-
-
-# torch >= 2.5: scaled_dot_product_attention takes fewer K/V heads than query heads (enable_gqa)
-SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+__all__ = ["SDPA_GQA", "IGNORE_INDEX", "Attention", "Block", "Embedding", "Head", "MLP", "RMSNorm"]
 
 
 def _linear(in_features: int, out_features: int, device: torch.device | str | None, dtype: torch.dtype) -> nn.Linear:
@@ -44,69 +49,53 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(input_dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def rope_cos_sin(head_dim: int, theta: float, seq_len: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables ``(cos, sin)`` of shape ``[seq_len, head_dim]`` for positions ``0..seq_len-1``.
-
-    Computed like HF ``LlamaRotaryEmbedding`` (inverse frequencies in fp32 on the CPU, angles in
-    fp32 on ``device``, halves concatenated, then cast to ``dtype``) and cached per shape/device.
-    """
-    with torch.inference_mode(False), torch.no_grad():
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        inv_freq = inv_freq.to(device)
-        positions = torch.arange(seq_len, device=device).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dimension (the HF / GPT-NeoX RoPE layout)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[B, H, T, head_dim]`` by the tables ``cos``/``sin`` ``[T, head_dim]``."""
-    return x * cos + rotate_half(x) * sin
-
-
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE, computed by ``F.scaled_dot_product_attention``."""
+    """Causal grouped-query self-attention with RoPE (:mod:`sysx.model.attention`).
+
+    ``forward(x)`` attends over the whole sequence ``x``; ``forward(x, kv)`` treats ``x`` as the chunk of
+    a longer sequence starting at ``kv.offset`` and attends over the K/V cached for the chunks before it.
+    Both share the projections, RoPE and :func:`~sysx.model.attention.attend`.
+    """
 
     def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
         self.q_proj = _linear(cfg.dim, cfg.n_heads * cfg.head_dim, device, dtype)
         self.k_proj = _linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, device, dtype)
         self.v_proj = _linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, device, dtype)
         self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.dim, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, proj: nn.Linear, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(self.head_dim, self.rope_theta, seq_len, x.device, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = self.n_heads // self.n_kv_heads
-        gqa: dict[str, bool] = {}
-        if n_rep > 1 and SDPA_GQA:
-            # Each KV head serves n_rep consecutive query heads (HF ``repeat_kv``); the flash kernels
-            # read the shared K/V directly instead of n_rep materialised copies.
-            gqa = {"enable_gqa": True}
-        elif n_rep > 1:
-            k = k[:, :, None].expand(bsz, self.n_kv_heads, n_rep, seq_len, self.head_dim).reshape(
-                bsz, self.n_heads, seq_len, self.head_dim)
-            v = v[:, :, None].expand(bsz, self.n_kv_heads, n_rep, seq_len, self.head_dim).reshape(
-                bsz, self.n_heads, seq_len, self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5, **gqa)
-        y = y.transpose(1, 2).reshape(bsz, seq_len, self.n_heads * self.head_dim)
+        return proj(x).view(bsz, seq_len, n_heads, self.head_dim).transpose(1, 2)
+
+    def _rope(self, x: torch.Tensor, offset: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of positions ``offset .. offset + T - 1`` of a sequence of ``total`` positions."""
+        cos, sin = rope_cos_sin(self.cfg, total, x.device, x.dtype)
+        if total != x.shape[1]:  # a chunk: narrow dispatches the same op whatever the offset
+            return cos.narrow(0, offset, x.shape[1]), sin.narrow(0, offset, x.shape[1])
+        return cos, sin
+
+    def keys_values(self, x: torch.Tensor, offset: int = 0, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values ``[B, Hkv, T, D]`` of ``x`` at positions ``offset ..`` of ``total``."""
+        cos, sin = self._rope(x, offset, x.shape[1] if total is None else total)
+        k = self._heads(self.k_proj, x, self.n_kv_heads)
+        v = self._heads(self.v_proj, x, self.n_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, kv: KVCache | None = None) -> torch.Tensor:
+        offset, total = (0, x.shape[1]) if kv is None else (kv.offset, kv.seq_len)
+        q = apply_rope(self._heads(self.q_proj, x, self.n_heads), *self._rope(x, offset, total))
+        k, v = self.keys_values(x, offset, total)
+        scale = self.head_dim ** -0.5
+        if kv is None:
+            y = merge_heads(attend(q, k, v, scale=scale))
+        else:
+            y = chunk_attention(q, *extend_cache(k, v, kv), scale)
         return self.o_proj(y)
 
 
@@ -177,7 +166,9 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     """One pre-norm decoder block: ``h + attn(norm(h))`` then ``h + mlp(norm(h))``.
 
-    Positions are ``0..T-1`` of the input; the RoPE tables are computed (and cached) inside.
+    Positions are ``0..T-1`` of the input, or with a :class:`~sysx.model.attention.KVCache` ``kv`` the
+    input is the chunk of a longer sequence at ``kv.offset`` (attention over the cached K/V of the
+    chunks before it; everything else is position-wise). The RoPE tables are computed (and cached) inside.
     """
 
     def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
@@ -188,16 +179,23 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
         self.mlp = MLP(cfg, device=device, dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attn(self.attn_norm(hidden))
+    def forward(self, hidden: torch.Tensor, kv: KVCache | None = None) -> torch.Tensor:
+        hidden = hidden + self.attn(self.attn_norm(hidden), kv)
         return hidden + self.mlp(self.mlp_norm(hidden))
+
+    @torch.no_grad()
+    def cache_keys_values(self, hidden: torch.Tensor, kv: KVCache) -> None:
+        """Write the rotated K/V of the chunk ``hidden`` (at ``kv.offset``) into ``kv``: what its forward
+        writes, from the block input alone (rebuilding the cache for a backward over the chunks)."""
+        kv.write(*self.attn.keys_values(self.attn_norm(hidden), kv.offset, kv.seq_len))
 
 
 class Head(nn.Module):
     """Final RMSNorm, the output projection and the loss.
 
     ``labels[b, t]`` is the target of position ``t`` (already shifted, nanoGPT style);
-    ``IGNORE_INDEX`` (-100) marks positions that do not count.
+    ``IGNORE_INDEX`` (-100) marks positions that do not count. The loss runs over chunks of tokens
+    (:func:`~sysx.model.loss.chunked_cross_entropy`), so the logits of all tokens never exist at once.
     """
 
     def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
@@ -216,8 +214,6 @@ class Head(nn.Module):
 
         Without ``labels`` it returns the logits instead, so ``run_layers`` can run inference.
         """
-        logits = self.logits(hidden)
         if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX)
+            return self.logits(hidden)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, labels, features=self.norm)

@@ -11,6 +11,15 @@ and its chosen saved activations (:mod:`sysx.single.sites`) into activation slot
 except for the last ``W`` blocks, whose slots stay on the device for the start of backward. A slot
 is rewritten only after its copy home finished (the ring-capacity constraint the DP planned for).
 
+Sequence chunks (``plan.seq_chunks > 1``, :mod:`sysx.single.plan_seq`): a chunk's sequences are cut
+into chunks of ``C`` tokens along the sequence, and the ring's *unit* is (chunk ``c``, sequence chunk
+``j``): unit ``v = c * seq_chunks + j`` of block ``k`` lives in slot ``(k * units + v) % R_act``. A
+block runs ``j = 0, 1, ...`` in order, each attending over the K/V its earlier chunks left in the
+device's K/V cache (:class:`~sysx.model.attention.KVCache`). Its backward first rebuilds that cache
+from the saved layer inputs of all of ``c``'s units (norm + K/V projections + RoPE only), then runs
+``j`` in reverse, the cache's fp32 accumulators carrying each chunk's gradient to the K/V of the
+chunks before it.
+
 Turnaround: the Head computes each chunk's loss and backpropagates at once; ``T`` now holds the
 gradient of the residual stream.
 
@@ -43,11 +52,12 @@ import torch
 
 from sysx import device as dev
 from sysx.memory.pinned import HostBuffers
+from sysx.model.attention import KVCache
 from sysx.model.flat import FlatLayout
 from sysx.schedule.ops import Op, OpKind
 from sysx.single.host import HostState
 from sysx.single.planner import SinglePlan
-from sysx.single.rings import DeviceArena, Ring, align, typed
+from sysx.single.rings import DeviceArena, Ring, alias, align, typed
 from sysx.single.sites import LayerProfile, ReplayStats, SlotLayout, backward_replayed, run_captured
 from sysx.trace.recorder import COMPUTE, D2H, H2D, Recorder, What
 
@@ -91,13 +101,14 @@ class SlidingWindowExecutor:
         self.n = plan.chunks
         self.b = plan.chunk
         self.S = plan.request.seq_len
+        self.C, self.J, self.units = plan.seq_chunk, plan.seq_chunks, plan.units
         self.dtype = plan.request.dtype
         self.profile = profile
         self.layouts: list[SlotLayout] = [plan.table.layouts[o] for o in plan.levels]
         self.n_transfer = plan.transfer_layers
         R_p, R_g, R_a = plan.r_param, plan.r_grad, plan.r_act
-        if R_a % self.n:
-            raise ValueError(f"R_act={R_a} must be a multiple of chunks per round ({self.n})")
+        if R_a % self.units:
+            raise ValueError(f"R_act={R_a} must be a multiple of units per round ({self.units})")
         # the host layouts describe the fp32 masters; the device holds the same entries in the compute dtype
         self.block_layout = FlatLayout(host.groups[0].layout.entries, self.dtype)
         self.static_layout = FlatLayout(host.static.layout.entries, self.dtype)
@@ -111,12 +122,14 @@ class SlidingWindowExecutor:
             "grad ring": R_g * _stride(block_bytes),
             "activation ring": R_a * _stride(slot_bytes),
             "transitions": self.n * self.b * self.S * cfg.dim * tau,
+            **self._kv_regions(tau),
         })
         self.trace: list[tuple[str, str, int, object]] | None = [] if trace else None
         self.ring_w = Ring("weights", self.arena.region("weight ring"), R_p, block_bytes, log=self.trace)
         self.ring_g = Ring("grads", self.arena.region("grad ring"), R_g, block_bytes, log=self.trace)
         self.ring_a = Ring("activations", self.arena.region("activation ring"), R_a, slot_bytes, log=self.trace)
         self.T = typed(self.arena.region("transitions"), self.dtype).view(self.n, self.b, self.S, cfg.dim)
+        self.kv = self._kv_cache()
         self.static_w = typed(self.arena.region("static weights"), self.dtype)
         self.static_g = typed(self.arena.region("static grads"), self.dtype)
 
@@ -135,8 +148,8 @@ class SlidingWindowExecutor:
 
         self.host_buffers = HostBuffers("saved activations", pin=dev.is_cuda(self.device))
         self.host_acts = {
-            (k, c): self.host_buffers.empty(self.layouts[k].nbytes, torch.uint8)
-            for k in range(self.n_transfer) for c in range(self.n)
+            (k, v): self.host_buffers.empty(self.layouts[k].nbytes, torch.uint8)
+            for k in range(self.n_transfer) for v in range(self.units)
         }
         self.compute = dev.current_stream(self.device)
         self.inbound = dev.new_stream(self.device)
@@ -179,6 +192,29 @@ class SlidingWindowExecutor:
             rec.add(lane, what, begin, rec.mark(stream), nbytes)
 
         return timed
+
+    # ---------------------------------------------------------------------------- sequence chunks
+    def _kv_regions(self, tau: int) -> dict[str, int]:
+        """Arena bytes of the K/V cache (compute dtype) and its fp32 gradients; none without sequence chunks."""
+        if self.J == 1:
+            return {}
+        n = self.b * self.cfg.n_kv_heads * self.S * self.cfg.head_dim
+        return {"K/V cache": 2 * n * tau, "K/V grads": 2 * n * 4}
+
+    def _kv_cache(self) -> KVCache | None:
+        if self.J == 1:
+            return None
+        shape = (self.b, self.cfg.n_kv_heads, self.S, self.cfg.head_dim)
+        kv = typed(self.arena.region("K/V cache"), self.dtype).view(2, *shape)
+        grads = typed(self.arena.region("K/V grads"), torch.float32).view(2, *shape)
+        return KVCache(alias(kv[0]), alias(kv[1]), 0, alias(grads[0]), alias(grads[1]))
+
+    def _piece(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """Sequence chunk ``j`` of ``x [rows, S, ...]`` (all of it without sequence chunks)."""
+        return x if self.J == 1 else x[:, j * self.C:(j + 1) * self.C]
+
+    def _kv_at(self, j: int) -> KVCache | None:
+        return None if self.kv is None else self.kv.at(j * self.C)
 
     # ------------------------------------------------------------------------------------ info
     def _note(self, op: str, key: object) -> None:
@@ -273,19 +309,20 @@ class SlidingWindowExecutor:
 
     def _fill_a(self, a: int, unit: int, r: int) -> None:
         """Fetch the saved activations of ``unit`` (a transferring block) from host into activation slot ``a``."""
-        k, c = divmod(unit, self.n)
+        k, v = divmod(unit, self.units)
         if k >= self.n_transfer:
             raise AssertionError(f"unit {unit} (block {k}) never went home; it cannot be fetched")
         nbytes = self.layouts[k].nbytes
-        self.inbound.wait_event(self._act_home[(k, c)])
-        src = self.host_acts[(k, c)]
-        self.ring_a.fill(a, ("a", k, c, r), self.inbound, self._timed(
-            self.inbound, H2D, f"H2D act s{k + 1} mb{c}", lambda raw: raw[:nbytes].copy_(src, non_blocking=True), nbytes))
+        self.inbound.wait_event(self._act_home[(k, v)])
+        src = self.host_acts[(k, v)]
+        label = f"H2D act s{k + 1} mb{v // self.J}" + (f" seq{v % self.J}" if self.J > 1 else "")
+        self.ring_a.fill(a, ("a", k, v, r), self.inbound, self._timed(
+            self.inbound, H2D, label, lambda raw: raw[:nbytes].copy_(src, non_blocking=True), nbytes))
         self.stats.h2d_acts += nbytes
 
     # ---------------------------------------------------------------------------------- forward
     def _forward(self, r: int, ver: int, mbs: Sequence[Batch], before_load: Callable[[int], None]) -> None:
-        L, n = self.L, self.n
+        L = self.L
         R_p, R_a = len(self.ring_w), len(self.ring_a)
         for k in range(min(R_p, L)):
             self._ensure_w(k, ver, before_load)
@@ -296,19 +333,22 @@ class SlidingWindowExecutor:
             s = k % R_p
             self.ring_w.acquire(s, ("w", k, ver), self.compute)
             shell, layout = self.shells[s], self.layouts[k]
-            for c in range(n):
-                a = (k * n + c) % R_a
-                key = ("a", k, c, r)
+            for v in range(self.units):  # unit v: chunk v // J, its sequence chunk v % J (in sequence order)
+                c, j = divmod(v, self.J)
+                a = (k * self.units + v) % R_a
+                key = ("a", k, v, r)
 
-                def write(raw: torch.Tensor, c: int = c) -> None:
-                    self.T[c].copy_(run_captured(shell, self.T[c], self.profile, layout, raw))
+                def write(raw: torch.Tensor, c: int = c, j: int = j) -> None:
+                    x = self._piece(self.T[c], j)
+                    x.copy_(run_captured(shell, x, self.profile, layout, raw, kv=self._kv_at(j)))
 
                 self.ring_a.fill(a, key, self.compute, self._timed(self.compute, COMPUTE, Op(OpKind.FORWARD, k + 1, mb=c), write))
                 if k < self.n_transfer:
                     raw = self.ring_a.acquire(a, key, self.outbound)
-                    with self._on(self.outbound, D2H, f"D2H act s{k + 1} mb{c}", layout.nbytes):
-                        self.host_acts[(k, c)].copy_(raw[:layout.nbytes], non_blocking=True)
-                    self._act_home[(k, c)] = self.ring_a.release(a, self.outbound)
+                    with self._on(self.outbound, D2H, f"D2H act s{k + 1} mb{c}" + (f" seq{j}" if self.J > 1 else ""),
+                                  layout.nbytes):
+                        self.host_acts[(k, v)].copy_(raw[:layout.nbytes], non_blocking=True)
+                    self._act_home[(k, v)] = self.ring_a.release(a, self.outbound)
                     self.stats.d2h_acts += layout.nbytes
                     self._note("d2h_act", key)
             self.ring_w.release(s, self.compute, keep=k >= L - R_p)
@@ -336,9 +376,36 @@ class SlidingWindowExecutor:
         return losses
 
     # --------------------------------------------------------------------------------- backward
+    def _backward_chunk(self, k: int, c: int, r: int, shell: torch.nn.Module, layout: SlotLayout) -> None:
+        """Backward of block ``k`` on chunk ``c``: its units (sequence chunks) in reverse order, after
+        rebuilding the K/V cache from their saved inputs when the sequences are chunked."""
+        R_a = len(self.ring_a)
+        first = k * self.units + c * self.J
+        if self.kv is not None:
+            with self._on(self.compute, COMPUTE, f"K/V rebuild s{k + 1} mb{c}"):
+                for j in range(self.J):  # the slots stay ready for the backward below
+                    u = first + j
+                    raw = self.ring_a.acquire(u % R_a, ("a", k, u - k * self.units, r), self.compute)
+                    shell.cache_keys_values(layout.view(raw, layout.input), self.kv.at(j * self.C))
+                    self.ring_a.release(u % R_a, self.compute, keep=True)
+                self.kv.zero_grads()
+        for j in range(self.J - 1, -1, -1):
+            u = first + j
+            a = u % R_a
+            raw = self.ring_a.acquire(a, ("a", k, u - k * self.units, r), self.compute)
+            with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, k + 1, 0, c)):
+                grad = self._piece(self.T[c], j)
+                grad.copy_(backward_replayed(shell, grad, self.profile, layout, raw, stats=self.replay, kv=self._kv_at(j)))
+            self.ring_a.release(a, self.compute)
+            self.stats.chunks_backward += 1
+            name = self.plan.table.names[self.plan.levels[k]]
+            self.stats.by_level[name] = self.stats.by_level.get(name, 0) + 1
+            if u - R_a >= 0:
+                self._fill_a(a, u - R_a, r)
+
     def _backward(self, r: int, ver: int, mbs: Sequence[Batch], on_grads: Callable[[int, dev.Event], None] | None,
                   before_load: Callable[[int], None], last: bool) -> None:
-        L, n = self.L, self.n
+        L = self.L
         R_p, R_g, R_a = len(self.ring_w), len(self.ring_g), len(self.ring_a)
         numel = self.block_layout.numel
         for k in range(L - 1, -1, -1):
@@ -347,18 +414,8 @@ class SlidingWindowExecutor:
             graw = self.ring_g.acquire(gs, ("g", k, r), self.compute)
             shell, layout = self.shells[s], self.layouts[k]
             self.block_layout.bind_grads([shell], typed(graw, self.dtype, numel))
-            for c in range(n):
-                u = k * n + c
-                a = u % R_a
-                raw = self.ring_a.acquire(a, ("a", k, c, r), self.compute)
-                with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, k + 1, 0, c)):
-                    self.T[c].copy_(backward_replayed(shell, self.T[c], self.profile, layout, raw, stats=self.replay))
-                self.ring_a.release(a, self.compute)
-                self.stats.chunks_backward += 1
-                name = self.plan.table.names[self.plan.levels[k]]
-                self.stats.by_level[name] = self.stats.by_level.get(name, 0) + 1
-                if u - R_a >= 0:
-                    self._fill_a(a, u - R_a, r)
+            for c in range(self.n):
+                self._backward_chunk(k, c, r, shell, layout)
             self.ring_w.release(s, self.compute, keep=not last and k < R_p)
             if k - R_p >= 0:
                 self._ensure_w(k - R_p, ver, before_load)
@@ -404,7 +461,9 @@ class SlidingWindowExecutor:
                 self.ring_w.acquire(s, ("w", k, ver), self.compute)
                 with self.compute.use():
                     for view in views:
-                        view.copy_(self.shells[s](view))
+                        for j in range(self.J):  # sequence chunks in order: each sees the K/V of those before
+                            piece = self._piece(view, j)
+                            piece.copy_(self.shells[s](piece, self._kv_at(j)))
                 self.ring_w.release(s, self.compute, keep=k >= self.L - R_p)
                 if k + R_p < self.L:
                     self._ensure_w(k + R_p, ver, before_load)

@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=0)
     p.add_argument("--round-sequences", type=int, default=0)
     p.add_argument("--window", type=int, default=0)
+    p.add_argument("--seq-chunk", type=int, default=0, help="tokens per sequence chunk (0 = auto, seq-len = never chunk)")
     return p
 
 
@@ -58,7 +59,8 @@ def main(argv: list[str]) -> int:
     req = PlanRequest(
         model=model, seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
         device_budget_bytes=int(args.device_gb * GiB) or None, host_budget_bytes=int(args.host_gb * GiB) or None,
-        chunk=args.micro_batch_size, round_sequences=args.round_sequences, window=args.window, policy=args.policy,
+        chunk=args.micro_batch_size, round_sequences=args.round_sequences, window=args.window,
+        seq_chunk=args.seq_chunk, policy=args.policy,
         compress=args.compress, grad_clip=args.grad_clip, optimizer_overlap=args.overlap,
     )
     try:

@@ -10,40 +10,50 @@ from dataclasses import dataclass
 import torch
 
 from sysx.model.config import ModelConfig
+from sysx.model.loss import loss_workspace_bytes
 from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, pyao_recompute_mask
 from sysx.single.hardware import HardwareProfile
 from sysx.single.plan_request import ModelSizes, PlanRequest
-from sysx.single.sites import LayerProfile, Profiler, SlotLayout, profile_layer
+from sysx.single.sites import LayerProfile, Profiler, SlotLayout, profile_cache, profile_layer
 
 def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
-    """Profile one Block at chunk size ``b`` on the ``meta`` device (exact bytes, no memory, no time)."""
+    """Profile one Block on ``b`` sequences of ``C`` tokens on the ``meta`` device (exact bytes, no
+    memory, no time)."""
     from sysx.model.llama import make_layer
 
-    cache: dict[int, LayerProfile] = {}
+    cache: dict[tuple[int, int], LayerProfile] = {}
 
-    def run(b: int) -> LayerProfile:
-        if b not in cache:
+    def run(b: int, seq_chunk: int) -> LayerProfile:
+        if (b, seq_chunk) not in cache:
             block = make_layer(cfg, 1, dtype=dtype, device="meta")
-            x = torch.empty((b, seq_len, cfg.dim), dtype=dtype, device="meta")
-            cache[b] = profile_layer(block, x, model_dim=cfg.dim)
-        return cache[b]
+            x = torch.empty((b, min(seq_chunk, seq_len), cfg.dim), dtype=dtype, device="meta")
+            kv = profile_cache(cfg, b, seq_len, seq_chunk, dtype, "meta")
+            cache[(b, seq_chunk)] = profile_layer(block, x, model_dim=cfg.dim, kv=kv)
+        return cache[(b, seq_chunk)]
 
     return run
 
 
 @dataclass(frozen=True)
 class LevelTable:
-    """Per-chunk costs of one block at every save option (levels 0..4, plus ``pyao`` when asked)."""
+    """Costs of one block on one *unit* (``chunk`` sequences x ``seq_chunk`` tokens: a chunk, or one
+    sequence chunk of it) at every save option (levels 0..4, plus ``pyao`` when asked)."""
 
     chunk: int
-    slot_bytes: tuple[int, ...]  # bytes a chunk's slot holds at each option
-    saved_s: tuple[float, ...]  # recompute time avoided per chunk at each option
-    forward_s: float  # forward time of one chunk through one block
+    slot_bytes: tuple[int, ...]  # bytes a unit's slot holds at each option
+    saved_s: tuple[float, ...]  # recompute time avoided per unit at each option
+    forward_s: float  # forward time of one unit through one block
     site_s: tuple[float, ...]  # time of each site (profile order)
     names: tuple[str, ...]
     layouts: tuple[SlotLayout, ...]
-    workspace_bytes: int  # transient memory of a chunk's backward (recompute + autograd)
+    workspace_bytes: int  # transient memory of a unit's backward (recompute + autograd) or of the head
     profile: LayerProfile  # the block profile the layouts index into
+    seq_chunk: int  # tokens of a unit (train.seq_len when sequences are not chunked)
+    backward_extra_s: float  # a sequence chunk's backward beyond 2x forward: attention re-run, K/V rebuilt
+
+    def units(self, chunks: int, seq_len: int) -> int:
+        """Units per block per round: ``chunks`` chunks of ``seq_len / seq_chunk`` sequence chunks each."""
+        return chunks * (seq_len // self.seq_chunk)
 
 
 def site_seconds(profile: LayerProfile, hw: HardwareProfile, *, measured: bool) -> list[float]:
@@ -68,7 +78,8 @@ def pyao_sites(profile: LayerProfile, times: Sequence[float], hw: HardwareProfil
 
 
 def level_table(profile: LayerProfile, req: PlanRequest, hw: HardwareProfile, chunk: int, cfg: ModelConfig) -> LevelTable:
-    """Slot bytes, recompute avoided and workspace of each option for chunks of ``chunk`` sequences."""
+    """Slot bytes, recompute avoided and workspace of each option for units of ``chunk`` sequences (of
+    the tokens ``profile`` ran on: whole sequences or sequence chunks)."""
     times = site_seconds(profile, hw, measured=req.use_measured_times)
     by_index = {s.index: t for s, t in zip(profile.sites, times)}
     site_sets = [profile.level_sites(level) for level in range(N_LEVELS)]
@@ -82,33 +93,37 @@ def level_table(profile: LayerProfile, req: PlanRequest, hw: HardwareProfile, ch
     everything = SlotLayout.build(profile, site_sets[N_LEVELS - 1], compress=False)
     biggest = max((s.nbytes for s in profile.sites), default=0)
     ws_block = everything.nbytes + 3 * biggest
-    tau = req.param_bytes
-    tokens = chunk * req.seq_len
-    ws_head = tokens * cfg.vocab_size * (2 * tau + 8) + 4 * tokens * cfg.dim * 4
+    ws_head = loss_workspace_bytes(chunk * req.seq_len, cfg.vocab_size, cfg.dim, req.dtype)  # whole sequences
+    seq_chunk = profile.input.shape[1]
+    extra = 0.0
+    if seq_chunk < req.seq_len:  # chunk_attention's backward runs its forward again; norm + K/V projections rebuild the cache
+        kv_flops = 2.0 * chunk * seq_chunk * cfg.dim * 2 * cfg.n_kv_heads * cfg.head_dim
+        extra = sum(t for s, t in zip(profile.sites, times) if s.category == "attention") + kv_flops / hw.matmul_flops_per_s
     return LevelTable(
         chunk, tuple(layout.nbytes for layout in layouts), tuple(saved), float(sum(times)), tuple(times),
-        tuple(names), tuple(layouts), int(max(ws_block, ws_head)), profile,
+        tuple(names), tuple(layouts), int(max(ws_block, ws_head)), profile, seq_chunk, extra,
     )
 
 
-def predict_step(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, W: int, chunks: int,
+def predict_step(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, W: int, units: int,
              rounds: int, levels: Sequence[int], slot_level: int, act_capacity: int, *, with_rows: bool = True,
              ) -> tuple[dict[str, float], list[dict[str, object]]]:
-    """Rough step time of a plan and of the alternative policies (what the saved-activation choice changes)."""
+    """Rough step time of a plan and of the alternative policies (what the saved-activation choice changes);
+    ``units`` is units per block per round (:meth:`LevelTable.units`)."""
     L = sizes.n_blocks
     tau = req.param_bytes
     t_param = sizes.block_params * tau / hw.h2d_bytes_per_s
     t_grad = sizes.block_params * tau / hw.d2h_bytes_per_s
-    fwd = table.forward_s * chunks
+    fwd = table.forward_s * units
     n_tr = L - W
 
     def step_time(opts: Sequence[int]) -> tuple[float, float, float, float]:
-        recompute = sum(chunks * (table.forward_s - table.saved_s[o]) for o in opts)
-        offload = sum(chunks * table.slot_bytes[o] for o in opts[:n_tr])
-        act_out = [chunks * table.slot_bytes[o] / hw.d2h_bytes_per_s for o in opts]
-        act_in = [chunks * table.slot_bytes[o] / hw.h2d_bytes_per_s for o in opts]
-        bwd = [2.0 * fwd + chunks * (table.forward_s - table.saved_s[o]) for o in opts]
-        round_s, stall = simulate_round(fwd, bwd, act_out, act_in, window=W, chunks=chunks, transfer_layers=n_tr,
+        recompute = sum(units * (table.forward_s - table.saved_s[o]) for o in opts)
+        offload = sum(units * table.slot_bytes[o] for o in opts[:n_tr])
+        act_out = [units * table.slot_bytes[o] / hw.d2h_bytes_per_s for o in opts]
+        act_in = [units * table.slot_bytes[o] / hw.h2d_bytes_per_s for o in opts]
+        bwd = [2.0 * fwd + units * (table.forward_s - table.saved_s[o] + table.backward_extra_s) for o in opts]
+        round_s, stall = simulate_round(fwd, bwd, act_out, act_in, window=W, chunks=units, transfer_layers=n_tr,
                                         t_param=t_param, t_grad=t_grad, fetch_grads=rounds > 1)
         return rounds * round_s, recompute * rounds, offload * rounds, stall * rounds
 
@@ -124,7 +139,7 @@ def predict_step(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table
     options = list(range(N_LEVELS)) + ([N_LEVELS] if req.policy == "pyao" else [])
     for o in options:
         opts = [o] * n_tr + [slot_level] * W
-        if sum(table.slot_bytes[o] * chunks for _ in range(n_tr)) > act_capacity:
+        if sum(table.slot_bytes[o] * units for _ in range(n_tr)) > act_capacity:
             continue
         s, rc, off, st = step_time(opts)
         rows.append({"policy": table.names[o], "offload_bytes": off, "recompute_s": rc, "stall_s": st, "step_s": s,

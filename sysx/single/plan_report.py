@@ -18,6 +18,7 @@ class SinglePlan:
     sizes: ModelSizes
     chunk: int  # b: sequences per chunk (the micro-batch the model computes at once)
     chunks: int  # chunks per round
+    seq_chunk: int  # C: tokens per sequence chunk (train.seq_len: sequences are not chunked)
     rounds: int  # rounds per step
     window: int  # W
     r_param: int
@@ -43,6 +44,16 @@ class SinglePlan:
         return self.chunk * self.chunks
 
     @property
+    def seq_chunks(self) -> int:
+        """Sequence chunks per sequence ``S / C`` (1: whole sequences)."""
+        return self.request.seq_len // self.seq_chunk
+
+    @property
+    def units(self) -> int:
+        """Units per block per round (chunk of sequences, sequence chunk): what an activation slot holds."""
+        return self.chunks * self.seq_chunks
+
+    @property
     def micro_batches(self) -> int:
         """Chunks per step (each is one ``get_batch`` micro-batch of ``chunk`` sequences)."""
         return self.chunks * self.rounds
@@ -61,7 +72,9 @@ class SinglePlan:
             f"{self.sizes.static_params / 1e6:.1f}M = {self.sizes.total_params / 1e9:.3f}B, {r.precision}; seq_len {r.seq_len}; "
             f"global batch {r.global_batch} sequences = {r.global_batch * r.seq_len} tokens/step (kept)",
             f"  budgets: device {gib(self.device_budget)}, host {gib(self.host_budget)}",
-            f"  -> {self.rounds} rounds x {self.chunks} chunks x {self.chunk} sequences; window W={self.window} of "
+            f"  -> {self.rounds} rounds x {self.chunks} chunks x {self.chunk} sequences"
+            + (f" in {self.seq_chunks} sequence chunks of {self.seq_chunk} tokens" if self.seq_chunks > 1 else "")
+            + f"; window W={self.window} of "
             f"{self.sizes.n_blocks} blocks; rings R_param={self.r_param}, R_grad={self.r_grad}, R_act={self.r_act}; "
             f"optimizer overlap: {self.overlap}",
         ]

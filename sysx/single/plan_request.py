@@ -38,7 +38,8 @@ def gib_up(n: float) -> str:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the user asked for. ``0`` means automatic for ``chunk``, ``round_sequences`` and ``window``."""
+    """What the user asked for. ``0`` means automatic for ``chunk``, ``round_sequences``, ``window`` and
+    ``seq_chunk`` (tokens per sequence chunk; ``seq_len`` = whole sequences)."""
 
     model: ModelConfig
     seq_len: int
@@ -49,6 +50,7 @@ class PlanRequest:
     chunk: int = 0
     round_sequences: int = 0
     window: int = 0
+    seq_chunk: int = 0
     policy: str = "dp"
     compress: bool = False
     grad_clip: float = 0.0

@@ -9,11 +9,14 @@ precision, the hardware figures and the device/host budgets, :func:`make_plan` d
    the smallest divisor of the global batch ``G`` at least that large (rounds per step ``G / X``),
    capped so the window keeps ``W >= 2`` and the host can hold the layer inputs (footnote 4).
 2. **Chunk size** ``b`` (sequences computed at once): the largest divisor of ``X`` whose transient
-   workspace stays under a quarter of the budget left after the static buffers.
+   workspace stays under a quarter of the budget left after the static buffers; and the **sequence
+   chunk** ``C`` (:mod:`sysx.single.plan_seq`): whole sequences unless one sequence's workspace is too
+   large, then the largest divisor of the sequence length that fits. A *unit* of the rings is a chunk
+   of ``b`` sequences, or one sequence chunk of it.
 3. **Window** ``W = (C_dev - B) / L_bytes`` (§3.2.3) blocks, where ``L_bytes`` is a block's weights,
    gradients and activation slots for the round and ``B`` the static bytes (embedding and head
-   weights and gradients, the transition table, the workspace). Ring sizes: ``R_param = R_grad = W``,
-   ``R_act = W * chunks``.
+   weights and gradients, the transition table, the K/V cache of sequence chunks, the workspace). Ring
+   sizes: ``R_param = R_grad = W``, ``R_act = W * units``.
 4. **Saved activations** (§3.2.4): :func:`sysx.single.act_policy.solve_save_levels` on the first
    ``L - W`` blocks (the last ``W`` keep theirs on the device), or PyAO's rule, or a fixed level.
 5. **Optimizer overlap**: each block's CPU Adam runs as soon as its gradients are home when no
@@ -39,6 +42,7 @@ from sysx.single.hardware import GiB, HardwareProfile
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
 from sysx.single.plan_report import SinglePlan
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib, gib_up
+from sysx.single.plan_seq import choose_seq_chunk, kv_cache_bytes
 from sysx.single.rings import align
 from sysx.single.sites import Profiler
 
@@ -78,6 +82,7 @@ def _static_device(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round
         "embedding+head weights": align(sizes.static_params * tau),
         "embedding+head grads": align(sizes.static_params * tau),
         "transitions": align(round_seqs * req.seq_len * cfg.dim * tau),
+        **kv_cache_bytes(req, table.chunk, table.seq_chunk),
         "workspace (est.)": int(table.workspace_bytes * 1.1) + (CUDA_RESERVE if cuda else 0),
     }
 
@@ -85,9 +90,9 @@ def _static_device(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round
 def _fit(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int, budget: int, slot_level: int,
          cuda: bool) -> _Fit:
     tau = req.param_bytes
-    chunks = round_seqs // table.chunk
+    units = table.units(round_seqs // table.chunk, req.seq_len)
     static = _static_device(req, sizes, table, round_seqs, cuda)
-    per_block = align(sizes.block_params * tau) * 2 + chunks * align(table.slot_bytes[slot_level])
+    per_block = align(sizes.block_params * tau) * 2 + units * align(table.slot_bytes[slot_level])
     free = budget - sum(static.values())
     window = min(sizes.n_blocks, max(0, free // per_block)) if free > 0 else 0
     return _Fit(round_seqs, table.chunk, int(window), table, static, per_block, slot_level)
@@ -131,9 +136,13 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         raise PlanError(f"seq_len={req.seq_len} and global batch={req.global_batch} must be >= 1")
     reasons: list[str] = []
 
-    # -- 1. sequences per round
+    # -- 1. sequences per round; the sequence chunk
     x_min = min_round_sequences(req, sizes, hw)
     candidates = _round_candidates(req, x_min, reasons)
+    sizer = _sizer(req.model, req.seq_len, req.dtype)
+    seq_chunk, seq_reason = choose_seq_chunk(
+        req, lambda b, c: level_table(sizer(b, c), req, hw, b, req.model), _workspace_room(req, sizes, budget=device_budget))
+    req = replace(req, seq_chunk=seq_chunk)  # pinned from here on
 
     # -- 2./3. chunk, window, host capacity; shrink X while the window or the host cannot hold it
     overlap, overlap_reason = _overlap(req)
@@ -145,10 +154,12 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     fit, grown = _grow_round(req, sizes, hw, profiler, fit, device_budget, cuda)
     x, chunk, table = fit.round_seqs, fit.chunk, fit.table
     chunks, rounds = x // chunk, req.global_batch // x
+    units = table.units(chunks, req.seq_len)
     if not req.round_sequences:
         reasons.append(_round_reason(req, x_min, x, rounds, grown))
     how = "single.micro_batch_size" if req.chunk else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
     reasons.append(f"chunk: {chunk} sequence(s) per chunk ({how}), {chunks} chunks per round")
+    reasons.append(seq_reason)
 
     # -- 4. saved activations
     slot_options = list(range(req.top_option + 1)) if req.policy == "dp" else [req.top_option]
@@ -162,16 +173,16 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     full_levels = tuple(list(levels) + [slot_level] * W)
 
     # -- memory accounting
-    dev_bytes = _device_bytes(req, sizes, fit, chunks)
+    dev_bytes = _device_bytes(req, sizes, fit, units)
     host = dict(host_fixed)
-    host["saved activations"] = int(sum(table.slot_bytes[o] for o in levels) * chunks)
+    host["saved activations"] = int(sum(table.slot_bytes[o] for o in levels) * units)
     host["total"] = sum(host.values())
     reasons.append(overlap_reason)
 
-    times, rows = predict_step(req, sizes, hw, table, W, chunks, rounds, full_levels, slot_level, act_capacity)
+    times, rows = predict_step(req, sizes, hw, table, W, units, rounds, full_levels, slot_level, act_capacity)
     return SinglePlan(
-        request=req, hardware=hw, sizes=sizes, chunk=chunk, chunks=chunks, rounds=rounds, window=W,
-        r_param=W, r_grad=W, r_act=W * chunks, slot_level=slot_level, levels=full_levels, table=table,
+        request=req, hardware=hw, sizes=sizes, chunk=chunk, chunks=chunks, seq_chunk=seq_chunk, rounds=rounds, window=W,
+        r_param=W, r_grad=W, r_act=W * units, slot_level=slot_level, levels=full_levels, table=table,
         device_bytes=dev_bytes, host_bytes=host, device_budget=device_budget, host_budget=host_budget,
         overlap=overlap, feasible_no_stall=bool(best.info["feasible"]),
         stall_s=float(best.info["stall_s"]), times=times, policy_rows=tuple(rows), reasons=tuple(reasons),
@@ -214,7 +225,7 @@ def _first_fit(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
         if f is None:
             tried.append(f"X={x}: window {req.window} does not fit")
             continue
-        min_acts = (L - f.window) * (x // f.chunk) * f.table.slot_bytes[base]
+        min_acts = (L - f.window) * f.table.units(x // f.chunk, req.seq_len) * f.table.slot_bytes[base]
         if f.window >= min(2, L) and min_acts <= act_capacity:
             return f, tried
         tried.append(f"X={x}, chunk {f.chunk}: window {f.window}" + (
@@ -278,7 +289,7 @@ def _best_slot(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: 
                slot_options: list[int], budget: int, act_capacity: int, cuda: bool) -> _SlotCandidate | None:
     """Step 4: for dp, every slot size (bigger slots save more but shrink the window); the best
     candidate, or None when no slot size fits."""
-    chunks = x // table.chunk
+    units = table.units(x // table.chunk, req.seq_len)
     best: _SlotCandidate | None = None
     for m in slot_options:
         f = _fit(req, sizes, table, x, budget, m, cuda)
@@ -288,8 +299,8 @@ def _best_slot(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: 
             f.window = req.window
         if f.window < 1:
             continue
-        levels_m, _, info = _choose_levels(req, sizes, hw, table, f, chunks, act_capacity, max_option=m)
-        predicted, _ = predict_step(req, sizes, hw, table, f.window, chunks, rounds, list(levels_m) + [m] * f.window, m,
+        levels_m, _, info = _choose_levels(req, sizes, hw, table, f, units, act_capacity, max_option=m)
+        predicted, _ = predict_step(req, sizes, hw, table, f.window, units, rounds, list(levels_m) + [m] * f.window, m,
                                     act_capacity, with_rows=False)
         candidate = _SlotCandidate(predicted["step_s"], m, f, list(levels_m), info)
         if best is None or candidate.rank(sizes.n_blocks) < best.rank(sizes.n_blocks):
@@ -312,13 +323,13 @@ def _window_reasons(req: PlanRequest, sizes: ModelSizes, best: _SlotCandidate, b
     return reasons
 
 
-def _device_bytes(req: PlanRequest, sizes: ModelSizes, fit: _Fit, chunks: int) -> dict[str, int]:
-    """Device memory of the plan: the static buffers and the three rings."""
+def _device_bytes(req: PlanRequest, sizes: ModelSizes, fit: _Fit, units: int) -> dict[str, int]:
+    """Device memory of the plan: the static buffers and the three rings (``units`` per block per round)."""
     tau, W = req.param_bytes, fit.window
     dev_bytes = dict(fit.static)
     dev_bytes["weight ring"] = W * align(sizes.block_params * tau)
     dev_bytes["grad ring"] = W * align(sizes.block_params * tau)
-    dev_bytes["activation ring"] = W * chunks * align(fit.table.slot_bytes[fit.slot_level])
+    dev_bytes["activation ring"] = W * units * align(fit.table.slot_bytes[fit.slot_level])
     dev_bytes["total"] = sum(dev_bytes.values())
     return dev_bytes
 
@@ -327,7 +338,7 @@ def _fit_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
                slot_level: int, cuda: bool) -> _Fit | None:
     """Chunk, level table and window for rounds of ``x`` sequences (None if a pinned window does not fit)."""
     chunk = _choose_chunk(req, sizes, hw, profiler, x, budget, cuda)
-    table = level_table(profiler(chunk), req, hw, chunk, req.model)
+    table = level_table(profiler(chunk, req.seq_chunk), req, hw, chunk, req.model)
     f = _fit(req, sizes, table, x, budget, slot_level, cuda)
     if req.window:
         if req.window > sizes.n_blocks:
@@ -346,22 +357,29 @@ def _choose_chunk(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, prof
     chosen is then run by ``profiler`` (on the training device), and a size the device runs out
     of memory on does not fit: the next smaller one is tried.
     """
+    C = req.seq_chunk
     if req.chunk:
-        if not _runs_on_device(profiler, req.chunk):
+        if not _runs_on_device(profiler, req.chunk, C):
             raise PlanError(f"single.micro_batch_size={req.chunk}: the device ran out of memory running one block on "
-                            f"{req.chunk} sequence(s) of train.seq_len={req.seq_len} while planning; lower it")
+                            f"{req.chunk} sequence(s) of {C} tokens while planning; lower it")
         return req.chunk
     sizer = _sizer(req.model, req.seq_len, req.dtype)
-    static_weights = 2 * align(sizes.static_params * req.param_bytes)
-    room = max(0.0, (budget - static_weights) * WORKSPACE_SHARE)
+    room = _workspace_room(req, sizes, budget)
     divisors = _divisors(x)
-    fitting = [b for b in divisors if level_table(sizer(b), req, hw, b, req.model).workspace_bytes <= room]
+    fitting = [b for b in divisors if level_table(sizer(b, C), req, hw, b, req.model).workspace_bytes <= room]
     first = fitting[-1] if fitting else 1
     for b in (d for d in reversed(divisors) if d <= first):
-        if _runs_on_device(profiler, b):
+        if _runs_on_device(profiler, b, C):
             return b
-    raise PlanError(f"the device ran out of memory running one block on 1 sequence of train.seq_len={req.seq_len} "
-                    f"while planning; shorten train.seq_len or free device memory (other processes on the GPU?)")
+    raise PlanError(f"the device ran out of memory running one block on 1 sequence of {C} tokens while planning; "
+                    f"lower single.seq_chunk, shorten train.seq_len or free device memory (other processes on the GPU?)")
+
+
+def _workspace_room(req: PlanRequest, sizes: ModelSizes, budget: int) -> float:
+    """What a unit's transient workspace may use: :data:`WORKSPACE_SHARE` of the budget left after the
+    embedding and head weights and gradients."""
+    static_weights = 2 * align(sizes.static_params * req.param_bytes)
+    return max(0.0, (budget - static_weights) * WORKSPACE_SHARE)
 
 
 @functools.lru_cache(maxsize=8)
@@ -370,10 +388,10 @@ def _sizer(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
     return meta_profiler(cfg, seq_len, dtype)
 
 
-def _runs_on_device(profiler: Profiler, chunk: int) -> bool:
-    """Profile ``chunk`` sequences; False when the device runs out of memory doing it."""
+def _runs_on_device(profiler: Profiler, chunk: int, seq_chunk: int) -> bool:
+    """Profile ``chunk`` sequences of ``seq_chunk`` tokens; False when the device runs out of memory doing it."""
     try:
-        profiler(chunk)
+        profiler(chunk, seq_chunk)
         return True
     except torch.cuda.OutOfMemoryError:
         out_of_memory = True
@@ -384,11 +402,11 @@ def _runs_on_device(profiler: Profiler, chunk: int) -> bool:
 
 
 def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, fit: _Fit,
-                   chunks: int, act_capacity: int, max_option: int | None = None,
+                   units: int, act_capacity: int, max_option: int | None = None,
                    ) -> tuple[list[int], int, dict[str, object]]:
     L, W = sizes.n_blocks, fit.window
     n_tr = L - W
-    fwd_round = table.forward_s * chunks
+    fwd_round = table.forward_s * units
     bw = hw.d2h_bytes_per_s
     if req.policy in ("dp",):
         top = N_LEVELS - 1 if max_option is None else max_option
@@ -396,8 +414,8 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
         problem = SaveProblem.make(
             [fwd_round] * L,
             [[table.slot_bytes[o] / bw for o in opts]] * n_tr,
-            [[table.saved_s[o] * chunks for o in opts]] * n_tr,
-            ring_slots=max(1, W * chunks), chunks=chunks, transfer_layers=n_tr,
+            [[table.saved_s[o] * units for o in opts]] * n_tr,
+            ring_slots=max(1, W * units), chunks=units, transfer_layers=n_tr,
             host_bytes=[[float(table.slot_bytes[o]) for o in opts]] * n_tr, host_capacity=float(act_capacity),
         )
         sol = solve_save_levels(problem)
@@ -410,17 +428,17 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
             reason = (f"saved activations: even layer inputs only cannot be drained through the ring in time "
                       f"(predicted forward stall {sol.stall_s * 1e3:.1f} ms per round): all blocks save level 0")
         else:
-            avoided = sol.value / max(1e-15, n_tr * table.forward_s * chunks) if n_tr else 1.0
+            avoided = sol.value / max(1e-15, n_tr * table.forward_s * units) if n_tr else 1.0
             counts = {LEVEL_NAMES[o]: levels.count(o) for o in sorted(set(levels))}
-            reason = (f"saved activations (AdaWS DP, {n_tr} transferring blocks, ring of {W * chunks} chunk slots, "
+            reason = (f"saved activations (AdaWS DP, {n_tr} transferring blocks, ring of {W * units} unit slots, "
                       f"{'exact' if sol.exact else 'thinned'}): {counts}; recompute avoided {100 * avoided:.0f}% of their "
                       f"forward; window blocks keep level '{LEVEL_NAMES[slot_level]}' on the device")
         return levels, slot_level, {"reason": reason, "feasible": sol.feasible, "stall_s": sol.stall_s}
     option = req.top_option
     levels = [option] * n_tr
     problem = SaveProblem.make(
-        [fwd_round] * L, [[table.slot_bytes[option] / bw]] * n_tr, [[table.saved_s[option] * chunks]] * n_tr,
-        ring_slots=max(1, W * chunks), chunks=chunks, transfer_layers=n_tr,
+        [fwd_round] * L, [[table.slot_bytes[option] / bw]] * n_tr, [[table.saved_s[option] * units]] * n_tr,
+        ring_slots=max(1, W * units), chunks=units, transfer_layers=n_tr,
         host_bytes=[[float(table.slot_bytes[option])]] * n_tr, host_capacity=float(act_capacity),
     )
     ok, stall, _, host = simulate_forward(problem, [0] * n_tr)
@@ -437,7 +455,8 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
 def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, budget: int,
             act_capacity: int, cuda: bool, tried: list[str]) -> None:
     """Raise the PlanError of a budget that is too small, with the smallest plan's needs."""
-    table = level_table(_sizer(req.model, req.seq_len, req.dtype)(1), replace(req, policy="input"), hw, 1, req.model)
+    C = req.seq_chunk or req.seq_len
+    table = level_table(_sizer(req.model, req.seq_len, req.dtype)(1, C), replace(req, policy="input"), hw, 1, req.model)
     smallest = _fit(req, sizes, table, 1, budget, 0, cuda)
     need_dev = sum(smallest.static.values()) + smallest.per_block  # a window of one block
     need_two = need_dev + (smallest.per_block if sizes.n_blocks > 1 else 0)
@@ -447,12 +466,14 @@ def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: 
     msg = [f"the model cannot train within the budgets ({'; '.join(tried)})."]
     if need_dev > budget:
         msg.append(
-            f"Device: the smallest plan (1 sequence per round, a window of 1 block, layer inputs only) needs "
+            f"Device: the smallest plan (1 sequence per round" + (f" in chunks of {C} tokens" if C < req.seq_len else "")
+            + ", a window of 1 block, layer inputs only) needs "
             f"{gib(need_dev)} = {parts} + {gib(smallest.per_block)} per block (weights + grads + activation slot), "
             f"and a window of 2 blocks (weights prefetched during compute) needs {gib(need_two)}; "
             f"single.device_memory_gb gives {gib(budget)}. Raise single.device_memory_gb to >= "
             f"{gib_up(need_dev)} (>= {gib_up(need_two)} to overlap), "
-            f"or shorten train.seq_len")
+            f"or shorten train.seq_len" + (" or chunk it (single.seq_chunk: tokens per sequence chunk, a divisor of "
+                                           "train.seq_len)" if C == req.seq_len else " or lower single.seq_chunk"))
     if need_host > act_capacity:
         msg.append(f"Host: the layer inputs of one sequence need {gib(need_host)} but only {gib(max(0, act_capacity))} is left "
                    f"after the training state; raise single.host_memory_gb")
@@ -490,5 +511,6 @@ def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig
         device_budget_bytes=int(gb * GiB) if gb else None, host_budget_bytes=int(hb * GiB) if hb else None,
         chunk=single.micro_batch_size, round_sequences=single.round_sequences,  # type: ignore[attr-defined]
         window=single.window, policy=str(single.policy), compress=bool(single.compress),  # type: ignore[attr-defined]
+        seq_chunk=single.seq_chunk,  # type: ignore[attr-defined]
         grad_clip=float(cfg.optim.grad_clip), optimizer_overlap=single.optimizer_overlap,  # type: ignore[attr-defined]
     )

@@ -37,6 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from sysx.single.act_policy import N_LEVELS, level_categories
 from sysx.single.compress import dequantize, packed_nbytes, quantize_into, rows_of
 
+from sysx.model.attention import KVCache
+
 if TYPE_CHECKING:
     from sysx.model.config import ModelConfig
 
@@ -49,9 +51,12 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+CHUNK_ATTENTION_OP = "sysx.chunk_attention.default"  # sysx.model.attention.chunk_attention: always causal
+
+
 def _is_attention(name: str) -> bool:
     return ("scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name
-            or "cudnn_attention" in name) and "backward" not in name
+            or "cudnn_attention" in name or name == CHUNK_ATTENTION_OP) and "backward" not in name
 
 
 def _is_matmul(name: str) -> bool:
@@ -167,16 +172,19 @@ def _flops(name: str, args: Sequence[object], kwargs: dict, func: torch._ops.OpO
         bound = dict(zip(names, args))
         bound.update(kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
-        return attention_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(bound.get("is_causal", False)))
+        causal = name == CHUNK_ATTENTION_OP or bool(bound.get("is_causal", False))
+        return attention_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), causal)
     return 0.0
 
 
 def attention_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], causal: bool) -> float:
-    """Forward FLOPs of ``softmax(q k^T) v`` for ``q [B, H, Sq, D]``: ``2 B H Sq Sk (D + Dv)``, halved if causal."""
+    """Forward FLOPs of ``softmax(q k^T) v`` for ``q [B, H, Sq, D]``: ``2 B H Sq Sk (D + Dv)``; causal
+    (the queries being the last ``Sq`` of the ``Sk`` positions) counts the ``Sq (Sk - Sq / 2)`` pairs
+    kept, half of them for ``Sq == Sk``."""
     b, h, sq, d = q
     sk, dv = k[-2], v[-1]
-    flops = 2.0 * b * h * sq * sk * (d + dv)
-    return flops / 2 if causal else flops
+    pairs = sq * (sk - sq / 2) if causal else sq * sk
+    return 2.0 * b * h * pairs * (d + dv)
 
 
 def category_of(name: str, out_leaves: Sequence[object], model_dim: int) -> str:
@@ -265,17 +273,23 @@ class _MetaAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _run(layer: nn.Module, x: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
+    """``layer(x)``, or ``layer(x, kv)`` for a chunk of a longer sequence."""
+    return layer(x) if kv is None else layer(x, kv)
+
+
 def profile_layer(layer: nn.Module, x: torch.Tensor, *, model_dim: int, measure: bool = False,
-                  repeats: int = 3) -> LayerProfile:
+                  repeats: int = 3, kv: KVCache | None = None) -> LayerProfile:
     """Run ``layer(x)`` (autograd on, as the executor does) and list its ops and cacheable sites.
 
     With ``measure`` each site's time is the median of ``repeats`` timed runs (the GPU is
     synchronised around every op: use it for profiling only). A first untimed run fills any
-    caches the layer keeps (e.g. RoPE tables) so that they do not show up as sites.
+    caches the layer keeps (e.g. RoPE tables) so that they do not show up as sites. With ``kv``
+    ``x`` is a sequence chunk (a Block's ``forward(x, kv)``; see :func:`profile_cache`).
     """
     x = x.detach().requires_grad_(x.is_floating_point())
     with torch.enable_grad():
-        layer(x)  # warm caches (RoPE tables, kernels)
+        _run(layer, x, kv)  # warm caches (RoPE tables, kernels)
         runs = repeats if measure else 1
         profiles: list[_Recorder] = []
         walls: list[float] = []
@@ -284,10 +298,10 @@ def profile_layer(layer: nn.Module, x: torch.Tensor, *, model_dim: int, measure:
             t0 = time.perf_counter()
             if x.is_meta:
                 with _MetaAttention(rec), rec:
-                    layer(x)
+                    _run(layer, x, kv)
             else:
                 with rec:
-                    layer(x)
+                    _run(layer, x, kv)
             walls.append(time.perf_counter() - t0)
             profiles.append(rec)
     first = profiles[0]
@@ -458,34 +472,53 @@ class Replay(TorchDispatchMode):
 
 
 def run_captured(layer: nn.Module, x: torch.Tensor, profile: LayerProfile, layout: SlotLayout,
-                 slot: torch.Tensor) -> torch.Tensor:
-    """Forward ``layer(x)`` with autograd on, saving ``x`` and the layout's sites into ``slot``; returns the detached output."""
-    layout.view(slot, layout.input).copy_(x)
-    xin = x.detach().requires_grad_(True)
+                 slot: torch.Tensor, *, kv: KVCache | None = None) -> torch.Tensor:
+    """Forward ``layer(x)`` with autograd on, saving ``x`` and the layout's sites into ``slot``; returns the
+    detached output. The layer reads its input from the slot (contiguous, as profiled and as replayed,
+    whatever the strides of ``x``, e.g. a sequence chunk of the residual stream)."""
+    saved = layout.view(slot, layout.input)
+    saved.copy_(x)
+    xin = saved.detach().requires_grad_(True)
     with torch.enable_grad(), Capture(profile, layout, slot):
-        y = layer(xin)
+        y = _run(layer, xin, kv)
     return y.detach()
 
 
 def backward_replayed(layer: nn.Module, grad_out: torch.Tensor, profile: LayerProfile, layout: SlotLayout,
-                      slot: torch.Tensor, *, stats: ReplayStats | None = None) -> torch.Tensor:
+                      slot: torch.Tensor, *, stats: ReplayStats | None = None, kv: KVCache | None = None) -> torch.Tensor:
     """Recompute ``layer`` from the input saved in ``slot`` (reusing the saved sites), backpropagate
-    ``grad_out`` (parameter grads accumulate into ``.grad``), and return the gradient of the input."""
+    ``grad_out`` (parameter grads accumulate into ``.grad``), and return the gradient of the input.
+    With ``kv`` the slot holds a sequence chunk: ``kv`` must hold the K/V of the whole sequence and its
+    gradient accumulators what the later chunks sent back (see :mod:`sysx.model.attention`)."""
     x = layout.view(slot, layout.input).detach().requires_grad_(True)
     with torch.enable_grad():
         with Replay(profile, layout, slot, stats):
-            y = layer(x)
+            y = _run(layer, x, kv)
         torch.autograd.backward(y, grad_out)
     assert x.grad is not None
     return x.grad
 
 
-Profiler = Callable[[int], LayerProfile]  # chunk size -> profile of one Block at that size
+# (sequences per chunk b, sequence-chunk length C) -> profile of one Block computing b x C tokens
+Profiler = Callable[[int, int], LayerProfile]
+
+
+def profile_cache(cfg: ModelConfig, b: int, seq_len: int, seq_chunk: int, dtype: torch.dtype,
+                  device: torch.device | str) -> KVCache | None:
+    """The K/V cache a Block profiled on a sequence chunk runs with (None for whole sequences): zeros,
+    the chunk in the middle of the sequence, so its attention has the mean length of a chunk's
+    attention (``C (S / 2)`` query-key pairs) and its time and FLOPs are the mean."""
+    if seq_chunk >= seq_len:
+        return None
+    shape = (b, cfg.n_kv_heads, seq_len, cfg.head_dim)
+    zeros = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+    return KVCache(zeros[0], zeros[1], offset=(seq_len - seq_chunk) // 2)
 
 
 def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *,
                     measure: bool) -> Profiler:
-    """Profile a Block with random weights at chunk size ``b`` on the training device (cached per ``b``).
+    """Profile a Block with random weights on ``b`` sequences of ``C`` tokens on the training device
+    (cached per size).
 
     The planner sizes chunks from ``meta`` profiles and calls this only for the sizes it chose, so
     the block is built once and each input is drawn directly on the device in ``dtype`` (no fp32
@@ -494,7 +527,7 @@ def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: 
     """
     from sysx.model.llama import make_layer
 
-    cache: dict[int, LayerProfile] = {}
+    cache: dict[tuple[int, int], LayerProfile] = {}
     blocks: list[nn.Module] = []
 
     def block() -> nn.Module:
@@ -507,11 +540,12 @@ def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: 
             blocks.append(layer.to(device=device, dtype=dtype))
         return blocks[0]
 
-    def run(b: int) -> LayerProfile:
-        if b not in cache:
+    def run(b: int, seq_chunk: int) -> LayerProfile:
+        if (b, seq_chunk) not in cache:
             gen = torch.Generator(device=device).manual_seed(1234 + b)
-            x = torch.randn((b, seq_len, cfg.dim), generator=gen, device=device, dtype=dtype)
-            cache[b] = profile_layer(block(), x, model_dim=cfg.dim, measure=measure)
-        return cache[b]
+            x = torch.randn((b, min(seq_chunk, seq_len), cfg.dim), generator=gen, device=device, dtype=dtype)
+            kv = profile_cache(cfg, b, seq_len, seq_chunk, dtype, device)
+            cache[(b, seq_chunk)] = profile_layer(block(), x, model_dim=cfg.dim, measure=measure, kv=kv)
+        return cache[(b, seq_chunk)]
 
     return run

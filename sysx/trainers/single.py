@@ -282,6 +282,7 @@ def train(cfg: SysxConfig, info: DistInfo) -> int:
     except PlanError as err:
         raise ConfigError(f"schedule=single: {err}") from None
     p = trainer.plan
-    extra = (f"single: W={p.window}/{p.sizes.n_blocks} blocks, {p.rounds} rounds x {p.chunks} chunks x {p.chunk} seqs, "
+    seqs = f"{p.chunk} seqs" + (f" in {p.seq_chunks} sequence chunks of {p.seq_chunk} tokens" if p.seq_chunks > 1 else "")
+    extra = (f"single: W={p.window}/{p.sizes.n_blocks} blocks, {p.rounds} rounds x {p.chunks} chunks x {seqs}, "
              f"device working set {p.device_bytes['total'] / GiB:.2f} GiB of {p.device_budget / GiB:.2f} GiB")
     return run_job(trainer, extra=extra)
