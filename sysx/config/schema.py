@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sysx.config.checks import check_choice, check_int, fail
-from sysx.config.choices import PRECISIONS
+from sysx.config.choices import EMULATED_DEVICE, PRECISIONS
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.sections import (
     CheckpointSection,
     DataSection,
+    EmulateSection,
     EvalSection,
     LogSection,
     LossScaleSection,
@@ -40,6 +42,7 @@ class SysxConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     single: SingleSection = field(default_factory=SingleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    emulate: EmulateSection = field(default_factory=EmulateSection)
     seed: int = 0
     device: str = "auto"
     precision: str = "fp32"
@@ -60,14 +63,15 @@ def validate(cfg: SysxConfig) -> None:
     """Check what types alone cannot: the top-level keys, then each section (its own
     ``validate()``), then what spans sections. Raise :class:`ConfigError` on the first problem."""
     check_choice("precision", cfg.precision, PRECISIONS)
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        fail("device", cfg.device, "allowed: auto, cpu, cuda, cuda:<index>")
+    if not re.fullmatch(rf"auto|cpu|cuda(:\d+)?|{EMULATED_DEVICE}", cfg.device):
+        fail("device", cfg.device, f"allowed: auto, cpu, cuda, cuda:<index>, {EMULATED_DEVICE}")
     check_int("seed", cfg.seed, 0)
     if not str(cfg.run_dir).strip():
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
     for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule,
-                    cfg.checkpoint):
+                    cfg.checkpoint, cfg.emulate):
         section.validate()
+    check_emulation(cfg)
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
     max_seq_len = model_config(cfg).max_seq_len
@@ -75,6 +79,29 @@ def validate(cfg: SysxConfig) -> None:
         fail("train.seq_len", cfg.train.seq_len, f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)")
 
 
+def check_emulation(cfg: SysxConfig) -> None:
+    """``emulate.*`` is read with ``device=emulated`` only, which runs the pipeline schedules with a
+    job model of the emulated preset's layer count."""
+    if cfg.device != EMULATED_DEVICE:
+        default = EmulateSection()
+        for f in dataclasses.fields(EmulateSection):
+            if getattr(cfg.emulate, f.name) != getattr(default, f.name):
+                fail(f"emulate.{f.name}", getattr(cfg.emulate, f.name),
+                     f"it is read with device={EMULATED_DEVICE} only; remove it or add device={EMULATED_DEVICE}")
+        return
+    if cfg.schedule.name in ("single", "reference"):
+        fail("device", EMULATED_DEVICE, f"it emulates a multi-GPU pipeline, not schedule={cfg.schedule.name}; use "
+             f"schedule=sysx (or gpipe, 1f1b, interleaved_1f1b, mobius)")
+    layers = cfg.emulate.preset_layers()
+    if cfg.model.n_layers is not None and cfg.model.n_layers != layers:
+        fail("model.n_layers", cfg.model.n_layers, f"device={EMULATED_DEVICE} runs the job model with the {layers} layers "
+             f"of emulate.model={cfg.emulate.model}; remove model.n_layers (it is set to {layers}) or set {layers}")
+
+
 def model_config(cfg: SysxConfig) -> ModelConfig:
-    """The :class:`sysx.model.ModelConfig` of ``cfg.model``: the preset with the fields that are set."""
-    return cfg.model.resolve()
+    """The :class:`sysx.model.ModelConfig` of ``cfg.model``: the preset with the fields that are set.
+    With ``device=emulated`` an unset ``model.n_layers`` is the emulated preset's layer count."""
+    section = cfg.model
+    if cfg.device == EMULATED_DEVICE and section.n_layers is None and section.init_from is None:
+        section = dataclasses.replace(section, n_layers=cfg.emulate.preset_layers())
+    return section.resolve()
