@@ -12,7 +12,8 @@ returns, so the same code runs):
 * **D2H** (:meth:`GradBuffers.offload`): after a sub-stage's last backward, its accumulated
   gradients are copied to a host buffer on the D2H stream after the compute stream's work so far;
   the returned event is what the CPU optimizer thread waits for. The device buffer goes back to
-  the pool and is reused only after that copy is done.
+  the pool and is reused only once that copy is done; until then a new sub-stage gets a new
+  buffer rather than waiting (as the plan's memory model counts it: until the offload ends).
 
 Slots are flat buffers of the largest unit this rank loads; a unit's layers are a contiguous
 range of the slot, so a backward sub-stage can also run from a loaded whole stage.
@@ -130,11 +131,11 @@ class GradBuffers:
         buf = self.active.get(unit)
         if buf is not None:
             return buf
+        # a buffer whose offload is still copying would hold the compute stream until the copy ends
+        # (the next sub-stage's backward behind the last one's D2H): take a copied one, else a new one
         for i, (cand, done) in enumerate(self._pool):
-            if cand.numel() >= numel:
+            if cand.numel() >= numel and (done is None or done.query()):
                 self._pool.pop(i)
-                if done is not None:
-                    self.compute.wait_event(done)
                 buf = cand[:numel]
                 break
         else:
