@@ -27,6 +27,7 @@ its jobs in NVTX ranges ``OPT <stage>`` / ``OPT undo <stage>`` (see :mod:`sysx.t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -41,6 +42,8 @@ from sysx.trace import nvtx_range
 
 log = logging.getLogger("sysx.optim")
 T = TypeVar("T")
+# (stage name, offload event) -> what a step job runs in: the emulated device's modelled duration
+Pace = Callable[[str, "Event | None"], contextlib.AbstractContextManager[None]]
 
 
 def worker_device(device: torch.device | str | None) -> torch.device | None:
@@ -66,6 +69,7 @@ class OptimizerThreads:
         threads_per_worker: int | None = None,
         name: str = "sysx-opt",
         device: torch.device | str | None = None,
+        pace: Pace | None = None,
     ) -> None:
         if not stages:
             raise ValueError("OptimizerThreads: no stages given")
@@ -78,6 +82,7 @@ class OptimizerThreads:
             raise ValueError(f"OptimizerThreads: threads_per_worker={threads_per_worker} must be >= 1")
         self.threads_per_worker = threads_per_worker
         self.device = worker_device(device)
+        self.pace = pace  # steps (not checks, rollbacks or re-steps) take the emulated device's time
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=self.workers, thread_name_prefix=name, initializer=self._init_worker
         )
@@ -127,7 +132,8 @@ class OptimizerThreads:
     def _submit_report(self, name: str, grads: torch.Tensor, event: Event | None, scale: float,
                        lr: float | None) -> Future[StageReport]:
         pool = self._executor()  # "closed" before "no stage": close() lets go of the stages
-        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now())
+        span = self.pace(name, event) if self.pace is not None and lr is not None else contextlib.nullcontext()
+        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now(), span)
         with self._lock:
             self._pending.append(future)
             self._last[name] = future
@@ -188,20 +194,22 @@ class OptimizerThreads:
 
 
 def _step_job(
-    stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None, t_submit: float
+    stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None, t_submit: float,
+    span: contextlib.AbstractContextManager[None],
 ) -> StageReport:
     """Wait for the copy, load and check; step too unless ``lr`` is None (a check only)."""
     with nvtx_range(f"OPT {stage.name}"):
         if event is not None:
             event.synchronize()
         t_ready = now()
-        stage.new_iteration()
-        found_inf, sq = stage.load_grads(grads, scale=scale)
-        stepped = lr is not None and not found_inf
-        if stepped:
-            stage.apply(lr)
-        else:
-            stage.drop_grads()
+        with span:
+            stage.new_iteration()
+            found_inf, sq = stage.load_grads(grads, scale=scale)
+            stepped = lr is not None and not found_inf
+            if stepped:
+                stage.apply(lr)
+            else:
+                stage.drop_grads()
         return StageReport(
             stage=stage.name,
             found_inf=found_inf,

@@ -39,6 +39,7 @@ from torch import nn
 from sysx import device as dev
 from sysx import trace
 from sysx.dist import PeerTimeout
+from sysx.emulate.pacer import Pacer
 from sysx.model import FlatLayout, ModelConfig, run_layers
 from sysx.model.llama import make_shell
 from sysx.runtime.buffers import GradBuffers, ParamSlots
@@ -90,6 +91,7 @@ class Executor:
         optimizer: RankOptimizer,
         p2p: P2P | None,
         batch: BatchFn,
+        pacer: Pacer | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -122,6 +124,9 @@ class Executor:
             OpKind.OPTIM_STEP: self._optim_step,
             OpKind.VALIDATE: self._validate,
         }
+        # an emulated device paces the handlers to its modelled durations; a real one keeps them
+        self.pacer = pacer or Pacer()
+        self.handlers = self.pacer.wrap(self.handlers, lambda unit: self.optimizer.events.get(unit))
         self._modules: dict[tuple[int, int], tuple[list[nn.Module], FlatLayout]] = {}
         self._bindings: dict[tuple[int, int], tuple[torch.device, int, int]] = {}  # layers -> slot region bound
         self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}

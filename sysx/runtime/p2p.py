@@ -16,11 +16,13 @@ stay referenced until :meth:`P2P.wait` (a send buffer must live until its ``isen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sysx.dist import wait_for
+from sysx.emulate.pacer import Pacer
 from sysx.partition import unit_label
 from sysx.schedule.ops import Message
 
@@ -93,18 +95,22 @@ class Pending:
     header: torch.Tensor | None = None
     is_send: bool = True
     done: bool = field(default=False)
+    sync: bool = False  # posted by a blocking send()/recv()
+    extra: list[dist.Work] = field(default_factory=list)  # the emulated device's post times (sysx.emulate.pacer)
+    stamps: tuple[Any, ...] = ()
 
 
 class P2P:
     """Checked, time-bounded point-to-point messages of one rank (see the module doc)."""
 
     def __init__(self, rank: int, *, device: torch.device, timeout_s: float, verify: bool,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, pacer: Pacer | None = None) -> None:
         self.rank = rank
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.verify = bool(verify)
         self.group = group
+        self.pacer = pacer or Pacer()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages = 0
@@ -121,7 +127,9 @@ class P2P:
         works.append(dist.isend(payload, dst=peer, group=self.group))
         self.bytes_sent += payload.numel() * payload.element_size()
         self.messages += 1
-        return Pending(spec, peer, what, works, payload, header, is_send=True)
+        pending = Pending(spec, peer, what, works, payload, header, is_send=True)
+        self.pacer.post(pending, self.group)
+        return pending
 
     def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
         """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
@@ -133,7 +141,9 @@ class P2P:
         works.append(dist.irecv(buffer, src=peer, group=self.group))
         self.bytes_received += buffer.numel() * buffer.element_size()
         self.messages += 1
-        return Pending(spec, peer, what, works, buffer, header, is_send=False)
+        pending = Pending(spec, peer, what, works, buffer, header, is_send=False)
+        self.pacer.post(pending, self.group)
+        return pending
 
     # ----------------------------------------------------------------------------------- waiting
     def wait(self, pending: Pending) -> torch.Tensor:
@@ -148,8 +158,13 @@ class P2P:
             if not pending.is_send:
                 self._check_header(pending)
         wait_for(pending.works[-1], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+        self._settle(pending, what)
         pending.done = True
         return pending.buffer
+
+    def _settle(self, pending: Pending, what: str) -> None:
+        self.pacer.settle(pending, lambda work: wait_for(work, rank=self.rank, what=what, peer=pending.peer,
+                                                         timeout_s=self.timeout_s))
 
     def _check_header(self, pending: Pending) -> None:
         got = TransferSpec.from_header([int(v) for v in pending.header.tolist()])  # type: ignore[union-attr]
@@ -164,15 +179,20 @@ class P2P:
     def completed(self, pending: Pending) -> bool:
         """For a send: True once every work of ``pending`` has finished, so its buffer may go
         (never blocks). Receives are completed by :meth:`wait`, which checks the header."""
-        if not pending.done and all(w.is_completed() for w in pending.works):
+        if not pending.done and all(w.is_completed() for w in [*pending.works, *pending.extra]):
             if pending.is_send:
+                self._settle(pending, pending.what)
                 pending.done = True
         return pending.done
 
     def send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> None:
         """Blocking send (bounded by the timeout)."""
-        self.wait(self.isend(tensor, spec, peer, what))
+        pending = self.isend(tensor, spec, peer, what)
+        pending.sync = True
+        self.wait(pending)
 
     def recv(self, spec: TransferSpec, peer: int, what: str) -> torch.Tensor:
         """Blocking receive (bounded by the timeout)."""
-        return self.wait(self.irecv(spec, peer, what))
+        pending = self.irecv(spec, peer, what)
+        pending.sync = True
+        return self.wait(pending)

@@ -175,6 +175,10 @@ class Trainer(ABC):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` (default ``eval.batches``) micro-batches of the val split."""
 
+    def run_notes(self) -> dict[str, Any]:
+        """What the run adds to ``summary.json`` after training (every rank calls it; may be collective)."""
+        return {}
+
     def finish_pending(self) -> None:
         """Wait for work a step left running in the background (optimizer threads)."""
 
