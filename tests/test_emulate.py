@@ -80,6 +80,40 @@ def test_an_event_never_recorded_does_not_wait() -> None:
         event.timestamp()
 
 
+def test_a_gradient_buffer_still_copying_out_is_not_reused() -> None:
+    """The next sub-stage's backward gets a new buffer instead of waiting for the last offload."""
+    import torch
+
+    from sysx.runtime.buffers import GradBuffers
+
+    compute, d2h = EmulatedStream("compute", issue=_zero), EmulatedStream("d2h", issue=_zero)
+    grads = GradBuffers(torch.float32, torch.device("cpu"), compute=compute, d2h=d2h)
+    first = grads.get((1, 0), 8)
+    d2h.charge_next(1e6)  # an offload that ends long after this test
+    grads.offload((1, 0), torch.empty(8))
+    second = grads.get((0, 1), 8)
+    assert second.data_ptr() != first.data_ptr() and compute.after == 0.0
+    d2h.free = d2h.after = 0.0
+    grads._pool = [(buf, EmulatedEvent().record(d2h)) for buf, _ in grads._pool]  # the copy is done now
+    grads.offload((0, 1), torch.empty(8))
+    assert grads.get((0, 0), 8).data_ptr() == first.data_ptr()
+
+
+def test_messages_between_nodes_take_the_inter_node_link() -> None:
+    from sysx.partition import uniform_partition
+    from sysx.schedule import build
+    from sysx.schedule.costs import Costs
+
+    sched = build("gpipe", 4, 4, uniform_partition(4, 1), n_stages=4, split=1)
+    costs = Costs(layer_fwd_time=(1.0,) * 4, layer_params=(1.0,) * 4, act_bytes=1e9, p2p_bandwidth=10e9,
+                  p2p_latency=0.0, inter_p2p_bandwidth=1e9, inter_p2p_latency=0.5, gpus_per_node=2)
+    tab = costs.table(sched)
+    assert tab.act_xfer[:3] == [0.1, 1.5, 0.1]  # stage 1 on rank 1 sends to rank 2 on the other node
+    assert tab.grad_xfer[2] == 1.5 and tab.grad_xfer[1] == tab.grad_xfer[3] == 0.1
+    one_node = Costs(**{**costs.__dict__, "gpus_per_node": None}).table(sched)
+    assert one_node.act_xfer[:3] == [0.1] * 3
+
+
 # ----------------------------------------------------------------------------------------- pacer
 def _pacer(time_scale: float) -> EmulatedPacer:
     cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
