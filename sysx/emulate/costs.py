@@ -3,8 +3,8 @@ emulated preset on the emulated cluster, resolved for the schedule the run execu
 ``simulate`` makes of them. The same function and table ``sysx plan`` uses, so every modelled
 duration of the run is a number of that table, and measured and planned compare line by line.
 
-Two choices follow the runtime rather than ``sysx plan``'s defaults: blocking sends are rendezvous
-(a gloo or NCCL send completes once the receiver has posted its receive), and the CPU optimizer
+Two choices follow the runtime rather than ``sysx plan``'s defaults: sends are posted (the
+executor's sends are isends; the transfer runs once the receive is posted), and the CPU optimizer
 has a finite number of workers that share the rank's threads (``optim.workers``, else the rule of
 :func:`sysx.optim.cores.split_workers` for the emulated threads): a synchronous optimizer steps with
 all of the rank's threads, each of ``W`` asynchronous workers with ``1/W`` of them.
@@ -71,7 +71,7 @@ def emulated_costs(hw: EmulatedCluster, model: EmulatedModel, *, precision: str,
         dtype_bytes=4 if precision == "fp32" else 2, host_bytes_per_param=float(training_state_bytes(work).optimizer),
         p2p_bandwidth=hw.intra_bandwidth, p2p_latency=hw.intra_latency, h2d_bandwidth=hw.h2d_bandwidth,
         d2h_bandwidth=hw.d2h_bandwidth, optim_params_per_s=per_worker,
-        optim_workers=workers if async_optimizer else None, rendezvous=True, gpus_per_node=hw.gpus_per_node,
+        optim_workers=workers if async_optimizer else None, posted_sends=True, gpus_per_node=hw.gpus_per_node,
         inter_p2p_bandwidth=hw.inter_bandwidth, inter_p2p_latency=hw.inter_latency)
 
 

@@ -13,9 +13,9 @@ the durations of the plan's :class:`~sysx.schedule.costs.CostTable`, multiplied 
   host does not wait for them;
 * every message carries its modelled post time (a float64 beside the payload) and the receiver
   sends back its own, so both sides know the transfer starts once both have posted and lasts the
-  table's transfer time: a blocking send holds the sender's cursor until then (rendezvous, as gloo
-  and NCCL sends do), a receive or WAIT_CKPT holds the receiver's until arrival, an asynchronous
-  send only delays VALIDATE;
+  table's transfer time: a receive or WAIT_CKPT holds the receiver's cursor until arrival, a
+  posted send only delays VALIDATE, and a blocking send (:meth:`sysx.runtime.p2p.P2P.send`)
+  holds the sender's until the end of the transfer (rendezvous, as gloo and NCCL sends do);
 * an asynchronous OPTIM_STEP takes its duration on the worker thread that runs it, from
   ``max(submitted, offload done, that worker's previous job)``;
 * VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier.
@@ -245,6 +245,13 @@ class EmulatedPacer(Pacer):
         self._hold(end, f"OPT {name}")
 
     # ------------------------------------------------------------------------------- messages
+    def _xfer(self, spec: Any) -> float:
+        """Wall seconds of the transfer of a :class:`sysx.runtime.p2p.TransferSpec`'s message."""
+        t, g = self.table, spec.stage * self.split + spec.sub
+        xfer = t.act_xfer[spec.stage] if spec.family == Message.ACT else (
+            t.grad_xfer[g] if spec.family == Message.GRAD else t.ckpt_xfer[g])
+        return xfer * self.time_scale
+
     def post(self, pending: Any, group: dist.ProcessGroup | None) -> None:
         """Send this side's post time to the peer and receive the peer's (tags apart from payloads)."""
         mine = torch.tensor([self.cursor()], dtype=torch.float64)
@@ -253,6 +260,8 @@ class EmulatedPacer(Pacer):
         pending.extra = [dist.isend(mine, dst=pending.peer, group=group, tag=out_tag),
                          dist.irecv(theirs, src=pending.peer, group=group, tag=in_tag)]
         pending.stamps = (mine, theirs)
+        if pending.is_send:  # VALIDATE waits for it: at least until its transfer could have ended
+            self.asend_end = max(self.asend_end, self.cursor() + self._xfer(pending.spec))
 
     def settle(self, pending: Any, wait: Callable[[dist.Work], None]) -> None:
         """The transfer lasts the table's time from when both sides had posted (module doc)."""
@@ -263,10 +272,7 @@ class EmulatedPacer(Pacer):
                 wait(work)
         pending.extra = []
         spec = pending.spec
-        t, g = self.table, spec.stage * self.split + spec.sub
-        xfer = t.act_xfer[spec.stage] if spec.family == Message.ACT else (
-            t.grad_xfer[g] if spec.family == Message.GRAD else t.ckpt_xfer[g])
-        seconds = xfer * self.time_scale
+        seconds = self._xfer(spec)
         start = max(float(pending.stamps[0]), float(pending.stamps[1]))
         end = start + seconds
         if pending.is_send:

@@ -65,6 +65,7 @@ class CostTable:
     rendezvous: bool = False
     optim_workers: int | None = None
     unit: str = "s"
+    posted_sends: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,10 @@ class Costs:
     ``bwd_ratio`` x forward, plus one forward when ``recompute``. ``layer_params``: parameters per
     layer. ``act_bytes``: one boundary activation (micro-batch x seq x dim x dtype): the size of
     sent activations, input gradients and checkpoints. ``input_bytes``: the token ids (stage 0's
-    checkpoint). ``layer_act_bytes``: activations one layer keeps for its backward.
+    checkpoint). ``layer_act_bytes``: activations one layer keeps for its backward. With
+    ``gpus_per_node``, messages between ranks of different nodes (rank // gpus_per_node) take
+    ``inter_p2p_latency`` + bytes / ``inter_p2p_bandwidth`` instead of the ``p2p_*`` figures. Send
+    semantics (:mod:`sysx.schedule.simulate`): eager by default, ``rendezvous`` or ``posted_sends``.
     """
 
     layer_fwd_time: tuple[float, ...]
@@ -128,6 +132,7 @@ class Costs:
     optim_workers: int | None = None
     allreduce_latency: float = 100e-6
     rendezvous: bool = False
+    posted_sends: bool = False
     gpus_per_node: int | None = None
     inter_p2p_bandwidth: float | None = None
     inter_p2p_latency: float | None = None
@@ -199,6 +204,7 @@ class Costs:
             params_stage=params_stage,
             params_sub=params_sub,
             rendezvous=self.rendezvous,
+            posted_sends=self.posted_sends,
             optim_workers=self.optim_workers,
             unit="s",
         )

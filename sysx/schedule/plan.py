@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--optim-gparams-per-s", type=float, default=2.0, help="CPU Adam throughput of one optimizer worker")
     m.add_argument("--optim-workers", type=int, default=None, help="concurrent async optimizer steps per rank (default unlimited)")
     m.add_argument("--rendezvous", action="store_true", help="sync sends wait for the receiver (default: eager)")
+    m.add_argument("--posted-sends", action="store_true",
+                   help="sends are posted isends, the transfer runs once the receive is posted (the runtime's)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="ranks per node, for shared memory and --inter-gbps (default all)")
     o = p.add_argument_group("output")
@@ -169,7 +171,8 @@ def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
         host_bytes_per_param=float(training_state_bytes(work).optimizer),
         p2p_bandwidth=args.p2p_gbps * 1e9, p2p_latency=args.p2p_latency_us * 1e-6, h2d_bandwidth=args.h2d_gbps * 1e9,
         d2h_bandwidth=args.d2h_gbps * 1e9, optim_params_per_s=args.optim_gparams_per_s * 1e9,
-        optim_workers=args.optim_workers, rendezvous=args.rendezvous, gpus_per_node=args.gpus_per_node,
+        optim_workers=args.optim_workers, rendezvous=args.rendezvous, posted_sends=args.posted_sends,
+        gpus_per_node=args.gpus_per_node,
         inter_p2p_bandwidth=None if args.inter_gbps is None else args.inter_gbps * 1e9,
         inter_p2p_latency=None if args.inter_latency_us is None else args.inter_latency_us * 1e-6)
 

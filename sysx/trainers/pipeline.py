@@ -235,6 +235,7 @@ class PipelineTrainer(Trainer):
         self.pacer.begin_step(self.step_index, record=False)
         try:
             self.executor.run(ops, ctx)
+            self.executor.wait_sends()  # no VALIDATE in a forward-only program
         except BaseException:
             self.executor.reset()
             raise
