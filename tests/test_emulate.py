@@ -114,6 +114,27 @@ def test_messages_between_nodes_take_the_inter_node_link() -> None:
     assert one_node.act_xfer[:3] == [0.1] * 3
 
 
+def test_posted_sends_cost_the_sender_nothing_and_start_when_both_sides_posted() -> None:
+    """The runtime's sends are isends: the plan's ``posted_sends`` (a blocking send would hold the sender)."""
+    import dataclasses
+
+    from sysx.partition import uniform_partition
+    from sysx.schedule import build
+    from sysx.schedule.costs import UnitCosts
+    from sysx.schedule.simulate import simulate
+
+    sched = build("gpipe", 2, 2, uniform_partition(2, 1), n_stages=2, split=1)
+    tab = dataclasses.replace(UnitCosts().table(sched), act_xfer=[0.5, 0.5])
+
+    def starts(table: object) -> dict[str, float]:
+        return {f"{e.rank} {e.op}": e.start for e in simulate(sched, table).events}
+
+    posted, eager = starts(dataclasses.replace(tab, posted_sends=True)), starts(tab)
+    assert posted["0 F s0 mb1"] == 1.0 and eager["0 F s0 mb1"] == 1.5  # eager: the send holds rank 0 for 0.5
+    assert posted["1 F s1 mb0"] == eager["1 F s1 mb0"] == 1.5  # rank 1 posted its receive at 0: arrival 1 + 0.5
+    assert posted["0 SEND_ACT s0 mb0 ->r1"] == 1.0  # the transfer, on rank 0's p2p lane
+
+
 # ----------------------------------------------------------------------------------------- pacer
 def _pacer(time_scale: float) -> EmulatedPacer:
     cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
