@@ -72,7 +72,7 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
         return {**row, "error": str(err)}
     with trainer:
         results = trainer.run(args["steps"])
-        report = trainer.run_notes()["emulation"]
+        report = trainer.emulation_report()
         row.update(report=report, losses=[r.loss for r in results], nsf=trainer.schedule.n_stages,
                    split=trainer.schedule.split, micro_batches=trainer.schedule.n_micro)
         if args.get("spans") and report is not None:

@@ -95,11 +95,14 @@ class Event:
         # blocking: a host thread that synchronizes sleeps in the driver instead of spinning a core
         self._cuda = torch.cuda.Event(enable_timing=timing, blocking=blocking) if is_cuda(self.device) else None
         self._recorded = False
+        self._time = 0.0  # CPU: host monotonic time of the record (the work before it is done by then)
 
     def record(self, stream: Stream | None = None) -> Event:
         """Record on ``stream`` (default: the current stream). Returns self for chaining."""
         if self._cuda is not None:
             self._cuda.record(stream.raw if stream is not None else None)
+        else:
+            self._time = time.monotonic()
         self._recorded = True
         return self
 
@@ -124,6 +127,38 @@ class Event:
         if self._cuda is None or end._cuda is None:
             raise RuntimeError("elapsed_ms needs CUDA events created with timing=True")
         return float(self._cuda.elapsed_time(end._cuda))
+
+    def timestamp(self, base: TimeBase | None = None) -> float:
+        """When the work recorded before this event completed, in host ``time.monotonic()`` seconds.
+
+        On CPU that is the moment of :meth:`record`. On CUDA the event (created with
+        ``timing=True``) is placed against ``base``, a reference event of the same device paired with
+        the host time it completed at; this waits for the event, so read timestamps once, at the end
+        of a window of work, never per op.
+        """
+        if not self._recorded:
+            raise RuntimeError("Event.timestamp: the event was never recorded")
+        if self._cuda is None:
+            return self._time
+        if base is None or base.event is None:
+            raise RuntimeError("Event.timestamp on CUDA needs a TimeBase recorded on the same device before this event")
+        self._cuda.synchronize()
+        return base.host + base.event.elapsed_ms(self) / 1000.0
+
+
+class TimeBase:
+    """The origin that places device events on the host clock: on CUDA a timing event recorded on
+    the idle device together with the host ``time.monotonic()`` at which it completed (the device is
+    synchronized first, so the two agree to a few microseconds); on CPU just the host time."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.event: Event | None = None
+        if is_cuda(self.device):
+            synchronize(self.device)
+            self.event = Event(self.device, timing=True).record()
+            self.event.synchronize()
+        self.host = time.monotonic()
 
 
 class Stream:

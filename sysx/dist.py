@@ -28,11 +28,16 @@ from sysx import peers, stopping
 from sysx.peers import PeerFailed, PeerTimeout
 from sysx.placement import backend_for, local_device
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistInfo", "PeerFailed", "PeerTimeout", "cpu_group", "detect", "group_timeout_s", "init", "shutdown",
-           "wait_for"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DistInfo", "PeerFailed", "PeerTimeout", "checkpoint_group", "cpu_group", "detect",
+           "group_timeout_s", "init", "process_group_timeout_s", "shutdown", "wait_for"]
 
 DEFAULT_TIMEOUT_S = 300.0
 WAIT_SLICE_S = 0.1  # how often a waiting rank looks at signals and at the other ranks
+# The process group's own timeout (NCCL's watchdog tears the process down when a collective or p2p
+# kernel runs longer) is a multiple of sysx's per-wait timeout: an asynchronous checkpoint receive is
+# legitimately posted long before its WAIT_CKPT, and sysx's bounded waits, which name the rank, the
+# op and the peer, must always fire first.
+GROUP_TIMEOUT_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -123,10 +128,18 @@ def _mpi_rendezvous() -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address[0], str(address[1])
 
 
+def process_group_timeout_s(timeout_s: float) -> float:
+    """The timeout the process group is created with for a per-wait timeout of ``timeout_s``: a
+    multiple of it (see ``GROUP_TIMEOUT_FACTOR``), never less than a minute more."""
+    return max(GROUP_TIMEOUT_FACTOR * timeout_s, timeout_s + 60.0)
+
+
 def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "auto") -> DistInfo:
     """Join the job's process group (NCCL with GPUs, gloo without) and return this rank's place.
 
-    A single process with no launcher gets ``DistInfo()`` and no process group.
+    ``timeout_s`` bounds each of sysx's waits; the process group gets
+    :func:`process_group_timeout_s` of it. A single process with no launcher gets ``DistInfo()``
+    and no process group.
     """
     global _timeout_s
     info = detect()
@@ -145,19 +158,36 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device:
         init_method="env://",
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=process_group_timeout_s(timeout_s)),
     )
     peers.attach(dist.distributed_c10d._get_default_store(), info.rank, info.world_size)
     return info
 
 
 _cpu_group: dist.ProcessGroup | None = None
+_checkpoint_group: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (the world it was made in, the group)
 _timeout_s = DEFAULT_TIMEOUT_S
 
 
 def group_timeout_s() -> float:
-    """The timeout the process group was joined with (``schedule.timeout_s``)."""
+    """The per-wait timeout of the job (``schedule.timeout_s``), the bound of collective waits."""
     return _timeout_s
+
+
+def checkpoint_group() -> dist.ProcessGroup | None:
+    """A group over all ranks, of the main backend, for checkpoint messages only (collective: every
+    rank calls it at the same point; None without a process group).
+
+    On NCCL the operations of one communicator run in order on one stream, so an asynchronous
+    checkpoint transfer between two ranks would hold back the activation and gradient messages
+    posted after it; its own communicator lets them overlap, as they do on gloo."""
+    global _checkpoint_group
+    if not dist.is_initialized():
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    if _checkpoint_group is None or _checkpoint_group[0] is not world:  # a group of an earlier, destroyed world is void
+        _checkpoint_group = (world, dist.new_group(backend=dist.get_backend()))
+    return _checkpoint_group[1]
 
 
 def cpu_group() -> dist.ProcessGroup | None:
@@ -316,9 +346,9 @@ def abandoned_wait() -> bool:
 def shutdown() -> None:
     """Leave the process group (safe to call twice or without one); with an abandoned wait the
     group is left to the end of the process (see :func:`abandoned_wait`)."""
-    global _cpu_group
+    global _cpu_group, _checkpoint_group
     peers.detach()
     if dist.is_initialized() and not abandoned_wait():
         dist.destroy_process_group()
     _waiter.stop()
-    _cpu_group = None
+    _cpu_group = _checkpoint_group = None

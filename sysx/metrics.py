@@ -187,6 +187,7 @@ class RunLogger:
         self.stream = stream if stream is not None else sys.stdout
         self.results: list[StepResult] = []
         self.notes: dict[str, Any] = {}
+        self.sections: dict[str, Any] = {}
         self._start = time.perf_counter()
         self._file: IO[str] | None = None
         self._bar: Any = None
@@ -267,6 +268,10 @@ class RunLogger:
         """Add ``key`` to the run's summary (``summary.json``'s ``extra``)."""
         self.notes[key] = value
 
+    def section(self, key: str, value: Any) -> None:
+        """Add a top-level ``key`` to ``summary.json`` (e.g. a recorded timeline's ``measured`` and ``plan``)."""
+        self.sections[key] = value
+
     def info(self, text: str) -> None:
         """Print a message (rank 0 only), above the progress bar if there is one."""
         if self.enabled:
@@ -311,6 +316,7 @@ class RunLogger:
             self._file = None
         if self.run_dir is not None:
             data = {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
+            data.update(self.sections)
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(data, indent=1) + "\n")
         if stopped is None:
             self._print(self.format_summary(s))

@@ -19,10 +19,10 @@ def check_single(cfg: SysxConfig) -> str:
     """The sliding-window plan of ``schedule=single`` (hardware from ``single.hardware``); its summary line."""
     from sysx.single.hardware import assumed_hardware, measure_hardware
     from sysx.single.planner import PlanError, make_plan, plan_request_from_config
-    from sysx.trainers.base import DTYPES, job_device
+    from sysx.trainers.base import DTYPES, job_device, resolve_precision
 
     device = job_device(cfg)
-    dtype = DTYPES[cfg.precision]
+    dtype = DTYPES[resolve_precision(cfg, device).precision]
     hw = measure_hardware(device, dtype) if cfg.single.hardware == "measure" else assumed_hardware(cfg.single.hardware)
     try:
         plan = make_plan(plan_request_from_config(cfg, cfg.single, model_config(cfg)), hw)
@@ -36,8 +36,9 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     from sysx.dist import DistInfo
     from sysx.runtime.options import make_schedule, options_from_config
     from sysx.runtime.stage_params import StageParams, _numel, layer_params, sub_stages
-    from sysx.trainers.base import DTYPES
+    from sysx.trainers.base import DTYPES, resolve_precision
 
+    cfg = resolve_precision(cfg)
     opts = options_from_config(cfg)
     model_cfg, t = model_config(cfg), cfg.train
     schedule = make_schedule(opts, model_cfg, n_ranks=ranks, n_micro=t.micro_batches, seq_len=t.seq_len)

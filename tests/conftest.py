@@ -44,6 +44,29 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def nvtx_ranges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """The NVTX ranges opened during the test, as ``(name, thread name)``: ``nvtx.annotate`` is a
+    stand-in that notes them; ranges are on only if the test turns them on, and off again after it."""
+    import contextlib
+    import threading
+
+    import nvtx
+
+    from sysx.trace import ranges
+
+    seen: list[tuple[str, str]] = []
+
+    @contextlib.contextmanager
+    def annotate(name: str, domain: str | None = None):  # noqa: ANN202 - a stand-in for nvtx.annotate
+        seen.append((name, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(nvtx, "annotate", annotate)
+    monkeypatch.setattr(ranges, "_enabled", False)
+    return seen
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if the suite left sysx shared-memory segments behind."""
     leaked = sorted(_sysx_segments() - _segments_before_suite)

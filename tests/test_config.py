@@ -38,7 +38,7 @@ def test_default_config_composes_and_matches_the_dataclass_defaults() -> None:
     cfg = load_config([])
     assert cfg.schedule.name == "auto"
     assert cfg.model.preset == "tiny"
-    assert cfg.precision == "fp32" and cfg.device == "auto" and cfg.data.name == "default"
+    assert cfg.precision == "auto" and cfg.device == "auto" and cfg.data.name == "default"
     assert cfg.run_dir.startswith("runs/") and "$" not in cfg.run_dir  # ${now:...} resolved
     # conf/*.yaml and the dataclass defaults must not drift apart (library users get the same job).
     defaults = dataclasses.replace(SysxConfig(), run_dir=cfg.run_dir)
@@ -134,7 +134,7 @@ def test_bad_value_gives_one_line_naming_key_value_and_allowed(
 
 
 def test_config_error_from_the_library_api() -> None:
-    with pytest.raises(ConfigError, match=r"precision=fp8 is not valid: allowed: fp32, bf16, fp16"):
+    with pytest.raises(ConfigError, match=r"precision=fp8 is not valid: allowed: auto, fp32, bf16, fp16"):
         load_config(["precision=fp8"])
     with pytest.raises(ConfigError, match="train.micro_batches=0"):
         load_config(["train.micro_batches=0"])

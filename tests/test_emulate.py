@@ -182,6 +182,19 @@ def test_a_real_part_within_the_model_is_measured() -> None:
     assert m["bubble"] < 0.5  # the steps were mostly forwards
 
 
+def test_a_recorded_window_is_reported_in_modelled_seconds_and_bytes() -> None:
+    from sysx.trace.recorder import RankPart, Span
+
+    pacer = _pacer(time_scale=0.5)
+    load = Op(OpKind.LOAD_PARAMS, 1)
+    part = RankPart(0, "host", {3: 10.0}, [Span(0, 3, "h2d", "H2D s1", load, 10.0, 11.0, 4096),
+                                            Span(0, 3, "compute", "F s1 mb0", Op(OpKind.FORWARD, 1, mb=0), 11.0, 12.0)])
+    out = pacer.modelled(part)
+    assert out.starts == {3: 20.0} and [(x.start, x.end) for x in out.spans] == [(20.0, 22.0), (22.0, 24.0)]
+    assert out.spans[0].nbytes == int(pacer.table.param_stage[1]) > 10**9  # a stage of llama2_7b, not the tiny copy
+    assert out.spans[1].nbytes == 0
+
+
 # ------------------------------------------------------------------------------ the job, 2 ranks
 def _launch(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID", "TORCHELASTIC_RUN_ID")}
@@ -190,7 +203,7 @@ def _launch(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
                            *args, f"run_dir={run_dir}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 
-COMMON = ["schedule=sysx", "train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "train.micro_batches=4",
+COMMON = ["schedule=sysx", "precision=fp32", "train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "train.micro_batches=4",
           "eval.every=0", "log.every=1", "optim.backend=torch", "optim.grad_clip=0", "checkpoint.keep=1"]
 
 
@@ -214,8 +227,8 @@ def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> N
         return [(r["loss"], r["grad_norm"]) for r in rows]
 
     assert len(numbers("cpu")) == 3 and numbers("emulated") == numbers("cpu")  # bit for bit
-    report = json.loads((tmp_path / "emulated" / "summary.json").read_text())["extra"]["emulation"]
+    report = json.loads((tmp_path / "emulated" / "summary.json").read_text())["emulation"]
     assert report["model"] == "llama2_7b" and report["plan"]["iteration_s"] > 0 and report["steps_measured"] == 2
     assert (report["measured"] is None) == (report["refused"] is not None)  # one or the other, said either way
     assert "emulation (time x0.02): plan" in emulated.stdout
-    assert "emulation" not in json.loads((tmp_path / "cpu" / "summary.json").read_text())["extra"]
+    assert "emulation" not in json.loads((tmp_path / "cpu" / "summary.json").read_text())

@@ -275,6 +275,113 @@ def test_default_precision_is_bf16_on_a_gpu_and_fp32_on_cpu() -> None:
     assert dev.default_precision("cpu") == "fp32"
 
 
+def test_precision_auto_is_the_config_default_and_resolves_for_the_job_device() -> None:
+    from sysx.config import SysxConfig
+    from sysx.trainers.base import resolve_precision
+
+    cfg = SysxConfig()
+    assert cfg.precision == "auto"
+    assert resolve_precision(cfg, "cpu").precision == "fp32"
+    assert resolve_precision(cfg, torch.device("cuda", 0)).precision == "bf16"
+    explicit = SysxConfig(precision="fp16")
+    assert resolve_precision(explicit, torch.device("cuda", 0)) is explicit  # a set value is never changed
+
+
+# ------------------------------------------------------------------------------ items 5, 9, 10
+class _Work:
+    """A stand-in for ``dist.Work`` that notes how it was waited for."""
+
+    def __init__(self, log: list[tuple[str, object]]) -> None:
+        self.log = log
+
+    def wait(self, timeout: object = None) -> bool:
+        self.log.append(("wait", timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@pytest.fixture()
+def fake_p2p(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """dist.isend/irecv and the bounded host wait replaced by stand-ins that log their calls."""
+    import sysx.runtime.p2p as p2p_mod
+
+    log: list[tuple[str, object]] = []
+
+    def post(kind: str):
+        def call(tensor: torch.Tensor, *args: object, group: object = None, **kw: object) -> _Work:
+            log.append((kind, group))
+            return _Work(log)
+        return call
+
+    monkeypatch.setattr(p2p_mod.dist, "isend", post("isend"))
+    monkeypatch.setattr(p2p_mod.dist, "irecv", post("irecv"))
+    monkeypatch.setattr(p2p_mod, "wait_for", lambda work, **kw: log.append(("host_wait", kw["timeout_s"])))
+    return log
+
+
+def _spec(kind: object) -> object:
+    from sysx.runtime.p2p import TransferSpec
+
+    return TransferSpec(kind, 1, 0, 0, (2, 3), torch.float32)
+
+
+def test_on_nccl_synchronous_transfers_order_the_stream_and_only_wait_ckpt_and_validate_block_the_host(
+        fake_p2p: list[tuple[str, object]]) -> None:
+    from sysx.runtime.p2p import P2P
+    from sysx.schedule.ops import Message
+
+    p2p = P2P(0, device=torch.device("cpu"), timeout_s=30, verify=False, stream_ordered=True)
+    p2p.send(torch.zeros(2, 3), _spec(Message.ACT), 1, "F s1 mb0")
+    p2p.recv(_spec(Message.GRAD), 1, "B s1.0 mb0")
+    assert ("host_wait", 30.0) not in fake_p2p and fake_p2p.count(("wait", None)) == 2  # Work.wait() with no timeout
+    fake_p2p.clear()
+    p2p.wait(p2p.irecv(_spec(Message.CKPT), 1, "WAIT_CKPT s1.0 mb0"))  # the executor's WAIT_CKPT and VALIDATE path
+    assert fake_p2p[-1] == ("host_wait", 30.0)
+    fake_p2p.clear()
+    checked = P2P(0, device=torch.device("cpu"), timeout_s=30, verify=True, stream_ordered=True)
+    checked.isend(torch.zeros(2, 3), _spec(Message.ACT), 1, "F s1 mb0")  # a header to check needs the host
+    gloo = P2P(0, device=torch.device("cpu"), timeout_s=30, verify=False, stream_ordered=False)
+    gloo.send(torch.zeros(2, 3), _spec(Message.ACT), 1, "F s1 mb0")
+    assert fake_p2p[-1] == ("host_wait", 30.0)
+
+
+def test_checkpoint_messages_travel_on_their_own_group(fake_p2p: list[tuple[str, object]]) -> None:
+    from sysx.runtime.p2p import P2P
+    from sysx.schedule.ops import Message
+
+    main, ckpt = object(), object()
+    p2p = P2P(0, device=torch.device("cpu"), timeout_s=30, verify=True, group=main, ckpt_group=ckpt, stream_ordered=False)
+    p2p.isend(torch.zeros(2, 3), _spec(Message.CKPT), 1, "SEND_CKPT")
+    p2p.irecv(_spec(Message.CKPT), 1, "RECV_CKPT")
+    p2p.isend(torch.zeros(2, 3), _spec(Message.ACT), 1, "SEND_ACT")
+    p2p.irecv(_spec(Message.GRAD), 1, "RECV_GRAD")
+    posts = [entry for entry in fake_p2p if entry[0] in ("isend", "irecv")]
+    assert posts == [("isend", ckpt)] * 2 + [("irecv", ckpt)] * 2 + [("isend", main)] * 2 + [("irecv", main)] * 2
+    shared = P2P(0, device=torch.device("cpu"), timeout_s=30, verify=False, group=main, stream_ordered=False)
+    assert shared.ckpt_group is main  # no separate group given: one group for everything
+
+
+def test_the_process_group_timeout_is_a_multiple_of_the_per_wait_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    from sysx import dist as sdist
+
+    assert sdist.process_group_timeout_s(300) >= 4 * 300
+    assert sdist.process_group_timeout_s(5) >= 5 + 60  # short test timeouts still leave the watchdog far behind
+    seen: dict[str, object] = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sdist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(sdist.dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(sdist.dist.distributed_c10d, "_get_default_store", lambda: None)
+    monkeypatch.setattr(sdist.peers, "attach", lambda *a: None)
+    sdist.init(timeout_s=120, device="cpu")
+    assert seen["backend"] == "gloo"
+    assert seen["timeout"] == datetime.timedelta(seconds=sdist.process_group_timeout_s(120)) > datetime.timedelta(seconds=120)
+
+
 def test_gqa_attention_passes_shared_kv_heads_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.nn.functional as F
 

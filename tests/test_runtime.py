@@ -7,12 +7,10 @@ tests/test_runtime_procs.py.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import glob
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -260,20 +258,12 @@ def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_referenc
     assert [json.loads(x)["loss"] for x in a] == pytest.approx([json.loads(x)["loss"] for x in b], rel=TOL)
 
 
-def test_nvtx_ranges_cover_every_op_and_the_optimizer_threads(trainer: PipelineTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import nvtx
-
+def test_nvtx_ranges_cover_every_op_and_the_optimizer_threads(trainer: PipelineTrainer,
+                                                              nvtx_ranges: list[tuple[str, str]]) -> None:
     from sysx import trace
 
-    seen: list[tuple[str, str]] = []
-
-    @contextlib.contextmanager
-    def annotate(name: str, domain: str | None = None):  # noqa: ANN202 - a stand-in for nvtx.annotate
-        seen.append((name, threading.current_thread().name))
-        yield
-
-    monkeypatch.setattr(nvtx, "annotate", annotate)
-    monkeypatch.setattr(trace, "_enabled", True)
+    seen = nvtx_ranges
+    trace.enable(True)
     trainer.train_step()
     names = {n for n, _ in seen}
     assert {"H2D s0", "F s0 mb0", "F s1 mb1", "H2D s1.1", "B s1.1 mb0", "B s0.0 mb1", "D2H s1.1", "OPT queue s1.1",

@@ -47,7 +47,8 @@ def test_short_run_lowers_the_loss_and_writes_run_dir(
     assert first > 5.0 and last < first - 1.5, (first, last)  # byte-level: starts near ln 256 = 5.55
 
     saved = from_yaml((run_dir / CONFIG_FILE).read_text())
-    assert saved == load_config([*SHORT, "schedule=single", f"run_dir={run_dir}"])  # auto resolved
+    # schedule=auto and precision=auto are written as what ran
+    assert saved == load_config([*SHORT, "schedule=single", "precision=fp32", f"run_dir={run_dir}"])
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
 
     out = capsys.readouterr().out

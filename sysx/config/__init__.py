@@ -39,14 +39,16 @@ from sysx.config.sections import (
     LossScaleSection,
     ModelSection,
     OptimSection,
+    ProfileSection,
     ScheduleSection,
     SingleSection,
     TrainSection,
 )
 
 __all__ = [
-    "CheckpointSection", "ConfigError", "DataSection", "EmulateSection", "EvalSection", "LogSection", "LossScaleSection", "ModelSection", "OptimSection",
-    "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection", "compose_config", "config_dir", "from_yaml",
+    "CheckpointSection", "ConfigError", "DataSection", "EmulateSection", "EvalSection", "LogSection", "LossScaleSection",
+    "ModelSection", "OptimSection", "ProfileSection", "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection",
+    "compose_config", "config_dir", "from_yaml",
     "group_options", "load_config", "model_config", "refuse_ignored_keys", "register_schema", "resolve", "to_yaml",
     "validate",
 ]

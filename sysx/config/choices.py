@@ -9,6 +9,7 @@ layer must load without torch so ``sysx-train --help`` stays fast.
 from __future__ import annotations
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISION_CHOICES = ("auto", *PRECISIONS)  # the config's precision: auto = bf16 on a GPU, fp32 on CPU
 DATA_SOURCES = ("default", "file")
 TOKEN_DTYPES = ("uint16", "uint32")
 OPTIMIZERS = ("adamw",)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sysx.config.checks import check_choice, check_int, fail
-from sysx.config.choices import EMULATED_DEVICE, PRECISIONS
+from sysx.config.choices import EMULATED_DEVICE, PRECISION_CHOICES
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.sections import (
     CheckpointSection,
@@ -19,6 +19,7 @@ from sysx.config.sections import (
     LossScaleSection,
     ModelSection,
     OptimSection,
+    ProfileSection,
     ScheduleSection,
     SingleSection,
     TrainSection,
@@ -42,10 +43,11 @@ class SysxConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     single: SingleSection = field(default_factory=SingleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
     emulate: EmulateSection = field(default_factory=EmulateSection)
     seed: int = 0
     device: str = "auto"
-    precision: str = "fp32"
+    precision: str = "auto"  # resolved by the trainer for its device (sysx.trainers.base.resolve_precision)
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
 
     @property
@@ -62,15 +64,16 @@ class SysxConfig:
 def validate(cfg: SysxConfig) -> None:
     """Check what types alone cannot: the top-level keys, then each section (its own
     ``validate()``), then what spans sections. Raise :class:`ConfigError` on the first problem."""
-    check_choice("precision", cfg.precision, PRECISIONS)
+    check_choice("precision", cfg.precision, PRECISION_CHOICES)
     if not re.fullmatch(rf"auto|cpu|cuda(:\d+)?|{EMULATED_DEVICE}", cfg.device):
         fail("device", cfg.device, f"allowed: auto, cpu, cuda, cuda:<index>, {EMULATED_DEVICE}")
     check_int("seed", cfg.seed, 0)
     if not str(cfg.run_dir).strip():
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
     for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule,
-                    cfg.checkpoint, cfg.emulate):
+                    cfg.checkpoint, cfg.profile, cfg.emulate):
         section.validate()
+    check_profile_window(cfg)
     check_emulation(cfg)
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
@@ -79,6 +82,16 @@ def validate(cfg: SysxConfig) -> None:
         fail("train.seq_len", cfg.train.seq_len, f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)")
 
 
+def check_profile_window(cfg: SysxConfig) -> None:
+    """A profile window lies within the run, and a timeline needs a schedule that records one."""
+    for key in ("timeline_steps", "nsys_steps"):
+        window = getattr(cfg.profile, key)
+        if window is not None and window[1] >= cfg.train.steps:
+            fail(f"profile.{key}", list(window), f"the run's steps are 0..{cfg.train.steps - 1} (train.steps="
+                 f"{cfg.train.steps}); end the window before that or raise train.steps")
+    if cfg.profile.timeline_steps is not None and cfg.schedule.name == "reference":
+        fail("profile.timeline_steps", list(cfg.profile.timeline_steps), "schedule=reference records no timeline; "
+             "remove it or use a pipeline schedule or schedule=single")
 def check_emulation(cfg: SysxConfig) -> None:
     """``emulate.*`` is read with ``device=emulated`` only, which runs the pipeline schedules with a
     job model of the emulated preset's layer count."""

@@ -327,6 +327,24 @@ class SingleSection:
 
 
 @dataclass
+class ProfileSection:
+    """``profile.*``: what a run records about its own time (``profiling/README.md``). Steps are
+    0-based indices ``[first, last]``, both included."""
+
+    timeline_steps: Optional[list[int]] = None  # record these steps: timeline.json, timeline.png, plan.png in run_dir
+    nvtx: bool = False  # NVTX ranges on every op, copy and optimizer job (also SYSX_NVTX=1)
+    nsys_steps: Optional[list[int]] = None  # CUDA profiler capture range for nsys --capture-range=cudaProfilerApi
+
+    def validate(self) -> None:
+        """Each window is two steps ``0 <= first <= last`` or null."""
+        for key in ("timeline_steps", "nsys_steps"):
+            value = getattr(self, key)
+            if value is not None and (len(value) != 2 or not 0 <= value[0] <= value[1]):
+                fail(f"profile.{key}", list(value), "give [first,last] step indices with 0 <= first <= last, "
+                     "e.g. [3,5], or null (off)")
+
+
+@dataclass
 class EmulateSection:
     """``emulate.*``: the GPU cluster that ``device=emulated`` stands in for (:mod:`sysx.emulate`).
 

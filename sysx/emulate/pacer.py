@@ -29,6 +29,7 @@ ratio real part / modelled duration (:mod:`sysx.emulate.report`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,8 @@ from sysx.emulate.report import StepStats
 from sysx.emulate.streams import EmulatedEvent, EmulatedStream, sleep_until
 from sysx.partition import unit_label
 from sysx.schedule import Message, Op, OpKind, Schedule
+from sysx.schedule.ops import COMMS
+from sysx.trace.recorder import RankPart
 
 Handler = Callable[[Op], None]
 _STAMP_TAG, _BACK_TAG = 7301, 7302  # gloo tags of the post times (apart from the payloads' tag 0)
@@ -83,6 +86,10 @@ class Pacer:
     def settle(self, pending: Any, wait: Callable[[dist.Work], None]) -> None:
         """A posted message completed (``wait`` waits for one more of its works, bounded)."""
         return None
+
+    def modelled(self, part: RankPart) -> RankPart:
+        """A recorded timeline window (:mod:`sysx.trace`) in the device's seconds (here: as recorded)."""
+        return part
 
 
 class EmulatedPacer(Pacer):
@@ -126,6 +133,28 @@ class EmulatedPacer(Pacer):
         if self._stats.step >= 0:
             self.steps.append(self._stats)
         return wall_s / self.time_scale
+
+    def modelled(self, part: RankPart) -> RankPart:
+        """The window in the emulated cluster's terms: wall-clock times divided by the time scale
+        (modelled seconds, as the plan's) and the bytes of copies and messages those of the emulated
+        model (the real tensors are the small model's)."""
+        k = 1.0 / self.time_scale
+        spans = [s._replace(start=s.start * k, end=s.end * k, nbytes=self._bytes(s.op, s.nbytes)) for s in part.spans]
+        return dataclasses.replace(part, starts={step: t * k for step, t in part.starts.items()}, spans=spans)
+
+    def _bytes(self, op: Op | None, real: int) -> int:
+        """The emulated model's bytes moved by ``op`` (``real`` when it moves none)."""
+        if op is None or not real:
+            return real
+        t, g = self.table, op.stage * self.split + op.sub
+        if op.kind == OpKind.LOAD_PARAMS:
+            return int(t.param_stage[op.stage] if op.sub < 0 else t.param_sub[g])
+        if op.kind == OpKind.OFFLOAD_GRADS:
+            return int(t.grad_mem[g])
+        if op.kind in COMMS or op.kind == OpKind.WAIT_CKPT:
+            family = op.message[0]
+            return int(t.ckpt_mem[g] if family == Message.CKPT else self.plan.costs.act_bytes)
+        return real
 
     def _seconds(self, op: Op) -> float:
         """Wall seconds of ``op``'s modelled work."""

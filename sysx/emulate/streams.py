@@ -51,9 +51,14 @@ class EmulatedStream(dev.Stream):
         self._issue = issue or time.monotonic
         self._next = 0.0
 
+    def mark(self) -> float:
+        """When an event recorded now completes: after the work issued so far, the events waited
+        for, and not before it is issued (the start of the next work)."""
+        return max(self._issue(), self.free, self.after)
+
     def charge(self, seconds: float) -> tuple[float, float]:
         """Issue ``seconds`` of work now; returns its modelled ``(start, end)``."""
-        start = max(self._issue(), self.free, self.after)
+        start = self.mark()
         self.free = start + seconds
         return start, self.free
 
@@ -102,7 +107,7 @@ class EmulatedEvent(dev.Event):
         """Complete with the work issued so far on ``stream`` (default: the stream of the enclosing
         ``use()`` block, else now)."""
         stream = stream if stream is not None else getattr(_current, "stream", None)
-        self.time = stream.free if isinstance(stream, EmulatedStream) else time.monotonic()
+        self.time = stream.mark() if isinstance(stream, EmulatedStream) else time.monotonic()
         self._recorded = True
         return self
 
@@ -121,8 +126,9 @@ class EmulatedEvent(dev.Event):
         """True once the modelled completion time has passed (or never recorded)."""
         return self.time is None or time.monotonic() >= self.time
 
-    def timestamp(self) -> float:
-        """The modelled completion time, in ``time.monotonic()`` seconds."""
+    def timestamp(self, base: dev.TimeBase | None = None) -> float:
+        """The modelled completion time, in ``time.monotonic()`` seconds (already on the host clock:
+        ``base`` is not needed)."""
         if self.time is None:
             raise RuntimeError("timestamp() of an emulated event that was never recorded")
         return self.time

@@ -22,7 +22,8 @@ Workers are ordinary (non-daemon) threads of a :class:`concurrent.futures.Thread
 :meth:`OptimizerThreads.close` (or leaving the ``with`` block, also on exceptions and Ctrl-C)
 cancels queued jobs, lets running ones finish and joins every thread. Each worker sets its own
 intra-op thread count (an OpenMP setting per thread, so the main thread keeps its own) and wraps
-its jobs in NVTX ranges ``OPT <stage>`` / ``OPT undo <stage>`` (see :mod:`sysx.trace`).
+its jobs in NVTX ranges ``OPT <stage>`` / ``OPT undo <stage>`` (see :mod:`sysx.trace`); with a
+:attr:`OptimizerThreads.recorder` recording, each job is a span of its worker's ``opt<i>`` lane.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 
 from sysx.device import Event
 from sysx.optim.stage import StageOptimizer, StageReport, now
-from sysx.trace import nvtx_range
+from sysx.trace import Recorder, nvtx_range
 
 log = logging.getLogger("sysx.optim")
 T = TypeVar("T")
@@ -89,6 +90,7 @@ class OptimizerThreads:
         self._pending: list[Future[StageReport]] = []
         self._last: dict[str, Future[object]] = {}  # each stage's latest job
         self._lock = threading.Lock()
+        self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
         log.info(
             "optimizer threads: %d worker(s) x %s intra-op thread(s) for %d stage(s): %s",
             self.workers,
@@ -133,7 +135,7 @@ class OptimizerThreads:
                        lr: float | None) -> Future[StageReport]:
         pool = self._executor()  # "closed" before "no stage": close() lets go of the stages
         span = self.pace(name, event) if self.pace is not None and lr is not None else contextlib.nullcontext()
-        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now(), span)
+        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now(), span, self._recording())
         with self._lock:
             self._pending.append(future)
             self._last[name] = future
@@ -156,10 +158,15 @@ class OptimizerThreads:
     def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str) -> Future[T]:
         """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it."""
         pool = self._executor()
-        future = pool.submit(_labelled_job, fn, self.stage(name), label)
+        future = pool.submit(_labelled_job, fn, self.stage(name), label, self._recording())
         with self._lock:
             self._last[name] = future
         return future
+
+    def _recording(self) -> Recorder | None:
+        """The recorder a job submitted now records into (None when off)."""
+        rec = self.recorder
+        return rec if rec is not None and rec.on else None
 
     def wait_stage(self, name: str) -> None:
         """Block until stage ``name``'s latest job is done (re-raises its error)."""
@@ -195,13 +202,14 @@ class OptimizerThreads:
 
 def _step_job(
     stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None, t_submit: float,
-    span: contextlib.AbstractContextManager[None],
+    span: contextlib.AbstractContextManager[None], rec: Recorder | None = None,
 ) -> StageReport:
     """Wait for the copy, load and check; step too unless ``lr`` is None (a check only)."""
     with nvtx_range(f"OPT {stage.name}"):
         if event is not None:
             event.synchronize()
         t_ready = now()
+        begin = rec.now() if rec is not None else 0.0  # the span starts once the gradients are home
         with span:
             stage.new_iteration()
             found_inf, sq = stage.load_grads(grads, scale=scale)
@@ -210,6 +218,8 @@ def _step_job(
                 stage.apply(lr)
             else:
                 stage.drop_grads()
+        if rec is not None:
+            rec.add_job("" if lr is not None else "check", stage.name, begin, rec.now())
         return StageReport(
             stage=stage.name,
             found_inf=found_inf,
@@ -222,9 +232,14 @@ def _step_job(
         )
 
 
-def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str) -> T:
+def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None) -> T:
     with nvtx_range(f"OPT {label} {stage.name}"):
-        return fn(stage)
+        if rec is None:
+            return fn(stage)
+        begin = rec.now()
+        result = fn(stage)
+        rec.add_job(label, stage.name, begin, rec.now())
+        return result
 
 
 def _results(futures: Sequence[Future[T]]) -> list[T]:

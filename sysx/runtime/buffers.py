@@ -28,6 +28,7 @@ import torch
 
 from sysx import device as dev
 from sysx.partition import unit_label
+from sysx.trace.recorder import D2H, H2D, Recorder
 
 
 class BufferError(RuntimeError):
@@ -61,6 +62,7 @@ class ParamSlots:
         self.h2d = h2d
         self.compute = compute
         self.bytes_loaded = 0
+        self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
     def _find(self, unit: tuple[int, int]) -> Slot | None:
         return next((s for s in self.slots if s.unit == unit), None)
@@ -79,15 +81,21 @@ class ParamSlots:
                               f"(slot size {slot.buffer.numel()})")
         if slot.released is not None:
             self.h2d.wait_event(slot.released)
+        rec = self.recorder if self.recorder is not None and self.recorder.on else None
+        # after the wait, before the copy's block (an emulated stream charges the copy as the block opens)
+        begin = rec.mark(self.h2d) if rec is not None else None
         with self.h2d.use():
             offset = 0
             for piece in pieces:
                 n = piece.numel()
                 slot.buffer[offset:offset + n].copy_(piece, non_blocking=True)
                 offset += n
-            slot.ready = self.h2d.record_event()
+            slot.ready = self.h2d.record_event(timing=rec is not None)
         slot.unit, slot.layers = unit, layers
-        self.bytes_loaded += numel * slot.buffer.element_size()
+        nbytes = numel * slot.buffer.element_size()
+        self.bytes_loaded += nbytes
+        if rec is not None and begin is not None:
+            rec.add(H2D, None, begin, slot.ready, nbytes)
 
     def view(self, layers: range, label: str) -> torch.Tensor:
         """The flat parameters of ``layers`` inside a loaded slot; the compute stream waits for its copy."""
@@ -124,6 +132,7 @@ class GradBuffers:
         self.compute = compute
         self.d2h = d2h
         self.active: dict[tuple[int, int], torch.Tensor] = {}
+        self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
         self._pool: list[tuple[torch.Tensor, dev.Event | None]] = []
 
     def get(self, unit: tuple[int, int], numel: int) -> torch.Tensor:
@@ -152,9 +161,14 @@ class GradBuffers:
         if host.numel() != buf.numel():
             raise BufferError(f"OFFLOAD {unit_label(*unit)}: host buffer has {host.numel()} elements, gradients {buf.numel()}")
         self.d2h.wait_stream(self.compute)
+        rec = self.recorder if self.recorder is not None and self.recorder.on else None
+        begin = rec.mark(self.d2h) if rec is not None else None  # after the wait, before the copy's block
         with self.d2h.use():
             host.copy_(buf, non_blocking=True)
-            event = self.d2h.record_event(blocking=True)  # an optimizer thread waits on it: sleep, do not spin
+            # an optimizer thread waits on it: sleep, do not spin
+            event = self.d2h.record_event(blocking=True, timing=rec is not None)
+        if rec is not None and begin is not None:
+            rec.add(D2H, None, begin, event, buf.numel() * buf.element_size())
         dev.record_tensor_use(buf, self.d2h)
         base = buf if buf._base is None else buf._base
         self._pool.append((base, event))

@@ -32,6 +32,7 @@ holding the Head), accumulates parameter gradients into the sub-stage's flat gra
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -141,6 +142,7 @@ class Executor:
         self._ops: Sequence[Op] = ()
         self._index = -1
         self._op: Op | None = None
+        self.recorder: trace.Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
     # ------------------------------------------------------------------------------------ loop
     def run(self, ops: Sequence[Op], ctx: StepContext) -> StepContext:
@@ -149,6 +151,7 @@ class Executor:
         self._ops = ops
         self._batches.clear()
         tracing = trace.enabled()
+        rec = self.recorder
         timer = dev.OpTimer(self.device)  # device time per op kind, not host enqueue time
         for index, op in enumerate(ops):
             handler = self.handlers.get(op.kind)
@@ -158,7 +161,9 @@ class Executor:
                                   f"(known: {', '.join(k.name for k in self.handlers)})")
             started = timer.start()
             try:
-                if tracing:
+                if rec is not None and rec.on:
+                    self._run_recorded(rec, op, handler, tracing)
+                elif tracing:
                     with trace.nvtx_range(op.trace_name()):
                         handler(op)
                 else:
@@ -173,6 +178,23 @@ class Executor:
         for kind, seconds in timer.seconds().items():
             ctx.op_seconds[kind] = ctx.op_seconds.get(kind, 0.0) + seconds
         return ctx
+
+    def _run_recorded(self, rec: trace.Recorder, op: Op, handler: Callable[[Op], None], tracing: bool) -> None:
+        """Run ``op`` under the recorder: copies and messages it starts are recorded under it by
+        the buffers and p2p; an op of the compute lane is framed by two compute-stream events."""
+        rec.op = op
+        if trace.op_lane(op) != trace.COMPUTE:
+            with trace.nvtx_range(op.trace_name()) if tracing else contextlib.nullcontext():
+                handler(op)
+            return
+        if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
+            # the pass's wait for its parameters' copy goes before the start mark, so the span is
+            # the pass (the handler waits again, which is free)
+            self.slots.view(self.schedule.layers(op), str(op))
+        begin = rec.mark()
+        with trace.nvtx_range(op.trace_name()) if tracing else contextlib.nullcontext():
+            handler(op)
+        rec.add(trace.COMPUTE, op, begin, rec.mark())
 
     @property
     def _op_name(self) -> str:

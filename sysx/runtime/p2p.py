@@ -7,10 +7,19 @@ int64 header (message kind, stage, sub, micro-batch, dtype, shape) travels befor
 receiver compares it with its own spec, so a plan disagreement between ranks is an error naming
 the stage, the micro-batch and the tensor on both sides instead of garbage or a hang.
 
-Synchronous operations are ``isend``/``irecv`` followed by :func:`sysx.dist.wait_for`, so every
-wait on a peer is bounded and a stuck or dead peer becomes a :class:`sysx.dist.PeerTimeout`
-naming this rank, the op and the peer. Asynchronous ones return a :class:`Pending` whose buffers
-stay referenced until :meth:`P2P.wait` (a send buffer must live until its ``isend`` completes).
+Synchronous operations are ``isend``/``irecv`` followed by a wait. On gloo (and wherever the host
+must have the data: WAIT_CKPT, VALIDATE) that wait is :func:`sysx.dist.wait_for`, so every wait on
+a peer is bounded and a stuck or dead peer becomes a :class:`sysx.dist.PeerTimeout` naming this
+rank, the op and the peer. On NCCL a synchronous send or receive only orders the compute stream
+after the transfer (``Work.wait()`` without a timeout): a timed wait would block the host until the
+kernel ends, and the host could never run ahead of the GPU. A stuck transfer then surfaces at the
+next host wait, well before NCCL's own watchdog (:func:`sysx.dist.process_group_timeout_s`).
+Asynchronous operations return a :class:`Pending` whose buffers stay referenced until
+:meth:`P2P.wait` (a send buffer must live until its ``isend`` completes).
+
+Checkpoint messages may travel on their own process group (``ckpt_group``): on NCCL one
+communicator runs its operations in order, and a checkpoint in flight would hold back the
+activation and gradient messages between the same two ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import torch.distributed as dist
 from sysx.dist import wait_for
 from sysx.emulate.pacer import Pacer
 from sysx.partition import unit_label
-from sysx.schedule.ops import Message
+from sysx.schedule.ops import Message, Op
+from sysx.trace.recorder import P2P as P2P_LANE
+from sysx.trace.recorder import Recorder
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.int32)
 _HEADER_LEN = 11
@@ -95,6 +106,7 @@ class Pending:
     header: torch.Tensor | None = None
     is_send: bool = True
     done: bool = field(default=False)
+    posted: tuple[Recorder, Op | None, float] | None = None  # recorded: the recorder, the posting op, its time
     sync: bool = False  # posted by a blocking send()/recv()
     extra: list[dist.Work] = field(default_factory=list)  # the emulated device's post times (sysx.emulate.pacer)
     stamps: tuple[Any, ...] = ()
@@ -104,52 +116,83 @@ class P2P:
     """Checked, time-bounded point-to-point messages of one rank (see the module doc)."""
 
     def __init__(self, rank: int, *, device: torch.device, timeout_s: float, verify: bool,
-                 group: dist.ProcessGroup | None = None, pacer: Pacer | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, ckpt_group: dist.ProcessGroup | None = None,
+                 stream_ordered: bool | None = None, pacer: Pacer | None = None) -> None:
+        """``group``: activations and gradients (None: the default group); ``ckpt_group``:
+        checkpoints (None: ``group``); ``stream_ordered``: synchronous transfers only order the
+        compute stream (default: when the backend is NCCL); ``pacer``: the emulated device's."""
         self.rank = rank
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.verify = bool(verify)
         self.group = group
+        self.ckpt_group = ckpt_group if ckpt_group is not None else group
+        if stream_ordered is None:
+            stream_ordered = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        self.stream_ordered = bool(stream_ordered)
         self.pacer = pacer or Pacer()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages = 0
+        self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
     # ------------------------------------------------------------------------------------ posting
     def isend(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> Pending:
         """Post the send of ``tensor`` (checked against ``spec``) to ``peer``; returns the handle."""
         spec.check(tensor, rank=self.rank, action=f"{what}: sending")
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
-        works, header = [], None
+        works, header, group = [], None, self._group(spec)
         if self.verify:
             header = spec.header(payload.device)
-            works.append(dist.isend(header, dst=peer, group=self.group))
-        works.append(dist.isend(payload, dst=peer, group=self.group))
+            works.append(dist.isend(header, dst=peer, group=group))
+        works.append(dist.isend(payload, dst=peer, group=group))
         self.bytes_sent += payload.numel() * payload.element_size()
         self.messages += 1
-        pending = Pending(spec, peer, what, works, payload, header, is_send=True)
-        self.pacer.post(pending, self.group)
+        pending = Pending(spec, peer, what, works, payload, header, is_send=True, posted=self._posted())
+        self.pacer.post(pending, group)
         return pending
 
     def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
         """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
         buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-        works, header = [], None
+        works, header, group = [], None, self._group(spec)
         if self.verify:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            works.append(dist.irecv(header, src=peer, group=self.group))
-        works.append(dist.irecv(buffer, src=peer, group=self.group))
+            works.append(dist.irecv(header, src=peer, group=group))
+        works.append(dist.irecv(buffer, src=peer, group=group))
         self.bytes_received += buffer.numel() * buffer.element_size()
         self.messages += 1
-        pending = Pending(spec, peer, what, works, buffer, header, is_send=False)
-        self.pacer.post(pending, self.group)
+        pending = Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
+        self.pacer.post(pending, group)
         return pending
 
+    def _posted(self) -> tuple[Recorder, Op | None, float] | None:
+        rec = self.recorder
+        return (rec, rec.op, rec.now()) if rec is not None and rec.on else None
+
+    @staticmethod
+    def _record(pending: Pending) -> None:
+        """A recorded message completed: its span, from the post to now, under the op that posted it."""
+        if pending.posted is not None:
+            rec, op, start = pending.posted
+            rec.add(P2P_LANE, op, start, rec.now(), pending.buffer.numel() * pending.buffer.element_size())
+
+    def _group(self, spec: TransferSpec) -> dist.ProcessGroup | None:
+        return self.ckpt_group if spec.family == Message.CKPT else self.group
+
     # ----------------------------------------------------------------------------------- waiting
-    def wait(self, pending: Pending) -> torch.Tensor:
-        """Wait for ``pending`` (bounded by the timeout); for a receive, check the header and
-        return the received tensor."""
+    def wait(self, pending: Pending, *, host: bool = True) -> torch.Tensor:
+        """Wait for ``pending``; for a receive, check the header and return the received tensor.
+
+        ``host=True``: the host waits (bounded by the timeout). ``host=False`` on a stream-ordered
+        backend: the compute stream waits and the host goes on (a header to check still needs the host).
+        """
         if pending.done:
+            return pending.buffer
+        if not host and self.stream_ordered and pending.header is None:
+            for work in pending.works:
+                work.wait()  # NCCL without a timeout: the current stream waits for the transfer, the host does not
+            pending.done = True
             return pending.buffer
         direction = "to" if pending.is_send else "from"
         what = f"{pending.what} ({'send' if pending.is_send else 'receive'} {pending.spec.label} {direction} rank {pending.peer})"
@@ -160,6 +203,7 @@ class P2P:
         wait_for(pending.works[-1], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
         self._settle(pending, what)
         pending.done = True
+        self._record(pending)
         return pending.buffer
 
     def _settle(self, pending: Pending, what: str) -> None:
@@ -183,16 +227,17 @@ class P2P:
             if pending.is_send:
                 self._settle(pending, pending.what)
                 pending.done = True
+                self._record(pending)
         return pending.done
 
     def send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> None:
-        """Blocking send (bounded by the timeout)."""
+        """Synchronous send: later work is ordered after it (the host waits only off NCCL)."""
         pending = self.isend(tensor, spec, peer, what)
         pending.sync = True
-        self.wait(pending)
+        self.wait(pending, host=False)
 
     def recv(self, spec: TransferSpec, peer: int, what: str) -> torch.Tensor:
-        """Blocking receive (bounded by the timeout)."""
+        """Synchronous receive: later work sees the data (the host waits only off NCCL)."""
         pending = self.irecv(spec, peer, what)
         pending.sync = True
-        return self.wait(pending)
+        return self.wait(pending, host=False)

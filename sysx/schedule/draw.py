@@ -225,22 +225,31 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | Path) -> 
     One process per (timeline, rank), one thread per lane; unit-cost timelines use 1 unit = 1 ms.
     """
     tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)
-    events: list[dict] = []
+    lanes = ["gpu", "h2d", "d2h", "p2p", "cpu"]
+    processes: list[tuple[int, str, list[str]]] = []
+    boxes: list[dict] = []
     for n, tl in enumerate(tls):
         scale = 1000.0 if tl.unit == "units" else 1e6
-        lanes = {"gpu": 0, "h2d": 1, "d2h": 2, "p2p": 3, "cpu": 4}
-        for r in range(tl.n_ranks):
-            pid = n * 1000 + r
-            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{title_of(tl).split('  ')[0]} rank {r}"}})
-            events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-            for lane, tid in lanes.items():
-                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
-        for ev in tl.events:
-            events.append({
-                "name": str(ev.op), "cat": ev.lane, "ph": "X", "pid": n * 1000 + ev.rank, "tid": lanes[ev.lane],
-                "ts": ev.start * scale, "dur": (ev.end - ev.start) * scale,
-                "args": {"stage": ev.op.stage, "sub": ev.op.sub, "mb": ev.op.mb, "kind": ev.op.kind.name},
-            })
+        processes += [(n * 1000 + r, f"{title_of(tl).split('  ')[0]} rank {r}", lanes) for r in range(tl.n_ranks)]
+        boxes += [{"name": str(ev.op), "cat": ev.lane, "pid": n * 1000 + ev.rank, "tid": lanes.index(ev.lane),
+                   "ts": ev.start * scale, "dur": (ev.end - ev.start) * scale,
+                   "args": {"stage": ev.op.stage, "sub": ev.op.sub, "mb": ev.op.mb, "kind": ev.op.kind.name}}
+                  for ev in tl.events]
+    return write_trace(path, processes, boxes)
+
+
+def write_trace(path: str | Path, processes: Sequence[tuple[int, str, Sequence[str]]], boxes: Sequence[dict]) -> Path:
+    """The Chrome trace file itself: ``processes`` as ``(pid, name, lane names)`` (a lane's thread id
+    is its position), ``boxes`` as complete (``ph: X``) events with ``name``, ``cat``, ``pid``,
+    ``tid``, ``ts`` and ``dur`` in microseconds, and ``args``."""
+    events: list[dict] = []
+    for pid, name, lanes in processes:
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+        for tid, lane in enumerate(lanes):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    events += [{**box, "ph": "X"} for box in boxes]
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sysx.config.choices import SYSX_CFGS
+from sysx.config.choices import PRECISIONS, SYSX_CFGS
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
 from sysx.schedule import SCHEDULES, ONE_STAGE_PER_RANK, build
 from sysx.schedule.costs import Costs, UnitCosts, costs_from_model
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2")
     p.add_argument("--cfg", type=int, default=None, choices=SYSX_CFGS, help="sysx ablation config (paper Table 3), default 3")
     p.add_argument("--param-buffers", type=int, default=2, help="GPU parameter buffers per rank (current + prefetch)")
-    p.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="working-copy precision: bytes per parameter in GPU buffers and shared memory (default bf16)")
     u = p.add_argument_group("unit-cost mode (no --model)")
     u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
@@ -126,7 +126,8 @@ def _resolve(args: argparse.Namespace) -> None:
         args.model_cfg = model_config(job)
         args.model = args.model or job.model.preset
         found = {"seq_len": job.train.seq_len, "micro_batch_size": job.train.micro_batch_size,
-                 "microbatches": job.train.micro_batches, "precision": job.precision}
+                 "microbatches": job.train.micro_batches,
+                 "precision": "bf16" if job.precision == "auto" else job.precision}  # a plan is for GPUs: auto is bf16 there
         if job.schedule.name in SCHEDULES:
             found["schedule"] = job.schedule.name
         found["cfg"] = job.schedule.cfg

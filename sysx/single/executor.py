@@ -25,11 +25,18 @@ Streams: ``compute`` (the current stream), ``inbound`` (host -> device) and ``ou
 (device -> host), ordered only through the rings' per-slot events and a few explicit waits (the
 host copy of an activation or gradient must have landed before it is fetched back). On CPU the
 streams are no-ops and every call finishes before it returns, so the very same code runs in CI.
+
+With a :attr:`SlidingWindowExecutor.recorder` recording (:mod:`sysx.trace`), every piece of work is
+framed by two events on its stream: on ``compute`` the passes, named as ops of the flat layers
+(``F s3 mb1``: block 2's forward of chunk 1; ``B s0.0``: the embedding's backward; ``B s<L+1>.0``:
+the head's turnaround), on ``h2d`` the loads (``H2D s3``) and fetches of gradients and activations,
+on ``d2h`` the gradients (``D2H s3.0``) and activations sent home.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +44,12 @@ import torch
 from sysx import device as dev
 from sysx.memory.pinned import HostBuffers
 from sysx.model.flat import FlatLayout
+from sysx.schedule.ops import Op, OpKind
 from sysx.single.host import HostState
 from sysx.single.planner import SinglePlan
 from sysx.single.rings import DeviceArena, Ring, align, typed
 from sysx.single.sites import LayerProfile, ReplayStats, SlotLayout, backward_replayed, run_captured
+from sysx.trace.recorder import COMPUTE, D2H, H2D, Recorder, What
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -138,6 +147,38 @@ class SlidingWindowExecutor:
         self._act_home: dict[tuple[int, int], dev.Event] = {}
         self._static_home: dev.Event | None = None
         self._grad_home: dict[int, dev.Event] = {}
+        self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
+
+    # ------------------------------------------------------------------------------- recording
+    def _recording(self) -> Recorder | None:
+        rec = self.recorder
+        return rec if rec is not None and rec.on else None
+
+    @contextlib.contextmanager
+    def _on(self, stream: dev.Stream, lane: str, what: What, nbytes: int = 0) -> Iterator[None]:
+        """``with stream.use()``; when recording, the block is framed by two events on ``stream``
+        (after the waits issued on it before)."""
+        rec = self._recording()
+        with stream.use():
+            begin = rec.mark(stream) if rec is not None else None
+            yield
+            if rec is not None and begin is not None:
+                rec.add(lane, what, begin, rec.mark(stream), nbytes)
+
+    def _timed(self, stream: dev.Stream, lane: str, what: What, write: Callable[[torch.Tensor], None],
+               nbytes: int = 0) -> Callable[[torch.Tensor], None]:
+        """``write`` for :meth:`Ring.fill`, framed like :meth:`_on` when recording (the ring runs it
+        on ``stream`` after the slot's wait)."""
+        rec = self._recording()
+        if rec is None:
+            return write
+
+        def timed(raw: torch.Tensor) -> None:
+            begin = rec.mark(stream)
+            write(raw)
+            rec.add(lane, what, begin, rec.mark(stream), nbytes)
+
+        return timed
 
     # ------------------------------------------------------------------------------------ info
     def _note(self, op: str, key: object) -> None:
@@ -179,9 +220,10 @@ class SlidingWindowExecutor:
             losses += self._turnaround(mbs, scale, n_micro)
             self._backward(r, ver, mbs, on_grads if last else None, before_load, last)
         self.outbound.wait_event(self.compute.record_event())
-        with self.outbound.use():
+        nbytes = self.static_g.numel() * self.static_g.element_size()
+        with self._on(self.outbound, D2H, Op(OpKind.OFFLOAD_GRADS, 0, 0), nbytes):
             self.host.static.grad.copy_(self.static_g, non_blocking=True)
-        self.stats.d2h_grads += self.static_g.numel() * self.static_g.element_size()
+        self.stats.d2h_grads += nbytes
         self._static_home = self.outbound.record_event(blocking=True)  # an optimizer thread waits on it
         on_grads(self.STATIC, self._static_home)
         return losses
@@ -190,10 +232,11 @@ class SlidingWindowExecutor:
         """Copy the Embedding+Head weights in, after their optimizer step and after the last use of the buffer."""
         before_load(self.STATIC)
         self.inbound.wait_stream(self.compute)
-        with self.inbound.use():
+        nbytes = self.static_w.numel() * self.static_w.element_size()
+        with self._on(self.inbound, H2D, Op(OpKind.LOAD_PARAMS, 0), nbytes):
             self.static_w.copy_(self.host.static.work, non_blocking=True)
         self.compute.wait_event(self.inbound.record_event())
-        self.stats.h2d_weights += self.static_w.numel() * self.static_w.element_size()
+        self.stats.h2d_weights += nbytes
 
     # ------------------------------------------------------------------------------- transfers
     def _ensure_w(self, k: int, ver: int, before_load: Callable[[int], None]) -> None:
@@ -207,8 +250,10 @@ class SlidingWindowExecutor:
             self.ring_w.drop(s)
         before_load(k)
         src = self.host.groups[k].work
-        self.ring_w.fill(s, key, self.inbound,
-                         lambda raw: typed(raw, self.dtype, self.block_layout.numel).copy_(src, non_blocking=True))
+        self.ring_w.fill(s, key, self.inbound, self._timed(
+            self.inbound, H2D, Op(OpKind.LOAD_PARAMS, k + 1),
+            lambda raw: typed(raw, self.dtype, self.block_layout.numel).copy_(src, non_blocking=True),
+            src.numel() * src.element_size()))
         self.stats.h2d_weights += src.numel() * src.element_size()
         self.stats.weight_loads += 1
 
@@ -221,7 +266,9 @@ class SlidingWindowExecutor:
             return
         self.inbound.wait_event(self._grad_home[k])
         src = self.host.groups[k].grad
-        self.ring_g.fill(gs, ("g", k, r), self.inbound, lambda raw: typed(raw, self.dtype, numel).copy_(src, non_blocking=True))
+        self.ring_g.fill(gs, ("g", k, r), self.inbound, self._timed(
+            self.inbound, H2D, f"H2D grads s{k + 1}", lambda raw: typed(raw, self.dtype, numel).copy_(src, non_blocking=True),
+            src.numel() * src.element_size()))
         self.stats.h2d_grads += src.numel() * src.element_size()
 
     def _fill_a(self, a: int, unit: int, r: int) -> None:
@@ -232,7 +279,8 @@ class SlidingWindowExecutor:
         nbytes = self.layouts[k].nbytes
         self.inbound.wait_event(self._act_home[(k, c)])
         src = self.host_acts[(k, c)]
-        self.ring_a.fill(a, ("a", k, c, r), self.inbound, lambda raw: raw[:nbytes].copy_(src, non_blocking=True))
+        self.ring_a.fill(a, ("a", k, c, r), self.inbound, self._timed(
+            self.inbound, H2D, f"H2D act s{k + 1} mb{c}", lambda raw: raw[:nbytes].copy_(src, non_blocking=True), nbytes))
         self.stats.h2d_acts += nbytes
 
     # ---------------------------------------------------------------------------------- forward
@@ -241,7 +289,7 @@ class SlidingWindowExecutor:
         R_p, R_a = len(self.ring_w), len(self.ring_a)
         for k in range(min(R_p, L)):
             self._ensure_w(k, ver, before_load)
-        with self.compute.use(), torch.no_grad():
+        with self._on(self.compute, COMPUTE, Op(OpKind.FORWARD, 0)), torch.no_grad():
             for c, (ids, _) in enumerate(mbs):
                 self.T[c].copy_(self.emb(ids))
         for k in range(L):
@@ -255,10 +303,10 @@ class SlidingWindowExecutor:
                 def write(raw: torch.Tensor, c: int = c) -> None:
                     self.T[c].copy_(run_captured(shell, self.T[c], self.profile, layout, raw))
 
-                self.ring_a.fill(a, key, self.compute, write)
+                self.ring_a.fill(a, key, self.compute, self._timed(self.compute, COMPUTE, Op(OpKind.FORWARD, k + 1, mb=c), write))
                 if k < self.n_transfer:
                     raw = self.ring_a.acquire(a, key, self.outbound)
-                    with self.outbound.use():
+                    with self._on(self.outbound, D2H, f"D2H act s{k + 1} mb{c}", layout.nbytes):
                         self.host_acts[(k, c)].copy_(raw[:layout.nbytes], non_blocking=True)
                     self._act_home[(k, c)] = self.ring_a.release(a, self.outbound)
                     self.stats.d2h_acts += layout.nbytes
@@ -273,7 +321,7 @@ class SlidingWindowExecutor:
     def _turnaround(self, mbs: Sequence[Batch], scale: float, n_micro: int) -> list[torch.Tensor]:
         """Head forward + backward per chunk (``backward(loss / n_micro * scale)``); T becomes the gradient."""
         losses = []
-        with self.compute.use():
+        with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, self.L + 1, 0)):
             for c, (_, labels) in enumerate(mbs):
                 x = self.T[c].detach().requires_grad_(True)
                 with torch.enable_grad():
@@ -303,7 +351,7 @@ class SlidingWindowExecutor:
                 u = k * n + c
                 a = u % R_a
                 raw = self.ring_a.acquire(a, ("a", k, c, r), self.compute)
-                with self.compute.use():
+                with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, k + 1, 0, c)):
                     self.T[c].copy_(backward_replayed(shell, self.T[c], self.profile, layout, raw, stats=self.replay))
                 self.ring_a.release(a, self.compute)
                 self.stats.chunks_backward += 1
@@ -317,7 +365,7 @@ class SlidingWindowExecutor:
             # gradients home; the slot is free again once the copy finished
             self.outbound.wait_event(self.compute.record_event())
             dst = self.host.groups[k].grad
-            with self.outbound.use():
+            with self._on(self.outbound, D2H, Op(OpKind.OFFLOAD_GRADS, k + 1, 0), dst.numel() * dst.element_size()):
                 dst.copy_(typed(graw, self.dtype, numel), non_blocking=True)
             self.stats.d2h_grads += dst.numel() * dst.element_size()
             self._note("d2h_grad", ("g", k, r))
@@ -328,7 +376,7 @@ class SlidingWindowExecutor:
                 self._note("optimizer", ("g", k, r))
             if k - R_g >= 0:
                 self._fill_g(k - R_g, r)
-        with self.compute.use(), torch.enable_grad():
+        with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, 0, 0)), torch.enable_grad():
             for c, (ids, _) in enumerate(mbs):
                 self.emb(ids).backward(self.T[c])
 

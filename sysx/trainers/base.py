@@ -22,6 +22,7 @@ from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.launcher import env_rank
 from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
@@ -65,6 +66,18 @@ def check_model_vocab(dataset: TokenDataset, model_cfg: ModelConfig) -> None:
                           f"{dataset.vocab_size}); set model.vocab_size={dataset.vocab_size} or larger")
 
 
+def resolve_precision(cfg: SysxConfig, device: torch.device | str | None = None) -> SysxConfig:
+    """``cfg`` with ``precision=auto`` replaced by the job device's default (:func:`sysx.device.default_precision`:
+    bf16 on a GPU and an emulated one, fp32 on CPU), so the config written to ``run_dir`` and the logs say what ran."""
+    if cfg.precision != "auto":
+        return cfg
+    if cfg.device == EMULATED_DEVICE:  # an emulated GPU trains in 16 bits, as the GPU it stands for would
+        return dataclasses.replace(cfg, precision="bf16")
+    from sysx import device as dev
+
+    return dataclasses.replace(cfg, precision=dev.default_precision(job_device(cfg, device)))
+
+
 def job_device(cfg: SysxConfig, device: torch.device | str | None = None) -> torch.device:
     """``device`` if given, else ``cfg.device`` resolved (``auto``: cuda when present); a device that
     is not available here is a :class:`ConfigError`."""
@@ -85,13 +98,15 @@ class Trainer(ABC):
     test or another trainer (opened from ``cfg.data`` by default).
     """
 
-    def __init__(self, cfg: SysxConfig | DictConfig, *, dataset: TokenDataset | None = None) -> None:
+    def __init__(self, cfg: SysxConfig | DictConfig, *, dataset: TokenDataset | None = None,
+                 device: torch.device | str | None = None) -> None:
         from sysx.optim.loss_scaler import make_scaler
 
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         if not isinstance(cfg, SysxConfig):
             raise TypeError(f"{type(self).__name__} needs a SysxConfig, got {type(cfg).__name__}")
+        cfg = resolve_precision(cfg, device)
         self.cfg: SysxConfig = cfg
         self.model_cfg = model_config(cfg)
         self.dtype = DTYPES[cfg.precision]
@@ -175,8 +190,8 @@ class Trainer(ABC):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` (default ``eval.batches``) micro-batches of the val split."""
 
-    def run_notes(self) -> dict[str, Any]:
-        """What the run adds to ``summary.json`` after training (every rank calls it; may be collective)."""
+    def measurements(self) -> dict[str, Any]:
+        """Sections this trainer adds to ``summary.json`` (a recorded timeline's ``measured`` and ``plan``)."""
         return {}
 
     def finish_pending(self) -> None:

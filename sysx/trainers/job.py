@@ -48,8 +48,8 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
                 checkpoints.save(background=False)
                 checkpoints.saver.wait()
                 raise stop
-            for key, value in trainer.run_notes().items():
-                logger.note(key, value)
+            for key, value in trainer.measurements().items():
+                logger.section(key, value)
             checkpoints.finish(logger)
             logger.close()
     except JobStopped as stop:

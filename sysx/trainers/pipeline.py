@@ -46,7 +46,9 @@ from sysx.runtime.options import PipelineOptions, make_schedule, options_from_co
 from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
 from sysx.partition import unit_label
-from sysx.schedule import OpKind, Schedule, evaluation_schedule, validate
+from sysx.schedule import CostTable, OpKind, Schedule, evaluation_schedule, validate
+from sysx.trace.report import gather_parts, write_report
+from sysx.trace.window import StepWindow
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
@@ -71,7 +73,7 @@ class PipelineTrainer(Trainer):
         dataset: TokenDataset | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__(cfg, dataset=dataset)
+        super().__init__(cfg, dataset=dataset, device=device)
         cfg = self.cfg
         self.opts = options if options is not None else options_from_config(cfg)
         self.opts.check()
@@ -97,6 +99,7 @@ class PipelineTrainer(Trainer):
         self.params: StageParams | None = None
         self.optimizer: RankOptimizer | None = None
         self.last_op_seconds: dict[str, float] = {}
+        self._measurements: dict[str, dict[str, float]] = {}
         try:
             self._build()
         except BaseException:
@@ -136,13 +139,20 @@ class PipelineTrainer(Trainer):
         if self.world > 1:
             backend = dist.get_backend()
             verify = opts.verify_transfers if opts.verify_transfers is not None else backend != "nccl"
-            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify, pacer=self.pacer)
+            # checkpoints on a communicator of their own: they overlap activations and gradients on NCCL too
+            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify,
+                      ckpt_group=sdist.checkpoint_group(), pacer=self.pacer)
         self.p2p = p2p
         self.executor = Executor(
             self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,
             micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, params=self.params, slots=self.slots,
             grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch, pacer=self.pacer)
         self._eval = self._evaluation(cfg.eval.batches)
+        self.window = StepWindow(cfg.profile, self.device, self.rank, compute=compute, announce=self.rank == 0)
+        if self.window.recorder is not None:
+            for part in (self.executor, self.slots, self.grads, self.optimizer.threads, p2p):
+                if part is not None:
+                    part.recorder = self.window.recorder
 
     # ------------------------------------------------------------------------------------ pieces
     def _evaluation(self, n_micro: int) -> Schedule:
@@ -195,12 +205,15 @@ class PipelineTrainer(Trainer):
         self.optimizer.begin()
         self.pacer.begin_step(step)
         ctx = StepContext(step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches)
+        self.window.begin(step)
         try:
             self.executor.run(self.ops, ctx)
             self.params.push_mirrors()
         except BaseException:
             self.executor.reset()
             raise
+        finally:
+            self.window.end()
         local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
         # a stop deferred to the end of the step (checkpoint.on_signal) travels with the loss, so
         # that every rank ends this step knowing it and saves and stops at the same point
@@ -222,8 +235,39 @@ class PipelineTrainer(Trainer):
                             scale=scale, tokens=self.tokens_per_step,
                             step_time_s=self.pacer.end_step(time.perf_counter() - t0))
         self.last_op_seconds = ctx.op_seconds
+        if self.window.after(step):
+            self._write_timeline()
         self.step_index += 1
         return result
+
+    def _write_timeline(self) -> None:
+        """The recorded window to rank 0, which writes it into ``run_dir`` beside the plan and prints
+        the comparison (collective: every rank calls it after the window's last step)."""
+        assert self.window.recorder is not None and self.optimizer is not None
+        rec = self.window.recorder
+        units = {stage.name: key for key, stage in self.optimizer.stages.items()}
+        parts = gather_parts(self.pacer.modelled(rec.part(units)), rank=self.rank, world=self.world, group=self.group)
+        rec.clear()
+        if parts is None:
+            return
+        report = write_report(parts, self.schedule, self.cfg.run_dir, plan_costs=self.plan_costs(),
+                              param_bytes=float(self.dtype.itemsize))
+        print(report.line, flush=True)
+        self._measurements = report.summary()
+
+    def plan_costs(self) -> CostTable | None:
+        """The costs the plan beside a recorded timeline is simulated with; None: the window's own
+        profiled costs (:func:`sysx.trace.costs.measured_costs`). A device that models its time
+        (``device=emulated``) returns the table it models with."""
+        return self.pacer.plan.table if isinstance(self.pacer, EmulatedPacer) else None
+
+    def measurements(self) -> dict[str, Any]:
+        """``{"measured": ..., "plan": ...}`` of the recorded window on rank 0, once written (else
+        empty); on an emulated device also its ``emulation`` report (collective then: every rank calls it)."""
+        out: dict[str, Any] = dict(self._measurements)
+        if isinstance(self.pacer, EmulatedPacer):
+            out["emulation"] = self.emulation_report()
+        return out
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
@@ -281,11 +325,10 @@ class PipelineTrainer(Trainer):
             out.update(part or {})
         return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0])))
 
-    def run_notes(self) -> dict[str, Any]:
-        """On an emulated device (collective: every rank calls it): the ``emulation`` report of the
-        steps so far, merged over the ranks, which rank 0 also prints."""
-        if not isinstance(self.pacer, EmulatedPacer):
-            return {}
+    def emulation_report(self) -> dict[str, Any]:
+        """On an emulated device (collective: every rank calls it): the report of the steps so far,
+        merged over the ranks (:func:`sysx.emulate.merge_report`), which rank 0 also prints."""
+        assert isinstance(self.pacer, EmulatedPacer), "emulation_report() needs device=emulated"
         steps: list[Any] = [self.pacer.steps]
         if self.world > 1:
             steps = [None] * self.world
@@ -297,7 +340,7 @@ class PipelineTrainer(Trainer):
                       micro_batch_size=plan.model.micro_batch_size, schedule=self.schedule.name)
         if self.rank == 0:
             print(describe(report), flush=True)
-        return {"emulation": report}
+        return report
 
     def describe(self) -> str:
         """The plan of this run: schedule and options, partition, and which rank runs what."""

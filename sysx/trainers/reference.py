@@ -65,7 +65,7 @@ class ReferenceTrainer(Trainer):
     ) -> None:
         from sysx.model import build_model
 
-        super().__init__(cfg, dataset=dataset)
+        super().__init__(cfg, dataset=dataset, device=device)
         self.device = job_device(self.cfg, device)
         cfg = self.cfg
 

@@ -43,6 +43,9 @@ from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure
 from sysx.single.host import HostState
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
+from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
+from sysx.trace.timeline import merge
+from sysx.trace.window import StepWindow
 from sysx.trainers.base import Trainer, job_device
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
@@ -69,7 +72,7 @@ class SingleTrainer(Trainer):
     ) -> None:
         if single is not None:
             single.validate()  # an explicit override; cfg.single was checked with the whole config
-        super().__init__(cfg, dataset=dataset)
+        super().__init__(cfg, dataset=dataset, device=device)
         cfg = self.cfg
         self.settings = single if single is not None else cfg.single
         self.device = job_device(cfg, device)
@@ -107,6 +110,9 @@ class SingleTrainer(Trainer):
         self._last_passed = True  # did the previous step need neither clipping nor a skip?
         self.redone_steps = 0
         self.speculated_steps = 0
+        self.window = StepWindow(cfg.profile, self.device, 0, compute=self.executor.compute)
+        self.executor.recorder = self.threads.recorder = self.window.recorder
+        self._measurements: dict[str, dict[str, float]] = {}
 
     # ------------------------------------------------------------------------------------ pieces
     @property
@@ -146,6 +152,7 @@ class SingleTrainer(Trainer):
         batches = [self.batch(step, j, rows=plan.chunk) for j in range(plan.micro_batches)]
         speculate = self._speculate()
         groups = self.host.groups
+        self.window.begin(step)
 
         def on_grads(g: int, event: dev.Event) -> None:
             group = groups[g]
@@ -154,8 +161,11 @@ class SingleTrainer(Trainer):
             else:
                 self.threads.submit_load(group.name, group.grad, event, scale=scale)
 
-        losses = self.executor.run_step(batches, scale=scale, on_grads=on_grads, before_load=self._before_load)
-        outcome = self._validate(self.threads.wait(), speculate, lr)
+        try:
+            losses = self.executor.run_step(batches, scale=scale, on_grads=on_grads, before_load=self._before_load)
+            outcome = self._validate(self.threads.wait(), speculate, lr)
+        finally:
+            self.window.end()
         self._last_passed = not outcome.overflow and outcome.clip_coef == 1.0
         if speculate:
             self.speculated_steps += 1
@@ -164,8 +174,27 @@ class SingleTrainer(Trainer):
         dev.synchronize(self.device)
         result = StepResult(step=step, loss=loss_value, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
                             scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
+        if self.window.after(step):
+            self._write_timeline()
         self.step_index += 1
         return result
+
+    def _write_timeline(self) -> None:
+        """The recorded window into ``run_dir`` (timeline.json, timeline.png), compared with the
+        planner's predicted step time; its last optimizer jobs are waited for, they belong to it."""
+        assert self.window.recorder is not None
+        self.threads.wait_stages()
+        rec = self.window.recorder
+        spans = merge([rec.part({g.name: (g.layer_indices[0], 0) for g in self.host.groups})])
+        rec.clear()
+        report = write_window(spans, self.cfg.run_dir, name="single", n_ranks=1,
+                              plan={"iteration_s": self.plan.times["step_s"]}, plan_source="the planner's prediction")
+        print(f"{report.line} | {self.cfg.run_dir}/{{{TIMELINE_JSON},{TIMELINE_PNG}}}", flush=True)
+        self._measurements = report.summary()
+
+    def measurements(self) -> dict[str, dict[str, float]]:
+        """``{"measured": ..., "plan": ...}`` of the recorded window, once written (else empty)."""
+        return dict(self._measurements)
 
     def _validate(self, reports: list[StageReport], speculate: bool, lr: float) -> StepOutcome:
         """Decide this step from the groups' reports; the re-steps (speculation) or steps (validate

@@ -1,8 +1,9 @@
 """NVTX ranges for Nsight Systems: ``with nvtx_range("OPT s5.1"): ...``.
 
-Off by default (a no-op costing one flag check); on when ``SYSX_NVTX=1`` is in the environment or
-after :func:`enable`. Uses the ``nvtx`` package, which works with or without a GPU (unlike
-``torch.cuda.nvtx``), so ranges also appear for CPU threads such as the optimizer workers.
+Off by default (a no-op costing one flag check); on with ``profile.nvtx=true`` (the trainers call
+:func:`enable`) or when ``SYSX_NVTX=1`` is in the environment. Uses the ``nvtx`` package, which
+works with or without a GPU (unlike ``torch.cuda.nvtx``), so ranges also appear for CPU threads
+such as the optimizer workers.
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""The end of a recorded window: the ranks' records go to rank 0, which writes into ``run_dir``
+
+* ``timeline.json``: the Chrome trace (:mod:`sysx.trace.chrome`);
+* ``timeline.png``: one panel per recorded step, drawn by :func:`sysx.schedule.draw.draw_compare`
+  like ``sysx plan --png`` draws a plan;
+* ``plan.png`` (pipelines): the plan of the same schedule, simulated with the window's profiled costs
+  (:func:`sysx.trace.costs.measured_costs`) or with the costs the caller passes (an emulated
+  device passes the table it models time with);
+
+and returns the measured and planned numbers (:mod:`sysx.trace.summary`) with a one-line comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from sysx.schedule.costs import CostTable
+from sysx.schedule.draw import draw, draw_compare
+from sysx.schedule.ops import Schedule
+from sysx.schedule.simulate import simulate
+from sysx.trace.chrome import write_chrome
+from sysx.trace.costs import measured_costs
+from sysx.trace.recorder import RankPart, Span
+from sysx.trace.summary import format_line, measured, planned
+from sysx.trace.timeline import merge, step_timelines, steps_of
+
+TIMELINE_JSON, TIMELINE_PNG, PLAN_PNG = "timeline.json", "timeline.png", "plan.png"
+
+
+@dataclass
+class WindowReport:
+    """What rank 0 wrote and measured."""
+
+    measured: dict[str, float]
+    plan: dict[str, float]
+    line: str
+    costs: CostTable | None  # what the plan was simulated with (None: no simulated plan)
+    spans: list[Span]
+    files: list[Path] = field(default_factory=list)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """The ``summary.json`` sections: ``{"measured": ..., "plan": ...}`` (no plan: no ``plan``)."""
+        out = {"measured": dict(self.measured)}
+        if self.plan:
+            out["plan"] = dict(self.plan)
+        return out
+
+
+def gather_parts(part: RankPart, *, rank: int, world: int, group: dist.ProcessGroup | None) -> list[RankPart] | None:
+    """Every rank's part on rank 0 (None on the others); collective over ``group`` when ``world > 1``."""
+    if world == 1:
+        return [part]
+    parts: list[RankPart] | None = [part] * world if rank == 0 else None  # slots, overwritten by the gather
+    dist.gather_object(part, parts, dst=0, group=group)
+    return parts
+
+
+def write_report(parts: Sequence[RankPart], schedule: Schedule, run_dir: str | Path, *,
+                 plan_costs: CostTable | None = None, param_bytes: float = 2.0) -> WindowReport:
+    """A pipeline's window: :func:`write_window`, and ``plan.png`` with the plan simulated from the
+    window's profiled costs (or ``plan_costs``), compared in the line and the summary."""
+    spans = merge(parts)
+    costs = plan_costs if plan_costs is not None else measured_costs(spans, schedule, param_bytes=param_bytes)
+    plan = simulate(schedule, costs, memory=False)
+    report = write_window(spans, run_dir, name=schedule.name, n_ranks=schedule.n_ranks, schedule=schedule,
+                          plan=planned(plan), plan_source="modelled costs" if plan_costs is not None else "measured costs")
+    report.costs = costs
+    report.files.append(draw(plan, Path(run_dir) / PLAN_PNG))
+    report.line += f" | {Path(run_dir)}/{{{TIMELINE_JSON},{TIMELINE_PNG},{PLAN_PNG}}}"
+    return report
+
+
+def write_window(spans: Sequence[Span], run_dir: str | Path, *, name: str, n_ranks: int, schedule: Schedule | None = None,
+                 plan: dict[str, float] | None = None, plan_source: str = "") -> WindowReport:
+    """Write merged ``spans`` as ``timeline.json`` and ``timeline.png`` into ``run_dir`` and measure
+    them; ``plan`` (``iteration_s``, optionally ``bubble``) is what they are compared with."""
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [write_chrome(spans, out / TIMELINE_JSON, title=name, n_ranks=n_ranks),
+             draw_compare(step_timelines(spans, n_ranks=n_ranks, name=name, schedule=schedule), out / TIMELINE_PNG)]
+    meas = measured(spans, n_ranks)
+    line = format_line(steps_of(spans), meas, plan, plan_source)
+    return WindowReport(meas, dict(plan or {}), line, None, list(spans), files)
