@@ -96,6 +96,9 @@ def worker(spec_path: str, out_path: str) -> int:
 
     torch.set_num_threads(1)
     from sysx import dist as sdist
+    from sysx import stopping
+
+    stopping.install()  # SIGINT/SIGTERM: the trainer in progress closes (no segment or thread left)
     from sysx.data import TokenDataset, default_corpus_path
 
     spec = json.loads(Path(spec_path).read_text())
@@ -104,12 +107,17 @@ def worker(spec_path: str, out_path: str) -> int:
     try:
         for cell in spec["cells"]:
             t0 = time.perf_counter()
-            row = _run_cell(info, dataset, cell["model"], cell["seq"], cell["schedule"], spec["args"])
-            row["wall_s"] = time.perf_counter() - t0
+            for attempt in range(1 + spec["args"]["retries"]):  # every rank sees the same report: all retry
+                row = _run_cell(info, dataset, cell["model"], cell["seq"], cell["schedule"], spec["args"])
+                if not (row.get("report") or {}).get("refused"):
+                    break
+            row.update(wall_s=time.perf_counter() - t0, attempts=attempt + 1)
             if info.rank == 0:
                 with open(out_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"bench: {cell} done in {row['wall_s']:.0f} s", flush=True)
+    except stopping.JobStopped as stop:  # the parent stops the ranks; the trainer has closed
+        return stop.exit_code
     finally:
         sdist.shutdown()
     return 0
@@ -141,8 +149,13 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
         if any(codes):
             raise SystemExit(f"bench_pipeline: a rank failed (exit codes {codes}); see its output above")
     finally:
-        for p in procs:
+        for p in procs:  # a rank stopped by SIGTERM closes its trainer (shared memory, threads); then SIGKILL
             if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
         os.unlink(spec)
@@ -165,7 +178,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         return m["iteration_s"] if m else None
 
     for r in rows:
-        head = f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | {_label(r['schedule'])} |"
+        again = f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else ""  # refused before (a hiccup)
+        head = f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | {_label(r['schedule'])}{again} |"
         if "error" in r:
             lines.append(head + f" does not fit: {r['error'][:90]} | | | | | | |")
             continue
@@ -196,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per modelled second")
     p.add_argument("--optimizer-workers", type=int, default=1,
                    help="concurrent CPU Adam steps per rank, sharing its 8 threads (DeepSpeed's single worker: 1)")
+    p.add_argument("--retries", type=int, default=1,
+                   help="run a cell again when its measurement is refused (a busy machine's hiccup), up to this often")
     p.add_argument("--quick", action="store_true", help="10B at seq 2048, Mobius, Megatron and SysX CFG3, 3 steps")
     p.add_argument("--out", type=Path, help="also write the table (and the command) here")
     p.add_argument("--json", type=Path, help="keep every cell's report here (JSON lines)")
@@ -212,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown {', '.join(bad)}; models: {', '.join(MODELS)}; schedules: {', '.join(SCHEDULES)}")
     shared = {"steps": args.steps, "warmup": args.warmup, "time_scale": args.time_scale,
-              "optimizer_workers": args.optimizer_workers, "spans": args.trace}
+              "optimizer_workers": args.optimizer_workers, "spans": args.trace, "retries": args.retries}
     out_json = args.json or Path(tempfile.mkstemp(suffix=".jsonl")[1])
     out_json.write_text("")
     t0 = time.perf_counter()
