@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.placement import local_device
 
 
@@ -65,12 +66,14 @@ def default_precision(device: torch.device | str) -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """Turn a config string (``auto``, ``cpu``, ``cuda``, ``cuda:1``) into a device.
+    """Turn a config string (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ``emulated``) into a device.
 
     Raises ValueError naming the value when CUDA is asked for but absent.
     """
     if name == "auto":
         return default_device()
+    if name == EMULATED_DEVICE:  # tensors live on the CPU; time is modelled (sysx.emulate)
+        return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not cuda_available():
         raise ValueError(f"device={name!r} but CUDA is not available here; use device=auto or device=cpu")

@@ -27,6 +27,7 @@ import torch
 
 from sysx import device as dev
 from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
+from sysx.config.choices import EMULATED_DEVICE
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -137,7 +138,7 @@ def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra:
     t, o = cfg.train, cfg.optim
     lines = [
         f"sysx-train: schedule={cfg.schedule.name} model={cfg.model.init_from or cfg.model.preset} ({fmt_count(n_params)} parameters) "
-        f"device={device} precision={cfg.precision} seed={cfg.seed}",
+        f"device={cfg.device if cfg.device == EMULATED_DEVICE else device} precision={cfg.precision} seed={cfg.seed}",
         f"  tokens/step {cfg.tokens_per_step} = {t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
         f"{t.seq_len} tokens | steps {t.steps} | {o.name} lr {o.lr:g} (warmup {o.warmup_steps}, min {o.min_lr:g}) "
         f"wd {o.weight_decay:g} clip {o.grad_clip:g}",

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import torch
 
+from sysx.config.choices import EMULATED_DEVICE
+
 
 class PlacementError(ValueError):
     """The launcher started more processes on a node than it has GPUs (or no GPU at all)."""
 
 
 def device_type(device: torch.device | str) -> str:
-    """``cuda`` or ``cpu`` for a device or a config value (``auto`` is cuda exactly when CUDA is present)."""
+    """``cuda`` or ``cpu`` for a device or a config value (``auto`` is cuda exactly when CUDA is
+    present; ``emulated`` is cpu)."""
     if isinstance(device, str) and device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str) and device == EMULATED_DEVICE:
+        return "cpu"  # an emulated GPU's tensors are CPU tensors (sysx.emulate)
     return torch.device(device).type
 
 

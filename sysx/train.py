@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from sysx.config import (ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config,
                          refuse_ignored_keys, to_yaml)
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.launcher import env_rank
 
 if TYPE_CHECKING:
@@ -132,10 +133,10 @@ def trainer_for(name: str) -> Callable[..., int]:
 
 
 def train_auto(cfg: SysxConfig, info: DistInfo) -> int:
-    """``schedule=auto``: the SysX pipeline for several processes, the single-device sliding window
-    for one. The resolved name replaces ``auto`` in the config, so ``config.yaml`` and the logs say
+    """``schedule=auto``: the SysX pipeline for several processes (and on an emulated device), the
+    single-device sliding window for one. The resolved name replaces ``auto`` in the config, so ``config.yaml`` and the logs say
     what ran."""
-    name = "sysx" if info.world_size > 1 else "single"
+    name = "sysx" if info.world_size > 1 or cfg.device == EMULATED_DEVICE else "single"
     if info.is_main:
         print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
               flush=True)

@@ -33,6 +33,7 @@ from sysx.config.schema import SysxConfig, model_config, validate
 from sysx.config.sections import (
     CheckpointSection,
     DataSection,
+    EmulateSection,
     EvalSection,
     LogSection,
     LossScaleSection,
@@ -45,8 +46,9 @@ from sysx.config.sections import (
 )
 
 __all__ = [
-    "CheckpointSection", "ConfigError", "DataSection", "EvalSection", "LogSection", "LossScaleSection", "ModelSection", "OptimSection",
-    "ProfileSection", "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection", "compose_config", "config_dir", "from_yaml",
+    "CheckpointSection", "ConfigError", "DataSection", "EmulateSection", "EvalSection", "LogSection", "LossScaleSection",
+    "ModelSection", "OptimSection", "ProfileSection", "ScheduleSection", "SingleSection", "SysxConfig", "TrainSection",
+    "compose_config", "config_dir", "from_yaml",
     "group_options", "load_config", "model_config", "refuse_ignored_keys", "register_schema", "resolve", "to_yaml",
     "validate",
 ]

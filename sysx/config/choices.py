@@ -34,5 +34,26 @@ ASSUMED_HARDWARE: dict[str, dict[str, float]] = {
     "rtx5090": dict(memory_gib=32, link_gbps=50, bidir_gbps=45, tflops=140, mem_gbps=1500),
     "a100_80g": dict(memory_gib=80, link_gbps=25, bidir_gbps=22, tflops=200, mem_gbps=1600),
     "h100": dict(memory_gib=80, link_gbps=50, bidir_gbps=45, tflops=600, mem_gbps=2800),
+    # SysX paper's cluster (Table 1): V100 32 GB on PCIe Gen3 x16 (~12 GB/s each way in practice);
+    # fp16 tensor cores, ~58% of the PCIe card's 112 TFLOP/s peak (no fused attention on Volta)
+    "v100": dict(memory_gib=32, link_gbps=12, bidir_gbps=10, tflops=65, mem_gbps=800),
 }
 HARDWARE = ("measure", *ASSUMED_HARDWARE)  # single.hardware: measure this machine, or a preset
+
+# device=emulated (sysx.emulate): every rank acts as a GPU of ASSUMED_HARDWARE[emulate.gpu] in a node
+# of ASSUMED_CPUS[emulate.cpu], linked by ASSUMED_NETWORKS[emulate.net]. CPU Adam is memory-bound:
+# ~30 bytes moved per parameter, so a 32-core EPYC with 8 DDR4-2666 channels (~110 GB/s in practice)
+# steps ~3.5 Gparams/s, ~0.1 per core. Each rank gets cores // gpus_per_node threads.
+EMULATED_DEVICE = "emulated"
+ASSUMED_CPUS: dict[str, dict[str, float]] = {
+    "epyc7452": dict(cores=32, adam_gparams_per_thread=0.1),  # the SysX paper's nodes (AMD EPYC 7452)
+    "epyc9654": dict(cores=96, adam_gparams_per_thread=0.15),  # 12 DDR5-4800 channels
+}
+# GPU<->GPU messages inside a node and between nodes (GB/s one way, latency in microseconds).
+ASSUMED_NETWORKS: dict[str, dict[str, float]] = {
+    # the SysX paper: 4 V100 per node on PCIe Gen3 (peer copies through the root complex), one
+    # ConnectX-6 InfiniBand HDR NIC (200 Gb/s) per node, reached from a GPU over PCIe Gen3
+    "pcie3_ib_hdr": dict(gpus_per_node=4, intra_gbps=10, intra_latency_us=10, inter_gbps=11, inter_latency_us=12),
+    "pcie4_ib_hdr": dict(gpus_per_node=4, intra_gbps=20, intra_latency_us=10, inter_gbps=22, inter_latency_us=10),
+    "nvlink_ib_ndr": dict(gpus_per_node=8, intra_gbps=350, intra_latency_us=5, inter_gbps=45, inter_latency_us=8),
+}

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sysx.config.checks import check_choice, check_int, fail
-from sysx.config.choices import PRECISION_CHOICES
+from sysx.config.choices import EMULATED_DEVICE, PRECISION_CHOICES
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.sections import (
     CheckpointSection,
     DataSection,
+    EmulateSection,
     EvalSection,
     LogSection,
     LossScaleSection,
@@ -42,6 +44,7 @@ class SysxConfig:
     single: SingleSection = field(default_factory=SingleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    emulate: EmulateSection = field(default_factory=EmulateSection)
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"  # resolved by the trainer for its device (sysx.trainers.base.resolve_precision)
@@ -62,15 +65,16 @@ def validate(cfg: SysxConfig) -> None:
     """Check what types alone cannot: the top-level keys, then each section (its own
     ``validate()``), then what spans sections. Raise :class:`ConfigError` on the first problem."""
     check_choice("precision", cfg.precision, PRECISION_CHOICES)
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
-        fail("device", cfg.device, "allowed: auto, cpu, cuda, cuda:<index>")
+    if not re.fullmatch(rf"auto|cpu|cuda(:\d+)?|{EMULATED_DEVICE}", cfg.device):
+        fail("device", cfg.device, f"allowed: auto, cpu, cuda, cuda:<index>, {EMULATED_DEVICE}")
     check_int("seed", cfg.seed, 0)
     if not str(cfg.run_dir).strip():
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
     for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule,
-                    cfg.checkpoint, cfg.profile):
+                    cfg.checkpoint, cfg.profile, cfg.emulate):
         section.validate()
     check_profile_window(cfg)
+    check_emulation(cfg)
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
     chunk = cfg.single.seq_chunk
@@ -91,8 +95,29 @@ def check_profile_window(cfg: SysxConfig) -> None:
     if cfg.profile.timeline_steps is not None and cfg.schedule.name == "reference":
         fail("profile.timeline_steps", list(cfg.profile.timeline_steps), "schedule=reference records no timeline; "
              "remove it or use a pipeline schedule or schedule=single")
+def check_emulation(cfg: SysxConfig) -> None:
+    """``emulate.*`` is read with ``device=emulated`` only, which runs the pipeline schedules with a
+    job model of the emulated preset's layer count."""
+    if cfg.device != EMULATED_DEVICE:
+        default = EmulateSection()
+        for f in dataclasses.fields(EmulateSection):
+            if getattr(cfg.emulate, f.name) != getattr(default, f.name):
+                fail(f"emulate.{f.name}", getattr(cfg.emulate, f.name),
+                     f"it is read with device={EMULATED_DEVICE} only; remove it or add device={EMULATED_DEVICE}")
+        return
+    if cfg.schedule.name in ("single", "reference"):
+        fail("device", EMULATED_DEVICE, f"it emulates a multi-GPU pipeline, not schedule={cfg.schedule.name}; use "
+             f"schedule=sysx (or gpipe, 1f1b, interleaved_1f1b, mobius)")
+    layers = cfg.emulate.preset_layers()
+    if cfg.model.n_layers is not None and cfg.model.n_layers != layers:
+        fail("model.n_layers", cfg.model.n_layers, f"device={EMULATED_DEVICE} runs the job model with the {layers} layers "
+             f"of emulate.model={cfg.emulate.model}; remove model.n_layers (it is set to {layers}) or set {layers}")
 
 
 def model_config(cfg: SysxConfig) -> ModelConfig:
-    """The :class:`sysx.model.ModelConfig` of ``cfg.model``: the preset with the fields that are set."""
-    return cfg.model.resolve()
+    """The :class:`sysx.model.ModelConfig` of ``cfg.model``: the preset with the fields that are set.
+    With ``device=emulated`` an unset ``model.n_layers`` is the emulated preset's layer count."""
+    section = cfg.model
+    if cfg.device == EMULATED_DEVICE and section.n_layers is None and section.init_from is None:
+        section = dataclasses.replace(section, n_layers=cfg.emulate.preset_layers())
+    return section.resolve()

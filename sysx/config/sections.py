@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Optional
 
 from sysx.config.checks import ConfigError, check_choice, check_int, check_positive, fail, first_line
 from sysx.config.choices import (
+    ASSUMED_CPUS,
+    ASSUMED_HARDWARE,
+    ASSUMED_NETWORKS,
     DATA_SOURCES,
     HARDWARE,
     OPTIM_BACKENDS,
@@ -356,3 +359,50 @@ class ProfileSection:
             if value is not None and (len(value) != 2 or not 0 <= value[0] <= value[1]):
                 fail(f"profile.{key}", list(value), "give [first,last] step indices with 0 <= first <= last, "
                      "e.g. [3,5], or null (off)")
+
+
+@dataclass
+class EmulateSection:
+    """``emulate.*``: the GPU cluster that ``device=emulated`` stands in for (:mod:`sysx.emulate`).
+
+    Each rank acts as a ``gpu`` of :data:`~sysx.config.choices.ASSUMED_HARDWARE` in nodes of
+    ``cpu`` (:data:`~sysx.config.choices.ASSUMED_CPUS`) linked by ``net``
+    (:data:`~sysx.config.choices.ASSUMED_NETWORKS`), training a model whose costs are those of the
+    preset ``model`` at ``seq_len`` x ``micro_batch_size`` tokens per micro-batch (null: the job's
+    ``train.*``), while the tensors that really move are the job's small model with the preset's
+    layer count. Every modelled duration is multiplied by ``time_scale`` on the wall clock (and
+    reported divided by it). The first ``warmup_steps`` steps are not measured; a measurement is
+    refused when the real work made the emulated timeline late by more than ``max_late`` of it.
+    """
+
+    gpu: str = "v100"
+    cpu: str = "epyc7452"
+    net: str = "pcie3_ib_hdr"
+    model: str = "llama2_10b"
+    seq_len: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    time_scale: float = 0.1
+    warmup_steps: int = 1
+    max_late: float = 0.05
+
+    def validate(self) -> None:
+        """Profiles and preset are known, counts >= 1, the scale > 0, the tolerance in (0, 1)."""
+        from sysx.model import PRESETS  # torch: only when a config is validated, not for --help
+
+        check_choice("emulate.gpu", self.gpu, list(ASSUMED_HARDWARE))
+        check_choice("emulate.cpu", self.cpu, list(ASSUMED_CPUS))
+        check_choice("emulate.net", self.net, list(ASSUMED_NETWORKS))
+        check_choice("emulate.model", self.model, [p for p in PRESETS if p != "tiny"])
+        for key in ("seq_len", "micro_batch_size"):
+            if getattr(self, key) is not None:
+                check_int(f"emulate.{key}", getattr(self, key), 1)
+        check_positive("emulate.time_scale", self.time_scale, " (0.1: the emulated cluster runs 10x slower than modelled)")
+        check_int("emulate.warmup_steps", self.warmup_steps, 0)
+        if not 0 < self.max_late < 1:
+            fail("emulate.max_late", self.max_late, "must be in (0, 1), e.g. 0.05 (5% of the iteration)")
+
+    def preset_layers(self) -> int:
+        """Transformer blocks of the emulated preset (the job's model gets as many)."""
+        from sysx.model import get_preset
+
+        return get_preset(self.model).n_layers

@@ -104,6 +104,16 @@ def usable_physical_cores() -> tuple[int, list[int]]:
     return cores, affinity
 
 
+def split_workers(cores: int, *, n_stages: int, backend: str, workers: int | None = None) -> tuple[int, int]:
+    """``(optimizer workers, threads per worker)`` for a rank with ``cores`` cores (the module doc's rule;
+    ``workers`` pins the count)."""
+    if workers is None:
+        workers = 1 if backend != "torch" else min(n_stages, max(1, cores // TORCH_THREADS_PER_WORKER))
+    if workers < 1:
+        raise ValueError(f"plan_cores: workers={workers} must be >= 1")
+    return workers, cores if backend != "torch" else max(1, cores // workers)
+
+
 def plan_cores(
     *,
     n_stages: int,
@@ -123,11 +133,7 @@ def plan_cores(
     per_rank = max(1, cores // lws)
     per_cpus = max(1, len(affinity) // lws)
     cpus = tuple(affinity[lr * per_cpus : (lr + 1) * per_cpus]) or tuple(affinity)
-    if workers is None:
-        workers = 1 if backend != "torch" else min(n_stages, max(1, per_rank // TORCH_THREADS_PER_WORKER))
-    if workers < 1:
-        raise ValueError(f"plan_cores: workers={workers} must be >= 1")
-    threads = per_rank if backend != "torch" else max(1, per_rank // workers)
+    workers, threads = split_workers(per_rank, n_stages=n_stages, backend=backend, workers=workers)
     return CorePlan(
         local_rank=lr,
         local_world_size=lws,

@@ -28,6 +28,7 @@ its jobs in NVTX ranges ``OPT <stage>`` / ``OPT undo <stage>`` (see :mod:`sysx.t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ from sysx.trace import Recorder, nvtx_range
 
 log = logging.getLogger("sysx.optim")
 T = TypeVar("T")
+# (stage name, offload event) -> what a step job runs in: the emulated device's modelled duration
+Pace = Callable[[str, "Event | None"], contextlib.AbstractContextManager[None]]
 
 
 def worker_device(device: torch.device | str | None) -> torch.device | None:
@@ -67,6 +70,7 @@ class OptimizerThreads:
         threads_per_worker: int | None = None,
         name: str = "sysx-opt",
         device: torch.device | str | None = None,
+        pace: Pace | None = None,
     ) -> None:
         if not stages:
             raise ValueError("OptimizerThreads: no stages given")
@@ -79,6 +83,7 @@ class OptimizerThreads:
             raise ValueError(f"OptimizerThreads: threads_per_worker={threads_per_worker} must be >= 1")
         self.threads_per_worker = threads_per_worker
         self.device = worker_device(device)
+        self.pace = pace  # steps (not checks, rollbacks or re-steps) take the emulated device's time
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=self.workers, thread_name_prefix=name, initializer=self._init_worker
         )
@@ -129,7 +134,8 @@ class OptimizerThreads:
     def _submit_report(self, name: str, grads: torch.Tensor, event: Event | None, scale: float,
                        lr: float | None) -> Future[StageReport]:
         pool = self._executor()  # "closed" before "no stage": close() lets go of the stages
-        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now(), self._recording())
+        span = self.pace(name, event) if self.pace is not None and lr is not None else contextlib.nullcontext()
+        future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now(), span, self._recording())
         with self._lock:
             self._pending.append(future)
             self._last[name] = future
@@ -196,7 +202,7 @@ class OptimizerThreads:
 
 def _step_job(
     stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None, t_submit: float,
-    rec: Recorder | None = None,
+    span: contextlib.AbstractContextManager[None], rec: Recorder | None = None,
 ) -> StageReport:
     """Wait for the copy, load and check; step too unless ``lr`` is None (a check only)."""
     with nvtx_range(f"OPT {stage.name}"):
@@ -204,13 +210,14 @@ def _step_job(
             event.synchronize()
         t_ready = now()
         begin = rec.now() if rec is not None else 0.0  # the span starts once the gradients are home
-        stage.new_iteration()
-        found_inf, sq = stage.load_grads(grads, scale=scale)
-        stepped = lr is not None and not found_inf
-        if stepped:
-            stage.apply(lr)
-        else:
-            stage.drop_grads()
+        with span:
+            stage.new_iteration()
+            found_inf, sq = stage.load_grads(grads, scale=scale)
+            stepped = lr is not None and not found_inf
+            if stepped:
+                stage.apply(lr)
+            else:
+                stage.drop_grads()
         if rec is not None:
             rec.add_job("" if lr is not None else "check", stage.name, begin, rec.now())
         return StageReport(

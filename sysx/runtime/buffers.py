@@ -12,7 +12,8 @@ returns, so the same code runs):
 * **D2H** (:meth:`GradBuffers.offload`): after a sub-stage's last backward, its accumulated
   gradients are copied to a host buffer on the D2H stream after the compute stream's work so far;
   the returned event is what the CPU optimizer thread waits for. The device buffer goes back to
-  the pool and is reused only after that copy is done.
+  the pool and is reused only once that copy is done; until then a new sub-stage gets a new
+  buffer rather than waiting (as the plan's memory model counts it: until the offload ends).
 
 Slots are flat buffers of the largest unit this rank loads; a unit's layers are a contiguous
 range of the slot, so a backward sub-stage can also run from a loaded whole stage.
@@ -81,8 +82,9 @@ class ParamSlots:
         if slot.released is not None:
             self.h2d.wait_event(slot.released)
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
+        # after the wait, before the copy's block (an emulated stream charges the copy as the block opens)
+        begin = rec.mark(self.h2d) if rec is not None else None
         with self.h2d.use():
-            begin = rec.mark(self.h2d) if rec is not None else None  # after the wait: the span is the copy
             offset = 0
             for piece in pieces:
                 n = piece.numel()
@@ -138,11 +140,11 @@ class GradBuffers:
         buf = self.active.get(unit)
         if buf is not None:
             return buf
+        # a buffer whose offload is still copying would hold the compute stream until the copy ends
+        # (the next sub-stage's backward behind the last one's D2H): take a copied one, else a new one
         for i, (cand, done) in enumerate(self._pool):
-            if cand.numel() >= numel:
+            if cand.numel() >= numel and (done is None or done.query()):
                 self._pool.pop(i)
-                if done is not None:
-                    self.compute.wait_event(done)
                 buf = cand[:numel]
                 break
         else:
@@ -160,8 +162,8 @@ class GradBuffers:
             raise BufferError(f"OFFLOAD {unit_label(*unit)}: host buffer has {host.numel()} elements, gradients {buf.numel()}")
         self.d2h.wait_stream(self.compute)
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
+        begin = rec.mark(self.d2h) if rec is not None else None  # after the wait, before the copy's block
         with self.d2h.use():
-            begin = rec.mark(self.d2h) if rec is not None else None  # after the wait: the span is the copy
             host.copy_(buf, non_blocking=True)
             # an optimizer thread waits on it: sleep, do not spin
             event = self.d2h.record_event(blocking=True, timing=rec is not None)

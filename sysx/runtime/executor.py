@@ -18,8 +18,10 @@ VALIDATE, which checks it):
 * ``igrads[(s, k, j)]``: gradient w.r.t. the input of ``(s, k)``, produced by its backward (or
   received), consumed by the backward of the previous sub-stage or by ``SEND_GRAD``;
 * ``inflight[(s, k, j)]``: posted asynchronous checkpoint receives, completed by ``WAIT_CKPT``;
-* ``sends``: asynchronous checkpoint sends whose buffers must live until they complete (reaped
-  after every op, all waited for at ``VALIDATE``).
+* ``sends``: posted sends whose buffers must live until they complete (reaped after every op, all
+  waited for at ``VALIDATE`` and by :meth:`Executor.wait_sends`). Every send is posted (an
+  ``isend``): a blocking send would hold this rank until the receiver reaches its receive
+  (gloo and NCCL sends are rendezvous); the plan's ``posted_sends`` semantics.
 
 Forward runs under ``torch.no_grad()``. Backward recomputes its sub-stage from the checkpoint
 with the input requiring grad (plain autograd on a fresh graph: no reentrant checkpointing),
@@ -40,6 +42,7 @@ from torch import nn
 from sysx import device as dev
 from sysx import trace
 from sysx.dist import PeerTimeout
+from sysx.emulate.pacer import Pacer
 from sysx.model import FlatLayout, ModelConfig, run_layers
 from sysx.model.llama import make_shell
 from sysx.runtime.buffers import GradBuffers, ParamSlots
@@ -91,6 +94,7 @@ class Executor:
         optimizer: RankOptimizer,
         p2p: P2P | None,
         batch: BatchFn,
+        pacer: Pacer | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -123,6 +127,9 @@ class Executor:
             OpKind.OPTIM_STEP: self._optim_step,
             OpKind.VALIDATE: self._validate,
         }
+        # an emulated device paces the handlers to its modelled durations; a real one keeps them
+        self.pacer = pacer or Pacer()
+        self.handlers = self.pacer.wrap(self.handlers, lambda unit: self.optimizer.events.get(unit))
         self._modules: dict[tuple[int, int], tuple[list[nn.Module], FlatLayout]] = {}
         self._bindings: dict[tuple[int, int], tuple[torch.device, int, int]] = {}  # layers -> slot region bound
         self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -282,6 +289,17 @@ class Executor:
         p2p = self._need_p2p()
         self.sends = [p for p in self.sends if not p2p.completed(p)]
 
+    def _post_send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int) -> None:
+        self.sends.append(self._need_p2p().isend(tensor, spec, peer, self._where))
+
+    def wait_sends(self) -> None:
+        """Wait for every posted send (their receivers have received them once the program ran)."""
+        if self.sends:
+            p2p = self._need_p2p()
+            for pending in self.sends:
+                p2p.wait(pending)
+            self.sends.clear()
+
     # -------------------------------------------------------------------------------- handlers
     def _load(self, op: Op) -> None:
         layers = self.schedule.layers(op)
@@ -335,7 +353,7 @@ class Executor:
 
     def _send_act(self, op: Op) -> None:
         t = self._pop(self.acts, (op.stage, op.mb), f"act s{op.stage} mb{op.mb}")
-        self._need_p2p().send(t, self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where)
+        self._post_send(t, self._spec(Message.ACT, op.stage, -1, op.mb), op.peer)
 
     def _recv_act(self, op: Op) -> None:
         self.acts[(op.stage, op.mb)] = self._need_p2p().recv(self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where)
@@ -343,7 +361,7 @@ class Executor:
     def _send_grad(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
         t = self._pop(self.igrads, key, f"input gradient {unit_label(op.stage, op.sub)} mb{op.mb}")
-        self._need_p2p().send(t, self._spec(Message.GRAD, *key), op.peer, self._where)
+        self._post_send(t, self._spec(Message.GRAD, *key), op.peer)
 
     def _recv_grad(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
@@ -352,11 +370,7 @@ class Executor:
     def _send_ckpt(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
         t = self._pop(self.ckpts, key, f"checkpoint {unit_label(op.stage, op.sub)} mb{op.mb}")
-        p2p = self._need_p2p()
-        if op.is_async:
-            self.sends.append(p2p.isend(t, self._spec(Message.CKPT, *key), op.peer, self._where))
-        else:
-            p2p.send(t, self._spec(Message.CKPT, *key), op.peer, self._where)
+        self._post_send(t, self._spec(Message.CKPT, *key), op.peer)  # async or not: the receive decides when
 
     def _recv_ckpt(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
@@ -388,11 +402,7 @@ class Executor:
             self.optimizer.step_sync(unit, lr=self.ctx.lr)
 
     def _validate(self, op: Op) -> None:
-        if self.sends:
-            p2p = self._need_p2p()
-            for pending in self.sends:
-                p2p.wait(pending)
-            self.sends.clear()
+        self.wait_sends()
         left = self.leftovers()
         if left:
             raise RuntimeError(f"tensors left over at the end of the step: {', '.join(left[:8])}; the op list does not "

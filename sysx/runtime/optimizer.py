@@ -25,7 +25,7 @@ from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import OptimSettings, StageOptimizer
-from sysx.optim.threads import OptimizerThreads
+from sysx.optim.threads import OptimizerThreads, Pace
 from sysx.optim.validation import StepOutcome, apply_checked, load_and_check, post_step_validate
 from sysx.runtime.stage_params import StageParams
 
@@ -34,7 +34,8 @@ class RankOptimizer:
     """Optimizer state and per-step protocol of the sub-stages one rank owns."""
 
     def __init__(self, params: StageParams, settings: OptimSettings, scaler: LossScaler, *,
-                 group: dist.ProcessGroup | None, local_rank: int = 0, local_world_size: int = 1) -> None:
+                 group: dist.ProcessGroup | None, local_rank: int = 0, local_world_size: int = 1,
+                 pace: Pace | None = None) -> None:
         self.settings = settings
         self.scaler = scaler
         self.group = group
@@ -57,7 +58,7 @@ class RankOptimizer:
                                   local_rank=local_rank, local_world_size=local_world_size, workers=workers)
                 workers, threads = plan.optimizer_workers, threads or plan.threads_per_worker
             self.threads = OptimizerThreads(list(self.stages.values()), workers=workers, threads_per_worker=threads,
-                                            name=f"sysx-opt-r{params.rank}")
+                                            name=f"sysx-opt-r{params.rank}", pace=pace)
         except BaseException:
             self.close()
             raise

@@ -25,11 +25,13 @@ activation and gradient messages between the same two ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sysx.dist import wait_for
+from sysx.emulate.pacer import Pacer
 from sysx.partition import unit_label
 from sysx.schedule.ops import Message, Op
 from sysx.trace.recorder import P2P as P2P_LANE
@@ -105,6 +107,9 @@ class Pending:
     is_send: bool = True
     done: bool = field(default=False)
     posted: tuple[Recorder, Op | None, Mark] | None = None  # recorded: the recorder, the posting op, its time
+    sync: bool = False  # posted by a blocking send()/recv()
+    extra: list[dist.Work] = field(default_factory=list)  # the emulated device's post times (sysx.emulate.pacer)
+    stamps: tuple[Any, ...] = ()
 
 
 class P2P:
@@ -112,10 +117,10 @@ class P2P:
 
     def __init__(self, rank: int, *, device: torch.device, timeout_s: float, verify: bool,
                  group: dist.ProcessGroup | None = None, ckpt_group: dist.ProcessGroup | None = None,
-                 stream_ordered: bool | None = None) -> None:
+                 stream_ordered: bool | None = None, pacer: Pacer | None = None) -> None:
         """``group``: activations and gradients (None: the default group); ``ckpt_group``:
         checkpoints (None: ``group``); ``stream_ordered``: synchronous transfers only order the
-        compute stream (default: when the backend is NCCL)."""
+        compute stream (default: when the backend is NCCL); ``pacer``: the emulated device's."""
         self.rank = rank
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
@@ -125,6 +130,7 @@ class P2P:
         if stream_ordered is None:
             stream_ordered = dist.is_initialized() and dist.get_backend(group) == "nccl"
         self.stream_ordered = bool(stream_ordered)
+        self.pacer = pacer or Pacer()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages = 0
@@ -142,7 +148,9 @@ class P2P:
         works.append(dist.isend(payload, dst=peer, group=group))
         self.bytes_sent += payload.numel() * payload.element_size()
         self.messages += 1
-        return Pending(spec, peer, what, works, payload, header, is_send=True, posted=self._posted())
+        pending = Pending(spec, peer, what, works, payload, header, is_send=True, posted=self._posted())
+        self.pacer.post(pending, group)
+        return pending
 
     def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
         """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
@@ -154,7 +162,9 @@ class P2P:
         works.append(dist.irecv(buffer, src=peer, group=group))
         self.bytes_received += buffer.numel() * buffer.element_size()
         self.messages += 1
-        return Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
+        pending = Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
+        self.pacer.post(pending, group)
+        return pending
 
     def _posted(self) -> tuple[Recorder, Op | None, Mark] | None:
         rec = self.recorder
@@ -196,9 +206,14 @@ class P2P:
             if not pending.is_send:
                 self._check_header(pending)
         wait_for(pending.works[-1], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+        self._settle(pending, what)
         pending.done = True
         self._record(pending)
         return pending.buffer
+
+    def _settle(self, pending: Pending, what: str) -> None:
+        self.pacer.settle(pending, lambda work: wait_for(work, rank=self.rank, what=what, peer=pending.peer,
+                                                         timeout_s=self.timeout_s))
 
     def _check_header(self, pending: Pending) -> None:
         got = TransferSpec.from_header([int(v) for v in pending.header.tolist()])  # type: ignore[union-attr]
@@ -213,16 +228,21 @@ class P2P:
     def completed(self, pending: Pending) -> bool:
         """For a send: True once every work of ``pending`` has finished, so its buffer may go
         (never blocks). Receives are completed by :meth:`wait`, which checks the header."""
-        if not pending.done and all(w.is_completed() for w in pending.works):
+        if not pending.done and all(w.is_completed() for w in [*pending.works, *pending.extra]):
             if pending.is_send:
+                self._settle(pending, pending.what)
                 pending.done = True
                 self._record(pending)
         return pending.done
 
     def send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> None:
         """Synchronous send: later work is ordered after it (the host waits only off NCCL)."""
-        self.wait(self.isend(tensor, spec, peer, what), host=False)
+        pending = self.isend(tensor, spec, peer, what)
+        pending.sync = True
+        self.wait(pending, host=False)
 
     def recv(self, spec: TransferSpec, peer: int, what: str) -> torch.Tensor:
         """Synchronous receive: later work sees the data (the host waits only off NCCL)."""
-        return self.wait(self.irecv(spec, peer, what), host=False)
+        pending = self.irecv(spec, peer, what)
+        pending.sync = True
+        return self.wait(pending, host=False)

@@ -28,7 +28,7 @@ from typing import Any
 
 from sysx.memory.budget import training_state_bytes
 from sysx.partition import Partition
-from sysx.schedule.ops import Schedule
+from sysx.schedule.ops import SENDS, Message, Schedule
 
 HOST_BYTES_PER_PARAM = float(training_state_bytes("bfloat16").optimizer)  # its shared working copy is counted apart
 
@@ -65,6 +65,7 @@ class CostTable:
     rendezvous: bool = False
     optim_workers: int | None = None
     unit: str = "s"
+    posted_sends: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,10 @@ class Costs:
     ``bwd_ratio`` x forward, plus one forward when ``recompute``. ``layer_params``: parameters per
     layer. ``act_bytes``: one boundary activation (micro-batch x seq x dim x dtype): the size of
     sent activations, input gradients and checkpoints. ``input_bytes``: the token ids (stage 0's
-    checkpoint). ``layer_act_bytes``: activations one layer keeps for its backward.
+    checkpoint). ``layer_act_bytes``: activations one layer keeps for its backward. With
+    ``gpus_per_node``, messages between ranks of different nodes (rank // gpus_per_node) take
+    ``inter_p2p_latency`` + bytes / ``inter_p2p_bandwidth`` instead of the ``p2p_*`` figures. Send
+    semantics (:mod:`sysx.schedule.simulate`): eager by default, ``rendezvous`` or ``posted_sends``.
     """
 
     layer_fwd_time: tuple[float, ...]
@@ -128,6 +132,10 @@ class Costs:
     optim_workers: int | None = None
     allreduce_latency: float = 100e-6
     rendezvous: bool = False
+    posted_sends: bool = False
+    gpus_per_node: int | None = None
+    inter_p2p_bandwidth: float | None = None
+    inter_p2p_latency: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.layer_fwd_time)
@@ -138,6 +146,10 @@ class Costs:
         for name in ("p2p_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "optim_params_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Costs.{name}={getattr(self, name)!r} must be > 0")
+        if self.inter_p2p_bandwidth is not None and not self.inter_p2p_bandwidth > 0:
+            raise ValueError(f"Costs.inter_p2p_bandwidth={self.inter_p2p_bandwidth!r} must be > 0 or None")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"Costs.gpus_per_node={self.gpus_per_node!r} must be >= 1 or None (one node)")
         if self.optim_workers is not None and self.optim_workers < 1:
             raise ValueError(f"Costs.optim_workers={self.optim_workers!r} must be >= 1 or None (unlimited)")
 
@@ -157,8 +169,16 @@ class Costs:
 
         stages = [p.stage_layers(s) for s in range(nsf)]
         subs = [p.sub_layers(s, k) for s in range(nsf) for k in range(d)]
-        xfer = self.p2p_latency + self.act_bytes / self.p2p_bandwidth
         ckpt_b = [self.input_bytes if r.start == 0 else self.act_bytes for r in subs]
+        crossing = self._crossing(schedule)
+
+        def xfer(family: Message, i: int, nbytes: float) -> float:
+            if (family, i) in crossing:
+                bw = self.inter_p2p_bandwidth or self.p2p_bandwidth
+                lat = self.p2p_latency if self.inter_p2p_latency is None else self.inter_p2p_latency
+                return lat + nbytes / bw
+            return self.p2p_latency + nbytes / self.p2p_bandwidth
+
         params_stage = [tsum(pr, r) for r in stages]
         params_sub = [tsum(pr, r) for r in subs]
         return CostTable(
@@ -169,9 +189,9 @@ class Costs:
             load_stage=[x * self.param_bytes / self.h2d_bandwidth for x in params_stage],
             load_sub=[x * self.param_bytes / self.h2d_bandwidth for x in params_sub],
             offload=[x * self.grad_bytes / self.d2h_bandwidth for x in params_sub],
-            act_xfer=[xfer] * nsf,
-            grad_xfer=[xfer] * (nsf * d),
-            ckpt_xfer=[self.p2p_latency + b / self.p2p_bandwidth for b in ckpt_b],
+            act_xfer=[xfer(Message.ACT, s, self.act_bytes) for s in range(nsf)],
+            grad_xfer=[xfer(Message.GRAD, g, self.act_bytes) for g in range(nsf * d)],
+            ckpt_xfer=[xfer(Message.CKPT, g, b) for g, b in enumerate(ckpt_b)],
             allreduce=self.allreduce_latency,
             param_stage=[x * self.param_bytes for x in params_stage],
             param_sub=[x * self.param_bytes for x in params_sub],
@@ -184,9 +204,24 @@ class Costs:
             params_stage=params_stage,
             params_sub=params_sub,
             rendezvous=self.rendezvous,
+            posted_sends=self.posted_sends,
             optim_workers=self.optim_workers,
             unit="s",
         )
+
+    def _crossing(self, schedule: Schedule) -> set[tuple[Message, int]]:
+        """Messages ``(family, cost index)`` whose sender and receiver are on different nodes."""
+        gpn = self.gpus_per_node
+        if not gpn or gpn >= schedule.n_ranks:
+            return set()
+        d = schedule.partition.split
+        out = set()
+        for rank, ops in enumerate(schedule.ops):
+            for op in ops:
+                if op.kind in SENDS and rank // gpn != op.peer // gpn:
+                    family = op.message[0]
+                    out.add((family, op.stage if family == Message.ACT else op.stage * d + op.sub))
+        return out
 
 
 def model_layer_params(cfg: Any) -> list[int]:

@@ -73,6 +73,8 @@ class _Compiler:
             self.dst.append(b)
             self.kind.append(kind)
             self.idx.append(op.stage if kind == Message.ACT else op.stage * self.d + op.sub)
+        if sending:  # names the transfer on the timeline when it runs apart from its send (posted sends)
+            self.transfer.setdefault(m, op)
         return m
 
     def async_message(self, op: Op, rank: int, sending: bool) -> int:
@@ -169,17 +171,18 @@ class _Engine:
     """
 
     __slots__ = (
-        "code", "msg_src", "rendezvous", "record", "memory", "xfer", "fwd", "bwd", "opt",
+        "code", "msg_src", "rendezvous", "posted", "record", "memory", "xfer", "fwd", "bwd", "opt",
         "offload", "load", "workers", "allreduce", "ckmem", "param_mem", "grad_mem", "ckpt_mem", "f_ckpt",
         "fwd_work", "bwd_work", "pcs", "clock", "busy", "gpu_end", "h2d", "d2h", "cpu_end", "asend_end",
         "unit_ready", "offl_end", "heaps", "send_post", "recv_post", "arrival", "waiters", "mem", "events",
         "arrived", "val_time", "val_wait", "blocked_on", "queue", "inq",
     )
 
-    def __init__(self, prog: Program, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool) -> None:
+    def __init__(self, prog: Program, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool,
+                 posted: bool = False) -> None:
         R, M = len(prog.code), len(prog.msg_src)
         self.code, self.msg_src = prog.code, prog.msg_src
-        self.rendezvous, self.record, self.memory = rendezvous, record, memory
+        self.rendezvous, self.posted, self.record, self.memory = rendezvous, posted, record, memory
         xfers = (tab.act_xfer, tab.grad_xfer, tab.ckpt_xfer)
         self.xfer = [xfers[f][i] for f, i in zip(prog.msg_kind, prog.msg_idx)]
         self.fwd, self.bwd, self.opt, self.offload = tab.fwd, tab.bwd, tab.opt, tab.offload
@@ -298,6 +301,8 @@ class _Engine:
         return en
 
     def _send(self, r: int, ins: tuple, t: float) -> float | None:
+        if self.posted:  # posted like an isend: the transfer runs once the receive is posted too
+            return self._isend(r, ins, t)
         m = ins[1]
         st = t
         if self.rendezvous:
@@ -318,6 +323,10 @@ class _Engine:
 
     def _recv(self, r: int, ins: tuple, t: float) -> float | None:
         m = ins[1]
+        if self.posted:  # against posted sends: post, then wait for the transfer
+            if self.recv_post[m] is None:
+                self._irecv(r, ins, t)
+            return self._wait(r, ins, t)
         if self.recv_post[m] is None:
             self.recv_post[m] = t
             if m in self.waiters:
@@ -479,13 +488,14 @@ def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_o
     return Deadlock(f"schedule {schedule.name!r} deadlocks: " + "; ".join(lines), stuck)
 
 
-def run_program(schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool) -> dict:
+def run_program(schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool,
+                posted: bool = False) -> dict:
     """Execute every rank's list together; returns iteration time, per-rank busy time, GPU end,
     memory deltas (per rank, per category: ``(time, delta)`` lists), events ``(rank, lane, op
     index, start, end)`` (index ``~m`` for the async transfer of message ``m``) and clocks.
     Raises :class:`Deadlock` when ranks wait for each other."""
     prog = PROGRAMS.get(schedule)
-    eng = _Engine(prog, tab, rendezvous=rendezvous, record=record, memory=memory)
+    eng = _Engine(prog, tab, rendezvous=rendezvous, record=record, memory=memory, posted=posted)
     eng.run()
     if any(eng.pcs[r] < len(prog.code[r]) for r in range(len(prog.code))):
         raise deadlock_report(schedule, prog, eng.pcs, eng.blocked_on)

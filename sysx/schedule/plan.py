@@ -61,12 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-tflops", type=float, default=50.0, help="achieved TFLOP/s of one GPU")
     m.add_argument("--p2p-gbps", type=float, default=10.0, help="GPU<->GPU bandwidth, GB/s")
     m.add_argument("--p2p-latency-us", type=float, default=20.0)
+    m.add_argument("--inter-gbps", type=float, default=None,
+                   help="GPU<->GPU bandwidth between nodes (with --gpus-per-node), GB/s (default --p2p-gbps)")
+    m.add_argument("--inter-latency-us", type=float, default=None, help="latency between nodes (default --p2p-latency-us)")
     m.add_argument("--h2d-gbps", type=float, default=12.0, help="host->GPU bandwidth (parameter prefetch), GB/s")
     m.add_argument("--d2h-gbps", type=float, default=12.0, help="GPU->host bandwidth (gradient offload), GB/s")
     m.add_argument("--optim-gparams-per-s", type=float, default=2.0, help="CPU Adam throughput of one optimizer worker")
     m.add_argument("--optim-workers", type=int, default=None, help="concurrent async optimizer steps per rank (default unlimited)")
     m.add_argument("--rendezvous", action="store_true", help="sync sends wait for the receiver (default: eager)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node, for shared memory (default all)")
+    m.add_argument("--posted-sends", action="store_true",
+                   help="sends are posted isends, the transfer runs once the receive is posted (the runtime's)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="ranks per node, for shared memory and --inter-gbps (default all)")
     o = p.add_argument_group("output")
     o.add_argument("--compare", nargs="?", const="all", default=None,
                    help="simulate several schedules: all | ablation | comma list (e.g. mobius,sysx:cfg0,sysx)")
@@ -166,7 +172,10 @@ def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
         host_bytes_per_param=float(training_state_bytes(work).optimizer),
         p2p_bandwidth=args.p2p_gbps * 1e9, p2p_latency=args.p2p_latency_us * 1e-6, h2d_bandwidth=args.h2d_gbps * 1e9,
         d2h_bandwidth=args.d2h_gbps * 1e9, optim_params_per_s=args.optim_gparams_per_s * 1e9,
-        optim_workers=args.optim_workers, rendezvous=args.rendezvous)
+        optim_workers=args.optim_workers, rendezvous=args.rendezvous, posted_sends=args.posted_sends,
+        gpus_per_node=args.gpus_per_node,
+        inter_p2p_bandwidth=None if args.inter_gbps is None else args.inter_gbps * 1e9,
+        inter_p2p_latency=None if args.inter_latency_us is None else args.inter_latency_us * 1e-6)
 
 
 def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tuple[Schedule, Timeline, str]:

@@ -9,7 +9,9 @@ cursor reaches it and its inputs are ready:
   hold the cursor.
 - synchronous SEND_*/RECV_*: the receiver waits for the data. A send costs its transfer time on
   the sender; with ``rendezvous`` it also waits until the receiver has posted its receive
-  (NCCL/gloo blocking semantics), otherwise it is eager (buffered).
+  (NCCL/gloo blocking semantics), otherwise it is eager (buffered). With ``posted_sends`` (the
+  runtime's: every send is an isend) a send costs the sender nothing and the transfer runs once
+  the receive is posted too, like an asynchronous message.
 - asynchronous SEND_CKPT/RECV_CKPT: posting costs nothing; the transfer starts once both sides
   have posted; WAIT_CKPT holds the receiver's cursor until the data has arrived.
 - OPTIM_STEP async: on one of ``optim_workers`` CPU workers of the rank (unlimited when None),
@@ -134,7 +136,7 @@ def simulate(schedule: Schedule, costs: CostsLike | None = None, *, record: bool
     """
     tab = (costs or UnitCosts()).table(schedule) if not isinstance(costs, CostTable) else costs
     rv = tab.rendezvous if rendezvous is None else rendezvous
-    out = run_program(schedule, tab, rendezvous=rv, record=record, memory=memory)
+    out = run_program(schedule, tab, rendezvous=rv, record=record, memory=memory, posted=tab.posted_sends)
     R = schedule.n_ranks
     it = out["iteration"]
     busy = out["busy"]

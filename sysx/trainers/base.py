@@ -22,6 +22,7 @@ from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.launcher import env_rank
 from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
@@ -67,9 +68,11 @@ def check_model_vocab(dataset: TokenDataset, model_cfg: ModelConfig) -> None:
 
 def resolve_precision(cfg: SysxConfig, device: torch.device | str | None = None) -> SysxConfig:
     """``cfg`` with ``precision=auto`` replaced by the job device's default (:func:`sysx.device.default_precision`:
-    bf16 on a GPU, fp32 on CPU), so the config written to ``run_dir`` and the logs say what ran."""
+    bf16 on a GPU and an emulated one, fp32 on CPU), so the config written to ``run_dir`` and the logs say what ran."""
     if cfg.precision != "auto":
         return cfg
+    if cfg.device == EMULATED_DEVICE:  # an emulated GPU trains in 16 bits, as the GPU it stands for would
+        return dataclasses.replace(cfg, precision="bf16")
     from sysx import device as dev
 
     return dataclasses.replace(cfg, precision=dev.default_precision(job_device(cfg, device)))

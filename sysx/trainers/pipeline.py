@@ -19,10 +19,11 @@ The job (``schedule=gpipe|1f1b|interleaved_1f1b|mobius|sysx`` under torchrun or 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from sysx import peers, stopping
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
+from sysx.config.choices import EMULATED_DEVICE
+from sysx.emulate import EmulatedPacer, Pacer, describe, emulated_model, merge_report, plan_emulation
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.runtime.buffers import GradBuffers, ParamSlots
@@ -83,7 +86,13 @@ class PipelineTrainer(Trainer):
         except ValueError as err:
             raise ConfigError(str(err)) from None
         t = cfg.train
-        self.schedule = make_schedule(self.opts, self.model_cfg, n_ranks=self.world, n_micro=t.micro_batches, seq_len=t.seq_len)
+        # an emulated run is cut like the model it emulates (same layer count), as `sysx plan` cuts it
+        cut, seq_len = self.model_cfg, t.seq_len
+        if cfg.device == EMULATED_DEVICE:
+            emulated = emulated_model(cfg)
+            cut, seq_len = emulated.config, emulated.seq_len
+        self.schedule = make_schedule(self.opts, cut, n_ranks=self.world, n_micro=t.micro_batches, seq_len=seq_len)
+        self.pacer = self._pacer()
         self.ops = self.schedule.ops[self.rank]
         self.group = sdist.cpu_group() if self.world > 1 else None
         self._closed = False
@@ -97,14 +106,20 @@ class PipelineTrainer(Trainer):
             self.close()
             raise
 
+    def _pacer(self) -> Pacer:
+        """The emulated device's pacer (its plan refuses a GPU memory overflow), else none."""
+        if self.cfg.device != EMULATED_DEVICE:
+            return Pacer()
+        plan = plan_emulation(self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed")
+        return EmulatedPacer(plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale)
+
     def _build(self) -> None:
         cfg, opts, t = self.cfg, self.opts, self.cfg.train
         base = opts.job_id or resolve_job_id(rank=self.rank, broadcast=torch_broadcast(self.group) if self.world > 1 else None)
         self.job_id = f"{base}.t{next(_instances)}"
         self.params = StageParams(self.schedule, self.model_cfg, self.info, dtype=self.dtype, job=self.job_id,
                                   group=self.group, timeout_s=opts.timeout_s, seed=cfg.seed, init=self.layer_init())
-        compute = dev.current_stream(self.device)
-        h2d, d2h = dev.new_stream(self.device), dev.new_stream(self.device)
+        compute, h2d, d2h = self.pacer.streams(self.device)
         loads = [self.schedule.layers(op) for op in self.ops if op.kind == OpKind.LOAD_PARAMS]
         loads += [self.schedule.partition.stage_layers(s) for s in self.schedule.placement.fwd_stages(self.rank)]
         numels = self.params.numels
@@ -116,20 +131,22 @@ class PipelineTrainer(Trainer):
         settings = OptimSettings(
             lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
             backend=opts.optim_backend, rollback=opts.rollback, workers=opts.optimizer_workers)
+        if isinstance(self.pacer, EmulatedPacer):  # the emulated workers; their real work is small: one thread each
+            settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
         self.optimizer = RankOptimizer(self.params, settings, self.scaler, group=self.group, local_rank=self.info.local_rank,
-                                       local_world_size=self.info.local_world_size)
+                                       local_world_size=self.info.local_world_size, pace=self.pacer.optimizer_pace())
         p2p = None
         if self.world > 1:
             backend = dist.get_backend()
             verify = opts.verify_transfers if opts.verify_transfers is not None else backend != "nccl"
             # checkpoints on a communicator of their own: they overlap activations and gradients on NCCL too
             p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify,
-                      ckpt_group=sdist.checkpoint_group())
+                      ckpt_group=sdist.checkpoint_group(), pacer=self.pacer)
         self.p2p = p2p
         self.executor = Executor(
             self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,
             micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, params=self.params, slots=self.slots,
-            grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch)
+            grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch, pacer=self.pacer)
         self._eval = self._evaluation(cfg.eval.batches)
         self.window = StepWindow(cfg.profile, self.device, self.rank, compute=compute, announce=self.rank == 0)
         if self.window.recorder is not None:
@@ -186,6 +203,7 @@ class PipelineTrainer(Trainer):
         scale = float(self.scaler.scale)
         lr = self.lr_at(step)
         self.optimizer.begin()
+        self.pacer.begin_step(step)
         ctx = StepContext(step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches)
         self.window.begin(step)
         try:
@@ -214,7 +232,8 @@ class PipelineTrainer(Trainer):
         assert outcome is not None
         dev.synchronize(self.device)
         result = StepResult(step=step, loss=total / count, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
-                            scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
+                            scale=scale, tokens=self.tokens_per_step,
+                            step_time_s=self.pacer.end_step(time.perf_counter() - t0))
         self.last_op_seconds = ctx.op_seconds
         if self.window.after(step):
             self._write_timeline()
@@ -227,7 +246,7 @@ class PipelineTrainer(Trainer):
         assert self.window.recorder is not None and self.optimizer is not None
         rec = self.window.recorder
         units = {stage.name: key for key, stage in self.optimizer.stages.items()}
-        parts = gather_parts(rec.part(units), rank=self.rank, world=self.world, group=self.group)
+        parts = gather_parts(self.pacer.modelled(rec.part(units)), rank=self.rank, world=self.world, group=self.group)
         rec.clear()
         if parts is None:
             return
@@ -240,11 +259,15 @@ class PipelineTrainer(Trainer):
         """The costs the plan beside a recorded timeline is simulated with; None: the window's own
         profiled costs (:func:`sysx.trace.costs.measured_costs`). A device that models its time
         (``device=emulated``) returns the table it models with."""
-        return None
+        return self.pacer.plan.table if isinstance(self.pacer, EmulatedPacer) else None
 
-    def measurements(self) -> dict[str, dict[str, float]]:
-        """``{"measured": ..., "plan": ...}`` of the recorded window on rank 0, once written (else empty)."""
-        return dict(self._measurements)
+    def measurements(self) -> dict[str, Any]:
+        """``{"measured": ..., "plan": ...}`` of the recorded window on rank 0, once written (else
+        empty); on an emulated device also its ``emulation`` report (collective then: every rank calls it)."""
+        out: dict[str, Any] = dict(self._measurements)
+        if isinstance(self.pacer, EmulatedPacer):
+            out["emulation"] = self.emulation_report()
+        return out
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
@@ -253,8 +276,10 @@ class PipelineTrainer(Trainer):
         program = self._eval if n == self._eval.n_micro else self._evaluation(n)
         ops = program.ops[self.rank]
         ctx = StepContext(step=0, n_micro=n, split="val", training=False)
+        self.pacer.begin_step(self.step_index, record=False)
         try:
             self.executor.run(ops, ctx)
+            self.executor.wait_sends()  # no VALIDATE in a forward-only program
         except BaseException:
             self.executor.reset()
             raise
@@ -300,6 +325,23 @@ class PipelineTrainer(Trainer):
             out.update(part or {})
         return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0])))
 
+    def emulation_report(self) -> dict[str, Any]:
+        """On an emulated device (collective: every rank calls it): the report of the steps so far,
+        merged over the ranks (:func:`sysx.emulate.merge_report`), which rank 0 also prints."""
+        assert isinstance(self.pacer, EmulatedPacer), "emulation_report() needs device=emulated"
+        steps: list[Any] = [self.pacer.steps]
+        if self.world > 1:
+            steps = [None] * self.world
+            dist.all_gather_object(steps, self.pacer.steps, group=self.group)
+        plan, e = self.pacer.plan, self.cfg.emulate
+        report = merge_report(steps, time_scale=e.time_scale, warmup_steps=e.warmup_steps, max_late=e.max_late,
+                              plan_iteration=plan.timeline.iteration, plan_bubble=plan.timeline.bubble_ratio)
+        report.update(cluster=plan.cluster.describe(), model=plan.model.name, seq_len=plan.model.seq_len,
+                      micro_batch_size=plan.model.micro_batch_size, schedule=self.schedule.name)
+        if self.rank == 0:
+            print(describe(report), flush=True)
+        return report
+
     def describe(self) -> str:
         """The plan of this run: schedule and options, partition, and which rank runs what."""
         sch, place = self.schedule, self.schedule.placement
@@ -310,6 +352,12 @@ class PipelineTrainer(Trainer):
                  f"optimizer {sch.options.optimizer} | job {getattr(self, 'job_id', '?')}",
                  *("  " + line for line in sch.partition.describe().splitlines()),
                  f"  forward stages   {fwd}", f"  backward (owner) {bwd}"]
+        if isinstance(self.pacer, EmulatedPacer):
+            plan = self.pacer.plan
+            lines.append(f"  emulated: {plan.cluster.describe()}; costs of {plan.model.name} at "
+                         f"{plan.model.micro_batch_size}x{plan.model.seq_len} tokens per micro-batch; time x"
+                         f"{self.pacer.time_scale:g}; plan {plan.timeline.iteration:.3f} s/iteration, bubble "
+                         f"{100 * plan.timeline.bubble_ratio:.1f}%")
         return "\n".join(lines)
 
     # ---------------------------------------------------------------------------------- lifecycle

@@ -1,0 +1,96 @@
+"""The costs an emulated run paces itself by: :func:`sysx.schedule.costs.costs_from_model` of the
+emulated preset on the emulated cluster, resolved for the schedule the run executes, and the plan
+``simulate`` makes of them. The same function and table ``sysx plan`` uses, so every modelled
+duration of the run is a number of that table, and measured and planned compare line by line.
+
+Two choices follow the runtime rather than ``sysx plan``'s defaults: sends are posted (the
+executor's sends are isends; the transfer runs once the receive is posted), and the CPU optimizer
+has a finite number of workers that share the rank's threads (``optim.workers``, else the rule of
+:func:`sysx.optim.cores.split_workers` for the emulated threads): a synchronous optimizer steps with
+all of the rank's threads, each of ``W`` asynchronous workers with ``1/W`` of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sysx.config import ConfigError, SysxConfig
+from sysx.emulate.profiles import GIB, EmulatedCluster, cluster
+from sysx.memory.budget import training_state_bytes
+from sysx.model import ModelConfig, get_preset
+from sysx.optim.cores import split_workers
+from sysx.schedule import Schedule
+from sysx.schedule.costs import Costs, CostTable, costs_from_model
+from sysx.schedule.simulate import Timeline, simulate
+
+
+@dataclass(frozen=True)
+class EmulatedModel:
+    """The model the costs describe: ``emulate.model`` at the emulated micro-batch shape."""
+
+    name: str
+    config: ModelConfig
+    seq_len: int
+    micro_batch_size: int
+
+
+@dataclass
+class EmulatedPlan:
+    """Cluster, model, costs, their table for the schedule and the simulated plan."""
+
+    cluster: EmulatedCluster
+    model: EmulatedModel
+    costs: Costs
+    table: CostTable
+    timeline: Timeline
+    optimizer_workers: int  # concurrent CPU optimizer steps per rank (1 for a synchronous optimizer)
+
+
+def emulated_model(cfg: SysxConfig) -> EmulatedModel:
+    """``emulate.model`` at ``emulate.seq_len`` x ``emulate.micro_batch_size`` (null: ``train.*``)."""
+    e, t = cfg.emulate, cfg.train
+    return EmulatedModel(e.model, get_preset(e.model), e.seq_len or t.seq_len, e.micro_batch_size or t.micro_batch_size)
+
+
+def optimizer_workers(hw: EmulatedCluster, schedule: Schedule, *, backend: str, workers: int | None) -> int:
+    """Concurrent optimizer steps of a rank: ``workers`` if given, else the core plan's rule for the
+    emulated threads (1 for a synchronous optimizer, which steps on the main thread)."""
+    if not schedule.options.async_optimizer:
+        return 1
+    owned = max(len(schedule.placement.bwd_substages(r)) for r in range(schedule.n_ranks))
+    return split_workers(hw.threads_per_rank, n_stages=owned, backend=backend, workers=workers)[0]
+
+
+def emulated_costs(hw: EmulatedCluster, model: EmulatedModel, *, precision: str, workers: int,
+                   async_optimizer: bool) -> Costs:
+    """:func:`costs_from_model` of ``model`` on ``hw`` (see the module doc for sends and workers)."""
+    work = "float32" if precision == "fp32" else "bfloat16"
+    per_worker = hw.adam_params_per_thread_s * hw.threads_per_rank / (workers if async_optimizer else 1)
+    return costs_from_model(
+        model.config, model.seq_len, model.micro_batch_size, gpu_flops=hw.gpu_flops,
+        dtype_bytes=4 if precision == "fp32" else 2, host_bytes_per_param=float(training_state_bytes(work).optimizer),
+        p2p_bandwidth=hw.intra_bandwidth, p2p_latency=hw.intra_latency, h2d_bandwidth=hw.h2d_bandwidth,
+        d2h_bandwidth=hw.d2h_bandwidth, optim_params_per_s=per_worker,
+        optim_workers=workers if async_optimizer else None, posted_sends=True, gpus_per_node=hw.gpus_per_node,
+        inter_p2p_bandwidth=hw.inter_bandwidth, inter_p2p_latency=hw.inter_latency)
+
+
+def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str) -> EmulatedPlan:
+    """The emulated plan of ``schedule`` (built from :func:`emulated_model`'s layers). Raises
+    :class:`ConfigError` when a rank's planned GPU memory exceeds the emulated GPU's."""
+    hw, model = cluster(cfg.emulate), emulated_model(cfg)
+    workers = optimizer_workers(hw, schedule, backend=backend, workers=cfg.optim.workers)
+    costs = emulated_costs(hw, model, precision=cfg.precision, workers=workers,
+                           async_optimizer=schedule.options.async_optimizer)
+    table = costs.table(schedule)
+    timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)
+    worst = max(range(schedule.n_ranks), key=lambda r: timeline.peak_gpu[r])
+    if timeline.peak_gpu[worst] > hw.gpu_memory_bytes:
+        parts = zip(("parameters", "gradients", "checkpoints", "activations"),
+                    (timeline.peak_params, timeline.peak_grads, timeline.peak_ckpts, timeline.peak_work))
+        raise ConfigError(
+            f"emulate.gpu={hw.gpu} has {hw.gpu_memory_bytes / GIB:g} GiB but {schedule.name} of {model.name} at "
+            f"{model.micro_batch_size}x{model.seq_len} tokens per micro-batch needs {timeline.peak_gpu[worst] / GIB:.1f} GiB "
+            f"on rank {worst} (peaks: " + ", ".join(f"{n} {p[worst] / GIB:.1f}" for n, p in parts) + "); lower "
+            f"emulate.micro_batch_size or emulate.seq_len, or use a GPU with more memory")
+    return EmulatedPlan(hw, model, costs, table, timeline, workers)

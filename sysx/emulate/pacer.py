@@ -1,0 +1,318 @@
+"""Pacing: how the runtime takes modelled time on an emulated device.
+
+:class:`Pacer` is what a real device gets: its hooks return at once and change nothing.
+:class:`EmulatedPacer` follows the simulator's op semantics (:mod:`sysx.schedule.simulate`), with
+the durations of the plan's :class:`~sysx.schedule.costs.CostTable`, multiplied by the time scale:
+
+* the host thread is the rank's cursor, its compute stream: FORWARD/BACKWARD run their real small
+  computation, then the host sleeps until the modelled end ``max(cursor, events waited for) +
+  duration`` (an H2D copy the slot view waits on, a received message); a synchronous OPTIM_STEP
+  likewise, from the end of its sub-stage's offload;
+* LOAD_PARAMS / OFFLOAD_GRADS charge their duration to the H2D / D2H :class:`EmulatedStream`,
+  ordered by the same events as on CUDA (a slot's release, the compute stream's work so far); the
+  host does not wait for them;
+* every message carries its modelled post time (a float64 beside the payload) and the receiver
+  sends back its own, so both sides know the transfer starts once both have posted and lasts the
+  table's transfer time: a receive or WAIT_CKPT holds the receiver's cursor until arrival, a
+  posted send only delays VALIDATE, and a blocking send (:meth:`sysx.runtime.p2p.P2P.send`)
+  holds the sender's until the end of the transfer (rendezvous, as gloo and NCCL sends do);
+* an asynchronous OPTIM_STEP takes its duration on the worker thread that runs it, from
+  ``max(submitted, offload done, that worker's previous job)``;
+* VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier.
+
+Real work that ends after its modelled end makes the host lag its cursor; the modelled times stay
+(as a GPU's queue hides a slow host while it has work), the real barriers (VALIDATE, the step's
+end) bring the cursor back to the clock, and the largest lag of each step is kept with every op's
+ratio real part / modelled duration (:mod:`sysx.emulate.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sysx import device as dev
+from sysx.emulate.costs import EmulatedPlan
+from sysx.emulate.report import StepStats
+from sysx.emulate.streams import EmulatedEvent, EmulatedStream, sleep_until
+from sysx.partition import unit_label
+from sysx.schedule import Message, Op, OpKind, Schedule
+from sysx.schedule.ops import COMMS
+from sysx.trace.recorder import RankPart
+
+Handler = Callable[[Op], None]
+_STAMP_TAG, _BACK_TAG = 7301, 7302  # gloo tags of the post times (apart from the payloads' tag 0)
+P2P_NOISE_S = 1e-3  # a message left past its modelled end by less (wall) is host overhead, not counted
+
+
+class Pacer:
+    """No pacing (a real device): the runtime's own streams, its handlers unchanged, no time added."""
+
+    active = False
+    time_scale = 1.0
+
+    def streams(self, device: torch.device) -> tuple[dev.Stream, dev.Stream, dev.Stream]:
+        """``(compute, h2d, d2h)`` streams of a rank."""
+        return dev.current_stream(device), dev.new_stream(device), dev.new_stream(device)
+
+    def wrap(self, handlers: dict[OpKind, Handler], offload_event: Callable[[tuple[int, int]], dev.Event | None]
+             ) -> dict[OpKind, Handler]:
+        """The executor's handlers, paced (here: as they are)."""
+        return handlers
+
+    def begin_step(self, step: int, *, record: bool = True) -> None:
+        """A step (or, ``record=False``, an evaluation) starts now."""
+        return None
+
+    def end_step(self, wall_s: float) -> float:
+        """The step took ``wall_s`` on the wall clock; returns its reported duration."""
+        return wall_s
+
+    def optimizer_pace(self) -> Callable[[str, dev.Event | None], contextlib.AbstractContextManager[None]] | None:
+        """What optimizer workers wrap a step in (None: nothing)."""
+        return None
+
+    def post(self, pending: Any, group: dist.ProcessGroup | None) -> None:
+        """A message was posted (:class:`sysx.runtime.p2p.Pending`)."""
+        return None
+
+    def settle(self, pending: Any, wait: Callable[[dist.Work], None]) -> None:
+        """A posted message completed (``wait`` waits for one more of its works, bounded)."""
+        return None
+
+    def modelled(self, part: RankPart) -> RankPart:
+        """A recorded timeline window (:mod:`sysx.trace`) in the device's seconds (here: as recorded)."""
+        return part
+
+
+class EmulatedPacer(Pacer):
+    """Pacing of one rank of an emulated run (see the module doc)."""
+
+    active = True
+
+    def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float) -> None:
+        self.plan, self.table, self.rank, self.time_scale = plan, plan.table, rank, float(time_scale)
+        self.split = schedule.partition.split
+        # the host issues the next compute op when the last one ends: the cursor is the stream's end
+        self.compute = EmulatedStream("compute", issue=lambda: self.compute.free)
+        self.h2d = EmulatedStream("h2d", issue=self.cursor)
+        self.d2h = EmulatedStream("d2h", issue=self.cursor)
+        self.asend_end = 0.0
+        self.steps: list[StepStats] = []
+        self._stats = StepStats(step=-1)
+        self._lock = threading.Lock()
+        self._worker = threading.local()
+        d = self.split
+        self._opt = {unit_label(s, k): self.table.opt[s * d + k] for s in range(len(self.table.fwd)) for k in range(d)}
+
+    # ---------------------------------------------------------------------------------- clock
+    def cursor(self) -> float:
+        """The rank's modelled time: the end of its compute stream's work."""
+        return self.compute.free
+
+    def streams(self, device: torch.device) -> tuple[dev.Stream, dev.Stream, dev.Stream]:
+        """The emulated compute, H2D and D2H streams."""
+        return self.compute, self.h2d, self.d2h
+
+    def begin_step(self, step: int, *, record: bool = True) -> None:
+        """Restart the cursor at the clock (the previous step ended with an all-reduce)."""
+        self._stats = StepStats(step=step if record else -1)
+        self.compute.free = time.monotonic()
+        self.asend_end = 0.0
+
+    def end_step(self, wall_s: float) -> float:
+        """Keep the step's figures; the reported duration is the modelled one (wall / time scale)."""
+        self._stats.wall = wall_s
+        if self._stats.step >= 0:
+            self.steps.append(self._stats)
+        return wall_s / self.time_scale
+
+    def modelled(self, part: RankPart) -> RankPart:
+        """The window in the emulated cluster's terms: wall-clock times divided by the time scale
+        (modelled seconds, as the plan's) and the bytes of copies and messages those of the emulated
+        model (the real tensors are the small model's)."""
+        k = 1.0 / self.time_scale
+        spans = [s._replace(start=s.start * k, end=s.end * k, nbytes=self._bytes(s.op, s.nbytes)) for s in part.spans]
+        return dataclasses.replace(part, starts={step: t * k for step, t in part.starts.items()}, spans=spans)
+
+    def _bytes(self, op: Op | None, real: int) -> int:
+        """The emulated model's bytes moved by ``op`` (``real`` when it moves none)."""
+        if op is None or not real:
+            return real
+        t, g = self.table, op.stage * self.split + op.sub
+        if op.kind == OpKind.LOAD_PARAMS:
+            return int(t.param_stage[op.stage] if op.sub < 0 else t.param_sub[g])
+        if op.kind == OpKind.OFFLOAD_GRADS:
+            return int(t.grad_mem[g])
+        if op.kind in COMMS or op.kind == OpKind.WAIT_CKPT:
+            family = op.message[0]
+            return int(t.ckpt_mem[g] if family == Message.CKPT else self.plan.costs.act_bytes)
+        return real
+
+    def _seconds(self, op: Op) -> float:
+        """Wall seconds of ``op``'s modelled work."""
+        t, g, k = self.table, op.stage * self.split + op.sub, op.kind
+        if k == OpKind.FORWARD:
+            x = t.fwd[op.stage]
+        elif k == OpKind.BACKWARD:
+            x = t.bwd[g]
+        elif k == OpKind.LOAD_PARAMS:
+            x = t.load_stage[op.stage] if op.sub < 0 else t.load_sub[g]
+        elif k == OpKind.OFFLOAD_GRADS:
+            x = t.offload[g]
+        else:
+            x = t.opt[g]
+        return x * self.time_scale
+
+    def _label(self, what: object) -> str:
+        return f"{what} (rank {self.rank}, step {self._stats.step})"
+
+    def _ratio(self, kind: str, real: float, seconds: float, what: object) -> None:
+        with self._lock:
+            self._stats.ratios[kind].add(real / seconds if seconds > 0 else float(real > 0), self._label(what))
+
+    def _hold(self, end: float, what: object) -> None:
+        """The host waits until ``end``. A host already past it lags: the modelled times stay as they
+        are (as a GPU's queue hides a slow host while it has work) and the largest lag is kept."""
+        lag = time.monotonic() - end
+        if lag <= 0:
+            sleep_until(end)
+            return
+        with self._lock:
+            if lag > self._stats.late:
+                self._stats.late, self._stats.late_op = lag, self._label(what)
+
+    # ------------------------------------------------------------------------------- handlers
+    def wrap(self, handlers: dict[OpKind, Handler], offload_event: Callable[[tuple[int, int]], dev.Event | None]
+             ) -> dict[OpKind, Handler]:
+        """Paced FORWARD, BACKWARD, LOAD_PARAMS, OFFLOAD_GRADS, OPTIM_STEP and VALIDATE; messages are
+        paced in :meth:`post` / :meth:`settle`."""
+        paced = dict(handlers)
+        paced[OpKind.FORWARD] = self._computing(handlers[OpKind.FORWARD])
+        paced[OpKind.BACKWARD] = self._computing(handlers[OpKind.BACKWARD])
+        paced[OpKind.LOAD_PARAMS] = self._copying(handlers[OpKind.LOAD_PARAMS], self.h2d, "h2d")
+        paced[OpKind.OFFLOAD_GRADS] = self._copying(handlers[OpKind.OFFLOAD_GRADS], self.d2h, "d2h")
+        paced[OpKind.OPTIM_STEP] = self._stepping(handlers[OpKind.OPTIM_STEP], offload_event)
+        paced[OpKind.VALIDATE] = self._validating(handlers[OpKind.VALIDATE])
+        return paced
+
+    def _computing(self, handler: Handler) -> Handler:
+        def paced(op: Op) -> None:
+            t0 = time.monotonic()
+            handler(op)
+            real = time.monotonic() - t0
+            seconds = self._seconds(op)
+            start, end = self.compute.charge(seconds)
+            self._stats.busy += seconds
+            self._stats.spans.append(("gpu", str(op), start, end))
+            self._ratio("compute", real, seconds, op)
+            self._hold(end, op)
+        return paced
+
+    def _copying(self, handler: Handler, stream: EmulatedStream, kind: str) -> Handler:
+        def paced(op: Op) -> None:
+            seconds = self._seconds(op)
+            stream.charge_next(seconds)
+            t0 = time.monotonic()
+            handler(op)
+            self._ratio(kind, time.monotonic() - t0, seconds, op)
+            self._stats.spans.append((kind, str(op), stream.free - seconds, stream.free))
+        return paced
+
+    def _stepping(self, handler: Handler, offload_event: Callable[[tuple[int, int]], dev.Event | None]) -> Handler:
+        def paced(op: Op) -> None:
+            if op.is_async:  # a worker thread paces it (optimizer_pace)
+                handler(op)
+                return
+            event = offload_event((op.stage, op.sub))
+            if event is not None:
+                event.wait(self.compute)  # the step starts when its gradients are on the host
+            t0 = time.monotonic()
+            handler(op)
+            seconds = self._seconds(op)
+            start, end = self.compute.charge(seconds)
+            self._stats.spans.append(("cpu", str(op), start, end))
+            self._ratio("optimizer", time.monotonic() - t0, seconds, op)
+            self._hold(end, op)
+        return paced
+
+    def _validating(self, handler: Handler) -> Handler:
+        def paced(op: Op) -> None:
+            sleep_until(max(self.compute.free, self.d2h.free, self.asend_end))  # copies and sends done
+            handler(op)  # waits for the optimizer workers, then the all-reduce: a real barrier
+            self.compute.free = max(self.compute.free, time.monotonic())
+        return paced
+
+    # ------------------------------------------------------------------------------ optimizer
+    def optimizer_pace(self) -> Callable[[str, dev.Event | None], contextlib.AbstractContextManager[None]]:
+        """The span a worker wraps a step of a stage in; made on the main thread at submission."""
+        return self._optimizer_span
+
+    def _optimizer_span(self, name: str, event: dev.Event | None) -> contextlib.AbstractContextManager[None]:
+        return self._optimizer_job(name, self.compute.free, event)
+
+    @contextlib.contextmanager
+    def _optimizer_job(self, name: str, submitted: float, event: dev.Event | None) -> Iterator[None]:
+        ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
+        start = max(submitted, ready, getattr(self._worker, "free", 0.0))
+        t0 = time.monotonic()
+        yield
+        real = time.monotonic() - t0
+        seconds = self._opt[name] * self.time_scale
+        end = start + seconds
+        self._ratio("optimizer", real, seconds, f"OPT {name}")
+        with self._lock:
+            self._stats.spans.append(("cpu", f"OPT {name}", start, end))
+        self._worker.free = end
+        self._hold(end, f"OPT {name}")
+
+    # ------------------------------------------------------------------------------- messages
+    def _xfer(self, spec: Any) -> float:
+        """Wall seconds of the transfer of a :class:`sysx.runtime.p2p.TransferSpec`'s message."""
+        t, g = self.table, spec.stage * self.split + spec.sub
+        xfer = t.act_xfer[spec.stage] if spec.family == Message.ACT else (
+            t.grad_xfer[g] if spec.family == Message.GRAD else t.ckpt_xfer[g])
+        return xfer * self.time_scale
+
+    def post(self, pending: Any, group: dist.ProcessGroup | None) -> None:
+        """Send this side's post time to the peer and receive the peer's (tags apart from payloads)."""
+        mine = torch.tensor([self.cursor()], dtype=torch.float64)
+        theirs = torch.empty(1, dtype=torch.float64)
+        out_tag, in_tag = (_STAMP_TAG, _BACK_TAG) if pending.is_send else (_BACK_TAG, _STAMP_TAG)
+        pending.extra = [dist.isend(mine, dst=pending.peer, group=group, tag=out_tag),
+                         dist.irecv(theirs, src=pending.peer, group=group, tag=in_tag)]
+        pending.stamps = (mine, theirs)
+        if pending.is_send:  # VALIDATE waits for it: at least until its transfer could have ended
+            self.asend_end = max(self.asend_end, self.cursor() + self._xfer(pending.spec))
+
+    def settle(self, pending: Any, wait: Callable[[dist.Work], None]) -> None:
+        """The transfer lasts the table's time from when both sides had posted (module doc)."""
+        if not pending.extra:
+            return
+        for work in pending.extra:
+            if not work.is_completed():
+                wait(work)
+        pending.extra = []
+        spec = pending.spec
+        seconds = self._xfer(spec)
+        start = max(float(pending.stamps[0]), float(pending.stamps[1]))
+        end = start + seconds
+        if pending.is_send:
+            with self._lock:
+                self._stats.spans.append(("p2p", spec.label, start, end))
+        if pending.is_send and not pending.sync:
+            with self._lock:
+                self.asend_end = max(self.asend_end, end)
+            return
+        self.compute.free = max(self.compute.free, end)
+        past = time.monotonic() - self.compute.free  # > 0: the real delivery or the host was slower than the model
+        with self._lock:
+            self._stats.ratios["p2p"].add(max(past, 0.0), self._label(spec.label), over=P2P_NOISE_S)
+        self._hold(self.compute.free, spec.label)

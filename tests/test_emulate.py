@@ -1,0 +1,234 @@
+"""``device=emulated`` (sysx.emulate): emulated streams and events order work like CUDA's, the pacer
+refuses a measurement whose real part is longer than modelled, and an emulated 2-rank job computes
+exactly the losses of the same job on CPU (emulation changes time, never numbers).
+
+No outcome here depends on the machine's speed: orderings and bookkeeping are checked on modelled
+times (exact arithmetic), and the only real waits are long against what they are compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
+from sysx.emulate import EmulatedEvent, EmulatedPacer, EmulatedStream, emulated_model, merge_report, plan_emulation
+from sysx.runtime import PipelineOptions
+from sysx.runtime.options import make_schedule
+from sysx.schedule import Op, OpKind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _zero() -> float:
+    return 0.0
+
+
+# ------------------------------------------------------------------------------ streams and events
+def test_a_copy_waits_for_the_event_it_waits_on() -> None:
+    compute, h2d = EmulatedStream("compute", issue=_zero), EmulatedStream("h2d", issue=_zero)
+    compute.charge(5.0)
+    released = compute.record_event()
+    assert released.timestamp() == compute.free
+    h2d.wait_event(released)
+    h2d.charge_next(2.0)
+    with h2d.use():
+        ready = EmulatedEvent().record()  # no stream named: the one the block issues on
+    assert ready.timestamp() == released.timestamp() + 2.0
+    compute.wait_event(ready)
+    start, end = compute.charge(1.0)
+    assert (start, end) == (ready.timestamp(), ready.timestamp() + 1.0)
+
+
+def test_durations_add_up_on_one_stream_and_wait_stream_orders_after_another() -> None:
+    s, other = EmulatedStream("d2h", issue=_zero), EmulatedStream("compute", issue=_zero)
+    first, _ = s.charge(1.0)
+    s.charge(2.0)
+    _, last = s.charge(3.0)
+    assert last - first == 6.0
+    other.charge(100.0)
+    s.wait_stream(other)
+    start, _ = s.charge(0.5)
+    assert start == other.free
+
+
+def test_synchronize_sleeps_to_the_modelled_end() -> None:
+    s = EmulatedStream("h2d")
+    s.charge(1.0)
+    event = s.record_event()
+    assert not event.query()  # one second of work was just issued
+    event.synchronize()
+    assert time.monotonic() >= event.timestamp() and event.query()
+    s.charge(0.2)
+    s.synchronize()
+    assert time.monotonic() >= s.free
+
+
+def test_an_event_never_recorded_does_not_wait() -> None:
+    s = EmulatedStream("compute", issue=_zero)
+    event = EmulatedEvent()
+    event.wait(s)
+    assert s.after == 0.0 and event.query()
+    event.synchronize()
+    with pytest.raises(RuntimeError, match="never recorded"):
+        event.timestamp()
+
+
+def test_a_gradient_buffer_still_copying_out_is_not_reused() -> None:
+    """The next sub-stage's backward gets a new buffer instead of waiting for the last offload."""
+    import torch
+
+    from sysx.runtime.buffers import GradBuffers
+
+    compute, d2h = EmulatedStream("compute", issue=_zero), EmulatedStream("d2h", issue=_zero)
+    grads = GradBuffers(torch.float32, torch.device("cpu"), compute=compute, d2h=d2h)
+    first = grads.get((1, 0), 8)
+    d2h.charge_next(1e6)  # an offload that ends long after this test
+    grads.offload((1, 0), torch.empty(8))
+    second = grads.get((0, 1), 8)
+    assert second.data_ptr() != first.data_ptr() and compute.after == 0.0
+    d2h.free = d2h.after = 0.0
+    grads._pool = [(buf, EmulatedEvent().record(d2h)) for buf, _ in grads._pool]  # the copy is done now
+    grads.offload((0, 1), torch.empty(8))
+    assert grads.get((0, 0), 8).data_ptr() == first.data_ptr()
+
+
+def test_messages_between_nodes_take_the_inter_node_link() -> None:
+    from sysx.partition import uniform_partition
+    from sysx.schedule import build
+    from sysx.schedule.costs import Costs
+
+    sched = build("gpipe", 4, 4, uniform_partition(4, 1), n_stages=4, split=1)
+    costs = Costs(layer_fwd_time=(1.0,) * 4, layer_params=(1.0,) * 4, act_bytes=1e9, p2p_bandwidth=10e9,
+                  p2p_latency=0.0, inter_p2p_bandwidth=1e9, inter_p2p_latency=0.5, gpus_per_node=2)
+    tab = costs.table(sched)
+    assert tab.act_xfer[:3] == [0.1, 1.5, 0.1]  # stage 1 on rank 1 sends to rank 2 on the other node
+    assert tab.grad_xfer[2] == 1.5 and tab.grad_xfer[1] == tab.grad_xfer[3] == 0.1
+    one_node = Costs(**{**costs.__dict__, "gpus_per_node": None}).table(sched)
+    assert one_node.act_xfer[:3] == [0.1] * 3
+
+
+def test_posted_sends_cost_the_sender_nothing_and_start_when_both_sides_posted() -> None:
+    """The runtime's sends are isends: the plan's ``posted_sends`` (a blocking send would hold the sender)."""
+    import dataclasses
+
+    from sysx.partition import uniform_partition
+    from sysx.schedule import build
+    from sysx.schedule.costs import UnitCosts
+    from sysx.schedule.simulate import simulate
+
+    sched = build("gpipe", 2, 2, uniform_partition(2, 1), n_stages=2, split=1)
+    tab = dataclasses.replace(UnitCosts().table(sched), act_xfer=[0.5, 0.5])
+
+    def starts(table: object) -> dict[str, float]:
+        return {f"{e.rank} {e.op}": e.start for e in simulate(sched, table).events}
+
+    posted, eager = starts(dataclasses.replace(tab, posted_sends=True)), starts(tab)
+    assert posted["0 F s0 mb1"] == 1.0 and eager["0 F s0 mb1"] == 1.5  # eager: the send holds rank 0 for 0.5
+    assert posted["1 F s1 mb0"] == eager["1 F s1 mb0"] == 1.5  # rank 1 posted its receive at 0: arrival 1 + 0.5
+    assert posted["0 SEND_ACT s0 mb0 ->r1"] == 1.0  # the transfer, on rank 0's p2p lane
+
+
+# ----------------------------------------------------------------------------------------- pacer
+def _pacer(time_scale: float) -> EmulatedPacer:
+    cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
+                     train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
+                     emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale))
+    validate(cfg)
+    opts = PipelineOptions(schedule="sysx", optim_backend="torch")
+    model = emulated_model(cfg)
+    schedule = make_schedule(opts, model.config, n_ranks=2, n_micro=2, seq_len=model.seq_len)
+    return EmulatedPacer(plan_emulation(cfg, schedule, backend="torch"), schedule, 0, time_scale=time_scale)
+
+
+def _run_forwards(pacer: EmulatedPacer, real_s: float) -> dict:
+    handlers = {kind: (lambda op: None) for kind in OpKind}
+    handlers[OpKind.FORWARD] = lambda op: time.sleep(real_s)
+    paced = pacer.wrap(handlers, lambda unit: None)
+    for step in range(3):
+        pacer.begin_step(step)
+        t0 = time.monotonic()
+        for mb in range(2):
+            paced[OpKind.FORWARD](Op(OpKind.FORWARD, 0, mb=mb))
+        pacer.end_step(time.monotonic() - t0)
+    tl = pacer.plan.timeline
+    return merge_report([pacer.steps], time_scale=pacer.time_scale, warmup_steps=1, max_late=0.05,
+                        plan_iteration=tl.iteration, plan_bubble=tl.bubble_ratio)
+
+
+def test_a_real_part_longer_than_modelled_refuses_the_measurement() -> None:
+    pacer = _pacer(time_scale=1e-6)  # a forward of stage 0 is modelled in microseconds; it really takes 20 ms
+    report = _run_forwards(pacer, real_s=0.02)
+    assert report["measured"] is None
+    assert "real part of compute ops is longer than modelled" in report["refused"], report["refused"]
+    assert report["real_ratio"]["compute"]["mean"] > 100 and report["real_ratio"]["compute"]["over_1"] == 4
+    assert "F s0 mb" in report["refused"] and "raise emulate.time_scale" in report["refused"]
+
+
+def test_a_real_part_within_the_model_is_measured() -> None:
+    probe = _pacer(time_scale=1.0)
+    scale = 0.1 / probe.table.fwd[0]  # a forward takes 0.1 s on the wall clock; its real part is nothing
+    report = _run_forwards(_pacer(time_scale=scale), real_s=0.0)
+    assert report["refused"] is None and report["steps_measured"] == 2
+    assert report["real_ratio"]["compute"]["max"] < 0.5 and report["real_ratio"]["compute"]["ops"] == 4
+    m = report["measured"]
+    assert m["iteration_s"] >= 2 * probe.table.fwd[0]  # two modelled forwards per step at least
+    assert m["bubble"] < 0.5  # the steps were mostly forwards
+
+
+def test_a_recorded_window_is_reported_in_modelled_seconds_and_bytes() -> None:
+    from sysx.trace.recorder import RankPart, Span
+
+    pacer = _pacer(time_scale=0.5)
+    load = Op(OpKind.LOAD_PARAMS, 1)
+    part = RankPart(0, "host", {3: 10.0}, [Span(0, 3, "h2d", "H2D s1", load, 10.0, 11.0, 4096),
+                                            Span(0, 3, "compute", "F s1 mb0", Op(OpKind.FORWARD, 1, mb=0), 11.0, 12.0)])
+    out = pacer.modelled(part)
+    assert out.starts == {3: 20.0} and [(x.start, x.end) for x in out.spans] == [(20.0, 22.0), (22.0, 24.0)]
+    assert out.spans[0].nbytes == int(pacer.table.param_stage[1]) > 10**9  # a stage of llama2_7b, not the tiny copy
+    assert out.spans[1].nbytes == 0
+
+
+# ------------------------------------------------------------------------------ the job, 2 ranks
+def _launch(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID", "TORCHELASTIC_RUN_ID")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", "-m", "sysx.train",
+                           *args, f"run_dir={run_dir}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+
+COMMON = ["schedule=sysx", "precision=fp32", "train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "train.micro_batches=4",
+          "eval.every=0", "log.every=1", "optim.backend=torch", "optim.grad_clip=0", "checkpoint.keep=1"]
+
+
+@pytest.mark.timeout(300)
+def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> None:
+    from sysx.model import get_preset
+    from sysx.partition import partition_model
+
+    emulated = _launch([*COMMON, "device=emulated", "emulate.model=llama2_7b", "emulate.time_scale=0.02"],
+                       tmp_path / "emulated")
+    assert emulated.returncode == 0, emulated.stderr[-3000:]
+    # the emulated run is cut like llama2_7b (32 blocks at seq 16); the CPU run gets the same cut
+    cut = partition_model(get_preset("llama2_7b"), 16, 4, split=2)
+    sizes = [len(cut.stage_layers(s)) for s in range(cut.n_stages)]
+    cpu = _launch([*COMMON, "device=cpu", "model.n_layers=32", f"schedule.stage_sizes=[{','.join(map(str, sizes))}]"],
+                  tmp_path / "cpu")
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+
+    def numbers(run: str) -> list[tuple[float, float]]:
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["loss"], r["grad_norm"]) for r in rows]
+
+    assert len(numbers("cpu")) == 3 and numbers("emulated") == numbers("cpu")  # bit for bit
+    report = json.loads((tmp_path / "emulated" / "summary.json").read_text())["emulation"]
+    assert report["model"] == "llama2_7b" and report["plan"]["iteration_s"] > 0 and report["steps_measured"] == 2
+    assert (report["measured"] is None) == (report["refused"] is not None)  # one or the other, said either way
+    assert "emulation (time x0.02): plan" in emulated.stdout
+    assert "emulation" not in json.loads((tmp_path / "cpu" / "summary.json").read_text())
