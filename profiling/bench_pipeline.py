@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -181,7 +182,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         again = f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else ""  # refused before (a hiccup)
         head = f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | {_label(r['schedule'])}{again} |"
         if "error" in r:
-            lines.append(head + f" does not fit: {r['error'][:90]} | | | | | | |")
+            need = re.search(r"has ([\d.]+ GiB) but .* needs ([\d.]+ GiB) on rank (\d+)", r["error"])
+            why = f"needs {need[2]} on rank {need[3]}, the GPU has {need[1]}" if need else r["error"][:90]
+            lines.append(head + f" does not fit | | | | {why} | | |")
             continue
         rep = r["report"]
         plan = rep["plan"]
@@ -200,6 +203,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def averages(rows: list[dict[str, Any]]) -> str:
+    """Mean SysX CFG3 speed-up over Mobius and over Megatron, across the rows measured for all three."""
+    got = {(r["model"], r["seq"], r["schedule"]): r["report"]["measured"]["iteration_s"] for r in rows
+           if (r.get("report") or {}).get("measured")}
+    out = []
+    for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
+        ratios = [got[(m, q, base)] / t for (m, q, sch), t in got.items() if sch == "sysx:cfg3" and (m, q, base) in got]
+        if ratios:
+            out.append(f"SysX/{name} {sum(ratios) / len(ratios):.2f}x on average ({min(ratios):.2f}-{max(ratios):.2f}, "
+                       f"{len(ratios)} rows)")
+    return "; ".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="10b,19b,30b,40b", help=f"comma list of {', '.join(MODELS)}")
@@ -216,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the table (and the command) here")
     p.add_argument("--json", type=Path, help="keep every cell's report here (JSON lines)")
     p.add_argument("--trace", action="store_true", help="keep every rank's modelled spans of the last step in --json")
+    p.add_argument("--report", type=Path, help="print the table of a --json file kept before, running nothing")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
+    if args.report:
+        rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        print(f"{table(rows)}\n\n{averages(rows)}")
+        return 0
     if args.quick:
         args.models, args.seq, args.schedules, args.steps = "10b", "2048", "mobius,interleaved_1f1b,sysx:cfg3", 3
     models = [m.strip() for m in args.models.split(",")]
@@ -237,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                  for s in args.seq.split(",") for sch in schedules]
         launch(cells, n_ranks, shared, out_json)
     rows = [json.loads(line) for line in out_json.read_text().splitlines() if line.strip()]
-    text = table(rows)
+    text = f"{table(rows)}\n\n{averages(rows)}"
     print(text)
     print(f"\n{len(rows)} cells in {time.perf_counter() - t0:.0f} s; paper: SysX {PAPER['sysx_over_mobius']}x Mobius, "
           f"{PAPER['sysx_over_megatron']}x Megatron on average")
