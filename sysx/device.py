@@ -287,6 +287,13 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def host_rss_bytes() -> int:
+    """Resident set size of this process now, in bytes."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
 def host_peak_rss_bytes() -> int:
     """Peak resident set size of this process in bytes (Linux ``ru_maxrss``)."""
     import resource

@@ -1,6 +1,8 @@
 """From a job config to the search and back: the :class:`Job` a config describes, the whole
-tuning (cached profile, search, advice) and the chosen configuration written into the config
-(``schedule.tune=true`` at job start; ``run_dir/config.yaml`` then holds the choice)."""
+tuning (cached profile, p2p measured between the ranks, search, advice) and the chosen
+configuration written into the config (``schedule.tune=true`` at job start; ``run_dir/config.yaml``
+then holds the choice). On ``device=emulated`` the profile is the emulated device's
+(:mod:`sysx.autotune.emulated`): nothing is measured."""
 
 from __future__ import annotations
 
@@ -14,24 +16,36 @@ import torch.distributed as tdist
 from sysx import device as dev
 from sysx import dist as sdist
 from sysx.autotune.advice import Change, advise
-from sysx.autotune.cache import load_or_measure
+from sysx.autotune.cache import cached_profile, load_or_measure, profile_path
+from sysx.autotune.emulated import emulated_profile
+from sysx.autotune.p2p import P2PFigures, measure_p2p
 from sysx.autotune.profile import MachineProfile
 from sysx.autotune.report import why
-from sysx.autotune.search import Budget, Candidate, Job, Result, divisors, search
+from sysx.autotune.search import Budget, Candidate, Job, Result, candidate_costs, divisors, search
 from sysx.config import ConfigError, SysxConfig, model_config
+from sysx.config.choices import EMULATED_DEVICE
+from sysx.emulate import cluster, emulated_model
+from sysx.schedule.costs import Costs
 
 
 def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: Optional[int], device: torch.device) -> Job:
-    """The :class:`Job` of ``cfg`` on ``n_ranks`` ranks (``schedule=auto`` means sysx here)."""
+    """The :class:`Job` of ``cfg`` on ``n_ranks`` ranks (``schedule=auto`` means sysx here). On
+    ``device=emulated`` it is the emulated job: ``emulate.model`` at ``emulate.seq_len``, micro-batches
+    of ``emulate.micro_batch_size``, the emulated network's GPUs per node, 16-bit unless ``precision=fp32``."""
     name = "sysx" if cfg.schedule.name == "auto" else cfg.schedule.name
     if name in ("single", "reference"):
         raise ConfigError(f"tuning chooses pipeline configurations; schedule={name} runs one process "
                           f"(use schedule=auto or a pipeline schedule)")
+    t = cfg.train
+    if cfg.device == EMULATED_DEVICE:
+        em = emulated_model(cfg)
+        return Job(model=em.config, seq_len=em.seq_len, global_batch=em.micro_batch_size * t.micro_batches,
+                   n_ranks=n_ranks, schedule=name, gpus_per_node=cluster(cfg.emulate).gpus_per_node,
+                   work_dtype="float32" if cfg.precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend)
     precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
-    return Job(model=model_config(cfg), seq_len=cfg.train.seq_len,
-               global_batch=cfg.train.micro_batch_size * cfg.train.micro_batches, n_ranks=n_ranks, schedule=name,
-               gpus_per_node=gpus_per_node, work_dtype="float32" if precision == "fp32" else "bfloat16",
-               optim_backend=cfg.optim.backend)
+    return Job(model=model_config(cfg), seq_len=t.seq_len, global_batch=t.micro_batch_size * t.micro_batches,
+               n_ranks=n_ranks, schedule=name, gpus_per_node=gpus_per_node,
+               work_dtype="float32" if precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend)
 
 
 @dataclass
@@ -45,12 +59,17 @@ class Tuning:
 
 
 def tune(job: Job, device: torch.device, *, adam_backend: str = "auto", refresh: bool = False,
-         budget: Optional[dict[str, Optional[float]]] = None) -> Tuning:
+         budget: Optional[dict[str, Optional[float]]] = None, profile: Optional[MachineProfile] = None,
+         p2p: Optional[P2PFigures] = None) -> Tuning:
     """Profile (cached), search, advise. ``budget`` bytes override what the profile found free
-    (keys ``gpu``, ``host``, ``shm``; None keeps the measured figure)."""
-    dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
-    profile, reused = load_or_measure(job.model, job.seq_len, divisors(job.global_batch), dtype=dtype, device=device,
-                                      refresh=refresh, adam_backend=adam_backend)
+    (keys ``gpu``, ``host``, ``shm``; None keeps the profile's figure). ``profile``: use this one
+    (the emulated device's) instead of the cache. ``p2p``: figures just measured between the job's
+    ranks, kept in the cached profile; without them the cached profile's are used if it has some."""
+    reused = profile is not None
+    if profile is None:
+        dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
+        profile, reused = load_or_measure(job.model, job.seq_len, divisors(job.global_batch), dtype=dtype,
+                                          device=device, refresh=refresh, adam_backend=adam_backend, p2p=p2p)
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
     limits = Budget(**{k: float(given[k] if given.get(k) is not None else v) for k, v in found.items()})
@@ -58,12 +77,31 @@ def tune(job: Job, device: torch.device, *, adam_backend: str = "auto", refresh:
     return Tuning(profile, reused, result, advise(result, profile))
 
 
-def choice(cand: Candidate) -> dict[str, Any]:
-    """The config keys a candidate sets (``section.key``: value)."""
+def job_profile(cfg: SysxConfig, job: Job) -> Optional[MachineProfile]:
+    """The profile a job is tuned with when it is not measured: the emulated device's, else None."""
+    return emulated_profile(cfg, divisors(job.global_batch)) if cfg.device == EMULATED_DEVICE else None
+
+
+def cached_costs(cfg: SysxConfig, n_ranks: int, ranks_per_node: int, device: torch.device, *, workers: int,
+                 threads: int) -> Optional[Costs]:
+    """The costs of ``cfg``'s job from this machine's cached profile (its micro-batch size, the run's
+    optimizer workers and threads), or None when none is cached: nothing is measured here."""
+    job = job_from_config(cfg, n_ranks, ranks_per_node, device)
+    dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
+    profile = cached_profile(job.model, job.seq_len, dtype, device)
+    if profile is None:
+        return None
+    return candidate_costs(job, profile, cfg.train.micro_batch_size, workers, threads)
+
+
+def choice(cand: Candidate, *, emulated: bool = False) -> dict[str, Any]:
+    """The config keys a candidate sets (``section.key``: value). On the emulated device the micro-batch
+    size is the emulated one (``emulate.micro_batch_size``); the real tensors keep ``train.micro_batch_size``."""
     o = cand.options
+    mbs_key = "emulate.micro_batch_size" if emulated else "train.micro_batch_size"
     return {"schedule.stages_per_rank": o.stages_per_rank, "schedule.split": o.split, "schedule.cfg": o.cfg,
             "schedule.param_buffers": o.param_buffers, "optim.workers": o.optimizer_workers,
-            "train.micro_batch_size": cand.micro_batch_size, "train.micro_batches": cand.micro_batches}
+            mbs_key: cand.micro_batch_size, "train.micro_batches": cand.micro_batches}
 
 
 def apply_choice(cfg: SysxConfig, keys: dict[str, Any]) -> SysxConfig:
@@ -89,23 +127,68 @@ def no_fit_message(tuning: Tuning) -> str:
     return "\n".join(lines)
 
 
-def tuned_job_config(cfg: SysxConfig, info: Any, device: torch.device) -> SysxConfig:
-    """``schedule.tune=true`` at job start: rank 0 profiles and searches, every rank takes its choice
-    (all ranks must build the same schedule, and profiles measured on each would differ).
+@dataclass
+class TunedJob:
+    """What ``schedule.tune=true`` gives a job: the config with the choice, and on rank 0 the costs
+    the winner was predicted with (the run's prediction, :mod:`sysx.autotune.check`)."""
+
+    cfg: SysxConfig
+    costs: Optional[Costs] = None
+
+
+def _wants_p2p(cfg: SysxConfig, job: Job, device: torch.device) -> bool:
+    """Rank 0: must the ranks measure p2p now (no cached profile with figures for this layout)?"""
+    if cfg.device == EMULATED_DEVICE or job.n_ranks < 2:
+        return False
+    dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
+    path = profile_path(job.model, job.seq_len, dtype, device)
+    if not path.exists():
+        return True
+    try:
+        cached = MachineProfile.from_json(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError):
+        return True
+    p = cached.p2p
+    return p is None or (p.ranks, p.ranks_per_node) != (job.n_ranks, job.ranks_per_node)
+
+
+def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
+    """``schedule.tune=true`` at job start: every rank measures p2p together when the cached profile
+    lacks it, then rank 0 profiles and searches, and every rank takes its choice (all ranks must
+    build the same schedule, and profiles measured on each would differ).
 
     ``info`` is the job's :class:`sysx.dist.DistInfo`. Raises :class:`ConfigError` with the closest
     candidate and the changes to make when nothing fits.
     """
-    box: list[Any] = [None]
-    if info.is_main:
-        job = job_from_config(cfg, info.world_size, info.local_world_size, device)
-        tuning = tune(job, device, adam_backend=cfg.optim.backend)
-        best = tuning.result.best
-        box[0] = choice(best) if best is not None else no_fit_message(tuning)
-        how = "cached" if tuning.reused else f"measured in {tuning.profile.seconds:.1f} s"
-        print("schedule.tune (profile " + how + "):\n  " + "\n  ".join(why(tuning.result, None)), flush=True)
+    job = job_from_config(cfg, info.world_size, info.local_world_size, device)
+    group = sdist.cpu_group() if info.world_size > 1 else None
+    flag = [_wants_p2p(cfg, job, device) if info.is_main else None]
     if info.world_size > 1:
-        tdist.broadcast_object_list(box, src=0, group=sdist.cpu_group())
+        tdist.broadcast_object_list(flag, src=0, group=group)
+    p2p = None
+    if flag[0]:  # over the job's main group and device: the links its messages take
+        on = device if dev.is_cuda(device) else torch.device("cpu")
+        p2p = measure_p2p(info.rank, info.world_size, job.ranks_per_node, on, None)
+    box: list[Any] = [None]
+    costs = None
+    if info.is_main:
+        tuning = tune(job, device, adam_backend=cfg.optim.backend, profile=job_profile(cfg, job), p2p=p2p)
+        best = tuning.result.best
+        box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)
+        if best is not None:
+            costs = candidate_costs(job, tuning.profile, best.micro_batch_size, best.options.optimizer_workers or 1,
+                                    best.threads_per_worker)
+        how = ("the emulated device's" if cfg.device == EMULATED_DEVICE else
+               "cached" if tuning.reused else f"measured in {tuning.profile.seconds:.1f} s")
+        links = f"; {tuning.profile.p2p.describe()}" if tuning.profile.p2p is not None else ""
+        print("schedule.tune (profile " + how + links + "):\n  " + "\n  ".join(why(tuning.result, None)), flush=True)
+    if info.world_size > 1:
+        tdist.broadcast_object_list(box, src=0, group=group)
     if isinstance(box[0], str):
         raise ConfigError(box[0])
-    return apply_choice(cfg, box[0])
+    return TunedJob(apply_choice(cfg, box[0]), costs)
+
+
+def tuned_job_config(cfg: SysxConfig, info: Any, device: torch.device) -> SysxConfig:
+    """:func:`tune_job`'s config (every rank's choice)."""
+    return tune_job(cfg, info, device).cfg

@@ -3,11 +3,13 @@
 The file name holds a hash of :func:`~sysx.autotune.profile.machine_key` (host, CPU model, GPU
 name, torch version) and one of :func:`~sysx.autotune.profile.shape_key` (every ModelConfig field,
 sequence length, dtype): a new machine or a changed shape gets a fresh profile, the same job
-reuses it. A cached profile that lacks a micro-batch size now asked for is measured again.
+reuses it. A cached profile that lacks a micro-batch size now asked for is measured again. The p2p
+figures of the last tuned job's ranks are kept in the same file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,13 +21,14 @@ import torch
 
 from sysx import device as dev
 from sysx.autotune import profile as prof
+from sysx.autotune.p2p import P2PFigures
 from sysx.cachedir import cache_root
 from sysx.model import ModelConfig
 
 log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so profiles of an older profiler are measured again
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def _digest(data: dict[str, Any]) -> str:
@@ -39,27 +42,44 @@ def profile_path(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: tor
     return cache_root() / "autotune" / f"profile-v{PROFILE_VERSION}-{machine}-{shape}.json"
 
 
-def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None, refresh: bool = False,
-                    **measure: Any) -> tuple[prof.MachineProfile, bool]:
-    """The cached profile when it covers ``micro_batch_sizes``, else a new measurement (saved).
-
-    Returns ``(profile, reused)``. ``refresh`` measures even when a cached profile exists.
-    """
-    device = dev.default_device() if device is None else torch.device(device)
-    path = profile_path(cfg, seq_len, dtype, device)
-    want = {m * seq_len for m in micro_batch_sizes}
-    if path.exists() and not refresh:
-        try:
-            cached = prof.MachineProfile.from_json(path.read_text(encoding="utf-8"))
-        except (ValueError, TypeError, KeyError) as err:  # an older or damaged file: measure again
-            log.warning("ignoring the unreadable profile %s (%s)", path, err)
-        else:
-            if want <= cached.measured_tokens() and cached.shape == prof.shape_key(cfg, seq_len, dtype):
-                return cached, True
-    found = prof.measure_profile(cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, **measure)
+def _save(path: Path, found: prof.MachineProfile) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(found.to_json(), encoding="utf-8")
     os.replace(tmp, path)  # concurrent ranks never read a half-written file
+
+
+def cached_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device) -> prof.MachineProfile | None:
+    """The cached profile of this machine and shape, or None (none, unreadable, or another shape)."""
+    path = profile_path(cfg, seq_len, dtype, device)
+    if not path.exists():
+        return None
+    try:
+        cached = prof.MachineProfile.from_json(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError) as err:  # an older or damaged file: measure again
+        log.warning("ignoring the unreadable profile %s (%s)", path, err)
+        return None
+    return cached if cached.shape == prof.shape_key(cfg, seq_len, dtype) else None
+
+
+def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None, refresh: bool = False,
+                    p2p: P2PFigures | None = None, **measure: Any) -> tuple[prof.MachineProfile, bool]:
+    """The cached profile when it covers ``micro_batch_sizes``, else a new measurement (saved).
+
+    Returns ``(profile, reused)``. ``refresh`` measures even when a cached profile exists. ``p2p``:
+    figures just measured between the job's ranks; they replace the profile's and are saved with it.
+    """
+    device = dev.default_device() if device is None else torch.device(device)
+    path = profile_path(cfg, seq_len, dtype, device)
+    want = {m * seq_len for m in micro_batch_sizes}
+    cached = None if refresh else cached_profile(cfg, seq_len, dtype, device)
+    if cached is not None and want <= cached.measured_tokens():
+        if p2p is not None:
+            cached = dataclasses.replace(cached, p2p=p2p)
+            _save(path, cached)
+        return cached, True
+    found = prof.measure_profile(cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, **measure)
+    found.p2p = p2p if p2p is not None else (cached.p2p if cached is not None else None)
+    _save(path, found)
     return found, False

@@ -5,8 +5,10 @@ with profiled numbers, the same path as ``sysx plan`` (one source of truth).
 Sizes (parameters, activations, checkpoints, host bytes per parameter) come from the model shape
 via :func:`~sysx.schedule.costs.costs_from_model`; the profile replaces its FLOP-based layer times
 with the measured ones, its backward ratio with the measured one, and its bandwidths and CPU Adam
-throughput with the machine's. p2p bandwidth and latency between ranks are not profiled yet: they
-keep :class:`Costs`' defaults unless given.
+throughput with the machine's; p2p bandwidth and latency between ranks (in a node and between
+nodes) are the profile's when it holds them (:mod:`sysx.autotune.p2p`, measured at tune time), else
+:class:`Costs`' defaults. Sends are posted, as the runtime's isends are (the emulated device's
+costs say the same: :mod:`sysx.emulate.costs`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tup
 
 def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micro_batch_size: int, *,
                    work_dtype: str = "bfloat16", optim_workers: int | None = None,
-                   threads_per_worker: int = 1, **hardware: Any) -> Costs:
+                   threads_per_worker: int = 1, gpus_per_node: int | None = None, **hardware: Any) -> Costs:
     """:class:`Costs` of ``cfg`` at ``seq_len`` x ``micro_batch_size`` on the profiled machine.
 
     ``work_dtype``: the working copy (``float32`` or ``bfloat16``): bytes per parameter on the GPU
     and in shared memory, and the host optimizer state. ``threads_per_worker``: CPU threads each
-    optimizer worker steps with. ``hardware`` overrides any :class:`Costs` field (e.g. p2p figures).
+    optimizer worker steps with. ``gpus_per_node``: ranks per node (which messages cross nodes).
+    ``hardware`` overrides any :class:`Costs` field.
     """
     fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
     nbytes = 4 if work_dtype == "float32" else 2
@@ -48,4 +51,6 @@ def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micr
     # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,
     # the measured total backward over the measured total forward
     ratio = sum(bwd) / sum(fwd) - 1.0
-    return dataclasses.replace(base, layer_fwd_time=tuple(fwd), bwd_ratio=ratio, recompute=True, **hardware)
+    links = profile.p2p.costs_fields() if profile.p2p is not None else {}
+    return dataclasses.replace(base, layer_fwd_time=tuple(fwd), bwd_ratio=ratio, recompute=True, posted_sends=True,
+                               gpus_per_node=gpus_per_node, **{**links, **hardware})

@@ -18,12 +18,13 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from sysx import device as dev
 from sysx.autotune.hardware import HardwareProfile, measure_hardware, time_op
+from sysx.autotune.p2p import P2PFigures
 from sysx.memory.budget import probe_host
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
@@ -48,7 +49,7 @@ class MachineProfile:
 
     ``layers[kind]``: timings sorted by tokens. ``adam_params_per_s``: parameters one CPU Adam
     thread steps per second. ``cpu_threads``: physical cores the job may use on this node (what
-    :mod:`sysx.optim.cores` splits between ranks). ``host_available`` / ``shm_free`` / ``shm_total``: bytes.
+    :mod:`sysx.optim.cores` splits between ranks). ``p2p``: the links between the job's ranks. ``host_available`` / ``shm_free`` / ``shm_total``: bytes.
     """
 
     machine: dict[str, str]
@@ -62,6 +63,7 @@ class MachineProfile:
     shm_total: int
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    p2p: Optional[P2PFigures] = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
@@ -94,6 +96,8 @@ class MachineProfile:
         data = json.loads(text)
         data["hardware"] = HardwareProfile(**data["hardware"])
         data["layers"] = {k: [LayerTiming(**p) for p in v] for k, v in data["layers"].items()}
+        if data.get("p2p") is not None:
+            data["p2p"] = P2PFigures(**data["p2p"])
         return cls(**data)
 
 

@@ -23,6 +23,7 @@ from sysx.config.choices import ONE_STAGE_PER_RANK
 from sysx.model import ModelConfig
 from sysx.partition import PartitionError
 from sysx.runtime.options import PipelineOptions, make_schedule
+from sysx.schedule.costs import Costs
 from sysx.schedule.ops import ScheduleError
 from sysx.schedule.simulate import Timeline, simulate
 
@@ -176,10 +177,15 @@ def evaluate(job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOp
         opts.stages_per_rank = sched.n_stages // job.n_ranks
     if opts.schedule == "sysx":
         opts.split = sched.split
-    costs = profiled_costs(profile, job.model, job.seq_len, mbs, work_dtype=job.work_dtype, optim_workers=workers,
-                           threads_per_worker=threads)
-    tl = simulate(sched, costs, record=False, gpus_per_node=job.ranks_per_node)
+    tl = simulate(sched, candidate_costs(job, profile, mbs, workers, threads), record=False,
+                  gpus_per_node=job.ranks_per_node)
     return _candidate(job, budget, opts, mbs, n_micro, threads, tl)
+
+
+def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, threads: int) -> Costs:
+    """The :class:`Costs` a candidate is simulated with (and a tuned run's prediction, :mod:`sysx.autotune.check`)."""
+    return profiled_costs(profile, job.model, job.seq_len, mbs, work_dtype=job.work_dtype, optim_workers=workers,
+                          threads_per_worker=threads, gpus_per_node=job.ranks_per_node)
 
 
 def _candidate(job: Job, budget: Budget, opts: PipelineOptions, mbs: int, n_micro: int, threads: int,

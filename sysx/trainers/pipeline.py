@@ -47,11 +47,13 @@ from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
 from sysx.partition import unit_label
 from sysx.schedule import CostTable, OpKind, Schedule, evaluation_schedule, validate
+from sysx.schedule.costs import Costs
 from sysx.trace.report import gather_parts, write_report
 from sysx.trace.window import StepWindow
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
+from sysx.trainers.prediction import RunPrediction
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -62,7 +64,8 @@ _instances = itertools.count()
 class PipelineTrainer(Trainer):
     """One rank of a pipeline-parallel run (see the module doc). Every rank constructs it with the
     same ``cfg`` and ``options``; without ``info`` the process group is joined from the
-    launcher's environment (a single process needs none)."""
+    launcher's environment (a single process needs none). ``tuned_costs``: what ``schedule.tune``
+    predicted this run with (rank 0), the costs its prediction is checked with."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class PipelineTrainer(Trainer):
         info: sdist.DistInfo | None = None,
         dataset: TokenDataset | None = None,
         device: torch.device | str | None = None,
+        tuned_costs: Costs | None = None,
     ) -> None:
         super().__init__(cfg, dataset=dataset, device=device)
         cfg = self.cfg
@@ -100,11 +104,14 @@ class PipelineTrainer(Trainer):
         self.optimizer: RankOptimizer | None = None
         self.last_op_seconds: dict[str, float] = {}
         self._measurements: dict[str, dict[str, float]] = {}
+        self.tuned_costs = tuned_costs
+        self.window_costs: CostTable | None = None  # the recorded window's own costs, once written
         try:
             self._build()
         except BaseException:
             self.close()
             raise
+        self.prediction = RunPrediction(self, tuned_costs)
 
     def _pacer(self) -> Pacer:
         """The emulated device's pacer (its plan refuses a GPU memory overflow), else none."""
@@ -237,6 +244,7 @@ class PipelineTrainer(Trainer):
         self.last_op_seconds = ctx.op_seconds
         if self.window.after(step):
             self._write_timeline()
+        self.prediction.after_step(result)
         self.step_index += 1
         return result
 
@@ -254,17 +262,28 @@ class PipelineTrainer(Trainer):
                               param_bytes=float(self.dtype.itemsize))
         print(report.line, flush=True)
         self._measurements = report.summary()
+        self.window_costs = report.costs
 
     def plan_costs(self) -> CostTable | None:
         """The costs the plan beside a recorded timeline is simulated with; None: the window's own
-        profiled costs (:func:`sysx.trace.costs.measured_costs`). A device that models its time
-        (``device=emulated``) returns the table it models with."""
+        profiled costs (:func:`sysx.trace.costs.measured_costs`). A tuned run (rank 0) returns the
+        table it was predicted with; a device that models its time (``device=emulated``) the table it
+        models with."""
+        if self.tuned_costs is not None:
+            return self.tuned_costs.table(self.schedule)
         return self.pacer.plan.table if isinstance(self.pacer, EmulatedPacer) else None
+
+    def recorded_iteration(self) -> float | None:
+        """Rank 0: the recorded window's measured seconds per iteration, once written (else None)."""
+        measured = self._measurements.get("measured")
+        return measured["iteration_s"] if measured else None
 
     def measurements(self) -> dict[str, Any]:
         """``{"measured": ..., "plan": ...}`` of the recorded window on rank 0, once written (else
         empty); on an emulated device also its ``emulation`` report (collective then: every rank calls it)."""
         out: dict[str, Any] = dict(self._measurements)
+        if self.prediction.section:
+            out["prediction"] = self.prediction.section
         if isinstance(self.pacer, EmulatedPacer):
             out["emulation"] = self.emulation_report()
         return out
@@ -387,15 +406,17 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
     opts = options_from_config(cfg)
     info = sdist.init(timeout_s=opts.timeout_s, device=cfg.device)
     try:
+        tuned_costs = None
         if cfg.schedule.tune:  # the choice goes into the config, so run_dir/config.yaml records it
-            from sysx.autotune.apply import tuned_job_config
+            from sysx.autotune.apply import tune_job
 
-            cfg = tuned_job_config(cfg, info, dev.resolve_device(cfg.device))
+            tuned = tune_job(cfg, info, dev.resolve_device(cfg.device))
+            cfg, tuned_costs = tuned.cfg, tuned.costs
             opts = options_from_config(cfg)
         plan = plan_cores(n_stages=1, backend="torch" if opts.optim_backend == "torch" else "deepspeed",
                           local_rank=info.local_rank, local_world_size=info.local_world_size)
         apply_plan(plan)
-        trainer = PipelineTrainer(resolve(cfg), opts, info=info)
+        trainer = PipelineTrainer(resolve(cfg), opts, info=info, tuned_costs=tuned_costs)
         return run_job(trainer, is_main=info.is_main, extra=trainer.describe())
     except (ExecutionError, sdist.PeerTimeout, TransferMismatch) as err:
         print(f"sysx-train: rank {info.rank}: error: {err}", file=sys.stderr, flush=True)

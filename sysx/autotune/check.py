@@ -1,0 +1,105 @@
+"""Prediction checked against measurement, every run (ProTrain's cost-model error, issue 14 item 4).
+
+After the first steps a pipeline run compares what the simulator predicted for its schedule with
+what it measured: the iteration time, and the peak memory (the GPU's on CUDA; on CPU, where the
+"device" is host memory, the growth of the ranks' resident memory against the planner's host
+state + shared memory + device buffers). The prediction is :func:`~sysx.schedule.simulate.simulate`
+fed with the costs the run used: the tuned profile's (``schedule.tune=true``), the emulated
+device's table, a cached profile of this machine and shape, or the recorded window's own costs
+(the plan beside a timeline), in that order. ``summary.json`` gets::
+
+    "prediction": {"source": ..., "steps": [1, 3],
+                   "iteration_s": {"predicted": p, "measured": m, "error_pct": 100 * (m / p - 1)},
+                   "peak_gpu_bytes" | "peak_host_bytes": {...}}
+
+and the log one line, plus one warning line when an error exceeds :data:`WARN_PCT`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import mean
+from typing import Any, Optional, Union
+
+from sysx.schedule import Schedule
+from sysx.schedule.costs import Costs, CostTable
+from sysx.schedule.simulate import simulate
+
+WARN_PCT = 10.0  # ProTrain reports under 4% on GPUs; a shared CPU is noisier
+WARMUP_STEPS = 1  # the first step builds caches and connections: not measured
+WINDOW_STEPS = 3  # steps measured after the warm-up (fewer when the run is shorter)
+GPU, HOST = "peak_gpu_bytes", "peak_host_bytes"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The simulator's answer for one run: seconds per iteration and the peak memory of ``memory``
+    (:data:`GPU` for the fullest rank, :data:`HOST` for all ranks together; "" for none)."""
+
+    iteration_s: float
+    peak_bytes: float
+    memory: str
+    source: str
+
+
+def predict(schedule: Schedule, costs: Union[Costs, CostTable], *, memory: str, source: str,
+            gpus_per_node: Optional[int] = None) -> Prediction:
+    """Simulate ``schedule`` with ``costs``; ``memory`` says which peak is compared (see :class:`Prediction`)."""
+    table = costs if isinstance(costs, CostTable) else costs.table(schedule)
+    tl = simulate(schedule, table, record=False, gpus_per_node=gpus_per_node)
+    if memory == GPU:
+        peak = max(tl.peak_gpu)
+    elif memory == HOST:  # device buffers are host memory too when the device is the CPU
+        peak = sum(tl.host) + sum(tl.shm) + sum(tl.peak_gpu)
+    else:
+        peak = 0.0
+    return Prediction(tl.iteration, peak, memory, source)
+
+
+def check_step(first_step: int, total_steps: int, recorded_last: Optional[int]) -> int:
+    """The step after which a run starting at ``first_step`` checks its prediction: the end of the
+    recorded window when there is one, else after :data:`WINDOW_STEPS` steps past the warm-up."""
+    if recorded_last is not None and recorded_last < total_steps:
+        return recorded_last
+    return min(total_steps - 1, first_step + WARMUP_STEPS + WINDOW_STEPS - 1)
+
+
+def measured_window(step_times: Sequence[tuple[int, float]]) -> tuple[list[int], float]:
+    """``(steps, mean seconds)`` of the logged step times after the warm-up (all of them when the
+    run has no step past it)."""
+    kept = list(step_times[WARMUP_STEPS:]) or list(step_times)
+    if not kept:
+        raise ValueError("no step time was logged: nothing to compare the prediction with")
+    return [s for s, _ in kept], mean(t for _, t in kept)
+
+
+def _entry(predicted: float, measured: float) -> dict[str, float]:
+    error = 100.0 * (measured / predicted - 1.0) if predicted > 0 else float("inf")
+    return {"predicted": predicted, "measured": measured, "error_pct": error}
+
+
+def compare(pred: Prediction, iteration_s: float, peak_bytes: Optional[float], *, steps: Sequence[int],
+            measured_by: str) -> tuple[dict[str, Any], list[str]]:
+    """The ``prediction`` section of ``summary.json`` and the log lines (the last one a warning when
+    an error exceeds :data:`WARN_PCT`). ``peak_bytes`` None: no memory was measured."""
+    section: dict[str, Any] = {"source": pred.source, "measured_by": measured_by, "steps": [steps[0], steps[-1]],
+                               "iteration_s": _entry(pred.iteration_s, iteration_s)}
+    if pred.memory and peak_bytes is not None:
+        section[pred.memory] = _entry(pred.peak_bytes, peak_bytes)
+    window = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else f"{steps[0]}"
+    it = section["iteration_s"]
+    line = (f"prediction ({pred.source}): {it['predicted']:.4g} s/iteration, measured {it['measured']:.4g} s "
+            f"({measured_by}, steps {window}): {it['error_pct']:+.1f}%")
+    if pred.memory in section:
+        m = section[pred.memory]
+        what = "peak GPU memory" if pred.memory == GPU else "peak host memory (all ranks)"
+        line += (f"; {what} {m['predicted'] / 2**20:.1f} MiB, measured {m['measured'] / 2**20:.1f} MiB: "
+                 f"{m['error_pct']:+.1f}%")
+    lines = [line]
+    off = [k for k in ("iteration_s", GPU, HOST) if k in section and abs(section[k]["error_pct"]) > WARN_PCT]
+    if off:
+        lines.append(f"warning: the prediction is off by more than {WARN_PCT:g}% ({', '.join(off)}): the costs "
+                     f"({pred.source}) do not describe this run; `sysx tune --refresh` (or schedule.tune=true "
+                     f"after it) measures the profile again")
+    return section, lines

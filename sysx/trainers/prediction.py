@@ -1,0 +1,100 @@
+"""A pipeline run checks its prediction after its first steps (:mod:`sysx.autotune.check`).
+
+Every rank calls :meth:`RunPrediction.after_step` after each step; at the check step (the same on
+every rank) the ranks reduce their memory peaks, and rank 0 simulates the schedule with the costs
+the run used, compares, prints the line (and the warning) and keeps the ``prediction`` section
+for ``summary.json``. The measured iteration is the recorded window's when the timeline recorder
+ran, else the mean of the logged step times after the warm-up.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from sysx import device as dev
+from sysx.autotune.check import GPU, HOST, Prediction, check_step, compare, measured_window, predict
+from sysx.metrics import StepResult
+from sysx.schedule.costs import Costs, CostTable
+
+if TYPE_CHECKING:
+    from sysx.trainers.pipeline import PipelineTrainer
+
+
+class RunPrediction:
+    """The check of one rank's trainer (built once the trainer is, before its first step)."""
+
+    def __init__(self, trainer: PipelineTrainer, tuned: Optional[Costs]) -> None:
+        self.trainer = trainer
+        self.tuned = tuned
+        self.emulated = trainer.cfg.device == "emulated"
+        self.rss0 = dev.host_rss_bytes()  # before the first step: the growth is what the plan describes
+        self.step_times: list[tuple[int, float]] = []
+        rec = trainer.window.recorder
+        self.at = check_step(trainer.step_index, trainer.cfg.train.steps, rec.last if rec is not None else None)
+        self.section: dict[str, Any] = {}
+
+    def _memory_kind(self) -> str:
+        if self.emulated:  # the emulated GPU's memory is modelled, its stand-in holds tiny tensors
+            return ""
+        return GPU if dev.is_cuda(self.trainer.device) else HOST
+
+    def _peak(self) -> Optional[float]:
+        """Collective: the fullest rank's GPU peak, or every rank's host growth summed (CPU)."""
+        t = self.trainer
+        kind = self._memory_kind()
+        if not kind:
+            return None
+        mine = float(dev.max_memory_allocated(t.device)) if kind == GPU else float(dev.host_peak_rss_bytes() - self.rss0)
+        if t.world == 1:
+            return mine
+        value = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM, group=t.group)
+        return float(value.item())
+
+    def costs(self) -> tuple[Optional[Costs | CostTable], str]:
+        """Rank 0: the costs the run used and their name (see :mod:`sysx.autotune.check`)."""
+        t = self.trainer
+        if self.tuned is not None:
+            return self.tuned, "tuned profile"
+        plan = t.plan_costs()
+        if plan is not None:
+            return plan, "emulated device"
+        from sysx.autotune.apply import cached_costs
+
+        assert t.optimizer is not None
+        threads = t.optimizer.threads
+        cached = cached_costs(t.cfg, t.world, t.info.local_world_size, t.device, workers=threads.workers,
+                              threads=threads.threads_per_worker or 1)
+        if cached is not None:
+            return cached, "cached profile"
+        window = t.window_costs
+        return (window, "recorded window's costs") if window is not None else (None, "")
+
+    def after_step(self, result: StepResult) -> None:
+        """Note the step's time; at the check step, compare (collective at that step)."""
+        self.step_times.append((result.step, result.step_time_s))
+        if result.step != self.at:
+            return
+        t = self.trainer
+        peak = self._peak()
+        if t.rank != 0:
+            return
+        costs, source = self.costs()
+        if costs is None:
+            print("prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
+                  "`sysx tune` measures one)", flush=True)
+            return
+        gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size  # type: ignore[attr-defined]
+        pred: Prediction = predict(t.schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
+        recorded = t.recorded_iteration()
+        if recorded is not None:
+            steps, iteration, how = list(range(t.window.recorder.first, t.window.recorder.last + 1)), recorded, "timeline"  # type: ignore[union-attr]
+        else:
+            steps, iteration = measured_window(self.step_times)
+            how = "step times"
+        self.section, lines = compare(pred, iteration, peak, steps=steps, measured_by=how)
+        for line in lines:
+            print(line, flush=True)
