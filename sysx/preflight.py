@@ -17,13 +17,13 @@ from sysx.config import ConfigError, SysxConfig, model_config, refuse_ignored_ke
 
 def check_single(cfg: SysxConfig) -> str:
     """The sliding-window plan of ``schedule=single`` (hardware from ``single.hardware``); its summary line."""
-    from sysx.single.hardware import assumed_hardware, measure_hardware
+    from sysx.single.hardware import machine_hardware
     from sysx.single.planner import PlanError, make_plan, plan_request_from_config
     from sysx.trainers.base import DTYPES, job_device, resolve_precision
 
     device = job_device(cfg)
     dtype = DTYPES[resolve_precision(cfg, device).precision]
-    hw = measure_hardware(device, dtype) if cfg.single.hardware == "measure" else assumed_hardware(cfg.single.hardware)
+    hw = machine_hardware(cfg.single.hardware, device, dtype)
     try:
         plan = make_plan(plan_request_from_config(cfg, cfg.single, model_config(cfg)), hw)
     except PlanError as err:

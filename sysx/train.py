@@ -140,7 +140,11 @@ def train_auto(cfg: SysxConfig, info: DistInfo) -> int:
     if info.is_main:
         print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
               flush=True)
-    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
+    # several processes tune their layout unless told not to, or given one by hand
+    s = cfg.schedule
+    by_hand = s.stage_sizes is not None or s.stages_per_rank is not None or s.split is not None
+    tune = s.tune if s.tune is not None or name != "sysx" else info.world_size > 1 and not by_hand
+    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name, tune=tune))
     refuse_ignored_keys(name, cfg.schedule, cfg.single)
     return trainer_for(name)(cfg, info)
 

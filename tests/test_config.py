@@ -244,7 +244,7 @@ def test_single_section_checks_itself() -> None:
     from sysx.config import SingleSection
 
     for bad, words in ((SingleSection(window=-1), "single.window=-1"), (SingleSection(policy="7"), "level 0..4"),
-                       (SingleSection(hardware="tpu"), "measure, rtx4090"), (SingleSection(optimizer_overlap="x"), "backward")):
+                       (SingleSection(hardware="tpu"), "measure, remeasure, rtx4090"), (SingleSection(optimizer_overlap="x"), "backward")):
         with pytest.raises(ConfigError, match=words):
             bad.validate()
     SingleSection(policy="3", hardware="h100").validate()

@@ -3,7 +3,8 @@
 The file name holds a hash of :func:`~sysx.autotune.profile.machine_key` (host, CPU model, GPU
 name, torch version) and one of :func:`~sysx.autotune.profile.shape_key` (every ModelConfig field,
 sequence length, dtype): a new machine or a changed shape gets a fresh profile, the same job
-reuses it. A cached profile that lacks a micro-batch size now asked for is measured again. The p2p
+reuses it. The hardware figures alone (copy and matmul rates) are kept per machine in a file of their
+own (:func:`load_or_measure_hardware`), which the single-device planner reads too. A cached profile that lacks a micro-batch size now asked for is measured again. The p2p
 figures of the last tuned job's ranks are kept in the same file.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from sysx import device as dev
 from sysx.autotune import profile as prof
+from sysx.autotune.hardware import HardwareProfile, measure_hardware, memory_now
 from sysx.autotune.p2p import P2PFigures
 from sysx.cachedir import cache_root
 from sysx.model import ModelConfig
@@ -42,11 +44,41 @@ def profile_path(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: tor
     return cache_root() / "autotune" / f"profile-v{PROFILE_VERSION}-{machine}-{shape}.json"
 
 
-def _save(path: Path, found: prof.MachineProfile) -> None:
+def hardware_path(device: torch.device, dtype: torch.dtype) -> Path:
+    """Where this machine's hardware figures (copy rates, matmul rate in ``dtype``) are kept."""
+    machine = _digest(prof.machine_key(device))
+    return cache_root() / "autotune" / f"hardware-v{PROFILE_VERSION}-{machine}-{str(dtype).removeprefix('torch.')}.json"
+
+
+def load_or_measure_hardware(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, *,
+                             refresh: bool = False, repeats: int = 3) -> tuple[HardwareProfile, bool]:
+    """This machine's hardware figures, measured once per machine (and compute dtype) and cached; the
+    free and total memory are read again every time (they change, the rates do not). Returns
+    ``(figures, reused)``; ``refresh`` measures again. The single-device planner and the autotune
+    profile both come here: one hardware profile per machine."""
+    device = dev.default_device() if device is None else torch.device(device)
+    path = hardware_path(device, dtype)
+    if path.exists() and not refresh:
+        try:
+            cached = HardwareProfile(**json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as err:  # an older or damaged file: measure again
+            log.warning("ignoring the unreadable hardware profile %s (%s)", path, err)
+        else:
+            return dataclasses.replace(cached, **memory_now(device)), True
+    found = measure_hardware(device, dtype, repeats=repeats)
+    _write(path, json.dumps(found.as_dict(), indent=1, sort_keys=True))
+    return found, False
+
+
+def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(found.to_json(), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)  # concurrent ranks never read a half-written file
+
+
+def _save(path: Path, found: prof.MachineProfile) -> None:
+    _write(path, found.to_json())
 
 
 def cached_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device) -> prof.MachineProfile | None:
@@ -79,7 +111,8 @@ def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int]
             cached = dataclasses.replace(cached, p2p=p2p)
             _save(path, cached)
         return cached, True
-    found = prof.measure_profile(cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, **measure)
+    hardware, _ = load_or_measure_hardware(device, dtype, refresh=refresh)
+    found = prof.measure_profile(cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, hardware=hardware, **measure)
     found.p2p = p2p if p2p is not None else (cached.p2p if cached is not None else None)
     _save(path, found)
     return found, False

@@ -129,6 +129,17 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, *, n: int | None = 
     return 2.0 * n**3 / max(seconds, 1e-9)
 
 
+def memory_now(device: torch.device) -> dict[str, int]:
+    """The free and total memory fields of :class:`HardwareProfile`, read now (they change between runs)."""
+    host_free, host_total = _host_memory()
+    if dev.is_cuda(device):
+        free, total = torch.cuda.mem_get_info(device)
+    else:  # the host stands in for the device
+        free, total = host_free, host_total
+    return {"device_free_bytes": int(free), "device_total_bytes": int(total), "host_free_bytes": host_free,
+            "host_total_bytes": host_total}
+
+
 def measure_hardware(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, *,
                      nbytes: int | None = None, repeats: int = 3) -> HardwareProfile:
     """Measure the figures of :class:`HardwareProfile` on ``device`` (default: the default device).

@@ -140,11 +140,12 @@ def machine_key(device: torch.device) -> dict[str, str]:
 
 def measure_profile(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
                     device: torch.device | str | None = None, repeats: int = 3,
-                    adam_backend: str = "auto") -> MachineProfile:
-    """Measure a :class:`MachineProfile` for ``cfg`` at ``seq_len`` and each micro-batch size."""
+                    adam_backend: str = "auto", hardware: HardwareProfile | None = None) -> MachineProfile:
+    """Measure a :class:`MachineProfile` for ``cfg`` at ``seq_len`` and each micro-batch size
+    (``hardware``: this machine's figures when already known, else measured too)."""
     t0 = time.perf_counter()
     device = dev.default_device() if device is None else torch.device(device)
-    hardware = measure_hardware(device, dtype, repeats=repeats)
+    hardware = measure_hardware(device, dtype, repeats=repeats) if hardware is None else hardware
     layers: dict[str, list[LayerTiming]] = {k: [] for k in LAYER_KINDS}
     for kind, index in zip(LAYER_KINDS, (0, 1, cfg.n_layers + 1)):
         layer = make_layer(cfg, index, dtype=dtype, device=device)

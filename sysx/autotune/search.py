@@ -24,7 +24,7 @@ from sysx.model import ModelConfig
 from sysx.partition import PartitionError
 from sysx.runtime.options import PipelineOptions, make_schedule
 from sysx.schedule.costs import Costs
-from sysx.schedule.ops import ScheduleError
+from sysx.schedule.ops import Schedule, ScheduleError
 from sysx.schedule.simulate import Timeline, simulate
 
 RESOURCES = ("gpu", "host", "shm")
@@ -170,16 +170,28 @@ def evaluate(job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOp
 
     Raises ``ScheduleError``, ``PartitionError`` or ``ConfigError`` when it cannot be built.
     """
-    opts = PipelineOptions(**{**opts.__dict__, "optimizer_workers": workers})
-    n_micro = job.global_batch // mbs
-    sched = make_schedule(opts, job.model, n_ranks=job.n_ranks, n_micro=n_micro, seq_len=job.seq_len)
+    built, sched = _build(job, opts, mbs)
+    return _simulated(job, budget, profile, built, sched, mbs, workers, threads)
+
+
+def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, Schedule]:
+    """The options as built (the fixed rule's choices filled in) and the validated schedule; the
+    optimizer workers do not change the schedule, so the search builds it once for all of them."""
+    opts = PipelineOptions(**opts.__dict__)
+    sched = make_schedule(opts, job.model, n_ranks=job.n_ranks, n_micro=job.global_batch // mbs, seq_len=job.seq_len)
     if opts.schedule not in ONE_STAGE_PER_RANK:  # the values the fixed rule chose, so the label says what runs
         opts.stages_per_rank = sched.n_stages // job.n_ranks
     if opts.schedule == "sysx":
         opts.split = sched.split
+    return opts, sched
+
+
+def _simulated(job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOptions, sched: Schedule, mbs: int,
+               workers: int, threads: int) -> Candidate:
+    opts = PipelineOptions(**{**opts.__dict__, "optimizer_workers": workers})
     tl = simulate(sched, candidate_costs(job, profile, mbs, workers, threads), record=False,
                   gpus_per_node=job.ranks_per_node)
-    return _candidate(job, budget, opts, mbs, n_micro, threads, tl)
+    return _candidate(job, budget, opts, mbs, job.global_batch // mbs, threads, tl)
 
 
 def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, threads: int) -> Costs:
@@ -211,12 +223,13 @@ def search(job: Job, budget: Budget, profile: MachineProfile, space: Space = Spa
             invalid.append(f"micro_batch_size={mbs} does not divide the global batch {job.global_batch}")
             continue
         for opts in _options(job, space):
+            try:
+                built, sched = _build(job, opts, mbs)
+            except (ScheduleError, PartitionError, ConfigError) as err:
+                invalid.append(f"{opts.describe()} micro_batch_size={mbs}: {err}")
+                continue
             for workers, threads in thread_options(job, profile, space):
-                try:
-                    cand = evaluate(job, budget, profile, opts, mbs, workers, threads)
-                except (ScheduleError, PartitionError, ConfigError) as err:
-                    invalid.append(f"{opts.describe()} micro_batch_size={mbs}: {err}")
-                    continue
+                cand = _simulated(job, budget, profile, built, sched, mbs, workers, threads)
                 (fitting if cand.fits else rejected).append(cand)
     # equal times: the one needing less memory and fewer buffers and workers
     fitting.sort(key=lambda c: (c.iteration, c.gpu, c.host, c.options.param_buffers, c.options.optimizer_workers or 0))

@@ -38,7 +38,8 @@ ASSUMED_HARDWARE: dict[str, dict[str, float]] = {
     # fp16 tensor cores, ~58% of the PCIe card's 112 TFLOP/s peak (no fused attention on Volta)
     "v100": dict(memory_gib=32, link_gbps=12, bidir_gbps=10, tflops=65, mem_gbps=800),
 }
-HARDWARE = ("measure", *ASSUMED_HARDWARE)  # single.hardware: measure this machine, or a preset
+# single.hardware: this machine (measured once and cached per machine; remeasure: measure it again), or a preset
+HARDWARE = ("measure", "remeasure", *ASSUMED_HARDWARE)
 
 # device=emulated (sysx.emulate): every rank acts as a GPU of ASSUMED_HARDWARE[emulate.gpu] in a node
 # of ASSUMED_CPUS[emulate.cpu], linked by ASSUMED_NETWORKS[emulate.net]. CPU Adam is memory-bound:

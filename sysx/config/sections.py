@@ -131,7 +131,10 @@ class ScheduleSection:
     stage_sizes: Optional[list[int]] = None  # manual partition: flat layers (embedding, blocks, head) per forward stage
     verify_transfers: Optional[bool] = None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
     timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
-    tune: bool = False  # choose stages/rank, split, cfg, buffers, micro-batch split, optim.workers by profile + simulation
+    # choose stages/rank, split, cfg, buffers, micro-batch split, optim.workers by profile + simulation
+    # (null: true for schedule=auto with several processes unless stages_per_rank, split or
+    # stage_sizes are given; false otherwise)
+    tune: Optional[bool] = None
 
     def validate(self) -> None:
         """Ranges of the pipeline keys (which schedule reads which: :mod:`sysx.config.schedule_keys`)."""
@@ -147,8 +150,8 @@ class ScheduleSection:
         if self.stage_sizes is not None and (not self.stage_sizes or min(self.stage_sizes) < 1):
             fail("schedule.stage_sizes", list(self.stage_sizes), "must be positive layer counts, one per forward stage, e.g. [3,3]")
         check_positive("schedule.timeout_s", self.timeout_s, " seconds")
-        if not isinstance(self.tune, bool):
-            fail("schedule.tune", repr(self.tune), "must be true or false")
+        if self.tune is not None and not isinstance(self.tune, bool):
+            fail("schedule.tune", repr(self.tune), "must be true, false or null (true for schedule=auto with several processes)")
 
 
 def check_host_adam(backend: str, rollback: str, workers: Optional[int]) -> None:
@@ -318,7 +321,7 @@ class SingleSection:
     policy: str = "dp"  # saved activations: dp (AdaWS DP) | pyao (IQR rule) | a fixed level name or id
     compress: bool = False  # int8-compress offloaded activations (PyAO 4.3)
     optimizer_overlap: str = "auto"  # auto | backward (step as grads arrive) | forward (after the norm)
-    hardware: str = "measure"  # measure | a preset of sysx.config.choices.ASSUMED_HARDWARE (planning only)
+    hardware: str = "measure"  # measure (cached per machine) | remeasure | a preset of ASSUMED_HARDWARE (planning only)
     print_plan: bool = True  # print the plan and its reasons at start
 
     def validate(self) -> None:

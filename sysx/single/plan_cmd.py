@@ -3,7 +3,9 @@
     sysx plan-single --model llama2_7b --seq-len 4096 --global-batch 64 --precision bf16 \\
         --hardware rtx4090 --device-gb 24 --host-gb 256
 
-``--hardware measure`` measures this machine (its GPU, or its CPU standing in for one); a preset
+``--hardware measure`` uses this machine's figures (its GPU, or its CPU standing in for one),
+measured once per machine and cached with the autotune profile (``--refresh`` or ``--hardware
+remeasure`` measures again); a preset
 of :data:`sysx.config.choices.ASSUMED_HARDWARE` plans for a machine you are not on. The exit status is 0
 for a plan, 2 when the budgets are refused (the message says how much is needed).
 """
@@ -23,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (kept as given)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--hardware", default="measure", choices=HARDWARE)
+    p.add_argument("--refresh", action="store_true", help="measure this machine again instead of its cached figures")
     p.add_argument("--device-gb", type=float, default=0.0, help="device budget in GiB (0 = the device's free memory)")
     p.add_argument("--host-gb", type=float, default=0.0, help="host budget in GiB (0 = the host's free memory)")
     p.add_argument("--policy", default="dp", choices=POLICIES)
@@ -42,12 +45,12 @@ def main(argv: list[str]) -> int:
     import torch
 
     from sysx.model import get_preset
-    from sysx.single.hardware import GiB, assumed_hardware, measure_hardware
+    from sysx.single.hardware import GiB, assumed_hardware, machine_hardware
     from sysx.single.planner import PlanError, PlanRequest, make_plan
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
-    if args.hardware == "measure":
-        hw = measure_hardware(dtype=dtype)
+    if args.hardware in ("measure", "remeasure"):
+        hw = machine_hardware("remeasure" if args.refresh else args.hardware, dtype=dtype)
     else:
         hw = assumed_hardware(args.hardware, device_memory_gib=args.device_gb or None,
                               host_memory_gib=args.host_gb or 256.0)

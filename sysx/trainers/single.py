@@ -39,7 +39,7 @@ from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
 from sysx.single.executor import SlidingWindowExecutor
-from sysx.single.hardware import GiB, HardwareProfile, assumed_hardware, measure_hardware
+from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
 from sysx.single.host import HostState
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
@@ -77,10 +77,7 @@ class SingleTrainer(Trainer):
         self.settings = single if single is not None else cfg.single
         self.device = job_device(cfg, device)
         if hardware is None:
-            if self.settings.hardware == "measure":
-                hardware = measure_hardware(self.device, self.dtype)
-            else:
-                hardware = assumed_hardware(self.settings.hardware)
+            hardware = machine_hardware(self.settings.hardware, self.device, self.dtype)
         self.hardware = hardware
         # PyAO's throughputs and the DP's values use measured site times where they are meaningful (a GPU)
         request = dataclasses.replace(plan_request_from_config(cfg, self.settings, self.model_cfg),

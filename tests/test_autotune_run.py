@@ -1,0 +1,201 @@
+"""schedule.tune in a job: the prediction a run checks after its first steps (summary.json and the
+log), rank 0's choice broadcast to every rank, the emulated device's profile, p2p figures in the
+costs. The 2-rank run is spawned like tests/test_emulate.py spawns its jobs; nothing here depends
+on this machine's speed: the run's profile is planted in the cache, 1000x too slow, so the
+prediction is certainly off and the warning certainly printed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sysx.autotune import apply as apply_mod
+from sysx.autotune import cache as cache_mod
+from sysx.autotune import profile as prof
+from sysx.autotune.check import WARN_PCT, Prediction, compare
+from sysx.autotune.costs import profiled_costs
+from sysx.autotune.emulated import emulated_profile
+from sysx.autotune.p2p import P2PFigures, fit_line
+from sysx.autotune.profile import LayerTiming
+from sysx.autotune.search import Job, candidate_costs, search
+from sysx.config import load_config
+from sysx.dist import DistInfo
+from sysx.emulate import EmulatedPacer, plan_emulation
+from sysx.model import get_preset
+from sysx.runtime.options import make_schedule, options_from_config
+from sysx.schedule.simulate import simulate
+from tests.test_autotune import ROOMY, synthetic_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = get_preset("tiny")
+
+
+def test_compare_reports_error_pct_and_warns_past_the_threshold() -> None:
+    pred = Prediction(iteration_s=2.0, peak_bytes=100.0, memory="peak_host_bytes", source="tuned profile")
+    section, lines = compare(pred, 2.1, 105.0, steps=[1, 2, 3], measured_by="step times")
+    assert section["iteration_s"]["error_pct"] == pytest.approx(5.0) and section["peak_host_bytes"]["measured"] == 105.0
+    assert len(lines) == 1 and "+5.0%" in lines[0]
+    section, lines = compare(pred, 2.0, 100.0 * (1 + 1.01 * WARN_PCT / 100), steps=[1], measured_by="timeline")
+    assert len(lines) == 2 and lines[1].startswith("warning:") and "peak_host_bytes" in lines[1]
+    assert "iteration_s" not in lines[1].split("(")[1]
+
+
+def test_p2p_line_fit_and_costs_take_the_profile_links() -> None:
+    bw, lat = fit_line([1e3, 1e6, 4e6], [20e-6 + x / 2e9 for x in (1e3, 1e6, 4e6)])
+    assert bw == pytest.approx(2e9) and lat == pytest.approx(20e-6)
+    p = dataclasses.replace(synthetic_profile(), p2p=P2PFigures(4, 2, 3e9, 30e-6, 1e9, 80e-6))
+    assert prof.MachineProfile.from_json(p.to_json()) == p
+    costs = profiled_costs(p, TINY, 64, 2, gpus_per_node=2)
+    assert (costs.p2p_bandwidth, costs.p2p_latency, costs.inter_p2p_bandwidth, costs.inter_p2p_latency) == (3e9, 30e-6, 1e9, 80e-6)
+    assert costs.gpus_per_node == 2 and costs.posted_sends  # the runtime's isends
+
+
+def _emulated_cfg(*extra: str):
+    return load_config(["device=emulated", "schedule=sysx", "schedule.tune=true", "emulate.model=llama2_7b",
+                        "emulate.seq_len=1024", "emulate.micro_batch_size=2", "train.seq_len=16", "train.micro_batch_size=1",
+                        "train.micro_batches=8", "optim.backend=torch", "precision=bf16", *extra])
+
+
+def test_the_emulated_device_answers_with_its_own_costs(monkeypatch) -> None:
+    """Nothing is measured; the tuned costs of a configuration are the emulated device's own."""
+    monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
+    cfg = _emulated_cfg()
+    job = apply_mod.job_from_config(cfg, 4, None, torch.device("cpu"))
+    assert (job.model.name if hasattr(job.model, "name") else job.model.dim) and job.global_batch == 16
+    assert job.ranks_per_node == 4 and job.seq_len == 1024
+    profile = emulated_profile(cfg, [1, 2, 4])
+    assert profile.hardware.device_free_bytes == 32 * 2**30  # the emulated V100's memory is the GPU budget
+    sched = make_schedule(options_from_config(cfg), job.model, n_ranks=4, n_micro=8, seq_len=1024)
+    plan = plan_emulation(cfg, sched, backend="torch")
+    workers = plan.optimizer_workers
+    tuned = candidate_costs(job, profile, 2, workers, profile.cpu_threads // 4 // workers)
+    a, b = simulate(sched, tuned.table(sched), gpus_per_node=4), plan.timeline
+    assert a.iteration == pytest.approx(b.iteration, rel=1e-9) and a.peak_gpu == pytest.approx(b.peak_gpu)
+
+
+def test_an_emulated_tuning_sets_the_emulated_micro_batch_and_keeps_the_batch(monkeypatch) -> None:
+    monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
+    tuned = apply_mod.tune_job(_emulated_cfg(), DistInfo(world_size=1), torch.device("cpu"))
+    e, t = tuned.cfg.emulate, tuned.cfg.train
+    assert e.micro_batch_size * t.micro_batches == 16 and t.micro_batch_size == 1 and tuned.costs is not None
+
+
+def test_rank_1_takes_rank_0s_choice_without_searching(monkeypatch, tmp_path) -> None:
+    """schedule.tune on a rank other than 0: no profile, no search; the broadcast decides."""
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    best = search(Job(TINY, 64, 8, 2, work_dtype="float32"), ROOMY, synthetic_profile()).best
+    assert best is not None
+    sent = [False, apply_mod.choice(best)]  # what rank 0 broadcasts: no p2p wanted, then its choice
+    calls: list[int] = []
+
+    def broadcast(box, src, group):
+        assert src == 0
+        calls.append(len(calls))
+        box[0] = sent[len(calls) - 1]
+
+    monkeypatch.setattr(apply_mod.tdist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(apply_mod.sdist, "cpu_group", lambda: None)
+    monkeypatch.setattr(apply_mod, "search", lambda *a, **k: pytest.fail("rank 1 searched"))
+    monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("rank 1 profiled"))
+    cfg = load_config(["schedule=sysx", "schedule.tune=true", "model=tiny", "train.seq_len=64", "train.micro_batch_size=8",
+                       "train.micro_batches=1", "device=cpu"])
+    tuned = apply_mod.tune_job(cfg, DistInfo(rank=1, world_size=2, local_world_size=2), torch.device("cpu"))
+    assert len(calls) == 2 and tuned.costs is None
+    assert (tuned.cfg.schedule.stages_per_rank, tuned.cfg.schedule.split, tuned.cfg.train.micro_batch_size) == (
+        best.options.stages_per_rank, best.options.split, best.micro_batch_size)
+
+
+# ------------------------------------------------------------------------------ the job, 2 ranks
+SEQ = 32
+JOB = ["schedule=auto", "schedule.tune=true", "model=tiny", "precision=fp32", "train.steps=4", f"train.seq_len={SEQ}",
+       "train.micro_batch_size=2", "train.micro_batches=4", "eval.every=0", "log.every=1", "log.progress=false",
+       "optim.backend=torch", "checkpoint.keep=1", "device=cpu"]
+
+
+def _slow_profile(cache: Path) -> None:
+    """Plant this machine's profile of the job's shape, every layer 1000x slower than any CPU runs it."""
+    profile = synthetic_profile(TINY, SEQ, sizes=(1, 2, 4, 8))
+    layers = {k: [LayerTiming(p.tokens, p.fwd_s * 1000, p.bwd_s * 1000) for p in v] for k, v in profile.layers.items()}
+    profile = dataclasses.replace(profile, layers=layers, machine=prof.machine_key(torch.device("cpu")),
+                                  shape=prof.shape_key(TINY, SEQ, torch.float32))
+    path = cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+
+
+@pytest.mark.timeout(300)
+def test_a_tuned_2_rank_run_checks_its_prediction_and_warns_when_it_is_off(tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(cache))  # profile_path reads it here as the job will
+    _slow_profile(cache)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID", "TORCHELASTIC_RUN_ID")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SYSX_CACHE_DIR=str(cache))
+    run = subprocess.run([sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", "-m", "sysx.train",
+                          *JOB, f"run_dir={tmp_path / 'run'}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "schedule.tune (profile cached; p2p" in run.stdout  # the planted profile, with the links just measured
+    pred = json.loads((tmp_path / "run" / "summary.json").read_text())["prediction"]
+    assert pred["source"] == "tuned profile" and pred["steps"] == [1, 3] and pred["measured_by"] == "step times"
+    for key in ("iteration_s", "peak_host_bytes"):
+        e = pred[key]
+        assert e["predicted"] > 0 and e["measured"] > 0
+        assert e["error_pct"] == pytest.approx(100 * (e["measured"] / e["predicted"] - 1))
+    assert pred["iteration_s"]["error_pct"] < -90  # 1000x too slow a profile
+    assert run.stdout.count("warning: the prediction is off by more than 10%") == 1
+    assert "prediction (tuned profile):" in run.stdout
+    cached = prof.MachineProfile.from_json(cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu")).read_text())
+    assert cached.p2p is not None and cached.p2p.ranks == 2 and cached.p2p.intra_bandwidth > 0  # kept with the profile
+
+
+@pytest.mark.parametrize("world,extra,tuned", [(2, [], True), (1, [], False), (2, ["schedule.tune=false"], False),
+                                               (2, ["schedule.stages_per_rank=1"], False), (4, ["schedule.tune=true", "schedule.split=1"], True)])
+def test_schedule_tune_defaults_to_true_for_auto_with_several_processes(monkeypatch, world, extra, tuned) -> None:
+    import sysx.train as train_mod
+
+    seen = {}
+    monkeypatch.setattr(train_mod, "trainer_for", lambda name: lambda cfg, info: seen.update(cfg=cfg) or 0)
+    assert load_config([]).schedule.tune is None  # the default: decided when the launch is known
+    train_mod.train_auto(load_config(["schedule=auto", *extra]), DistInfo(world_size=world, local_world_size=world))
+    assert bool(seen["cfg"].schedule.tune) is tuned
+
+
+def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatch, tmp_path) -> None:
+    """The single-device planner and the autotune profile read one cached hardware profile; a new
+    model shape re-profiles the layers but not the hardware; remeasure / refresh measure again."""
+    from sysx.autotune import hardware as hw_mod
+    from sysx.single.hardware import machine_hardware
+
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    calls: list[str] = []
+    real = hw_mod.measure_hardware
+
+    def counting(device=None, dtype=torch.float32, **kw):
+        calls.append(str(dtype))
+        return real(device, dtype, nbytes=1 << 20, repeats=1)
+
+    monkeypatch.setattr(cache_mod, "measure_hardware", counting)
+    first = machine_hardware("measure", "cpu")
+    assert len(calls) == 1 and first.measured
+    again = machine_hardware("measure", "cpu")
+    assert len(calls) == 1 and again.h2d_bytes_per_s == first.h2d_bytes_per_s  # the cached rates
+    assert cache_mod.hardware_path(torch.device("cpu"), torch.float32).exists()
+    small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
+    seen: list[object] = []
+    monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq, sizes, **kw: seen.append(kw["hardware"]) or
+                        synthetic_profile(cfg, seq))
+    cache_mod.load_or_measure(small, 16, [1], device="cpu")
+    cache_mod.load_or_measure(dataclasses.replace(small, ffn_dim=96), 16, [1], device="cpu")  # a new shape
+    assert len(seen) == 2 and len(calls) == 1  # the layers were profiled twice, the hardware measured once
+    assert all(h.h2d_bytes_per_s == first.h2d_bytes_per_s for h in seen)  # type: ignore[attr-defined]
+    machine_hardware("remeasure", "cpu")
+    assert len(calls) == 2
+    cache_mod.load_or_measure(small, 16, [1], device="cpu", refresh=True)  # `sysx tune --refresh`
+    assert len(calls) == 3 and len(seen) == 3
+    assert machine_hardware("v100").name == "v100 (assumed)" and len(calls) == 3
