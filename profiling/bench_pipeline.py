@@ -11,7 +11,10 @@ at ``train.seq_len=16``; the costs are the preset's at the sequence length of th
 steps of which ``--warmup`` are not measured. Measured iteration: the steps' wall time divided by
 the time scale (the slowest rank per step); measured bubble: 1 - modelled GPU-busy time / measured
 iteration, averaged over ranks; planned: ``simulate`` of the same schedule with the same
-``CostTable``. Prints one Markdown table (and writes it with ``--out``)::
+``CostTable``. ``sysx:tuned`` is the autotuner's choice for the cell (``schedule.tune``: the
+emulated device's profile, the global batch kept; the row says what it chose), measured beside the
+fixed layouts; a line under the table compares it with its prediction and the best fixed layout.
+Prints one Markdown table (and writes it with ``--out``)::
 
     PYTHONPATH=. python profiling/bench_pipeline.py --quick
     PYTHONPATH=. python profiling/bench_pipeline.py --models 10b,30b --seq 2048 --steps 4 --time-scale 0.1
@@ -35,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"10b": ("llama2_10b", 4), "19b": ("llama2_19b", 4), "30b": ("llama2_30b", 8), "40b": ("llama2_40b", 8)}
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx:cfg0", "sysx:cfg1", "sysx:cfg2", "sysx:cfg3")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx:cfg0", "sysx:cfg1", "sysx:cfg2", "sysx:cfg3", "sysx:tuned")
 GPUS_PER_NODE, MICRO_BATCH, BATCH_PER_NODE = 4, 2, 16  # the paper's Fig. 9 setting
 PAPER = {"sysx_over_mobius": 1.26, "sysx_over_megatron": 1.51}  # SysX §5.2, averages over its Fig. 9
 
@@ -47,6 +50,8 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
     from sysx.runtime import PipelineOptions
 
     name, _, cfg = schedule.partition(":cfg")
+    if schedule == "sysx:tuned":  # tuned by _tuned from this config (CFG3 is only the starting point)
+        name, cfg = "sysx", "3"
     nodes = max(1, n_ranks // GPUS_PER_NODE)
     cfg_obj = SysxConfig(
         model=ModelSection(preset="tiny"), device="emulated", precision="bf16", seed=0,
@@ -60,6 +65,25 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
     return cfg_obj, opts
 
 
+def _tuned(cfg: Any, info: Any) -> tuple[Any, Any, Any, str]:
+    """``sysx:tuned``: the autotuner's choice for the cell (rank 0 searches with the emulated device's
+    profile, every rank takes the choice), its options and predicted costs, and the choice in words."""
+    import dataclasses
+
+    import torch
+
+    from sysx.autotune.apply import tune_job
+    from sysx.runtime.options import options_from_config
+
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, workers=None))  # the tuner picks them
+    tuned = tune_job(cfg, info, torch.device("cpu"))
+    opts = dataclasses.replace(options_from_config(tuned.cfg), timeout_s=600.0)
+    s, t = tuned.cfg.schedule, tuned.cfg
+    choice = (f"stages/rank {s.stages_per_rank} d={s.split} cfg{s.cfg} buffers {s.param_buffers} "
+              f"mbs {t.emulate.micro_batch_size}x{t.train.micro_batches} workers {t.optim.workers}")
+    return tuned.cfg, opts, tuned.costs, choice
+
+
 def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args: dict[str, Any]) -> dict[str, Any]:
     from sysx.config import ConfigError, validate
     from sysx.trainers.pipeline import PipelineTrainer
@@ -67,15 +91,19 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
     cfg, opts = _cell_config(model, seq, info.world_size, schedule, args)
     validate(cfg)
     row: dict[str, Any] = {"model": model, "seq": seq, "ranks": info.world_size, "schedule": schedule}
+    costs = None
     try:
-        trainer = PipelineTrainer(cfg, opts, info=info, dataset=dataset)
+        if schedule == "sysx:tuned":
+            cfg, opts, costs, row["choice"] = _tuned(cfg, info)
+        trainer = PipelineTrainer(cfg, opts, info=info, dataset=dataset, tuned_costs=costs)
     except ConfigError as err:  # every rank plans the same: all refuse together (e.g. GPU memory)
         return {**row, "error": str(err)}
     with trainer:
         results = trainer.run(args["steps"])
         report = trainer.emulation_report()
         row.update(report=report, losses=[r.loss for r in results], nsf=trainer.schedule.n_stages,
-                   split=trainer.schedule.split, micro_batches=trainer.schedule.n_micro)
+                   split=trainer.schedule.split, micro_batches=trainer.schedule.n_micro,
+                   prediction=trainer.prediction.section or None)
         if args.get("spans") and report is not None:
             row["spans"] = _gather_spans(trainer)
     return row
@@ -163,8 +191,8 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
 
 
 def _label(schedule: str) -> str:
-    return {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B"}.get(
-        schedule, schedule.replace("sysx:cfg", "SysX CFG"))
+    return {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B",
+            "sysx:tuned": "SysX tuned"}.get(schedule, schedule.replace("sysx:cfg", "SysX CFG"))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -180,7 +208,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     for r in rows:
         again = f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else ""  # refused before (a hiccup)
-        head = f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | {_label(r['schedule'])}{again} |"
+        tuned = f" ({r['choice']})" if r.get("choice") else ""
+        head = (f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | "
+                f"{_label(r['schedule'])}{tuned}{again} |")
         if "error" in r:
             need = re.search(r"has ([\d.]+ GiB) but .* needs ([\d.]+ GiB) on rank (\d+)", r["error"])
             why = f"needs {need[2]} on rank {need[3]}, the GPU has {need[1]}" if need else r["error"][:90]
@@ -216,6 +246,26 @@ def averages(rows: list[dict[str, Any]]) -> str:
     return "; ".join(out)
 
 
+def tuned_lines(rows: list[dict[str, Any]]) -> str:
+    """Per (model, seq) with a ``sysx:tuned`` row: its measured time against its prediction and against
+    the fastest fixed layout measured beside it."""
+    got = {(r["model"], r["seq"], r["schedule"]): r for r in rows if (r.get("report") or {}).get("measured")}
+    out = []
+    for (m, q, sch), r in got.items():
+        if sch != "sysx:tuned":
+            continue
+        t = r["report"]["measured"]["iteration_s"]
+        plan = r["report"]["plan"]["iteration_s"]
+        fixed = [(x["report"]["measured"]["iteration_s"], s) for (mm, qq, s), x in got.items()
+                 if (mm, qq) == (m, q) and s != "sysx:tuned"]
+        line = f"{m} seq {q}: tuned {t:.2f} s measured vs {plan:.2f} s predicted ({100 * (t / plan - 1):+.1f}%)"
+        if fixed:
+            best, name = min(fixed)
+            line += f"; best fixed layout {_label(name)} {best:.2f} s: tuned/best {t / best:.3f}"
+        out.append(line)
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="10b,19b,30b,40b", help=f"comma list of {', '.join(MODELS)}")
@@ -239,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(*args.worker)
     if args.report:
         rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
-        print(f"{table(rows)}\n\n{averages(rows)}")
+        print(f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}".rstrip())
         return 0
     if args.quick:
         args.models, args.seq, args.schedules, args.steps = "10b", "2048", "mobius,interleaved_1f1b,sysx:cfg3", 3
@@ -258,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                  for s in args.seq.split(",") for sch in schedules]
         launch(cells, n_ranks, shared, out_json)
     rows = [json.loads(line) for line in out_json.read_text().splitlines() if line.strip()]
-    text = f"{table(rows)}\n\n{averages(rows)}"
+    text = f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}".rstrip()
     print(text)
     print(f"\n{len(rows)} cells in {time.perf_counter() - t0:.0f} s; paper: SysX {PAPER['sysx_over_mobius']}x Mobius, "
           f"{PAPER['sysx_over_megatron']}x Megatron on average")
