@@ -199,3 +199,17 @@ def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatc
     cache_mod.load_or_measure(small, 16, [1], device="cpu", refresh=True)  # `sysx tune --refresh`
     assert len(calls) == 3 and len(seen) == 3
     assert machine_hardware("v100").name == "v100 (assumed)" and len(calls) == 3
+
+
+def test_sysx_tune_on_the_emulated_device_measures_nothing(monkeypatch, tmp_path, capsys) -> None:
+    from sysx.autotune import hardware as hw_mod
+    from sysx.autotune.cli import main as tune_main
+
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
+    monkeypatch.setattr(hw_mod, "measure_hardware", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
+    assert tune_main(["--ranks", "2", "--json", "--hydra", "device=emulated", "emulate.model=llama2_7b", "emulate.seq_len=256",
+                      "emulate.micro_batch_size=2", "train.micro_batches=2", "train.seq_len=16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["budget"]["gpu"] == 32 * 2**30 and out["seq_len"] == 256 and out["global_batch"] == 4
+    assert out["top"] and all(c["global_batch"] == 4 for c in out["top"])

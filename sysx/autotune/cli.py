@@ -7,7 +7,8 @@ The job config is composed from ``conf/`` like ``sysx-train`` (and ``sysx plan -
 the global batch (``train.micro_batch_size x train.micro_batches``) is kept, every split of it
 into micro-batches is tried. The profile is cached per machine and model shape
 (``$SYSX_CACHE_DIR/autotune``; ``--refresh`` measures again). Budgets default to what the
-profile found free (GPU memory; on CPU the host's; available RAM; free ``/dev/shm``).
+profile found free (GPU memory; on CPU the host's; available RAM; free ``/dev/shm``). With
+``device=emulated`` nothing is measured: the profile is the emulated cluster's (``emulate.*``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import sys
 import torch
 
 from sysx import device as dev
-from sysx.autotune.apply import job_from_config, tune
+from sysx.autotune.apply import job_from_config, job_profile, tune
 from sysx.autotune.profile import MachineProfile
 from sysx.autotune.report import as_dict, table, why
 from sysx.autotune.search import Budget, Candidate, Job, Result, Space, evaluate, thread_options
 from sysx.config import ConfigError, SysxConfig, load_config
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.partition import PartitionError
 from sysx.runtime.options import options_from_config
 from sysx.schedule.ops import ScheduleError
@@ -59,7 +61,8 @@ def _baseline(cfg: SysxConfig, job: Job, budget: Budget, profile: MachineProfile
 
 def _print(result: Result, profile: MachineProfile, reused: bool, baseline: Candidate | str, changes: list, top: int) -> None:
     b = result.budget
-    how = "cached" if reused else f"measured in {profile.seconds:.1f} s"
+    how = "the emulated device's" if profile.hardware.kind == "emulated" else (
+        "cached" if reused else f"measured in {profile.seconds:.1f} s")
     print(f"profile ({how}): {profile.hardware.describe()}; CPU Adam {profile.adam_params_per_s / 1e6:.0f} M params/s "
           f"per thread, {profile.cpu_threads} threads")
     print(f"budget: GPU {b.gpu / GiB:.2f} GiB per GPU, host {b.host / GiB:.2f} GiB and /dev/shm {b.shm / GiB:.2f} GiB "
@@ -82,13 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg = load_config(args.hydra)
-        device = dev.default_device() if cfg.device == "auto" else torch.device(cfg.device)
+        # the emulated device is played on this CPU and answers with its own profile
+        device = dev.default_device() if cfg.device in ("auto", EMULATED_DEVICE) else torch.device(cfg.device)
         job = job_from_config(cfg, args.ranks, args.gpus_per_node, device)
     except ValueError as err:  # ConfigError and unknown presets
         print(f"sysx tune: {err}", file=sys.stderr)
         return 2
     given = {"gpu": args.gpu_memory_gib, "host": args.host_memory_gib, "shm": args.shm_gib}
-    tuning = tune(job, device, adam_backend=cfg.optim.backend, refresh=args.refresh,
+    tuning = tune(job, device, adam_backend=cfg.optim.backend, refresh=args.refresh, profile=job_profile(cfg, job),
                   budget={k: None if v is None else v * GiB for k, v in given.items()})
     profile, reused, result, changes = tuning.profile, tuning.reused, tuning.result, tuning.changes
     baseline = _baseline(cfg, job, result.budget, profile)
