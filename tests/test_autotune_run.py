@@ -213,3 +213,12 @@ def test_sysx_tune_on_the_emulated_device_measures_nothing(monkeypatch, tmp_path
     out = json.loads(capsys.readouterr().out)
     assert out["budget"]["gpu"] == 32 * 2**30 and out["seq_len"] == 256 and out["global_batch"] == 4
     assert out["top"] and all(c["global_batch"] == 4 for c in out["top"])
+
+
+def test_cpu_ranks_beyond_the_cores_share_them() -> None:
+    p = dataclasses.replace(synthetic_profile(), cpu_threads=2)  # kind cpu, 2 physical cores
+    one = profiled_costs(p, TINY, 64, 2, gpus_per_node=2).layer_fwd_time
+    four = profiled_costs(p, TINY, 64, 2, gpus_per_node=4).layer_fwd_time
+    assert four == pytest.approx(tuple(2 * t for t in one))
+    gpu = dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, kind="cuda"))
+    assert profiled_costs(gpu, TINY, 64, 2, gpus_per_node=4).layer_fwd_time == pytest.approx(one)

@@ -8,7 +8,8 @@ with the measured ones, its backward ratio with the measured one, and its bandwi
 throughput with the machine's; p2p bandwidth and latency between ranks (in a node and between
 nodes) are the profile's when it holds them (:mod:`sysx.autotune.p2p`, measured at tune time), else
 :class:`Costs`' defaults. Sends are posted, as the runtime's isends are (the emulated device's
-costs say the same: :mod:`sysx.emulate.costs`).
+costs say the same: :mod:`sysx.emulate.costs`). On a CPU "device" with more ranks per node than
+physical cores, the layer times grow by that ratio (:func:`cpu_share`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tup
     return [max(f, 1e-9) for f, _ in pairs], [max(b, 1e-9) for _, b in pairs]
 
 
+def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
+    """How much slower a layer runs in the job than in the profile: on a CPU "device" the ranks of a
+    node share its physical cores, so more ranks than cores time-slice them (1.0 on a GPU)."""
+    if profile.hardware.kind != "cpu" or not ranks_per_node:
+        return 1.0
+    return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
+
+
 def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micro_batch_size: int, *,
                    work_dtype: str = "bfloat16", optim_workers: int | None = None,
                    threads_per_worker: int = 1, gpus_per_node: int | None = None, **hardware: Any) -> Costs:
@@ -40,6 +49,8 @@ def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micr
     ``hardware`` overrides any :class:`Costs` field.
     """
     fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
+    share = cpu_share(profile, gpus_per_node)
+    fwd, bwd = [t * share for t in fwd], [t * share for t in bwd]
     nbytes = 4 if work_dtype == "float32" else 2
     hw = profile.hardware
     base = costs_from_model(
