@@ -105,6 +105,7 @@ class EmulatedPacer(Pacer):
         self.h2d = EmulatedStream("h2d", issue=self.cursor)
         self.d2h = EmulatedStream("d2h", issue=self.cursor)
         self.asend_end = 0.0
+        self.opt_end = 0.0  # the modelled end of the step's last optimizer job
         self.steps: list[StepStats] = []
         self._stats = StepStats(step=-1)
         self._lock = threading.Lock()
@@ -126,10 +127,13 @@ class EmulatedPacer(Pacer):
         self._stats = StepStats(step=step if record else -1)
         self.compute.free = time.monotonic()
         self.asend_end = 0.0
+        self.opt_end = 0.0
 
     def end_step(self, wall_s: float) -> float:
         """Keep the step's figures; the reported duration is the modelled one (wall / time scale)."""
         self._stats.wall = wall_s
+        # what the step did after its barrier (the loss all-reduce) has no modelled time: it is lag
+        self._hold(min(self.compute.free, time.monotonic()), "end of step")
         if self._stats.step >= 0:
             self.steps.append(self._stats)
         return wall_s / self.time_scale
@@ -247,6 +251,11 @@ class EmulatedPacer(Pacer):
         def paced(op: Op) -> None:
             sleep_until(max(self.compute.free, self.d2h.free, self.asend_end))  # copies and sends done
             handler(op)  # waits for the optimizer workers, then the all-reduce: a real barrier
+            # the simulator's barrier ends when every rank's last copy, send and step has: real work past
+            # that (a slow all-reduce, a worker descheduled by this machine) is lag like any other
+            with self._lock:
+                modelled = max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)
+            self._hold(modelled, op)
             self.compute.free = max(self.compute.free, time.monotonic())
         return paced
 
@@ -271,6 +280,8 @@ class EmulatedPacer(Pacer):
         with self._lock:
             self._stats.spans.append(("cpu", f"OPT {name}", start, end))
         self._worker.free = end
+        with self._lock:
+            self.opt_end = max(self.opt_end, end)
         self._hold(end, f"OPT {name}")
 
     # ------------------------------------------------------------------------------- messages
