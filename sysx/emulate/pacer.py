@@ -97,8 +97,10 @@ class EmulatedPacer(Pacer):
 
     active = True
 
-    def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float) -> None:
+    def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float,
+                 group: dist.ProcessGroup | None = None, world: int = 1) -> None:
         self.plan, self.table, self.rank, self.time_scale = plan, plan.table, rank, float(time_scale)
+        self.group, self.world = group, world  # VALIDATE's modelled end is the latest rank's arrival
         self.split = schedule.partition.split
         # the host issues the next compute op when the last one ends: the cursor is the stream's end
         self.compute = EmulatedStream("compute", issue=lambda: self.compute.free)
@@ -251,11 +253,19 @@ class EmulatedPacer(Pacer):
         def paced(op: Op) -> None:
             sleep_until(max(self.compute.free, self.d2h.free, self.asend_end))  # copies and sends done
             handler(op)  # waits for the optimizer workers, then the all-reduce: a real barrier
-            # the simulator's barrier ends when every rank's last copy, send and step has: real work past
-            # that (a slow all-reduce, a worker descheduled by this machine) is lag like any other
+            done = time.monotonic()
+            # the simulator's barrier ends when every rank's last copy, send and optimizer step has: real
+            # work past that (a slow all-reduce, a worker descheduled by this machine) is lag like any other
             with self._lock:
-                modelled = max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)
-            self._hold(modelled, op)
+                arrival = torch.tensor([max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)],
+                                       dtype=torch.float64)
+            if self.world > 1:  # ranks on one host share the monotonic clock (as the emulated device requires)
+                dist.all_reduce(arrival, op=dist.ReduceOp.MAX, group=self.group)
+            lag = done - float(arrival)
+            if lag > 0:
+                with self._lock:
+                    if lag > self._stats.late:
+                        self._stats.late, self._stats.late_op = lag, self._label(op)
             self.compute.free = max(self.compute.free, time.monotonic())
         return paced
 
