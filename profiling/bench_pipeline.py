@@ -16,6 +16,12 @@ iteration, averaged over ranks; planned: ``simulate`` of the same schedule with 
     PYTHONPATH=. python profiling/bench_pipeline.py --quick
     PYTHONPATH=. python profiling/bench_pipeline.py --models 10b,30b --seq 2048 --steps 4 --time-scale 0.1
     PYTHONPATH=. python profiling/bench_pipeline.py --out profiling/bench_pipeline.md    # everything
+    PYTHONPATH=. python profiling/bench_pipeline.py --models 10b --schedules mobius --best-layouts
+    PYTHONPATH=. python profiling/bench_pipeline.py --report a.jsonl b.jsonl               # tables of kept runs
+
+A schedule may name its layout: ``sysx:cfg3@s4d3`` (4 forward stages per rank, d = 3), ``mobius@s6``.
+``--best-layouts`` adds Mobius, Megatron and SysX CFG3 each at the layout its plan on the emulated
+cluster finds fastest, and compares SysX with the baselines run the same way.
 """
 
 from __future__ import annotations
