@@ -80,32 +80,43 @@ def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
     return base, (int(m[1]), int(m[2]) if m[2] else None)
 
 
-def best_layout(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> str:
-    """``schedule`` at the layout (forward stages per rank 1-6, SysX split d 1-4) whose plan on the
-    emulated cluster is fastest: the simulator picks, the run then measures it."""
+def planned_iteration(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> float | None:
+    """The planned iteration (modelled seconds) of one cell, or None when it does not fit, cannot be
+    cut at its layout, or the runtime would fall back to another layout."""
     from sysx.config import ConfigError
     from sysx.emulate.costs import emulated_model, plan_emulation
     from sysx.partition import PartitionError
     from sysx.runtime.options import make_schedule
     from sysx.schedule.ops import ScheduleError
 
-    best: tuple[float, str] | None = None
+    cfg, opts = _cell_config(model, seq, n_ranks, schedule, args)
+    em = emulated_model(cfg)
+    try:
+        sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
+        it = plan_emulation(cfg, sched, backend="torch").timeline.iteration
+    except (ConfigError, PartitionError, ScheduleError, ValueError):
+        return None
+    spr = split_layout(schedule)[1][0]
+    return None if spr is not None and sched.n_stages != spr * n_ranks else it
+
+
+def best_layout(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> str:
+    """``schedule`` at the layout (forward stages per rank 1-6, SysX split d 1-4) whose plan on the
+    emulated cluster is fastest: the simulator picks, the run then measures it."""
     splits = (1, 2, 3, 4) if schedule.startswith("sysx") else (None,)
-    for spr in range(1, 7):
-        for d in splits:
-            cand = f"{schedule}@s{spr}" + (f"d{d}" if d else "")
-            cfg, opts = _cell_config(model, seq, n_ranks, cand, args)
-            em = emulated_model(cfg)
-            try:
-                sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
-                it = plan_emulation(cfg, sched, backend="torch").timeline.iteration
-            except (ConfigError, PartitionError, ScheduleError, ValueError):  # does not fit or cannot be cut so
-                continue
-            if sched.n_stages != spr * n_ranks:  # the runtime fell back to another layout: not this candidate
-                continue
-            if best is None or it < best[0]:
-                best = (it, cand)
-    return best[1] if best else schedule
+    cands = [f"{schedule}@s{spr}" + (f"d{d}" if d else "") for spr in range(1, 7) for d in splits]
+    planned = [(it, c) for c in cands if (it := planned_iteration(model, seq, n_ranks, c, args)) is not None]
+    return min(planned)[1] if planned else schedule
+
+
+def plan_table(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any]) -> list[str]:
+    """``--plan-only``: one line per cell with its planned iteration, running nothing."""
+    lines = []
+    for c in cells:
+        it = planned_iteration(c["model"], c["seq"], n_ranks, c["schedule"], args)
+        lines.append(f"| {c['model'].replace('llama2_', '').upper()} | {c['seq']} | {n_ranks} | {_label(c['schedule'])} | "
+                     + (f"{it:.2f} |" if it is not None else "does not fit |"))
+    return lines
 
 
 def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -307,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--best-layouts", action="store_true",
                    help="also run each of Mobius, Megatron and SysX CFG3 at its fastest planned layout "
                         "(forward stages per rank, SysX split d), the baselines' and SysX's alike")
+    p.add_argument("--plan-only", action="store_true", help="print every cell's planned iteration, running nothing")
     p.add_argument("--report", type=Path, nargs="+",
                    help="print the table of --json files kept before (a cell measured again: its last row), running nothing")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -329,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     out_json = args.json or Path(tempfile.mkstemp(suffix=".jsonl")[1])
     out_json.write_text("")
     t0 = time.perf_counter()
+    plans: list[str] = []
     for n_ranks in sorted({MODELS[m][1] for m in models}):
         cells = [{"model": MODELS[m][0], "seq": int(s), "schedule": sch} for m in models if MODELS[m][1] == n_ranks
                  for s in args.seq.split(",") for sch in schedules]
@@ -336,7 +349,13 @@ def main(argv: list[str] | None = None) -> int:
             cells += [{"model": MODELS[m][0], "seq": int(s), "schedule": best_layout(MODELS[m][0], int(s), n_ranks, sch, shared)}
                       for m in models if MODELS[m][1] == n_ranks for s in args.seq.split(",")
                       for sch in ("mobius", "interleaved_1f1b", "sysx:cfg3")]
+        if args.plan_only:
+            plans += plan_table(cells, n_ranks, shared)
+            continue
         launch(cells, n_ranks, shared, out_json)
+    if args.plan_only:
+        print("| model | seq | ranks | schedule | planned s/it |\n|---|---|---|---|---|\n" + "\n".join(plans))
+        return 0
     rows = [json.loads(line) for line in out_json.read_text().splitlines() if line.strip()]
     text = f"{table(rows)}\n\n{averages(rows)}"
     print(text)
