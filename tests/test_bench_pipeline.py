@@ -43,3 +43,13 @@ def test_sysx_is_compared_with_the_baselines_run_the_same_way() -> None:
 def test_a_cell_measured_again_keeps_its_measured_row() -> None:
     first, again = _row("mobius", None), _row("mobius", 12.0)
     assert bench._latest([first, again]) == [again] and bench._latest([again, first]) == [again]
+
+
+def test_the_tuned_row_is_compared_with_its_prediction_and_the_best_fixed_layout() -> None:
+    rows = [_row("mobius", 12.0), _row("sysx:cfg3", 11.0), _row("sysx:cfg3@s4d3", 10.5),
+            {**_row("sysx:tuned", 10.0), "choice": "stages/rank 4 d=3"}]
+    rows[-1]["report"]["plan"]["iteration_s"] = 9.9
+    line = bench.tuned_lines(rows)
+    assert "tuned 10.00 s measured vs 9.90 s predicted (+1.0%)" in line
+    assert "best fixed layout SysX CFG3, best layout: 4 stages/rank, d=3 10.50 s: tuned/best 0.952" in line
+    assert "| SysX tuned (stages/rank 4 d=3) |" in bench.table(rows)
