@@ -222,3 +222,13 @@ def test_cpu_ranks_beyond_the_cores_share_them() -> None:
     assert four == pytest.approx(tuple(2 * t for t in one))
     gpu = dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, kind="cuda"))
     assert profiled_costs(gpu, TINY, 64, 2, gpus_per_node=4).layer_fwd_time == pytest.approx(one)
+
+
+def test_the_check_step_follows_the_first_step_and_the_recorded_window() -> None:
+    from sysx.autotune.check import check_step, measured_window
+
+    assert check_step(0, 100, None) == 3 and check_step(40, 100, None) == 43  # after a resume at step 40
+    assert check_step(0, 2, None) == 1 and check_step(0, 100, 5) == 5
+    assert check_step(10, 100, 5) == 13  # a window before the resume point: the step times decide
+    assert measured_window([(0, 9.0), (1, 1.0), (2, 3.0)]) == ([1, 2], 2.0)
+    assert measured_window([(0, 9.0)]) == ([0], 9.0)

@@ -60,7 +60,7 @@ def predict(schedule: Schedule, costs: Union[Costs, CostTable], *, memory: str, 
 def check_step(first_step: int, total_steps: int, recorded_last: Optional[int]) -> int:
     """The step after which a run starting at ``first_step`` checks its prediction: the end of the
     recorded window when there is one, else after :data:`WINDOW_STEPS` steps past the warm-up."""
-    if recorded_last is not None and recorded_last < total_steps:
+    if recorded_last is not None and first_step <= recorded_last < total_steps:
         return recorded_last
     return min(total_steps - 1, first_step + WARMUP_STEPS + WINDOW_STEPS - 1)
 

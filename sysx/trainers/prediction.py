@@ -32,8 +32,7 @@ class RunPrediction:
         self.emulated = trainer.cfg.device == "emulated"
         self.rss0 = dev.host_rss_bytes()  # before the first step: the growth is what the plan describes
         self.step_times: list[tuple[int, float]] = []
-        rec = trainer.window.recorder
-        self.at = check_step(trainer.step_index, trainer.cfg.train.steps, rec.last if rec is not None else None)
+        self.at: Optional[int] = None  # set at the first step this process runs (after a resume, too)
         self.section: dict[str, Any] = {}
 
     def _memory_kind(self) -> str:
@@ -76,6 +75,9 @@ class RunPrediction:
     def after_step(self, result: StepResult) -> None:
         """Note the step's time; at the check step, compare (collective at that step)."""
         self.step_times.append((result.step, result.step_time_s))
+        if self.at is None:
+            rec = self.trainer.window.recorder
+            self.at = check_step(result.step, self.trainer.cfg.train.steps, rec.last if rec is not None else None)
         if result.step != self.at:
             return
         t = self.trainer
