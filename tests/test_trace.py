@@ -171,7 +171,7 @@ def test_outside_its_window_the_recorder_records_nothing(tmp_path: Path) -> None
         trainer.evaluate()  # the evaluation program is no training step: not recorded
         assert {r[0] for r in rec.records} == {2}
         trainer.train_step()  # the window's last step: written, then forgotten
-        assert rec.records == [] and set(trainer.measurements()) == {"measured", "plan"}
+        assert rec.records == [] and set(trainer.measurements()) == {"measured", "plan", "prediction"}
     finally:
         trainer.close()
     assert {p.name for p in (tmp_path / "run").iterdir()} == {"timeline.json", "timeline.png", "plan.png"}
