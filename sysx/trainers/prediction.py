@@ -9,7 +9,7 @@ ran, else the mean of the logged step times after the warm-up.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,14 +19,13 @@ from sysx.autotune.check import GPU, HOST, Prediction, check_step, compare, meas
 from sysx.metrics import StepResult
 from sysx.schedule.costs import Costs, CostTable
 
-if TYPE_CHECKING:
-    from sysx.trainers.pipeline import PipelineTrainer
-
 
 class RunPrediction:
-    """The check of one rank's trainer (built once the trainer is, before its first step)."""
+    """The check of one rank's trainer (built once the trainer is, before its first step).
 
-    def __init__(self, trainer: PipelineTrainer, tuned: Optional[Costs]) -> None:
+    ``trainer`` is a :class:`sysx.trainers.pipeline.PipelineTrainer` (not imported: it imports this)."""
+
+    def __init__(self, trainer: Any, tuned: Optional[Costs]) -> None:
         self.trainer = trainer
         self.tuned = tuned
         self.emulated = trainer.cfg.device == "emulated"
@@ -89,11 +88,12 @@ class RunPrediction:
             print("prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
                   "`sysx tune` measures one)", flush=True)
             return
-        gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size  # type: ignore[attr-defined]
+        gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size
         pred: Prediction = predict(t.schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
         recorded = t.recorded_iteration()
         if recorded is not None:
-            steps, iteration, how = list(range(t.window.recorder.first, t.window.recorder.last + 1)), recorded, "timeline"  # type: ignore[union-attr]
+            rec = t.window.recorder
+            steps, iteration, how = list(range(rec.first, rec.last + 1)), recorded, "timeline"
         else:
             steps, iteration = measured_window(self.step_times)
             how = "step times"
