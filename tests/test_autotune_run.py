@@ -68,8 +68,8 @@ def test_the_emulated_device_answers_with_its_own_costs(monkeypatch) -> None:
     monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
     cfg = _emulated_cfg()
     job = apply_mod.job_from_config(cfg, 4, None, torch.device("cpu"))
-    assert (job.model.name if hasattr(job.model, "name") else job.model.dim) and job.global_batch == 16
-    assert job.ranks_per_node == 4 and job.seq_len == 1024
+    assert job.model == get_preset("llama2_7b") and job.global_batch == 16  # 2 (emulated) x 8 micro-batches
+    assert job.ranks_per_node == 4 and job.seq_len == 1024 and job.work_dtype == "bfloat16"
     profile = emulated_profile(cfg, [1, 2, 4])
     assert profile.hardware.device_free_bytes == 32 * 2**30  # the emulated V100's memory is the GPU budget
     sched = make_schedule(options_from_config(cfg), job.model, n_ranks=4, n_micro=8, seq_len=1024)
