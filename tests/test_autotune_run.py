@@ -232,3 +232,21 @@ def test_the_check_step_follows_the_first_step_and_the_recorded_window() -> None
     assert check_step(10, 100, 5) == 13  # a window before the resume point: the step times decide
     assert measured_window([(0, 9.0), (1, 1.0), (2, 3.0)]) == ([1, 2], 2.0)
     assert measured_window([(0, 9.0)]) == ([0], 9.0)
+
+
+def test_the_single_trainer_checks_its_planners_prediction(capsys) -> None:
+    from types import SimpleNamespace
+
+    from sysx.metrics import StepResult
+    from sysx.trainers.prediction import SinglePrediction
+
+    plan = SimpleNamespace(times={"step_s": 0.5}, device_bytes={"total": 1 << 20}, host_bytes={"total": 3 << 20})
+    check = SinglePrediction(plan, torch.device("cpu"))
+    for step, seconds in enumerate((9.0, 0.5, 0.6, 0.7)):
+        check.after_step(StepResult(step=step, loss=1.0, lr=1e-3, grad_norm=1.0, skipped=False, scale=1.0, tokens=1,
+                                    step_time_s=seconds), 10, None)
+    s = check.section
+    assert s["source"] == "single-device planner" and s["steps"] == [1, 3]
+    assert s["iteration_s"]["measured"] == pytest.approx(0.6) and s["iteration_s"]["error_pct"] == pytest.approx(20.0)
+    assert s["peak_host_bytes"]["predicted"] == 4 << 20  # on CPU the device buffers are host memory too
+    assert "warning: the prediction is off by more than 10% (iteration_s" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Prediction checked against measurement, every run (ProTrain's cost-model error, issue 14 item 4).
 
-After the first steps a pipeline run compares what the simulator predicted for its schedule with
+After the first steps a pipeline run (and ``schedule=single``, with its planner's prediction) compares what the simulator predicted for its schedule with
 what it measured: the iteration time, and the peak memory (the GPU's on CUDA; on CPU, where the
 "device" is host memory, the growth of the ranks' resident memory against the planner's host
 state + shared memory + device buffers). The prediction is :func:`~sysx.schedule.simulate.simulate`
@@ -100,6 +100,6 @@ def compare(pred: Prediction, iteration_s: float, peak_bytes: Optional[float], *
     off = [k for k in ("iteration_s", GPU, HOST) if k in section and abs(section[k]["error_pct"]) > WARN_PCT]
     if off:
         lines.append(f"warning: the prediction is off by more than {WARN_PCT:g}% ({', '.join(off)}): the costs "
-                     f"({pred.source}) do not describe this run; `sysx tune --refresh` (or schedule.tune=true "
-                     f"after it) measures the profile again")
+                     f"({pred.source}) do not describe this run (a busy machine, or a stale profile: `sysx tune "
+                     f"--refresh` or single.hardware=remeasure measures this machine again)")
     return section, lines

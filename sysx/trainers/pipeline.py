@@ -106,12 +106,13 @@ class PipelineTrainer(Trainer):
         self._measurements: dict[str, dict[str, float]] = {}
         self.tuned_costs = tuned_costs
         self.window_costs: CostTable | None = None  # the recorded window's own costs, once written
+        rss0 = dev.host_rss_bytes()  # before the training state exists: its growth is what the plan describes
         try:
             self._build()
         except BaseException:
             self.close()
             raise
-        self.prediction = RunPrediction(self, tuned_costs)
+        self.prediction = RunPrediction(self, tuned_costs, rss0=rss0)
 
     def _pacer(self) -> Pacer:
         """The emulated device's pacer (its plan refuses a GPU memory overflow), else none."""

@@ -25,11 +25,11 @@ class RunPrediction:
 
     ``trainer`` is a :class:`sysx.trainers.pipeline.PipelineTrainer` (not imported: it imports this)."""
 
-    def __init__(self, trainer: Any, tuned: Optional[Costs]) -> None:
+    def __init__(self, trainer: Any, tuned: Optional[Costs], *, rss0: int) -> None:
         self.trainer = trainer
         self.tuned = tuned
         self.emulated = trainer.cfg.device == "emulated"
-        self.rss0 = dev.host_rss_bytes()  # before the first step: the growth is what the plan describes
+        self.rss0 = rss0  # the RSS before the trainer built its state: the growth is what the plan describes
         self.step_times: list[tuple[int, float]] = []
         self.at: Optional[int] = None  # set at the first step this process runs (after a resume, too)
         self.section: dict[str, Any] = {}
@@ -97,6 +97,40 @@ class RunPrediction:
         else:
             steps, iteration = measured_window(self.step_times)
             how = "step times"
+        self.section, lines = compare(pred, iteration, peak, steps=steps, measured_by=how)
+        for line in lines:
+            print(line, flush=True)
+
+
+class SinglePrediction:
+    """``schedule=single``: the planner's predicted step time and memory (its :class:`SinglePlan`)
+    against the run's, after the same first steps (one process: nothing collective)."""
+
+    def __init__(self, plan: Any, device: torch.device) -> None:
+        self.plan, self.device = plan, device
+        self.rss0 = dev.host_rss_bytes()
+        self.step_times: list[tuple[int, float]] = []
+        self.at: Optional[int] = None
+        self.section: dict[str, Any] = {}
+
+    def after_step(self, result: StepResult, total_steps: int, recorded: Optional[tuple[int, int, float]]) -> None:
+        """Note the step; at the check step compare. ``recorded``: ``(first, last, seconds)`` of a
+        written timeline window, else None."""
+        self.step_times.append((result.step, result.step_time_s))
+        if self.at is None:
+            self.at = check_step(result.step, total_steps, None)
+        if result.step != self.at:
+            return
+        cuda = dev.is_cuda(self.device)
+        dev_total = float(self.plan.device_bytes["total"])
+        # on CPU the planner's device buffers are host memory too
+        peak_plan = dev_total if cuda else dev_total + float(self.plan.host_bytes["total"])
+        peak = float(dev.max_memory_allocated(self.device)) if cuda else float(dev.host_peak_rss_bytes() - self.rss0)
+        pred = Prediction(self.plan.times["step_s"], peak_plan, GPU if cuda else HOST, "single-device planner")
+        if recorded is not None:
+            steps, iteration, how = list(range(recorded[0], recorded[1] + 1)), recorded[2], "timeline"
+        else:
+            (steps, iteration), how = measured_window(self.step_times), "step times"
         self.section, lines = compare(pred, iteration, peak, steps=steps, measured_by=how)
         for line in lines:
             print(line, flush=True)

@@ -40,6 +40,7 @@ from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
 from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
+from sysx.trainers.prediction import SinglePrediction
 from sysx.single.host import HostState
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
@@ -88,6 +89,7 @@ class SingleTrainer(Trainer):
         if self.settings.print_plan:
             print(self.plan.render(), flush=True)
         self.memory_cap = MemoryCap(self.device, request.device_budget_bytes)  # restored by close()
+        self.prediction = SinglePrediction(self.plan, self.device)
         try:
             self._build(cfg, optimizer_backend, model)
         except BaseException:
@@ -173,8 +175,15 @@ class SingleTrainer(Trainer):
                             scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
         if self.window.after(step):
             self._write_timeline()
+        self._check_prediction(result)
         self.step_index += 1
         return result
+
+    def _check_prediction(self, result: StepResult) -> None:
+        """The planner's prediction against this run, after its first steps (:mod:`sysx.trainers.prediction`)."""
+        rec, measured = self.window.recorder, self._measurements.get("measured")
+        recorded = (rec.first, rec.last, measured["iteration_s"]) if rec is not None and measured else None
+        self.prediction.after_step(result, self.cfg.train.steps, recorded)
 
     def _write_timeline(self) -> None:
         """The recorded window into ``run_dir`` (timeline.json, timeline.png), compared with the
@@ -189,9 +198,13 @@ class SingleTrainer(Trainer):
         print(f"{report.line} | {self.cfg.run_dir}/{{{TIMELINE_JSON},{TIMELINE_PNG}}}", flush=True)
         self._measurements = report.summary()
 
-    def measurements(self) -> dict[str, dict[str, float]]:
-        """``{"measured": ..., "plan": ...}`` of the recorded window, once written (else empty)."""
-        return dict(self._measurements)
+    def measurements(self) -> dict[str, dict[str, Any]]:
+        """``{"measured": ..., "plan": ...}`` of the recorded window, once written (else empty), and
+        the ``prediction`` check once made."""
+        out: dict[str, dict[str, Any]] = dict(self._measurements)
+        if self.prediction.section:
+            out["prediction"] = self.prediction.section
+        return out
 
     def _validate(self, reports: list[StageReport], speculate: bool, lr: float) -> StepOutcome:
         """Decide this step from the groups' reports; the re-steps (speculation) or steps (validate
