@@ -186,3 +186,59 @@ def test_kernel_streams_into_aligned_and_unaligned_views_alike() -> None:
         dst = tuple(torch.zeros(n + offset)[offset:] for _ in range(3))
         step_into(op, src, g, dst, c)  # type: ignore[arg-type]
         assert _same(list(dst), list(want)), offset
+
+
+def test_the_host_budget_counts_the_exact_buffers() -> None:
+    """12 bytes per parameter (16 when the working copy is fp32: a private master too), in the
+    node plan the job checks before it allocates; undo and auto (before resolving) count none."""
+    from sysx.memory.budget import plan_host_memory, training_state_bytes
+
+    assert training_state_bytes("bfloat16", rollback="exact").snapshot == 12
+    assert training_state_bytes("float32", rollback="exact").snapshot == 16
+    assert training_state_bytes("bfloat16", rollback="snapshot").snapshot == 12
+    assert training_state_bytes("bfloat16", rollback="auto").snapshot == 0
+    n = 1000
+    undo = plan_host_memory([(n, "bfloat16")])
+    exact = plan_host_memory([(n, "bfloat16")], rollback="exact")
+    assert exact.rollback == 12 * n and exact.total - undo.total == 12 * n
+    assert "rollback buffers" in str(exact) and "rollback buffers" not in str(undo)
+    stage = StageOptimizer("s", torch.zeros(n), lr=1e-3, backend="torch", rollback="exact",
+                           target=torch.zeros(n, dtype=torch.bfloat16))
+    assert stage.optimizer.rollback_bytes == exact.rollback  # the plan counts what is allocated
+
+
+def test_auto_picks_exact_when_the_budget_allows_else_undo_and_says_why() -> None:
+    from sysx.memory.budget import HostCapacity, HostMemoryError, plan_host_memory
+    from sysx.optim.rollback_choice import choose_rollback
+
+    n = 1 << 20
+
+    def plan(rollback: str):
+        return plan_host_memory([(n, "bfloat16")], rollback=rollback)
+
+    def cap(ram: int) -> HostCapacity:
+        return HostCapacity(shm_free=1 << 40, shm_total=1 << 40, ram_available=ram, cgroup=None)
+
+    roomy, tight = cap(plan("exact").total), cap(plan("exact").total - 1)
+    mode, why = choose_rollback("auto", plan, roomy)
+    assert mode == "exact" and why.startswith("optim.rollback=auto -> exact:") and "\n" not in why
+    mode, why = choose_rollback("auto", plan, tight)
+    assert mode == "undo" and why.startswith("optim.rollback=auto -> undo:") and "do not fit" in why
+    assert choose_rollback("exact", plan, roomy) == ("exact", "")
+    with pytest.raises(HostMemoryError, match="host RAM"):
+        choose_rollback("exact", plan, tight)  # an explicit choice is checked, never swapped
+    with pytest.raises(HostMemoryError):
+        choose_rollback("auto", plan, cap(plan("undo").total - 1))
+    with pytest.raises(ValueError, match="optim.rollback='nope' is not valid: allowed: undo, snapshot, exact, auto"):
+        choose_rollback("nope", plan, roomy)
+
+
+def test_config_accepts_the_rollback_values_and_names_them_on_a_typo() -> None:
+    from sysx.config import ConfigError, load_config
+
+    for value in ("undo", "snapshot", "exact", "auto"):
+        assert load_config([f"optim.rollback={value}"]).optim.rollback == value
+    with pytest.raises(ConfigError, match="optim.rollback=exactly is not valid: allowed: undo, snapshot, exact, auto"):
+        load_config(["optim.rollback=exactly"])
+    with pytest.raises(ValueError, match="resolve optim.rollback=auto first"):
+        CpuAdam(torch.zeros(4), lr=1e-3, backend="torch", rollback="auto")

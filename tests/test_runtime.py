@@ -232,7 +232,7 @@ def test_schedule_config_keys_reach_the_runtime() -> None:
     assert options_from_config(load_config(["schedule=auto"])).schedule == "sysx"
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "mobius"):
         assert options_from_config(load_config([f"schedule={name}"])).schedule == name
-    for bad, word in (("schedule.cfg=5", "0, 1, 2, 3"), ("schedule.split=0", ">= 1"), ("optim.rollback=no", "undo, snapshot"),
+    for bad, word in (("schedule.cfg=5", "0, 1, 2, 3"), ("schedule.split=0", ">= 1"), ("optim.rollback=no", "undo, snapshot, exact, auto"),
                       ("optim.backend=x", "auto, deepspeed, torch"), ("schedule.stage_sizes=[3,0]", "positive"),
                       ("optim.workers=0", ">= 1"), ("schedule.timeout_s=0", "> 0")):
         with pytest.raises(ConfigError, match=word):

@@ -58,6 +58,27 @@ struct Constants {
 
 constexpr int kSpan = 8;  // vectors per iteration, as DeepSpeed's Step_8
 
+// Software prefetch distance in elements (0: none); see profiling/RESULTS.md for what was measured.
+#ifndef EXACT_PREFETCH
+#define EXACT_PREFETCH 0
+#endif
+
+inline void prefetch_block(std::size_t i, const float* ps, const float* g, const float* ms, const float* vs)
+{
+#if EXACT_PREFETCH > 0 && (defined(__AVX512__) || defined(__AVX256__))
+    constexpr std::size_t lines = SIMD_WIDTH * kSpan * sizeof(float) / 64;
+    for (std::size_t l = 0; l < lines; ++l) {
+        const std::size_t j = i + EXACT_PREFETCH + 16 * l;
+        _mm_prefetch(reinterpret_cast<const char*>(g + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ms + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vs + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ps + j), _MM_HINT_T0);
+    }
+#else
+    (void)i, (void)ps, (void)g, (void)ms, (void)vs;
+#endif
+}
+
 inline bool aligned(const float* x) { return (reinterpret_cast<std::uintptr_t>(x) % EXACT_ALIGN) == 0; }
 
 template <bool SP, bool SM, bool SV>
@@ -118,8 +139,12 @@ void simd_body(std::size_t n_vec_elems, const float* ps, const float* g, const f
     const std::size_t n_block = (n_vec_elems / block) * block;
     // the body's blocks split over OpenMP threads (torch.set_num_threads sets their number), as
     // DeepSpeed's; with one thread no parallel region is entered (no fork/join per call)
+#if !defined(EXACT_NO_OMP)
 #pragma omp parallel for if (parallel)
+#endif
     for (std::size_t i = 0; i < n_block; i += block) {
+        // prefetching past the end is harmless (a hint, never a fault)
+        prefetch_block(i, ps, g, ms, vs);
         vec_step<kSpan, SP, SM, SV>(i, ps, g, ms, vs, pd, md, vd, betta1_4, betta2_4, betta1_minus1_4,
                                     betta2_minus1_4, bias2_sqrt, eps_4, step_size_4, weight_decay4, decay);
     }
