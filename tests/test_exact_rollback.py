@@ -242,3 +242,24 @@ def test_config_accepts_the_rollback_values_and_names_them_on_a_typo() -> None:
         load_config(["optim.rollback=exactly"])
     with pytest.raises(ValueError, match="resolve optim.rollback=auto first"):
         CpuAdam(torch.zeros(4), lr=1e-3, backend="torch", rollback="auto")
+
+
+def test_bench_optim_prints_one_json_line_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """``sysx bench optim --size ... --json``: the four medians and the machine (no timing asserted)."""
+    import json
+
+    from sysx.cli import main
+
+    assert main(["bench", "optim", "--size", "20K", "--repeat", "1", "--warmup", "0", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    r = json.loads(lines[0])
+    assert r["size"] == 20_000 and r["threads"] == 1 and r["exact_backend"] == "deepspeed"
+    for key in ("step_ms", "exact_step_ms", "snapshot_step_ms", "undo_ms"):
+        assert r[key] > 0, key
+    assert set(r["machine"]) >= {"cpu", "avx2", "avx512", "cores", "load_avg_1m"}
+    assert main(["bench", "optim", "--size", "20K", "--repeat", "1", "--warmup", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "| exact: out-of-place step into the second set |" in table and "x plain" in table
+    assert main(["bench", "optim", "--size", "lots"]) == 2
+    assert "--size 'lots' is not valid" in capsys.readouterr().err
