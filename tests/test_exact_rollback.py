@@ -263,3 +263,26 @@ def test_bench_optim_prints_one_json_line_and_a_table(capsys: pytest.CaptureFixt
     assert "| exact: out-of-place step into the second set |" in table and "x plain" in table
     assert main(["bench", "optim", "--size", "lots"]) == 2
     assert "--size 'lots' is not valid" in capsys.readouterr().err
+
+
+def test_kernel_with_two_openmp_threads_equals_one() -> None:
+    """The OpenMP path (optimizer workers with several threads) splits blocks, never changes a bit."""
+    from sysx.optim.exact_kernel import load_kernel, step_into
+
+    op = load_kernel()
+    gen = torch.Generator().manual_seed(8)
+    n = 128 * 1000 + 21
+    src = tuple(torch.randn(n, generator=gen).abs() for _ in range(3))
+    g = torch.randn(n, generator=gen)
+    c = constants(3, 1e-3, Hyper(0.9, 0.95, 1e-8, 0.1), BetaPowers(0.9, 0.95))
+    outs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            dst = tuple(torch.empty(n) for _ in range(3))
+            step_into(op, src, g, dst, c)  # type: ignore[arg-type]
+            outs.append(list(dst))
+    finally:
+        torch.set_num_threads(saved)
+    assert _same(outs[0], outs[1])
