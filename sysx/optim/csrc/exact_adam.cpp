@@ -81,12 +81,10 @@ inline void prefetch_block(std::size_t i, const float* ps, const float* g, const
 
 inline bool aligned(const float* x) { return (reinterpret_cast<std::uintptr_t>(x) % EXACT_ALIGN) == 0; }
 
-template <bool SP, bool SM, bool SV>
-inline void store3(float* p, float* m, float* v, const AVX_Data& pd, const AVX_Data& md, const AVX_Data& vd)
+template <bool STREAM>
+inline void store1(float* dst, const AVX_Data& x)
 {
-    if constexpr (SP) { EXACT_STREAM(p, pd.data); } else { SIMD_STORE(p, pd.data); }
-    if constexpr (SM) { EXACT_STREAM(m, md.data); } else { SIMD_STORE(m, md.data); }
-    if constexpr (SV) { EXACT_STREAM(v, vd.data); } else { SIMD_STORE(v, vd.data); }
+    if constexpr (STREAM) { EXACT_STREAM(dst, x.data); } else { SIMD_STORE(dst, x.data); }
 }
 
 // DeepSpeed's Step_AVX body for `span` vectors at element i (AdamW mode, bias correction on).
@@ -114,9 +112,12 @@ inline void vec_step(std::size_t i, const float* ps, const float* g, const float
         grad_4[k].data = SIMD_DIV(momentum_4[k].data, grad_4[k].data);
         if (decay) { param_4[k].data = SIMD_FMA(param_4[k].data, weight_decay4.data, param_4[k].data); }
         param_4[k].data = SIMD_FMA(grad_4[k].data, step_size_4.data, param_4[k].data);
-        std::size_t j = i + SIMD_WIDTH * k;
-        store3<SP, SM, SV>(pd + j, md + j, vd + j, param_4[k], momentum_4[k], variance_4[k]);
     }
+    // stored as DeepSpeed stores them: the span's p lines, then its m lines, then its v lines (each
+    // destination written in runs of `span` consecutive lines)
+    for (int k = 0; k < span; ++k) { store1<SP>(pd + i + SIMD_WIDTH * k, param_4[k]); }
+    for (int k = 0; k < span; ++k) { store1<SM>(md + i + SIMD_WIDTH * k, momentum_4[k]); }
+    for (int k = 0; k < span; ++k) { store1<SV>(vd + i + SIMD_WIDTH * k, variance_4[k]); }
 }
 
 template <bool SP, bool SM, bool SV>
