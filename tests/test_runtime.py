@@ -118,11 +118,14 @@ def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(datas
     assert float((a - b).norm() / a.norm()) < 1e-3  # fp16 compute; the reference steps with torch.optim.AdamW
 
 
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDataset, precision: str) -> None:
+def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDataset, precision: str,
+                                                                backend: str) -> None:
     """Every sub-stage rolled back by switching buffer sets ends where the bit-exact copy restore
     ends: fp16 overflows (loss scale 2**20) skip the first steps, bf16 clips every step (each
-    speculative step is rolled back and stepped again); losses and final weights equal bit for bit."""
+    speculative step is rolled back and stepped again); losses and final weights equal bit for bit,
+    with the torch ops and with the C++ kernel (against DeepSpeed's in-place op)."""
     from sysx.config import LossScaleSection
 
     cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
@@ -131,7 +134,7 @@ def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDat
                      eval=EvalSection(every=0), device="cpu", precision=precision, loss_scale=LossScaleSection(init=2.0**20))
     runs = {}
     for rollback in ("snapshot", "exact"):
-        opts = PipelineOptions(schedule="sysx", split=2, optim_backend="torch", rollback=rollback)
+        opts = PipelineOptions(schedule="sysx", split=2, optim_backend=backend, rollback=rollback)
         with PipelineTrainer(cfg, opts, dataset=dataset) as t:
             outcomes = []
             validate_async = t.optimizer.validate_async
