@@ -75,12 +75,25 @@ def run(numel: int, *, repeat: int = 7, warmup: int = 2, threads: int = 1) -> di
     del p0
     times: dict[str, list[float]] = {"step_ms": [], "exact_step_ms": [], "snapshot_step_ms": [], "undo_ms": []}
     try:
-        for i in range(warmup + repeat):
-            # each step is rolled back so every round steps the same state (undo's own time is a row)
-            row = {"step_ms": _timed(lambda: plain.step(g)), "undo_ms": _timed(lambda: plain.undo(g)),
-                   "exact_step_ms": _timed(lambda: exact.step(g)), "snapshot_step_ms": _timed(lambda: snap.step(g))}
+        def plain_round(row: dict[str, float]) -> None:
+            row["step_ms"] = _timed(lambda: plain.step(g))
+            row["undo_ms"] = _timed(lambda: plain.undo(g))
+
+        def exact_round(row: dict[str, float]) -> None:
+            row["exact_step_ms"] = _timed(lambda: exact.step(g))
             exact.undo()
+
+        def snapshot_round(row: dict[str, float]) -> None:
+            row["snapshot_step_ms"] = _timed(lambda: snap.step(g))
             snap.undo()
+
+        order = [plain_round, exact_round, snapshot_round]
+        for i in range(warmup + repeat):
+            # each step is rolled back so every round steps the same state (undo's own time is a
+            # row); the order rotates so no mode always runs after the same one
+            row: dict[str, float] = {}
+            for fn in order[i % 3:] + order[:i % 3]:
+                fn(row)
             if i >= warmup:
                 for key, ms in row.items():
                     times[key].append(ms)
