@@ -37,7 +37,7 @@ def choose_rollback(requested: str, plan: Callable[[str], HostMemoryPlan],
                         f"{fmt_bytes(_available(cap))}); undo needs none and is within ~1 ulp")
     return "exact", (f"optim.rollback=auto -> exact: its buffers ({fmt_bytes(exact.rollback)}) fit this node's host "
                      f"memory (need {fmt_bytes(exact.total)}, available {fmt_bytes(_available(cap))}); rollbacks are "
-                     "bit-exact at the cost of a step")
+                     "bit-exact and a step moves the bytes of a plain one")
 
 
 def _available(cap: HostCapacity) -> int:
