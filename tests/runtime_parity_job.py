@@ -54,6 +54,7 @@ def main(spec_path: str, out_path: str) -> int:
             sched = trainer.schedule
             mirrored = sum(u.mirrored for u in trainer.params.units.values())
             backends = sorted({s.optimizer.backend for s in trainer.optimizer.stages.values()})
+            rollbacks = sorted({s.optimizer.rollback for s in trainer.optimizer.stages.values()})
             n_messages = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
         if info.rank != 0:
             continue
@@ -67,7 +68,7 @@ def main(spec_path: str, out_path: str) -> int:
             "options": options,
             "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.ckpt,
             "optimizer": sched.options.optimizer, "messages_per_step": n_messages, "mirrored_units": mirrored,
-            "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends,
+            "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends, "rollbacks": rollbacks,
             "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
             "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
             "param_rel": float((a - b).norm() / a.norm()),
