@@ -15,6 +15,8 @@ TOKEN_DTYPES = ("uint16", "uint32")
 OPTIMIZERS = ("adamw",)
 OPTIM_BACKENDS = ("auto", "deepspeed", "torch")  # host CPU Adam: auto = DeepSpeed when it builds, else torch
 ROLLBACKS = ("undo", "snapshot")  # undoing an overflowed step: Adam's arithmetic inverse | an exact copy
+SPECULATE_MODES = ("auto", "always", "never")  # optim.speculate (sysx.optim.speculate)
+SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a vetoed one (sysx.optim.speculate)
 
 # Schedules run by the multi-process runtime; gpipe and 1f1b place exactly one (whole) stage per rank.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sysx.config.choices import SPECULATE_AFTER
 from sysx.optim.cpu_adam import CpuAdam
 
 CHUNK_ELEMS = 1 << 18
@@ -46,6 +47,8 @@ class OptimSettings:
     rollback: str = "undo"
     workers: int | None = None
     threads_per_worker: int | None = None
+    speculate: str = "auto"  # auto | always | never (sysx.optim.speculate); asynchronous schedules only
+    speculate_after: int = SPECULATE_AFTER
 
 
 @dataclass

@@ -151,14 +151,17 @@ class OptimizerThreads:
         return _results(pending)
 
     # ---------------------------------------------------------------------------- other jobs
-    def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str) -> list[T]:
+    def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str, *,
+                paced: bool = False) -> list[T]:
         """Run ``fn(stage)`` for each named stage on the workers; wait for all, return the results."""
-        return _results([self.submit(fn, n, label) for n in names])
+        return _results([self.submit(fn, n, label, paced=paced) for n in names])
 
-    def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str) -> Future[T]:
-        """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it."""
+    def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str, *, paced: bool = False) -> Future[T]:
+        """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it. ``paced``: the job
+        is a step (a validate-first step, a re-step) and takes a step's time on an emulated device."""
         pool = self._executor()
-        future = pool.submit(_labelled_job, fn, self.stage(name), label, self._recording())
+        span = self.pace(name, None) if self.pace is not None and paced else contextlib.nullcontext()
+        future = pool.submit(_labelled_job, fn, self.stage(name), label, self._recording(), span)
         with self._lock:
             self._last[name] = future
         return future
@@ -232,8 +235,9 @@ def _step_job(
         )
 
 
-def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None) -> T:
-    with nvtx_range(f"OPT {label} {stage.name}"):
+def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None,
+                  span: contextlib.AbstractContextManager[None] | None = None) -> T:
+    with nvtx_range(f"OPT {label} {stage.name}"), span or contextlib.nullcontext():
         if rec is None:
             return fn(stage)
         begin = rec.now()

@@ -111,13 +111,14 @@ def _run(
     label: str,
     *,
     wait: bool = True,
+    paced: bool = False,
 ) -> list[Any]:
     if threads is None:
         return [fn(stages[n]) for n in names]
     if wait:
-        return threads.run_all(fn, names, label)
+        return threads.run_all(fn, names, label, paced=paced)
     for name in names:
-        threads.submit(fn, name, label)
+        threads.submit(fn, name, label, paced=paced)
     return []
 
 
@@ -177,7 +178,7 @@ def post_step_validate(
     coef = clip_coefficient(norm, max_grad_norm)
     restepped = 0
     if coef < 1.0:
-        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip", wait=wait)
+        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip", wait=wait, paced=True)
         restepped = len(stepped)
     return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, restepped, time.perf_counter() - t0)
 

@@ -8,7 +8,10 @@ copy is asynchronous; with fp32 they are the optimizer's own fp32 gradient buffe
 
 * asynchronous (SysX, CFG3): ``OPTIM_STEP`` hands the sub-stage to a worker thread, which waits
   for the offload event, unscales, checks and steps at once; ``VALIDATE`` waits for the workers
-  and runs :func:`sysx.optim.post_step_validate` (one all-reduce, rollback or clipping re-step);
+  and runs :func:`sysx.optim.post_step_validate` (one all-reduce, rollback or clipping re-step).
+  A step the :class:`~sysx.optim.speculate.SpeculationPolicy` does not let speculate
+  (``optim.speculate``) only loads and checks on the workers; ``VALIDATE`` then decides and
+  steps every sub-stage on the workers (validate first, still off the main thread's op list);
 * synchronous (baselines): ``VALIDATE`` loads and checks every offloaded sub-stage, all-reduces
   the overflow count and squared norms and decides (:func:`sysx.optim.validation.load_and_check`,
   the check part of :func:`sysx.optim.sync_step`); each ``OPTIM_STEP`` op then steps its own
@@ -24,9 +27,10 @@ from sysx import device as dev
 from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.loss_scaler import LossScaler
+from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageOptimizer
 from sysx.optim.threads import OptimizerThreads, Pace
-from sysx.optim.validation import StepOutcome, apply_checked, load_and_check, post_step_validate
+from sysx.optim.validation import StepOutcome, apply_checked, check_reports, load_and_check, post_step_validate
 from sysx.runtime.stage_params import StageParams
 
 
@@ -65,6 +69,10 @@ class RankOptimizer:
         self.events: dict[tuple[int, int], dev.Event] = {}
         self.outcome: StepOutcome | None = None
         self.step_seconds = 0.0
+        # every rank feeds its policy the same all-reduced outcome, so all decide alike
+        self.policy = SpeculationPolicy(settings.speculate, settings.speculate_after,
+                                        can_veto=settings.grad_clip > 0 or self.dtype == torch.float16)
+        self.speculating = self.policy.speculate()
 
     # -------------------------------------------------------------------------------- per step
     def begin(self) -> None:
@@ -72,21 +80,35 @@ class RankOptimizer:
         self.events.clear()
         self.outcome = None
         self.step_seconds = 0.0
+        self.speculating = self.policy.speculate()
 
     def offloaded(self, unit: tuple[int, int], event: dev.Event) -> None:
         """Record that ``unit``'s gradients are on their way to :attr:`host_grads`."""
         self.events[unit] = event
 
     def submit(self, unit: tuple[int, int], *, lr: float, scale: float) -> None:
-        """Asynchronous OPTIM_STEP: a worker waits for the offload, checks and steps."""
+        """Asynchronous OPTIM_STEP: a worker waits for the offload, checks and steps (only checks
+        when this step does not speculate)."""
         stage = self._stage(unit)
-        self.threads.submit_step(stage.name, self.host_grads[unit], self.events.get(unit), scale=scale, lr=lr)
+        if self.speculating:
+            self.threads.submit_step(stage.name, self.host_grads[unit], self.events.get(unit), scale=scale, lr=lr)
+        else:
+            self.threads.submit_load(stage.name, self.host_grads[unit], self.events.get(unit), scale=scale)
 
     def validate_async(self, *, lr: float) -> StepOutcome:
-        """Wait for the workers, then SysX's post-step validation (rollback / clipping re-step)."""
+        """Wait for the workers, then SysX's post-step validation (rollback / clipping re-step), or,
+        when the step did not speculate, the decision and then every sub-stage's step."""
         reports = self.threads.wait()
-        self.outcome = post_step_validate(reports, self.threads, self.scaler, lr=lr,
-                                          max_grad_norm=self.settings.grad_clip, group=self.group)
+        clip = self.settings.grad_clip
+        if self.speculating:
+            self.outcome = post_step_validate(reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip,
+                                              group=self.group)
+        else:
+            outcome = check_reports(reports, self.scaler, max_grad_norm=clip, group=self.group)
+            self.threads.run_all(lambda stage: apply_checked(stage, outcome, lr), [r.stage for r in reports], "step",
+                                 paced=not outcome.skipped)
+            self.outcome = outcome
+        self.policy.record(clean=not self.outcome.overflow and self.outcome.clip_coef == 1.0)
         return self.outcome
 
     def validate_sync(self, *, scale: float) -> StepOutcome:

@@ -130,7 +130,8 @@ class PipelineTrainer(Trainer):
         o = cfg.optim
         settings = OptimSettings(
             lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
-            backend=opts.optim_backend, rollback=opts.rollback, workers=opts.optimizer_workers)
+            backend=opts.optim_backend, rollback=opts.rollback, workers=opts.optimizer_workers,
+            speculate=o.speculate, speculate_after=o.speculate_after)
         if isinstance(self.pacer, EmulatedPacer):  # the emulated workers; their real work is small: one thread each
             settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
         self.optimizer = RankOptimizer(self.params, settings, self.scaler, group=self.group, local_rank=self.info.local_rank,
@@ -219,8 +220,14 @@ class PipelineTrainer(Trainer):
         # that every rank ends this step knowing it and saves and stops at the same point
         stop = stopping.pending()
         signals = [float(stop is not None and stop.signum == s) for s in stopping.STOP_SIGNALS]
-        total, count, *stops = self._all_reduce([local, float(len(ctx.losses)), *signals],
-                                                f"end of step {step} (loss all-reduce)")
+        outcome = self.optimizer.outcome
+        assert outcome is not None
+        times = [0.0] * (2 * self.world)  # this rank's slots only: the sum gathers every rank's
+        times[2 * self.rank:2 * self.rank + 2] = [ctx.backward_end, ctx.validate_end]
+        total, count, undone, restepped, *rest = self._all_reduce(
+            [local, float(len(ctx.losses)), float(outcome.undone + outcome.restepped), float(outcome.restepped),
+             *signals, *times], f"end of step {step} (loss all-reduce)")
+        stops, times = rest[:len(signals)], rest[len(signals):]
         for signum, seen in zip(stopping.STOP_SIGNALS, stops):
             if seen > 0:
                 stopping.request(signum)
@@ -228,12 +235,14 @@ class PipelineTrainer(Trainer):
         if int(count) != self.cfg.train.micro_batches:
             raise ExecutionError(f"rank {self.rank}: step {step}: {int(count)} micro-batch losses were computed, expected "
                                  f"{self.cfg.train.micro_batches}")
-        outcome = self.optimizer.outcome
-        assert outcome is not None
         dev.synchronize(self.device)
         result = StepResult(step=step, loss=total / count, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
                             scale=scale, tokens=self.tokens_per_step,
-                            step_time_s=self.pacer.end_step(time.perf_counter() - t0))
+                            step_time_s=self.pacer.end_step(time.perf_counter() - t0),
+                            speculated=self.schedule.options.async_optimizer and self.optimizer.speculating,
+                            rolled_back=int(undone), restepped=int(restepped),
+                            opt_exposed_s=exposed_seconds(times[0::2], times[1::2], one_clock=self.info.num_nodes == 1)
+                            / self.pacer.time_scale)
         self.last_op_seconds = ctx.op_seconds
         if self.window.after(step):
             self._write_timeline()
@@ -376,6 +385,16 @@ class PipelineTrainer(Trainer):
         if self.params is not None:
             self.params.close()
             self.params = None
+
+
+def exposed_seconds(backward_ends: list[float], validate_ends: list[float], *, one_clock: bool) -> float:
+    """The optimizer time of a step no compute hid: from the end of the last backward on any rank
+    to the end of the last VALIDATE (optimizer jobs, all-reduce, rollbacks, re-steps). Ranks on one
+    node share ``time.monotonic()``; across nodes the clocks differ, so the smallest per-rank span
+    is taken (every rank's VALIDATE ends after the all-reduce that waits for the last backward)."""
+    if one_clock:
+        return max(0.0, max(validate_ends) - max(backward_ends))
+    return max(0.0, min(v - b for b, v in zip(backward_ends, validate_ends)))
 
 
 # ----------------------------------------------------------------------------------------- jobs
