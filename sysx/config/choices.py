@@ -17,6 +17,7 @@ OPTIM_BACKENDS = ("auto", "deepspeed", "torch")  # host CPU Adam: auto = DeepSpe
 ROLLBACKS = ("undo", "snapshot")  # undoing an overflowed step: Adam's arithmetic inverse | an exact copy
 SPECULATE_MODES = ("auto", "always", "never")  # optim.speculate (sysx.optim.speculate)
 SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a vetoed one (sysx.optim.speculate)
+PLACEMENTS = ("auto", "cpu", "split")  # optim.placement: where Adam updates run (sysx.optim.placement)
 
 # Schedules run by the multi-process runtime; gpipe and 1f1b place exactly one (whole) stage per rank.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx")

@@ -21,6 +21,7 @@ from sysx.config.choices import (
     OPTIM_BACKENDS,
     OPTIMIZERS,
     OVERLAPS,
+    PLACEMENTS,
     POLICIES,
     ROLLBACKS,
     SAVE_LEVELS,
@@ -178,6 +179,7 @@ class OptimSection:
     workers: Optional[int] = None  # optimizer threads per rank (null: from the core plan)
     speculate: str = "auto"  # step before validating: auto (while recent steps were clean) | always | never
     speculate_after: int = SPECULATE_AFTER  # auto: clean steps after a clipped/overflowed one before speculating again
+    placement: str = "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
 
     def validate(self) -> None:
         """Choices and ranges of ``optim.*``."""
@@ -196,6 +198,7 @@ class OptimSection:
         check_host_adam(self.backend, self.rollback, self.workers)
         check_choice("optim.speculate", self.speculate, SPECULATE_MODES)
         check_int("optim.speculate_after", self.speculate_after, 0)
+        check_choice("optim.placement", self.placement, PLACEMENTS)
 
 
 @dataclass

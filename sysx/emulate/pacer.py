@@ -18,7 +18,9 @@ the durations of the plan's :class:`~sysx.schedule.costs.CostTable`, multiplied 
   holds the sender's until the end of the transfer (rendezvous, as gloo and NCCL sends do);
 * an asynchronous OPTIM_STEP takes its duration on the worker thread that runs it, from
   ``max(submitted, offload done, that worker's previous job)``;
-* VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier.
+* VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier;
+  units placed on the device lane (``optim.placement``) then take their copies in, steps and
+  copies out on the H2D, compute and D2H streams (:meth:`EmulatedPacer.device_optimizer`).
 
 Real work that ends after its modelled end makes the host lag its cursor; the modelled times stay
 (as a GPU's queue hides a slow host while it has work), the real barriers (VALIDATE, the step's
@@ -81,6 +83,15 @@ class Pacer:
 
     def post(self, pending: Any, group: dist.ProcessGroup | None) -> None:
         """A message was posted (:class:`sysx.runtime.p2p.Pending`)."""
+        return None
+
+    def device_optimizer(self, name: str, seconds: tuple[float, float, float]) -> None:
+        """A device-lane optimizer step of unit ``name`` was issued (``seconds``: its modelled copy
+        in, step and copy out; :func:`sysx.optim.placement.device_seconds`). Here: nothing."""
+        return None
+
+    def device_optimizer_wait(self) -> None:
+        """The host needs the device lane's results (its copies out are done). Here: nothing."""
         return None
 
     def settle(self, pending: Any, wait: Callable[[dist.Work], None]) -> None:
@@ -272,6 +283,25 @@ class EmulatedPacer(Pacer):
             self._stats.spans.append(("cpu", f"OPT {name}", start, end))
         self._worker.free = end
         self._hold(end, f"OPT {name}")
+
+    def device_optimizer(self, name: str, seconds: tuple[float, float, float]) -> None:
+        """Charge a device-lane step: copy in on the H2D stream (not before now: the validation has
+        just decided), step on the compute stream, copy out on the D2H stream, each after the one
+        before; the host does not wait (:meth:`device_optimizer_wait` does), so units pipeline."""
+        t_in, t_step, t_out = (x * self.time_scale for x in seconds)
+        self.h2d.after = max(self.h2d.after, time.monotonic())
+        spans = [("h2d", self.h2d.charge(t_in))]
+        self.compute.after = max(self.compute.after, spans[0][1][1])
+        spans.append(("gpu", self.compute.charge(t_step)))
+        self.d2h.after = max(self.d2h.after, spans[1][1][1])
+        spans.append(("d2h", self.d2h.charge(t_out)))
+        with self._lock:
+            for lane, (start, end) in spans:
+                self._stats.spans.append((lane, f"OPT-dev {name}", start, end))
+
+    def device_optimizer_wait(self) -> None:
+        """The host waits until the device lane's last copy out ends."""
+        self._hold(self.d2h.free, "OPT-dev")
 
     # ------------------------------------------------------------------------------- messages
     def _xfer(self, spec: Any) -> float:

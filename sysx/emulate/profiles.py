@@ -32,6 +32,7 @@ class EmulatedCluster:
     inter_latency: float
     threads_per_rank: int  # the node's cores shared by its GPUs' ranks
     adam_params_per_thread_s: float  # CPU Adam throughput of one thread
+    device_mem_bandwidth: float = 0.0  # GPU memory bytes/s (an optimizer step on the GPU is bound by it)
 
     def describe(self) -> str:
         """One line: ``v100 (65 TFLOP/s, 32 GiB, 12 GB/s h2d) x4 per node, epyc7452 (8 threads/rank ...)``."""
@@ -54,4 +55,5 @@ def cluster(section: EmulateSection) -> EmulatedCluster:
         intra_bandwidth=n["intra_gbps"] * GB, intra_latency=n["intra_latency_us"] * 1e-6,
         inter_bandwidth=n["inter_gbps"] * GB, inter_latency=n["inter_latency_us"] * 1e-6,
         threads_per_rank=max(1, int(c["cores"]) // gpn), adam_params_per_thread_s=c["adam_gparams_per_thread"] * GB,
+        device_mem_bandwidth=g["mem_gbps"] * GB,
     )

@@ -40,7 +40,10 @@ from sysx.emulate import EmulatedPacer, Pacer, describe, emulated_model, merge_r
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.runtime.buffers import GradBuffers, ParamSlots
+from sysx.optim.device_lane import DeviceLane
+from sysx.optim.placement import Placement
 from sysx.runtime.executor import Executor, ExecutionError, StepContext
+from sysx.runtime.lanes import rank_placement
 from sysx.runtime.optimizer import OptimSettings, RankOptimizer
 from sysx.runtime.options import PipelineOptions, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch
@@ -136,6 +139,7 @@ class PipelineTrainer(Trainer):
             settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
         self.optimizer = RankOptimizer(self.params, settings, self.scaler, group=self.group, local_rank=self.info.local_rank,
                                        local_world_size=self.info.local_world_size, pace=self.pacer.optimizer_pace())
+        self.placement = self._place_optimizer()
         p2p = None
         if self.world > 1:
             backend = dist.get_backend()
@@ -154,6 +158,26 @@ class PipelineTrainer(Trainer):
             for part in (self.executor, self.slots, self.grads, self.optimizer.threads, p2p):
                 if part is not None:
                     part.recorder = self.window.recorder
+
+    def _place_optimizer(self) -> Placement:
+        """``optim.placement``: which owned sub-stages step on the device lane (:mod:`sysx.runtime.lanes`);
+        printed with the model's predicted saving."""
+        assert self.optimizer is not None
+        o = self.cfg.optim
+        plan = self.pacer.plan if isinstance(self.pacer, EmulatedPacer) else None
+        placement, units = rank_placement(
+            o.placement, self.schedule, self.rank, {k: s.numel for k, s in self.optimizer.stages.items()},
+            device=self.device, dtype=self.dtype, workers=self.optimizer.threads.workers,
+            backend="torch" if self.opts.optim_backend == "torch" else "auto", speculative=o.speculate != "never",
+            plan=plan)
+        if placement.device:
+            keys = {unit_label(*k): k for k in self.optimizer.stages}
+            lane = DeviceLane("cpu" if plan is not None else self.device)  # an emulated device's tensors are host tensors
+            self.optimizer.use_device_lane({keys[n]: placement.device_times[n] for n in placement.device}, lane,
+                                           self.pacer)
+        if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
+            print(f"rank {self.rank}: optim.placement={o.placement}: {placement.describe(units)}", flush=True)
+        return placement
 
     # ------------------------------------------------------------------------------------ pieces
     def _evaluation(self, n_micro: int) -> Schedule:
