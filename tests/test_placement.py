@@ -3,6 +3,8 @@ device lane's numerics against the CPU lane's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -164,3 +166,31 @@ def test_pipeline_units_on_the_device_lane_end_bit_identical_to_the_cpu_lane(spe
         rel = max(float((state[k] - v).abs().max() / v.abs().max()) for k, v in cpu_state.items())
         assert rel <= 1e-5, rel
         assert all(r.restepped == 2 for r in results if r.grad_norm > 4.5)  # only the CPU lane's 2 units re-step
+
+
+def test_a_unit_whose_states_do_not_fit_on_the_device_stays_on_the_cpu() -> None:
+    units = [Unit(f"u{i}", 100 * M, 0.0) for i in range(4)]
+    roomy = place(units, RATES, device_idle=0.0)
+    tight = place(units, dataclasses.replace(RATES, device_free_bytes=20 * 100 * M - 1), device_idle=0.0)
+    assert roomy.device and tight.device == ()
+
+
+def test_window_refuses_a_device_lane_it_does_not_have() -> None:
+    from sysx.config import ConfigError, OptimSection, SingleSection, SysxConfig
+    from sysx.single.hardware import assumed_hardware
+    from sysx.trainers.single import SingleTrainer
+
+    cfg = SysxConfig(optim=OptimSection(placement="split"), device="cpu")
+    hw = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)
+    with pytest.raises(ConfigError, match="optim.placement=split places pipeline sub-stages only"):
+        SingleTrainer(cfg, single=SingleSection(print_plan=False), hardware=hw, optimizer_backend="torch", device="cpu")
+
+
+def test_an_emulated_device_lane_is_the_host_step_whatever_the_backend() -> None:
+    p, grads = _states(3000, 11)
+    host = CpuAdam(p.clone(), lr=1e-3, weight_decay=0.1, backend="auto")
+    lane_opt = CpuAdam(p.clone(), lr=1e-3, weight_decay=0.1, backend="auto")
+    for g in grads:
+        host.step(g, lr=2e-3)
+        DeviceLane(None).step(lane_opt, g, lr=2e-3)
+    assert torch.equal(host.param, lane_opt.param) and torch.equal(host.exp_avg_sq, lane_opt.exp_avg_sq)

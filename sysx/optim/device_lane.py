@@ -11,8 +11,9 @@ correctly rounded), within the torch backend's stated distance from DeepSpeed's 
 device-lane step is taken after the validation decided (clip coefficient applied to the gradients
 beforehand), so it is never rolled back: :meth:`CpuAdam.undo` refuses it.
 
-On an emulated device the tensors stay on the host and the pacer charges the copies and the step
-their modelled times (:meth:`sysx.emulate.pacer.Pacer.device_optimizer`).
+On an emulated device (``DeviceLane(None)``) the host optimizer itself takes the step, so the
+numbers are the CPU lane's to the bit whichever backend it uses, and the pacer charges the copies
+and the step their modelled times (:meth:`sysx.emulate.pacer.Pacer.device_optimizer`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from sysx.optim.torch_backend import CHUNK_ELEMS, TorchBackend
 
 
 class DeviceLane:
-    """Steps host optimizers on ``device``, reusing one set of device buffers (grown on demand)."""
+    """Steps host optimizers on ``device`` (None: an emulated device, see the module doc), reusing
+    one set of device buffers (grown on demand)."""
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | str | None) -> None:
+        self.device = torch.device(device) if device is not None else None
         self._bufs: torch.Tensor | None = None  # 5 x n: g, p, m, v, scratch
 
     def _buffers(self, n: int) -> torch.Tensor:
@@ -40,6 +42,9 @@ class DeviceLane:
         if grad.dtype != torch.float32 or grad.numel() != opt.numel:
             raise ValueError(f"DeviceLane.step: grad must be fp32 with {opt.numel} elements, got {grad.dtype} "
                              f"with {grad.numel()}")
+        if self.device is None:
+            opt.step(grad, lr=lr)
+            return
         c = opt.take_step(lr)
         n = opt.numel
         g, p, m, v, scratch = self._buffers(n)

@@ -2,8 +2,8 @@
 
 Deep Optimizer States (seed ``004``) splits the optimizer work into subgroups and places each on
 the CPU or the GPU by a performance model weighing the data movement against the GPU's faster
-update and the time the GPU is idle. Here a *unit* is a backward sub-stage a rank owns (pipeline)
-or a block (sliding window); its update runs on
+update and the time the GPU is idle. Here a *unit* is a backward sub-stage a rank owns (the
+pipeline; the sliding window's blocks are not placed yet); its update runs on
 
 * the **CPU lane** (host states, as always): one of ``cpu_workers`` workers, from the moment its
   gradients are home (``ready``), for ``numel / cpu_params_per_s`` seconds; or
@@ -21,9 +21,9 @@ steps after it.
 
 :func:`place` takes the best of "the ``k`` units ready last on the device" over every ``k``, then
 moves, one at a time, the unit whose move ends the optimizer work soonest while a move helps
-(greedy; a rank owns few units). Contention between
-the lanes for host memory bandwidth is not modelled (the paper's model has no such term either):
-the prediction is a lower bound of the split's finish time.
+(greedy; a rank owns few units). Contention between the lanes for host memory bandwidth is not
+modelled (the paper's model has no such term either), nor are the CPU lane's rollbacks and
+re-steps after a vetoed speculation: the prediction is that of a clean step.
 
 Pure data and arithmetic: no torch, so the model is unit-tested alone and printed by the runtime.
 """
@@ -40,6 +40,7 @@ IN_BYTES = 16  # per parameter copied in: fp32 gradient, master weight, m, v
 OUT_BYTES = 12  # per parameter copied out: master weight, m, v
 # device memory traffic of one fused AdamW step: read g, p, m, v and write p, m, v (fp32)
 STEP_BYTES = 28
+LANE_BYTES = 20  # device memory of a unit on the lane: g, p, m, v and a scratch buffer (fp32)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class LaneRates:
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     device_mem_bytes_per_s: float
+    device_free_bytes: float = float("inf")  # device memory the lane may use (a unit needs LANE_BYTES per parameter)
 
     def __post_init__(self) -> None:
         for name in ("cpu_params_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s", "device_mem_bytes_per_s"):
@@ -148,7 +150,8 @@ def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, specul
     cpu_finish, ends = finish(())
     # the k units ready last, for every k (one move alone may gain nothing while two do: the CPU
     # lane ends when its last worker does), then single moves while one helps
-    by_ready = [u.name for u in sorted(units, key=lambda u: u.ready)]
+    by_ready = [u.name for u in sorted(units, key=lambda u: u.ready) if u.numel * LANE_BYTES <= rates.device_free_bytes]
+    names = [n for n in names if n in by_ready]  # a unit whose states do not fit on the device stays on the CPU
     best, k = min((finish(by_ready[len(by_ready) - k:])[0], k) for k in range(len(by_ready) + 1))
     chosen = by_ready[len(by_ready) - k:]
     while len(chosen) < len(names):

@@ -3,7 +3,8 @@
 * On an emulated device (``device=emulated``) everything comes from the plan the run paces itself
   by: each owned sub-stage's parameters (of the emulated model), the time its gradients are home
   (the end of its OFFLOAD_GRADS in the simulated timeline), the end of the rank's passes, and the
-  emulated cluster's copy rates, GPU memory bandwidth and CPU Adam throughput per worker.
+  emulated cluster's copy rates, GPU memory bandwidth and CPU Adam throughput per worker, and the
+  GPU memory the rank's planned peak leaves free.
 * On a real device the rates are measured (:func:`sysx.autotune.hardware.measure_hardware` and one
   CPU Adam thread's throughput, as the autotune profile measures them) and, without a cost table,
   every unit is taken as ready at the end of the backward (the device idle then too): the model
@@ -26,12 +27,14 @@ if TYPE_CHECKING:
     from sysx.emulate.costs import EmulatedPlan
 
 
-def emulated_rates(plan: EmulatedPlan) -> LaneRates:
-    """The emulated cluster's figures, per CPU worker as the plan's optimizer costs are."""
+def emulated_rates(plan: EmulatedPlan, rank: int) -> LaneRates:
+    """The emulated cluster's figures, per CPU worker as the plan's optimizer costs are; the lane may
+    use the GPU memory the rank's planned peak leaves free."""
     hw = plan.cluster
     return LaneRates(cpu_params_per_s=plan.costs.optim_params_per_s, cpu_workers=plan.optimizer_workers,
                      h2d_bytes_per_s=hw.h2d_bandwidth, d2h_bytes_per_s=hw.d2h_bandwidth,
-                     device_mem_bytes_per_s=hw.device_mem_bandwidth)
+                     device_mem_bytes_per_s=hw.device_mem_bandwidth,
+                     device_free_bytes=hw.gpu_memory_bytes - plan.timeline.peak_gpu[rank])
 
 
 def emulated_units(plan: EmulatedPlan, schedule: Schedule, rank: int) -> tuple[list[Unit], float]:
@@ -52,7 +55,7 @@ def measured_rates(device: torch.device, dtype: torch.dtype, *, workers: int, ba
     hw = measure_hardware(device, dtype)
     return LaneRates(cpu_params_per_s=adam_params_per_s(threads=1, backend=backend), cpu_workers=workers,
                      h2d_bytes_per_s=hw.h2d_bytes_per_s, d2h_bytes_per_s=hw.d2h_bytes_per_s,
-                     device_mem_bytes_per_s=hw.device_mem_bytes_per_s)
+                     device_mem_bytes_per_s=hw.device_mem_bytes_per_s, device_free_bytes=hw.device_free_bytes)
 
 
 def rank_placement(mode: str, schedule: Schedule, rank: int, numels: dict[tuple[int, int], int], *,
@@ -65,7 +68,7 @@ def rank_placement(mode: str, schedule: Schedule, rank: int, numels: dict[tuple[
         mode = "cpu"
     if plan is not None:
         units, idle = emulated_units(plan, schedule, rank)
-        return choose(mode, units, emulated_rates(plan), device_idle=idle, speculative=speculative), units
+        return choose(mode, units, emulated_rates(plan, rank), device_idle=idle, speculative=speculative), units
     units = [Unit(unit_label(*key), n, 0.0) for key, n in sorted(numels.items())]
     if mode == "cpu" or (mode == "auto" and not dev.is_cuda(device)):
         return Placement((), 0.0, 0.0, {}), units

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from sysx import device as dev
 from sysx.emulate.pacer import Pacer
 from sysx.memory.pinned import HostBuffers
-from sysx.optim.device_lane import DeviceLane
 from sysx.optim.cores import plan_cores
+from sysx.optim.device_lane import DeviceLane
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageOptimizer

@@ -39,9 +39,9 @@ from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate import EmulatedPacer, Pacer, describe, emulated_model, merge_report, plan_emulation
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
-from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import Placement
+from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.executor import Executor, ExecutionError, StepContext
 from sysx.runtime.lanes import rank_placement
 from sysx.runtime.optimizer import OptimSettings, RankOptimizer
@@ -172,7 +172,7 @@ class PipelineTrainer(Trainer):
             plan=plan)
         if placement.device:
             keys = {unit_label(*k): k for k in self.optimizer.stages}
-            lane = DeviceLane("cpu" if plan is not None else self.device)  # an emulated device's tensors are host tensors
+            lane = DeviceLane(None if plan is not None else self.device)  # emulated: the host steps, the pacer times it
             self.optimizer.use_device_lane({keys[n]: placement.device_times[n] for n in placement.device}, lane,
                                            self.pacer)
         if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):

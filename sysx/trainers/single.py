@@ -114,6 +114,9 @@ class SingleTrainer(Trainer):
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
         self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt", device=self.device)
+        if o.placement == "split":  # optim.placement=auto keeps the CPU lane here
+            raise ConfigError("optim.placement=split places pipeline sub-stages only; the sliding window steps every "
+                              "block on the CPU: use optim.placement=auto or cpu with schedule=single")
         try:
             mode = window_mode(self.settings.optimizer_overlap, o.speculate)
         except ValueError as err:
