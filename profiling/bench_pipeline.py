@@ -16,6 +16,12 @@ iteration, averaged over ranks; planned: ``simulate`` of the same schedule with 
     PYTHONPATH=. python profiling/bench_pipeline.py --quick
     PYTHONPATH=. python profiling/bench_pipeline.py --models 10b,30b --seq 2048 --steps 4 --time-scale 0.1
     PYTHONPATH=. python profiling/bench_pipeline.py --out profiling/bench_pipeline.md    # everything
+    PYTHONPATH=. python profiling/bench_pipeline.py --models 10b --schedules mobius --best-layouts
+    PYTHONPATH=. python profiling/bench_pipeline.py --report a.jsonl b.jsonl               # tables of kept runs
+
+A schedule may name its layout: ``sysx:cfg3@s4d3`` (4 forward stages per rank, d = 3), ``mobius@s6``.
+``--best-layouts`` adds Mobius, Megatron and SysX CFG3 each at the layout its plan on the emulated
+cluster finds fastest, and compares SysX with the baselines run the same way.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
     from sysx.config import EmulateSection, EvalSection, LogSection, ModelSection, OptimSection, SysxConfig, TrainSection
     from sysx.runtime import PipelineOptions
 
-    name, _, cfg = schedule.partition(":cfg")
+    base, layout = split_layout(schedule)
+    name, _, cfg = base.partition(":cfg")
     nodes = max(1, n_ranks // GPUS_PER_NODE)
     cfg_obj = SysxConfig(
         model=ModelSection(preset="tiny"), device="emulated", precision="bf16", seed=0,
@@ -56,8 +63,60 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
         eval=EvalSection(every=0), log=LogSection(every=1000, progress=False),
         emulate=EmulateSection(model=model, seq_len=seq, micro_batch_size=MICRO_BATCH, time_scale=args["time_scale"],
                                warmup_steps=args["warmup"]))
-    opts = PipelineOptions(schedule=name, cfg=int(cfg) if cfg else 3, optim_backend="torch", timeout_s=600.0)
+    opts = PipelineOptions(schedule=name, cfg=int(cfg) if cfg else 3, optim_backend="torch", timeout_s=600.0,
+                           stages_per_rank=layout[0], split=layout[1])
     return cfg_obj, opts
+
+
+def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
+    """``sysx:cfg3@s4d3`` -> (``sysx:cfg3``, (4, 3)); ``mobius@s6`` -> (``mobius``, (6, None)); no ``@``:
+    the runtime's default layout (None, None)."""
+    base, _, layout = schedule.partition("@")
+    if not layout:
+        return base, (None, None)
+    m = re.fullmatch(r"s(\d+)(?:d(\d+))?", layout)
+    if m is None:
+        raise ValueError(f"bad layout {layout!r} in {schedule!r}: write @s<stages per rank>[d<split>], e.g. sysx:cfg3@s4d3")
+    return base, (int(m[1]), int(m[2]) if m[2] else None)
+
+
+def planned_iteration(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> float | None:
+    """The planned iteration (modelled seconds) of one cell, or None when it does not fit, cannot be
+    cut at its layout, or the runtime would fall back to another layout."""
+    from sysx.config import ConfigError
+    from sysx.emulate.costs import emulated_model, plan_emulation
+    from sysx.partition import PartitionError
+    from sysx.runtime.options import make_schedule
+    from sysx.schedule.ops import ScheduleError
+
+    cfg, opts = _cell_config(model, seq, n_ranks, schedule, args)
+    em = emulated_model(cfg)
+    try:
+        sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
+        it = plan_emulation(cfg, sched, backend="torch").timeline.iteration
+    except (ConfigError, PartitionError, ScheduleError, ValueError):
+        return None
+    spr = split_layout(schedule)[1][0]
+    return None if spr is not None and sched.n_stages != spr * n_ranks else it
+
+
+def best_layout(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> str:
+    """``schedule`` at the layout (forward stages per rank 1-6, SysX split d 1-4) whose plan on the
+    emulated cluster is fastest: the simulator picks, the run then measures it."""
+    splits = (1, 2, 3, 4) if schedule.startswith("sysx") else (None,)
+    cands = [f"{schedule}@s{spr}" + (f"d{d}" if d else "") for spr in range(1, 7) for d in splits]
+    planned = [(it, c) for c in cands if (it := planned_iteration(model, seq, n_ranks, c, args)) is not None]
+    return min(planned)[1] if planned else schedule
+
+
+def plan_table(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any]) -> list[str]:
+    """``--plan-only``: one line per cell with its planned iteration, running nothing."""
+    lines = []
+    for c in cells:
+        it = planned_iteration(c["model"], c["seq"], n_ranks, c["schedule"], args)
+        lines.append(f"| {c['model'].replace('llama2_', '').upper()} | {c['seq']} | {n_ranks} | {_label(c['schedule'])} | "
+                     + (f"{it:.2f} |" if it is not None else "does not fit |"))
+    return lines
 
 
 def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -163,18 +222,28 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
 
 
 def _label(schedule: str) -> str:
-    return {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B"}.get(
-        schedule, schedule.replace("sysx:cfg", "SysX CFG"))
+    base, layout = split_layout(schedule)
+    name = {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B"}.get(
+        base, base.replace("sysx:cfg", "SysX CFG"))
+    if layout[0] is None:
+        return name
+    return f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
+
+
+def _family(schedule: str) -> tuple[str, bool]:
+    """(schedule without layout, whether the row runs a chosen layout)."""
+    base, layout = split_layout(schedule)
+    return base, layout[0] is not None
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown table: one line per cell, with the SysX CFG3 ratios on its row."""
     lines = ["| model | seq | ranks | schedule | measured s/it | measured bubble | planned s/it | planned bubble | "
              "measured/planned | SysX/Mobius | SysX/Megatron |", "|" + "---|" * 11]
-    by_key = {(r["model"], r["seq"], r["schedule"]): r for r in rows}
+    by_key = {(r["model"], r["seq"], *_family(r["schedule"])): r for r in rows}
 
-    def measured(model: str, seq: int, schedule: str) -> float | None:
-        r = by_key.get((model, seq, schedule))
+    def measured(model: str, seq: int, schedule: str, tuned: bool) -> float | None:
+        r = by_key.get((model, seq, schedule, tuned))
         m = r and r.get("report") and r["report"]["measured"]
         return m["iteration_s"] if m else None
 
@@ -193,9 +262,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             cells = f" refused | | {plan['iteration_s']:.2f} | {100 * plan['bubble']:.1f}% | {rep['refused'][:80]} | | |"
         else:
             ratios = ["", ""]
-            if r["schedule"] == "sysx:cfg3":
+            family, tuned = _family(r["schedule"])
+            if family == "sysx:cfg3":  # against the baselines run the same way: default or best layouts
                 for i, base in enumerate(("mobius", "interleaved_1f1b")):
-                    b = measured(r["model"], r["seq"], base)
+                    b = measured(r["model"], r["seq"], base, tuned)
                     ratios[i] = f"**{b / m['iteration_s']:.2f}x**" if b else "-"
             cells = (f" {m['iteration_s']:.2f} | {100 * m['bubble']:.1f}% | {plan['iteration_s']:.2f} | "
                      f"{100 * plan['bubble']:.1f}% | {m['over_plan']:.3f} | {ratios[0]} | {ratios[1]} |")
@@ -205,15 +275,28 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def averages(rows: list[dict[str, Any]]) -> str:
     """Mean SysX CFG3 speed-up over Mobius and over Megatron, across the rows measured for all three."""
-    got = {(r["model"], r["seq"], r["schedule"]): r["report"]["measured"]["iteration_s"] for r in rows
+    got = {(r["model"], r["seq"], *_family(r["schedule"])): r["report"]["measured"]["iteration_s"] for r in rows
            if (r.get("report") or {}).get("measured")}
     out = []
-    for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
-        ratios = [got[(m, q, base)] / t for (m, q, sch), t in got.items() if sch == "sysx:cfg3" and (m, q, base) in got]
-        if ratios:
-            out.append(f"SysX/{name} {sum(ratios) / len(ratios):.2f}x on average ({min(ratios):.2f}-{max(ratios):.2f}, "
-                       f"{len(ratios)} rows)")
+    for tuned in (False, True):
+        for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
+            ratios = [got[(m, q, base, tuned)] / t for (m, q, sch, tu), t in got.items()
+                      if sch == "sysx:cfg3" and tu == tuned and (m, q, base, tuned) in got]
+            if ratios:
+                out.append(f"SysX/{name}{' (best layouts)' if tuned else ''} {sum(ratios) / len(ratios):.2f}x on average "
+                           f"({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rows)")
     return "; ".join(out)
+
+
+def _latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cell: a measured row over a refused one, else the later one; first-seen order."""
+    keep: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["model"], r["seq"], r["schedule"])
+        old = keep.get(key)
+        if old is None or (r.get("report") or {}).get("measured") or not (old.get("report") or {}).get("measured"):
+            keep[key] = r
+    return list(keep.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,20 +315,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the table (and the command) here")
     p.add_argument("--json", type=Path, help="keep every cell's report here (JSON lines)")
     p.add_argument("--trace", action="store_true", help="keep every rank's modelled spans of the last step in --json")
-    p.add_argument("--report", type=Path, help="print the table of a --json file kept before, running nothing")
+    p.add_argument("--best-layouts", action="store_true",
+                   help="also run each of Mobius, Megatron and SysX CFG3 at its fastest planned layout "
+                        "(forward stages per rank, SysX split d), the baselines' and SysX's alike")
+    p.add_argument("--plan-only", action="store_true", help="print every cell's planned iteration, running nothing")
+    p.add_argument("--report", type=Path, nargs="+",
+                   help="print the table of --json files kept before (a cell measured again: its last row), running nothing")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
     if args.report:
-        rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        rows = _latest([json.loads(line) for path in args.report for line in path.read_text().splitlines() if line.strip()])
         print(f"{table(rows)}\n\n{averages(rows)}")
         return 0
     if args.quick:
         args.models, args.seq, args.schedules, args.steps = "10b", "2048", "mobius,interleaved_1f1b,sysx:cfg3", 3
     models = [m.strip() for m in args.models.split(",")]
     schedules = [s.strip() for s in args.schedules.split(",")]
-    bad = [m for m in models if m not in MODELS] + [s for s in schedules if s not in SCHEDULES]
+    bad = [m for m in models if m not in MODELS] + [s for s in schedules if split_layout(s)[0] not in SCHEDULES]
     if bad:
         p.error(f"unknown {', '.join(bad)}; models: {', '.join(MODELS)}; schedules: {', '.join(SCHEDULES)}")
     shared = {"steps": args.steps, "warmup": args.warmup, "time_scale": args.time_scale,
@@ -253,10 +341,21 @@ def main(argv: list[str] | None = None) -> int:
     out_json = args.json or Path(tempfile.mkstemp(suffix=".jsonl")[1])
     out_json.write_text("")
     t0 = time.perf_counter()
+    plans: list[str] = []
     for n_ranks in sorted({MODELS[m][1] for m in models}):
         cells = [{"model": MODELS[m][0], "seq": int(s), "schedule": sch} for m in models if MODELS[m][1] == n_ranks
                  for s in args.seq.split(",") for sch in schedules]
+        if args.best_layouts:
+            cells += [{"model": MODELS[m][0], "seq": int(s), "schedule": best_layout(MODELS[m][0], int(s), n_ranks, sch, shared)}
+                      for m in models if MODELS[m][1] == n_ranks for s in args.seq.split(",")
+                      for sch in ("mobius", "interleaved_1f1b", "sysx:cfg3")]
+        if args.plan_only:
+            plans += plan_table(cells, n_ranks, shared)
+            continue
         launch(cells, n_ranks, shared, out_json)
+    if args.plan_only:
+        print("| model | seq | ranks | schedule | planned s/it |\n|---|---|---|---|---|\n" + "\n".join(plans))
+        return 0
     rows = [json.loads(line) for line in out_json.read_text().splitlines() if line.strip()]
     text = f"{table(rows)}\n\n{averages(rows)}"
     print(text)

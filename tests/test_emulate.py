@@ -182,6 +182,32 @@ def test_a_real_part_within_the_model_is_measured() -> None:
     assert m["bubble"] < 0.5  # the steps were mostly forwards
 
 
+@pytest.mark.parametrize("where", ["validation", "after the barrier"])
+def test_real_work_at_the_end_of_a_step_is_lag(where: str) -> None:
+    """A slow all-reduce (in VALIDATE, or the loss all-reduce after it) has no modelled time: when it
+    outlasts ``max_late`` of a step the measurement is refused, not reported as the cluster's."""
+    probe = _pacer(time_scale=1.0)
+    pacer = _pacer(time_scale=0.1 / probe.table.fwd[0])  # a modelled forward takes 0.1 s of wall time
+    handlers = {kind: (lambda op: None) for kind in OpKind}
+    slow = 0.1 if where == "validation" else 0.0
+    handlers[OpKind.VALIDATE] = lambda op: time.sleep(slow)
+    paced = pacer.wrap(handlers, lambda unit: None)
+    for step in range(3):
+        pacer.begin_step(step)
+        t0 = time.monotonic()
+        for mb in range(2):
+            paced[OpKind.FORWARD](Op(OpKind.FORWARD, 0, mb=mb))
+        paced[OpKind.VALIDATE](Op(OpKind.VALIDATE, -1))
+        if where == "after the barrier":
+            time.sleep(0.1)
+        pacer.end_step(time.monotonic() - t0)
+    tl = pacer.plan.timeline
+    report = merge_report([pacer.steps], time_scale=pacer.time_scale, warmup_steps=1, max_late=0.05,
+                          plan_iteration=tl.iteration, plan_bubble=tl.bubble_ratio)
+    assert report["measured"] is None and "lag its modelled timeline" in report["refused"], report
+    assert ("VALIDATE" if where == "validation" else "end of step") in report["late_op"]
+
+
 def test_a_recorded_window_is_reported_in_modelled_seconds_and_bytes() -> None:
     from sysx.trace.recorder import RankPart, Span
 

@@ -386,3 +386,14 @@ def test_nsys_sh_runs_every_rank_under_its_own_report(tmp_path: Path) -> None:
         assert job[:2] == ["-m", "sysx.train"] and {"profile.nvtx=true", "profile.nsys_steps=[1,2]"} <= set(job)
     assert done.stdout.count("profile.nsys_steps=[1, 2] only applies on CUDA") == 1
     assert f"reports in {out}/" in done.stdout
+
+
+def test_a_measured_send_is_drawn_as_a_mark_at_its_post() -> None:
+    """An isend's span ends when its sender waits, possibly long after the transfer: the picture
+    shows its post, not a bar across the step."""
+    f = op(OpKind.FORWARD, 0, -1, 0)
+    send = op(OpKind.SEND_CKPT, 0, 0, 0, peer=1, is_async=True)
+    spans = [Span(0, 0, "compute", "F", f, 0.0, 10.0), Span(0, 0, "p2p", "c", send, 1.0, 9.0)]
+    (tl,) = step_timelines(spans, n_ranks=1, name="sysx")
+    (mark,) = [e for e in tl.events if e.lane == "p2p"]
+    assert mark.start == 1.0 and mark.end - mark.start <= 0.002 * 10.0 + 1e-12

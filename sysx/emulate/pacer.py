@@ -108,14 +108,17 @@ class EmulatedPacer(Pacer):
 
     active = True
 
-    def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float) -> None:
+    def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float,
+                 group: dist.ProcessGroup | None = None, world: int = 1) -> None:
         self.plan, self.table, self.rank, self.time_scale = plan, plan.table, rank, float(time_scale)
+        self.group, self.world = group, world  # VALIDATE's modelled end is the latest rank's arrival
         self.split = schedule.partition.split
         # the host issues the next compute op when the last one ends: the cursor is the stream's end
         self.compute = EmulatedStream("compute", issue=lambda: self.compute.free)
         self.h2d = EmulatedStream("h2d", issue=self.cursor)
         self.d2h = EmulatedStream("d2h", issue=self.cursor)
         self.asend_end = 0.0
+        self.opt_end = 0.0  # the modelled end of the step's last optimizer job
         self.steps: list[StepStats] = []
         self._stats = StepStats(step=-1)
         self._lock = threading.Lock()
@@ -137,10 +140,13 @@ class EmulatedPacer(Pacer):
         self._stats = StepStats(step=step if record else -1)
         self.compute.free = time.monotonic()
         self.asend_end = 0.0
+        self.opt_end = 0.0
 
     def end_step(self, wall_s: float) -> float:
         """Keep the step's figures; the reported duration is the modelled one (wall / time scale)."""
         self._stats.wall = wall_s
+        # what the step did after its barrier (the loss all-reduce) has no modelled time: it is lag
+        self._hold(min(self.compute.free, time.monotonic()), "end of step")
         if self._stats.step >= 0:
             self.steps.append(self._stats)
         return wall_s / self.time_scale
@@ -258,6 +264,19 @@ class EmulatedPacer(Pacer):
         def paced(op: Op) -> None:
             sleep_until(max(self.compute.free, self.d2h.free, self.asend_end))  # copies and sends done
             handler(op)  # waits for the optimizer workers, then the all-reduce: a real barrier
+            done = time.monotonic()
+            # the simulator's barrier ends when every rank's last copy, send and optimizer step has: real
+            # work past that (a slow all-reduce, a worker descheduled by this machine) is lag like any other
+            with self._lock:
+                arrival = torch.tensor([max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)],
+                                       dtype=torch.float64)
+            if self.world > 1:  # ranks on one host share the monotonic clock (as the emulated device requires)
+                dist.all_reduce(arrival, op=dist.ReduceOp.MAX, group=self.group)
+            lag = done - float(arrival)
+            if lag > 0:
+                with self._lock:
+                    if lag > self._stats.late:
+                        self._stats.late, self._stats.late_op = lag, self._label(op)
             self.compute.free = max(self.compute.free, time.monotonic())
         return paced
 
@@ -282,6 +301,8 @@ class EmulatedPacer(Pacer):
         with self._lock:
             self._stats.spans.append(("cpu", f"OPT {name}", start, end))
         self._worker.free = end
+        with self._lock:
+            self.opt_end = max(self.opt_end, end)
         self._hold(end, f"OPT {name}")
 
     def device_optimizer(self, name: str, seconds: tuple[float, float, float]) -> None:

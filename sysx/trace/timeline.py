@@ -16,6 +16,7 @@ from sysx.schedule.simulate import Event, Timeline
 from sysx.trace.recorder import COMPUTE, D2H, H2D, OPT, P2P, RankPart, Span, lane_family
 
 PASSES = (OpKind.FORWARD, OpKind.BACKWARD)
+SEND_MARK = 0.002  # width of a measured send's mark, as a fraction of the step
 
 
 def merge(parts: Sequence[RankPart]) -> list[Span]:
@@ -96,7 +97,12 @@ def step_timeline(spans: Sequence[Span], step: int, *, n_ranks: int, name: str,
         lane = _draw_lane(s) if s.step == step else None
         if lane is None or s.op is None:
             continue
-        events.append(Event(s.rank, lane, s.op, s.start - lo, s.end - lo))
+        end = s.end
+        if lane == "p2p":
+            # a send is an isend: its span runs from the post to the sender's wait, which may come long
+            # after the transfer ended, so it is drawn as a mark at its post (the plan draws transfers)
+            end = min(end, s.start + SEND_MARK * iteration)
+        events.append(Event(s.rank, lane, s.op, s.start - lo, end - lo))
         if lane == "gpu":
             busy[s.rank] += s.end - s.start
             gpu_end[s.rank] = max(gpu_end[s.rank], s.end - lo)

@@ -95,9 +95,9 @@ class PipelineTrainer(Trainer):
             emulated = emulated_model(cfg)
             cut, seq_len = emulated.config, emulated.seq_len
         self.schedule = make_schedule(self.opts, cut, n_ranks=self.world, n_micro=t.micro_batches, seq_len=seq_len)
+        self.group = sdist.cpu_group() if self.world > 1 else None
         self.pacer = self._pacer()
         self.ops = self.schedule.ops[self.rank]
-        self.group = sdist.cpu_group() if self.world > 1 else None
         self._closed = False
         self.params: StageParams | None = None
         self.optimizer: RankOptimizer | None = None
@@ -114,7 +114,8 @@ class PipelineTrainer(Trainer):
         if self.cfg.device != EMULATED_DEVICE:
             return Pacer()
         plan = plan_emulation(self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed")
-        return EmulatedPacer(plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale)
+        return EmulatedPacer(plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale,
+                             group=self.group, world=self.world)
 
     def _build(self) -> None:
         cfg, opts, t = self.cfg, self.opts, self.cfg.train
