@@ -194,3 +194,45 @@ def test_an_emulated_device_lane_is_the_host_step_whatever_the_backend() -> None
         host.step(g, lr=2e-3)
         DeviceLane(None).step(lane_opt, g, lr=2e-3)
     assert torch.equal(host.param, lane_opt.param) and torch.equal(host.exp_avg_sq, lane_opt.exp_avg_sq)
+
+
+# ----------------------------------------------------------------------------- emulated device
+def _pacer(time_scale: float = 1e-6):
+    from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
+    from sysx.emulate import EmulatedPacer, emulated_model, plan_emulation
+    from sysx.runtime import PipelineOptions
+    from sysx.runtime.options import make_schedule
+
+    cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
+                     train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
+                     emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale))
+    validate(cfg)
+    model = emulated_model(cfg)
+    schedule = make_schedule(PipelineOptions(schedule="sysx", optim_backend="torch"), model.config, n_ranks=2,
+                             n_micro=2, seq_len=model.seq_len)
+    return EmulatedPacer(plan_emulation(cfg, schedule, backend="torch"), schedule, 0, time_scale=time_scale)
+
+
+def test_the_emulated_device_lane_flows_through_copy_in_step_and_copy_out() -> None:
+    pacer = _pacer(1e-3)  # a modelled second is a wall millisecond: long against the calls between
+    pacer.device_optimizer("s1.0", (3.0, 1.0, 2.0))
+    pacer.device_optimizer("s1.1", (3.0, 1.0, 2.0))
+    pacer.device_optimizer_wait()
+    spans = [(lane, (end - start) / pacer.time_scale, start, end) for lane, name, start, end in pacer._stats.spans]
+    h2d, gpu, d2h = ([s for s in spans if s[0] == lane] for lane in ("h2d", "gpu", "d2h"))
+    assert [s[1] for s in h2d + gpu + d2h] == pytest.approx([3.0, 3.0, 1.0, 1.0, 2.0, 2.0], rel=1e-6)
+    for a, b, c in zip(h2d, gpu, d2h):  # each unit: in, then step, then out
+        assert a[3] <= b[2] and b[3] <= c[2]
+    assert h2d[1][2] == h2d[0][3] < d2h[0][3]  # the second copy in runs while the first unit steps and copies out
+
+
+def test_an_emulated_undo_and_restep_take_the_measured_undo_cost() -> None:
+    from sysx.emulate.costs import UNDO_STEPS
+
+    pacer = _pacer()
+    name = next(iter(pacer._opt))
+    for kind in ("step", "undo", "restep"):
+        with pacer._optimizer_span(name, None, kind):
+            pass
+    took = [(end - start) / pacer.time_scale / pacer._opt[name] for _, _, start, end in pacer._stats.spans]
+    assert took == pytest.approx([1.0, UNDO_STEPS["undo"], UNDO_STEPS["undo"] + 1.0], rel=1e-4)

@@ -125,7 +125,7 @@ class RankOptimizer:
             for r in reports:
                 if r.stage not in device:
                     self.threads.submit(lambda stage: apply_checked(stage, outcome, lr), r.stage, "step",
-                                        paced=not outcome.skipped)
+                                        paced=None if outcome.skipped else "step")
         self.outcome = outcome
         self._device_steps(outcome, lr)  # beside the CPU lane's (re-)steps on the workers
         self.threads.wait_stages()

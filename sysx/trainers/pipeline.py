@@ -115,7 +115,7 @@ class PipelineTrainer(Trainer):
             return Pacer()
         plan = plan_emulation(self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed")
         return EmulatedPacer(plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale,
-                             group=self.group, world=self.world)
+                             group=self.group, world=self.world, rollback=self.opts.rollback)
 
     def _build(self) -> None:
         cfg, opts, t = self.cfg, self.opts, self.cfg.train
