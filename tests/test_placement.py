@@ -224,6 +224,7 @@ def test_the_emulated_device_lane_flows_through_copy_in_step_and_copy_out() -> N
     for a, b, c in zip(h2d, gpu, d2h):  # each unit: in, then step, then out
         assert a[3] <= b[2] and b[3] <= c[2]
     assert h2d[1][2] == h2d[0][3] < d2h[0][3]  # the second copy in runs while the first unit steps and copies out
+    assert d2h[0][2] == gpu[0][3] < h2d[1][3]  # the first copy out starts when its step ends, not after the last
 
 
 def test_an_emulated_undo_and_restep_take_the_measured_undo_cost() -> None:

@@ -321,20 +321,20 @@ class EmulatedPacer(Pacer):
     def device_optimizer_wait(self) -> None:
         """Charge the device lane's units (issued now: the validation has just decided): every copy
         in on the H2D stream, each step on the compute stream after its copy in, each copy out on
-        the D2H stream after its step, so the units flow through the three engines; then the host
-        waits for the last copy out (it needs the new states)."""
+        the D2H stream after its step, so the units flow through the three engines (both copy
+        directions at full rate, as the placement model takes them); then the host waits for the
+        last copy out (it needs the new states)."""
         jobs, self._device_jobs = self._device_jobs, []
         if not jobs:
             return
         self.h2d.after = max(self.h2d.after, time.monotonic())
         ins = [self.h2d.charge(s[0] * self.time_scale) for _, s in jobs]
-        steps = []
+        steps, outs = [], []
         for (_, s), (_, in_end) in zip(jobs, ins):
+            # a step, then its copy out at once: the D2H stream issues at the compute cursor
             self.compute.after = max(self.compute.after, in_end)
             steps.append(self.compute.charge(s[1] * self.time_scale))
-        outs = []
-        for (_, s), (_, step_end) in zip(jobs, steps):
-            self.d2h.after = max(self.d2h.after, step_end)
+            self.d2h.after = max(self.d2h.after, steps[-1][1])
             outs.append(self.d2h.charge(s[2] * self.time_scale))
         with self._lock:
             for lane, spans in (("h2d", ins), ("gpu", steps), ("d2h", outs)):
