@@ -12,7 +12,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module exposing main(argv) -> int, one-line help)
-    "bench": ("sysx.optim.bench", "optimizer benchmark: CpuAdam backends, rollback, async vs sync step"),
+    "bench": ("sysx.optim.bench", "optimizer benchmark: `sysx bench optim --size 50M [--json]` (rollback modes), or backends, undo, async vs sync"),
     "plan": ("sysx.schedule.plan", "build, validate and simulate a pipeline schedule; print the plan, draw the timeline"),
     "plan-single": ("sysx.single.plan_cmd", "the single-GPU sliding-window plan of a model (rounds, window, memory), no training"),
     "tune": ("sysx.autotune.cli", "profile this machine, simulate every pipeline configuration, print the best that fit"),

@@ -34,6 +34,7 @@ def check_single(cfg: SysxConfig) -> str:
 def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     """The schedule of ``ranks`` processes on one node and its host memory plan, checked against this node."""
     from sysx.dist import DistInfo
+    from sysx.optim.rollback_choice import choose_rollback
     from sysx.runtime.options import make_schedule, options_from_config
     from sysx.runtime.stage_params import StageParams, _numel, layer_params, sub_stages
     from sysx.trainers.base import DTYPES, resolve_precision
@@ -46,9 +47,10 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     info = DistInfo(rank=0, world_size=ranks, local_rank=0, local_world_size=ranks)
     # StageParams.node_plan needs only these three fields: the plan every node leader checks at start
     view = SimpleNamespace(info=info, units=sub_stages(schedule, numels, info), dtype=DTYPES[cfg.precision])
-    plan = StageParams.node_plan(view)  # type: ignore[arg-type]
-    plan.check()
-    return f"{schedule.name}: {schedule.n_stages} stages on {ranks} rank(s), host memory {plan.total / 2**30:.2f} GiB"
+    rollback, _ = choose_rollback(cfg.optim.rollback, lambda r: StageParams.node_plan(view, r))  # type: ignore[arg-type]
+    plan = StageParams.node_plan(view, rollback)  # type: ignore[arg-type]
+    return (f"{schedule.name}: {schedule.n_stages} stages on {ranks} rank(s), host memory {plan.total / 2**30:.2f} GiB, "
+            f"optim.rollback={rollback}")
 
 
 def preflight(cfg: SysxConfig, ranks: int) -> str:

@@ -59,6 +59,7 @@ def main(spec_path: str, out_path: str) -> int:
             sched = trainer.schedule
             mirrored = sum(u.mirrored for u in trainer.params.units.values())
             backends = sorted({s.optimizer.backend for s in trainer.optimizer.stages.values()})
+            rollbacks = sorted({s.optimizer.rollback for s in trainer.optimizer.stages.values()})
             n_messages = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
         if info.rank != 0:
             continue
@@ -72,7 +73,7 @@ def main(spec_path: str, out_path: str) -> int:
             "options": options,
             "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.ckpt,
             "optimizer": sched.options.optimizer, "messages_per_step": n_messages, "mirrored_units": mirrored,
-            "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends,
+            "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends, "rollbacks": rollbacks,
             "speculated": [r.speculated for r in results], "restepped": [r.restepped for r in results],
             "rolled_back": [r.rolled_back for r in results], "ref_norms": ref_norms,
             "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),

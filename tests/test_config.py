@@ -235,7 +235,7 @@ def test_pipeline_options_refuse_what_their_schedule_ignores() -> None:
         PipelineOptions(schedule="gpipe", split=2).check()
     with pytest.raises(RuntimeConfigError, match=r"schedule.cfg=5 is not valid: allowed: 0, 1, 2, 3"):
         PipelineOptions(schedule="sysx", cfg=5).check()
-    with pytest.raises(RuntimeConfigError, match=r"optim.rollback=no is not valid: allowed: undo, snapshot"):
+    with pytest.raises(RuntimeConfigError, match=r"optim.rollback=no is not valid: allowed: undo, snapshot, exact, auto"):
         PipelineOptions(rollback="no").check()
     PipelineOptions(schedule="sysx", split=2, cfg=1).check()
 

@@ -118,6 +118,46 @@ def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(datas
     assert float((a - b).norm() / a.norm()) < 1e-3  # fp16 compute; the reference steps with torch.optim.AdamW
 
 
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDataset, precision: str,
+                                                                backend: str) -> None:
+    """Every sub-stage rolled back by switching buffer sets ends where the bit-exact copy restore
+    ends: fp16 overflows (loss scale 2**20) skip the first steps, bf16 clips every step (each
+    speculative step is rolled back and stepped again); losses and final weights equal bit for bit,
+    with the torch ops and with the C++ kernel (against DeepSpeed's in-place op)."""
+    from sysx.config import LossScaleSection
+
+    cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
+                     train=TrainSection(steps=4, micro_batch_size=2, micro_batches=2, seq_len=16),
+                     optim=OptimSection(lr=3e-3, warmup_steps=2, grad_clip=1.0 if precision == "fp16" else 1e-3),
+                     eval=EvalSection(every=0), device="cpu", precision=precision, loss_scale=LossScaleSection(init=2.0**20))
+    runs = {}
+    for rollback in ("snapshot", "exact"):
+        opts = PipelineOptions(schedule="sysx", split=2, optim_backend=backend, rollback=rollback)
+        with PipelineTrainer(cfg, opts, dataset=dataset) as t:
+            outcomes = []
+            validate_async = t.optimizer.validate_async
+
+            def spy(**kw: float):  # noqa: ANN202 - records each step's outcome
+                outcome = validate_async(**kw)
+                outcomes.append(outcome)
+                return outcome
+
+            t.optimizer.validate_async = spy  # type: ignore[method-assign]
+            results = t.run(4)
+            assert {s.optimizer.rollback for s in t.optimizer.stages.values()} == {rollback}
+            runs[rollback] = ([r.loss for r in results], t.state_dict(), outcomes)
+    (loss_a, state_a, out_a), (loss_b, state_b, out_b) = runs["snapshot"], runs["exact"]
+    if precision == "fp16":
+        assert sum(o.undone for o in out_b[:2]) > 0 and out_b[0].skipped
+    else:
+        assert all(o.restepped > 0 for o in out_b)
+    assert [(o.skipped, o.undone, o.restepped) for o in out_a] == [(o.skipped, o.undone, o.restepped) for o in out_b]
+    assert loss_a == loss_b
+    assert all(torch.equal(state_a[k].view(torch.int32), state_b[k].view(torch.int32)) for k in state_a)
+
+
 @pytest.fixture
 def trainer(dataset: TokenDataset) -> PipelineTrainer:
     t = PipelineTrainer(small_cfg(), PipelineOptions(schedule="sysx", split=2, optim_backend="torch"), dataset=dataset)
@@ -232,7 +272,7 @@ def test_schedule_config_keys_reach_the_runtime() -> None:
     assert options_from_config(load_config(["schedule=auto"])).schedule == "sysx"
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "mobius"):
         assert options_from_config(load_config([f"schedule={name}"])).schedule == name
-    for bad, word in (("schedule.cfg=5", "0, 1, 2, 3"), ("schedule.split=0", ">= 1"), ("optim.rollback=no", "undo, snapshot"),
+    for bad, word in (("schedule.cfg=5", "0, 1, 2, 3"), ("schedule.split=0", ">= 1"), ("optim.rollback=no", "undo, snapshot, exact, auto"),
                       ("optim.backend=x", "auto, deepspeed, torch"), ("schedule.stage_sizes=[3,0]", "positive"),
                       ("optim.workers=0", ">= 1"), ("schedule.timeout_s=0", "> 0")):
         with pytest.raises(ConfigError, match=word):

@@ -5,8 +5,8 @@ MASTER_ADDR/PORT in the environment) and runs many schedules in sequence in one 
 (tests/runtime_parity_job.py), each against the reference trained in-process by rank 0 with the
 same seed and batches. fp32: per-step losses and final parameters within 1e-5 (relative).
 
-* 2 ranks, one node: gpipe, 1f1b, interleaved_1f1b, mobius, sysx d=1/2/3, CFG0-CFG3 and snapshot
-  rollback (the tiny model as it is, 6 flat layers);
+* 2 ranks, one node: gpipe, 1f1b, interleaved_1f1b, mobius, sysx d=1/2/3, CFG0-CFG3 and snapshot,
+  exact and auto rollback (the tiny model as it is, 6 flat layers);
 * 4 ranks as 2 "nodes" x 2 (LOCAL_WORLD_SIZE=2): the same plus sysx d=4, with the tiny model's
   dimensions and 14 blocks so that 8 stages and d=4 fit; parameters of stages owned on the other
   node reach the forward ranks through mirror segments (the multi-node path);
@@ -99,6 +99,8 @@ EVERY_SCHEDULE_2 = [
     {"schedule": "sysx", "cfg": 0}, {"schedule": "sysx", "cfg": 1, "split": 2, "stages_per_rank": 1},
     {"schedule": "sysx", "cfg": 2, "split": 2, "stages_per_rank": 1},
     {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "snapshot"},
+    {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "exact"},
+    {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "auto"},
 ]
 
 
@@ -106,7 +108,10 @@ def test_every_schedule_matches_the_reference_on_2_ranks(tmp_path: Path) -> None
     result = run_parity(tmp_path, world=2, local_world=2, model={"preset": "tiny"},
                         train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16}, schedules=EVERY_SCHEDULE_2)
     rows = result["rows"]
-    assert [r["split"] for r in rows if r["options"]["schedule"] == "sysx"] == [1, 2, 3, 1, 2, 2, 2]
+    assert [r["split"] for r in rows if r["options"]["schedule"] == "sysx"] == [1, 2, 3, 1, 2, 2, 2, 2, 2]
+    # fp32: the exact rollback steps a private master and keeps the shared fp32 copy current;
+    # auto picks exact where the tiny model's buffers fit (every node agrees)
+    assert rows[11]["rollbacks"] == ["exact"] and rows[12]["rollbacks"] == ["exact"], rows[11:]
     assert {r["ckpt"] for r in rows[:4]} == {"local"} and rows[7]["ckpt"] == "sync" and rows[9]["ckpt"] == "async"
     assert rows[9]["optimizer"] == "sync" and rows[10]["optimizer"] == "async"
     assert all(r["mirrored_units"] == 0 for r in rows)  # one node: every rank attaches the node's segments

@@ -14,7 +14,9 @@ DATA_SOURCES = ("default", "file")
 TOKEN_DTYPES = ("uint16", "uint32")
 OPTIMIZERS = ("adamw",)
 OPTIM_BACKENDS = ("auto", "deepspeed", "torch")  # host CPU Adam: auto = DeepSpeed when it builds, else torch
-ROLLBACKS = ("undo", "snapshot")  # undoing an overflowed step: Adam's arithmetic inverse | an exact copy
+# undoing an overflowed step: Adam's arithmetic inverse | an exact copy | a second (p, m, v) set, switched
+ROLLBACK_MODES = ("undo", "snapshot", "exact")
+ROLLBACKS = (*ROLLBACK_MODES, "auto")  # auto: exact when the host memory budget allows it, else undo
 SPECULATE_MODES = ("auto", "always", "never")  # optim.speculate (sysx.optim.speculate)
 SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a vetoed one (sysx.optim.speculate)
 PLACEMENTS = ("auto", "cpu", "split")  # optim.placement: where Adam updates run (sysx.optim.placement)

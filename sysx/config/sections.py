@@ -175,7 +175,7 @@ class OptimSection:
     min_lr: float = 0.0001
     grad_clip: float = 1.0
     backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
-    rollback: str = "undo"  # undoing a step on overflow: undo (Adam's arithmetic inverse) | snapshot (exact copy)
+    rollback: str = "undo"  # undoing a step on overflow: undo | snapshot | exact | auto (exact if host memory allows, else undo)
     workers: Optional[int] = None  # optimizer threads per rank (null: from the core plan)
     speculate: str = "auto"  # step before validating: auto (while recent steps were clean) | always | never
     speculate_after: int = SPECULATE_AFTER  # auto: clean steps after a clipped/overflowed one before speculating again

@@ -6,7 +6,9 @@ Per node, sysx needs (formulas used by :func:`plan_host_memory`, N = parameters 
   of every mirrored remote stage, as segments of ``header page + sum of per-dtype sections``;
 * host RAM beyond that, per owned sub-stage: fp32 master weights ``4N`` (none when the working
   copy is already fp32: it is the master), Adam ``m`` and ``v`` ``8N``, fp32 gradients ``4N``
-  (:func:`training_state_bytes`, which the sliding window's planner and ``sysx plan`` count with too);
+  (:func:`training_state_bytes`, which the sliding window's planner and ``sysx plan`` count with too),
+  plus what ``optim.rollback`` keeps: ``12N`` for ``snapshot`` and ``exact`` (a second ``p, m, v``;
+  ``exact`` with an fp32 working copy also steps a private master, ``4N`` more);
 * pinned staging buffers (given in bytes).
 
 Shared memory lives in RAM too, so the RAM and cgroup checks compare the *total* with what is
@@ -205,7 +207,7 @@ class StateBytes:
     adam: int  # Adam m and v, fp32
     grads: int  # gradients as the optimizer reads them
     working: int  # the working copy the device loads
-    snapshot: int  # optim.rollback=snapshot: p, m, v copied before every step
+    snapshot: int  # optim.rollback=snapshot / exact: the second p, m, v (exact + fp32: a private master too)
 
     @property
     def optimizer(self) -> int:
@@ -221,17 +223,19 @@ class StateBytes:
         """Non-zero components by name."""
         working = "working copy" if self.master else "fp32 masters (= working copy)"
         names = {"fp32 masters": self.master, "Adam m+v": self.adam, "grads": self.grads,
-                 working: self.working, "rollback snapshot": self.snapshot}
+                 working: self.working, "rollback buffers": self.snapshot}
         return {name: n for name, n in names.items() if n}
 
 
 def training_state_bytes(work_dtype: Any, *, grad_dtype: Any = "float32", rollback: str = "undo") -> StateBytes:
     """Bytes per parameter of the host training state: the working copy in ``work_dtype``, the
     gradients in ``grad_dtype``, fp32 masters unless the working copy is fp32, Adam m and v, and
-    the snapshot of ``rollback="snapshot"``."""
+    the rollback buffers of ``rollback="snapshot"`` or ``"exact"`` (``auto`` counts as ``undo``: it
+    picks ``exact`` only where that fits, :mod:`sysx.optim.rollback_choice`)."""
     work = dtype_itemsize(work_dtype)
     master = 0 if canonical_dtype(work_dtype) == "float32" else 4
-    return StateBytes(master, 8, dtype_itemsize(grad_dtype), work, 12 if rollback == "snapshot" else 0)
+    extra = {"snapshot": 12, "exact": 12 if master else 16}.get(rollback, 0)
+    return StateBytes(master, 8, dtype_itemsize(grad_dtype), work, extra)
 
 
 # --- the per-node plan ------------------------------------------------------------------------
@@ -265,11 +269,12 @@ class HostMemoryPlan:
     pinned: int
     segments: int
     notes: tuple[str, ...] = field(default=())
+    rollback: int = 0  # optim.rollback=snapshot / exact buffers
 
     @property
     def private(self) -> int:
-        """RAM outside shared memory (master weights, Adam states, gradients, pinned staging)."""
-        return self.master + self.optimizer + self.grads + self.pinned
+        """RAM outside shared memory (master weights, Adam states, gradients, rollback buffers, pinned staging)."""
+        return self.master + self.optimizer + self.grads + self.rollback + self.pinned
 
     @property
     def total(self) -> int:
@@ -283,6 +288,7 @@ class HostMemoryPlan:
             ("fp32 master weights", self.master),
             ("Adam m and v (fp32)", self.optimizer),
             ("fp32 gradients", self.grads),
+            *([("rollback buffers (optim.rollback)", self.rollback)] if self.rollback else []),
             ("pinned staging buffers", self.pinned),
             ("total host memory", self.total),
         ]
@@ -328,28 +334,31 @@ def plan_host_memory(
     *,
     mirrors: Sequence[StageSizes] = (),
     pinned_bytes: int = 0,
+    rollback: str = "undo",
 ) -> HostMemoryPlan:
     """Host bytes one node needs.
 
     ``owned``: the sub-stages whose optimizer runs on this node, each ``(numel, dtype)`` of its
     shared working copy or a ``{dtype: numel}`` mapping; ``mirrors``: remote-owned stages mirrored
     here (shared memory only). Per parameter, :func:`training_state_bytes` with fp32 gradients
-    (master weights are skipped for fp32 sections: the shared copy is the master).
+    (master weights are skipped for fp32 sections: the shared copy is the master) and the
+    buffers of ``rollback`` (``optim.rollback``, resolved: ``auto`` counts as ``undo``).
     """
-    shared = master = optimizer = grads = 0
+    shared = master = optimizer = grads = extra = 0
     for stage in owned:
         sections = _sections(stage)
         shared += segment_bytes(stage_data_bytes(sections))
         for dtype, numel in sections:
-            per_param = training_state_bytes(dtype)
+            per_param = training_state_bytes(dtype, rollback=rollback)
             master += numel * per_param.master
+            extra += numel * per_param.snapshot
             optimizer += numel * per_param.adam
             grads += numel * per_param.grads
     for stage in mirrors:
         shared += segment_bytes(stage_data_bytes(_sections(stage)))
     if pinned_bytes < 0:
         raise ValueError(f"pinned_bytes must be >= 0, got {pinned_bytes}")
-    return HostMemoryPlan(shared, master, optimizer, grads, pinned_bytes, len(owned) + len(mirrors))
+    return HostMemoryPlan(shared, master, optimizer, grads, pinned_bytes, len(owned) + len(mirrors), rollback=extra)
 
 
 # --- systemd RemoveIPC ------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Optimizer benchmark: ``python -m sysx.optim.bench [--sizes 10M,50M,100M] [--threads 1,2]``.
 
+``sysx bench optim [--size 50M] [--json]`` is the short one: a step under each rollback mode
+(:mod:`sysx.optim.bench_modes`).
+
 Prints four tables (markdown):
 
 1. step throughput per backend (``deepspeed``, ``torch``, and ``torch.optim.AdamW(fused=True)``
@@ -212,7 +215,12 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmarks and print markdown tables."""
+    """Run the benchmarks and print markdown tables; ``optim ...`` runs :mod:`sysx.optim.bench_modes`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["optim"]:  # `sysx bench optim --size 50M --json`: the rollback modes' step times
+        from sysx.optim.bench_modes import main as bench_modes
+
+        return bench_modes(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m sysx.optim.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="10M,50M,100M", help="buffer sizes, e.g. 10M,50M")
     ap.add_argument("--threads", default="1,2", help="intra-op thread counts to try")

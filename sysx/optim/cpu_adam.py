@@ -11,8 +11,12 @@ The backend and its SIMD width are logged when the first optimizer of a process 
 
 Rollback (:mod:`sysx.optim.undo`): ``undo`` inverts the step arithmetically (no memory; error of
 about one fp32 ulp, see that module), ``snapshot`` copies ``p, m, v`` before every step (12 bytes
-per parameter; bit-exact). Either way :meth:`CpuAdam.undo` also restores the step counter and the
-learning rate of the undone step. Only the last step can be undone.
+per parameter; bit-exact), ``exact`` (:mod:`sysx.optim.exact`) steps out of place into a second
+``(p, m, v)`` set and undoes by switching back (12 bytes per parameter; bit-exact; the time of a
+plain step). With ``exact``, :attr:`CpuAdam.param`, :attr:`~CpuAdam.exp_avg` and
+:attr:`~CpuAdam.exp_avg_sq` are the *current* set: after a step they may be other tensors than the
+ones given (read them through the optimizer). Either way :meth:`CpuAdam.undo` also restores the
+step counter and the learning rate of the undone step. Only the last step can be undone.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
-from sysx.config.choices import OPTIM_BACKENDS, ROLLBACKS
+from sysx.config.choices import OPTIM_BACKENDS, ROLLBACK_MODES
+from sysx.optim.exact import ExactState
 from sysx.optim.formula import BetaPowers, Hyper, StepConstants, constants
 from sysx.optim.undo import Snapshot, UndoWorkspace, undo_chunk
 
@@ -118,31 +123,59 @@ class CpuAdam:
         rollback: str = "undo",
     ) -> None:
         _check_flat(param, "param")
-        if rollback not in ROLLBACKS:
-            raise ValueError(f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACKS)}")
+        if rollback not in ROLLBACK_MODES:
+            raise ValueError(f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACK_MODES)} (resolve "
+                             "optim.rollback=auto first, e.g. with sysx.optim.rollback_choice.choose_rollback)")
         if not lr >= 0:
             raise ValueError(f"CpuAdam: lr={lr} must be >= 0")
         self.hyper = Hyper(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps), weight_decay=float(weight_decay))
         self.hyper.check()
-        self.param = param.view(-1)
-        self.exp_avg = torch.zeros_like(self.param)
-        self.exp_avg_sq = torch.zeros_like(self.param)
         self.lr = float(lr)
         self.step_count = 0
         self.rollback = rollback
-        self._backend = make_backend(backend, self.hyper)
-        _log_backend_once(self._backend)
+        self._exact: ExactState | None = None
+        self._backend: Backend | None = None
+        if rollback == "exact":  # its own out-of-place step replaces the in-place backend
+            if backend not in OPTIM_BACKENDS:
+                raise ValueError(f"CpuAdam: backend={backend!r} is not one of {list(OPTIM_BACKENDS)}")
+            self._exact = ExactState(param.view(-1), backend, self.hyper)
+        else:
+            self._param = param.view(-1)
+            self._m = torch.zeros_like(self._param)
+            self._v = torch.zeros_like(self._param)
+            self._backend = make_backend(backend, self.hyper)
+            _log_backend_once(self._backend)
         self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
-        self._snapshot = Snapshot(self.param.numel()) if rollback == "snapshot" else None
-        self._scratch = torch.empty(min(self._backend.chunk_elems, max(1, self.param.numel())), dtype=torch.float32)
+        self._snapshot = Snapshot(self.numel) if rollback == "snapshot" else None
+        chunk = self._backend.chunk_elems if self._backend is not None else 1
+        self._scratch = torch.empty(min(chunk, max(1, self.numel)), dtype=torch.float32)
         self._undo_ws: UndoWorkspace | None = None  # allocated on the first undo
         self._last: tuple[StepConstants, float] | None = None  # constants of the last step, lr before it
 
     # ------------------------------------------------------------------------------------ info
     @property
+    def param(self) -> torch.Tensor:
+        """The flat fp32 parameters (with ``rollback=exact``: those of the current set)."""
+        return self._exact.state[0] if self._exact is not None else self._param
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        """Adam's first moment ``m`` (current set)."""
+        return self._exact.state[1] if self._exact is not None else self._m
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        """Adam's second moment ``v`` (current set)."""
+        return self._exact.state[2] if self._exact is not None else self._v
+
+    @property
     def backend(self) -> str:
-        """The active backend's name (``deepspeed`` or ``torch``)."""
-        return self._backend.name
+        """Whose arithmetic steps (``deepspeed`` or ``torch``), also for ``rollback=exact``."""
+        return self._exact.backend if self._exact is not None else self._require_backend().name
+
+    def _require_backend(self) -> Backend:
+        assert self._backend is not None  # only rollback=exact has none, and it never asks
+        return self._backend
 
     @property
     def numel(self) -> int:
@@ -157,10 +190,12 @@ class CpuAdam:
     @property
     def rollback_bytes(self) -> int:
         """Host memory the rollback mode costs (0 for ``undo``)."""
+        if self._exact is not None:
+            return self._exact.spare_bytes
         return self._snapshot.nbytes if self._snapshot is not None else 0
 
     def _chunks(self) -> list[tuple[int, int]]:
-        n, size = self.numel, self._backend.chunk_elems
+        n, size = self.numel, self._require_backend().chunk_elems
         return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
 
     # ----------------------------------------------------------------------------------- steps
@@ -175,11 +210,15 @@ class CpuAdam:
             lr_before = self.lr
         c = constants(self.step_count + 1, self.lr, self.hyper, self._powers)
         g = grad.view(-1)
-        p, m, v = self.param, self.exp_avg, self.exp_avg_sq
-        for lo, hi in self._chunks():
-            if self._snapshot is not None:
-                self._snapshot.save(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
-            self._backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._scratch[: hi - lo])
+        if self._exact is not None:
+            self._exact.step(g, c)
+        else:
+            backend = self._require_backend()
+            p, m, v = self.param, self.exp_avg, self.exp_avg_sq
+            for lo, hi in self._chunks():
+                if self._snapshot is not None:
+                    self._snapshot.save(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
+                backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._scratch[: hi - lo])
         self.step_count += 1
         self._last = (c, lr_before)
 
@@ -196,12 +235,14 @@ class CpuAdam:
 
     def undo(self, grad: torch.Tensor | None = None) -> None:
         """Roll back the last :meth:`step`; ``grad`` must be the gradients that step used
-        (``undo`` mode; ``snapshot`` mode ignores it). Restores step count and learning rate."""
+        (``undo`` mode; ``snapshot`` and ``exact`` ignore it). Restores step count and learning rate."""
         if self._last is None:
             raise RuntimeError("CpuAdam.undo: there is no step to undo (only the last step can be undone, once)")
         c, lr_before = self._last
         p, m, v = self.param, self.exp_avg, self.exp_avg_sq
-        if self._snapshot is not None:
+        if self._exact is not None:
+            self._exact.switch_back()
+        elif self._snapshot is not None:
             for lo, hi in self._chunks():
                 self._snapshot.restore(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
         else:
@@ -212,7 +253,8 @@ class CpuAdam:
             if self._undo_ws is None:
                 self._undo_ws = UndoWorkspace()
             for lo, hi in self._chunks():
-                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._backend.direction_chunk, self._undo_ws)
+                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._require_backend().direction_chunk,
+                           self._undo_ws)
         self.step_count = c.step - 1
         self.lr = lr_before
         self._last = None
@@ -252,13 +294,15 @@ class CpuAdam:
         self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
         for t in range(1, step + 1):
             self._powers.at(t)
-        self._backend.resume_at(step)
+        if self._backend is not None:  # the exact step takes its constants from here, it keeps none
+            self._backend.resume_at(step)
         self.step_count = step
         self._last = None
 
     def close(self) -> None:
         """Release the backend (DeepSpeed's C++ optimizer); the tensors stay usable."""
-        self._backend.close()
+        if self._backend is not None:
+            self._backend.close()
 
     def __enter__(self) -> CpuAdam:
         return self

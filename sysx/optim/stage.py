@@ -13,6 +13,13 @@ shared parameter store; any dtype and any host tensor works). Its operations:
 * :meth:`undo` rolls the step back and rewrites the target;
 * :meth:`restep` undoes and steps again with the gradients multiplied by a clip coefficient.
 
+With ``rollback="exact"`` the current master alternates between two buffer sets
+(:mod:`sysx.optim.exact`), so a given tensor that others read as the master (no target: an fp32
+working copy that *is* the master, e.g. the shared fp32 segment) cannot be one of them (a rollback
+needs the old values it would hold): the optimizer then steps a private copy and the given tensor
+becomes the target, rewritten after every change (4 more bytes per parameter, counted by
+:func:`sysx.memory.budget.training_state_bytes`).
+
 With ``keep_grads=False`` the fp32 gradients are a temporary: they live from :meth:`load_grads`
 until the next step, undo or :meth:`drop_grads`, and are made again from the loaded (16-bit)
 source when a later undo or re-step needs them (the same values: conversion is deterministic),
@@ -90,6 +97,8 @@ class StageOptimizer:
         param_spans: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.name = name
+        if target is None and rollback == "exact":
+            target, master = master, master.detach().clone()  # see the module doc
         self.optimizer = CpuAdam(
             master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, backend=backend, rollback=rollback
         )

@@ -17,8 +17,10 @@ A forward stage's flat parameters are the concatenation of its sub-stages' flat 
 sub-stages are contiguous layer ranges), so loading a stage is ``d`` host->device copies.
 
 Lifecycle: the first local rank of each node checks the node's host-memory plan
-(:func:`sysx.memory.plan_host_memory`: shared segments, masters, Adam states, gradients) against
-free ``/dev/shm`` and RAM before anything is allocated; then every rank creates its owned segments, then (barrier) attaches/creates the rest, then
+(:func:`sysx.memory.plan_host_memory`: shared segments, masters, Adam states, gradients, the
+``optim.rollback`` buffers) against free ``/dev/shm`` and RAM before anything is allocated, and
+resolves ``optim.rollback=auto`` (:func:`sysx.optim.rollback_choice.choose_rollback`; ``exact``
+only when every node can hold it, agreed by one all-reduce: :attr:`StageParams.rollback`); then every rank creates its owned segments, then (barrier) attaches/creates the rest, then
 the owners push the initial values to the mirrors (barrier). :meth:`StageParams.close` drops
 every tensor view and closes the store (the creator unlinks once the attachers are gone); on any
 other exit path the store's atexit/signal hooks and the guardian process unlink.
@@ -26,6 +28,7 @@ other exit path the store's atexit/signal hooks and the guardian process unlink.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +39,7 @@ from sysx.dist import DistInfo, wait_for
 from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
+from sysx.optim.rollback_choice import choose_rollback
 from sysx.partition import unit_label
 from sysx.schedule import Schedule
 
@@ -102,6 +106,7 @@ class StageParams:
         timeout_s: float,
         pin: bool | None = None,
         init: LayerInit | None = None,
+        rollback: str = "undo",
     ) -> None:
         self.info = info
         self.model_cfg = model_cfg
@@ -116,6 +121,7 @@ class StageParams:
         self.store = SharedParamStore(job=job, node=info.node_rank, pin=pin, attach_timeout_s=timeout_s)
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
+        self.rollback = rollback  # optim.rollback, resolved by _open (auto -> exact or undo)
         try:
             self._open(model_cfg, init or seed_init(seed))
         except BaseException:
@@ -131,21 +137,20 @@ class StageParams:
         mirrors = {unit.fwd_node} if unit.mirrored else set()
         return StageSpec.of(unit.key, {self.dtype: unit.numel}, owner_node=unit.owner_node, mirror_nodes=mirrors)
 
-    def node_plan(self) -> HostMemoryPlan:
+    def node_plan(self, rollback: str = "undo") -> HostMemoryPlan:
         """Host memory this rank's node needs: the owned segments and mirrors of the node, fp32
-        masters (16-bit runs), Adam states and fp32 gradients of the node's owners, and the 16-bit
-        host gradient buffers (16-bit runs)."""
+        masters (16-bit runs), Adam states, fp32 gradients and ``rollback``'s buffers of the node's
+        owners, and the 16-bit host gradient buffers (16-bit runs)."""
         node = self.info.node_rank
         owned = [(u.numel, self.dtype) for u in self.units.values() if u.owner_node == node]
         mirrors = [(u.numel, self.dtype) for u in self.units.values() if u.mirrored and u.fwd_node == node]
         pinned = 0  # the 16-bit host gradient buffers the D2H copies land in (page-locked on GPUs)
         if self.dtype != torch.float32:
             pinned = sum(n for n, _ in owned) * torch.tensor([], dtype=self.dtype).element_size()
-        return plan_host_memory(owned, mirrors=mirrors, pinned_bytes=pinned)
+        return plan_host_memory(owned, mirrors=mirrors, pinned_bytes=pinned, rollback=rollback)
 
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
-        if self.info.local_rank == 0:  # one check per node, before any rank of it allocates
-            self.node_plan().check()
+        self._check_budget()
         self.barrier()
         for unit in self.owned():
             buffers = self.store.create(self._spec(unit))
@@ -167,6 +172,26 @@ class StageParams:
                 self.shared[key] = self.store.attach(self._spec(unit))[self.dtype]
         self.push_mirrors()
         self.barrier()
+
+    def _check_budget(self) -> None:
+        """One host-memory check per node (its first local rank), before any rank of it allocates;
+        ``auto`` becomes ``exact`` only when every node's check allows it (one all-reduce)."""
+        requested, why = self.rollback, ""
+        mode = requested
+        if self.info.local_rank == 0:
+            mode, why = choose_rollback(requested, lambda r: self.node_plan(r))
+        if requested != "auto":
+            return
+        fits = torch.tensor([0 if mode == "undo" else 1], dtype=torch.int32)  # other local ranks: no vote against
+        if self.group is not None and self.info.world_size > 1:
+            work = dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            wait_for(work, rank=self.rank, what="optim.rollback=auto (host budget all-reduce)", peer=None,
+                     timeout_s=self.timeout_s)
+        self.rollback = "exact" if int(fits) else "undo"
+        if self.rank == 0:
+            if mode == "exact" and self.rollback == "undo":
+                why = "optim.rollback=auto -> undo: another node's host memory cannot hold the exact rollback's buffers"
+            print(why, flush=True)
 
     def barrier(self, what: str = "parameter store set-up barrier") -> None:
         """Every rank waits here (bounded by the timeout): what owners wrote is visible after it."""
@@ -204,11 +229,13 @@ class StageParams:
             wait_for(work, rank=self.rank, what=what, peer=peer, timeout_s=self.timeout_s)
         return len(works)
 
-    def master_state(self) -> dict[str, torch.Tensor]:
+    def master_state(self, current: Mapping[tuple[int, int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """fp32 copies of the master weights of the owned sub-stages, by parameter name
-        (``layers.<i>.<name>``, as in :class:`sysx.model.LlamaModel`)."""
+        (``layers.<i>.<name>``, as in :class:`sysx.model.LlamaModel`); ``current`` gives the
+        optimizers' current masters where they moved (``optim.rollback=exact`` switches buffers)."""
         out = {}
         for key, master in self.masters.items():
+            master = current.get(key, master) if current is not None else master
             offset = 0
             for i in self.units[key].layers:
                 for name, shape in self.params_of_layer[i]:

@@ -115,14 +115,17 @@ class PipelineTrainer(Trainer):
             return Pacer()
         plan = plan_emulation(self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed")
         return EmulatedPacer(plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale,
-                             group=self.group, world=self.world, rollback=self.opts.rollback)
+                             group=self.group, world=self.world)
 
     def _build(self) -> None:
         cfg, opts, t = self.cfg, self.opts, self.cfg.train
         base = opts.job_id or resolve_job_id(rank=self.rank, broadcast=torch_broadcast(self.group) if self.world > 1 else None)
         self.job_id = f"{base}.t{next(_instances)}"
         self.params = StageParams(self.schedule, self.model_cfg, self.info, dtype=self.dtype, job=self.job_id,
-                                  group=self.group, timeout_s=opts.timeout_s, seed=cfg.seed, init=self.layer_init())
+                                  group=self.group, timeout_s=opts.timeout_s, seed=cfg.seed, init=self.layer_init(),
+                                  rollback=opts.rollback)
+        if isinstance(self.pacer, EmulatedPacer):
+            self.pacer.rollback = self.params.rollback  # what an undo costs there (optim.rollback=auto resolved)
         compute, h2d, d2h = self.pacer.streams(self.device)
         loads = [self.schedule.layers(op) for op in self.ops if op.kind == OpKind.LOAD_PARAMS]
         loads += [self.schedule.partition.stage_layers(s) for s in self.schedule.placement.fwd_stages(self.rank)]
@@ -134,7 +137,7 @@ class PipelineTrainer(Trainer):
         o = cfg.optim
         settings = OptimSettings(
             lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
-            backend=opts.optim_backend, rollback=opts.rollback, workers=opts.optimizer_workers,
+            backend=opts.optim_backend, rollback=self.params.rollback, workers=opts.optimizer_workers,
             speculate=o.speculate, speculate_after=o.speculate_after)
         if isinstance(self.pacer, EmulatedPacer):  # the emulated workers; their real work is small: one thread each
             settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
@@ -349,7 +352,8 @@ class PipelineTrainer(Trainer):
         """The full fp32 weights by parameter name (``layers.<i>.<name>``); collective: every rank
         calls it and gets the same dict (gathered over the CPU group, meant for tests and small models)."""
         assert self.params is not None
-        mine = self.params.master_state()
+        assert self.optimizer is not None
+        mine = self.params.master_state({key: stage.master for key, stage in self.optimizer.stages.items()})
         if self.world == 1:
             return mine
         parts: list[dict[str, torch.Tensor] | None] = [None] * self.world

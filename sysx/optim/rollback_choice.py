@@ -1,0 +1,44 @@
+"""Resolve ``optim.rollback``: check the host-memory plan with the chosen rollback's buffers, and
+turn ``auto`` into ``exact`` when that plan fits the host, else ``undo``.
+
+``exact`` (bit-exact, the time of a plain step) costs 12 bytes per parameter (16 with an fp32
+working copy); ``undo`` costs none and is within about one ulp. The check is the cheap probe
+(``/proc/meminfo``, ``statvfs`` of ``/dev/shm``, the cgroup limit) the job makes anyway before it
+allocates, so ``auto`` never picks buffers the node cannot hold. ``undo`` stays the default for
+now: ``exact`` builds a second C++ extension on first use (tens of seconds) and, with an fp32
+working copy, steps a private master and copies it into the shared copy after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sysx.config.choices import ROLLBACKS
+from sysx.memory.budget import HostCapacity, HostMemoryError, HostMemoryPlan, fmt_bytes, probe_host
+
+
+def choose_rollback(requested: str, plan: Callable[[str], HostMemoryPlan],
+                    capacity: HostCapacity | None = None) -> tuple[str, str]:
+    """``(mode, why)``: ``requested`` after checking ``plan(mode)`` against the host (raising
+    :class:`HostMemoryError` when it does not fit), or for ``auto`` the choice and a one-line reason."""
+    if requested not in ROLLBACKS:
+        raise ValueError(f"optim.rollback={requested!r} is not valid: allowed: {', '.join(ROLLBACKS)}")
+    cap = probe_host() if capacity is None else capacity
+    if requested != "auto":
+        plan(requested).check(cap)
+        return requested, ""
+    exact = plan("exact")
+    try:
+        exact.check(cap)
+    except HostMemoryError:
+        plan("undo").check(cap)  # raises when even the plain plan does not fit
+        return "undo", (f"optim.rollback=auto -> undo: the exact rollback's buffers ({fmt_bytes(exact.rollback)}) "
+                        f"do not fit this node's host memory (need {fmt_bytes(exact.total)}, available "
+                        f"{fmt_bytes(_available(cap))}); undo needs none and is within ~1 ulp")
+    return "exact", (f"optim.rollback=auto -> exact: its buffers ({fmt_bytes(exact.rollback)}) fit this node's host "
+                     f"memory (need {fmt_bytes(exact.total)}, available {fmt_bytes(_available(cap))}); rollbacks are "
+                     "bit-exact and a step moves the bytes of a plain one")
+
+
+def _available(cap: HostCapacity) -> int:
+    return min(cap.ram_available, cap.cgroup.available) if cap.cgroup is not None else cap.ram_available

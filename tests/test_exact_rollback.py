@@ -1,0 +1,288 @@
+"""optim.rollback=exact: the out-of-place kernel against DeepSpeedCPUAdam bit for bit, rollback by
+switching buffers, the torch fallback, and the fp32 master that is its own working copy.
+
+The kernel is never skipped: the first test that needs it builds it into the per-venv cache
+(some 10-60 s, once) and fails loudly if that is impossible.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sysx.optim import CpuAdam, StageOptimizer
+from sysx.optim.formula import BetaPowers, Hyper, constants
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _state(opt: CpuAdam) -> list[torch.Tensor]:
+    return [opt.param.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+
+
+def _unaligned(n: int, offset: int, values: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 view of ``n`` elements starting ``offset`` elements into a fresh buffer."""
+    t = torch.empty(n + offset)[offset:]
+    t.copy_(values)
+    return t
+
+
+@pytest.mark.parametrize("numel,offset", [
+    (10_007, 0),  # scalar tail of 7 (not a multiple of the 16 or 8 lanes)
+    (128 * 40 + 16 * 3 + 5, 0),  # span-8 blocks, single vectors and a tail
+    (13, 0),  # tail only
+    ((1 << 20) + 37, 0),  # two kernel chunks
+    (4099, 3),  # the caller's parameters 12 bytes off alignment: normal stores every other step
+])
+def test_kernel_equals_deepspeed_cpu_adam_over_100_steps(numel: int, offset: int) -> None:
+    """fp32 master, AdamW, bias correction and weight decay on, a changing lr: p, m, v equal
+    deepspeed.ops.adam.DeepSpeedCPUAdam's bit for bit after every step."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from sysx.optim.deepspeed_backend import load_op
+
+    load_op()  # DeepSpeedCPUAdam then reuses the op sysx built into the venv's cache (its own build is minutes)
+    gen = torch.Generator().manual_seed(numel)
+    p0 = torch.randn(numel, generator=gen) * 0.02
+    ref_p = torch.nn.Parameter(p0.clone())
+    ref = DeepSpeedCPUAdam([ref_p], lr=1e-3, bias_correction=True, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                           adamw_mode=True, fp32_optimizer_states=True)
+    opt = CpuAdam(_unaligned(numel, offset, p0), backend="deepspeed", rollback="exact", **HYPER)
+    assert opt.backend == "deepspeed" and opt.rollback_bytes == 12 * numel
+    for step in range(100):
+        lr = 1e-3 * (1 + step % 10) / 10
+        g = torch.randn(numel, generator=gen) * (1e-2 if step % 7 else 1.0)
+        ref_p.grad = g.clone()
+        ref.param_groups[0]["lr"] = lr
+        ref.step()
+        opt.step(g, lr=lr)
+        st = ref.state[ref_p]
+        want = [ref_p.detach(), st["exp_avg"], st["exp_avg_sq"]]
+        if step % 9 == 0 or step == 99:  # every step would only cost time; these cover both buffer sets
+            assert _same(_state(opt), want), f"step {step + 1} differs from DeepSpeedCPUAdam"
+    opt.close()
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+def test_step_then_rollback_is_bit_identical_to_never_stepping(backend: str) -> None:
+    """After a step and its rollback, p, m, v, the 16-bit target, the step count and the lr are those
+    of an optimizer that never took the step, and both go on identically."""
+    gen = torch.Generator().manual_seed(3)
+    n = 5003
+    p0 = torch.randn(n, generator=gen) * 0.02
+    grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(5)]
+    spike = torch.randn(n, generator=gen) * 1e3
+    for target_dtype in (torch.float16, torch.bfloat16):
+        a = StageOptimizer("a", p0.clone(), backend=backend, rollback="exact", target=torch.empty(n, dtype=target_dtype),
+                           **HYPER)
+        b = StageOptimizer("b", p0.clone(), backend=backend, rollback="exact", target=torch.empty(n, dtype=target_dtype),
+                           **HYPER)
+        for k, g in enumerate(grads[:3] + [None] + grads[3:]):  # None: a steps with the spike and rolls back
+            a.new_iteration()
+            b.new_iteration()
+            if g is None:
+                a.load_grads(spike)
+                a.apply(5e-2)
+                assert not torch.equal(a.target, b.target)
+                a.undo()
+                continue
+            for s in (a, b):
+                s.load_grads(g)
+                s.apply(1e-3 * (k + 1))
+            assert _same(_state(a.optimizer), _state(b.optimizer)), (target_dtype, k)
+            assert torch.equal(_bits(a.target.float()), _bits(b.target.float())), (target_dtype, k)
+        assert a.optimizer.step_count == b.optimizer.step_count == 5
+        assert a.optimizer.lr == b.optimizer.lr
+        a.close()
+        b.close()
+
+
+def test_rollback_right_after_a_rollback_and_on_either_buffer_set() -> None:
+    """A rollback leaves the set the step read current, whichever of the two it was."""
+    gen = torch.Generator().manual_seed(5)
+    n = 301
+    opt = CpuAdam(torch.randn(n, generator=gen), backend="torch", rollback="exact", **HYPER)
+    for k in range(4):  # ends on each buffer set in turn
+        before = _state(opt)
+        opt.step(torch.randn(n, generator=gen))
+        assert not _same(_state(opt), before)
+        opt.undo()
+        assert _same(_state(opt), before) and opt.step_count == k
+        opt.step(torch.randn(n, generator=gen))
+    with pytest.raises(RuntimeError, match="no step to undo"):
+        opt.undo()
+        opt.undo()
+
+
+def test_torch_fallback_equals_the_in_place_torch_backend() -> None:
+    """backend=torch: the out-of-place ops give the in-place torch backend's values bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    n = (1 << 18) + 333  # two torch chunks
+    p0 = torch.randn(n, generator=gen)
+    a = CpuAdam(p0.clone(), backend="torch", rollback="exact", **HYPER)
+    b = CpuAdam(p0.clone(), backend="torch", rollback="undo", **HYPER)
+    for k in range(12):
+        g = torch.randn(n, generator=gen) * 1e-2
+        a.step(g, lr=1e-3 / (k + 1))
+        b.step(g, lr=1e-3 / (k + 1))
+    assert _same(_state(a), _state(b))
+
+
+def test_auto_falls_back_to_torch_loudly_when_the_kernel_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.optim import exact_kernel
+
+    def broken() -> None:
+        raise exact_kernel.ExactKernelUnavailable("simulated: no compiler")
+
+    monkeypatch.setattr(exact_kernel, "load_kernel", broken)
+    with pytest.warns(RuntimeWarning, match="FALLING BACK to torch out-of-place ops.*simulated"):
+        opt = CpuAdam(torch.zeros(4), lr=1e-3, backend="auto", rollback="exact")
+    assert opt.backend == "torch"
+    with pytest.raises(exact_kernel.ExactKernelUnavailable, match="simulated"):
+        CpuAdam(torch.zeros(4), lr=1e-3, backend="deepspeed", rollback="exact")
+
+
+def test_an_fp32_master_that_is_the_working_copy_stays_current() -> None:
+    """With no target (fp32: the shared copy is the master), the given tensor always holds the
+    current master, after steps on either buffer set and after a rollback."""
+    gen = torch.Generator().manual_seed(13)
+    n = 777
+    home = torch.randn(n, generator=gen)
+    s = StageOptimizer("s", home, backend="torch", rollback="exact", **HYPER)
+    for k in range(3):
+        s.new_iteration()
+        before = home.clone()
+        s.load_grads(torch.randn(n, generator=gen))
+        s.apply(1e-3)
+        assert torch.equal(home, s.master) and not torch.equal(home, before), k
+        s.undo()
+        assert torch.equal(home, before) and torch.equal(s.master, before), k
+        s.load_grads(torch.randn(n, generator=gen))
+        s.apply(1e-3)
+        assert torch.equal(home, s.master), k
+
+
+def test_kernel_streams_into_aligned_and_unaligned_views_alike() -> None:
+    """Destinations at every 4-byte offset within a vector give the aligned run's bits."""
+    from sysx.optim.exact_kernel import load_kernel, step_into
+
+    op = load_kernel()
+    gen = torch.Generator().manual_seed(21)
+    n = 1000
+    src = tuple(torch.randn(n, generator=gen).abs() for _ in range(3))
+    g = torch.randn(n, generator=gen)
+    c = constants(1, 1e-3, Hyper(0.9, 0.95, 1e-8, 0.1), BetaPowers(0.9, 0.95))
+    want = tuple(torch.empty(n) for _ in range(3))
+    step_into(op, src, g, want, c)  # type: ignore[arg-type]
+    for offset in range(1, 16):
+        dst = tuple(torch.zeros(n + offset)[offset:] for _ in range(3))
+        step_into(op, src, g, dst, c)  # type: ignore[arg-type]
+        assert _same(list(dst), list(want)), offset
+
+
+def test_the_host_budget_counts_the_exact_buffers() -> None:
+    """12 bytes per parameter (16 when the working copy is fp32: a private master too), in the
+    node plan the job checks before it allocates; undo and auto (before resolving) count none."""
+    from sysx.memory.budget import plan_host_memory, training_state_bytes
+
+    assert training_state_bytes("bfloat16", rollback="exact").snapshot == 12
+    assert training_state_bytes("float32", rollback="exact").snapshot == 16
+    assert training_state_bytes("bfloat16", rollback="snapshot").snapshot == 12
+    assert training_state_bytes("bfloat16", rollback="auto").snapshot == 0
+    n = 1000
+    undo = plan_host_memory([(n, "bfloat16")])
+    exact = plan_host_memory([(n, "bfloat16")], rollback="exact")
+    assert exact.rollback == 12 * n and exact.total - undo.total == 12 * n
+    assert "rollback buffers" in str(exact) and "rollback buffers" not in str(undo)
+    stage = StageOptimizer("s", torch.zeros(n), lr=1e-3, backend="torch", rollback="exact",
+                           target=torch.zeros(n, dtype=torch.bfloat16))
+    assert stage.optimizer.rollback_bytes == exact.rollback  # the plan counts what is allocated
+
+
+def test_auto_picks_exact_when_the_budget_allows_else_undo_and_says_why() -> None:
+    from sysx.memory.budget import HostCapacity, HostMemoryError, plan_host_memory
+    from sysx.optim.rollback_choice import choose_rollback
+
+    n = 1 << 20
+
+    def plan(rollback: str):
+        return plan_host_memory([(n, "bfloat16")], rollback=rollback)
+
+    def cap(ram: int) -> HostCapacity:
+        return HostCapacity(shm_free=1 << 40, shm_total=1 << 40, ram_available=ram, cgroup=None)
+
+    roomy, tight = cap(plan("exact").total), cap(plan("exact").total - 1)
+    mode, why = choose_rollback("auto", plan, roomy)
+    assert mode == "exact" and why.startswith("optim.rollback=auto -> exact:") and "\n" not in why
+    mode, why = choose_rollback("auto", plan, tight)
+    assert mode == "undo" and why.startswith("optim.rollback=auto -> undo:") and "do not fit" in why
+    assert choose_rollback("exact", plan, roomy) == ("exact", "")
+    with pytest.raises(HostMemoryError, match="host RAM"):
+        choose_rollback("exact", plan, tight)  # an explicit choice is checked, never swapped
+    with pytest.raises(HostMemoryError):
+        choose_rollback("auto", plan, cap(plan("undo").total - 1))
+    with pytest.raises(ValueError, match="optim.rollback='nope' is not valid: allowed: undo, snapshot, exact, auto"):
+        choose_rollback("nope", plan, roomy)
+
+
+def test_config_accepts_the_rollback_values_and_names_them_on_a_typo() -> None:
+    from sysx.config import ConfigError, load_config
+
+    for value in ("undo", "snapshot", "exact", "auto"):
+        assert load_config([f"optim.rollback={value}"]).optim.rollback == value
+    with pytest.raises(ConfigError, match="optim.rollback=exactly is not valid: allowed: undo, snapshot, exact, auto"):
+        load_config(["optim.rollback=exactly"])
+    with pytest.raises(ValueError, match="resolve optim.rollback=auto first"):
+        CpuAdam(torch.zeros(4), lr=1e-3, backend="torch", rollback="auto")
+
+
+def test_bench_optim_prints_one_json_line_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """``sysx bench optim --size ... --json``: the four medians and the machine (no timing asserted)."""
+    import json
+
+    from sysx.cli import main
+
+    assert main(["bench", "optim", "--size", "20K", "--repeat", "1", "--warmup", "0", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    r = json.loads(lines[0])
+    assert r["size"] == 20_000 and r["threads"] == 1 and r["exact_backend"] == "deepspeed"
+    for key in ("step_ms", "exact_step_ms", "snapshot_step_ms", "undo_ms"):
+        assert r[key] > 0, key
+    assert set(r["machine"]) >= {"cpu", "avx2", "avx512", "cores", "load_avg_1m"}
+    assert main(["bench", "optim", "--size", "20K", "--repeat", "1", "--warmup", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "| exact: out-of-place step into the second set |" in table and "x plain" in table
+    assert main(["bench", "optim", "--size", "lots"]) == 2
+    assert "--size 'lots' is not valid" in capsys.readouterr().err
+
+
+def test_kernel_with_two_openmp_threads_equals_one() -> None:
+    """The OpenMP path (optimizer workers with several threads) splits blocks, never changes a bit."""
+    from sysx.optim.exact_kernel import load_kernel, step_into
+
+    op = load_kernel()
+    gen = torch.Generator().manual_seed(8)
+    n = 128 * 1000 + 21
+    src = tuple(torch.randn(n, generator=gen).abs() for _ in range(3))
+    g = torch.randn(n, generator=gen)
+    c = constants(3, 1e-3, Hyper(0.9, 0.95, 1e-8, 0.1), BetaPowers(0.9, 0.95))
+    outs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            dst = tuple(torch.empty(n) for _ in range(3))
+            step_into(op, src, g, dst, c)  # type: ignore[arg-type]
+            outs.append(list(dst))
+    finally:
+        torch.set_num_threads(saved)
+    assert _same(outs[0], outs[1])
