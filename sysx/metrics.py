@@ -48,6 +48,13 @@ class StepResult:
     step_time_s: float
     val_loss: float | None = None
     checkpoint_stall_s: float | None = None  # set on steps after which a checkpoint was saved
+    # the host optimizer (window and pipelines; sysx.optim.speculate): did the step run before its
+    # validation, how many stage steps were rolled back / re-stepped with the clip coefficient, and
+    # the optimizer time no compute hid (after the last backward; the window's waits before loads too)
+    speculated: bool | None = None
+    rolled_back: int | None = None
+    restepped: int | None = None
+    opt_exposed_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -212,7 +219,7 @@ class RunLogger:
         rec["peak_device_mem_bytes"] = dev.max_memory_allocated(self.device)
         rec["peak_host_rss_bytes"] = dev.host_peak_rss_bytes()
         rec["elapsed_s"] = time.perf_counter() - self._start
-        for optional in ("val_loss", "checkpoint_stall_s"):
+        for optional in ("val_loss", "checkpoint_stall_s", "speculated", "rolled_back", "restepped", "opt_exposed_s"):
             if rec[optional] is None:
                 del rec[optional]
         return rec

@@ -4,7 +4,8 @@
         python tests/runtime_parity_job.py SPEC.json RESULT.json
 
 SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "optim": {...OptimSection
-fields, optional}, "schedules": [{PipelineOptions fields}, ...]}`` (``optim_backend`` defaults to torch). Rank 0 trains the single-process reference in-process once; then every rank runs
+fields, optional}, "schedules": [{PipelineOptions fields, optional "optim": {...}}, ...]}`` (``optim_backend``
+defaults to torch; an entry's "optim" overrides optim.* for it). Rank 0 trains the single-process reference in-process once; then every rank runs
 each schedule in turn in the same process group (a fresh PipelineTrainer each, same seed and
 batches), and rank 0 compares per-step losses, gradient norms and the final fp32 parameters with
 the reference and writes the figures to RESULT.json.
@@ -12,6 +13,7 @@ the reference and writes the figures to RESULT.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -47,8 +49,11 @@ def main(spec_path: str, out_path: str) -> int:
     rows = []
     for options in spec["schedules"]:
         t0 = time.perf_counter()
-        opts = PipelineOptions(**{"optim_backend": "torch", "timeout_s": float(spec.get("timeout_s", 60)), **options})
-        with PipelineTrainer(cfg, opts, info=info, dataset=dataset) as trainer:
+        # an entry's "optim" (e.g. {"speculate": "never"}) changes optim.* for that schedule only
+        optim = {k: v for k, v in options.items() if k != "optim"}
+        run_cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **options.get("optim", {})))
+        opts = PipelineOptions(**{"optim_backend": "torch", "timeout_s": float(spec.get("timeout_s", 60)), **optim})
+        with PipelineTrainer(run_cfg, opts, info=info, dataset=dataset) as trainer:
             results = trainer.run(steps)
             state = trainer.state_dict()
             sched = trainer.schedule
@@ -69,6 +74,8 @@ def main(spec_path: str, out_path: str) -> int:
             "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.ckpt,
             "optimizer": sched.options.optimizer, "messages_per_step": n_messages, "mirrored_units": mirrored,
             "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends, "rollbacks": rollbacks,
+            "speculated": [r.speculated for r in results], "restepped": [r.restepped for r in results],
+            "rolled_back": [r.rolled_back for r in results], "ref_norms": ref_norms,
             "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
             "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
             "param_rel": float((a - b).norm() / a.norm()),

@@ -130,7 +130,8 @@ def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDat
 
     cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
                      train=TrainSection(steps=4, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(lr=3e-3, warmup_steps=2, grad_clip=1.0 if precision == "fp16" else 1e-3),
+                     optim=OptimSection(lr=3e-3, warmup_steps=2, grad_clip=1.0 if precision == "fp16" else 1e-3,
+                                        speculate="always"),  # every step speculates: the rollbacks are the subject
                      eval=EvalSection(every=0), device="cpu", precision=precision, loss_scale=LossScaleSection(init=2.0**20))
     runs = {}
     for rollback in ("snapshot", "exact"):

@@ -17,6 +17,9 @@ OPTIM_BACKENDS = ("auto", "deepspeed", "torch")  # host CPU Adam: auto = DeepSpe
 # undoing an overflowed step: Adam's arithmetic inverse | an exact copy | a second (p, m, v) set, switched
 ROLLBACK_MODES = ("undo", "snapshot", "exact")
 ROLLBACKS = (*ROLLBACK_MODES, "auto")  # auto: exact when the host memory budget allows it, else undo
+SPECULATE_MODES = ("auto", "always", "never")  # optim.speculate (sysx.optim.speculate)
+SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a vetoed one (sysx.optim.speculate)
+PLACEMENTS = ("auto", "cpu", "split")  # optim.placement: where Adam updates run (sysx.optim.placement)
 
 # Schedules run by the multi-process runtime; gpipe and 1f1b place exactly one (whole) stage per rank.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx")

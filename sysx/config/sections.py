@@ -21,9 +21,12 @@ from sysx.config.choices import (
     OPTIM_BACKENDS,
     OPTIMIZERS,
     OVERLAPS,
+    PLACEMENTS,
     POLICIES,
     ROLLBACKS,
     SAVE_LEVELS,
+    SPECULATE_AFTER,
+    SPECULATE_MODES,
     SYSX_CFGS,
     TOKEN_DTYPES,
 )
@@ -177,6 +180,9 @@ class OptimSection:
     backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
     rollback: str = "undo"  # undoing a step on overflow: undo | snapshot | exact | auto (exact if host memory allows, else undo)
     workers: Optional[int] = None  # optimizer threads per rank (null: from the core plan)
+    speculate: str = "auto"  # step before validating: auto (while recent steps were clean) | always | never
+    speculate_after: int = SPECULATE_AFTER  # auto: clean steps after a clipped/overflowed one before speculating again
+    placement: str = "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
 
     def validate(self) -> None:
         """Choices and ranges of ``optim.*``."""
@@ -193,6 +199,9 @@ class OptimSection:
         if self.grad_clip < 0:
             fail("optim.grad_clip", self.grad_clip, "must be >= 0 (0 = no clipping)")
         check_host_adam(self.backend, self.rollback, self.workers)
+        check_choice("optim.speculate", self.speculate, SPECULATE_MODES)
+        check_int("optim.speculate_after", self.speculate_after, 0)
+        check_choice("optim.placement", self.placement, PLACEMENTS)
 
 
 @dataclass

@@ -17,8 +17,12 @@ the durations of the plan's :class:`~sysx.schedule.costs.CostTable`, multiplied 
   posted send only delays VALIDATE, and a blocking send (:meth:`sysx.runtime.p2p.P2P.send`)
   holds the sender's until the end of the transfer (rendezvous, as gloo and NCCL sends do);
 * an asynchronous OPTIM_STEP takes its duration on the worker thread that runs it, from
-  ``max(submitted, offload done, that worker's previous job)``;
-* VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier.
+  ``max(submitted, offload done, that worker's previous job)``; so do the validation's jobs: a
+  validate-first step, an undo (:data:`~sysx.emulate.costs.UNDO_STEPS` steps' time) and a
+  clipping re-step (an undo and a step);
+* VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier;
+  units placed on the device lane (``optim.placement``) then take their copies in, steps and
+  copies out on the H2D, compute and D2H streams (:meth:`EmulatedPacer.device_optimizer`).
 
 Real work that ends after its modelled end makes the host lag its cursor; the modelled times stay
 (as a GPU's queue hides a slow host while it has work), the real barriers (VALIDATE, the step's
@@ -39,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from sysx import device as dev
-from sysx.emulate.costs import EmulatedPlan
+from sysx.emulate.costs import UNDO_STEPS, EmulatedPlan
 from sysx.emulate.report import StepStats
 from sysx.emulate.streams import EmulatedEvent, EmulatedStream, sleep_until
 from sysx.partition import unit_label
@@ -83,6 +87,15 @@ class Pacer:
         """A message was posted (:class:`sysx.runtime.p2p.Pending`)."""
         return None
 
+    def device_optimizer(self, name: str, seconds: tuple[float, float, float]) -> None:
+        """A device-lane optimizer step of unit ``name`` was issued (``seconds``: its modelled copy
+        in, step and copy out; :func:`sysx.optim.placement.device_seconds`). Here: nothing."""
+        return None
+
+    def device_optimizer_wait(self) -> None:
+        """The host needs the device lane's results (its copies out are done). Here: nothing."""
+        return None
+
     def settle(self, pending: Any, wait: Callable[[dist.Work], None]) -> None:
         """A posted message completed (``wait`` waits for one more of its works, bounded)."""
         return None
@@ -98,8 +111,10 @@ class EmulatedPacer(Pacer):
     active = True
 
     def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float,
-                 group: dist.ProcessGroup | None = None, world: int = 1) -> None:
+                 group: dist.ProcessGroup | None = None, world: int = 1, rollback: str = "undo") -> None:
         self.plan, self.table, self.rank, self.time_scale = plan, plan.table, rank, float(time_scale)
+        self.rollback = rollback  # what an undo costs (UNDO_STEPS)
+        self._device_jobs: list[tuple[str, tuple[float, float, float]]] = []  # device-lane steps not yet charged
         self.group, self.world = group, world  # VALIDATE's modelled end is the latest rank's arrival
         self.split = schedule.partition.split
         # the host issues the next compute op when the last one ends: the cursor is the stream's end
@@ -274,17 +289,22 @@ class EmulatedPacer(Pacer):
         """The span a worker wraps a step of a stage in; made on the main thread at submission."""
         return self._optimizer_span
 
-    def _optimizer_span(self, name: str, event: dev.Event | None) -> contextlib.AbstractContextManager[None]:
-        return self._optimizer_job(name, self.compute.free, event)
+    def _optimizer_span(self, name: str, event: dev.Event | None, kind: str = "step"
+                        ) -> contextlib.AbstractContextManager[None]:
+        """A ``kind`` job (step | undo | restep = undo + step) of stage ``name``; an undo takes
+        :data:`~sysx.emulate.costs.UNDO_STEPS` steps' time for the run's ``optim.rollback``."""
+        undo = UNDO_STEPS.get(self.rollback, 0.0)  # a mode not listed rolls back without arithmetic
+        steps = {"step": 1.0, "undo": undo, "restep": undo + 1.0}[kind]
+        return self._optimizer_job(name, self.compute.free, event, steps)
 
     @contextlib.contextmanager
-    def _optimizer_job(self, name: str, submitted: float, event: dev.Event | None) -> Iterator[None]:
+    def _optimizer_job(self, name: str, submitted: float, event: dev.Event | None, steps: float = 1.0) -> Iterator[None]:
         ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
         start = max(submitted, ready, getattr(self._worker, "free", 0.0))
         t0 = time.monotonic()
         yield
         real = time.monotonic() - t0
-        seconds = self._opt[name] * self.time_scale
+        seconds = self._opt[name] * steps * self.time_scale
         end = start + seconds
         self._ratio("optimizer", real, seconds, f"OPT {name}")
         with self._lock:
@@ -293,6 +313,34 @@ class EmulatedPacer(Pacer):
         with self._lock:
             self.opt_end = max(self.opt_end, end)
         self._hold(end, f"OPT {name}")
+
+    def device_optimizer(self, name: str, seconds: tuple[float, float, float]) -> None:
+        """A device-lane step of unit ``name``: charged with the others at :meth:`device_optimizer_wait`."""
+        self._device_jobs.append((name, seconds))
+
+    def device_optimizer_wait(self) -> None:
+        """Charge the device lane's units (issued now: the validation has just decided): every copy
+        in on the H2D stream, each step on the compute stream after its copy in, each copy out on
+        the D2H stream after its step, so the units flow through the three engines (both copy
+        directions at full rate, as the placement model takes them); then the host waits for the
+        last copy out (it needs the new states)."""
+        jobs, self._device_jobs = self._device_jobs, []
+        if not jobs:
+            return
+        self.h2d.after = max(self.h2d.after, time.monotonic())
+        ins = [self.h2d.charge(s[0] * self.time_scale) for _, s in jobs]
+        steps, outs = [], []
+        for (_, s), (_, in_end) in zip(jobs, ins):
+            # a step, then its copy out at once: the D2H stream issues at the compute cursor
+            self.compute.after = max(self.compute.after, in_end)
+            steps.append(self.compute.charge(s[1] * self.time_scale))
+            self.d2h.after = max(self.d2h.after, steps[-1][1])
+            outs.append(self.d2h.charge(s[2] * self.time_scale))
+        with self._lock:
+            for lane, spans in (("h2d", ins), ("gpu", steps), ("d2h", outs)):
+                for (name, _), (begin, end) in zip(jobs, spans):
+                    self._stats.spans.append((lane, f"OPT-dev {name}", begin, end))
+        self._hold(self.d2h.free, "OPT-dev")
 
     # ------------------------------------------------------------------------------- messages
     def _xfer(self, spec: Any) -> float:

@@ -33,6 +33,7 @@ class EmulatedCluster:
     threads_per_rank: int  # the node's cores shared by its GPUs' ranks
     adam_params_per_thread_s: float  # CPU Adam throughput of one thread
     host_memory_bytes: float = 0.0  # RAM of one node (optimizer state and the shared working copy live there)
+    device_mem_bandwidth: float = 0.0  # GPU memory bytes/s (an optimizer step on the GPU is bound by it)
 
     def describe(self) -> str:
         """One line: ``v100 (65 TFLOP/s, 32 GiB, 12 GB/s h2d) x4 per node, epyc7452 (8 threads/rank ...)``."""
@@ -56,4 +57,5 @@ def cluster(section: EmulateSection) -> EmulatedCluster:
         inter_bandwidth=n["inter_gbps"] * GB, inter_latency=n["inter_latency_us"] * 1e-6,
         threads_per_rank=max(1, int(c["cores"]) // gpn), adam_params_per_thread_s=c["adam_gparams_per_thread"] * GB,
         host_memory_bytes=c["host_memory_gib"] * GIB,
+        device_mem_bandwidth=g["mem_gbps"] * GB,
     )

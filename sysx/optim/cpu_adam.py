@@ -222,6 +222,17 @@ class CpuAdam:
         self.step_count += 1
         self._last = (c, lr_before)
 
+    def take_step(self, lr: float) -> StepConstants:
+        """Count a step at ``lr`` that is computed elsewhere (:mod:`sysx.optim.device_lane`) and
+        return its constants (the ones :meth:`step` would use); such a step cannot be undone."""
+        if not lr >= 0:
+            raise ValueError(f"CpuAdam.take_step: lr={lr} must be >= 0")
+        self.lr = float(lr)
+        c = constants(self.step_count + 1, self.lr, self.hyper, self._powers)
+        self.step_count += 1
+        self._last = None
+        return c
+
     def undo(self, grad: torch.Tensor | None = None) -> None:
         """Roll back the last :meth:`step`; ``grad`` must be the gradients that step used
         (``undo`` mode; ``snapshot`` and ``exact`` ignore it). Restores step count and learning rate."""

@@ -32,10 +32,15 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from sysx.config.choices import SPECULATE_AFTER
 from sysx.optim.cpu_adam import CpuAdam
+
+if TYPE_CHECKING:
+    from sysx.optim.device_lane import DeviceLane
 
 CHUNK_ELEMS = 1 << 18
 
@@ -53,6 +58,8 @@ class OptimSettings:
     rollback: str = "undo"
     workers: int | None = None
     threads_per_worker: int | None = None
+    speculate: str = "auto"  # auto | always | never (sysx.optim.speculate); asynchronous schedules only
+    speculate_after: int = SPECULATE_AFTER
 
 
 @dataclass
@@ -190,6 +197,13 @@ class StageOptimizer:
         """Step with the loaded gradients and write the target."""
         self.optimizer.step(self._grads(), lr=lr)
         self.stepped = True
+        self.drop_grads()
+        self.write_target()
+
+    def apply_on(self, lane: DeviceLane, lr: float) -> None:
+        """Step with the loaded (clipped) gradients on the device lane and write the target; taken
+        after the validation, so it is not undone (``stepped`` stays False)."""
+        lane.step(self.optimizer, self._grads(), lr=lr)
         self.drop_grads()
         self.write_target()
 

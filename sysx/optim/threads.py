@@ -43,8 +43,9 @@ from sysx.trace import Recorder, nvtx_range
 
 log = logging.getLogger("sysx.optim")
 T = TypeVar("T")
-# (stage name, offload event) -> what a step job runs in: the emulated device's modelled duration
-Pace = Callable[[str, "Event | None"], contextlib.AbstractContextManager[None]]
+# (stage name, offload event[, job kind: step | undo | restep]) -> what a job runs in: the emulated
+# device's modelled duration
+Pace = Callable[..., contextlib.AbstractContextManager[None]]
 
 
 def worker_device(device: torch.device | str | None) -> torch.device | None:
@@ -151,14 +152,17 @@ class OptimizerThreads:
         return _results(pending)
 
     # ---------------------------------------------------------------------------- other jobs
-    def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str) -> list[T]:
+    def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str, *,
+                paced: str | None = None) -> list[T]:
         """Run ``fn(stage)`` for each named stage on the workers; wait for all, return the results."""
-        return _results([self.submit(fn, n, label) for n in names])
+        return _results([self.submit(fn, n, label, paced=paced) for n in names])
 
-    def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str) -> Future[T]:
-        """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it."""
+    def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str, *, paced: str | None = None) -> Future[T]:
+        """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it. ``paced``: what the
+        job is on an emulated device's clock (``step``, ``undo``, ``restep``; None: no time)."""
         pool = self._executor()
-        future = pool.submit(_labelled_job, fn, self.stage(name), label, self._recording())
+        span = self.pace(name, None, paced) if self.pace is not None and paced else contextlib.nullcontext()
+        future = pool.submit(_labelled_job, fn, self.stage(name), label, self._recording(), span)
         with self._lock:
             self._last[name] = future
         return future
@@ -232,8 +236,9 @@ def _step_job(
         )
 
 
-def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None) -> T:
-    with nvtx_range(f"OPT {label} {stage.name}"):
+def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None,
+                  span: contextlib.AbstractContextManager[None] | None = None) -> T:
+    with nvtx_range(f"OPT {label} {stage.name}"), span or contextlib.nullcontext():
         if rec is None:
             return fn(stage)
         begin = rec.now()

@@ -111,13 +111,14 @@ def _run(
     label: str,
     *,
     wait: bool = True,
+    paced: str | None = None,
 ) -> list[Any]:
     if threads is None:
         return [fn(stages[n]) for n in names]
     if wait:
-        return threads.run_all(fn, names, label)
+        return threads.run_all(fn, names, label, paced=paced)
     for name in names:
-        threads.submit(fn, name, label)
+        threads.submit(fn, name, label, paced=paced)
     return []
 
 
@@ -171,13 +172,13 @@ def post_step_validate(
     n_inf, norm = _reduce(reports, group, total_norm)
     stepped = [r.stage for r in reports if r.stepped]
     if n_inf > 0 or not math.isfinite(norm):
-        _run(by_name, threads, StageOptimizer.undo, stepped, "undo")  # before the scaler raises (bf16/fp32)
+        _run(by_name, threads, StageOptimizer.undo, stepped, "undo", paced="undo")  # before the scaler raises (bf16/fp32)
         return _skip(n_inf, scale, scaler, group, len(stepped), t0)
     scaler.update(False)
     coef = clip_coefficient(norm, max_grad_norm)
     restepped = 0
     if coef < 1.0:
-        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip", wait=wait)
+        _run(by_name, threads, lambda s: s.restep(coef, lr), stepped, "clip", wait=wait, paced="restep")
         restepped = len(stepped)
     return StepOutcome(False, False, norm, coef, scale, float(scaler.scale), 0, restepped, time.perf_counter() - t0)
 

@@ -33,6 +33,7 @@ holding the Head), accumulates parameter gradients into the sub-stage's flat gra
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,10 @@ class StepContext:
     training: bool = True
     losses: list[torch.Tensor] = field(default_factory=list)
     op_seconds: dict[str, float] = field(default_factory=dict)
+    # host ``time.monotonic()`` (one clock for every process of a node) when this rank's last
+    # BACKWARD and its VALIDATE returned: the optimizer time left exposed lies between them
+    backward_end: float = 0.0
+    validate_end: float = 0.0
 
 
 class Executor:
@@ -173,6 +178,10 @@ class Executor:
             except Exception as err:
                 raise self._error(f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}") from err
             timer.stop(op.kind.name, started)
+            if op.kind == OpKind.BACKWARD:
+                ctx.backward_end = time.monotonic()
+            elif op.kind == OpKind.VALIDATE:
+                ctx.validate_end = time.monotonic()
             if self.sends:
                 self._reap_sends()
         for kind, seconds in timer.seconds().items():

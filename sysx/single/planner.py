@@ -120,9 +120,9 @@ def _overlap(req: PlanRequest) -> tuple[str, str]:
     if req.optimizer_overlap == "backward":
         return "backward", (f"optimizer: each block steps as soon as its gradients are home (single.optimizer_overlap="
                             f"backward); when {veto} vetoes the step it is undone (CpuAdam.undo, no extra memory) and redone")
-    return "auto", (f"optimizer: blocks step as soon as their gradients are home while the previous step passed the "
-                    f"{veto} check (undone and redone if this one does not); after a step that needed it, the next steps "
-                    f"after the global norm, overlapped with the following forward")
+    return "auto", (f"optimizer: blocks step as soon as their gradients are home while recent steps passed the "
+                    f"{veto} check (undone and redone if this one does not); after a step that needed it, steps wait for the "
+                    f"global norm (overlapped with the following forward) until optim.speculate_after clean ones passed")
 
 
 def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | None = None) -> SinglePlan:
@@ -512,5 +512,12 @@ def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig
         chunk=single.micro_batch_size, round_sequences=single.round_sequences,  # type: ignore[attr-defined]
         window=single.window, policy=str(single.policy), compress=bool(single.compress),  # type: ignore[attr-defined]
         seq_chunk=single.seq_chunk,  # type: ignore[attr-defined]
-        grad_clip=float(cfg.optim.grad_clip), optimizer_overlap=single.optimizer_overlap,  # type: ignore[attr-defined]
+        grad_clip=float(cfg.optim.grad_clip),  # type: ignore[attr-defined]
+        optimizer_overlap=_overlap_setting(single.optimizer_overlap, cfg.optim.speculate),  # type: ignore[attr-defined]
     )
+
+
+def _overlap_setting(overlap: str, speculate: str) -> str:
+    """``single.optimizer_overlap`` with ``optim.speculate=always|never`` spelled as the window's
+    ``backward|forward`` (a disagreement is the trainer's error)."""
+    return {"always": "backward", "never": "forward"}.get(speculate, overlap) if overlap == "auto" else overlap

@@ -39,8 +39,11 @@ from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate import EmulatedPacer, Pacer, describe, emulated_model, merge_report, plan_emulation
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
+from sysx.optim.device_lane import DeviceLane
+from sysx.optim.placement import Placement
 from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.executor import Executor, ExecutionError, StepContext
+from sysx.runtime.lanes import rank_placement
 from sysx.runtime.optimizer import OptimSettings, RankOptimizer
 from sysx.runtime.options import PipelineOptions, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch
@@ -129,6 +132,8 @@ class PipelineTrainer(Trainer):
         self.params = StageParams(self.schedule, self.model_cfg, self.info, dtype=self.dtype, job=self.job_id,
                                   group=self.group, timeout_s=opts.timeout_s, seed=cfg.seed, init=self.layer_init(),
                                   rollback=opts.rollback)
+        if isinstance(self.pacer, EmulatedPacer):
+            self.pacer.rollback = self.params.rollback  # what an undo costs there (optim.rollback=auto resolved)
         compute, h2d, d2h = self.pacer.streams(self.device)
         loads = [self.schedule.layers(op) for op in self.ops if op.kind == OpKind.LOAD_PARAMS]
         loads += [self.schedule.partition.stage_layers(s) for s in self.schedule.placement.fwd_stages(self.rank)]
@@ -140,11 +145,13 @@ class PipelineTrainer(Trainer):
         o = cfg.optim
         settings = OptimSettings(
             lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
-            backend=opts.optim_backend, rollback=self.params.rollback, workers=opts.optimizer_workers)
+            backend=opts.optim_backend, rollback=self.params.rollback, workers=opts.optimizer_workers,
+            speculate=o.speculate, speculate_after=o.speculate_after)
         if isinstance(self.pacer, EmulatedPacer):  # the emulated workers; their real work is small: one thread each
             settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
         self.optimizer = RankOptimizer(self.params, settings, self.scaler, group=self.group, local_rank=self.info.local_rank,
                                        local_world_size=self.info.local_world_size, pace=self.pacer.optimizer_pace())
+        self.placement = self._place_optimizer()
         p2p = None
         if self.world > 1:
             backend = dist.get_backend()
@@ -163,6 +170,26 @@ class PipelineTrainer(Trainer):
             for part in (self.executor, self.slots, self.grads, self.optimizer.threads, p2p):
                 if part is not None:
                     part.recorder = self.window.recorder
+
+    def _place_optimizer(self) -> Placement:
+        """``optim.placement``: which owned sub-stages step on the device lane (:mod:`sysx.runtime.lanes`);
+        printed with the model's predicted saving."""
+        assert self.optimizer is not None
+        o = self.cfg.optim
+        plan = self.pacer.plan if isinstance(self.pacer, EmulatedPacer) else None
+        placement, units = rank_placement(
+            o.placement, self.schedule, self.rank, {k: s.numel for k, s in self.optimizer.stages.items()},
+            device=self.device, dtype=self.dtype, workers=self.optimizer.threads.workers,
+            backend="torch" if self.opts.optim_backend == "torch" else "auto", speculative=o.speculate != "never",
+            plan=plan)
+        if placement.device:
+            keys = {unit_label(*k): k for k in self.optimizer.stages}
+            lane = DeviceLane(None if plan is not None else self.device)  # emulated: the host steps, the pacer times it
+            self.optimizer.use_device_lane({keys[n]: placement.device_times[n] for n in placement.device}, lane,
+                                           self.pacer)
+        if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
+            print(f"rank {self.rank}: optim.placement={o.placement}: {placement.describe(units)}", flush=True)
+        return placement
 
     # ------------------------------------------------------------------------------------ pieces
     def _evaluation(self, n_micro: int) -> Schedule:
@@ -229,8 +256,14 @@ class PipelineTrainer(Trainer):
         # that every rank ends this step knowing it and saves and stops at the same point
         stop = stopping.pending()
         signals = [float(stop is not None and stop.signum == s) for s in stopping.STOP_SIGNALS]
-        total, count, *stops = self._all_reduce([local, float(len(ctx.losses)), *signals],
-                                                f"end of step {step} (loss all-reduce)")
+        outcome = self.optimizer.outcome
+        assert outcome is not None
+        times = [0.0] * (2 * self.world)  # this rank's slots only: the sum gathers every rank's
+        times[2 * self.rank:2 * self.rank + 2] = [ctx.backward_end, ctx.validate_end]
+        total, count, undone, restepped, *rest = self._all_reduce(
+            [local, float(len(ctx.losses)), float(outcome.undone + outcome.restepped), float(outcome.restepped),
+             *signals, *times], f"end of step {step} (loss all-reduce)")
+        stops, times = rest[:len(signals)], rest[len(signals):]
         for signum, seen in zip(stopping.STOP_SIGNALS, stops):
             if seen > 0:
                 stopping.request(signum)
@@ -238,12 +271,14 @@ class PipelineTrainer(Trainer):
         if int(count) != self.cfg.train.micro_batches:
             raise ExecutionError(f"rank {self.rank}: step {step}: {int(count)} micro-batch losses were computed, expected "
                                  f"{self.cfg.train.micro_batches}")
-        outcome = self.optimizer.outcome
-        assert outcome is not None
         dev.synchronize(self.device)
         result = StepResult(step=step, loss=total / count, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
                             scale=scale, tokens=self.tokens_per_step,
-                            step_time_s=self.pacer.end_step(time.perf_counter() - t0))
+                            step_time_s=self.pacer.end_step(time.perf_counter() - t0),
+                            speculated=self.schedule.options.async_optimizer and self.optimizer.speculating,
+                            rolled_back=int(undone), restepped=int(restepped),
+                            opt_exposed_s=exposed_seconds(times[0::2], times[1::2], one_clock=self.info.num_nodes == 1)
+                            / self.pacer.time_scale)
         self.last_op_seconds = ctx.op_seconds
         if self.window.after(step):
             self._write_timeline()
@@ -399,6 +434,16 @@ class PipelineTrainer(Trainer):
         if self.params is not None:
             self.params.close()
             self.params = None
+
+
+def exposed_seconds(backward_ends: list[float], validate_ends: list[float], *, one_clock: bool) -> float:
+    """The optimizer time of a step no compute hid: from the end of the last backward on any rank
+    to the end of the last VALIDATE (optimizer jobs, all-reduce, rollbacks, re-steps). Ranks on one
+    node share ``time.monotonic()``; across nodes the clocks differ, so the smallest per-rank span
+    is taken (every rank's VALIDATE ends after the all-reduce that waits for the last backward)."""
+    if one_clock:
+        return max(0.0, max(validate_ends) - max(backward_ends))
+    return max(0.0, min(v - b for b, v in zip(backward_ends, validate_ends)))
 
 
 # ----------------------------------------------------------------------------------------- jobs

@@ -15,10 +15,16 @@ per-parameter norms and — when the step is *speculative* — applies that bloc
 the GPU is still working on earlier blocks. Clipping and fp16 overflow need the global norm, which
 is known only after the whole backward: :func:`~sysx.optim.post_step_validate` undoes a
 speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it (or skips).
-``single.optimizer_overlap=auto`` speculates when no check can veto the step or when the previous
-step passed the checks, and otherwise validates first (:func:`~sysx.optim.validation.check_reports`)
-and steps in forward order (:func:`~sysx.optim.validation.apply_checked`), overlapped with the next
-step's forward: the next forward waits per block for that block's work.
+Whether a step speculates is :class:`~sysx.optim.speculate.SpeculationPolicy`'s decision
+(``optim.speculate=auto|always|never``; ``single.optimizer_overlap=backward|forward`` is the same
+choice spelled for the window: always | never): ``auto`` speculates when no check can veto the step
+or when the last ``optim.speculate_after`` steps passed the checks, and otherwise validates first
+(:func:`~sysx.optim.validation.check_reports`) and steps in forward order
+(:func:`~sysx.optim.validation.apply_checked`), overlapped with the next step's forward: the next
+forward waits per block for that block's work. Each step's :class:`~sysx.metrics.StepResult`
+says whether it speculated, how many groups were rolled back and re-stepped, and ``opt_exposed_s``:
+the time the main thread waited for optimizer work in that step (after its last backward, and
+before a block's load for the previous step's deferred steps and re-steps).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.device_memory import MemoryCap
 from sysx.metrics import StepResult
+from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
@@ -106,9 +113,17 @@ class SingleTrainer(Trainer):
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
         self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt", device=self.device)
-        self._last_passed = True  # did the previous step need neither clipping nor a skip?
+        if o.placement == "split":  # optim.placement=auto keeps the CPU lane here
+            raise ConfigError("optim.placement=split places pipeline sub-stages only; the sliding window steps every "
+                              "block on the CPU: use optim.placement=auto or cpu with schedule=single")
+        try:
+            mode = window_mode(self.settings.optimizer_overlap, o.speculate)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.policy = SpeculationPolicy(mode, o.speculate_after, can_veto=o.grad_clip > 0 or cfg.precision == "fp16")
         self.redone_steps = 0
         self.speculated_steps = 0
+        self._waited = 0.0  # main-thread seconds blocked on optimizer work in the current step
         self.window = StepWindow(cfg.profile, self.device, 0, compute=self.executor.compute)
         self.executor.recorder = self.threads.recorder = self.window.recorder
         self._measurements: dict[str, dict[str, float]] = {}
@@ -129,16 +144,9 @@ class SingleTrainer(Trainer):
 
     def _before_load(self, group: int) -> None:
         """Block until ``group``'s optimizer work is done (the executor names Embedding+Head ``-1``)."""
+        t0 = time.perf_counter()
         self.threads.wait_stage(self.host.groups[group].name)
-
-    def _speculate(self) -> bool:
-        can_veto = self.cfg.optim.grad_clip > 0 or self.cfg.precision == "fp16"
-        mode = self.plan.request.optimizer_overlap
-        if mode == "forward":
-            return False
-        if mode == "backward" or not can_veto:
-            return True
-        return self._last_passed
+        self._waited += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------- steps
     def train_step(self) -> StepResult:
@@ -149,9 +157,10 @@ class SingleTrainer(Trainer):
         lr = self.lr_at(step)
         plan = self.plan
         batches = [self.batch(step, j, rows=plan.chunk) for j in range(plan.micro_batches)]
-        speculate = self._speculate()
+        speculate = self.policy.speculate()
         groups = self.host.groups
         self.window.begin(step)
+        self._waited = 0.0
 
         def on_grads(g: int, event: dev.Event) -> None:
             group = groups[g]
@@ -162,17 +171,22 @@ class SingleTrainer(Trainer):
 
         try:
             losses = self.executor.run_step(batches, scale=scale, on_grads=on_grads, before_load=self._before_load)
+            t_backward = time.perf_counter()
             outcome = self._validate(self.threads.wait(), speculate, lr)
+            self._waited += time.perf_counter() - t_backward
         finally:
             self.window.end()
-        self._last_passed = not outcome.overflow and outcome.clip_coef == 1.0
+        clean = not outcome.overflow and outcome.clip_coef == 1.0
+        self.policy.record(clean=clean)
         if speculate:
             self.speculated_steps += 1
-            self.redone_steps += not self._last_passed
+            self.redone_steps += not clean
         loss_value = float(torch.stack(losses).mean())
         dev.synchronize(self.device)
         result = StepResult(step=step, loss=loss_value, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
-                            scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0)
+                            scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0,
+                            speculated=speculate, rolled_back=outcome.undone + outcome.restepped,
+                            restepped=outcome.restepped, opt_exposed_s=self._waited)
         if self.window.after(step):
             self._write_timeline()
         self._check_prediction(result)
@@ -253,14 +267,19 @@ class SingleTrainer(Trainer):
         return out
 
     def training_state(self) -> dict[str, Any]:
-        """The common state, and whether the next step speculates (an undone speculative step is
-        exact only to an ulp, so a resumed run must choose as the uninterrupted one would)."""
-        return {**super().training_state(), "last_step_passed": self._last_passed}
+        """The common state, and the speculation policy's (an undone speculative step is exact only
+        to an ulp, so a resumed run must choose as the uninterrupted one would)."""
+        return {**super().training_state(), "speculation": self.policy.state_dict()}
 
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
-        """The common state, and the speculation decision (absent from other trainers' checkpoints)."""
+        """The common state, and the speculation policy's (absent from other trainers' checkpoints;
+        an older checkpoint's ``last_step_passed`` means a clean run of at least one step, or none)."""
         super().load_checkpoint(ckpt)
-        self._last_passed = bool(ckpt.trainer_state().get("last_step_passed", True))
+        state = ckpt.trainer_state()
+        if "speculation" in state:
+            self.policy.load_state_dict(state["speculation"])
+        elif not state.get("last_step_passed", True):
+            self.policy.record(clean=False)
 
     def restore_layers(self, ckpt: Checkpoint) -> None:
         """Every group's masters, moments and step count from ``ckpt``; working copies rewritten."""

@@ -1,0 +1,63 @@
+"""The device lane of the optimizer (Deep Optimizer States): a host :class:`~sysx.optim.CpuAdam`'s
+step taken on a device.
+
+The unit's fp32 gradients, master weights and Adam moments are copied to the device, the very ops
+of the torch backend (:meth:`sysx.optim.torch_backend.TorchBackend.step_chunk`, chunk by chunk at
+the same chunk size, with the same fp32 constants of :mod:`sysx.optim.formula`) step them there,
+and the new master weights and moments are copied back; the host optimizer's step count and beta
+powers advance as for a host step. So on the CPU device the device lane is bit-identical to a host
+step with the torch backend; on a GPU the elementwise ops round as CUDA's do (``sqrt`` and ``/``
+correctly rounded), within the torch backend's stated distance from DeepSpeed's kernel. A
+device-lane step is taken after the validation decided (clip coefficient applied to the gradients
+beforehand), so it is never rolled back: :meth:`CpuAdam.undo` refuses it.
+
+On an emulated device (``DeviceLane(None)``) the host optimizer itself takes the step, so the
+numbers are the CPU lane's to the bit whichever backend it uses, and the pacer charges the copies
+and the step their modelled times (:meth:`sysx.emulate.pacer.Pacer.device_optimizer`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sysx.optim.cpu_adam import CpuAdam
+from sysx.optim.torch_backend import CHUNK_ELEMS, TorchBackend
+
+
+class DeviceLane:
+    """Steps host optimizers on ``device`` (None: an emulated device, see the module doc), reusing
+    one set of device buffers (grown on demand)."""
+
+    def __init__(self, device: torch.device | str | None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self._bufs: torch.Tensor | None = None  # 5 x n: g, p, m, v, scratch
+
+    def _buffers(self, n: int) -> torch.Tensor:
+        if self._bufs is None or self._bufs.shape[1] < n:
+            self._bufs = torch.empty(5, n, dtype=torch.float32, device=self.device)
+        return self._bufs[:, :n]
+
+    def step(self, opt: CpuAdam, grad: torch.Tensor, *, lr: float) -> None:
+        """One AdamW step of ``opt`` with the host fp32 ``grad``, computed on the device."""
+        if grad.dtype != torch.float32 or grad.numel() != opt.numel:
+            raise ValueError(f"DeviceLane.step: grad must be fp32 with {opt.numel} elements, got {grad.dtype} "
+                             f"with {grad.numel()}")
+        if self.device is None:
+            opt.step(grad, lr=lr)
+            return
+        c = opt.take_step(lr)
+        n = opt.numel
+        g, p, m, v, scratch = self._buffers(n)
+        host = (grad.view(-1), opt.param, opt.exp_avg, opt.exp_avg_sq)
+        for dst, src in zip((g, p, m, v), host):
+            dst.copy_(src, non_blocking=True)
+        backend = TorchBackend(opt.hyper)
+        for lo in range(0, n, CHUNK_ELEMS):  # the host backend's chunks: the same rounding, element by element
+            hi = min(n, lo + CHUNK_ELEMS)
+            backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, scratch[lo:hi])
+        for dst, src in zip(host[1:], (p, m, v)):
+            dst.copy_(src)  # blocking: the host state is current when this returns
+
+    def close(self) -> None:
+        """Free the device buffers."""
+        self._bufs = None

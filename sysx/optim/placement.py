@@ -1,0 +1,181 @@
+"""Where each unit's Adam update runs: the CPU lane or the device lane (Deep Optimizer States).
+
+Deep Optimizer States (seed ``004``) splits the optimizer work into subgroups and places each on
+the CPU or the GPU by a performance model weighing the data movement against the GPU's faster
+update and the time the GPU is idle. Here a *unit* is a backward sub-stage a rank owns (the
+pipeline; the sliding window's blocks are not placed yet); its update runs on
+
+* the **CPU lane** (host states, as always): one of ``cpu_workers`` workers, from the moment its
+  gradients are home (``ready``), for ``numel / cpu_params_per_s`` seconds; or
+* the **device lane**: its fp32 gradients and states (p, m, v: 16 bytes per parameter) are copied
+  in, the same formula steps on the device, and p, m, v (12 bytes) are copied out, in order on
+  three engines (H2D, compute, D2H: a three-stage flow over the device units). The device lane
+  works after the validation's decision, so it never rolls back, and once the device's passes of
+  the step are over (``device_idle``: the end of this rank's backward, from the simulated
+  timeline).
+
+The decision comes when every unit's gradients are home and checked: with speculation the CPU
+lane's steps run from ``ready`` and the decision waits for them too (a worker reports a stage once
+its step is done); validating first, the decision comes at the last ``ready`` and the CPU lane
+steps after it.
+
+:func:`place` takes the best of "the ``k`` units ready last on the device" over every ``k``, then
+moves, one at a time, the unit whose move ends the optimizer work soonest while a move helps
+(greedy; a rank owns few units). Contention between the lanes for host memory bandwidth is not
+modelled (the paper's model has no such term either), nor are the CPU lane's rollbacks and
+re-steps after a vetoed speculation: the prediction is that of a clean step.
+
+Pure data and arithmetic: no torch, so the model is unit-tested alone and printed by the runtime.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sysx.config.choices import PLACEMENTS
+
+IN_BYTES = 16  # per parameter copied in: fp32 gradient, master weight, m, v
+OUT_BYTES = 12  # per parameter copied out: master weight, m, v
+# device memory traffic of one fused AdamW step: read g, p, m, v and write p, m, v (fp32)
+STEP_BYTES = 28
+LANE_BYTES = 20  # device memory of a unit on the lane: g, p, m, v and a scratch buffer (fp32)
+
+
+@dataclass(frozen=True)
+class LaneRates:
+    """The figures the model reads (bytes/s, parameters/s): the machine profile's or the emulated
+    cluster's. ``device_mem_bytes_per_s`` bounds the device step (an elementwise, memory-bound op)."""
+
+    cpu_params_per_s: float  # one CPU Adam worker
+    cpu_workers: int
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    device_mem_bytes_per_s: float
+    device_free_bytes: float = float("inf")  # device memory the lane may use (a unit needs LANE_BYTES per parameter)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_params_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s", "device_mem_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LaneRates: {name}={getattr(self, name)} must be > 0")
+        if self.cpu_workers < 1:
+            raise ValueError(f"LaneRates: cpu_workers={self.cpu_workers} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit's optimizer work: ``numel`` parameters whose gradients are home at ``ready`` (s)."""
+
+    name: str
+    numel: int
+    ready: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chosen split and the model's times (seconds from the start of the step)."""
+
+    device: tuple[str, ...]  # units stepped on the device lane
+    cpu_finish: float  # when the optimizer work ends with every unit on the CPU
+    finish: float  # ... with this split
+    ends: dict[str, float] = field(default_factory=dict)  # each unit's end with this split
+    device_times: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # device units' (in, step, out)
+
+    @property
+    def saving(self) -> float:
+        """Predicted seconds saved per step against the CPU lane alone."""
+        return self.cpu_finish - self.finish
+
+    def describe(self, units: Sequence[Unit]) -> str:
+        """``optimizer placement: 2 of 4 units on the device (s1.0, s1.1; 12.6M of 25.2M parameters): ...``."""
+        numel = {u.name: u.numel for u in units}
+        on = sum(numel[n] for n in self.device)
+        names = ", ".join(self.device) if self.device else "none"
+        return (f"optimizer placement: {len(self.device)} of {len(units)} unit(s) on the device ({names}; "
+                f"{on / 1e6:.3g}M of {sum(numel.values()) / 1e6:.3g}M parameters): optimizer work ends "
+                f"{self.finish * 1e3:.3g} ms into the step instead of {self.cpu_finish * 1e3:.3g} ms, predicted "
+                f"saving {self.saving * 1e3:.3g} ms per step")
+
+
+def cpu_seconds(numel: int, rates: LaneRates) -> float:
+    """One unit's step on one CPU worker."""
+    return numel / rates.cpu_params_per_s
+
+
+def device_seconds(numel: int, rates: LaneRates) -> tuple[float, float, float]:
+    """One unit on the device lane: ``(copy in, step, copy out)`` seconds."""
+    return (numel * IN_BYTES / rates.h2d_bytes_per_s, numel * STEP_BYTES / rates.device_mem_bytes_per_s,
+            numel * OUT_BYTES / rates.d2h_bytes_per_s)
+
+
+def finish_times(units: Sequence[Unit], on_device: Iterable[str], rates: LaneRates, *, device_idle: float,
+                 speculative: bool = True) -> dict[str, float]:
+    """When each unit's update ends with the units named in ``on_device`` on the device lane."""
+    on_device = set(on_device)
+    last_ready = max((u.ready for u in units), default=0.0)
+    ends: dict[str, float] = {}
+    workers = [0.0] * rates.cpu_workers  # a heap of the workers' free times
+    for u in sorted((u for u in units if u.name not in on_device), key=lambda u: u.ready):
+        start = max(u.ready if speculative else last_ready, heapq.heappop(workers))
+        ends[u.name] = start + cpu_seconds(u.numel, rates)
+        heapq.heappush(workers, ends[u.name])
+    decided = max([last_ready, *ends.values()]) if speculative else last_ready
+    h2d = step = d2h = max(decided, device_idle)
+    for u in sorted((u for u in units if u.name in on_device), key=lambda u: u.ready):
+        t_in, t_step, t_out = device_seconds(u.numel, rates)
+        h2d += t_in
+        step = max(h2d, step) + t_step
+        d2h = max(step, d2h) + t_out
+        ends[u.name] = d2h
+    return ends
+
+
+def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, speculative: bool = True) -> Placement:
+    """The split that ends the optimizer work soonest by the greedy rule of the module doc.
+
+    ``device_idle``: when the device has no more passes this step; ``speculative``: whether the
+    CPU lane steps before the validation (``optim.speculate``).
+    """
+    if not units:
+        return Placement((), 0.0, 0.0, {})
+    names = [u.name for u in units]
+    if len(set(names)) != len(names):
+        raise ValueError(f"place: unit names must be unique, got {names}")
+
+    def finish(on: Iterable[str]) -> tuple[float, dict[str, float]]:
+        ends = finish_times(units, on, rates, device_idle=device_idle, speculative=speculative)
+        return max(ends.values()), ends
+
+    cpu_finish, ends = finish(())
+    # the k units ready last, for every k (one move alone may gain nothing while two do: the CPU
+    # lane ends when its last worker does), then single moves while one helps
+    by_ready = [u.name for u in sorted(units, key=lambda u: u.ready) if u.numel * LANE_BYTES <= rates.device_free_bytes]
+    names = [n for n in names if n in by_ready]  # a unit whose states do not fit on the device stays on the CPU
+    best, k = min((finish(by_ready[len(by_ready) - k:])[0], k) for k in range(len(by_ready) + 1))
+    chosen = by_ready[len(by_ready) - k:]
+    while len(chosen) < len(names):
+        t, n = min((finish([*chosen, n])[0], n) for n in names if n not in chosen)
+        if t >= best:
+            break
+        chosen.append(n)
+        best = t
+    best, ends = finish(chosen)
+    order = {n: i for i, n in enumerate(names)}
+    numel = {u.name: u.numel for u in units}
+    return Placement(tuple(sorted(chosen, key=order.__getitem__)), cpu_finish, best, ends,
+                     {n: device_seconds(numel[n], rates) for n in chosen})
+
+
+def choose(mode: str, units: Sequence[Unit], rates: LaneRates, *, device_idle: float, speculative: bool = True,
+           separate_device: bool = True) -> Placement:
+    """``optim.placement``: ``cpu`` (every unit on the CPU), ``split`` (the model's split), ``auto``
+    (the model's split where the device is a separate processor, ``separate_device``; on a CPU-only
+    job the "device" is the host itself, so nothing is gained and auto keeps the CPU lane)."""
+    if mode not in PLACEMENTS:
+        raise ValueError(f"optim.placement={mode!r} is not valid; allowed: {', '.join(PLACEMENTS)}")
+    model = place(units, rates, device_idle=device_idle, speculative=speculative)
+    if mode == "cpu" or (mode == "auto" and not separate_device):
+        ends = finish_times(units, (), rates, device_idle=device_idle, speculative=speculative)
+        return Placement((), model.cpu_finish, model.cpu_finish, ends)
+    return model

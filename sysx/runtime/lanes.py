@@ -1,0 +1,77 @@
+"""``optim.placement`` for one pipeline rank: the inputs of :func:`sysx.optim.placement.choose`.
+
+* On an emulated device (``device=emulated``) everything comes from the plan the run paces itself
+  by: each owned sub-stage's parameters (of the emulated model), the time its gradients are home
+  (the end of its OFFLOAD_GRADS in the simulated timeline), the end of the rank's passes, and the
+  emulated cluster's copy rates, GPU memory bandwidth and CPU Adam throughput per worker, and the
+  GPU memory the rank's planned peak leaves free.
+* On a real device the rates are measured (:func:`sysx.autotune.hardware.measure_hardware` and one
+  CPU Adam thread's throughput, as the autotune profile measures them) and, without a cost table,
+  every unit is taken as ready at the end of the backward (the device idle then too): the model
+  then weighs the CPU lane's queue after the backward against the device lane's copies and steps.
+  On a CPU-only job the "device" is the host, so ``auto`` keeps the CPU lane without measuring.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sysx import device as dev
+from sysx.optim.placement import LaneRates, Placement, Unit, choose
+from sysx.partition import unit_label
+from sysx.schedule import OpKind, Schedule
+
+if TYPE_CHECKING:
+    from sysx.emulate.costs import EmulatedPlan
+
+
+def emulated_rates(plan: EmulatedPlan, rank: int) -> LaneRates:
+    """The emulated cluster's figures, per CPU worker as the plan's optimizer costs are; the lane may
+    use the GPU memory the rank's planned peak leaves free."""
+    hw = plan.cluster
+    return LaneRates(cpu_params_per_s=plan.costs.optim_params_per_s, cpu_workers=plan.optimizer_workers,
+                     h2d_bytes_per_s=hw.h2d_bandwidth, d2h_bytes_per_s=hw.d2h_bandwidth,
+                     device_mem_bytes_per_s=hw.device_mem_bandwidth,
+                     device_free_bytes=hw.gpu_memory_bytes - plan.timeline.peak_gpu[rank])
+
+
+def emulated_units(plan: EmulatedPlan, schedule: Schedule, rank: int) -> tuple[list[Unit], float]:
+    """The rank's owned sub-stages (emulated parameters, modelled ready times) and when its passes end."""
+    part, layer_params = schedule.partition, plan.costs.layer_params
+    ready = {(ev.op.stage, ev.op.sub): ev.end for ev in plan.timeline.events
+             if ev.rank == rank and ev.op.kind == OpKind.OFFLOAD_GRADS}
+    units = [Unit(unit_label(s, k), int(sum(layer_params[i] for i in part.sub_layers(s, k))), ready.get((s, k), 0.0))
+             for s, k in schedule.placement.bwd_substages(rank)]
+    return units, plan.timeline.gpu_end[rank]
+
+
+def measured_rates(device: torch.device, dtype: torch.dtype, *, workers: int, backend: str) -> LaneRates:
+    """This machine's copy rates and device memory bandwidth, and one CPU Adam thread's throughput."""
+    from sysx.autotune.hardware import measure_hardware
+    from sysx.optim.bench import adam_params_per_s
+
+    hw = measure_hardware(device, dtype)
+    return LaneRates(cpu_params_per_s=adam_params_per_s(threads=1, backend=backend), cpu_workers=workers,
+                     h2d_bytes_per_s=hw.h2d_bytes_per_s, d2h_bytes_per_s=hw.d2h_bytes_per_s,
+                     device_mem_bytes_per_s=hw.device_mem_bytes_per_s, device_free_bytes=hw.device_free_bytes)
+
+
+def rank_placement(mode: str, schedule: Schedule, rank: int, numels: dict[tuple[int, int], int], *,
+                   device: torch.device, dtype: torch.dtype, workers: int, backend: str, speculative: bool,
+                   plan: EmulatedPlan | None = None) -> tuple[Placement, list[Unit]]:
+    """The placement of ``rank``'s owned sub-stages (``numels``: their parameters here) under
+    ``optim.placement=mode``, and the units it placed; names are sub-stage labels (``s1.0``)."""
+    if not schedule.options.async_optimizer:
+        # a synchronous schedule steps on the main thread after the validation: both lanes would hold it
+        mode = "cpu"
+    if plan is not None:
+        units, idle = emulated_units(plan, schedule, rank)
+        return choose(mode, units, emulated_rates(plan, rank), device_idle=idle, speculative=speculative), units
+    units = [Unit(unit_label(*key), n, 0.0) for key, n in sorted(numels.items())]
+    if mode == "cpu" or (mode == "auto" and not dev.is_cuda(device)):
+        return Placement((), 0.0, 0.0, {}), units
+    rates = measured_rates(device, dtype, workers=workers, backend=backend)
+    placed = choose(mode, units, rates, device_idle=0.0, speculative=speculative, separate_device=dev.is_cuda(device))
+    return placed, units
