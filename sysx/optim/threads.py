@@ -223,7 +223,7 @@ def _step_job(
             else:
                 stage.drop_grads()
         if rec is not None:
-            rec.add_job("" if lr is not None else "check", stage.name, begin, rec.now())
+            rec.add_job("" if lr is not None else "load", stage.name, begin, rec.now())  # "load": validate-first
         return StageReport(
             stage=stage.name,
             found_inf=found_inf,
