@@ -269,3 +269,16 @@ def test_sysx_train_with_schedule_tune_runs_the_choice_and_records_it(monkeypatc
     saved = (run_dir / "config.yaml").read_text()
     assert f"stages_per_rank: {best.options.stages_per_rank}" in saved and f"split: {best.options.split}" in saved
     assert f"micro_batch_size: {best.micro_batch_size}" in saved and "tune: true" in saved
+
+
+def test_the_rollback_buffers_count_against_the_host_budget() -> None:
+    """``optim.rollback=exact`` keeps a second (p, m, v) set: 12 more host bytes per parameter in
+    every candidate, so a budget that fits undo's need can refuse exact's."""
+    p = synthetic_profile()
+    undo = search(Job(TINY, SEQ, 8, 2), ROOMY, p, SMALL)
+    exact = search(Job(TINY, SEQ, 8, 2, rollback="exact"), ROOMY, p, SMALL)
+    least_undo, least_exact = min(c.host for c in undo.fitting), min(c.host for c in exact.fitting)
+    assert least_exact > least_undo
+    tight = dataclasses.replace(ROOMY, host=least_undo)
+    assert search(Job(TINY, SEQ, 8, 2), tight, p, SMALL).best is not None
+    assert search(Job(TINY, SEQ, 8, 2, rollback="exact"), tight, p, SMALL).best is None

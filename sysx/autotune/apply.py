@@ -41,11 +41,13 @@ def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: Optional[int],
         em = emulated_model(cfg)
         return Job(model=em.config, seq_len=em.seq_len, global_batch=em.micro_batch_size * t.micro_batches,
                    n_ranks=n_ranks, schedule=name, gpus_per_node=cluster(cfg.emulate).gpus_per_node,
-                   work_dtype="float32" if cfg.precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend)
+                   work_dtype="float32" if cfg.precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend,
+                   rollback=cfg.optim.rollback)
     precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
     return Job(model=model_config(cfg), seq_len=t.seq_len, global_batch=t.micro_batch_size * t.micro_batches,
                n_ranks=n_ranks, schedule=name, gpus_per_node=gpus_per_node,
-               work_dtype="float32" if precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend)
+               work_dtype="float32" if precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend,
+               rollback=cfg.optim.rollback)
 
 
 @dataclass

@@ -40,12 +40,14 @@ def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
 
 def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micro_batch_size: int, *,
                    work_dtype: str = "bfloat16", optim_workers: int | None = None,
-                   threads_per_worker: int = 1, gpus_per_node: int | None = None, **hardware: Any) -> Costs:
+                   threads_per_worker: int = 1, gpus_per_node: int | None = None, rollback: str = "undo",
+                   **hardware: Any) -> Costs:
     """:class:`Costs` of ``cfg`` at ``seq_len`` x ``micro_batch_size`` on the profiled machine.
 
     ``work_dtype``: the working copy (``float32`` or ``bfloat16``): bytes per parameter on the GPU
     and in shared memory, and the host optimizer state. ``threads_per_worker``: CPU threads each
     optimizer worker steps with. ``gpus_per_node``: ranks per node (which messages cross nodes).
+    ``rollback``: ``optim.rollback``, whose second (p, m, v) set (snapshot, exact) the host budget counts.
     ``hardware`` overrides any :class:`Costs` field.
     """
     fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
@@ -55,7 +57,7 @@ def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micr
     hw = profile.hardware
     base = costs_from_model(
         cfg, seq_len, micro_batch_size, dtype_bytes=nbytes,
-        host_bytes_per_param=float(training_state_bytes(work_dtype).optimizer),
+        host_bytes_per_param=float(training_state_bytes(work_dtype, rollback=rollback).optimizer),
         h2d_bandwidth=hw.h2d_bytes_per_s, d2h_bandwidth=hw.d2h_bytes_per_s,
         optim_params_per_s=profile.adam_params_per_s * threads_per_worker, optim_workers=optim_workers,
     )

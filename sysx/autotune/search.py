@@ -52,6 +52,7 @@ class Job:
     gpus_per_node: Optional[int] = None
     work_dtype: str = "bfloat16"
     optim_backend: str = "auto"
+    rollback: str = "undo"  # optim.rollback: snapshot and exact keep a second (p, m, v) set in host memory
 
     @property
     def ranks_per_node(self) -> int:
@@ -197,7 +198,7 @@ def _simulated(job: Job, budget: Budget, profile: MachineProfile, opts: Pipeline
 def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, threads: int) -> Costs:
     """The :class:`Costs` a candidate is simulated with (and a tuned run's prediction, :mod:`sysx.autotune.check`)."""
     return profiled_costs(profile, job.model, job.seq_len, mbs, work_dtype=job.work_dtype, optim_workers=workers,
-                          threads_per_worker=threads, gpus_per_node=job.ranks_per_node)
+                          threads_per_worker=threads, gpus_per_node=job.ranks_per_node, rollback=job.rollback)
 
 
 def _candidate(job: Job, budget: Budget, opts: PipelineOptions, mbs: int, n_micro: int, threads: int,
