@@ -28,6 +28,7 @@ from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
 
 if TYPE_CHECKING:
+    from sysx.optim.speculate import SpeculationPolicy
     from sysx.data import TokenDataset
     from sysx.model import ModelConfig
 
@@ -153,10 +154,20 @@ class Trainer(ABC):
     def restore_layers(self, ckpt: Checkpoint) -> None:
         """Load the layers this rank owns from ``ckpt`` (weights, moments, step counts) into place."""
 
+    def speculation_policy(self) -> SpeculationPolicy | None:
+        """The policy deciding whether a step speculates (``optim.speculate``), if this trainer has one."""
+        return None
+
     def training_state(self) -> dict[str, Any]:
-        """What a checkpoint holds besides the layers (written by rank 0)."""
-        return {"step": self.step_index, "scaler": self.scaler.state_dict(), "rng": rng_state(),
-                "config": to_yaml(self.cfg)}
+        """What a checkpoint holds besides the layers (written by rank 0). With a speculation policy,
+        its state too: an undone speculative step is exact only to an ulp (``rollback=undo``), so a
+        resumed run must choose as the uninterrupted one would, whichever trainer resumes it."""
+        state = {"step": self.step_index, "scaler": self.scaler.state_dict(), "rng": rng_state(),
+                 "config": to_yaml(self.cfg)}
+        policy = self.speculation_policy()
+        if policy is not None:
+            state["speculation"] = policy.state_dict()
+        return state
 
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """Continue from ``ckpt``: its model must be this model; restores layers, scaler, RNG, step."""
@@ -168,6 +179,9 @@ class Trainer(ABC):
         self.restore_layers(ckpt)
         self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
+        policy = self.speculation_policy()
+        if policy is not None and "speculation" in state:
+            policy.load_state_dict(state["speculation"])
         self.step_index = ckpt.step
 
     @property

@@ -41,6 +41,7 @@ from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import Placement
+from sysx.optim.speculate import SpeculationPolicy
 from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.executor import Executor, ExecutionError, StepContext
 from sysx.runtime.lanes import rank_placement
@@ -367,6 +368,10 @@ class PipelineTrainer(Trainer):
                           what=f"checkpoint {ckpt.path}")
         self.params.push_mirrors()
         self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it
+
+    def speculation_policy(self) -> SpeculationPolicy | None:
+        """The rank optimizer's policy (every rank's is the same: they record one all-reduced outcome)."""
+        return self.optimizer.policy if self.optimizer is not None else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name (``layers.<i>.<name>``); collective: every rank

@@ -266,19 +266,16 @@ class SingleTrainer(Trainer):
             out.update(stage_layer_sources(g.optimizer, g.layout, g.layer_indices))
         return out
 
-    def training_state(self) -> dict[str, Any]:
-        """The common state, and the speculation policy's (an undone speculative step is exact only
-        to an ulp, so a resumed run must choose as the uninterrupted one would)."""
-        return {**super().training_state(), "speculation": self.policy.state_dict()}
+    def speculation_policy(self) -> SpeculationPolicy:
+        """The window's policy (saved and restored with the common state)."""
+        return self.policy
 
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
-        """The common state, and the speculation policy's (absent from other trainers' checkpoints;
-        an older checkpoint's ``last_step_passed`` means a clean run of at least one step, or none)."""
+        """The common state; a checkpoint from before the policy was saved has ``last_step_passed``
+        instead: a clean run of at least one step, or none."""
         super().load_checkpoint(ckpt)
         state = ckpt.trainer_state()
-        if "speculation" in state:
-            self.policy.load_state_dict(state["speculation"])
-        elif not state.get("last_step_passed", True):
+        if "speculation" not in state and not state.get("last_step_passed", True):
             self.policy.record(clean=False)
 
     def restore_layers(self, ckpt: Checkpoint) -> None:
