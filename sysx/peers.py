@@ -25,7 +25,9 @@ from sysx.stopping import JobStopped
 
 STOP_KEY, FAILED_KEY = "sysx/stop", "sysx/failed"
 STORE_POLL_S = 0.25
-EXIT_VISIBLE_S = 1.0  # how long a connection broken by a dying peer may precede its exit in /proc
+NEWS_WAIT_S = 3.0  # how long a broken connection may precede the news (or the death) that explains it
+HEARD_KEY = "sysx/heard/{}"  # a rank read the stop or failure news
+LINGER_S = 10.0  # how long the store's host waits for the others to read its news before it exits
 
 
 class PeerTimeout(RuntimeError):
@@ -74,6 +76,24 @@ class PeerWatch:
         """Tell the others that ``failed_rank`` failed with ``line`` (the first report wins)."""
         self._publish(FAILED_KEY, f"{failed_rank}\t{line}")
 
+    def linger(self, timeout: float = LINGER_S) -> None:
+        """Before the store's host exits with news it published: wait until every other rank has read
+        it or is gone (at most ``timeout``). Leaving at once would take the store, and the news, with
+        it, and a rank looking a moment later would report rank 0 as killed or crashed."""
+        if not (self.published and self.rank == 0 and self.store_on_rank0):
+            return
+        waiting = set(range(1, self.world))
+        deadline = time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            with contextlib.suppress(RuntimeError):
+                waiting = {r for r in waiting if not self.store.check([HEARD_KEY.format(r)]) and not self._process_gone(r)}
+            if waiting:
+                time.sleep(0.05)
+
+    def _heard(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.store.set(HEARD_KEY.format(self.rank), "1")
+
     def _store_gone(self) -> bool:
         return self.store_on_rank0 and self.rank != 0 and self._process_gone(0)
 
@@ -101,15 +121,21 @@ class PeerWatch:
 
     def explain(self, what: str) -> BaseException | None:
         """After a transport error during ``what``: the stop or failure that explains it, if any.
-        A dead peer first: it may have been the store's host (rank 0 outside torchrun). A killed
-        process closes its sockets before ``/proc`` shows it dead, hence a short look again."""
-        deadline = time.monotonic() + EXIT_VISIBLE_S
+        News first: a rank stopping on a signal may close its connections while it unwinds, before
+        it publishes the stop (then exits), so the news is waited for up to :data:`NEWS_WAIT_S`.
+        A dead peer without news: it may have been the store's host (rank 0 outside torchrun); a
+        killed process closes its sockets before ``/proc`` shows it dead, hence the wait."""
+        start = time.monotonic()
         while True:
+            news = self._published_news(what)
+            if news is not None:
+                return news
             dead = self.dead_peer(what)
-            if dead is not None or time.monotonic() >= deadline:
-                break
+            if dead is not None:
+                return self._published_news(what) or dead  # published just before it exited
+            if time.monotonic() - start >= NEWS_WAIT_S:
+                return None
             time.sleep(0.05)
-        return dead or self._published_news(what)
 
     def _published_news(self, what: str) -> BaseException | None:
         if self._store_gone():
@@ -117,10 +143,12 @@ class PeerWatch:
         try:  # (check() of several keys is true only when all of them exist)
             if self.store.check([STOP_KEY]):
                 signum, origin = (int(x) for x in self.store.get(STOP_KEY).decode().split())
+                self._heard()
                 return JobStopped(signum, origin)
             if not self.store.check([FAILED_KEY]):
                 return None
             rank, _, line = self.store.get(FAILED_KEY).decode().partition("\t")
+            self._heard()
         except RuntimeError as err:
             return self._store_lost(what, err)
         return PeerFailed(f"rank {self.rank}: {what}: stopped because rank {rank} failed: {line}",

@@ -197,7 +197,7 @@ def test_a_signal_stops_every_rank_cleanly(tmp_path: Path, how: str, signum: int
         elapsed = signal_case(job, how, signum)
         print(f"\n{how} {signal.Signals(signum).name}: every rank exited {elapsed:.2f} s after the signal")
         assert [p.returncode for p in job.procs] == [128 + signum] * 2, job.errors()
-        assert elapsed < SIGNAL_STOP_S
+        assert elapsed < SIGNAL_STOP_S, job.errors()
         check_one_line_per_rank(job)
         check_stopped_summary(job, signal.Signals(signum).name)
         job.check_nothing_left()

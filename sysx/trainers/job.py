@@ -70,6 +70,9 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
                 checkpoints.close()
         finally:
             trainer.close()
+            watch = peers.current()
+            if watch is not None:  # the store's host keeps its stop or failure news readable
+                watch.linger()
     return 0
 
 

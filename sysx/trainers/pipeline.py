@@ -212,12 +212,13 @@ class PipelineTrainer(Trainer):
         return get_batch(self.dataset, seed=self.cfg.seed, step=step, micro_batch=mb, micro_batch_size=t.micro_batch_size,
                          seq_len=t.seq_len, split=split)
 
-    def _all_reduce(self, values: list[float], what: str) -> list[float]:
+    def _all_reduce(self, values: list[float], what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+        """``values`` reduced over the ranks, waited for in slices (a stop or a dead peer interrupts it)."""
         if self.world == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64)
         try:
-            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
         except RuntimeError as err:  # a peer that died before the collective was posted
             watch = peers.current()
             news = watch.explain(f"{what} could not start") if watch is not None else None

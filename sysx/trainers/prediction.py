@@ -46,11 +46,10 @@ class RunPrediction:
         if not kind:
             return None
         mine = float(dev.max_memory_allocated(t.device)) if kind == GPU else float(dev.host_peak_rss_bytes() - self.rss0)
-        if t.world == 1:
-            return mine
-        value = torch.tensor([mine], dtype=torch.float64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM, group=t.group)
-        return float(value.item())
+        # through the trainer's sliced wait: a signal or a dead peer during the check stops it
+        (value,) = t._all_reduce([mine], "prediction check (memory peaks)",
+                                 op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM)
+        return float(value)
 
     def costs(self) -> tuple[Optional[Costs | CostTable], str]:
         """Rank 0: the costs the run used and their name (see :mod:`sysx.autotune.check`)."""

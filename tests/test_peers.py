@@ -1,0 +1,48 @@
+"""The store's host (rank 0 outside torchrun) keeps its stop news readable until the others read it:
+leaving at once takes the store along, and a rank looking a moment later reports rank 0 as crashed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from sysx.peers import PeerWatch
+from sysx.stopping import JobStopped
+
+
+def _watches(world: int = 2) -> list[PeerWatch]:
+    store = dist.HashStore()
+    return [PeerWatch(store, r, world) for r in range(world)]
+
+
+def test_rank0_lingers_until_the_others_have_read_its_stop() -> None:
+    host, other = _watches()
+    host.store_on_rank0 = other.store_on_rank0 = True
+    host.publish_stop(15)
+
+    def read_later() -> None:
+        time.sleep(0.3)
+        other._store_at = -1.0  # poll the store now
+        assert isinstance(other._published_news("step 3"), JobStopped)
+
+    reader = threading.Thread(target=read_later)
+    t0 = time.monotonic()
+    reader.start()
+    host.linger(timeout=30.0)
+    waited = time.monotonic() - t0
+    reader.join()
+    assert 0.25 <= waited < 30.0
+
+
+def test_rank0_does_not_wait_past_its_bound_nor_without_news() -> None:
+    host, _ = _watches()
+    host.store_on_rank0 = True
+    t0 = time.monotonic()
+    host.linger(timeout=30.0)  # published nothing: leaves at once
+    assert time.monotonic() - t0 < 5.0
+    host.publish_stop(2)
+    t0 = time.monotonic()
+    host.linger(timeout=0.2)  # nobody reads: leaves at the bound
+    assert 0.2 <= time.monotonic() - t0 < 5.0
