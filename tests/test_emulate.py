@@ -147,15 +147,21 @@ def _pacer(time_scale: float) -> EmulatedPacer:
     return EmulatedPacer(plan_emulation(cfg, schedule, backend="torch"), schedule, 0, time_scale=time_scale)
 
 
-def _run_forwards(pacer: EmulatedPacer, real_s: float) -> dict:
+def _run_forwards(pacer: EmulatedPacer, real_s: float, *, validate_s: float | None = None, after_s: float = 0.0) -> dict:
+    """Three steps of two forwards whose real part takes ``real_s``; with ``validate_s``, a VALIDATE
+    taking that long ends each step, and ``after_s`` of real work follows it. The run's report."""
     handlers = {kind: (lambda op: None) for kind in OpKind}
     handlers[OpKind.FORWARD] = lambda op: time.sleep(real_s)
+    handlers[OpKind.VALIDATE] = lambda op: time.sleep(validate_s or 0.0)
     paced = pacer.wrap(handlers, lambda unit: None)
     for step in range(3):
         pacer.begin_step(step)
         t0 = time.monotonic()
         for mb in range(2):
             paced[OpKind.FORWARD](Op(OpKind.FORWARD, 0, mb=mb))
+        if validate_s is not None:
+            paced[OpKind.VALIDATE](Op(OpKind.VALIDATE, -1))
+        time.sleep(after_s)
         pacer.end_step(time.monotonic() - t0)
     tl = pacer.plan.timeline
     return merge_report([pacer.steps], time_scale=pacer.time_scale, warmup_steps=1, max_late=0.05,
@@ -188,22 +194,9 @@ def test_real_work_at_the_end_of_a_step_is_lag(where: str) -> None:
     outlasts ``max_late`` of a step the measurement is refused, not reported as the cluster's."""
     probe = _pacer(time_scale=1.0)
     pacer = _pacer(time_scale=0.1 / probe.table.fwd[0])  # a modelled forward takes 0.1 s of wall time
-    handlers = {kind: (lambda op: None) for kind in OpKind}
-    slow = 0.1 if where == "validation" else 0.0
-    handlers[OpKind.VALIDATE] = lambda op: time.sleep(slow)
-    paced = pacer.wrap(handlers, lambda unit: None)
-    for step in range(3):
-        pacer.begin_step(step)
-        t0 = time.monotonic()
-        for mb in range(2):
-            paced[OpKind.FORWARD](Op(OpKind.FORWARD, 0, mb=mb))
-        paced[OpKind.VALIDATE](Op(OpKind.VALIDATE, -1))
-        if where == "after the barrier":
-            time.sleep(0.1)
-        pacer.end_step(time.monotonic() - t0)
-    tl = pacer.plan.timeline
-    report = merge_report([pacer.steps], time_scale=pacer.time_scale, warmup_steps=1, max_late=0.05,
-                          plan_iteration=tl.iteration, plan_bubble=tl.bubble_ratio)
+    in_validation = where == "validation"
+    report = _run_forwards(pacer, real_s=0.0, validate_s=0.1 if in_validation else 0.0,
+                           after_s=0.0 if in_validation else 0.1)
     assert report["measured"] is None and "lag its modelled timeline" in report["refused"], report
     assert ("VALIDATE" if where == "validation" else "end of step") in report["late_op"]
 
