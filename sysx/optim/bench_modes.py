@@ -12,6 +12,7 @@ moves all of them alike. Prints a Markdown table with ratios to the plain step, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,15 +43,13 @@ def parse_size(text: str) -> int:
 def machine() -> dict[str, Any]:
     """CPU model, AVX2 / AVX-512 flags, cores and the 1-minute load average."""
     model, flags = "unknown", set()
-    try:
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo (not Linux): the model stays unknown
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and model == "unknown":
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
-    except OSError:
-        pass
     return {"cpu": model, "avx2": "avx2" in flags, "avx512": "avx512f" in flags, "cores": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2), "torch_simd": str(torch.backends.cpu.get_cpu_capability())}
 

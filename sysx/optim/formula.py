@@ -134,3 +134,12 @@ def reference_step(
         p64 = (p64 * f64(c.decay) + p64).astype(f32).astype(f64)
     p1 = (u * f64(c.step_size) + p64).astype(f32)
     return p1, m1, v1
+
+
+def elements_off(got: np.ndarray, want: np.ndarray, ulps: int = 4) -> tuple[int, float]:
+    """How many fp32 elements of ``got`` lie more than ``ulps`` relative fp32 epsilons from ``want``,
+    and the largest absolute difference (the backends' load-time self-tests against :func:`reference_step`)."""
+    want = np.ascontiguousarray(want, dtype=np.float32)
+    diff = np.abs(np.asarray(got, dtype=np.float32) - want)
+    tol = ulps * np.finfo(np.float32).eps * np.maximum(np.abs(want), np.float32(1e-30))
+    return int((diff > tol).sum()), float(diff.max()) if diff.size else 0.0
