@@ -65,6 +65,25 @@ def test_a_due_group_late_on_the_cpu_holds_nothing() -> None:
                                                                                  speculative=False).finish
 
 
+def test_the_lane_steps_in_lent_bytes_when_they_hold_the_unit() -> None:
+    from sysx.optim.cpu_adam import CpuAdam
+    from sysx.optim.device_lane import DeviceLane
+
+    n = 3000
+    gen = torch.Generator().manual_seed(5)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    host, lane_opt = (CpuAdam(p.clone(), lr=1e-3, weight_decay=0.1, backend="torch") for _ in range(2))
+    lent = torch.zeros(5 * n * 4 + 64, dtype=torch.uint8)
+    host.step(g, lr=1e-3)
+    DeviceLane("cpu", lent).step(lane_opt, g, lr=1e-3)
+    assert torch.equal(host.param, lane_opt.param) and torch.equal(host.exp_avg_sq, lane_opt.exp_avg_sq)
+    assert torch.equal(lent[:5 * n * 4].view(torch.float32).view(5, n)[1], host.param)  # p stepped there
+    small = DeviceLane("cpu", torch.zeros(16, dtype=torch.uint8))
+    small.step(lane_opt, g, lr=1e-3)  # too small: buffers of its own
+    host.step(g, lr=1e-3)
+    assert torch.equal(host.param, lane_opt.param)
+
+
 # ------------------------------------------------------------------------------------ trainer
 def make_cfg(precision: str, speculate: str, clip: float, placement: str = "cpu") -> SysxConfig:
     cfg = SysxConfig(model=ModelSection(preset="tiny"), precision=precision,
@@ -132,3 +151,16 @@ def test_auto_on_a_cpu_job_keeps_the_cpu_lane(capsys: pytest.CaptureFixture[str]
     assert "optim.placement" not in capsys.readouterr().out
     with window(make_cfg("fp32", "auto", CLIP)) as trainer, pytest.raises(ValueError, match="no group named block9"):
         trainer.use_device_lane(("block9",))
+
+
+def test_plan_single_prints_the_window_split(capsys: pytest.CaptureFixture[str]) -> None:
+    from sysx.single.plan_cmd import main
+
+    args = ["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "h100", "--host-gb", "512",
+            "--placement", "split", "--cpu-adam-mparams"]
+    assert main([*args, "100"]) == 0  # 2 workers x 0.1 Gparams/s: 34 s of CPU Adam a step against a 28 s step
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("optim.placement=split: optimizer placement: ") and "embedding+head" in line
+    assert main([*args, "1e6"]) == 0  # a CPU a thousand times faster needs no device
+    assert " 0 of 33 unit(s) on the device (none" in capsys.readouterr().out.splitlines()[-1]
+    assert main(args[:-3]) == 0 and "optim.placement" not in capsys.readouterr().out  # cpu: the plan alone

@@ -102,7 +102,9 @@ class Placement:
         """``optimizer placement: 2 of 4 units on the device (s1.0, s1.1; 12.6M of 25.2M parameters): ...``."""
         numel = {u.name: u.numel for u in units}
         on = sum(numel[n] for n in self.device)
-        names = ", ".join(self.device) if self.device else "none"
+        shown = self.device if len(self.device) <= 6 else (*self.device[:3], f"... {len(self.device) - 5} more",
+                                                          *self.device[-2:])  # a window of 80 blocks
+        names = ", ".join(shown) if shown else "none"
         ends = "is done as the next forward needs it" if any(u.due > 0 for u in units) else "ends"
         return (f"optimizer placement: {len(self.device)} of {len(units)} unit(s) on the device ({names}; "
                 f"{on / 1e6:.3g}M of {sum(numel.values()) / 1e6:.3g}M parameters): optimizer work {ends} "

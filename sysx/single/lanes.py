@@ -9,7 +9,8 @@ Embedding and the first ``W`` blocks at once and block ``k >= W`` only after blo
 ran: that is each group's ``due``. Speculating, every step ends before the decision (``due`` 0).
 
 The rates are the plan's hardware profile's (copies, device memory bandwidth; measured on this
-machine or assumed) and this machine's CPU Adam throughput, shared by the window's workers. On a
+machine or assumed) and this machine's CPU Adam throughput, shared by the window's workers. The
+device lane works in the activation ring, idle between steps, or in what the plan leaves free. On a
 CPU-only job the "device" is the host, so ``auto`` keeps the CPU lane without measuring; ``split``
 runs the model all the same (and the device lane's code path on the host).
 """
@@ -43,15 +44,24 @@ def window_units(plan: SinglePlan, groups: Sequence[tuple[str, int]], *, specula
     return units, step
 
 
-def window_rates(hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str) -> LaneRates:
-    """The plan's copy and device-memory rates, the device memory its working set leaves free, and
-    this machine's CPU Adam throughput per worker (the workers share the cores)."""
+def plan_groups(plan: SinglePlan) -> list[tuple[str, int]]:
+    """The window's groups as the trainer names them, with their parameters (from the plan's sizes)."""
+    sizes = plan.sizes
+    return [(f"block{k}", sizes.block_params) for k in range(sizes.n_blocks)] + [("embedding+head", sizes.static_params)]
+
+
+def window_rates(hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str,
+                 cpu_params_per_s: float | None = None) -> LaneRates:
+    """The plan's copy and device-memory rates, the device memory the lane may use (the activation
+    ring and what the working set leaves free), and
+    the CPU Adam throughput per worker: ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
     from sysx.optim.bench import adam_params_per_s
 
-    per_worker = adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
+    per_worker = cpu_params_per_s or adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
     return LaneRates(cpu_params_per_s=per_worker, cpu_workers=workers, h2d_bytes_per_s=hw.h2d_bytes_per_s,
                      d2h_bytes_per_s=hw.d2h_bytes_per_s, device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
-                     device_free_bytes=max(float(hw.device_free_bytes - plan.device_bytes["total"]), 0.0))
+                     device_free_bytes=float(plan.device_budget - plan.device_bytes["total"]
+                                             + plan.device_bytes["activation ring"]))
 
 
 def window_placement(mode: str, plan: SinglePlan, groups: Sequence[tuple[str, int]], *, device: torch.device,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sysx.config.choices import HARDWARE, OVERLAPS, POLICIES, PRECISIONS
+from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISIONS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--round-sequences", type=int, default=0)
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--seq-chunk", type=int, default=0, help="tokens per sequence chunk (0 = auto, seq-len = never chunk)")
+    p.add_argument("--placement", default="cpu", choices=PLACEMENTS,
+                   help="also print the optimizer placement model's split (optim.placement; cpu: nothing)")
+    p.add_argument("--cpu-adam-mparams", type=float, default=0.0,
+                   help="CPU Adam Mparams/s per worker for --placement (0 = measured on this machine)")
     return p
 
 
@@ -72,7 +76,22 @@ def main(argv: list[str]) -> int:
         print(f"sysx plan-single: refused: {err}", file=sys.stderr)
         return 2
     print(plan.render())
+    if args.placement != "cpu":
+        print(_placement_line(plan, args.placement, args.overlap != "forward", args.cpu_adam_mparams * 1e6))
     return 0
+
+
+def _placement_line(plan: object, mode: str, speculative: bool, cpu_params_per_s: float) -> str:
+    """The window's optimizer split under ``optim.placement=mode`` (:mod:`sysx.single.lanes`), two
+    workers as the trainer runs them; a preset's device counts as a separate processor."""
+    from sysx.optim.placement import choose
+    from sysx.single.lanes import plan_groups, window_rates, window_units
+
+    units, idle = window_units(plan, plan_groups(plan), speculative=speculative)  # type: ignore[arg-type]
+    rates = window_rates(plan.hardware, plan, workers=2, backend="auto", cpu_params_per_s=cpu_params_per_s)  # type: ignore[attr-defined]
+    placed = choose(mode, units, rates, device_idle=idle, speculative=speculative,
+                    separate_device=plan.hardware.kind == "cuda")  # type: ignore[attr-defined]
+    return f"optim.placement={mode}: {placed.describe(units)}"
 
 
 if __name__ == "__main__":

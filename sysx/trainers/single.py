@@ -155,8 +155,8 @@ class SingleTrainer(Trainer):
         return placement
 
     def use_device_lane(self, names: Sequence[str], lane: DeviceLane | None = None) -> None:
-        """Step the groups ``names`` on ``lane`` (default: one on this job's device) after every
-        decision, beside the CPU lane's (re-)steps."""
+        """Step the groups ``names`` on ``lane`` (default: one on this job's device, in the activation
+        ring, idle then) after every decision, beside the CPU lane's (re-)steps."""
         forward = [g.name for g in (self.host.static, *self.host.groups[:-1])]
         unknown = sorted(set(names) - set(forward))
         if unknown:
@@ -164,7 +164,7 @@ class SingleTrainer(Trainer):
         if self.lane is not None:
             self.lane.close()
         self.on_device = tuple(n for n in forward if n in names)  # the next forward needs them in this order
-        self.lane = lane if lane is not None else DeviceLane(self.device)
+        self.lane = lane if lane is not None else DeviceLane(self.device, self.executor.idle_between_steps())
 
     # ------------------------------------------------------------------------------------ pieces
     @property
