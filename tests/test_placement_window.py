@@ -156,8 +156,8 @@ def test_auto_on_a_cpu_job_keeps_the_cpu_lane(capsys: pytest.CaptureFixture[str]
 def test_plan_single_prints_the_window_split(capsys: pytest.CaptureFixture[str]) -> None:
     from sysx.single.plan_cmd import main
 
-    args = ["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "h100", "--host-gb", "512",
-            "--placement", "split", "--cpu-adam-mparams"]
+    args = ["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "h100",
+            "--host-gb", "512", "--placement", "split", "--cpu-adam-mparams"]
     assert main([*args, "100"]) == 0  # 2 workers x 0.1 Gparams/s: 34 s of CPU Adam a step against a 28 s step
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("optim.placement=split: optimizer placement: ") and "embedding+head" in line

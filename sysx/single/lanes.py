@@ -21,10 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
-from sysx import device as dev
 from sysx.optim.placement import LaneRates, Placement, Unit, choose
 from sysx.single.hardware import HardwareProfile
 from sysx.single.planner import SinglePlan
+
+# the window's CPU Adam workers: one group's norms are taken while another steps (at most two fp32
+# gradient temporaries)
+WORKERS = 2
 
 
 def window_units(plan: SinglePlan, groups: Sequence[tuple[str, int]], *, speculative: bool) -> tuple[list[Unit], float]:
@@ -47,14 +50,15 @@ def window_units(plan: SinglePlan, groups: Sequence[tuple[str, int]], *, specula
 def plan_groups(plan: SinglePlan) -> list[tuple[str, int]]:
     """The window's groups as the trainer names them, with their parameters (from the plan's sizes)."""
     sizes = plan.sizes
-    return [(f"block{k}", sizes.block_params) for k in range(sizes.n_blocks)] + [("embedding+head", sizes.static_params)]
+    blocks = [(f"block{k}", sizes.block_params) for k in range(sizes.n_blocks)]
+    return [*blocks, ("embedding+head", sizes.static_params)]
 
 
 def window_rates(hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str,
                  cpu_params_per_s: float | None = None) -> LaneRates:
     """The plan's copy and device-memory rates, the device memory the lane may use (the activation
-    ring and what the working set leaves free), and
-    the CPU Adam throughput per worker: ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
+    ring and what the working set leaves free), and the CPU Adam throughput per worker:
+    ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
     from sysx.optim.bench import adam_params_per_s
 
     per_worker = cpu_params_per_s or adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
@@ -64,15 +68,16 @@ def window_rates(hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend
                                              + plan.device_bytes["activation ring"]))
 
 
-def window_placement(mode: str, plan: SinglePlan, groups: Sequence[tuple[str, int]], *, device: torch.device,
-                     workers: int, backend: str, speculative: bool,
-                     rates: LaneRates | None = None) -> tuple[Placement, list[Unit]]:
-    """The window's groups placed under ``optim.placement=mode`` (``rates``: given instead of the
-    measured ones), and the units placed."""
+def window_placement(mode: str, plan: SinglePlan, groups: Sequence[tuple[str, int]], *, separate_device: bool,
+                     speculative: bool, backend: str = "auto", rates: LaneRates | None = None,
+                     cpu_params_per_s: float | None = None) -> tuple[Placement, list[Unit]]:
+    """The window's groups placed under ``optim.placement=mode`` and the units placed;
+    ``separate_device``: the device is not the host (a GPU); ``rates``: given instead of the
+    plan's and the measured ones (``cpu_params_per_s``: given instead of the measured CPU Adam)."""
     units, idle = window_units(plan, groups, speculative=speculative)
-    separate = dev.is_cuda(device)
-    if mode == "cpu" or (mode == "auto" and not separate):
+    if mode == "cpu" or (mode == "auto" and not separate_device):
         return Placement((), 0.0, 0.0, {}), units
     if rates is None:
-        rates = window_rates(plan.hardware, plan, workers=workers, backend=backend)
-    return choose(mode, units, rates, device_idle=idle, speculative=speculative, separate_device=separate), units
+        rates = window_rates(plan.hardware, plan, workers=WORKERS, backend=backend, cpu_params_per_s=cpu_params_per_s)
+    return choose(mode, units, rates, device_idle=idle, speculative=speculative,
+                  separate_device=separate_device), units

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISIONS
+
+if TYPE_CHECKING:
+    from sysx.single.planner import SinglePlan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,16 +85,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _placement_line(plan: object, mode: str, speculative: bool, cpu_params_per_s: float) -> str:
-    """The window's optimizer split under ``optim.placement=mode`` (:mod:`sysx.single.lanes`), two
-    workers as the trainer runs them; a preset's device counts as a separate processor."""
-    from sysx.optim.placement import choose
-    from sysx.single.lanes import plan_groups, window_rates, window_units
+def _placement_line(plan: SinglePlan, mode: str, speculative: bool, cpu_params_per_s: float) -> str:
+    """The window's optimizer split under ``optim.placement=mode`` (:mod:`sysx.single.lanes`); a
+    preset's device counts as a separate processor."""
+    from sysx.single.lanes import plan_groups, window_placement
 
-    units, idle = window_units(plan, plan_groups(plan), speculative=speculative)  # type: ignore[arg-type]
-    rates = window_rates(plan.hardware, plan, workers=2, backend="auto", cpu_params_per_s=cpu_params_per_s)  # type: ignore[attr-defined]
-    placed = choose(mode, units, rates, device_idle=idle, speculative=speculative,
-                    separate_device=plan.hardware.kind == "cuda")  # type: ignore[attr-defined]
+    placed, units = window_placement(mode, plan, plan_groups(plan), separate_device=plan.hardware.kind == "cuda",
+                                     speculative=speculative, cpu_params_per_s=cpu_params_per_s or None)
     return f"optim.placement={mode}: {placed.describe(units)}"
 
 

@@ -58,7 +58,7 @@ from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
 from sysx.trainers.prediction import SinglePrediction
 from sysx.single.host import HostState
-from sysx.single.lanes import window_placement
+from sysx.single.lanes import WORKERS, window_placement
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
 from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
@@ -123,8 +123,7 @@ class SingleTrainer(Trainer):
                                  grad_clip=o.grad_clip, backend=optimizer_backend or o.backend)
         self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
-        # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
-        self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt", device=self.device)
+        self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
         try:
             mode = window_mode(self.settings.optimizer_overlap, o.speculate)
         except ValueError as err:
@@ -145,9 +144,9 @@ class SingleTrainer(Trainer):
         printed once with the model's predicted saving."""
         o = self.cfg.optim
         placement, units = window_placement(
-            o.placement, self.plan, [(g.name, g.layout.numel) for g in self.host.groups], device=self.device,
-            workers=self.threads.workers, backend="torch" if backend == "torch" else "auto",
-            speculative=self.policy.mode != "never", rates=rates)
+            o.placement, self.plan, [(g.name, g.layout.numel) for g in self.host.groups],
+            separate_device=dev.is_cuda(self.device), speculative=self.policy.mode != "never",
+            backend="torch" if backend == "torch" else "auto", rates=rates)
         if placement.device:
             self.use_device_lane(placement.device)
         if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
