@@ -22,7 +22,18 @@ Prints one Markdown table (and writes it with ``--out``)::
     PYTHONPATH=. python profiling/bench_pipeline.py --models 10b --schedules mobius --best-layouts
     PYTHONPATH=. python profiling/bench_pipeline.py --report a.jsonl b.jsonl               # tables of kept runs
 
-A schedule may name its layout: ``sysx:cfg3@s4d3`` (4 forward stages per rank, d = 3), ``mobius@s6``.
+A schedule may name its layout: ``sysx:cfg3@s4d3`` (4 forward stages per rank, d = 3), ``mobius@s6``;
+a SysX one its ``optim.placement`` (default ``auto``): ``sysx:cfg3+split``, ``sysx:cfg3@s4d3+cpu``
+(``--placements cpu,split`` adds such SysX CFG3 rows). A row at a placement says how many
+sub-stages the placement model put on the device lane (the JSON row keeps each rank's split and
+predicted saving); beside its ``+cpu`` sibling it gets the speed-up over it, with the measured
+saving, the plan's and the placement model's. The planned column simulates the device lane
+(:func:`sysx.emulate.costs.device_lane_plan`) where a rank put sub-stages on it, and then shows
+the CPU lane's plan alone beside it. ``--gpu h100`` (or ``a100``) emulates every cell on that GPU
+instead of the paper's V100::
+
+    PYTHONPATH=. python profiling/bench_pipeline.py --models 10b --seq 2048 --gpu h100 \
+        --schedules mobius,sysx:cfg3+cpu,sysx:cfg3+split --steps 4
 ``--best-layouts`` adds Mobius, Megatron and SysX CFG3 each at the layout its plan on the emulated
 cluster finds fastest, and compares SysX with the baselines run the same way.
 """
@@ -47,6 +58,8 @@ MODELS = {"10b": ("llama2_10b", 4), "19b": ("llama2_19b", 4), "30b": ("llama2_30
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx:cfg0", "sysx:cfg1", "sysx:cfg2", "sysx:cfg3", "sysx:tuned")
 GPUS_PER_NODE, MICRO_BATCH, BATCH_PER_NODE = 4, 2, 16  # the paper's Fig. 9 setting
 PAPER = {"sysx_over_mobius": 1.26, "sysx_over_megatron": 1.51}  # SysX §5.2, averages over its Fig. 9
+GPUS = {"v100": "v100", "a100": "a100_80g", "h100": "h100"}  # --gpu -> emulate.gpu (v100: the paper's cluster)
+PLACEMENTS = ("auto", "cpu", "split")  # a SysX schedule's ``+<optim.placement>`` suffix (sysx.config.choices)
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -56,6 +69,7 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
     from sysx.runtime import PipelineOptions
 
     base, layout = split_layout(schedule)
+    placement = split_placement(schedule)[1] or "auto"
     name, _, cfg = base.partition(":cfg")
     if base == "sysx:tuned":  # tuned by _tuned from this config (CFG3 is only the starting point)
         name, cfg = "sysx", "3"
@@ -64,10 +78,11 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
         model=ModelSection(preset="tiny"), device="emulated", precision="bf16", seed=0,
         train=TrainSection(steps=args["steps"], micro_batch_size=1, micro_batches=BATCH_PER_NODE * nodes // MICRO_BATCH,
                            seq_len=16),
-        optim=OptimSection(backend="torch", workers=args["optimizer_workers"], grad_clip=0.0, warmup_steps=1),
+        optim=OptimSection(backend="torch", workers=args["optimizer_workers"], grad_clip=0.0, warmup_steps=1,
+                           placement=placement),
         eval=EvalSection(every=0), log=LogSection(every=1000, progress=False),
-        emulate=EmulateSection(model=model, seq_len=seq, micro_batch_size=MICRO_BATCH, time_scale=args["time_scale"],
-                               warmup_steps=args["warmup"]))
+        emulate=EmulateSection(gpu=GPUS[args.get("gpu", "v100")], model=model, seq_len=seq, micro_batch_size=MICRO_BATCH,
+                               time_scale=args["time_scale"], warmup_steps=args["warmup"]))
     opts = PipelineOptions(schedule=name, cfg=int(cfg) if cfg else 3, optim_backend="torch", timeout_s=600.0,
                            stages_per_rank=layout[0], split=layout[1])
     return cfg_obj, opts
@@ -92,10 +107,23 @@ def _tuned(cfg: Any, info: Any) -> tuple[Any, Any, Any, str]:
     return tuned.cfg, opts, tuned.costs, choice
 
 
+def split_placement(schedule: str) -> tuple[str, str | None]:
+    """``sysx:cfg3+split@s4d3`` (or ``sysx:cfg3@s4d3+split``) -> (``sysx:cfg3@s4d3``, ``split``): the
+    ``optim.placement`` a SysX cell runs at; no ``+``: None (the default, ``auto``)."""
+    m = re.search(r"\+([^@+]*)", schedule)
+    if m is None:
+        return schedule, None
+    rest = schedule[:m.start()] + schedule[m.end():]
+    if m[1] not in PLACEMENTS or not rest.startswith("sysx:") or "+" in rest:
+        raise ValueError(f"bad placement {m[0]!r} in {schedule!r}: write a SysX schedule +<{'|'.join(PLACEMENTS)}>, "
+                         "e.g. sysx:cfg3+split or sysx:cfg3@s4d3+cpu")
+    return rest, m[1]
+
+
 def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
     """``sysx:cfg3@s4d3`` -> (``sysx:cfg3``, (4, 3)); ``mobius@s6`` -> (``mobius``, (6, None)); no ``@``:
-    the runtime's default layout (None, None)."""
-    base, _, layout = schedule.partition("@")
+    the runtime's default layout (None, None). A placement suffix (``+split``) is left out."""
+    base, _, layout = split_placement(schedule)[0].partition("@")
     if not layout:
         return base, (None, None)
     m = re.fullmatch(r"s(\d+)(?:d(\d+))?", layout)
@@ -117,11 +145,24 @@ def planned_iteration(model: str, seq: int, n_ranks: int, schedule: str, args: d
     em = emulated_model(cfg)
     try:
         sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
-        it = plan_emulation(cfg, sched, backend="torch").timeline.iteration
+        it = _lane_planned(cfg, sched, plan_emulation(cfg, sched, backend="torch"))
     except (ConfigError, PartitionError, ScheduleError, ValueError):
         return None
     spr = split_layout(schedule)[1][0]
     return None if spr is not None and sched.n_stages != spr * n_ranks else it
+
+
+def _lane_planned(cfg: Any, sched: Any, plan: Any) -> float:
+    """The planned iteration with every rank's ``optim.placement`` split on the device lane, as the
+    trainer computes it (:func:`sysx.emulate.costs.device_lane_plan`)."""
+    from sysx.emulate.costs import device_lane_plan
+    from sysx.runtime.lanes import emulated_placement, lane_times
+
+    ranks = [emulated_placement(cfg.optim.placement, plan, sched, r, speculative=cfg.optim.speculate != "never")
+             for r in range(sched.n_ranks)]
+    if not any(p.device for p, _ in ranks):
+        return float(plan.timeline.iteration)
+    return device_lane_plan(plan, sched, lane_times(sched, ranks))[0]
 
 
 def best_layout(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> str:
@@ -149,10 +190,11 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
 
     cfg, opts = _cell_config(model, seq, info.world_size, schedule, args)
     validate(cfg)
-    row: dict[str, Any] = {"model": model, "seq": seq, "ranks": info.world_size, "schedule": schedule}
+    row: dict[str, Any] = {"model": model, "seq": seq, "ranks": info.world_size, "schedule": schedule,
+                           "gpu": args.get("gpu", "v100")}
     costs = None
     try:
-        if schedule == "sysx:tuned":
+        if split_placement(schedule)[0] == "sysx:tuned":
             cfg, opts, costs, row["choice"] = _tuned(cfg, info)
         trainer = PipelineTrainer(cfg, opts, info=info, dataset=dataset, tuned_costs=costs)
     except ConfigError as err:  # every rank plans the same: all refuse together (e.g. GPU memory)
@@ -162,7 +204,8 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
         report = trainer.emulation_report()
         row.update(report=report, losses=[r.loss for r in results], nsf=trainer.schedule.n_stages,
                    split=trainer.schedule.split, micro_batches=trainer.schedule.n_micro,
-                   prediction=trainer.prediction.section or None)
+                   prediction=trainer.prediction.section or None,
+                   placement=trainer.placement_ranks or {"mode": cfg.optim.placement})  # each rank's split, its saving
         if args.get("spans") and report is not None:
             row["spans"] = _gather_spans(trainer)
     return row
@@ -251,15 +294,34 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
 
 def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
     """The schedule's name in the table; a SysX row at the default layout names its split ``d`` (the
-    default changed from 2 to 3, and older rows are kept)."""
+    default changed from 2 to 3, and older rows are kept), a row at a placement names it and how
+    many sub-stages went to the device."""
     base, layout = split_layout(schedule)
     name = {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B",
             "sysx:tuned": "SysX tuned"}.get(base, base.replace("sysx:cfg", "SysX CFG"))
     if layout[0] is None:
         if row and base.startswith("sysx:cfg") and base != "sysx:cfg0" and row.get("split"):
-            return f"{name} (d={row['split']})"
-        return name
-    return f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
+            name = f"{name} (d={row['split']})"
+    else:
+        name = f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
+    return name + _placement_label(split_placement(schedule)[1], row)
+
+
+def _placement_label(placement: str | None, row: dict[str, Any] | None) -> str:
+    """``, optim.placement=split: 17 of 24 sub-stages on the device`` (all ranks); the default
+    (``auto``) only when it moved any."""
+    ranks = ((row or {}).get("placement") or {}).get("ranks") or []
+    on, total = sum(len(r["device"]) for r in ranks), sum(r["units"] for r in ranks)
+    moved = f": {on} of {total} sub-stages on the device" if ranks else ""
+    if placement in (None, "auto"):
+        return f", optim.placement=auto{moved}" if on else ""
+    return f", optim.placement={placement}" + ("" if placement == "cpu" else moved)
+
+
+def _placement(schedule: str) -> str | None:
+    """The row's placement, None for the default (``auto``, named or not)."""
+    placement = split_placement(schedule)[1]
+    return None if placement == "auto" else placement
 
 
 def _family(schedule: str) -> tuple[str, bool]:
@@ -268,57 +330,115 @@ def _family(schedule: str) -> tuple[str, bool]:
     return base, layout[0] is not None
 
 
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A row's place among its siblings: (GPU, model, seq, schedule without layout, chosen layout?, placement)."""
+    return (r.get("gpu", "v100"), r["model"], r["seq"], *_family(r["schedule"]), _placement(r["schedule"]))
+
+
+def _iteration(r: dict[str, Any] | None) -> float | None:
+    m = r and r.get("report") and r["report"]["measured"]
+    return m["iteration_s"] if m else None
+
+
+def _cpu_sibling(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``+cpu`` row of the same GPU, model, seq and layout as ``r`` (a split or default row)."""
+    if _placement(r["schedule"]) == "cpu" or not r["schedule"].startswith("sysx:"):
+        return None
+    same = split_placement(r["schedule"])[0]
+    return next((x for x in rows if x.get("gpu", "v100") == r.get("gpu", "v100") and (x["model"], x["seq"]) ==
+                 (r["model"], r["seq"]) and split_placement(x["schedule"]) == (same, "cpu")), None)
+
+
+def _model_saving(r: dict[str, Any]) -> float | None:
+    """The placement model's predicted saving of the step: when the slowest rank's optimizer work
+    ends with the CPU lane alone less when it ends with the split (None: no split recorded)."""
+    ranks = (r.get("placement") or {}).get("ranks")
+    if not ranks:
+        return None
+    return max(x["cpu_finish_s"] for x in ranks) - max(x["finish_s"] for x in ranks)
+
+
+def vs_cpu(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """A placement's speed-up over its ``+cpu`` sibling, measured, with the measured saving, the
+    plan's (device lane simulated) and the placement model's own: ``**1.58x** (-1.22 s; plan -1.23 s,
+    model -1.35 s)``; empty without a measured sibling."""
+    cpu = _cpu_sibling(r, rows)
+    it, base = _iteration(r), _iteration(cpu)
+    if cpu is None or it is None or base is None:
+        return ""
+    plan = r["report"]["plan"]["iteration_s"] - cpu["report"]["plan"]["iteration_s"]
+    model = _model_saving(r)
+    return (f"**{base / it:.2f}x** ({_signed(it - base)} s; plan {_signed(plan)} s"
+            + (f", model {_signed(-model)} s)" if model is not None else ")"))
+
+
+def _signed(x: float) -> str:
+    """``-1.23``, ``+0.40``; a difference that rounds to nothing is ``0.00`` (not ``-0.00``)."""
+    text = f"{x:+.2f}"
+    return "0.00" if text in ("+0.00", "-0.00") else text
+
+
+def _planned(plan: dict[str, Any]) -> str:
+    """The planned column: the plan with the device lane, the CPU lane's alone beside it when they differ."""
+    cpu = plan.get("cpu_lane_iteration_s")
+    return f"{plan['iteration_s']:.2f}" + (f" (CPU lane alone {cpu:.2f})" if cpu is not None else "")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """The Markdown table: one line per cell, with the SysX CFG3 ratios on its row."""
+    """The Markdown table: one line per cell, with the SysX CFG3 ratios on its default-placement
+    row, and a column of each placement's speed-up over its ``+cpu`` sibling when a row has one."""
+    placed = any(split_placement(r["schedule"])[1] for r in rows)
+    extra = " vs optim.placement=cpu: speed-up (measured saving; plan, model) |" if placed else ""
     lines = ["| model | seq | ranks | schedule | measured s/it | measured bubble | planned s/it | planned bubble | "
-             "measured/planned | SysX/Mobius | SysX/Megatron |", "|" + "---|" * 11]
-    by_key = {(r["model"], r["seq"], *_family(r["schedule"])): r for r in rows}
-
-    def measured(model: str, seq: int, schedule: str, tuned: bool) -> float | None:
-        r = by_key.get((model, seq, schedule, tuned))
-        m = r and r.get("report") and r["report"]["measured"]
-        return m["iteration_s"] if m else None
-
+             "measured/planned | SysX/Mobius | SysX/Megatron |" + extra, "|" + "---|" * (11 + placed)]
+    by_key = {_key(r): r for r in rows}
+    gpus = {r.get("gpu", "v100") for r in rows} != {"v100"}  # name the GPU unless all are the paper's
     for r in rows:
         again = f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else ""  # refused before (a hiccup)
         chosen = f" ({r['choice']})" if r.get("choice") else ""
-        head = (f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | "
+        on = f" on {r.get('gpu', 'v100').upper()}" if gpus else ""
+        head = (f"| {r['model'].replace('llama2_', '').upper()}{on} | {r['seq']} | {r['ranks']} | "
                 f"{_label(r['schedule'], r)}{chosen}{again} |")
+        tail = f" {vs_cpu(r, rows)} |" if placed else ""
         if "error" in r:
             need = re.search(r"has ([\d.]+ GiB) but .* needs ([\d.]+ GiB) on rank (\d+)", r["error"])
             why = f"needs {need[2]} on rank {need[3]}, the GPU has {need[1]}" if need else r["error"][:90]
-            lines.append(head + f" does not fit | | | | {why} | | |")
+            lines.append(head + f" does not fit | | | | {why} | | |" + tail)
             continue
         rep = r["report"]
         plan = rep["plan"]
         m = rep["measured"]
         if m is None:
-            cells = f" refused | | {plan['iteration_s']:.2f} | {100 * plan['bubble']:.1f}% | {rep['refused'][:80]} | | |"
+            cells = f" refused | | {_planned(plan)} | {100 * plan['bubble']:.1f}% | {rep['refused'][:80]} | | |"
         else:
             ratios = ["", ""]
-            family, tuned = _family(r["schedule"])
-            if family == "sysx:cfg3":  # against the baselines run the same way: default or best layouts
+            gpu, model, seq, family, tuned, placement = _key(r)
+            if family == "sysx:cfg3" and placement is None:  # against the baselines run the same way
                 for i, base in enumerate(("mobius", "interleaved_1f1b")):
-                    b = measured(r["model"], r["seq"], base, tuned)
+                    b = _iteration(by_key.get((gpu, model, seq, base, tuned, None)))
                     ratios[i] = f"**{b / m['iteration_s']:.2f}x**" if b else "-"
-            cells = (f" {m['iteration_s']:.2f} | {100 * m['bubble']:.1f}% | {plan['iteration_s']:.2f} | "
+            cells = (f" {m['iteration_s']:.2f} | {100 * m['bubble']:.1f}% | {_planned(plan)} | "
                      f"{100 * plan['bubble']:.1f}% | {m['over_plan']:.3f} | {ratios[0]} | {ratios[1]} |")
-        lines.append(head + cells)
+        lines.append(head + cells + tail)
     return "\n".join(lines)
 
 
 def averages(rows: list[dict[str, Any]]) -> str:
-    """Mean SysX CFG3 speed-up over Mobius and over Megatron, across the rows measured for all three."""
-    got = {(r["model"], r["seq"], *_family(r["schedule"])): r["report"]["measured"]["iteration_s"] for r in rows
-           if (r.get("report") or {}).get("measured")}
+    """Mean SysX CFG3 speed-up over Mobius and over Megatron, across the rows measured for all three
+    (default placement)."""
+    got = {_key(r)[:5]: r["report"]["measured"]["iteration_s"] for r in rows
+           if (r.get("report") or {}).get("measured") and _placement(r["schedule"]) is None}
+    gpus = sorted({k[0] for k in got})
     out = []
-    for tuned in (False, True):
-        for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
-            ratios = [got[(m, q, base, tuned)] / t for (m, q, sch, tu), t in got.items()
-                      if sch == "sysx:cfg3" and tu == tuned and (m, q, base, tuned) in got]
-            if ratios:
-                out.append(f"SysX/{name}{' (best layouts)' if tuned else ''} {sum(ratios) / len(ratios):.2f}x on average "
-                           f"({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rows)")
+    for gpu in gpus:  # one GPU's rows at a time: an H100's ratios are not the paper's V100's
+        on = f" on {gpu.upper()}" if len(gpus) > 1 else ""
+        for tuned in (False, True):
+            for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
+                ratios = [got[(g, m, q, base, tuned)] / t for (g, m, q, sch, tu), t in got.items()
+                          if g == gpu and sch == "sysx:cfg3" and tu == tuned and (g, m, q, base, tuned) in got]
+                if ratios:
+                    out.append(f"SysX/{name}{' (best layouts)' if tuned else ''}{on} {sum(ratios) / len(ratios):.2f}x on "
+                               f"average ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rows)")
     return "; ".join(out)
 
 
@@ -344,13 +464,25 @@ def tuned_lines(rows: list[dict[str, Any]]) -> str:
 
 def _latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per cell: a measured row over a refused one, else the later one; first-seen order."""
-    keep: dict[tuple[str, int, str], dict[str, Any]] = {}
+    keep: dict[tuple[str, str, int, str], dict[str, Any]] = {}
     for r in rows:
-        key = (r["model"], r["seq"], r["schedule"])
+        key = (r.get("gpu", "v100"), r["model"], r["seq"], r["schedule"])
         old = keep.get(key)
         if old is None or (r.get("report") or {}).get("measured") or not (old.get("report") or {}).get("measured"):
             keep[key] = r
     return list(keep.values())
+
+
+def parse_schedules(schedules: str, placements: str) -> list[str]:
+    """``--schedules`` and a ``sysx:cfg3+<placement>`` row per ``--placements`` entry not already named
+    (first-seen order). Raises ValueError for an unknown placement."""
+    out = [s.strip() for s in schedules.split(",") if s.strip()]
+    for placement in (x.strip() for x in placements.split(",") if x.strip()):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r} in --placements; allowed: {', '.join(PLACEMENTS)}")
+        if f"sysx:cfg3+{placement}" not in out:
+            out.append(f"sysx:cfg3+{placement}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="10b,19b,30b,40b", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--seq", default="2048,4096", help="sequence lengths of the emulated costs")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma list of " + ", ".join(SCHEDULES))
+    p.add_argument("--gpu", choices=list(GPUS), default="v100",
+                   help="the emulated GPU of every cell (emulate.gpu; v100: the paper's cluster)")
+    p.add_argument("--placements", default="",
+                   help="comma list of optim.placement values (cpu, split, auto) adding a SysX CFG3 row at each "
+                        "(as the schedules sysx:cfg3+cpu, ...); the default rows run at auto")
     p.add_argument("--steps", type=int, default=4, help="steps per cell (the first --warmup are not measured)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per modelled second")
@@ -386,11 +523,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.models, args.seq, args.schedules, args.steps = "10b", "2048", "mobius,interleaved_1f1b,sysx:cfg3", 3
     models = [m.strip() for m in args.models.split(",")]
-    schedules = [s.strip() for s in args.schedules.split(",")]
-    bad = [m for m in models if m not in MODELS] + [s for s in schedules if split_layout(s)[0] not in SCHEDULES]
+    try:
+        schedules = parse_schedules(args.schedules, args.placements)
+    except ValueError as err:
+        p.error(str(err))
+    try:
+        bad = [m for m in models if m not in MODELS] + [s for s in schedules if split_layout(s)[0] not in SCHEDULES]
+    except ValueError as err:
+        p.error(str(err))
     if bad:
         p.error(f"unknown {', '.join(bad)}; models: {', '.join(MODELS)}; schedules: {', '.join(SCHEDULES)}")
-    shared = {"steps": args.steps, "warmup": args.warmup, "time_scale": args.time_scale,
+    shared = {"steps": args.steps, "warmup": args.warmup, "time_scale": args.time_scale, "gpu": args.gpu,
               "optimizer_workers": args.optimizer_workers, "spans": args.trace, "retries": args.retries}
     out_json = args.json or Path(tempfile.mkstemp(suffix=".jsonl")[1])
     out_json.write_text("")

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
-from sysx.emulate import EmulatedEvent, EmulatedPacer, EmulatedStream, emulated_model, merge_report, plan_emulation
+from sysx.emulate import (EmulatedEvent, EmulatedPacer, EmulatedPlan, EmulatedStream, emulated_model, merge_report,
+                          plan_emulation)
 from sysx.runtime import PipelineOptions
 from sysx.runtime.options import make_schedule
-from sysx.schedule import Op, OpKind
+from sysx.schedule import Op, OpKind, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,6 +138,12 @@ def test_posted_sends_cost_the_sender_nothing_and_start_when_both_sides_posted()
 
 # ----------------------------------------------------------------------------------------- pacer
 def _pacer(time_scale: float) -> EmulatedPacer:
+    plan, schedule = _plan(time_scale)
+    return EmulatedPacer(plan, schedule, 0, time_scale=time_scale)
+
+
+def _plan(time_scale: float) -> tuple[EmulatedPlan, Schedule]:
+    """The emulated 7B plan of a 2-rank SysX schedule and the schedule."""
     cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
                      train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
                      emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale))
@@ -144,7 +151,29 @@ def _pacer(time_scale: float) -> EmulatedPacer:
     opts = PipelineOptions(schedule="sysx", optim_backend="torch")
     model = emulated_model(cfg)
     schedule = make_schedule(opts, model.config, n_ranks=2, n_micro=2, seq_len=model.seq_len)
-    return EmulatedPacer(plan_emulation(cfg, schedule, backend="torch"), schedule, 0, time_scale=time_scale)
+    return plan_emulation(cfg, schedule, backend="torch"), schedule
+
+
+def test_the_plan_takes_the_device_lane_in() -> None:
+    """``device_lane_plan``: no unit on the lane is the CPU lane's plan; units the placement model put
+    there shorten the plan on an H100, which the lane's copies and steps then end."""
+    import dataclasses
+
+    from sysx.emulate.costs import device_lane_plan
+    from sysx.runtime.lanes import emulated_placement, lane_times
+
+    plan, schedule = _plan(1.0)
+    assert device_lane_plan(plan, schedule, [{}, {}]) == (plan.timeline.iteration, plan.timeline.bubble_ratio)
+    h100 = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, h2d_bandwidth=50e9, d2h_bandwidth=50e9,
+                                                                 device_mem_bandwidth=2.8e12))
+    ranks = [emulated_placement("split", h100, schedule, r, speculative=True) for r in range(2)]
+    assert any(p.device for p, _ in ranks)
+    it, bubble = device_lane_plan(h100, schedule, lane_times(schedule, ranks))
+    assert it < plan.timeline.iteration and bubble < plan.timeline.bubble_ratio
+    slow = [{key: (10.0, 1.0, 10.0) for key in lane} for lane in lane_times(schedule, ranks)]  # a lane of 21 s a unit
+    n = max(len(lane) for lane in slow)
+    # the lane starts after the VALIDATE barrier (after every rank's passes): in 10 s each, out 10 s after the last step
+    assert device_lane_plan(h100, schedule, slow)[0] >= max(plan.timeline.gpu_end) + 10.0 * n + 11.0
 
 
 def _run_forwards(pacer: EmulatedPacer, real_s: float, *, validate_s: float | None = None, after_s: float = 0.0) -> dict:

@@ -11,7 +11,8 @@ import torch
 
 from sysx.optim.cpu_adam import CpuAdam
 from sysx.optim.device_lane import DeviceLane
-from sysx.optim.placement import LaneRates, Placement, Unit, choose, device_seconds, finish_times, place
+from sysx.optim.placement import (LaneRates, Placement, Unit, choose, count, device_seconds, finish_times, place,
+                                  record, seconds, summarize)
 from sysx.optim.stage import StageOptimizer
 
 GB = 1e9
@@ -42,6 +43,41 @@ def test_the_units_ready_last_go_to_the_device_when_it_is_faster() -> None:
     assert "s0.0" in p.device and "s1.1" not in p.device
     assert p.saving > 0.5 and p.finish == pytest.approx(max(p.ends.values()))
     assert "predicted saving" in p.describe(units) and "s0.0" in p.describe(units)
+
+
+def test_the_split_is_printed_in_seconds_and_readable_parameter_counts() -> None:
+    assert (count(2.16e9), count(12.6e6), count(850e3), count(96)) == ("2.16B", "12.6M", "850K", "96")
+    assert (seconds(21.5), seconds(0.0032), seconds(0.0)) == ("21.50 s", "3.2 ms", "0.00 s")
+    units = [Unit("s1.0", 1_200_000_000, 0.0), Unit("s0.0", 960_000_000, 1.0)]
+    split = Placement(("s0.0",), cpu_finish=21.5, finish=20.25)
+    assert split.describe(units, "sub-stage") == (
+        "optimizer placement: 1 of 2 sub-stages on the device (s0.0; 960M of 2.16B parameters): optimizer work "
+        "ends 20.25 s into the step instead of 21.50 s, predicted saving 1.25 s per step")
+    none = Placement((), cpu_finish=21.5, finish=21.5)
+    assert none.describe(units, "sub-stage") == (
+        "optimizer placement: all 2 sub-stages on the CPU (2.16B parameters): the device lane would not end the "
+        "optimizer work earlier (optimizer work ends 21.50 s into the step)")
+    full = dataclasses.replace(none, why="no unit's states fit in the device memory left free")
+    assert "CPU (2.16B parameters): no unit's states fit" in full.describe(units)
+    small = dataclasses.replace(RATES, device_free_bytes=1.0)  # the model says so when it is the reason
+    assert place(units, small, device_idle=1.0).why == full.why
+
+
+def test_one_line_sums_up_every_ranks_split() -> None:
+    units = [Unit("a", 100 * M, 0.0), Unit("b", 100 * M, 1.0)]
+    r0, r1 = Placement(("b",), 2.3, 1.2), Placement(("a", "b"), 2.4, 1.05)
+    line = summarize([(r0, units), (r1, units)], "sub-stage")
+    assert line == ("optimizer placement over 2 ranks: 3 of 4 sub-stages on the device (per rank 1/2, 2/2; 300M "
+                    "of 400M parameters): optimizer work ends 1.05-1.20 s into the step instead of 2.30-2.40 s, "
+                    "predicted saving 1.10-1.35 s per step")
+    assert "(2/2 on each rank;" in summarize([(r1, units), (r1, units)], "sub-stage")
+    none = Placement((), 2.3, 2.3)
+    assert summarize([(none, units)] * 4, "sub-stage") == (
+        "optimizer placement over 4 ranks: all 8 sub-stages on the CPU (800M parameters): the device lane would not "
+        "end the optimizer work earlier on any rank (optimizer work ends 2.30 s into the step)")
+    assert summarize([(r0, units)]) == r0.describe(units)  # one rank: its own line
+    assert record(r0, units) == {"device": ["b"], "units": 2, "device_params": 100 * M, "params": 200 * M,
+                                 "cpu_finish_s": 2.3, "finish_s": 1.2, "saving_s": pytest.approx(1.1)}
 
 
 def test_a_slow_link_keeps_everything_on_the_cpu() -> None:

@@ -12,6 +12,8 @@ all of the rank's threads, each of ``W`` asynchronous workers with ``1/W`` of th
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sysx.config import ConfigError, SysxConfig
@@ -19,6 +21,7 @@ from sysx.emulate.profiles import GIB, EmulatedCluster, cluster
 from sysx.memory.budget import training_state_bytes
 from sysx.model import ModelConfig, get_preset
 from sysx.optim.cores import split_workers
+from sysx.optim.placement import device_flow
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable, costs_from_model
 from sysx.schedule.simulate import Timeline, simulate
@@ -100,3 +103,23 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str) -> Emul
             f"on rank {worst} (peaks: " + ", ".join(f"{n} {p[worst] / GIB:.1f}" for n, p in parts) + "); lower "
             f"emulate.micro_batch_size or emulate.seq_len, or use a GPU with more memory")
     return EmulatedPlan(hw, model, costs, table, timeline, workers)
+
+
+LaneTimes = Mapping[tuple[int, int], tuple[float, float, float]]  # a rank's device-lane sub-stages: (in, step, out) s
+
+
+def device_lane_plan(plan: EmulatedPlan, schedule: Schedule, device: Sequence[LaneTimes]) -> tuple[float, float]:
+    """The planned (iteration, bubble ratio) with ``device[r]``'s sub-stages of each rank on the
+    device lane (``optim.placement``), as the runtime and the pacer run them: those sub-stages take
+    no CPU worker (the table's optimizer cost 0), and after the VALIDATE barrier each rank's lane
+    copies them in, steps and copies them out on its three engines
+    (:func:`~sysx.optim.placement.device_flow`, in the order given) before its next step starts."""
+    d = plan.table.split
+    on = {s * d + k for lane in device for s, k in lane}
+    table = dataclasses.replace(plan.table, opt=[0.0 if i in on else c for i, c in enumerate(plan.table.opt)])
+    timeline = simulate(schedule, table, record=False, memory=False, gpus_per_node=plan.cluster.gpus_per_node)
+    # every rank's list ends with VALIDATE (a barrier): its lane starts at the iteration's end
+    lanes = [device_flow(timeline.iteration, list(lane.values())) for lane in device]
+    iteration = max([timeline.iteration, *(ends[-1] for ends in lanes if ends)])
+    busy, ranks = sum(timeline.busy), schedule.n_ranks
+    return iteration, (iteration * ranks - busy) / (iteration * ranks) if iteration > 0 else 0.0

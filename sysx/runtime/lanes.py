@@ -14,17 +14,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from sysx import device as dev
-from sysx.optim.placement import LaneRates, Placement, Unit, choose
+from sysx.optim.placement import LaneRates, Placement, Unit, choose, record
 from sysx.partition import unit_label
 from sysx.schedule import OpKind, Schedule
 
 if TYPE_CHECKING:
-    from sysx.emulate.costs import EmulatedPlan
+    from sysx.emulate.costs import EmulatedPlan, LaneTimes
+
+
+# a synchronous schedule steps on the main thread after the validation: both lanes would hold it
+SYNC = "the schedule's optimizer steps on the main thread (synchronous), where the CPU lane is as good"
 
 
 def emulated_rates(plan: EmulatedPlan, rank: int) -> LaneRates:
@@ -47,6 +54,16 @@ def emulated_units(plan: EmulatedPlan, schedule: Schedule, rank: int) -> tuple[l
     return units, plan.timeline.gpu_end[rank]
 
 
+def emulated_placement(mode: str, plan: EmulatedPlan, schedule: Schedule, rank: int, *,
+                       speculative: bool) -> tuple[Placement, list[Unit]]:
+    """``rank``'s placement on the emulated cluster, from the plan alone (so any rank, or the
+    benchmark's planner, can compute every rank's)."""
+    units, idle = emulated_units(plan, schedule, rank)
+    placed = choose(mode if schedule.options.async_optimizer else "cpu", units, emulated_rates(plan, rank),
+                    device_idle=idle, speculative=speculative)
+    return (placed if schedule.options.async_optimizer else dataclasses.replace(placed, why=SYNC)), units
+
+
 def measured_rates(device: torch.device, dtype: torch.dtype, *, workers: int, backend: str) -> LaneRates:
     """This machine's copy rates and device memory bandwidth, and one CPU Adam thread's throughput."""
     from sysx.autotune.hardware import measure_hardware
@@ -63,15 +80,40 @@ def rank_placement(mode: str, schedule: Schedule, rank: int, numels: dict[tuple[
                    plan: EmulatedPlan | None = None) -> tuple[Placement, list[Unit]]:
     """The placement of ``rank``'s owned sub-stages (``numels``: their parameters here) under
     ``optim.placement=mode``, and the units it placed; names are sub-stage labels (``s1.0``)."""
-    if not schedule.options.async_optimizer:
-        # a synchronous schedule steps on the main thread after the validation: both lanes would hold it
-        mode = "cpu"
     if plan is not None:
-        units, idle = emulated_units(plan, schedule, rank)
-        return choose(mode, units, emulated_rates(plan, rank), device_idle=idle, speculative=speculative), units
+        return emulated_placement(mode, plan, schedule, rank, speculative=speculative)
+    if not schedule.options.async_optimizer:
+        mode = "cpu"  # see SYNC
     units = [Unit(unit_label(*key), n, 0.0) for key, n in sorted(numels.items())]
     if mode == "cpu" or (mode == "auto" and not dev.is_cuda(device)):
         return Placement((), 0.0, 0.0, {}), units
     rates = measured_rates(device, dtype, workers=workers, backend=backend)
     placed = choose(mode, units, rates, device_idle=0.0, speculative=speculative, separate_device=dev.is_cuda(device))
     return placed, units
+
+
+RankSplit = tuple[Placement, list[Unit]]
+
+
+def gather_placements(mine: RankSplit, *, world: int, group: Any) -> list[RankSplit]:
+    """Every rank's placement (collective over ``group``: every rank calls it), for rank 0's one line."""
+    if world == 1:
+        return [mine]
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine, group=group)
+    return parts
+
+
+def lane_times(schedule: Schedule, ranks: Sequence[RankSplit]) -> list[LaneTimes]:
+    """Per rank, its device-lane sub-stages ``(s, k)`` with their modelled (in, step, out) seconds, in
+    the lane's order (:func:`sysx.emulate.costs.device_lane_plan`'s input)."""
+    out = []
+    for r, (placed, _) in enumerate(ranks):
+        keys = {unit_label(s, k): (s, k) for s, k in schedule.placement.bwd_substages(r)}
+        out.append({keys[n]: placed.device_times[n] for n in placed.device})
+    return out
+
+
+def placement_section(ranks: Sequence[RankSplit], mode: str) -> dict[str, Any]:
+    """``summary.json``'s ``placement``: the mode and each rank's split (:func:`record`)."""
+    return {"mode": mode, "ranks": [record(p, u) for p, u in ranks]}

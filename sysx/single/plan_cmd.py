@@ -92,7 +92,7 @@ def _placement_line(plan: SinglePlan, mode: str, speculative: bool, cpu_params_p
 
     placed, units = window_placement(mode, plan, plan_groups(plan), separate_device=plan.hardware.kind == "cuda",
                                      speculative=speculative, cpu_params_per_s=cpu_params_per_s or None)
-    return f"optim.placement={mode}: {placed.describe(units)}"
+    return f"optim.placement={mode}: {placed.describe(units, 'group')}"
 
 
 if __name__ == "__main__":

@@ -37,14 +37,15 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate import EmulatedPacer, Pacer, describe, emulated_model, merge_report, plan_emulation
+from sysx.emulate.costs import device_lane_plan
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.optim.device_lane import DeviceLane
-from sysx.optim.placement import Placement
+from sysx.optim.placement import Placement, summarize
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.executor import Executor, ExecutionError, StepContext
-from sysx.runtime.lanes import rank_placement
+from sysx.runtime.lanes import gather_placements, lane_times, placement_section, rank_placement
 from sysx.runtime.optimizer import OptimSettings, RankOptimizer
 from sysx.runtime.options import PipelineOptions, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch
@@ -109,6 +110,8 @@ class PipelineTrainer(Trainer):
         self.last_op_seconds: dict[str, float] = {}
         self._measurements: dict[str, dict[str, float]] = {}
         self.tuned_costs = tuned_costs
+        self.placement_ranks: dict[str, Any] = {}  # every rank's optim.placement split (summary.json)
+        self.lane_plan: tuple[float, float] | None = None  # emulated plan with the device lane
         self.window_costs: CostTable | None = None  # the recorded window's own costs, once written
         rss0 = dev.host_rss_bytes()  # before the training state exists: its growth is what the plan describes
         try:
@@ -173,8 +176,10 @@ class PipelineTrainer(Trainer):
                     part.recorder = self.window.recorder
 
     def _place_optimizer(self) -> Placement:
-        """``optim.placement``: which owned sub-stages step on the device lane (:mod:`sysx.runtime.lanes`);
-        printed with the model's predicted saving."""
+        """``optim.placement``: which owned sub-stages step on the device lane (:mod:`sysx.runtime.lanes`).
+        Every rank's choice is gathered: rank 0 prints one line with the predicted saving, the
+        per-rank detail goes to ``summary.json`` (``placement``), and on an emulated device the plan
+        the run is compared with takes the device lane in (:func:`device_lane_plan`)."""
         assert self.optimizer is not None
         o = self.cfg.optim
         plan = self.pacer.plan if isinstance(self.pacer, EmulatedPacer) else None
@@ -188,9 +193,22 @@ class PipelineTrainer(Trainer):
             lane = DeviceLane(None if plan is not None else self.device)  # emulated: the host steps, the pacer times it
             self.optimizer.use_device_lane({keys[n]: placement.device_times[n] for n in placement.device}, lane,
                                            self.pacer)
-        if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
-            print(f"rank {self.rank}: optim.placement={o.placement}: {placement.describe(units)}", flush=True)
+        if o.placement == "cpu" or (o.placement == "auto" and not self.schedule.options.async_optimizer):
+            return placement  # nothing to say or to gather: every rank keeps the CPU lane (asked, or synchronous)
+        ranks = gather_placements((placement, units), world=self.world, group=self.group)
+        self.placement_ranks = placement_section(ranks, o.placement)
+        if plan is not None and any(p.device for p, _ in ranks):
+            self.lane_plan = device_lane_plan(plan, self.schedule, lane_times(self.schedule, ranks))
+        if self.rank == 0 and any(p.device or p.cpu_finish > 0 for p, _ in ranks):
+            more = "; per rank: summary.json (placement)" if self.world > 1 else ""
+            print(f"optim.placement={o.placement}: {summarize(ranks, 'sub-stage')}{more}", flush=True)
         return placement
+
+    def planned(self) -> tuple[float, float]:
+        """The emulated plan's (iteration, bubble ratio): with the device lane when units are on it."""
+        assert isinstance(self.pacer, EmulatedPacer)
+        t = self.pacer.plan.timeline
+        return self.lane_plan or (t.iteration, t.bubble_ratio)
 
     # ------------------------------------------------------------------------------------ pieces
     def _evaluation(self, n_micro: int) -> Schedule:
@@ -324,6 +342,8 @@ class PipelineTrainer(Trainer):
         out: dict[str, Any] = dict(self._measurements)
         if self.prediction.section:
             out["prediction"] = self.prediction.section
+        if self.placement_ranks:
+            out["placement"] = self.placement_ranks
         if isinstance(self.pacer, EmulatedPacer):
             out["emulation"] = self.emulation_report()
         return out
@@ -398,8 +418,11 @@ class PipelineTrainer(Trainer):
             steps = [None] * self.world
             dist.all_gather_object(steps, self.pacer.steps, group=self.group)
         plan, e = self.pacer.plan, self.cfg.emulate
+        iteration, bubble = self.planned()
         report = merge_report(steps, time_scale=e.time_scale, warmup_steps=e.warmup_steps, max_late=e.max_late,
-                              plan_iteration=plan.timeline.iteration, plan_bubble=plan.timeline.bubble_ratio)
+                              plan_iteration=iteration, plan_bubble=bubble)
+        if self.lane_plan is not None:  # the plan above has the device lane; the CPU lane's alone beside it
+            report["plan"]["cpu_lane_iteration_s"] = plan.timeline.iteration
         report.update(cluster=plan.cluster.describe(), model=plan.model.name, seq_len=plan.model.seq_len,
                       micro_batch_size=plan.model.micro_batch_size, schedule=self.schedule.name)
         if self.rank == 0:
@@ -420,8 +443,8 @@ class PipelineTrainer(Trainer):
             plan = self.pacer.plan
             lines.append(f"  emulated: {plan.cluster.describe()}; costs of {plan.model.name} at "
                          f"{plan.model.micro_batch_size}x{plan.model.seq_len} tokens per micro-batch; time x"
-                         f"{self.pacer.time_scale:g}; plan {plan.timeline.iteration:.3f} s/iteration, bubble "
-                         f"{100 * plan.timeline.bubble_ratio:.1f}%")
+                         f"{self.pacer.time_scale:g}; plan {self.planned()[0]:.3f} s/iteration, bubble "
+                         f"{100 * self.planned()[1]:.1f}%" + (" (with the device lane)" if self.lane_plan else ""))
         return "\n".join(lines)
 
     # ---------------------------------------------------------------------------------- lifecycle

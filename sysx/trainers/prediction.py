@@ -9,6 +9,8 @@ ran, else the mean of the logged step times after the warm-up.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Optional
 
 import torch
@@ -89,6 +91,8 @@ class RunPrediction:
             return
         gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size
         pred: Prediction = predict(t.schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
+        if self.emulated and self.tuned is None and t.lane_plan is not None:  # optim.placement's device lane
+            pred = dataclasses.replace(pred, iteration_s=t.lane_plan[0], source=f"{source}, device lane included")
         recorded = t.recorded_iteration()
         if recorded is not None:
             rec = t.window.recorder

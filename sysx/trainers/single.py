@@ -150,7 +150,7 @@ class SingleTrainer(Trainer):
         if placement.device:
             self.use_device_lane(placement.device)
         if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
-            print(f"optim.placement={o.placement}: {placement.describe(units)}", flush=True)
+            print(f"optim.placement={o.placement}: {placement.describe(units, 'group')}", flush=True)
         return placement
 
     def use_device_lane(self, names: Sequence[str], lane: DeviceLane | None = None) -> None:
