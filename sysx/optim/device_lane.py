@@ -57,6 +57,7 @@ class DeviceLane:
             backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, scratch[lo:hi])
         for dst, src in zip(host[1:], (p, m, v)):
             dst.copy_(src)  # blocking: the host state is current when this returns
+        opt.state_written()  # rollback=exact: the spare set is stale now
 
     def close(self) -> None:
         """Free the device buffers."""

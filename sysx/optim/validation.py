@@ -234,7 +234,7 @@ def apply_checked(stage: StageOptimizer, outcome: StepOutcome, lr: float) -> Non
     if outcome.skipped:
         return
     stage.scale_grads(outcome.clip_coef)
-    stage.apply(lr)
+    stage.apply(lr, final=True)
 
 
 def sync_step(

@@ -178,6 +178,8 @@ class SingleTrainer(Trainer):
             self.window.end()
         clean = not outcome.overflow and outcome.clip_coef == 1.0
         self.policy.record(clean=clean)
+        if self.policy.speculate():  # rollback=exact: the spares refresh behind the decided jobs, into the next forward
+            self.threads.refresh_spares([g.name for g in self.host.stages])
         if speculate:
             self.speculated_steps += 1
             self.redone_steps += not clean
