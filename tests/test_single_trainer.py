@@ -123,6 +123,37 @@ def test_optimizer_pipeline_modes_match_reference(overlap: str, clip: float) -> 
     assert clip == 0 or clipped > 0  # the clipping path was exercised
 
 
+def test_window_refreshes_exact_spares_after_its_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window's decision queues each group's rollback=exact spare refresh behind its decided job
+    (patched in here: the window's groups take no optim.rollback yet): with every step clipped, each
+    speculative step undone and stepped again, the run equals a snapshot run bit for bit, and no step
+    had to refresh its spare itself (every refresh ran in the background)."""
+    import functools
+
+    import sysx.trainers.single as single_mod
+    from sysx.optim.stage import OptimSettings
+
+    cfg = make_cfg(grad_clip=1e-3)
+    single = SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap="backward",
+                           print_plan=False)
+    runs = {}
+    for rollback in ("snapshot", "exact"):
+        monkeypatch.setattr(single_mod, "OptimSettings", functools.partial(OptimSettings, rollback=rollback))
+        trainer = SingleTrainer(cfg, single=single, hardware=HW, optimizer_backend="torch", device="cpu")
+        try:
+            results = trainer.run(STEPS)
+            state = trainer.state_dict()
+            assert {s.optimizer.rollback for s in trainer.host.stages} == {rollback}
+            inline = sum(s.optimizer.inline_refreshes for s in trainer.host.stages)
+        finally:
+            trainer.close()
+        assert trainer.redone_steps == STEPS  # every step was rolled back and stepped again
+        runs[rollback] = ([r.loss for r in results], state, inline)
+    (loss_a, state_a, _), (loss_b, state_b, inline) = runs["snapshot"], runs["exact"]
+    assert loss_a == loss_b and inline == 0
+    assert all(torch.equal(state_a[k].view(torch.int32), state_b[k].view(torch.int32)) for k in state_a)
+
+
 def test_a_different_split_keeps_the_global_batch() -> None:
     """Chunks of 1 sequence instead of the reference's micro-batches of 2: the same sequences and loss;
     the gradients differ only by summation order, so parameters agree to Adam-amplified rounding."""
