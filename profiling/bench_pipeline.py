@@ -249,11 +249,15 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
         os.unlink(spec)
 
 
-def _label(schedule: str) -> str:
+def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
+    """The schedule's name in the table; a SysX row at the default layout names its split ``d`` (the
+    default changed from 2 to 3, and older rows are kept)."""
     base, layout = split_layout(schedule)
     name = {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B",
             "sysx:tuned": "SysX tuned"}.get(base, base.replace("sysx:cfg", "SysX CFG"))
     if layout[0] is None:
+        if row and base.startswith("sysx:cfg") and base != "sysx:cfg0" and row.get("split"):
+            return f"{name} (d={row['split']})"
         return name
     return f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
 
@@ -279,7 +283,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         again = f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else ""  # refused before (a hiccup)
         chosen = f" ({r['choice']})" if r.get("choice") else ""
         head = (f"| {r['model'].replace('llama2_', '').upper()} | {r['seq']} | {r['ranks']} | "
-                f"{_label(r['schedule'])}{chosen}{again} |")
+                f"{_label(r['schedule'], r)}{chosen}{again} |")
         if "error" in r:
             need = re.search(r"has ([\d.]+ GiB) but .* needs ([\d.]+ GiB) on rank (\d+)", r["error"])
             why = f"needs {need[2]} on rank {need[3]}, the GPU has {need[1]}" if need else r["error"][:90]

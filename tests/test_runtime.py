@@ -252,7 +252,7 @@ def test_schedule_choice_follows_the_model_and_explains_refusals() -> None:
         s = make_schedule(PipelineOptions(**kw), tiny, n_ranks=n, n_micro=2, seq_len=16)  # type: ignore[arg-type]
         return s.n_stages, s.split
 
-    assert shape(schedule="sysx", n=1) == (2, 2)
+    assert shape(schedule="sysx", n=1) == (2, 3)  # 2 stages of 3 layers: the balanced d = 3
     assert shape(schedule="sysx", n=2) == (2, 2)  # 4 stages cannot all be split: 1 stage per rank, d=2
     assert shape(schedule="sysx", n=4) == (4, 1)
     assert shape(schedule="sysx", n=2, cfg=0) == (4, 1)
@@ -290,7 +290,7 @@ def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_referenc
             "optim.backend=torch"]
     assert main(["schedule=sysx", *args, f"run_dir={tmp_path / 'a'}"]) == 0
     out = capsys.readouterr().out
-    assert "pipeline: schedule=sysx" in out and "1 rank(s) on 1 node(s) | Nsf=2 d=2" in out and "done: 2 steps" in out
+    assert "pipeline: schedule=sysx" in out and "1 rank(s) on 1 node(s) | Nsf=2 d=3" in out and "done: 2 steps" in out
     assert main(["schedule=auto", *args, f"run_dir={tmp_path / 'b'}"]) == 0
     out = capsys.readouterr().out
     assert "schedule=auto" in out and "pipeline:" not in out and "done: 2 steps" in out
