@@ -232,6 +232,10 @@ def test_the_current_set_written_from_outside_is_what_the_next_step_reads() -> N
         lane.step(opt, g, lr=1e-3)
         opt.step(g)
     assert _same(_state(a), _state(b))
+    copies = a.inline_refreshes
+    for opt in (a, b):  # the emulated device's lane: a final host step, on the current set
+        DeviceLane(None).step(opt, g, lr=1e-3)
+    assert _same(_state(a), _state(b)) and a.inline_refreshes == copies and not a.can_undo
 
 
 def test_an_fp32_master_that_is_the_working_copy_stays_current() -> None:
