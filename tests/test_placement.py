@@ -176,17 +176,6 @@ def test_a_unit_whose_states_do_not_fit_on_the_device_stays_on_the_cpu() -> None
     assert roomy.device and tight.device == ()
 
 
-def test_window_refuses_a_device_lane_it_does_not_have() -> None:
-    from sysx.config import ConfigError, OptimSection, SingleSection, SysxConfig
-    from sysx.single.hardware import assumed_hardware
-    from sysx.trainers.single import SingleTrainer
-
-    cfg = SysxConfig(optim=OptimSection(placement="split"), device="cpu")
-    hw = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)
-    with pytest.raises(ConfigError, match="optim.placement=split places pipeline sub-stages only"):
-        SingleTrainer(cfg, single=SingleSection(print_plan=False), hardware=hw, optimizer_backend="torch", device="cpu")
-
-
 def test_an_emulated_device_lane_is_the_host_step_whatever_the_backend() -> None:
     p, grads = _states(3000, 11)
     host = CpuAdam(p.clone(), lr=1e-3, weight_decay=0.1, backend="auto")

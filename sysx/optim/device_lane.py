@@ -28,13 +28,19 @@ from sysx.optim.torch_backend import CHUNK_ELEMS, TorchBackend
 
 class DeviceLane:
     """Steps host optimizers on ``device`` (None: an emulated device, see the module doc), reusing
-    one set of device buffers (grown on demand)."""
+    one set of device buffers (grown on demand). ``lent``: device bytes (uint8) the lane may use
+    instead, idle whenever it steps (the sliding window lends its activation ring); a unit larger
+    than them gets buffers of its own."""
 
-    def __init__(self, device: torch.device | str | None) -> None:
+    def __init__(self, device: torch.device | str | None, lent: torch.Tensor | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
         self._bufs: torch.Tensor | None = None  # 5 x n: g, p, m, v, scratch
+        self._lent = lent
 
     def _buffers(self, n: int) -> torch.Tensor:
+        lent = self._lent
+        if lent is not None and lent.numel() >= 5 * n * 4:
+            return lent[:5 * n * 4].view(torch.float32).view(5, n)
         if self._bufs is None or self._bufs.shape[1] < n:
             self._bufs = torch.empty(5, n, dtype=torch.float32, device=self.device)
         return self._bufs[:, :n]
@@ -62,5 +68,5 @@ class DeviceLane:
         opt.state_written()  # rollback=exact: the spare set is stale now
 
     def close(self) -> None:
-        """Free the device buffers."""
-        self._bufs = None
+        """Free the device buffers (and give back the lent ones)."""
+        self._bufs = self._lent = None

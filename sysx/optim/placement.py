@@ -3,7 +3,8 @@
 Deep Optimizer States (seed ``004``) splits the optimizer work into subgroups and places each on
 the CPU or the GPU by a performance model weighing the data movement against the GPU's faster
 update and the time the GPU is idle. Here a *unit* is a backward sub-stage a rank owns (the
-pipeline; the sliding window's blocks are not placed yet); its update runs on
+pipeline) or a group of the sliding window (a block, or the Embedding+Head; :mod:`sysx.single.lanes`);
+its update runs on
 
 * the **CPU lane** (host states, as always): one of ``cpu_workers`` workers, from the moment its
   gradients are home (``ready``), for ``numel / cpu_params_per_s`` seconds; or
@@ -13,6 +14,14 @@ pipeline; the sliding window's blocks are not placed yet); its update runs on
   works after the validation's decision, so it never rolls back, and once the device's passes of
   the step are over (``device_idle``: the end of this rank's backward, from the simulated
   timeline).
+
+The device lane runs on the main thread, so the next passes (the pipeline's next step, the
+window's next forward) wait until it is done. A CPU-lane unit may end later than that by its
+``due`` seconds without holding anything up: the sliding window validating first steps its groups
+into the next forward, which loads block ``k`` only once block ``k - W`` ran (``due`` 0 for the
+pipeline and for speculative steps, which the decision waits for). The model's figure of merit
+(:attr:`Placement.finish`) is when the optimizer stops holding the next passes: the latest of the
+decision, the device lane's last unit and every CPU-lane unit's end less its ``due``.
 
 The decision comes when every unit's gradients are home and checked: with speculation the CPU
 lane's steps run from ``ready`` and the decision waits for them too (a worker reports a stage once
@@ -65,11 +74,13 @@ class LaneRates:
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit's optimizer work: ``numel`` parameters whose gradients are home at ``ready`` (s)."""
+    """One unit's optimizer work: ``numel`` parameters whose gradients are home at ``ready`` (s),
+    needed ``due`` seconds after the next passes start (on the CPU lane; see the module doc)."""
 
     name: str
     numel: int
     ready: float
+    due: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ class Placement:
     """The chosen split and the model's times (seconds from the start of the step)."""
 
     device: tuple[str, ...]  # units stepped on the device lane
-    cpu_finish: float  # when the optimizer work ends with every unit on the CPU
+    cpu_finish: float  # when the optimizer stops holding the next passes with every unit on the CPU
     finish: float  # ... with this split
     ends: dict[str, float] = field(default_factory=dict)  # each unit's end with this split
     device_times: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # device units' (in, step, out)
@@ -91,9 +102,12 @@ class Placement:
         """``optimizer placement: 2 of 4 units on the device (s1.0, s1.1; 12.6M of 25.2M parameters): ...``."""
         numel = {u.name: u.numel for u in units}
         on = sum(numel[n] for n in self.device)
-        names = ", ".join(self.device) if self.device else "none"
+        shown = self.device if len(self.device) <= 6 else (*self.device[:3], f"... {len(self.device) - 5} more",
+                                                          *self.device[-2:])  # a window of 80 blocks
+        names = ", ".join(shown) if shown else "none"
+        ends = "is done as the next forward needs it" if any(u.due > 0 for u in units) else "ends"
         return (f"optimizer placement: {len(self.device)} of {len(units)} unit(s) on the device ({names}; "
-                f"{on / 1e6:.3g}M of {sum(numel.values()) / 1e6:.3g}M parameters): optimizer work ends "
+                f"{on / 1e6:.3g}M of {sum(numel.values()) / 1e6:.3g}M parameters): optimizer work {ends} "
                 f"{self.finish * 1e3:.3g} ms into the step instead of {self.cpu_finish * 1e3:.3g} ms, predicted "
                 f"saving {self.saving * 1e3:.3g} ms per step")
 
@@ -116,7 +130,10 @@ def finish_times(units: Sequence[Unit], on_device: Iterable[str], rates: LaneRat
     last_ready = max((u.ready for u in units), default=0.0)
     ends: dict[str, float] = {}
     workers = [0.0] * rates.cpu_workers  # a heap of the workers' free times
-    for u in sorted((u for u in units if u.name not in on_device), key=lambda u: u.ready):
+    # validating first, the CPU lane takes the units in the order they are due (the window's next
+    # forward; all at once in the pipeline), then as they came home
+    order = (lambda u: u.ready) if speculative else (lambda u: (u.due, u.ready))
+    for u in sorted((u for u in units if u.name not in on_device), key=order):
         start = max(u.ready if speculative else last_ready, heapq.heappop(workers))
         ends[u.name] = start + cpu_seconds(u.numel, rates)
         heapq.heappush(workers, ends[u.name])
@@ -129,6 +146,13 @@ def finish_times(units: Sequence[Unit], on_device: Iterable[str], rates: LaneRat
         d2h = max(step, d2h) + t_out
         ends[u.name] = d2h
     return ends
+
+
+def holds_until(units: Sequence[Unit], ends: dict[str, float], on_device: Iterable[str]) -> float:
+    """When the optimizer stops holding the next passes (the module doc's figure of merit)."""
+    on_device = set(on_device)
+    late = [ends[u.name] if u.name in on_device else ends[u.name] - u.due for u in units]
+    return max([max((u.ready for u in units), default=0.0), *late])
 
 
 def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, speculative: bool = True) -> Placement:
@@ -144,8 +168,9 @@ def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, specul
         raise ValueError(f"place: unit names must be unique, got {names}")
 
     def finish(on: Iterable[str]) -> tuple[float, dict[str, float]]:
+        on = list(on)
         ends = finish_times(units, on, rates, device_idle=device_idle, speculative=speculative)
-        return max(ends.values()), ends
+        return holds_until(units, ends, on), ends
 
     cpu_finish, ends = finish(())
     # the k units ready last, for every k (one move alone may gain nothing while two do: the CPU

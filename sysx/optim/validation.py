@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from sysx.dist import group_timeout_s, wait_for
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import StageOptimizer, StageReport
 from sysx.optim.threads import OptimizerThreads
+
+if TYPE_CHECKING:
+    from sysx.optim.device_lane import DeviceLane
 
 CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
@@ -229,12 +232,16 @@ def load_and_check(
     return check_reports(reports, scaler, max_grad_norm=max_grad_norm, group=group)
 
 
-def apply_checked(stage: StageOptimizer, outcome: StepOutcome, lr: float) -> None:
-    """The apply part of validate-first: clip and step ``stage`` as ``outcome`` decided (nothing when skipped)."""
+def apply_checked(stage: StageOptimizer, outcome: StepOutcome, lr: float, lane: DeviceLane | None = None) -> None:
+    """The apply part of validate-first: clip and step ``stage`` as ``outcome`` decided (nothing when
+    skipped), on the device ``lane`` when one is given (:mod:`sysx.optim.device_lane`)."""
     if outcome.skipped:
         return
     stage.scale_grads(outcome.clip_coef)
-    stage.apply(lr, final=True)
+    if lane is None:
+        stage.apply(lr, final=True)
+    else:
+        stage.apply_on(lane, lr)
 
 
 def sync_step(

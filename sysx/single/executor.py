@@ -221,6 +221,11 @@ class SlidingWindowExecutor:
         if self.trace is not None:
             self.trace.append(("executor", op, -1, key))
 
+    def idle_between_steps(self) -> torch.Tensor:
+        """Device bytes no one reads between a step's end and the next forward: the activation ring
+        (the backward consumed every saved activation), lent to the optimizer's device lane."""
+        return self.arena.region("activation ring")
+
     def device_bytes(self) -> dict[str, int]:
         """Bytes of every arena region (the whole preallocated working set)."""
         return self.arena.describe()

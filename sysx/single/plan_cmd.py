@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from sysx.config.choices import HARDWARE, OVERLAPS, POLICIES, PRECISIONS
+from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISIONS
+
+if TYPE_CHECKING:
+    from sysx.single.planner import SinglePlan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--round-sequences", type=int, default=0)
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--seq-chunk", type=int, default=0, help="tokens per sequence chunk (0 = auto, seq-len = never chunk)")
+    p.add_argument("--placement", default="cpu", choices=PLACEMENTS,
+                   help="also print the optimizer placement model's split (optim.placement; cpu: nothing)")
+    p.add_argument("--cpu-adam-mparams", type=float, default=0.0,
+                   help="CPU Adam Mparams/s per worker for --placement (0 = measured on this machine)")
     return p
 
 
@@ -72,7 +80,19 @@ def main(argv: list[str]) -> int:
         print(f"sysx plan-single: refused: {err}", file=sys.stderr)
         return 2
     print(plan.render())
+    if args.placement != "cpu":
+        print(_placement_line(plan, args.placement, args.overlap != "forward", args.cpu_adam_mparams * 1e6))
     return 0
+
+
+def _placement_line(plan: SinglePlan, mode: str, speculative: bool, cpu_params_per_s: float) -> str:
+    """The window's optimizer split under ``optim.placement=mode`` (:mod:`sysx.single.lanes`); a
+    preset's device counts as a separate processor."""
+    from sysx.single.lanes import plan_groups, window_placement
+
+    placed, units = window_placement(mode, plan, plan_groups(plan), separate_device=plan.hardware.kind == "cuda",
+                                     speculative=speculative, cpu_params_per_s=cpu_params_per_s or None)
+    return f"optim.placement={mode}: {placed.describe(units)}"
 
 
 if __name__ == "__main__":

@@ -25,12 +25,19 @@ forward waits per block for that block's work. Each step's :class:`~sysx.metrics
 says whether it speculated, how many groups were rolled back and re-stepped, and ``opt_exposed_s``:
 the time the main thread waited for optimizer work in that step (after its last backward, and
 before a block's load for the previous step's deferred steps and re-steps).
+
+Optimizer placement (``optim.placement``, Deep Optimizer States; :mod:`sysx.single.lanes`): the
+groups the model puts on the device lane (those home last and needed first by the next forward:
+the Embedding+Head, the first blocks) are only loaded and checked on the workers, and step on the
+device after the decision, on the main thread, in forward order (:mod:`sysx.optim.device_lane`);
+so they are never rolled back or re-stepped, as in the pipeline.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +48,11 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.device_memory import MemoryCap
 from sysx.metrics import StepResult
+from sysx.memory import plan_host_memory
+from sysx.model.flops import param_count
+from sysx.optim.device_lane import DeviceLane
+from sysx.optim.rollback_choice import choose_rollback
+from sysx.optim.placement import LaneRates, Placement
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
@@ -49,6 +61,7 @@ from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
 from sysx.trainers.prediction import SinglePrediction
 from sysx.single.host import HostState
+from sysx.single.lanes import WORKERS, window_placement
 from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
 from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
@@ -77,6 +90,7 @@ class SingleTrainer(Trainer):
         single: SingleSection | None = None,
         hardware: HardwareProfile | None = None,
         optimizer_backend: str | None = None,
+        lane_rates: LaneRates | None = None,
     ) -> None:
         if single is not None:
             single.validate()  # an explicit override; cfg.single was checked with the whole config
@@ -98,35 +112,71 @@ class SingleTrainer(Trainer):
         self.memory_cap = MemoryCap(self.device, request.device_budget_bytes)  # restored by close()
         self.prediction = SinglePrediction(self.plan, self.device)
         try:
-            self._build(cfg, optimizer_backend, model)
+            self._build(cfg, optimizer_backend, model, lane_rates)
         except BaseException:
             self.memory_cap.close()
             raise
         dev.reset_peak_memory(self.device)
 
-    def _build(self, cfg: SysxConfig, optimizer_backend: str | None, model: LlamaModel | None) -> None:
-        """The host state, the executor and the optimizer threads."""
+    def _build(self, cfg: SysxConfig, optimizer_backend: str | None, model: LlamaModel | None,
+               lane_rates: LaneRates | None) -> None:
+        """The host state, the executor, the optimizer threads and the optimizer's placement."""
         o = cfg.optim
         settings = OptimSettings(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
-                                 grad_clip=o.grad_clip, backend=optimizer_backend or o.backend)
+                                 grad_clip=o.grad_clip, backend=optimizer_backend or o.backend,
+                                 rollback=self._choose_rollback(o.rollback))
         self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
-        # two workers: one group's norms are taken while another steps (at most two fp32 gradient temporaries)
-        self.threads = OptimizerThreads(self.host.stages, workers=2, name="sysx-single-opt", device=self.device)
-        if o.placement == "split":  # optim.placement=auto keeps the CPU lane here
-            raise ConfigError("optim.placement=split places pipeline sub-stages only; the sliding window steps every "
-                              "block on the CPU: use optim.placement=auto or cpu with schedule=single")
+        self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
         try:
             mode = window_mode(self.settings.optimizer_overlap, o.speculate)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.policy = SpeculationPolicy(mode, o.speculate_after, can_veto=o.grad_clip > 0 or cfg.precision == "fp16")
+        self.on_device: tuple[str, ...] = ()  # groups the device lane steps, in forward order
+        self.lane: DeviceLane | None = None
+        self.placement = self._place_optimizer(settings.backend, lane_rates)
         self.redone_steps = 0
         self.speculated_steps = 0
         self._waited = 0.0  # main-thread seconds blocked on optimizer work in the current step
         self.window = StepWindow(cfg.profile, self.device, 0, compute=self.executor.compute)
         self.executor.recorder = self.threads.recorder = self.window.recorder
         self._measurements: dict[str, dict[str, float]] = {}
+
+    def _choose_rollback(self, requested: str) -> str:
+        """``optim.rollback`` checked against this host's memory with the window's host state (every
+        group on this process), ``auto`` resolved and said."""
+        numel = param_count(self.model_cfg)
+        mode, why = choose_rollback(requested, lambda r: plan_host_memory([(numel, self.dtype)], rollback=r))
+        if why:
+            print(why, flush=True)
+        return mode
+
+    def _place_optimizer(self, backend: str, rates: LaneRates | None) -> Placement:
+        """``optim.placement``: which groups step on the device lane (:mod:`sysx.single.lanes`),
+        printed once with the model's predicted saving."""
+        o = self.cfg.optim
+        placement, units = window_placement(
+            o.placement, self.plan, [(g.name, g.layout.numel) for g in self.host.groups],
+            separate_device=dev.is_cuda(self.device), speculative=self.policy.mode != "never",
+            backend="torch" if backend == "torch" else "auto", rates=rates)
+        if placement.device:
+            self.use_device_lane(placement.device)
+        if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
+            print(f"optim.placement={o.placement}: {placement.describe(units)}", flush=True)
+        return placement
+
+    def use_device_lane(self, names: Sequence[str], lane: DeviceLane | None = None) -> None:
+        """Step the groups ``names`` on ``lane`` (default: one on this job's device, in the activation
+        ring, idle then) after every decision, beside the CPU lane's (re-)steps."""
+        forward = [g.name for g in (self.host.static, *self.host.groups[:-1])]
+        unknown = sorted(set(names) - set(forward))
+        if unknown:
+            raise ValueError(f"use_device_lane: no group named {', '.join(unknown)} (groups: {', '.join(forward)})")
+        if self.lane is not None:
+            self.lane.close()
+        self.on_device = tuple(n for n in forward if n in names)  # the next forward needs them in this order
+        self.lane = lane if lane is not None else DeviceLane(self.device, self.executor.idle_between_steps())
 
     # ------------------------------------------------------------------------------------ pieces
     @property
@@ -164,7 +214,7 @@ class SingleTrainer(Trainer):
 
         def on_grads(g: int, event: dev.Event) -> None:
             group = groups[g]
-            if speculate:
+            if speculate and group.name not in self.on_device:  # the device lane steps after the decision
                 self.threads.submit_step(group.name, group.grad, event, scale=scale, lr=lr)
             else:
                 self.threads.submit_load(group.name, group.grad, event, scale=scale)
@@ -179,7 +229,7 @@ class SingleTrainer(Trainer):
         clean = not outcome.overflow and outcome.clip_coef == 1.0
         self.policy.record(clean=clean)
         if self.policy.speculate():  # rollback=exact: the spares refresh behind the decided jobs, into the next forward
-            self.threads.refresh_spares([g.name for g in self.host.stages])
+            self.threads.refresh_spares([g.name for g in self.host.stages if g.name not in self.on_device])
         if speculate:
             self.speculated_steps += 1
             self.redone_steps += not clean
@@ -229,12 +279,17 @@ class SingleTrainer(Trainer):
         reports = sorted(reports, key=lambda r: forward[r.stage])
         clip = self.cfg.optim.grad_clip
         if speculate:
-            return post_step_validate(reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip,
-                                      total_norm=self.host.grad_norm, wait=False)
-        outcome = check_reports(reports, self.scaler, max_grad_norm=clip, total_norm=self.host.grad_norm)
-        if not outcome.skipped:
-            for r in reports:
-                self.threads.submit(lambda stage: apply_checked(stage, outcome, lr), r.stage, "step")
+            outcome = post_step_validate(reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip,
+                                         total_norm=self.host.grad_norm, wait=False)
+        else:
+            outcome = check_reports(reports, self.scaler, max_grad_norm=clip, total_norm=self.host.grad_norm)
+            if not outcome.skipped:
+                for r in reports:
+                    if r.stage not in self.on_device:
+                        self.threads.submit(lambda stage: apply_checked(stage, outcome, lr), r.stage, "step")
+        by_name = {g.name: g.optimizer for g in self.host.groups}
+        for name in self.on_device:  # on the main thread, beside the workers' jobs on the other groups
+            apply_checked(by_name[name], outcome, lr, self.lane)
         return outcome
 
     def evaluate(self, batches: int | None = None) -> float:
@@ -294,6 +349,8 @@ class SingleTrainer(Trainer):
         finally:
             try:
                 self.threads.close()
+                if self.lane is not None:
+                    self.lane.close()
                 self.executor.close()
                 self.host.close()
             finally:

@@ -1,0 +1,83 @@
+"""``optim.placement`` for the sliding window: the inputs of :func:`sysx.optim.placement.choose`.
+
+The window's timeline, from its plan (:attr:`SinglePlan.times`): the last round's backward runs
+the blocks in reverse, one every ``bwd`` seconds (the round's time less its forward, per block),
+and each block's gradients are home ``t_grad`` after its pass; the Embedding+Head group is home
+when the backward ends, and so the device is idle from then until the next forward, which waits
+for the decision. Validating first, the groups step into the next forward, which needs the
+Embedding and the first ``W`` blocks at once and block ``k >= W`` only after block ``k - W``
+ran: that is each group's ``due``. Speculating, every step ends before the decision (``due`` 0).
+
+The rates are the plan's hardware profile's (copies, device memory bandwidth; measured on this
+machine or assumed) and this machine's CPU Adam throughput, shared by the window's workers. The
+device lane works in the activation ring, idle between steps, or in what the plan leaves free. On a
+CPU-only job the "device" is the host, so ``auto`` keeps the CPU lane without measuring; ``split``
+runs the model all the same (and the device lane's code path on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sysx.optim.placement import LaneRates, Placement, Unit, choose
+from sysx.single.hardware import HardwareProfile
+from sysx.single.planner import SinglePlan
+
+# the window's CPU Adam workers: one group's norms are taken while another steps (at most two fp32
+# gradient temporaries)
+WORKERS = 2
+
+
+def window_units(plan: SinglePlan, groups: Sequence[tuple[str, int]], *, speculative: bool) -> tuple[list[Unit], float]:
+    """``groups``: ``(name, numel)`` of the blocks in order, then the Embedding+Head; returns the
+    units (ready times from the plan's step, see the module doc) and when the device falls idle."""
+    *blocks, (static, static_numel) = groups
+    t = plan.times
+    n, step = len(blocks), float(t["step_s"])
+    fwd = float(t["block_fwd_round_s"])
+    bwd = max(step / max(plan.rounds, 1) - n * fwd, 0.0) / max(n, 1)
+    start = step - n * bwd  # the last round's backward
+    units = []
+    for k, (name, numel) in enumerate(blocks):
+        due = 0.0 if speculative else max(0, k - plan.window + 1) * fwd
+        units.append(Unit(name, numel, start + (n - k) * bwd + float(t["t_grad_s"]), due))
+    units.append(Unit(static, static_numel, step))
+    return units, step
+
+
+def plan_groups(plan: SinglePlan) -> list[tuple[str, int]]:
+    """The window's groups as the trainer names them, with their parameters (from the plan's sizes)."""
+    sizes = plan.sizes
+    blocks = [(f"block{k}", sizes.block_params) for k in range(sizes.n_blocks)]
+    return [*blocks, ("embedding+head", sizes.static_params)]
+
+
+def window_rates(hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str,
+                 cpu_params_per_s: float | None = None) -> LaneRates:
+    """The plan's copy and device-memory rates, the device memory the lane may use (the activation
+    ring and what the working set leaves free), and the CPU Adam throughput per worker:
+    ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
+    from sysx.optim.bench import adam_params_per_s
+
+    per_worker = cpu_params_per_s or adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
+    return LaneRates(cpu_params_per_s=per_worker, cpu_workers=workers, h2d_bytes_per_s=hw.h2d_bytes_per_s,
+                     d2h_bytes_per_s=hw.d2h_bytes_per_s, device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
+                     device_free_bytes=float(plan.device_budget - plan.device_bytes["total"]
+                                             + plan.device_bytes["activation ring"]))
+
+
+def window_placement(mode: str, plan: SinglePlan, groups: Sequence[tuple[str, int]], *, separate_device: bool,
+                     speculative: bool, backend: str = "auto", rates: LaneRates | None = None,
+                     cpu_params_per_s: float | None = None) -> tuple[Placement, list[Unit]]:
+    """The window's groups placed under ``optim.placement=mode`` and the units placed;
+    ``separate_device``: the device is not the host (a GPU); ``rates``: given instead of the
+    plan's and the measured ones (``cpu_params_per_s``: given instead of the measured CPU Adam)."""
+    units, idle = window_units(plan, groups, speculative=speculative)
+    if mode == "cpu" or (mode == "auto" and not separate_device):
+        return Placement((), 0.0, 0.0, {}), units
+    if rates is None:
+        rates = window_rates(plan.hardware, plan, workers=WORKERS, backend=backend, cpu_params_per_s=cpu_params_per_s)
+    return choose(mode, units, rates, device_idle=idle, speculative=speculative,
+                  separate_device=separate_device), units
