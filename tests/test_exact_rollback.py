@@ -1,17 +1,18 @@
-"""optim.rollback=exact: the out-of-place kernel against DeepSpeedCPUAdam bit for bit, rollback by
-switching buffers, the torch fallback, and the fp32 master that is its own working copy.
-
-The kernel is never skipped: the first test that needs it builds it into the per-venv cache
-(some 10-60 s, once) and fails loudly if that is impossible.
+"""optim.rollback=exact: the backend's in-place step on a spare set, against DeepSpeedCPUAdam bit for
+bit with rollbacks interleaved; rollback by not switching; the spare's refresh (in the background,
+synchronously when none ran, never over a step that can still be undone); the fp32 master that is
+its own working copy; the host budget and the bench.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
 from sysx.optim import CpuAdam, StageOptimizer
-from sysx.optim.formula import BetaPowers, Hyper, constants
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -37,14 +38,15 @@ def _unaligned(n: int, offset: int, values: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("numel,offset", [
     (10_007, 0),  # scalar tail of 7 (not a multiple of the 16 or 8 lanes)
-    (128 * 40 + 16 * 3 + 5, 0),  # span-8 blocks, single vectors and a tail
     (13, 0),  # tail only
-    ((1 << 20) + 37, 0),  # two kernel chunks
-    (4099, 3),  # the caller's parameters 12 bytes off alignment: normal stores every other step
+    ((1 << 20) + 37, 0),  # two DeepSpeed chunks
+    (4099, 3),  # the caller's parameters 12 bytes off alignment
 ])
-def test_kernel_equals_deepspeed_cpu_adam_over_100_steps(numel: int, offset: int) -> None:
-    """fp32 master, AdamW, bias correction and weight decay on, a changing lr: p, m, v equal
-    deepspeed.ops.adam.DeepSpeedCPUAdam's bit for bit after every step."""
+def test_exact_equals_deepspeed_cpu_adam_over_100_steps(numel: int, offset: int) -> None:
+    """fp32 master, AdamW, bias correction and weight decay on, a changing lr, and every fifth step a
+    spike that is rolled back: p, m, v equal those of deepspeed.ops.adam.DeepSpeedCPUAdam that skipped
+    the rolled-back steps, bit for bit, whether the spare was refreshed after the decision, refreshed
+    by the next step itself, or not needed (a final step after its validation)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from sysx.optim.deepspeed_backend import load_op
@@ -57,17 +59,26 @@ def test_kernel_equals_deepspeed_cpu_adam_over_100_steps(numel: int, offset: int
                            adamw_mode=True, fp32_optimizer_states=True)
     opt = CpuAdam(_unaligned(numel, offset, p0), backend="deepspeed", rollback="exact", **HYPER)
     assert opt.backend == "deepspeed" and opt.rollback_bytes == 12 * numel
+    rolled_back = 0
     for step in range(100):
         lr = 1e-3 * (1 + step % 10) / 10
+        if step % 5 == 4:  # speculative step on a spike, vetoed: the reference never takes it
+            before = _state(opt)
+            opt.step(torch.randn(numel, generator=gen) * 1e3, lr=5e-2)
+            opt.undo()
+            assert _same(_state(opt), before), f"rollback at step {step}"
+            rolled_back += 1
         g = torch.randn(numel, generator=gen) * (1e-2 if step % 7 else 1.0)
         ref_p.grad = g.clone()
         ref.param_groups[0]["lr"] = lr
         ref.step()
-        opt.step(g, lr=lr)
+        opt.step(g, lr=lr, final=step % 3 == 2)
+        if step % 2:
+            opt.refresh(opt.step_stamp)  # the decision kept it: the background refresh (here inline)
         st = ref.state[ref_p]
         want = [ref_p.detach(), st["exp_avg"], st["exp_avg_sq"]]
-        if step % 9 == 0 or step == 99:  # every step would only cost time; these cover both buffer sets
-            assert _same(_state(opt), want), f"step {step + 1} differs from DeepSpeedCPUAdam"
+        assert _same(_state(opt), want), f"step {step + 1} differs from DeepSpeedCPUAdam"
+    assert rolled_back == 20 and opt.step_count == 100
     opt.close()
 
 
@@ -122,8 +133,9 @@ def test_rollback_right_after_a_rollback_and_on_either_buffer_set() -> None:
         opt.undo()
 
 
-def test_torch_fallback_equals_the_in_place_torch_backend() -> None:
-    """backend=torch: the out-of-place ops give the in-place torch backend's values bit for bit."""
+def test_torch_backend_exact_equals_its_plain_steps() -> None:
+    """backend=torch: the exact mode's steps (on the spare, or final on the current set) are the
+    torch backend's in-place steps, bit for bit."""
     gen = torch.Generator().manual_seed(9)
     n = (1 << 18) + 333  # two torch chunks
     p0 = torch.randn(n, generator=gen)
@@ -131,23 +143,99 @@ def test_torch_fallback_equals_the_in_place_torch_backend() -> None:
     b = CpuAdam(p0.clone(), backend="torch", rollback="undo", **HYPER)
     for k in range(12):
         g = torch.randn(n, generator=gen) * 1e-2
-        a.step(g, lr=1e-3 / (k + 1))
+        a.step(g, lr=1e-3 / (k + 1), final=k % 4 == 3)
         b.step(g, lr=1e-3 / (k + 1))
     assert _same(_state(a), _state(b))
 
 
-def test_auto_falls_back_to_torch_loudly_when_the_kernel_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sysx.optim import exact_kernel
+def test_a_refresh_never_overwrites_a_step_that_can_still_be_undone() -> None:
+    """A refresh queued for a decision that a newer speculative step overtook does nothing, so
+    that step's rollback still restores the state before it; the spare is refreshed later."""
+    gen = torch.Generator().manual_seed(17)
+    n = 513
+    opt = CpuAdam(torch.randn(n, generator=gen), backend="torch", rollback="exact", **HYPER)
+    opt.step(torch.randn(n, generator=gen))
+    decided = opt.step_stamp  # the validation keeps step 1 (its refresh is queued, not run yet)
+    kept = _state(opt)
+    opt.step(torch.randn(n, generator=gen))  # step 2 ran first: it refreshed the spare itself
+    assert not opt.refresh(decided) and not opt.refresh()  # late: step 2 may still be undone
+    opt.undo()
+    assert _same(_state(opt), kept) and opt.step_count == 1
+    assert opt.refresh() and not opt.refresh()  # after the undo: one copy, then nothing to do
 
-    def broken() -> None:
-        raise exact_kernel.ExactKernelUnavailable("simulated: no compiler")
 
-    monkeypatch.setattr(exact_kernel, "load_kernel", broken)
-    with pytest.warns(RuntimeWarning, match="FALLING BACK to torch out-of-place ops.*simulated"):
-        opt = CpuAdam(torch.zeros(4), lr=1e-3, backend="auto", rollback="exact")
-    assert opt.backend == "torch"
-    with pytest.raises(exact_kernel.ExactKernelUnavailable, match="simulated"):
-        CpuAdam(torch.zeros(4), lr=1e-3, backend="deepspeed", rollback="exact")
+def test_the_workers_refresh_in_the_background_and_the_next_step_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``refresh_spares`` runs the copy on a worker, unwaited by ``wait_stage`` (a block's load must
+    not wait for it); the stage's next step waits for it (one copy, not two) and equals plain steps."""
+    from sysx.optim import OptimizerThreads
+    from sysx.optim.exact import ExactState
+
+    gate, copies = threading.Event(), []
+    copy = ExactState._copy
+
+    def slow_copy(self: ExactState) -> None:
+        copies.append(time.perf_counter())
+        assert gate.wait(30)
+        copy(self)
+
+    monkeypatch.setattr(ExactState, "_copy", slow_copy)
+    gen = torch.Generator().manual_seed(19)
+    n = 2049
+    master = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(2)]
+    stage = StageOptimizer("s", master.clone(), backend="torch", rollback="exact",
+                           target=torch.empty(n, dtype=torch.bfloat16), **HYPER)
+    ref = CpuAdam(master.clone(), backend="torch", rollback="undo", **HYPER)
+    with OptimizerThreads([stage], workers=2) as threads:
+        threads.submit_step("s", grads[0], None, lr=1e-3)
+        threads.wait()
+        threads.refresh_spares(["s"])  # the decision: keep it
+        threads.wait_stage("s")  # returns although the copy is held at the gate
+        deadline = time.perf_counter() + 30
+        while not copies and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert len(copies) == 1 and not gate.is_set()
+        step = threads.submit_step("s", grads[1], None, lr=1e-3)
+        time.sleep(0.2)
+        assert not step.done()  # it waits for the refresh
+        gate.set()
+        threads.wait()
+    assert len(copies) == 1
+    for g in grads:
+        ref.step(g, lr=1e-3)
+    assert _same(_state(stage.optimizer), _state(ref))
+    stage.close()
+
+
+def test_the_current_set_written_from_outside_is_what_the_next_step_reads() -> None:
+    """A checkpoint restore (write the current set, then resume_at) and a device-lane step (written
+    in place on the current set) leave the spare stale: the next speculative step refreshes it."""
+    from sysx.optim.device_lane import DeviceLane
+
+    gen = torch.Generator().manual_seed(23)
+    n = 4000
+    a = CpuAdam(torch.randn(n, generator=gen), backend="torch", rollback="exact", **HYPER)
+    b = CpuAdam(a.param.clone(), backend="torch", rollback="undo", **HYPER)
+    g = torch.randn(n, generator=gen)
+    for opt in (a, b):
+        opt.step(g)
+    assert a.refresh(a.step_stamp)
+    saved = [torch.randn(n, generator=gen) for _ in range(3)]
+    for opt in (a, b):  # a restore
+        for t, v in zip((opt.param, opt.exp_avg, opt.exp_avg_sq), saved):
+            t.copy_(v.abs() if t is opt.exp_avg_sq else v)
+        opt.resume_at(7)
+        opt.step(g)
+    assert _same(_state(a), _state(b))
+    lane = DeviceLane("cpu")  # the device lane's real path: copies in, steps, copies back in place
+    for opt in (a, b):
+        lane.step(opt, g, lr=1e-3)
+        opt.step(g)
+    assert _same(_state(a), _state(b))
+    copies = a.inline_refreshes
+    for opt in (a, b):  # the emulated device's lane: a final host step, on the current set
+        DeviceLane(None).step(opt, g, lr=1e-3)
+    assert _same(_state(a), _state(b)) and a.inline_refreshes == copies and not a.can_undo
 
 
 def test_an_fp32_master_that_is_the_working_copy_stays_current() -> None:
@@ -168,24 +256,6 @@ def test_an_fp32_master_that_is_the_working_copy_stays_current() -> None:
         s.load_grads(torch.randn(n, generator=gen))
         s.apply(1e-3)
         assert torch.equal(home, s.master), k
-
-
-def test_kernel_streams_into_aligned_and_unaligned_views_alike() -> None:
-    """Destinations at every 4-byte offset within a vector give the aligned run's bits."""
-    from sysx.optim.exact_kernel import load_kernel, step_into
-
-    op = load_kernel()
-    gen = torch.Generator().manual_seed(21)
-    n = 1000
-    src = tuple(torch.randn(n, generator=gen).abs() for _ in range(3))
-    g = torch.randn(n, generator=gen)
-    c = constants(1, 1e-3, Hyper(0.9, 0.95, 1e-8, 0.1), BetaPowers(0.9, 0.95))
-    want = tuple(torch.empty(n) for _ in range(3))
-    step_into(op, src, g, want, c)  # type: ignore[arg-type]
-    for offset in range(1, 16):
-        dst = tuple(torch.zeros(n + offset)[offset:] for _ in range(3))
-        step_into(op, src, g, dst, c)  # type: ignore[arg-type]
-        assert _same(list(dst), list(want)), offset
 
 
 def test_the_host_budget_counts_the_exact_buffers() -> None:
@@ -245,7 +315,7 @@ def test_config_accepts_the_rollback_values_and_names_them_on_a_typo() -> None:
 
 
 def test_bench_optim_prints_one_json_line_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
-    """``sysx bench optim --size ... --json``: the four medians and the machine (no timing asserted)."""
+    """``sysx bench optim --size ... --json``: the five medians and the machine (no timing asserted)."""
     import json
 
     from sysx.cli import main
@@ -255,34 +325,14 @@ def test_bench_optim_prints_one_json_line_and_a_table(capsys: pytest.CaptureFixt
     assert len(lines) == 1
     r = json.loads(lines[0])
     assert r["size"] == 20_000 and r["threads"] == 1 and r["exact_backend"] == "deepspeed"
-    for key in ("step_ms", "exact_step_ms", "snapshot_step_ms", "undo_ms"):
+    for key in ("step_ms", "exact_step_ms", "exact_refresh_ms", "snapshot_step_ms", "undo_ms"):
         assert r[key] > 0, key
     assert set(r["machine"]) >= {"cpu", "avx2", "avx512", "cores", "load_avg_1m"}
     assert main(["bench", "optim", "--size", "20K", "--repeat", "1", "--warmup", "0"]) == 0
     table = capsys.readouterr().out
-    assert "| exact: out-of-place step into the second set |" in table and "x plain" in table
+    assert "| exact: DeepSpeed's in-place step on the spare set (critical path) |" in table and "x plain" in table
+    assert "off the critical path" in table
     assert main(["bench", "optim", "--size", "lots"]) == 2
     assert "--size 'lots' is not valid" in capsys.readouterr().err
 
 
-def test_kernel_with_two_openmp_threads_equals_one() -> None:
-    """The OpenMP path (optimizer workers with several threads) splits blocks, never changes a bit."""
-    from sysx.optim.exact_kernel import load_kernel, step_into
-
-    op = load_kernel()
-    gen = torch.Generator().manual_seed(8)
-    n = 128 * 1000 + 21
-    src = tuple(torch.randn(n, generator=gen).abs() for _ in range(3))
-    g = torch.randn(n, generator=gen)
-    c = constants(3, 1e-3, Hyper(0.9, 0.95, 1e-8, 0.1), BetaPowers(0.9, 0.95))
-    outs = []
-    saved = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            dst = tuple(torch.empty(n) for _ in range(3))
-            step_into(op, src, g, dst, c)  # type: ignore[arg-type]
-            outs.append(list(dst))
-    finally:
-        torch.set_num_threads(saved)
-    assert _same(outs[0], outs[1])

@@ -123,6 +123,36 @@ def test_optimizer_pipeline_modes_match_reference(overlap: str, clip: float) -> 
     assert clip == 0 or clipped > 0  # the clipping path was exercised
 
 
+def test_window_takes_optim_rollback_and_refreshes_exact_spares(capsys: pytest.CaptureFixture[str]) -> None:
+    """``optim.rollback`` reaches the window's groups (``auto`` resolved against this host and said);
+    the decision queues each group's rollback=exact spare refresh behind its decided job: with every
+    step clipped, each speculative step undone and stepped again, the run equals a snapshot run bit
+    for bit, and no step had to refresh its spare itself (every refresh ran in the background)."""
+    import dataclasses
+
+    single = SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap="backward",
+                           print_plan=False)
+    runs = {}
+    for rollback in ("snapshot", "exact", "auto"):
+        cfg = make_cfg(grad_clip=1e-3)
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, rollback=rollback))
+        trainer = SingleTrainer(cfg, single=single, hardware=HW, optimizer_backend="torch", device="cpu")
+        try:
+            results = trainer.run(STEPS)
+            state = trainer.state_dict()
+            modes = {s.optimizer.rollback for s in trainer.host.stages}
+            inline = sum(s.optimizer.inline_refreshes for s in trainer.host.stages)
+        finally:
+            trainer.close()
+        assert modes == ({"exact"} if rollback == "auto" else {rollback})  # a tiny model fits any host
+        assert trainer.redone_steps == STEPS  # every step was rolled back and stepped again
+        runs[rollback] = ([r.loss for r in results], state, inline)
+    assert "optim.rollback=auto -> exact" in capsys.readouterr().out
+    (loss_a, state_a, _), (loss_b, state_b, inline) = runs["snapshot"], runs["exact"]
+    assert loss_a == loss_b and inline == 0
+    assert all(torch.equal(state_a[k].view(torch.int32), state_b[k].view(torch.int32)) for k in state_a)
+
+
 def test_a_different_split_keeps_the_global_batch() -> None:
     """Chunks of 1 sequence instead of the reference's micro-batches of 2: the same sequences and loss;
     the gradients differ only by summation order, so parameters agree to Adam-amplified rounding."""
@@ -335,3 +365,22 @@ def test_plan_command(capsys) -> None:
     assert main(["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "rtx4090",
                  "--device-gb", "1.5"]) == 2
     assert "Raise single.device_memory_gb" in capsys.readouterr().err
+
+
+def test_window_exact_rollback_speculating_equals_validating_first() -> None:
+    """With every step clipped, ``speculate=always`` (each step undone by switching sets and stepped
+    again, clipped) ends bit for bit where ``speculate=never`` (one clipped step) does, under
+    ``rollback=exact``: no clipped step stays applied unclipped, and the rollback leaves no trace."""
+    import dataclasses
+
+    runs = {}
+    for speculate in ("always", "never"):
+        cfg = make_cfg(grad_clip=1e-3)
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, rollback="exact", speculate=speculate))
+        single = SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, print_plan=False)
+        results, state, trainer = run_single(cfg, single)
+        assert trainer.redone_steps == (STEPS if speculate == "always" else 0)
+        runs[speculate] = ([r.loss for r in results], state)
+    (loss_a, state_a), (loss_b, state_b) = runs["always"], runs["never"]
+    assert loss_a == loss_b
+    assert all(torch.equal(state_a[k].view(torch.int32), state_b[k].view(torch.int32)) for k in state_a)

@@ -128,7 +128,7 @@ class ScheduleSection:
 
     name: str = "auto"
     stages_per_rank: Optional[int] = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
-    split: Optional[int] = None  # sysx: backward sub-stages per forward stage d (null: 3 when possible, else 2, else 1)
+    split: Optional[int] = None  # sysx: backward sub-stages per forward stage d (null: 3 when possible (2 with cfg=1), else 2, else 1)
     cfg: int = 3  # sysx ablation (paper Table 3): 0 decoupled passes, 1 +sub-stages, 2 +async ckpts, 3 +async optimizer
     param_buffers: int = 2  # device parameter buffers per rank (2 = current + prefetch)
     stage_sizes: Optional[list[int]] = None  # manual partition: flat layers (embedding, blocks, head) per forward stage

@@ -29,7 +29,8 @@ from sysx.schedule.simulate import Timeline, simulate
 
 # An undo's time in steps of the same stage, by optim.rollback (profiling/RESULTS.md "Rollback
 # cost", DeepSpeed at 50M elements: undo 215.8 ms vs a step 26.7 ms; snapshot restores p, m, v
-# by a copy like the one its step adds, +38.0 ms; exact rolls back by not switching its sets)
+# by a copy like the one its step adds, +38.0 ms; exact rolls back by not switching its sets, and
+# refreshes its spare set in the background, which is not modelled)
 UNDO_STEPS = {"undo": 8.1, "snapshot": 1.4, "exact": 0.0}
 
 

@@ -1,8 +1,8 @@
 """Host-side optimizer: CPU Adam with exact undo, loss scaling, LR schedule, per-stage threads.
 
 * :class:`CpuAdam` - AdamW over one flat fp32 buffer (DeepSpeed or torch backend), ``undo``;
-  rollback modes ``undo`` / ``snapshot`` / ``exact`` (:mod:`sysx.optim.exact`: two buffer sets and an
-  out-of-place kernel, :mod:`sysx.optim.exact_kernel`); ``auto`` is resolved against the host budget
+  rollback modes ``undo`` / ``snapshot`` / ``exact`` (:mod:`sysx.optim.exact`: two buffer sets, the
+  backend's in-place step on the spare, a background refresh); ``auto`` is resolved against the host budget
   by :mod:`sysx.optim.rollback_choice`; ``sysx bench optim`` times them (:mod:`sysx.optim.bench_modes`);
 * :class:`StageOptimizer`, :class:`OptimizerThreads` - one sub-stage's optimizer and the
   worker threads that step sub-stages as their gradients arrive;

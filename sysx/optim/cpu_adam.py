@@ -11,12 +11,15 @@ The backend and its SIMD width are logged when the first optimizer of a process 
 
 Rollback (:mod:`sysx.optim.undo`): ``undo`` inverts the step arithmetically (no memory; error of
 about one fp32 ulp, see that module), ``snapshot`` copies ``p, m, v`` before every step (12 bytes
-per parameter; bit-exact), ``exact`` (:mod:`sysx.optim.exact`) steps out of place into a second
-``(p, m, v)`` set and undoes by switching back (12 bytes per parameter; bit-exact; the time of a
-plain step). With ``exact``, :attr:`CpuAdam.param`, :attr:`~CpuAdam.exp_avg` and
-:attr:`~CpuAdam.exp_avg_sq` are the *current* set: after a step they may be other tensors than the
-ones given (read them through the optimizer). Either way :meth:`CpuAdam.undo` also restores the
-step counter and the learning rate of the undone step. Only the last step can be undone.
+per parameter; bit-exact), ``exact`` (:mod:`sysx.optim.exact`) runs the backend's in-place step on
+a spare ``(p, m, v)`` set holding a copy of the current one and undoes by switching back (12 bytes
+per parameter; bit-exact; the time of a plain step, plus a copy after the decision that
+:meth:`CpuAdam.refresh` takes off the critical path). With ``exact``, :attr:`CpuAdam.param`,
+:attr:`~CpuAdam.exp_avg` and :attr:`~CpuAdam.exp_avg_sq` are the *current* set: after a step they
+may be other tensors than the ones given (read them through the optimizer; after writing them, call
+:meth:`CpuAdam.resume_at`, as a checkpoint restore does). Either way :meth:`CpuAdam.undo` also
+restores the step counter and the learning rate of the undone step. Only the last step can be
+undone, and not one taken with ``final=True`` (a step after its validation).
 """
 
 from __future__ import annotations
@@ -133,22 +136,19 @@ class CpuAdam:
         self.lr = float(lr)
         self.step_count = 0
         self.rollback = rollback
+        self._backend: Backend = make_backend(backend, self.hyper)
+        _log_backend_once(self._backend)
         self._exact: ExactState | None = None
-        self._backend: Backend | None = None
-        if rollback == "exact":  # its own out-of-place step replaces the in-place backend
-            if backend not in OPTIM_BACKENDS:
-                raise ValueError(f"CpuAdam: backend={backend!r} is not one of {list(OPTIM_BACKENDS)}")
-            self._exact = ExactState(param.view(-1), backend, self.hyper)
+        if rollback == "exact":
+            self._exact = ExactState(param.view(-1))
         else:
             self._param = param.view(-1)
             self._m = torch.zeros_like(self._param)
             self._v = torch.zeros_like(self._param)
-            self._backend = make_backend(backend, self.hyper)
-            _log_backend_once(self._backend)
         self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
         self._snapshot = Snapshot(self.numel) if rollback == "snapshot" else None
-        chunk = self._backend.chunk_elems if self._backend is not None else 1
-        self._scratch = torch.empty(min(chunk, max(1, self.numel)), dtype=torch.float32)
+        self._scratch = torch.empty(min(self._backend.chunk_elems, max(1, self.numel)), dtype=torch.float32)
+        self._stamp = 0  # counts step calls (any kind): tells a refresh whether a newer step came first
         self._undo_ws: UndoWorkspace | None = None  # allocated on the first undo
         self._last: tuple[StepConstants, float] | None = None  # constants of the last step, lr before it
 
@@ -170,12 +170,19 @@ class CpuAdam:
 
     @property
     def backend(self) -> str:
-        """Whose arithmetic steps (``deepspeed`` or ``torch``), also for ``rollback=exact``."""
-        return self._exact.backend if self._exact is not None else self._require_backend().name
+        """Whose arithmetic steps (``deepspeed`` or ``torch``), whatever the rollback mode."""
+        return self._backend.name
 
-    def _require_backend(self) -> Backend:
-        assert self._backend is not None  # only rollback=exact has none, and it never asks
-        return self._backend
+    @property
+    def inline_refreshes(self) -> int:
+        """``rollback=exact``: spare refreshes a step made itself because none ran after the
+        decision (each on the step's critical path); 0 in the other modes."""
+        return self._exact.inline_copies if self._exact is not None else 0
+
+    @property
+    def step_stamp(self) -> int:
+        """How many times :meth:`step` or :meth:`take_step` ran (never decreases; for :meth:`refresh`)."""
+        return self._stamp
 
     @property
     def numel(self) -> int:
@@ -195,12 +202,13 @@ class CpuAdam:
         return self._snapshot.nbytes if self._snapshot is not None else 0
 
     def _chunks(self) -> list[tuple[int, int]]:
-        n, size = self.numel, self._require_backend().chunk_elems
+        n, size = self.numel, self._backend.chunk_elems
         return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
 
     # ----------------------------------------------------------------------------------- steps
-    def step(self, grad: torch.Tensor, *, lr: float | None = None) -> None:
-        """One AdamW step with ``grad`` (flat contiguous fp32, same size); ``lr`` sets the rate."""
+    def step(self, grad: torch.Tensor, *, lr: float | None = None, final: bool = False) -> None:
+        """One AdamW step with ``grad`` (flat contiguous fp32, same size); ``lr`` sets the rate.
+        ``final``: the step is already validated and will not be undone (no rollback state kept)."""
         _check_flat(grad, "grad", self.numel)
         if lr is not None:
             if not lr >= 0:
@@ -210,17 +218,31 @@ class CpuAdam:
             lr_before = self.lr
         c = constants(self.step_count + 1, self.lr, self.hyper, self._powers)
         g = grad.view(-1)
-        if self._exact is not None:
-            self._exact.step(g, c)
-        else:
-            backend = self._require_backend()
-            p, m, v = self.param, self.exp_avg, self.exp_avg_sq
+        save = self._snapshot if not final else None
+
+        def in_place(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+            p, m, v = state
             for lo, hi in self._chunks():
-                if self._snapshot is not None:
-                    self._snapshot.save(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
-                backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._scratch[: hi - lo])
+                if save is not None:
+                    save.save(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
+                self._backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._scratch[: hi - lo])
+
+        exact = self._exact
+        if exact is None:
+            in_place((self.param, self.exp_avg, self.exp_avg_sq))
+            self._count(c, lr_before, final)
+            return
+        with exact.lock:  # a refresh sees the step and its count together, never one without the other
+            if final:
+                exact.step_current(in_place)
+            else:
+                exact.step_spare(in_place)  # the backend's own in-place op, on the spare set
+            self._count(c, lr_before, final)
+
+    def _count(self, c: StepConstants, lr_before: float, final: bool) -> None:
         self.step_count += 1
-        self._last = (c, lr_before)
+        self._stamp += 1
+        self._last = None if final else (c, lr_before)
 
     def take_step(self, lr: float) -> StepConstants:
         """Count a step at ``lr`` that is computed elsewhere (:mod:`sysx.optim.device_lane`) and
@@ -230,8 +252,31 @@ class CpuAdam:
         self.lr = float(lr)
         c = constants(self.step_count + 1, self.lr, self.hyper, self._powers)
         self.step_count += 1
+        self._stamp += 1
         self._last = None
         return c
+
+    def state_written(self) -> None:
+        """The current ``(p, m, v)`` were written from outside (the device lane's step, a restore):
+        with ``rollback=exact`` the spare no longer matches them. Call it after the writes."""
+        if self._exact is not None:
+            self._exact.mark_stale()
+
+    def refresh(self, stamp: int | None = None) -> bool:
+        """``rollback=exact``: copy the current set into the spare, off the critical path, once the
+        validation has decided (:mod:`sysx.optim.exact`). ``stamp``: :attr:`step_stamp` when the
+        decision was taken; if no step came since, the last step is kept for good (it can no longer
+        be undone). Does nothing while a newer step can still be undone, or when the spare is fresh,
+        or in the other modes. True when it copied."""
+        if self._exact is None:
+            return False
+
+        def allowed() -> bool:
+            if stamp is not None and stamp == self._stamp:
+                self._last = None  # the decision kept this step
+            return self._last is None
+
+        return self._exact.refresh(allowed)
 
     def undo(self, grad: torch.Tensor | None = None) -> None:
         """Roll back the last :meth:`step`; ``grad`` must be the gradients that step used
@@ -241,7 +286,9 @@ class CpuAdam:
         c, lr_before = self._last
         p, m, v = self.param, self.exp_avg, self.exp_avg_sq
         if self._exact is not None:
-            self._exact.switch_back()
+            with self._exact.lock:
+                self._exact.switch_back()  # the spare (the undone step's values) is stale now
+                self._last = None
         elif self._snapshot is not None:
             for lo, hi in self._chunks():
                 self._snapshot.restore(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
@@ -253,8 +300,7 @@ class CpuAdam:
             if self._undo_ws is None:
                 self._undo_ws = UndoWorkspace()
             for lo, hi in self._chunks():
-                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._require_backend().direction_chunk,
-                           self._undo_ws)
+                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._backend.direction_chunk, self._undo_ws)
         self.step_count = c.step - 1
         self.lr = lr_before
         self._last = None
@@ -294,15 +340,15 @@ class CpuAdam:
         self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
         for t in range(1, step + 1):
             self._powers.at(t)
-        if self._backend is not None:  # the exact step takes its constants from here, it keeps none
-            self._backend.resume_at(step)
+        self._backend.resume_at(step)
+        self.state_written()  # the caller may have written the current set (a checkpoint restore)
         self.step_count = step
+        self._stamp += 1
         self._last = None
 
     def close(self) -> None:
         """Release the backend (DeepSpeed's C++ optimizer); the tensors stay usable."""
-        if self._backend is not None:
-            self._backend.close()
+        self._backend.close()
 
     def __enter__(self) -> CpuAdam:
         return self

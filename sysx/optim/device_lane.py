@@ -11,9 +11,11 @@ correctly rounded), within the torch backend's stated distance from DeepSpeed's 
 device-lane step is taken after the validation decided (clip coefficient applied to the gradients
 beforehand), so it is never rolled back: :meth:`CpuAdam.undo` refuses it.
 
-On an emulated device (``DeviceLane(None)``) the host optimizer itself takes the step, so the
-numbers are the CPU lane's to the bit whichever backend it uses, and the pacer charges the copies
-and the step their modelled times (:meth:`sysx.emulate.pacer.Pacer.device_optimizer`).
+On an emulated device (``DeviceLane(None)``) the host optimizer itself takes the step (a final
+one: with ``optim.rollback=exact`` on the current set, no spare needed), so the numbers are the CPU
+lane's to the bit whichever backend it uses, and the pacer charges the copies and the step their
+modelled times (:meth:`sysx.emulate.pacer.Pacer.device_optimizer`). A real device's step writes
+the host state back in place and tells the optimizer so (:meth:`CpuAdam.state_written`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class DeviceLane:
             raise ValueError(f"DeviceLane.step: grad must be fp32 with {opt.numel} elements, got {grad.dtype} "
                              f"with {grad.numel()}")
         if self.device is None:
-            opt.step(grad, lr=lr)
+            opt.step(grad, lr=lr, final=True)  # after the validation, as on a device: never undone
             return
         c = opt.take_step(lr)
         n = opt.numel
@@ -63,6 +65,7 @@ class DeviceLane:
             backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, scratch[lo:hi])
         for dst, src in zip(host[1:], (p, m, v)):
             dst.copy_(src)  # blocking: the host state is current when this returns
+        opt.state_written()  # rollback=exact: the spare set is stale now
 
     def close(self) -> None:
         """Free the device buffers (and give back the lent ones)."""

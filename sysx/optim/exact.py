@@ -1,149 +1,48 @@
-"""``optim.rollback=exact``: two sets of ``(p, m, v)``, a step writes the other set, a rollback is a switch.
+"""``optim.rollback=exact``: two sets of ``(p, m, v)``; a step updates the spare in place, a rollback is not switching.
 
-:class:`ExactState` holds the caller's parameters with fresh ``m, v`` as set 0 and a spare
-``(p, m, v)`` as set 1 (12 bytes per parameter more, as ``rollback=snapshot``). A step reads the
-current set and writes the new values into the other, which then becomes current; the post-step
-validation either keeps it (commit: the next step reads it) or switches back (rollback): the state
-is then bit for bit the state before the step, at no cost. No copy is made at any point.
+:class:`ExactState` holds the caller's parameters with fresh ``m, v`` as one set and a spare
+``(p, m, v)`` as the other (12 bytes per parameter more, as ``rollback=snapshot``). When the spare
+holds a copy of the current set, a speculative step runs the backend's own *in-place* step
+(DeepSpeed's op, or the torch backend) on the spare and makes it current; the post-step
+validation then keeps it (commit) or switches back (rollback), and the set the step never touched
+is bit for bit the state before the step. So the exact mode's numbers are the backend's by
+construction, and its step costs what a plain in-place step costs (an out-of-place step writing
+the other set costs ~1.2x: read-for-ownership of three more streams, see profiling/RESULTS.md).
 
-The out-of-place step is, by backend:
+The price is one copy of 12 bytes per parameter after every decision: whichever way it went, the
+spare now differs from the current set and must be *refreshed* (copied from it) before the next
+speculative step. :meth:`ExactState.refresh` does that off the critical path: the optimizer threads
+queue it right after the decision (:meth:`sysx.optim.OptimizerThreads.refresh_spares`), so it runs
+during the next iteration's forward, while the CPU optimizer waits for gradients. Correctness never
+depends on that timing: a step takes the state's lock (waiting for a refresh in progress) and, if
+the spare is still stale, copies it itself first; a refresh that comes after a newer undoable step
+does nothing (it would overwrite the state that step's rollback needs).
 
-* ``deepspeed`` (or ``auto`` when it builds): the C++ kernel of :mod:`sysx.optim.exact_kernel`,
-  DeepSpeed's arithmetic bit for bit, streaming stores, the time of DeepSpeed's in-place step;
-* ``torch`` (or ``auto`` when the kernel cannot be built: a warning says so): the ATen ops of
-  :class:`sysx.optim.torch_backend.TorchBackend` with ``out=``, bit for bit that backend's step.
-
-Which one runs is logged once per process.
+A *final* step (validate-first, a clipping re-step: it will not be rolled back) updates the current
+set in place and needs no spare at all; it only leaves the spare stale.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import warnings
-from typing import Protocol
+from collections.abc import Callable
 
 import torch
 
-from sysx.optim.formula import Hyper, StepConstants
-
-log = logging.getLogger("sysx.optim")
-
-CHUNK_ELEMS = 1 << 20  # elements per kernel call: 4 MiB, keeps every chunk offset 64-byte aligned
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-class OutOfPlaceStep(Protocol):
-    """One AdamW step from ``src = (p, m, v)`` into ``dst``."""
-
-    name: str  # whose arithmetic: "deepspeed" or "torch"
-    chunk_elems: int
-
-    def step_into(self, src: Triple, grad: torch.Tensor, dst: Triple, c: StepConstants) -> None: ...
-
-
-class KernelStep:
-    """The C++ kernel (DeepSpeed's arithmetic, streaming stores)."""
-
-    name = "deepspeed"
-    chunk_elems = CHUNK_ELEMS
-
-    def __init__(self) -> None:
-        from sysx.optim.exact_kernel import load_kernel
-
-        self._op = load_kernel()
-
-    def describe(self) -> str:
-        """For the start-up log."""
-        return f"C++ out-of-place kernel, DeepSpeed arithmetic, SIMD {self._op.simd()}, streaming stores"
-
-    def step_into(self, src: Triple, grad: torch.Tensor, dst: Triple, c: StepConstants) -> None:
-        """One chunk (contiguous fp32, same length everywhere)."""
-        from sysx.optim.exact_kernel import step_into
-
-        step_into(self._op, src, grad, dst, c)
-
-
-class TorchStep:
-    """:class:`sysx.optim.torch_backend.TorchBackend`'s step written out of place (same ops, ``out=``)."""
-
-    name = "torch"
-    chunk_elems = 1 << 18  # as the torch backend: five chunk buffers stay in cache
-
-    def __init__(self) -> None:
-        self._scratch: torch.Tensor | None = None
-
-    def describe(self) -> str:
-        """For the start-up log."""
-        return "torch out-of-place ops (the torch backend's arithmetic)"
-
-    def step_into(self, src: Triple, grad: torch.Tensor, dst: Triple, c: StepConstants) -> None:
-        """One chunk; every op is the one the in-place torch backend applies, so results match it bit for bit."""
-        p, m, v = src
-        p1, m1, v1 = dst
-        k = grad.numel()
-        if self._scratch is None or self._scratch.numel() < k:
-            self._scratch = torch.empty(max(k, self.chunk_elems), dtype=torch.float32)
-        d = self._scratch[:k]
-        torch.mul(m, c.beta1, out=m1).add_(grad, alpha=c.one_minus_beta1)
-        torch.mul(v, c.beta2, out=v1).addcmul_(grad, grad, value=c.one_minus_beta2)
-        torch.sqrt(v1, out=d)
-        d.mul_(c.bias_correction2_inv).add_(c.eps)
-        torch.div(m1, d, out=d)
-        if c.weight_decay > 0:
-            torch.add(p, p, alpha=c.decay, out=p1)
-        else:
-            p1.copy_(p)
-        p1.add_(d, alpha=c.step_size)
-
-
-_logged = False
-_log_lock = threading.Lock()
-
-
-def make_step(backend: str) -> KernelStep | TorchStep:
-    """The out-of-place step for ``optim.backend`` (``auto`` falls back from the kernel to torch with a warning)."""
-    global _logged
-    if backend == "torch":
-        step: KernelStep | TorchStep = TorchStep()
-    else:
-        from sysx.optim.exact_kernel import ExactKernelUnavailable
-
-        try:
-            step = KernelStep()
-        except ExactKernelUnavailable as exc:
-            if backend != "auto":
-                raise
-            message = (f"optim.rollback=exact: the C++ kernel is unavailable, FALLING BACK to torch out-of-place ops "
-                       f"(the torch backend's arithmetic): {exc}")
-            log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            step = TorchStep()
-    with _log_lock:
-        if not _logged:
-            _logged = True
-            log.info("optim.rollback=exact: steps by %s", step.describe())
-    return step
 
 
 class ExactState:
     """Two ``(p, m, v)`` sets of one flat fp32 parameter buffer (see the module doc)."""
 
-    def __init__(self, param: torch.Tensor, backend: str, hyper: Hyper) -> None:
+    def __init__(self, param: torch.Tensor) -> None:
         n = param.numel()
-        # set 0 is the caller's parameters; the spare set is fresh 64-byte aligned allocations
-        self.sets: list[Triple] = [
-            (param, torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)),
-            (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)),
-        ]
+        current = (param, torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32))
+        self.sets: list[Triple] = [current, tuple(t.clone() for t in current)]  # type: ignore[list-item]
         self.current = 0
-        self.hyper = hyper
-        self._step = make_step(backend)
-
-    @property
-    def backend(self) -> str:
-        """Whose arithmetic the steps use (``deepspeed`` or ``torch``)."""
-        return self._step.name
+        self.stale = False  # True: the spare is not a copy of the current set
+        self.lock = threading.Lock()  # a step and a refresh of this state never overlap
+        self.inline_copies = 0  # refreshes a step had to make itself (none ran in time): on its critical path
 
     @property
     def spare_bytes(self) -> int:
@@ -155,16 +54,49 @@ class ExactState:
         """The current ``(p, m, v)``."""
         return self.sets[self.current]
 
-    def step(self, grad: torch.Tensor, c: StepConstants) -> None:
-        """Write the stepped state into the other set and make it current."""
-        src, dst = self.sets[self.current], self.sets[1 - self.current]
-        n, size = grad.numel(), self._step.chunk_elems
-        for lo in range(0, n, size):
-            hi = min(n, lo + size)
-            self._step.step_into((src[0][lo:hi], src[1][lo:hi], src[2][lo:hi]), grad[lo:hi],
-                                 (dst[0][lo:hi], dst[1][lo:hi], dst[2][lo:hi]), c)
-        self.current = 1 - self.current
+    @property
+    def spare(self) -> Triple:
+        """The other ``(p, m, v)``."""
+        return self.sets[1 - self.current]
+
+    def step_spare(self, step: Callable[[Triple], None]) -> None:
+        """``step`` the spare in place (refreshing it first if it is stale), then make it current.
+        The caller holds :attr:`lock` (and counts the step under it, before a refresh can look)."""
+        if self.stale:  # no refresh ran since the last change: pay it here, correctness first
+            self.inline_copies += 1
+            self._copy()
+        self.stale = True  # from here on (also if the step fails) the spare is no copy of the current set
+        step(self.spare)
+        self.current = 1 - self.current  # the old current set is now the spare: a rollback needs it
+
+    def step_current(self, step: Callable[[Triple], None]) -> None:
+        """``step`` the current set in place (a final step: no rollback needs the spare); the caller
+        holds :attr:`lock`."""
+        self.stale = True
+        step(self.state)
 
     def switch_back(self) -> None:
-        """Roll the last step back: the set it read is current again, untouched."""
+        """Roll the last spare step back: the set it read is current again, untouched; the caller
+        holds :attr:`lock`."""
         self.current = 1 - self.current
+        self.stale = True
+
+    def mark_stale(self) -> None:
+        """The current set was written from outside (checkpoint restore, the device lane): after the
+        writes, so a refresh that copied during them does not count."""
+        with self.lock:
+            self.stale = True
+
+    def refresh(self, allowed: Callable[[], bool]) -> bool:
+        """Copy the current set into the spare when it is stale and ``allowed()`` (checked under the
+        lock: no undoable step is pending). True when it copied."""
+        with self.lock:
+            if not (self.stale and allowed()):
+                return False
+            self._copy()
+            return True
+
+    def _copy(self) -> None:
+        for src, dst in zip(self.state, self.spare):
+            dst.copy_(src)  # ATen copy: releases the GIL, uses this thread's intra-op threads
+        self.stale = False

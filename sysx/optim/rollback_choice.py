@@ -1,11 +1,12 @@
 """Resolve ``optim.rollback``: check the host-memory plan with the chosen rollback's buffers, and
 turn ``auto`` into ``exact`` when that plan fits the host, else ``undo``.
 
-``exact`` (bit-exact, the time of a plain step) costs 12 bytes per parameter (16 with an fp32
-working copy); ``undo`` costs none and is within about one ulp. The check is the cheap probe
-(``/proc/meminfo``, ``statvfs`` of ``/dev/shm``, the cgroup limit) the job makes anyway before it
-allocates, so ``auto`` never picks buffers the node cannot hold. ``undo`` stays the default for
-now: ``exact`` builds a second C++ extension on first use (tens of seconds) and, with an fp32
+``exact`` (bit-exact, the time of a plain step on the critical path plus a background copy)
+costs 12 bytes per parameter (16 with an fp32 working copy); ``undo`` costs none and is within
+about one ulp. The check is the cheap probe (``/proc/meminfo``, ``statvfs`` of ``/dev/shm``, the
+cgroup limit) the job makes anyway before it allocates, so ``auto`` never picks buffers the node
+cannot hold. ``undo`` stays the default for now: ``exact`` copies 12 bytes per parameter after
+every step (off the critical path, but memory bandwidth the forward shares) and, with an fp32
 working copy, steps a private master and copies it into the shared copy after every step.
 """
 
@@ -37,7 +38,7 @@ def choose_rollback(requested: str, plan: Callable[[str], HostMemoryPlan],
                         f"{fmt_bytes(_available(cap))}); undo needs none and is within ~1 ulp")
     return "exact", (f"optim.rollback=auto -> exact: its buffers ({fmt_bytes(exact.rollback)}) fit this node's host "
                      f"memory (need {fmt_bytes(exact.total)}, available {fmt_bytes(_available(cap))}); rollbacks are "
-                     "bit-exact and a step moves the bytes of a plain one")
+                     "bit-exact and a step costs a plain in-place one (a copy follows, off the critical path)")
 
 
 def _available(cap: HostCapacity) -> int:

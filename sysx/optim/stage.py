@@ -10,15 +10,17 @@ shared parameter store; any dtype and any host tensor works). Its operations:
   gradients never read as overflow; with ``param_spans`` also one fp32 norm per parameter, as
   ``torch.nn.utils.get_total_norm`` takes them, in :attr:`StageOptimizer.param_norms`);
 * :meth:`apply` steps (only called when the local gradients are finite) and writes the target;
+  ``final=True`` for a step taken after its validation (it is never undone);
 * :meth:`undo` rolls the step back and rewrites the target;
 * :meth:`restep` undoes and steps again with the gradients multiplied by a clip coefficient.
 
 With ``rollback="exact"`` the current master alternates between two buffer sets
-(:mod:`sysx.optim.exact`), so a given tensor that others read as the master (no target: an fp32
-working copy that *is* the master, e.g. the shared fp32 segment) cannot be one of them (a rollback
-needs the old values it would hold): the optimizer then steps a private copy and the given tensor
-becomes the target, rewritten after every change (4 more bytes per parameter, counted by
-:func:`sysx.memory.budget.training_state_bytes`).
+(:mod:`sysx.optim.exact`; after each decision the spare is refreshed in the background,
+:meth:`sysx.optim.OptimizerThreads.refresh_spares`), so a given tensor that others read as the
+master (no target: an fp32 working copy that *is* the master, e.g. the shared fp32 segment) cannot
+be one of them (a rollback needs the old values it would hold): the optimizer then steps a private
+copy and the given tensor becomes the target, rewritten after every change (4 more bytes per
+parameter, counted by :func:`sysx.memory.budget.training_state_bytes`).
 
 With ``keep_grads=False`` the fp32 gradients are a temporary: they live from :meth:`load_grads`
 until the next step, undo or :meth:`drop_grads`, and are made again from the loaded (16-bit)
@@ -193,10 +195,11 @@ class StageOptimizer:
         if self._buffer is None:
             self.grad32 = None
 
-    def apply(self, lr: float) -> None:
-        """Step with the loaded gradients and write the target."""
-        self.optimizer.step(self._grads(), lr=lr)
-        self.stepped = True
+    def apply(self, lr: float, *, final: bool = False) -> None:
+        """Step with the loaded gradients and write the target; ``final``: after the validation
+        (never undone, so no rollback state is kept and ``stepped`` stays False)."""
+        self.optimizer.step(self._grads(), lr=lr, final=final)
+        self.stepped = not final
         self.drop_grads()
         self.write_target()
 
@@ -224,7 +227,7 @@ class StageOptimizer:
         self.optimizer.undo(grads)
         self.stepped = False
         self.scale_grads(coef)
-        self.apply(lr)
+        self.apply(lr, final=True)  # the validation decided: the clipped step stays
 
     def scale_grads(self, coef: float) -> None:
         """Multiply the loaded gradients by ``coef`` (clipping), also when they are made again later."""

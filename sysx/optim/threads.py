@@ -16,7 +16,10 @@ Validation across stages and ranks happens afterwards (:mod:`sysx.optim.validati
 use :meth:`OptimizerThreads.run_all` to undo or re-step stages in parallel, or queue that work
 with :meth:`OptimizerThreads.submit` and let the caller wait per stage (:meth:`wait_stage`)
 right before it needs the stage's parameters again. :meth:`submit_load` is a step job that only
-loads and checks (the validate-first order steps after the decision).
+loads and checks (the validate-first order steps after the decision). After the decision,
+:meth:`refresh_spares` queues the ``optim.rollback=exact`` stages' spare refresh (:mod:`sysx.optim.exact`)
+behind their decided jobs; nobody waits for it but that stage's next step, so it runs while the
+workers would idle (the next forward).
 
 Workers are ordinary (non-daemon) threads of a :class:`concurrent.futures.ThreadPoolExecutor`;
 :meth:`OptimizerThreads.close` (or leaving the ``with`` block, also on exceptions and Ctrl-C)
@@ -167,6 +170,21 @@ class OptimizerThreads:
             self._last[name] = future
         return future
 
+    def refresh_spares(self, names: Sequence[str]) -> None:
+        """Queue each named ``rollback=exact`` stage's spare refresh after its latest job, untracked:
+        :meth:`wait_stage` (a block's load, the pipeline's end of step) does not wait for it; the
+        stage's next step does (the state's lock). Call it once the validation has decided."""
+        pool = self._executor()
+        for name in names:
+            stage = self.stage(name)
+            if stage.optimizer.rollback != "exact":
+                continue
+            with self._lock:
+                decided = self._last.get(name)
+            # the stamp now (every speculative step of this iteration has reported): the step the
+            # decision keeps; a later undoable step makes the refresh a no-op (see CpuAdam.refresh)
+            pool.submit(_refresh_job, stage, decided, stage.optimizer.step_stamp, self._recording())
+
     def _recording(self) -> Recorder | None:
         """The recorder a job submitted now records into (None when off)."""
         rec = self.recorder
@@ -234,6 +252,21 @@ def _step_job(
             t_done=now(),
             thread=threading.current_thread().name,
         )
+
+
+def _refresh_job(stage: StageOptimizer, decided: Future[object] | None, stamp: int, rec: Recorder | None) -> bool:
+    """Refresh ``stage``'s spare once its decided job (undo, re-step, step) has run."""
+    if decided is not None:
+        try:
+            decided.result()  # started before this job (FIFO): no deadlock on one worker
+        except BaseException:  # noqa: BLE001 - its owner re-raises it (wait_stage); leave the state alone
+            return False
+    with nvtx_range(f"OPT refresh {stage.name}"):
+        begin = rec.now() if rec is not None else 0.0
+        copied = stage.optimizer.refresh(stamp)
+        if rec is not None and copied:
+            rec.add_job("refresh", stage.name, begin, rec.now())
+        return copied
 
 
 def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None,

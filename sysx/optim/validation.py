@@ -239,7 +239,7 @@ def apply_checked(stage: StageOptimizer, outcome: StepOutcome, lr: float, lane: 
         return
     stage.scale_grads(outcome.clip_coef)
     if lane is None:
-        stage.apply(lr)
+        stage.apply(lr, final=True)
     else:
         stage.apply_on(lane, lr)
 

@@ -14,7 +14,9 @@ copy is asynchronous; with fp32 they are the optimizer's own fp32 gradient buffe
   steps every sub-stage on the workers (validate first, still off the main thread's op list).
   Sub-stages placed on the device lane (``optim.placement``, :mod:`sysx.runtime.lanes`) are only
   checked on the workers and step after the decision on the device (:mod:`sysx.optim.device_lane`),
-  beside the workers' steps and re-steps of the others;
+  beside the workers' steps and re-steps of the others. With ``optim.rollback=exact``, when the next
+  step will speculate, the workers then refresh each CPU-lane sub-stage's spare set
+  (:meth:`sysx.optim.OptimizerThreads.refresh_spares`), unwaited: it runs during the next forward;
 * synchronous (baselines): ``VALIDATE`` loads and checks every offloaded sub-stage, all-reduces
   the overflow count and squared norms and decides (:func:`sysx.optim.validation.load_and_check`,
   the check part of :func:`sysx.optim.sync_step`); each ``OPTIM_STEP`` op then steps its own
@@ -130,6 +132,8 @@ class RankOptimizer:
         self._device_steps(outcome, lr)  # beside the CPU lane's (re-)steps on the workers
         self.threads.wait_stages()
         self.policy.record(clean=not outcome.overflow and outcome.clip_coef == 1.0)
+        if self.policy.speculate():  # the next step steps rollback=exact's spare: refresh it during the next forward
+            self.threads.refresh_spares([s.name for u, s in self.stages.items() if u not in self.on_device])
         return outcome
 
     def _device_steps(self, outcome: StepOutcome, lr: float) -> None:

@@ -150,7 +150,8 @@ class Recorder:
         optimizer stages' sub-stages: a job on a known stage becomes an OPTIM_STEP of it, asynchronous
         for the job of the op list's asynchronous OPTIM_STEP (a step, or with validate-first only the
         ``load`` and check of the gradients), synchronous for the validation's jobs (check, undo, clip,
-        the validate-first step); a job on an unknown stage has no op."""
+        the validate-first step); a job on an unknown stage, or ``rollback=exact``'s background
+        ``refresh`` (no op of the list: it runs off the critical path), has no op."""
         units = units or {}
         out = []
         for step, lane, what, start, end, nbytes in self.records:
@@ -161,7 +162,7 @@ class Recorder:
             else:
                 label, stage = what
                 name = f"OPT {label} {stage}" if label else f"OPT {stage}"
-                unit = units.get(stage)
+                unit = units.get(stage) if label != "refresh" else None
                 op = Op(OpKind.OPTIM_STEP, unit[0], unit[1], is_async=label in ("", "load")) if unit is not None else None
             out.append(Span(self.rank, step, lane, name, op, self._seconds(start), self._seconds(end), nbytes))
         return out

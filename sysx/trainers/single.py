@@ -48,7 +48,10 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.device_memory import MemoryCap
 from sysx.metrics import StepResult
+from sysx.memory import plan_host_memory
+from sysx.model.flops import param_count
 from sysx.optim.device_lane import DeviceLane
+from sysx.optim.rollback_choice import choose_rollback
 from sysx.optim.placement import LaneRates, Placement
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.optim.stage import OptimSettings, StageReport
@@ -120,7 +123,8 @@ class SingleTrainer(Trainer):
         """The host state, the executor, the optimizer threads and the optimizer's placement."""
         o = cfg.optim
         settings = OptimSettings(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
-                                 grad_clip=o.grad_clip, backend=optimizer_backend or o.backend)
+                                 grad_clip=o.grad_clip, backend=optimizer_backend or o.backend,
+                                 rollback=self._choose_rollback(o.rollback))
         self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
@@ -138,6 +142,15 @@ class SingleTrainer(Trainer):
         self.window = StepWindow(cfg.profile, self.device, 0, compute=self.executor.compute)
         self.executor.recorder = self.threads.recorder = self.window.recorder
         self._measurements: dict[str, dict[str, float]] = {}
+
+    def _choose_rollback(self, requested: str) -> str:
+        """``optim.rollback`` checked against this host's memory with the window's host state (every
+        group on this process), ``auto`` resolved and said."""
+        numel = param_count(self.model_cfg)
+        mode, why = choose_rollback(requested, lambda r: plan_host_memory([(numel, self.dtype)], rollback=r))
+        if why:
+            print(why, flush=True)
+        return mode
 
     def _place_optimizer(self, backend: str, rates: LaneRates | None) -> Placement:
         """``optim.placement``: which groups step on the device lane (:mod:`sysx.single.lanes`),
@@ -215,6 +228,8 @@ class SingleTrainer(Trainer):
             self.window.end()
         clean = not outcome.overflow and outcome.clip_coef == 1.0
         self.policy.record(clean=clean)
+        if self.policy.speculate():  # rollback=exact: the spares refresh behind the decided jobs, into the next forward
+            self.threads.refresh_spares([g.name for g in self.host.stages if g.name not in self.on_device])
         if speculate:
             self.speculated_steps += 1
             self.redone_steps += not clean
