@@ -279,4 +279,9 @@ def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> N
     assert report["model"] == "llama2_7b" and report["plan"]["iteration_s"] > 0 and report["steps_measured"] == 2
     assert (report["measured"] is None) == (report["refused"] is not None)  # one or the other, said either way
     assert "emulation (time x0.02): plan" in emulated.stdout
+    # optim.placement=auto: one line for both ranks (rank 0's), each rank's split in summary.json
+    said = [line for line in emulated.stdout.splitlines() if "optimizer placement" in line]
+    assert len(said) == 1 and "optimizer placement over 2 ranks: " in said[0], said
+    placed = json.loads((tmp_path / "emulated" / "summary.json").read_text())["placement"]
+    assert placed["mode"] == "auto" and len(placed["ranks"]) == 2 and all("saving_s" in r for r in placed["ranks"])
     assert "emulation" not in json.loads((tmp_path / "cpu" / "summary.json").read_text())
