@@ -142,14 +142,16 @@ def test_a_tuned_2_rank_run_checks_its_prediction_and_warns_when_it_is_off(tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     assert "schedule.tune (profile cached; p2p" in run.stdout  # the planted profile, with the links just measured
     pred = json.loads((tmp_path / "run" / "summary.json").read_text())["prediction"]
-    assert pred["source"] == "tuned profile" and pred["steps"] == [1, 3] and pred["measured_by"] == "step times"
+    # clipping at 1.0 vetoes the tiny model's speculation: those steps are predicted validating first
+    assert pred["source"] in ("tuned profile", "tuned profile, validating first")
+    assert pred["steps"] == [1, 3] and pred["measured_by"] == "step times"
     for key in ("iteration_s", "peak_host_bytes"):
         e = pred[key]
         assert e["predicted"] > 0 and e["measured"] > 0
         assert e["error_pct"] == pytest.approx(100 * (e["measured"] / e["predicted"] - 1))
     assert pred["iteration_s"]["error_pct"] < -90  # 1000x too slow a profile
     assert run.stdout.count("warning: the prediction is off by more than 10%") == 1
-    assert "prediction (tuned profile):" in run.stdout
+    assert f"prediction ({pred['source']}):" in run.stdout
     cached = prof.MachineProfile.from_json(cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu")).read_text())
     assert cached.p2p is not None and cached.p2p.ranks == 2 and cached.p2p.intra_bandwidth > 0  # kept with the profile
 

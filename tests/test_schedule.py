@@ -321,3 +321,28 @@ def test_schedule_options_are_typed_fields() -> None:
         ScheduleOptions(ckpt="local", optimizer="eager")  # type: ignore[arg-type]
     # no shared cached object: every build is a new schedule
     assert build("gpipe", 2, 2) == build("gpipe", 2, 2) and build("gpipe", 2, 2) is not build("gpipe", 2, 2)
+
+
+def test_validate_first_is_the_same_program_with_a_synchronous_optimizer() -> None:
+    """A step that validates before it steps runs SysX CFG3 as CFG2 (every sub-stage steps after
+    VALIDATE): same partition and placement, a synchronous optimizer, and a longer plan when the
+    optimizer takes time; a schedule already synchronous is its own."""
+    from types import SimpleNamespace
+
+    from sysx.schedule import simulate, validate_first
+    from sysx.schedule.costs import UnitCosts
+    from sysx.trainers.pipeline import PipelineTrainer
+
+    s = build("sysx", 4, 8, n_stages=8, split=3)
+    v = validate_first(s)
+    assert (s.options.optimizer, v.options.optimizer, v.options.cfg) == ("async", "sync", 2)
+    assert v.partition == s.partition and v.placement == s.placement and v.options.ckpt == s.options.ckpt
+    costs = UnitCosts(t_opt=2.0)
+    assert simulate(v, costs).iteration > simulate(s, costs).iteration
+    mobius = build("mobius", 4, 8)
+    assert validate_first(mobius) is mobius
+    # the trainer plans a window with the program most of its steps ran
+    fake = SimpleNamespace(schedule=s, validated_first={2, 3}, _validate_first=None)
+    assert PipelineTrainer.plan_schedule(fake, [1]) is s  # type: ignore[arg-type]
+    assert PipelineTrainer.plan_schedule(fake, [1, 2, 3]).options.optimizer == "sync"  # type: ignore[arg-type]
+    assert PipelineTrainer.plan_schedule(fake, []) is s  # type: ignore[arg-type]

@@ -55,9 +55,21 @@ def build(name: str, n_ranks: int, n_micro: int, partition: Partition | None = N
     return build_sysx(n_ranks, n_micro, partition, cfg=cfg, **kw)
 
 
+def validate_first(schedule: Schedule) -> Schedule:
+    """The program a step that validates before it steps runs (:mod:`sysx.optim.speculate`):
+    ``schedule`` with a synchronous CPU optimizer (every sub-stage steps after VALIDATE), i.e. SysX
+    CFG3 lowered as CFG2. A schedule whose optimizer is synchronous already is its own."""
+    if schedule.options.optimizer != "async":
+        return schedule
+    if schedule.name != "sysx":
+        raise ScheduleError(f"{schedule.name} has an asynchronous optimizer but no synchronous variant")
+    return build_sysx(schedule.n_ranks, schedule.n_micro, schedule.partition, cfg=2,
+                      param_buffers=schedule.options.param_buffers)
+
+
 __all__ = [
     "CFG_FEATURES", "CkptRoute", "CostTable", "Costs", "Event", "Message", "Op", "OpKind", "Partition", "PartitionError",
     "SCHEDULES", "Schedule", "ScheduleError", "ScheduleOptions", "Timeline", "UnitCosts", "build", "build_1f1b",
     "build_gpipe", "build_interleaved_1f1b", "build_mobius", "build_sysx", "costs_from_model", "evaluation_schedule",
-    "simulate", "validate",
+    "simulate", "validate", "validate_first",
 ]

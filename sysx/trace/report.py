@@ -60,12 +60,14 @@ def gather_parts(part: RankPart, *, rank: int, world: int, group: dist.ProcessGr
 
 
 def write_report(parts: Sequence[RankPart], schedule: Schedule, run_dir: str | Path, *,
-                 plan_costs: CostTable | None = None, param_bytes: float = 2.0) -> WindowReport:
+                 plan_costs: CostTable | None = None, param_bytes: float = 2.0,
+                 plan_schedule: Schedule | None = None) -> WindowReport:
     """A pipeline's window: :func:`write_window`, and ``plan.png`` with the plan simulated from the
-    window's profiled costs (or ``plan_costs``), compared in the line and the summary."""
+    window's profiled costs (or ``plan_costs``), compared in the line and the summary. The plan runs
+    ``plan_schedule`` when given (the program the window's steps ran, e.g. validating first)."""
     spans = merge(parts)
     costs = plan_costs if plan_costs is not None else measured_costs(spans, schedule, param_bytes=param_bytes)
-    plan = simulate(schedule, costs, memory=False)
+    plan = simulate(plan_schedule or schedule, costs, memory=False)
     report = write_window(spans, run_dir, name=schedule.name, n_ranks=schedule.n_ranks, schedule=schedule,
                           plan=planned(plan), plan_source="modelled costs" if plan_costs is not None else "measured costs")
     report.costs = costs

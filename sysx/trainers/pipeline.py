@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +52,7 @@ from sysx.runtime.options import PipelineOptions, make_schedule, options_from_co
 from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
 from sysx.partition import unit_label
-from sysx.schedule import CostTable, OpKind, Schedule, evaluation_schedule, validate
+from sysx.schedule import CostTable, OpKind, Schedule, evaluation_schedule, validate, validate_first
 from sysx.schedule.costs import Costs
 from sysx.trace.report import gather_parts, write_report
 from sysx.trace.window import StepWindow
@@ -112,6 +113,8 @@ class PipelineTrainer(Trainer):
         self.tuned_costs = tuned_costs
         self.placement_ranks: dict[str, Any] = {}  # every rank's optim.placement split (summary.json)
         self.lane_plan: tuple[float, float] | None = None  # emulated plan with the device lane
+        self.validated_first: set[int] = set()  # steps whose optimizer stepped after VALIDATE (no speculation)
+        self._validate_first: tuple[Schedule, tuple[float, float] | None] | None = None  # its program and plan
         self.window_costs: CostTable | None = None  # the recorded window's own costs, once written
         rss0 = dev.host_rss_bytes()  # before the training state exists: its growth is what the plan describes
         try:
@@ -193,8 +196,9 @@ class PipelineTrainer(Trainer):
             lane = DeviceLane(None if plan is not None else self.device)  # emulated: the host steps, the pacer times it
             self.optimizer.use_device_lane({keys[n]: placement.device_times[n] for n in placement.device}, lane,
                                            self.pacer)
-        if o.placement == "cpu" or (o.placement == "auto" and not self.schedule.options.async_optimizer):
-            return placement  # nothing to say or to gather: every rank keeps the CPU lane (asked, or synchronous)
+        modelled = plan is not None or dev.is_cuda(self.device)  # auto on a CPU device: no second lane to model
+        if o.placement == "cpu" or (o.placement == "auto" and not (self.schedule.options.async_optimizer and modelled)):
+            return placement  # nothing to say or to gather: every rank keeps the CPU lane (asked, synchronous, or no device)
         ranks = gather_placements((placement, units), world=self.world, group=self.group)
         self.placement_ranks = placement_section(ranks, o.placement)
         if plan is not None and any(p.device for p, _ in ranks):
@@ -204,11 +208,30 @@ class PipelineTrainer(Trainer):
             print(f"optim.placement={o.placement}: {summarize(ranks, 'sub-stage')}{more}", flush=True)
         return placement
 
-    def planned(self) -> tuple[float, float]:
-        """The emulated plan's (iteration, bubble ratio): with the device lane when units are on it."""
+    def plan_schedule(self, steps: Sequence[int]) -> Schedule:
+        """The program the plan beside ``steps`` simulates: this schedule, or, when at least half of
+        them validated before stepping (``optim.speculate``: after a clipped or overflowed step), the
+        same schedule with a synchronous optimizer (:func:`sysx.schedule.validate_first`)."""
+        if not steps or 2 * len(self.validated_first.intersection(steps)) < len(steps):
+            return self.schedule
+        if self._validate_first is None:
+            self._validate_first = (validate_first(self.schedule), None)
+        return self._validate_first[0]
+
+    def planned(self, steps: Sequence[int] = ()) -> tuple[float, float]:
+        """The emulated plan's (iteration, bubble ratio) for ``steps`` (:meth:`plan_schedule`): with
+        the device lane when units are on it and the steps speculated."""
         assert isinstance(self.pacer, EmulatedPacer)
-        t = self.pacer.plan.timeline
-        return self.lane_plan or (t.iteration, t.bubble_ratio)
+        schedule = self.plan_schedule(steps)
+        if schedule is self.schedule:
+            t = self.pacer.plan.timeline
+            return self.lane_plan or (t.iteration, t.bubble_ratio)
+        assert self._validate_first is not None
+        if self._validate_first[1] is None:
+            backend = "torch" if self.opts.optim_backend == "torch" else "deepspeed"
+            t = plan_emulation(self.cfg, schedule, backend=backend).timeline
+            self._validate_first = (schedule, (t.iteration, t.bubble_ratio))
+        return self._validate_first[1]
 
     # ------------------------------------------------------------------------------------ pieces
     def _evaluation(self, n_micro: int) -> Schedule:
@@ -299,6 +322,8 @@ class PipelineTrainer(Trainer):
                             rolled_back=int(undone), restepped=int(restepped),
                             opt_exposed_s=exposed_seconds(times[0::2], times[1::2], one_clock=self.info.num_nodes == 1)
                             / self.pacer.time_scale)
+        if self.schedule.options.async_optimizer and not result.speculated:
+            self.validated_first.add(step)
         self.last_op_seconds = ctx.op_seconds
         if self.window.after(step):
             self._write_timeline()
@@ -317,7 +342,8 @@ class PipelineTrainer(Trainer):
         if parts is None:
             return
         report = write_report(parts, self.schedule, self.cfg.run_dir, plan_costs=self.plan_costs(),
-                              param_bytes=float(self.dtype.itemsize))
+                              param_bytes=float(self.dtype.itemsize),
+                              plan_schedule=self.plan_schedule(range(rec.first, rec.last + 1)))
         print(report.line, flush=True)
         self._measurements = report.summary()
         self.window_costs = report.costs
@@ -418,7 +444,8 @@ class PipelineTrainer(Trainer):
             steps = [None] * self.world
             dist.all_gather_object(steps, self.pacer.steps, group=self.group)
         plan, e = self.pacer.plan, self.cfg.emulate
-        iteration, bubble = self.planned()
+        measured = sorted({s.step for stats in steps for s in stats})[e.warmup_steps:]  # as merge_report counts
+        iteration, bubble = self.planned(measured)
         report = merge_report(steps, time_scale=e.time_scale, warmup_steps=e.warmup_steps, max_late=e.max_late,
                               plan_iteration=iteration, plan_bubble=bubble)
         if self.lane_plan is not None:  # the plan above has the device lane; the CPU lane's alone beside it

@@ -89,10 +89,6 @@ class RunPrediction:
             print("prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
                   "`sysx tune` measures one)", flush=True)
             return
-        gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size
-        pred: Prediction = predict(t.schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
-        if self.emulated and self.tuned is None and t.lane_plan is not None:  # optim.placement's device lane
-            pred = dataclasses.replace(pred, iteration_s=t.lane_plan[0], source=f"{source}, device lane included")
         recorded = t.recorded_iteration()
         if recorded is not None:
             rec = t.window.recorder
@@ -100,6 +96,13 @@ class RunPrediction:
         else:
             steps, iteration = measured_window(self.step_times)
             how = "step times"
+        gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size
+        schedule = t.plan_schedule(steps)  # validating first after a clipped step runs another program
+        if schedule is not t.schedule:
+            source = f"{source}, validating first"
+        pred: Prediction = predict(schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
+        if self.emulated and self.tuned is None and t.lane_plan is not None and schedule is t.schedule:
+            pred = dataclasses.replace(pred, iteration_s=t.lane_plan[0], source=f"{source}, device lane included")
         self.section, lines = compare(pred, iteration, peak, steps=steps, measured_by=how)
         for line in lines:
             print(line, flush=True)
