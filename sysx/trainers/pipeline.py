@@ -339,14 +339,15 @@ class PipelineTrainer(Trainer):
         units = {stage.name: key for key, stage in self.optimizer.stages.items()}
         parts = gather_parts(self.pacer.modelled(rec.part(units)), rank=self.rank, world=self.world, group=self.group)
         rec.clear()
-        if parts is None:
-            return
-        report = write_report(parts, self.schedule, self.cfg.run_dir, plan_costs=self.plan_costs(),
-                              param_bytes=float(self.dtype.itemsize),
-                              plan_schedule=self.plan_schedule(range(rec.first, rec.last + 1)))
-        print(report.line, flush=True)
-        self._measurements = report.summary()
-        self.window_costs = report.costs
+        if parts is not None:
+            report = write_report(parts, self.schedule, self.cfg.run_dir, plan_costs=self.plan_costs(),
+                                  param_bytes=float(self.dtype.itemsize),
+                                  plan_schedule=self.plan_schedule(range(rec.first, rec.last + 1)))
+            print(report.line, flush=True)
+            self._measurements = report.summary()
+            self.window_costs = report.costs
+        # the others wait here for rank 0's files, not inside the next step (which would time the drawing)
+        self._all_reduce([0.0], "recorded window written")
 
     def plan_costs(self) -> CostTable | None:
         """The costs the plan beside a recorded timeline is simulated with; None: the window's own
