@@ -43,6 +43,10 @@ class PeerFailed(PeerTimeout):
         self.reason = reason
 
 
+class StoreLost(PeerFailed):
+    """The job's store stopped answering: its host (rank 0, or the launcher) is gone, or going."""
+
+
 class PeerWatch:
     """This rank's view of the others through the store (see the module doc)."""
 
@@ -116,6 +120,8 @@ class PeerWatch:
         if now - self._store_at >= STORE_POLL_S:
             self._store_at = now
             found = self._published_news(what)
+            if isinstance(found, StoreLost):  # the store's host may be dying: name it once /proc shows it
+                found = self.explain(what) or found
             if found is not None:
                 raise found
 
@@ -126,15 +132,18 @@ class PeerWatch:
         A dead peer without news: it may have been the store's host (rank 0 outside torchrun); a
         killed process closes its sockets before ``/proc`` shows it dead, hence the wait."""
         start = time.monotonic()
+        lost: StoreLost | None = None  # a killed store host shows as a lost store before /proc shows it dead
         while True:
             news = self._published_news(what)
+            if isinstance(news, StoreLost):
+                lost, news = lost or news, None
             if news is not None:
                 return news
             dead = self.dead_peer(what)
-            if dead is not None:
-                return self._published_news(what) or dead  # published just before it exited
+            if dead is not None:  # news published just before it exited, else its death
+                return (None if lost is not None else self._published_news(what)) or dead
             if time.monotonic() - start >= NEWS_WAIT_S:
-                return None
+                return lost
             time.sleep(0.05)
 
     def _published_news(self, what: str) -> BaseException | None:
@@ -154,12 +163,12 @@ class PeerWatch:
         return PeerFailed(f"rank {self.rank}: {what}: stopped because rank {rank} failed: {line}",
                           failed_rank=int(rank), reason=line)
 
-    def _store_lost(self, what: str, err: Exception) -> PeerFailed | None:
+    def _store_lost(self, what: str, err: Exception) -> StoreLost | None:
         if self.rank == 0:
             return None  # rank 0 hosts the store (or talks to its own launcher): not a peer's death
         line = (f"the job's store is unreachable ({str(err).splitlines()[0][:120]}): rank 0 or the launcher "
                 f"is gone")
-        return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=0, reason=line)
+        return StoreLost(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=0, reason=line)
 
     def dead_peer(self, what: str) -> PeerFailed | None:
         """A peer on this host whose process is gone (SIGKILL, a crash in C code), if any."""

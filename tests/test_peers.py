@@ -46,3 +46,33 @@ def test_rank0_does_not_wait_past_its_bound_nor_without_news() -> None:
     t0 = time.monotonic()
     host.linger(timeout=0.2)  # nobody reads: leaves at the bound
     assert 0.2 <= time.monotonic() - t0 < 5.0
+
+
+class _BrokenStore:
+    """The store after its host was killed: every call fails as a closed connection does."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    get = set = check
+
+
+def test_a_killed_store_host_is_named_once_its_process_is_seen_gone() -> None:
+    """SIGKILL closes rank 0's sockets (the store with them) a moment before ``/proc`` shows it
+    dead: the survivor keeps looking for the death instead of reporting the lost store at once,
+    and reports the lost store only when no death shows up within the news wait."""
+    from sysx.peers import NEWS_WAIT_S, StoreLost
+
+    watch = PeerWatch(_BrokenStore(), 1, 2)
+    watch._who[0] = ("this-host", 123, 1)
+    watch.host = "this-host"
+    dies_at = time.monotonic() + 0.3
+    watch._process_gone = lambda rank: rank == 0 and time.monotonic() >= dies_at  # type: ignore[method-assign]
+    found = watch.explain("RECV_GRAD s1.1 mb1 <-r0")
+    assert found is not None and not isinstance(found, StoreLost)
+    assert "rank 0 died" in str(found) and found.failed_rank == 0
+    watch._process_gone = lambda rank: False  # type: ignore[method-assign]  # alive (a remote launcher, say)
+    t0 = time.monotonic()
+    found = watch.explain("RECV_GRAD s1.1 mb1 <-r0")
+    assert isinstance(found, StoreLost) and "store is unreachable" in str(found)
+    assert NEWS_WAIT_S <= time.monotonic() - t0 < NEWS_WAIT_S + 5.0
