@@ -41,10 +41,20 @@ def _machine() -> str:
 
 def _cfg(dim: int, layers: int, tmp: Path, **extra: str) -> list[str]:
     heads = max(1, dim // 128)
-    return [f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}", f"model.n_kv_heads={heads}",
-            f"model.ffn_dim={int(dim * 8 / 3) // 64 * 64}", "train.seq_len=32", "train.micro_batch_size=1",
-            "train.micro_batches=1", "eval.every=0", "single.print_plan=false", f"run_dir={tmp / 'run'}",
-            *[f"{k}={v}" for k, v in extra.items()]]
+    return [
+        f"model.dim={dim}",
+        f"model.n_layers={layers}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={heads}",
+        f"model.ffn_dim={int(dim * 8 / 3) // 64 * 64}",
+        "train.seq_len=32",
+        "train.micro_batch_size=1",
+        "train.micro_batches=1",
+        "eval.every=0",
+        "single.print_plan=false",
+        f"run_dir={tmp / 'run'}",
+        *[f"{k}={v}" for k, v in extra.items()],
+    ]
 
 
 def bench_save(dim: int, layers: int) -> None:
@@ -76,9 +86,13 @@ def bench_save(dim: int, layers: int) -> None:
     print("| save | checkpoint size | training stalled | save finished after |")
     print("| --- | --- | --- | --- |")
     for label, (report, total) in zip(("first", "later"), background):
-        print(f"| background, {label} save (snapshot, then a thread writes) | {size / GiB:.2f} GiB | {report.stall_s:.3f} s "
-              f"| {total:.2f} s |")
-    print(f"| synchronous (written before training goes on) | {size / GiB:.2f} GiB | {sync.stall_s:.3f} s | {sync_total:.2f} s |")
+        print(
+            f"| background, {label} save (snapshot, then a thread writes) | {size / GiB:.2f} GiB | {report.stall_s:.3f} s "
+            f"| {total:.2f} s |"
+        )
+    print(
+        f"| synchronous (written before training goes on) | {size / GiB:.2f} GiB | {sync.stall_s:.3f} s | {sync_total:.2f} s |"
+    )
 
 
 _MAKE_HF = """
@@ -112,21 +126,42 @@ print(json.dumps({"before": before, "peak": peak, "params": state}))
 def bench_load(dim: int, layers: int) -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("SYSX_BENCH_DIR")) as d:
         hf = Path(d) / "hf"
-        n = int(subprocess.run([sys.executable, "-c", _MAKE_HF, str(dim), str(layers), str(hf)], check=True,
-                               capture_output=True, text=True).stdout.split()[-1])
+        n = int(
+            subprocess.run(
+                [sys.executable, "-c", _MAKE_HF, str(dim), str(layers), str(hf)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split()[-1]
+        )
         weights = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
-        args = ["schedule=single", f"model.init_from={hf}", "train.seq_len=32", "train.micro_batch_size=1",
-                "train.micro_batches=1", "eval.every=0", "single.print_plan=false", "data.name=default",
-                f"run_dir={Path(d) / 'run'}", "single.device_memory_gb=4"]
+        args = [
+            "schedule=single",
+            f"model.init_from={hf}",
+            "train.seq_len=32",
+            "train.micro_batch_size=1",
+            "train.micro_batches=1",
+            "eval.every=0",
+            "single.print_plan=false",
+            "data.name=default",
+            f"run_dir={Path(d) / 'run'}",
+            "single.device_memory_gb=4",
+        ]
         out = subprocess.run([sys.executable, "-c", _LOAD, *args], check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
     state = 16 * r["params"]  # fp32 masters (= the working copy), fp32 gradients, Adam m and v
     print(f"machine: {_machine()}")
-    print(f"HF Llama: dim {dim}, {layers} layers, {n / 1e9:.2f}B parameters, {weights / GiB:.2f} GiB of bf16 safetensors\n")
-    print("| peak RSS of the process | RSS before building | training state (16 B/param) | weights (bf16) | peak - before - state |")
+    print(
+        f"HF Llama: dim {dim}, {layers} layers, {n / 1e9:.2f}B parameters, {weights / GiB:.2f} GiB of bf16 safetensors\n"
+    )
+    print(
+        "| peak RSS of the process | RSS before building | training state (16 B/param) | weights (bf16) | peak - before - state |"
+    )
     print("| --- | --- | --- | --- | --- |")
-    print(f"| {r['peak'] / GiB:.2f} GiB | {r['before'] / GiB:.2f} GiB | {state / GiB:.2f} GiB | {weights / GiB:.2f} GiB | "
-          f"{(r['peak'] - r['before'] - state) / GiB:.2f} GiB |")
+    print(
+        f"| {r['peak'] / GiB:.2f} GiB | {r['before'] / GiB:.2f} GiB | {state / GiB:.2f} GiB | {weights / GiB:.2f} GiB | "
+        f"{(r['peak'] - r['before'] - state) / GiB:.2f} GiB |"
+    )
 
 
 def main() -> int:

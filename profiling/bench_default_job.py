@@ -62,9 +62,11 @@ def main() -> int:
     last = rows[-1]
     val = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
     print(f"\nmachine: {before} (at start), load {os.getloadavg()[0]:.1f} at the end")
-    print(f"{len(rows)} steps in {wall:.1f} s wall (process start to exit) | loss {rows[0]['loss']:.4f} -> "
-          f"{last['loss']:.4f} | val {val if val is None else f'{val:.4f}'} | mean {summary['mean_tokens_per_s'] / 1000:.1f}k "
-          f"tok/s | train {summary['train_time_s']:.1f} s")
+    print(
+        f"{len(rows)} steps in {wall:.1f} s wall (process start to exit) | loss {rows[0]['loss']:.4f} -> "
+        f"{last['loss']:.4f} | val {val if val is None else f'{val:.4f}'} | mean {summary['mean_tokens_per_s'] / 1000:.1f}k "
+        f"tok/s | train {summary['train_time_s']:.1f} s"
+    )
     if not last["loss"] < args.max_final_loss:
         print(f"bench_default_job: final loss {last['loss']:.4f} is not below {args.max_final_loss}", file=sys.stderr)
         return 1

@@ -55,7 +55,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"10b": ("llama2_10b", 4), "19b": ("llama2_19b", 4), "30b": ("llama2_30b", 8), "40b": ("llama2_40b", 8)}
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx:cfg0", "sysx:cfg1", "sysx:cfg2", "sysx:cfg3", "sysx:tuned")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "mobius",
+    "sysx:cfg0",
+    "sysx:cfg1",
+    "sysx:cfg2",
+    "sysx:cfg3",
+    "sysx:tuned",
+)
 GPUS_PER_NODE, MICRO_BATCH, BATCH_PER_NODE = 4, 2, 16  # the paper's Fig. 9 setting
 PAPER = {"sysx_over_mobius": 1.26, "sysx_over_megatron": 1.51}  # SysX §5.2, averages over its Fig. 9
 GPUS = {"v100": "v100", "a100": "a100_80g", "h100": "h100"}  # --gpu -> emulate.gpu (v100: the paper's cluster)
@@ -65,7 +75,15 @@ PLACEMENTS = ("auto", "cpu", "split")  # a SysX schedule's ``+<optim.placement>`
 # ------------------------------------------------------------------------------------------ worker
 def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> tuple[Any, Any]:
     """The job config and pipeline options of one cell."""
-    from sysx.config import EmulateSection, EvalSection, LogSection, ModelSection, OptimSection, SysxConfig, TrainSection
+    from sysx.config import (
+        EmulateSection,
+        EvalSection,
+        LogSection,
+        ModelSection,
+        OptimSection,
+        SysxConfig,
+        TrainSection,
+    )
     from sysx.runtime import PipelineOptions
 
     base, layout = split_layout(schedule)
@@ -75,16 +93,35 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
         name, cfg = "sysx", "3"
     nodes = max(1, n_ranks // GPUS_PER_NODE)
     cfg_obj = SysxConfig(
-        model=ModelSection(preset="tiny"), device="emulated", precision="bf16", seed=0,
-        train=TrainSection(steps=args["steps"], micro_batch_size=1, micro_batches=BATCH_PER_NODE * nodes // MICRO_BATCH,
-                           seq_len=16),
-        optim=OptimSection(backend="torch", workers=args["optimizer_workers"], grad_clip=0.0, warmup_steps=1,
-                           placement=placement),
-        eval=EvalSection(every=0), log=LogSection(every=1000, progress=False),
-        emulate=EmulateSection(gpu=GPUS[args.get("gpu", "v100")], model=model, seq_len=seq, micro_batch_size=MICRO_BATCH,
-                               time_scale=args["time_scale"], warmup_steps=args["warmup"]))
-    opts = PipelineOptions(schedule=name, cfg=int(cfg) if cfg else 3, optim_backend="torch", timeout_s=600.0,
-                           stages_per_rank=layout[0], split=layout[1])
+        model=ModelSection(preset="tiny"),
+        device="emulated",
+        precision="bf16",
+        seed=0,
+        train=TrainSection(
+            steps=args["steps"], micro_batch_size=1, micro_batches=BATCH_PER_NODE * nodes // MICRO_BATCH, seq_len=16
+        ),
+        optim=OptimSection(
+            backend="torch", workers=args["optimizer_workers"], grad_clip=0.0, warmup_steps=1, placement=placement
+        ),
+        eval=EvalSection(every=0),
+        log=LogSection(every=1000, progress=False),
+        emulate=EmulateSection(
+            gpu=GPUS[args.get("gpu", "v100")],
+            model=model,
+            seq_len=seq,
+            micro_batch_size=MICRO_BATCH,
+            time_scale=args["time_scale"],
+            warmup_steps=args["warmup"],
+        ),
+    )
+    opts = PipelineOptions(
+        schedule=name,
+        cfg=int(cfg) if cfg else 3,
+        optim_backend="torch",
+        timeout_s=600.0,
+        stages_per_rank=layout[0],
+        split=layout[1],
+    )
     return cfg_obj, opts
 
 
@@ -102,8 +139,10 @@ def _tuned(cfg: Any, info: Any) -> tuple[Any, Any, Any, str]:
     tuned = tune_job(cfg, info, torch.device("cpu"))
     opts = dataclasses.replace(options_from_config(tuned.cfg), timeout_s=600.0)
     s, t = tuned.cfg.schedule, tuned.cfg
-    choice = (f"stages/rank {s.stages_per_rank} d={s.split} cfg{s.cfg} buffers {s.param_buffers} "
-              f"mbs {t.emulate.micro_batch_size}x{t.train.micro_batches} workers {t.optim.workers}")
+    choice = (
+        f"stages/rank {s.stages_per_rank} d={s.split} cfg{s.cfg} buffers {s.param_buffers} "
+        f"mbs {t.emulate.micro_batch_size}x{t.train.micro_batches} workers {t.optim.workers}"
+    )
     return tuned.cfg, opts, tuned.costs, choice
 
 
@@ -113,10 +152,12 @@ def split_placement(schedule: str) -> tuple[str, str | None]:
     m = re.search(r"\+([^@+]*)", schedule)
     if m is None:
         return schedule, None
-    rest = schedule[:m.start()] + schedule[m.end():]
+    rest = schedule[: m.start()] + schedule[m.end() :]
     if m[1] not in PLACEMENTS or not rest.startswith("sysx:") or "+" in rest:
-        raise ValueError(f"bad placement {m[0]!r} in {schedule!r}: write a SysX schedule +<{'|'.join(PLACEMENTS)}>, "
-                         "e.g. sysx:cfg3+split or sysx:cfg3@s4d3+cpu")
+        raise ValueError(
+            f"bad placement {m[0]!r} in {schedule!r}: write a SysX schedule +<{'|'.join(PLACEMENTS)}>, "
+            "e.g. sysx:cfg3+split or sysx:cfg3@s4d3+cpu"
+        )
     return rest, m[1]
 
 
@@ -128,7 +169,9 @@ def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
         return base, (None, None)
     m = re.fullmatch(r"s(\d+)(?:d(\d+))?", layout)
     if m is None:
-        raise ValueError(f"bad layout {layout!r} in {schedule!r}: write @s<stages per rank>[d<split>], e.g. sysx:cfg3@s4d3")
+        raise ValueError(
+            f"bad layout {layout!r} in {schedule!r}: write @s<stages per rank>[d<split>], e.g. sysx:cfg3@s4d3"
+        )
     return base, (int(m[1]), int(m[2]) if m[2] else None)
 
 
@@ -158,8 +201,10 @@ def _lane_planned(cfg: Any, sched: Any, plan: Any) -> float:
     from sysx.emulate.costs import device_lane_plan
     from sysx.runtime.lanes import emulated_placement, lane_times
 
-    ranks = [emulated_placement(cfg.optim.placement, plan, sched, r, speculative=cfg.optim.speculate != "never")
-             for r in range(sched.n_ranks)]
+    ranks = [
+        emulated_placement(cfg.optim.placement, plan, sched, r, speculative=cfg.optim.speculate != "never")
+        for r in range(sched.n_ranks)
+    ]
     if not any(p.device for p, _ in ranks):
         return float(plan.timeline.iteration)
     return device_lane_plan(plan, sched, lane_times(sched, ranks))[0]
@@ -179,8 +224,10 @@ def plan_table(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any]) 
     lines = []
     for c in cells:
         it = planned_iteration(c["model"], c["seq"], n_ranks, c["schedule"], args)
-        lines.append(f"| {c['model'].replace('llama2_', '').upper()} | {c['seq']} | {n_ranks} | {_label(c['schedule'])} | "
-                     + (f"{it:.2f} |" if it is not None else "does not fit |"))
+        lines.append(
+            f"| {c['model'].replace('llama2_', '').upper()} | {c['seq']} | {n_ranks} | {_label(c['schedule'])} | "
+            + (f"{it:.2f} |" if it is not None else "does not fit |")
+        )
     return lines
 
 
@@ -190,8 +237,13 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
 
     cfg, opts = _cell_config(model, seq, info.world_size, schedule, args)
     validate(cfg)
-    row: dict[str, Any] = {"model": model, "seq": seq, "ranks": info.world_size, "schedule": schedule,
-                           "gpu": args.get("gpu", "v100")}
+    row: dict[str, Any] = {
+        "model": model,
+        "seq": seq,
+        "ranks": info.world_size,
+        "schedule": schedule,
+        "gpu": args.get("gpu", "v100"),
+    }
     costs = None
     try:
         if split_placement(schedule)[0] == "sysx:tuned":
@@ -202,10 +254,15 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
     with trainer:
         results = trainer.run(args["steps"])
         report = trainer.emulation_report()
-        row.update(report=report, losses=[r.loss for r in results], nsf=trainer.schedule.n_stages,
-                   split=trainer.schedule.split, micro_batches=trainer.schedule.n_micro,
-                   prediction=trainer.prediction.section or None,
-                   placement=trainer.placement_ranks or {"mode": cfg.optim.placement})  # each rank's split, its saving
+        row.update(
+            report=report,
+            losses=[r.loss for r in results],
+            nsf=trainer.schedule.n_stages,
+            split=trainer.schedule.split,
+            micro_batches=trainer.schedule.n_micro,
+            prediction=trainer.prediction.section or None,
+            placement=trainer.placement_ranks or {"mode": cfg.optim.placement},
+        )  # each rank's split, its saving
         if args.get("spans") and report is not None:
             row["spans"] = _gather_spans(trainer)
     return row
@@ -271,11 +328,24 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
     try:
         for r in range(n_ranks):
             env = {k: v for k, v in os.environ.items() if k != "SYSX_JOB_ID"}
-            env.update(RANK=str(r), WORLD_SIZE=str(n_ranks), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n_ranks),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", spec, str(out_path)], env=env, cwd=ROOT,
-                                          stdout=None if r == 0 else subprocess.DEVNULL))
+            env.update(
+                RANK=str(r),
+                WORLD_SIZE=str(n_ranks),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(n_ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", spec, str(out_path)],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=None if r == 0 else subprocess.DEVNULL,
+                )
+            )
         codes = [p.wait() for p in procs]
         if any(codes):
             raise SystemExit(f"bench_pipeline: a rank failed (exit codes {codes}); see its output above")
@@ -297,8 +367,13 @@ def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
     default changed from 2 to 3, and older rows are kept), a row at a placement names it and how
     many sub-stages went to the device."""
     base, layout = split_layout(schedule)
-    name = {"interleaved_1f1b": "Megatron (interleaved 1F1B)", "mobius": "Mobius", "gpipe": "GPipe", "1f1b": "1F1B",
-            "sysx:tuned": "SysX tuned"}.get(base, base.replace("sysx:cfg", "SysX CFG"))
+    name = {
+        "interleaved_1f1b": "Megatron (interleaved 1F1B)",
+        "mobius": "Mobius",
+        "gpipe": "GPipe",
+        "1f1b": "1F1B",
+        "sysx:tuned": "SysX tuned",
+    }.get(base, base.replace("sysx:cfg", "SysX CFG"))
     if layout[0] is None:
         if row and base.startswith("sysx:cfg") and base != "sysx:cfg0" and row.get("split"):
             name = f"{name} (d={row['split']})"
@@ -345,8 +420,16 @@ def _cpu_sibling(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
     if _placement(r["schedule"]) == "cpu" or not r["schedule"].startswith("sysx:"):
         return None
     same = split_placement(r["schedule"])[0]
-    return next((x for x in rows if x.get("gpu", "v100") == r.get("gpu", "v100") and (x["model"], x["seq"]) ==
-                 (r["model"], r["seq"]) and split_placement(x["schedule"]) == (same, "cpu")), None)
+    return next(
+        (
+            x
+            for x in rows
+            if x.get("gpu", "v100") == r.get("gpu", "v100")
+            and (x["model"], x["seq"]) == (r["model"], r["seq"])
+            and split_placement(x["schedule"]) == (same, "cpu")
+        ),
+        None,
+    )
 
 
 def _model_saving(r: dict[str, Any]) -> float | None:
@@ -368,8 +451,9 @@ def vs_cpu(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         return ""
     plan = r["report"]["plan"]["iteration_s"] - cpu["report"]["plan"]["iteration_s"]
     model = _model_saving(r)
-    return (f"**{base / it:.2f}x** ({_signed(it - base)} s; plan {_signed(plan)} s"
-            + (f", model {_signed(-model)} s)" if model is not None else ")"))
+    return f"**{base / it:.2f}x** ({_signed(it - base)} s; plan {_signed(plan)} s" + (
+        f", model {_signed(-model)} s)" if model is not None else ")"
+    )
 
 
 def _signed(x: float) -> str:
@@ -389,16 +473,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     row, and a column of each placement's speed-up over its ``+cpu`` sibling when a row has one."""
     placed = any(split_placement(r["schedule"])[1] for r in rows)
     extra = " vs optim.placement=cpu: speed-up (measured saving; plan, model) |" if placed else ""
-    lines = ["| model | seq | ranks | schedule | measured s/it | measured bubble | planned s/it | planned bubble | "
-             "measured/planned | SysX/Mobius | SysX/Megatron |" + extra, "|" + "---|" * (11 + placed)]
+    lines = [
+        "| model | seq | ranks | schedule | measured s/it | measured bubble | planned s/it | planned bubble | "
+        "measured/planned | SysX/Mobius | SysX/Megatron |" + extra,
+        "|" + "---|" * (11 + placed),
+    ]
     by_key = {_key(r): r for r in rows}
     gpus = {r.get("gpu", "v100") for r in rows} != {"v100"}  # name the GPU unless all are the paper's
     for r in rows:
         again = f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else ""  # refused before (a hiccup)
         chosen = f" ({r['choice']})" if r.get("choice") else ""
         on = f" on {r.get('gpu', 'v100').upper()}" if gpus else ""
-        head = (f"| {r['model'].replace('llama2_', '').upper()}{on} | {r['seq']} | {r['ranks']} | "
-                f"{_label(r['schedule'], r)}{chosen}{again} |")
+        head = (
+            f"| {r['model'].replace('llama2_', '').upper()}{on} | {r['seq']} | {r['ranks']} | "
+            f"{_label(r['schedule'], r)}{chosen}{again} |"
+        )
         tail = f" {vs_cpu(r, rows)} |" if placed else ""
         if "error" in r:
             need = re.search(r"has ([\d.]+ GiB) but .* needs ([\d.]+ GiB) on rank (\d+)", r["error"])
@@ -417,8 +506,10 @@ def table(rows: list[dict[str, Any]]) -> str:
                 for i, base in enumerate(("mobius", "interleaved_1f1b")):
                     b = _iteration(by_key.get((gpu, model, seq, base, tuned, None)))
                     ratios[i] = f"**{b / m['iteration_s']:.2f}x**" if b else "-"
-            cells = (f" {m['iteration_s']:.2f} | {100 * m['bubble']:.1f}% | {_planned(plan)} | "
-                     f"{100 * plan['bubble']:.1f}% | {m['over_plan']:.3f} | {ratios[0]} | {ratios[1]} |")
+            cells = (
+                f" {m['iteration_s']:.2f} | {100 * m['bubble']:.1f}% | {_planned(plan)} | "
+                f"{100 * plan['bubble']:.1f}% | {m['over_plan']:.3f} | {ratios[0]} | {ratios[1]} |"
+            )
         lines.append(head + cells + tail)
     return "\n".join(lines)
 
@@ -426,19 +517,27 @@ def table(rows: list[dict[str, Any]]) -> str:
 def averages(rows: list[dict[str, Any]]) -> str:
     """Mean SysX CFG3 speed-up over Mobius and over Megatron, across the rows measured for all three
     (default placement)."""
-    got = {_key(r)[:5]: r["report"]["measured"]["iteration_s"] for r in rows
-           if (r.get("report") or {}).get("measured") and _placement(r["schedule"]) is None}
+    got = {
+        _key(r)[:5]: r["report"]["measured"]["iteration_s"]
+        for r in rows
+        if (r.get("report") or {}).get("measured") and _placement(r["schedule"]) is None
+    }
     gpus = sorted({k[0] for k in got})
     out = []
     for gpu in gpus:  # one GPU's rows at a time: an H100's ratios are not the paper's V100's
         on = f" on {gpu.upper()}" if len(gpus) > 1 else ""
         for tuned in (False, True):
             for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
-                ratios = [got[(g, m, q, base, tuned)] / t for (g, m, q, sch, tu), t in got.items()
-                          if g == gpu and sch == "sysx:cfg3" and tu == tuned and (g, m, q, base, tuned) in got]
+                ratios = [
+                    got[(g, m, q, base, tuned)] / t
+                    for (g, m, q, sch, tu), t in got.items()
+                    if g == gpu and sch == "sysx:cfg3" and tu == tuned and (g, m, q, base, tuned) in got
+                ]
                 if ratios:
-                    out.append(f"SysX/{name}{' (best layouts)' if tuned else ''}{on} {sum(ratios) / len(ratios):.2f}x on "
-                               f"average ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rows)")
+                    out.append(
+                        f"SysX/{name}{' (best layouts)' if tuned else ''}{on} {sum(ratios) / len(ratios):.2f}x on "
+                        f"average ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rows)"
+                    )
     return "; ".join(out)
 
 
@@ -452,8 +551,11 @@ def tuned_lines(rows: list[dict[str, Any]]) -> str:
             continue
         t = r["report"]["measured"]["iteration_s"]
         plan = r["report"]["plan"]["iteration_s"]
-        fixed = [(x["report"]["measured"]["iteration_s"], s) for (mm, qq, s), x in got.items()
-                 if (mm, qq) == (m, q) and s != "sysx:tuned"]
+        fixed = [
+            (x["report"]["measured"]["iteration_s"], s)
+            for (mm, qq, s), x in got.items()
+            if (mm, qq) == (m, q) and s != "sysx:tuned"
+        ]
         line = f"{m} seq {q}: tuned {t:.2f} s measured vs {plan:.2f} s predicted ({100 * (t / plan - 1):+.1f}%)"
         if fixed:
             best, name = min(fixed)
@@ -490,34 +592,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="10b,19b,30b,40b", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--seq", default="2048,4096", help="sequence lengths of the emulated costs")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma list of " + ", ".join(SCHEDULES))
-    p.add_argument("--gpu", choices=list(GPUS), default="v100",
-                   help="the emulated GPU of every cell (emulate.gpu; v100: the paper's cluster)")
-    p.add_argument("--placements", default="",
-                   help="comma list of optim.placement values (cpu, split, auto) adding a SysX CFG3 row at each "
-                        "(as the schedules sysx:cfg3+cpu, ...); the default rows run at auto")
+    p.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        default="v100",
+        help="the emulated GPU of every cell (emulate.gpu; v100: the paper's cluster)",
+    )
+    p.add_argument(
+        "--placements",
+        default="",
+        help="comma list of optim.placement values (cpu, split, auto) adding a SysX CFG3 row at each "
+        "(as the schedules sysx:cfg3+cpu, ...); the default rows run at auto",
+    )
     p.add_argument("--steps", type=int, default=4, help="steps per cell (the first --warmup are not measured)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--time-scale", type=float, default=0.1, help="wall seconds per modelled second")
-    p.add_argument("--optimizer-workers", type=int, default=1,
-                   help="concurrent CPU Adam steps per rank, sharing its 8 threads (DeepSpeed's single worker: 1)")
-    p.add_argument("--retries", type=int, default=1,
-                   help="run a cell again when its measurement is refused (a busy machine's hiccup), up to this often")
+    p.add_argument(
+        "--optimizer-workers",
+        type=int,
+        default=1,
+        help="concurrent CPU Adam steps per rank, sharing its 8 threads (DeepSpeed's single worker: 1)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="run a cell again when its measurement is refused (a busy machine's hiccup), up to this often",
+    )
     p.add_argument("--quick", action="store_true", help="10B at seq 2048, Mobius, Megatron and SysX CFG3, 3 steps")
     p.add_argument("--out", type=Path, help="also write the table (and the command) here")
     p.add_argument("--json", type=Path, help="keep every cell's report here (JSON lines)")
     p.add_argument("--trace", action="store_true", help="keep every rank's modelled spans of the last step in --json")
-    p.add_argument("--best-layouts", action="store_true",
-                   help="also run each of Mobius, Megatron and SysX CFG3 at its fastest planned layout "
-                        "(forward stages per rank, SysX split d), the baselines' and SysX's alike")
+    p.add_argument(
+        "--best-layouts",
+        action="store_true",
+        help="also run each of Mobius, Megatron and SysX CFG3 at its fastest planned layout "
+        "(forward stages per rank, SysX split d), the baselines' and SysX's alike",
+    )
     p.add_argument("--plan-only", action="store_true", help="print every cell's planned iteration, running nothing")
-    p.add_argument("--report", type=Path, nargs="+",
-                   help="print the table of --json files kept before (a cell measured again: its last row), running nothing")
+    p.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        help="print the table of --json files kept before (a cell measured again: its last row), running nothing",
+    )
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(*args.worker)
     if args.report:
-        rows = _latest([json.loads(line) for path in args.report for line in path.read_text().splitlines() if line.strip()])
+        rows = _latest(
+            [json.loads(line) for path in args.report for line in path.read_text().splitlines() if line.strip()]
+        )
         print(f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}".rstrip())
         return 0
     if args.quick:
@@ -533,19 +659,39 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     if bad:
         p.error(f"unknown {', '.join(bad)}; models: {', '.join(MODELS)}; schedules: {', '.join(SCHEDULES)}")
-    shared = {"steps": args.steps, "warmup": args.warmup, "time_scale": args.time_scale, "gpu": args.gpu,
-              "optimizer_workers": args.optimizer_workers, "spans": args.trace, "retries": args.retries}
+    shared = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "time_scale": args.time_scale,
+        "gpu": args.gpu,
+        "optimizer_workers": args.optimizer_workers,
+        "spans": args.trace,
+        "retries": args.retries,
+    }
     out_json = args.json or Path(tempfile.mkstemp(suffix=".jsonl")[1])
     out_json.write_text("")
     t0 = time.perf_counter()
     plans: list[str] = []
     for n_ranks in sorted({MODELS[m][1] for m in models}):
-        cells = [{"model": MODELS[m][0], "seq": int(s), "schedule": sch} for m in models if MODELS[m][1] == n_ranks
-                 for s in args.seq.split(",") for sch in schedules]
+        cells = [
+            {"model": MODELS[m][0], "seq": int(s), "schedule": sch}
+            for m in models
+            if MODELS[m][1] == n_ranks
+            for s in args.seq.split(",")
+            for sch in schedules
+        ]
         if args.best_layouts:
-            cells += [{"model": MODELS[m][0], "seq": int(s), "schedule": best_layout(MODELS[m][0], int(s), n_ranks, sch, shared)}
-                      for m in models if MODELS[m][1] == n_ranks for s in args.seq.split(",")
-                      for sch in ("mobius", "interleaved_1f1b", "sysx:cfg3")]
+            cells += [
+                {
+                    "model": MODELS[m][0],
+                    "seq": int(s),
+                    "schedule": best_layout(MODELS[m][0], int(s), n_ranks, sch, shared),
+                }
+                for m in models
+                if MODELS[m][1] == n_ranks
+                for s in args.seq.split(",")
+                for sch in ("mobius", "interleaved_1f1b", "sysx:cfg3")
+            ]
         if args.plan_only:
             plans += plan_table(cells, n_ranks, shared)
             continue
@@ -556,8 +702,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in out_json.read_text().splitlines() if line.strip()]
     text = f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}".rstrip()
     print(text)
-    print(f"\n{len(rows)} cells in {time.perf_counter() - t0:.0f} s; paper: SysX {PAPER['sysx_over_mobius']}x Mobius, "
-          f"{PAPER['sysx_over_megatron']}x Megatron on average")
+    print(
+        f"\n{len(rows)} cells in {time.perf_counter() - t0:.0f} s; paper: SysX {PAPER['sysx_over_mobius']}x Mobius, "
+        f"{PAPER['sysx_over_megatron']}x Megatron on average"
+    )
     if args.out:
         args.out.write_text(f"`python profiling/bench_pipeline.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
     if not args.json:

@@ -40,10 +40,15 @@ def dp_seconds() -> float:
     """Seconds to solve the saved-activation DP for 80 transferring blocks (the solution must be feasible)."""
     n_tr, window, options, chunks = 80, 8, 5, 4
     problem = SaveProblem.make(
-        [1.0] * (n_tr + window), [[0.12 * o for o in range(1, options + 1)]] * n_tr,
-        [[float(o) for o in range(options)]] * n_tr, ring_slots=window * chunks, chunks=chunks,
-        transfer_layers=n_tr, host_bytes=[[float(o + 1) for o in range(options)]] * n_tr,
-        host_capacity=3.0 * n_tr * chunks)
+        [1.0] * (n_tr + window),
+        [[0.12 * o for o in range(1, options + 1)]] * n_tr,
+        [[float(o) for o in range(options)]] * n_tr,
+        ring_slots=window * chunks,
+        chunks=chunks,
+        transfer_layers=n_tr,
+        host_bytes=[[float(o + 1) for o in range(options)]] * n_tr,
+        host_capacity=3.0 * n_tr * chunks,
+    )
     t0 = time.perf_counter()
     solution = solve_save_levels(problem)
     seconds = time.perf_counter() - t0

@@ -88,26 +88,51 @@ class Row:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="a model preset (conf/model/*.yaml), e.g. tiny, llama2_7b, llama3_8b")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="tiny", help="a model preset (conf/model/*.yaml), e.g. tiny, llama2_7b, llama3_8b"
+    )
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (global batch = product)")
     p.add_argument("--budgets-gb", default="8,16,24", help="comma-separated device memory budgets in GiB")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed ones")
-    p.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"),
-                   help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="device peak for MFU (default: looked up from the GPU name; required on other GPUs)")
-    p.add_argument("--methods", default=",".join(m.split()[0] for m in METHODS),
-                   help="comma-separated subset of: sysx, pytorch, zero3")
-    p.add_argument("--long-context", action="store_true",
-                   help=f"sequence lengths {','.join(map(str, LONG_CONTEXT))} for the single trainer only")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra sysx config override (repeatable), e.g. --set single.policy=pyao")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch's default); 1 avoids OpenMP spinning on a busy small CPU")
+    p.add_argument(
+        "--precision", default=None, choices=("fp32", "bf16", "fp16"), help="default: bf16 on CUDA, fp32 on CPU"
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device peak for MFU (default: looked up from the GPU name; required on other GPUs)",
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(m.split()[0] for m in METHODS),
+        help="comma-separated subset of: sysx, pytorch, zero3",
+    )
+    p.add_argument(
+        "--long-context",
+        action="store_true",
+        help=f"sequence lengths {','.join(map(str, LONG_CONTEXT))} for the single trainer only",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra sysx config override (repeatable), e.g. --set single.policy=pyao",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0 = torch's default); 1 avoids OpenMP spinning on a busy small CPU",
+    )
     p.add_argument("--print-plan", action="store_true", help="let the single trainer print its plan")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the rows as JSON")
     return p.parse_args(argv)
@@ -122,16 +147,25 @@ def peak_tflops(args: argparse.Namespace, precision: str) -> float | None:
     name = torch.cuda.get_device_name()
     peak = gpu_peak(name, precision, tf32=torch.get_float32_matmul_precision() != "highest")
     if peak is None:
-        raise SystemExit(f"bench_single: no peak known for GPU {name!r}: pass --peak-tflops (dense TFLOP/s at {precision})")
+        raise SystemExit(
+            f"bench_single: no peak known for GPU {name!r}: pass --peak-tflops (dense TFLOP/s at {precision})"
+        )
     return peak
 
 
 def make_config(args: argparse.Namespace, seq_len: int, budget_gb: float, precision: str) -> SysxConfig:
     """The sysx config of one benchmark point (eval off, LR schedule over the benchmark's steps)."""
-    overrides = [f"model={args.model}", f"train.seq_len={seq_len}", f"train.micro_batch_size={args.micro_batch_size}",
-                 f"train.micro_batches={args.micro_batches}", f"train.steps={args.warmup + args.steps}",
-                 f"precision={precision}", "eval.every=0", f"single.device_memory_gb={budget_gb}",
-                 f"single.print_plan={str(args.print_plan).lower()}"]
+    overrides = [
+        f"model={args.model}",
+        f"train.seq_len={seq_len}",
+        f"train.micro_batch_size={args.micro_batch_size}",
+        f"train.micro_batches={args.micro_batches}",
+        f"train.steps={args.warmup + args.steps}",
+        f"precision={precision}",
+        "eval.every=0",
+        f"single.device_memory_gb={budget_gb}",
+        f"single.print_plan={str(args.print_plan).lower()}",
+    ]
     if get_preset(args.model).max_seq_len < seq_len:  # long context: raise the RoPE table (before --set)
         overrides.append(f"model.max_seq_len={seq_len}")
     return load_config(overrides + list(args.overrides))
@@ -155,8 +189,7 @@ def device_budget(device: torch.device, budget_gb: float) -> Iterator[None]:
         torch.cuda.empty_cache()
 
 
-def finish_row(row: Row, cfg: SysxConfig, device: torch.device, seconds: float, steps: int,
-               peak: float | None) -> Row:
+def finish_row(row: Row, cfg: SysxConfig, device: torch.device, seconds: float, steps: int, peak: float | None) -> Row:
     """Fill tokens/s, MFU, peak memory and the budget check from a timed run of ``steps`` steps.
 
     The budget check is on what the cap limits (peak reserved memory) and on what the GPU gives up
@@ -184,8 +217,8 @@ def sync(device: torch.device) -> None:
 def run_single(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float | None) -> Row:
     """(a) the sliding-window trainer under ``single.device_memory_gb``."""
     from sysx.single.planner import PlanError
-    from sysx.trainers.single import SingleTrainer
     from sysx.trainers.base import job_device
+    from sysx.trainers.single import SingleTrainer
 
     device = job_device(cfg)
     with device_budget(device, row.budget_gb):
@@ -236,8 +269,9 @@ def batches(cfg: SysxConfig, step: int, device: torch.device) -> list[tuple[torc
     t = cfg.train
     out = []
     for j in range(t.micro_batches):
-        x, y = get_batch(ds, seed=cfg.seed, step=step, micro_batch=j, micro_batch_size=t.micro_batch_size,
-                         seq_len=t.seq_len)
+        x, y = get_batch(
+            ds, seed=cfg.seed, step=step, micro_batch=j, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len
+        )
         out.append((x.to(device), y.to(device)))
     return out
 
@@ -253,8 +287,9 @@ def run_pytorch(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float
         try:
             model = CheckpointedLlama(build_model(model_config(cfg), device=device, seed=cfg.seed).layers)
             o = cfg.optim
-            opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps,
-                                    weight_decay=o.weight_decay)
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
+            )
             scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
             t0 = 0.0
             for step in range(args.warmup + args.steps):
@@ -290,8 +325,10 @@ def zero3_config(cfg: SysxConfig) -> dict:
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.train.micro_batches,
         "gradient_clipping": o.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
-                                                  "weight_decay": o.weight_decay}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+        },
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16"},
         "zero_optimization": {
@@ -314,8 +351,13 @@ def run_zero3(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float |
     if device.type != "cuda":
         row.note = "needs CUDA"
         return row
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"),
-                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29511"),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(key, value)
     try:
         import deepspeed
@@ -326,7 +368,9 @@ def run_zero3(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float |
     with device_budget(device, row.budget_gb):
         try:
             model = CheckpointedLlama(build_model(model_config(cfg), seed=cfg.seed).layers)
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=zero3_config(cfg))
+            engine, *_ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=zero3_config(cfg)
+            )
             t0 = 0.0
             for step in range(args.warmup + args.steps):
                 if step == args.warmup:
@@ -348,8 +392,11 @@ def run_zero3(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float |
             del engine
 
 
-RUNNERS = {"sysx": ("sysx single", run_single), "pytorch": ("pytorch ckpt", run_pytorch),
-           "zero3": ("zero3 offload", run_zero3)}
+RUNNERS = {
+    "sysx": ("sysx single", run_single),
+    "pytorch": ("pytorch ckpt", run_pytorch),
+    "zero3": ("zero3 offload", run_zero3),
+}
 
 
 def fmt(value: float | bool | None, spec: str) -> str:
@@ -367,9 +414,11 @@ def render(rows: list[Row]) -> str:
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         mfu = None if r.mfu is None else 100.0 * r.mfu
-        lines.append(f"| {r.method} | {r.seq_len} | {r.global_batch} | {r.budget_gb:g} | {fmt(r.tokens_per_s, '.0f')} | "
-                     f"{'-' if mfu is None else f'{mfu:.1f}%'} | {fmt(r.peak_gib, '.2f')} | "
-                     f"{fmt(r.within_budget, '')} | {r.note} |")
+        lines.append(
+            f"| {r.method} | {r.seq_len} | {r.global_batch} | {r.budget_gb:g} | {fmt(r.tokens_per_s, '.0f')} | "
+            f"{'-' if mfu is None else f'{mfu:.1f}%'} | {fmt(r.peak_gib, '.2f')} | "
+            f"{fmt(r.within_budget, '')} | {r.note} |"
+        )
     return "\n".join(lines)
 
 
@@ -389,17 +438,24 @@ def main(argv: list[str] | None = None) -> list[Row]:
         raise SystemExit(f"bench_single: unknown --methods {','.join(unknown)}; allowed: {','.join(RUNNERS)}")
     seq_lens = list(LONG_CONTEXT) if args.long_context else [args.seq_len]
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"Device: {device_name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, precision {precision}, "
-          f"peak {'-' if peak is None else f'{peak:g} TFLOP/s'}; {args.warmup} warm-up + {args.steps} timed steps",
-          flush=True)
+    print(
+        f"Device: {device_name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, precision {precision}, "
+        f"peak {'-' if peak is None else f'{peak:g} TFLOP/s'}; {args.warmup} warm-up + {args.steps} timed steps",
+        flush=True,
+    )
     rows: list[Row] = []
     for seq_len in seq_lens:
         for budget in budgets:
             cfg = make_config(args, seq_len, budget, precision)
             for m in methods:
                 name, runner = RUNNERS[m]
-                row = Row(method=name, model=args.model, seq_len=seq_len,
-                          global_batch=args.micro_batch_size * args.micro_batches, budget_gb=budget)
+                row = Row(
+                    method=name,
+                    model=args.model,
+                    seq_len=seq_len,
+                    global_batch=args.micro_batch_size * args.micro_batches,
+                    budget_gb=budget,
+                )
                 try:
                     rows.append(runner(args, cfg, row, peak))
                 except Exception as err:  # one failing method must not hide the others' rows

@@ -53,11 +53,13 @@ def main() -> None:
     cfg = load_config(overrides)
     steps = args.steps or cfg.train.steps
     o = cfg.optim
-    print(f"lr {o.lr} warmup {o.warmup_steps} min_lr {o.min_lr} | {steps} of {cfg.train.steps} steps | "
-          f"nudge: layer {args.layer} {args.param}[{args.index}] by 1 ulp | threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"lr {o.lr} warmup {o.warmup_steps} min_lr {o.min_lr} | {steps} of {cfg.train.steps} steps | "
+        f"nudge: layer {args.layer} {args.param}[{args.index}] by 1 ulp | threads {torch.get_num_threads()}",
+        flush=True,
+    )
     base = SingleTrainer(cfg)
-    nudged = SingleTrainer(load_config(overrides),
-                           model=nudged_model(overrides, args.layer, args.param, args.index))
+    nudged = SingleTrainer(load_config(overrides), model=nudged_model(overrides, args.layer, args.param, args.index))
     worst, worst_step, first_over = 0.0, 0, None
     t0 = time.perf_counter()
     try:
@@ -69,13 +71,17 @@ def main() -> None:
             if first_over is None and diff > args.tolerance:
                 first_over = step
             if step % 50 == 0 or step == steps - 1:
-                print(f"step {step:4d} | loss {a:.6f} vs {b:.6f} | diff {diff:.2e} | max so far {worst:.2e}", flush=True)
+                print(
+                    f"step {step:4d} | loss {a:.6f} vs {b:.6f} | diff {diff:.2e} | max so far {worst:.2e}", flush=True
+                )
     finally:
         base.close()
         nudged.close()
     verdict = "stable" if first_over is None else f"diverged at step {first_over}"
-    print(f"max |loss difference| over {steps} steps: {worst:.2e} (step {worst_step}); "
-          f"tolerance {args.tolerance:g}: {verdict} | {time.perf_counter() - t0:.0f} s")
+    print(
+        f"max |loss difference| over {steps} steps: {worst:.2e} (step {worst_step}); "
+        f"tolerance {args.tolerance:g}: {verdict} | {time.perf_counter() - t0:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,14 @@ import torch
 
 GiB = 1 << 30
 SCHEDULES = ("sysx", "gpipe", "single")
-ONE_B = ["model.dim=2048", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=5632",
-         "model.vocab_size=32000"]
+ONE_B = [
+    "model.dim=2048",
+    "model.n_layers=16",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.ffn_dim=5632",
+    "model.vocab_size=32000",
+]
 
 
 def skip(what: str) -> None:
@@ -30,8 +36,18 @@ def skip(what: str) -> None:
 
 
 def _small(device: str) -> list[str]:
-    return ["model=tiny", "train.seq_len=64", "train.micro_batch_size=2", "train.micro_batches=2", "train.steps=3",
-            "optim.lr=1e-3", "optim.warmup_steps=2", "eval.every=0", f"device={device}", "precision=fp32"]
+    return [
+        "model=tiny",
+        "train.seq_len=64",
+        "train.micro_batch_size=2",
+        "train.micro_batches=2",
+        "train.steps=3",
+        "optim.lr=1e-3",
+        "optim.warmup_steps=2",
+        "eval.every=0",
+        f"device={device}",
+        "precision=fp32",
+    ]
 
 
 def losses(schedule: str, device: str) -> list[float]:
@@ -46,7 +62,9 @@ def losses(schedule: str, device: str) -> list[float]:
         from sysx.runtime import PipelineOptions
         from sysx.trainers.pipeline import PipelineTrainer
 
-        trainer = PipelineTrainer(load_config(_small(device)), PipelineOptions(optim_backend="torch", schedule=schedule))
+        trainer = PipelineTrainer(
+            load_config(_small(device)), PipelineOptions(optim_backend="torch", schedule=schedule)
+        )
     try:
         return [r.loss for r in trainer.run(3)]
     finally:
@@ -57,10 +75,15 @@ def check_losses(cuda: bool) -> None:
     """Each schedule on CUDA under the CUDA sanitizer against the same run on CPU (1e-4 relative)."""
     for schedule in SCHEDULES:
         runs = {}
-        for device in (("cpu", "cuda") if cuda else ("cpu",)):
+        for device in ("cpu", "cuda") if cuda else ("cpu",):
             env = {**os.environ, **({"TORCH_CUDA_SANITIZER": "1"} if device == "cuda" else {})}
-            proc = subprocess.run([sys.executable, __file__, "losses", schedule, device], capture_output=True, text=True,
-                                  env=env, timeout=240)
+            proc = subprocess.run(
+                [sys.executable, __file__, "losses", schedule, device],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=240,
+            )
             if proc.returncode != 0:
                 print(f"FAIL losses {device} {schedule}: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
                 continue
@@ -70,8 +93,11 @@ def check_losses(cuda: bool) -> None:
             skip(f"{schedule} with device=cuda under TORCH_CUDA_SANITIZER=1 and its comparison with device=cpu")
         elif len(runs) == 2:
             worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(runs["cuda"], runs["cpu"]))
-            print(f"{'OK' if worst <= 1e-4 else 'FAIL'} {schedule}: cuda vs cpu max relative difference {worst:.2e} "
-                  f"(limit 1e-4)", flush=True)
+            print(
+                f"{'OK' if worst <= 1e-4 else 'FAIL'} {schedule}: cuda vs cpu max relative difference {worst:.2e} "
+                f"(limit 1e-4)",
+                flush=True,
+            )
 
 
 def check_shm_copy(cuda: bool) -> None:
@@ -99,9 +125,11 @@ def check_shm_copy(cuda: bool) -> None:
         end.record()
         end.synchronize()
         copy_s = start.elapsed_time(end) / 1000
-        print(f"shm h2d: registered={reg is not None}, {nbytes / copy_s / 1e9:.1f} GB/s, copy {copy_s * 1e3:.2f} ms, "
-              f"call returned after {returned * 1e3:.3f} ms ({'OK' if returned < copy_s / 10 else 'FAIL: the call blocked'})",
-              flush=True)
+        print(
+            f"shm h2d: registered={reg is not None}, {nbytes / copy_s / 1e9:.1f} GB/s, copy {copy_s * 1e3:.2f} ms, "
+            f"call returned after {returned * 1e3:.3f} ms ({'OK' if returned < copy_s / 10 else 'FAIL: the call blocked'})",
+            flush=True,
+        )
         del dst
         if reg is not None:
             reg.unregister()
@@ -124,8 +152,11 @@ def check_pinned(cuda: bool) -> None:
         return
     held = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
     stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
-    print(f"pinned via torch.empty(pin_memory=True): requested {sum(sizes)} B, allocator holds "
-          f"{stats.get('allocated_bytes.current', stats.get('reserved_bytes.current', 'n/a'))} B", flush=True)
+    print(
+        f"pinned via torch.empty(pin_memory=True): requested {sum(sizes)} B, allocator holds "
+        f"{stats.get('allocated_bytes.current', stats.get('reserved_bytes.current', 'n/a'))} B",
+        flush=True,
+    )
     del held
 
 
@@ -138,20 +169,37 @@ def check_single_budget(cuda: bool, budget_gb: float = 12.0) -> None:
     from sysx.device_memory import device_usage, over_budget
     from sysx.trainers.single import SingleTrainer
 
-    cfg = load_config(["model=tiny", *ONE_B, "train.seq_len=2048", "train.micro_batch_size=4", "train.micro_batches=2",
-                       "train.steps=2", "eval.every=0", "device=cuda", "precision=bf16", "schedule=single",
-                       f"single.device_memory_gb={budget_gb}"])
+    cfg = load_config(
+        [
+            "model=tiny",
+            *ONE_B,
+            "train.seq_len=2048",
+            "train.micro_batch_size=4",
+            "train.micro_batches=2",
+            "train.steps=2",
+            "eval.every=0",
+            "device=cuda",
+            "precision=bf16",
+            "schedule=single",
+            f"single.device_memory_gb={budget_gb}",
+        ]
+    )
     trainer = SingleTrainer(cfg)
     try:
         t0 = time.perf_counter()
         results = trainer.run(2)
         usage = device_usage(trainer.device)
         assert usage is not None
-        print(f"single ~1B: losses {[round(r.loss, 4) for r in results]}, {time.perf_counter() - t0:.1f} s, "
-              f"W={trainer.plan.window}/{trainer.plan.sizes.n_blocks}; {usage.describe()}", flush=True)
+        print(
+            f"single ~1B: losses {[round(r.loss, 4) for r in results]}, {time.perf_counter() - t0:.1f} s, "
+            f"W={trainer.plan.window}/{trainer.plan.sizes.n_blocks}; {usage.describe()}",
+            flush=True,
+        )
         over = over_budget(usage, int(budget_gb * GiB))
-        print(f"{'OK' if not over else 'FAIL'} budget {budget_gb:g} GiB: {'; '.join(over) or 'reserved and NVML within'}",
-              flush=True)
+        print(
+            f"{'OK' if not over else 'FAIL'} budget {budget_gb:g} GiB: {'; '.join(over) or 'reserved and NVML within'}",
+            flush=True,
+        )
     finally:
         trainer.close()
 
@@ -162,8 +210,10 @@ def main(argv: list[str]) -> int:
         print(json.dumps(losses(argv[1], argv[2])), flush=True)
         return 0
     cuda = torch.cuda.is_available()
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if cuda else 'cpu (reduced form)'}",
-          flush=True)
+    print(
+        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if cuda else 'cpu (reduced form)'}",
+        flush=True,
+    )
     for check in (check_losses, check_shm_copy, check_pinned, check_single_budget):
         print(f"== {check.__doc__.splitlines()[0]}", flush=True)
         check(cuda)

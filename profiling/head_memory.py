@@ -67,13 +67,20 @@ def main(argv: list[str]) -> int:
         for tokens in args.tokens:
             row = []
             for mode in ("full", "chunked"):
-                out = subprocess.run([sys.executable, __file__, "--child", mode, str(tokens), str(args.vocab),
-                                      f"{args.dim}:{dtype}"], check=True, capture_output=True, text=True).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", mode, str(tokens), str(args.vocab), f"{args.dim}:{dtype}"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
                 r = json.loads(out)
                 row.append(f"{mode} {r['peak_growth_bytes'] / GiB:6.2f} GiB (loss {r['loss']:.4f})")
             grads = r["gradients_bytes"] / GiB
             logits = tokens * args.vocab
-            print(f"  {dtype} {tokens:6d} tokens ({logits / 1e6:.0f}M logits, gradients {grads:.2f} GiB): " + " | ".join(row))
+            print(
+                f"  {dtype} {tokens:6d} tokens ({logits / 1e6:.0f}M logits, gradients {grads:.2f} GiB): "
+                + " | ".join(row)
+            )
     return 0
 
 

@@ -12,10 +12,22 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     # name: (module exposing main(argv) -> int, one-line help)
-    "bench": ("sysx.optim.bench", "optimizer benchmark: `sysx bench optim --size 50M [--json]` (rollback modes), or backends, undo, async vs sync"),
-    "plan": ("sysx.schedule.plan", "build, validate and simulate a pipeline schedule; print the plan, draw the timeline"),
-    "plan-single": ("sysx.single.plan_cmd", "the single-GPU sliding-window plan of a model (rounds, window, memory), no training"),
-    "tune": ("sysx.autotune.cli", "profile this machine, simulate every pipeline configuration, print the best that fit"),
+    "bench": (
+        "sysx.optim.bench",
+        "optimizer benchmark: `sysx bench optim --size 50M [--json]` (rollback modes), or backends, undo, async vs sync",
+    ),
+    "plan": (
+        "sysx.schedule.plan",
+        "build, validate and simulate a pipeline schedule; print the plan, draw the timeline",
+    ),
+    "plan-single": (
+        "sysx.single.plan_cmd",
+        "the single-GPU sliding-window plan of a model (rounds, window, memory), no training",
+    ),
+    "tune": (
+        "sysx.autotune.cli",
+        "profile this machine, simulate every pipeline configuration, print the best that fit",
+    ),
     "shm": ("sysx.memory.cli", "list / clean this user's sysx shared-memory segments (stale = creator dead)"),
     "convert": ("sysx.model.convert", "convert model weights: sysx file <-> Hugging Face Llama directory"),
     "data": ("sysx.data.prepare", "token files: prepare from text, info, build the default corpus"),

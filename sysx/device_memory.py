@@ -58,10 +58,14 @@ class DeviceUsage:
 
     def describe(self) -> str:
         """One line in GiB."""
+
         def g(v: int | None) -> str:
             return "n/a" if v is None else f"{v / GiB:.2f}"
-        return (f"peak allocated {g(self.peak_allocated)} GiB, peak reserved {g(self.peak_reserved)} GiB, NVML process "
-                f"{g(self.process_nvml)} GiB, NVML device {g(self.device_nvml)} GiB, free {g(self.free)} of {g(self.total)} GiB")
+
+        return (
+            f"peak allocated {g(self.peak_allocated)} GiB, peak reserved {g(self.peak_reserved)} GiB, NVML process "
+            f"{g(self.process_nvml)} GiB, NVML device {g(self.device_nvml)} GiB, free {g(self.free)} of {g(self.total)} GiB"
+        )
 
 
 def _process_nvml(device: torch.device) -> int | None:
@@ -75,7 +79,7 @@ def _process_nvml(device: torch.device) -> int | None:
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
                 return int(proc.usedGpuMemory)
-    except Exception:  # noqa: BLE001 - NVML is optional: the figure is reported as n/a
+    except Exception:
         return None
     return None
 
@@ -88,10 +92,16 @@ def device_usage(device: torch.device | str) -> DeviceUsage | None:
     free, total = torch.cuda.mem_get_info(device)
     try:
         device_nvml: int | None = int(torch.cuda.device_memory_used(device))
-    except Exception:  # noqa: BLE001 - needs NVML (pynvml) at run time
+    except Exception:
         device_nvml = None
-    return DeviceUsage(int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.max_memory_reserved(device)),
-                       _process_nvml(device), device_nvml, int(free), int(total))
+    return DeviceUsage(
+        int(torch.cuda.max_memory_allocated(device)),
+        int(torch.cuda.max_memory_reserved(device)),
+        _process_nvml(device),
+        device_nvml,
+        int(free),
+        int(total),
+    )
 
 
 def over_budget(usage: DeviceUsage, budget_bytes: int) -> list[str]:
@@ -101,6 +111,8 @@ def over_budget(usage: DeviceUsage, budget_bytes: int) -> list[str]:
     if usage.peak_reserved > budget_bytes:
         out.append(f"peak reserved {usage.peak_reserved / GiB:.2f} GiB > budget {budget_bytes / GiB:.2f} GiB")
     if usage.process_nvml is not None and usage.process_nvml > budget_bytes:
-        out.append(f"NVML process usage {usage.process_nvml / GiB:.2f} GiB > budget {budget_bytes / GiB:.2f} GiB "
-                   f"(includes the CUDA context and loaded kernels)")
+        out.append(
+            f"NVML process usage {usage.process_nvml / GiB:.2f} GiB > budget {budget_bytes / GiB:.2f} GiB "
+            f"(includes the CUDA context and loaded kernels)"
+        )
     return out

@@ -28,8 +28,20 @@ from sysx import peers, stopping
 from sysx.peers import PeerFailed, PeerTimeout
 from sysx.placement import backend_for, local_device
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistInfo", "PeerFailed", "PeerTimeout", "checkpoint_group", "cpu_group", "detect",
-           "group_timeout_s", "init", "process_group_timeout_s", "shutdown", "wait_for"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistInfo",
+    "PeerFailed",
+    "PeerTimeout",
+    "checkpoint_group",
+    "cpu_group",
+    "detect",
+    "group_timeout_s",
+    "init",
+    "process_group_timeout_s",
+    "shutdown",
+    "wait_for",
+]
 
 DEFAULT_TIMEOUT_S = 300.0
 WAIT_SLICE_S = 0.1  # how often a waiting rank looks at signals and at the other ranks
@@ -123,7 +135,10 @@ def _mpi_rendezvous() -> None:
     comm = MPI.COMM_WORLD
     address = None
     if comm.Get_rank() == 0:
-        address = (os.environ.get("MASTER_ADDR") or socket.gethostname(), int(os.environ.get("MASTER_PORT") or _free_port()))
+        address = (
+            os.environ.get("MASTER_ADDR") or socket.gethostname(),
+            int(os.environ.get("MASTER_PORT") or _free_port()),
+        )
     address = comm.bcast(address, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address[0], str(address[1])
 
@@ -290,8 +305,9 @@ def _poll_collective(work: dist.Work, timeout_s: float, watch: peers.PeerWatch |
     return job
 
 
-def wait_for(work: dist.Work, *, rank: int, what: str, peer: int | None, timeout_s: float,
-             collective: bool = False) -> None:
+def wait_for(
+    work: dist.Work, *, rank: int, what: str, peer: int | None, timeout_s: float, collective: bool = False
+) -> None:
     """Wait for an async operation; on timeout raise :class:`PeerTimeout` naming rank, op and peer.
 
     While it waits, a signal raises :class:`sysx.stopping.JobStopped`, and another rank's stop,
@@ -320,8 +336,9 @@ def wait_for(work: dist.Work, *, rank: int, what: str, peer: int | None, timeout
         raise PeerTimeout(_timeout_message(rank, what, peer, timeout_s, None, elapsed))
 
 
-def _timeout_message(rank: int, what: str, peer: int | None, timeout_s: float, err: Exception | None,
-                     elapsed_s: float | None = None) -> str:
+def _timeout_message(
+    rank: int, what: str, peer: int | None, timeout_s: float, err: Exception | None, elapsed_s: float | None = None
+) -> str:
     partner = f" with peer rank {peer}" if peer is not None else ""
     cause = f" ({str(err).splitlines()[0]})" if err is not None else ""
     if err is not None and elapsed_s is not None and elapsed_s < 0.9 * timeout_s:

@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         status = exit_status(failed.failures)
         if status not in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop was reported by the ranks already
             ranks = ", ".join(str(f.global_rank) for f in failed.failures.values())
-            print(f"sysx.launch: rank(s) {ranks} failed (exit status {status}); their own lines above say why",
-                  file=sys.stderr, flush=True)
+            print(
+                f"sysx.launch: rank(s) {ranks} failed (exit status {status}); their own lines above say why",
+                file=sys.stderr,
+                flush=True,
+            )
         return status
     return 0
 

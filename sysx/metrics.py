@@ -113,12 +113,16 @@ def check_run_dir(run_dir: str | Path) -> None:
     if probe == path and not path.is_dir():
         raise ConfigError(f"run_dir={run_dir} is an existing file, not a directory; set run_dir to a directory path")
     if not probe.is_dir():
-        raise ConfigError(f"run_dir={run_dir} is under {probe}, which is a file; set run_dir to a path under a directory")
+        raise ConfigError(
+            f"run_dir={run_dir} is under {probe}, which is a file; set run_dir to a path under a directory"
+        )
     try:  # a real write decides (os.access says yes to root on read-only or virtual file systems)
         os.rmdir(tempfile.mkdtemp(prefix=".sysx-probe-", dir=probe))
     except OSError as exc:
-        raise ConfigError(f"run_dir={run_dir} cannot be written: {probe} is not writable ({exc.strerror or exc}); "
-                          "set run_dir to a writable directory") from None
+        raise ConfigError(
+            f"run_dir={run_dir} cannot be written: {probe} is not writable ({exc.strerror or exc}); "
+            "set run_dir to a writable directory"
+        ) from None
 
 
 def prepare_run_dir(cfg: SysxConfig, *, is_main: bool) -> Path:
@@ -135,8 +139,9 @@ def prepare_run_dir(cfg: SysxConfig, *, is_main: bool) -> Path:
             header = f"# resolved sysx-train configuration; model {cfg.model.preset} = {model_config(cfg).to_json()}\n"
             (run_dir / CONFIG_FILE).write_text(header + to_yaml(cfg))
         except OSError as exc:
-            raise ConfigError(f"run_dir={cfg.run_dir} cannot be written: {exc.strerror or exc}; "
-                              "set run_dir to a writable directory") from None
+            raise ConfigError(
+                f"run_dir={cfg.run_dir} cannot be written: {exc.strerror or exc}; set run_dir to a writable directory"
+            ) from None
     return run_dir
 
 
@@ -206,8 +211,9 @@ class RunLogger:
         if progress and self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", file=self.stream,
-                             dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total_steps, initial=first_step, desc="train", unit="step", file=self.stream, dynamic_ncols=True
+            )
 
     # -- per step
     def record(self, result: StepResult) -> dict[str, Any]:
@@ -237,7 +243,12 @@ class RunLogger:
             self._bar.update(1)
             self._bar.set_postfix_str(f"loss {result.loss:.4f} {fmt_count(result.tokens_per_s)} tok/s", refresh=False)
         last = result.step == self.total_steps - 1
-        if result.step % self.every == 0 or last or result.val_loss is not None or result.checkpoint_stall_s is not None:
+        if (
+            result.step % self.every == 0
+            or last
+            or result.val_loss is not None
+            or result.checkpoint_stall_s is not None
+        ):
             self._print(self.format_line(rec))
 
     def format_line(self, rec: dict[str, Any]) -> str:

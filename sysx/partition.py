@@ -57,7 +57,9 @@ class Partition:
         split = len(self.sub_bounds[0]) - 1
         for s, sb in enumerate(self.sub_bounds):
             if len(sb) - 1 != split:
-                raise PartitionError(f"stage {s} has {len(sb) - 1} sub-stages, stage 0 has {split}: all need the same split")
+                raise PartitionError(
+                    f"stage {s} has {len(sb) - 1} sub-stages, stage 0 has {split}: all need the same split"
+                )
             if sb[0] != b[s] or sb[-1] != b[s + 1] or any(sb[i] >= sb[i + 1] for i in range(len(sb) - 1)):
                 raise PartitionError(f"sub_bounds[{s}]={sb} must increase strictly from {b[s]} to {b[s + 1]}")
 
@@ -105,10 +107,14 @@ class Partition:
         """Sum of the layer costs of backward sub-stage ``(s, k)``."""
         return float(sum(self.layer_costs[i] for i in self.sub_layers(s, k)))
 
-    def with_split(self, split: int) -> "Partition":
+    def with_split(self, split: int) -> Partition:
         """The same forward stages, each cut into ``split`` balanced sub-stages."""
-        return partition_layers(self.layer_costs, self.n_stages,
-                                split=split, stage_sizes=[len(self.stage_layers(s)) for s in range(self.n_stages)])
+        return partition_layers(
+            self.layer_costs,
+            self.n_stages,
+            split=split,
+            stage_sizes=[len(self.stage_layers(s)) for s in range(self.n_stages)],
+        )
 
     def describe(self, names: Sequence[str] | None = None) -> str:
         """A table: stage, layers, share of the total cost, and the sub-stages."""
@@ -119,8 +125,9 @@ class Partition:
             label = f"{r.start}-{r.stop - 1}"
             if names:
                 label = f"{names[r.start]}..{names[r.stop - 1]}" if len(r) > 1 else names[r.start]
-            subs = " ".join(f"{s}.{k}:{self.sub_layers(s, k).start}-{self.sub_layers(s, k).stop - 1}"
-                            for k in range(self.split))
+            subs = " ".join(
+                f"{s}.{k}:{self.sub_layers(s, k).start}-{self.sub_layers(s, k).stop - 1}" for k in range(self.split)
+            )
             c = self.stage_cost(s)
             lines.append(f"{s:>6} {label:>12} {c:>12.4g} {100 * c / total:>6.1f}%   {subs}")
         return "\n".join(lines)
@@ -213,13 +220,18 @@ def partition_layers(
     if n_stages > n:
         raise PartitionError(
             f"{n_stages} forward stages need at least {n_stages} layers but the model has {n}; "
-            f"use at most {n} stages (or a deeper model)")
+            f"use at most {n} stages (or a deeper model)"
+        )
     if stage_sizes is None:
         sizes = _balanced_cut(costs, n_stages)
     else:
         if len(stage_sizes) != n_stages:
-            raise PartitionError(f"stage_sizes has {len(stage_sizes)} entries but n_stages={n_stages}; give one layer count per stage")
-        sizes = _check_sizes(stage_sizes, n, "stage_sizes", f"give {n_stages} layer counts that add up to the {n} layers")
+            raise PartitionError(
+                f"stage_sizes has {len(stage_sizes)} entries but n_stages={n_stages}; give one layer count per stage"
+            )
+        sizes = _check_sizes(
+            stage_sizes, n, "stage_sizes", f"give {n_stages} layer counts that add up to the {n} layers"
+        )
     bounds = [0]
     for x in sizes:
         bounds.append(bounds[-1] + x)
@@ -231,13 +243,16 @@ def partition_layers(
             if len(sub_sizes) != n_stages:
                 raise PartitionError(f"sub_sizes has {len(sub_sizes)} entries but n_stages={n_stages}")
             if len(sub_sizes[s]) != split:
-                raise PartitionError(f"sub_sizes[{s}]={list(sub_sizes[s])} has {len(sub_sizes[s])} entries but split d={split}")
+                raise PartitionError(
+                    f"sub_sizes[{s}]={list(sub_sizes[s])} has {len(sub_sizes[s])} entries but split d={split}"
+                )
             ss = _check_sizes(sub_sizes[s], hi - lo, f"sub_sizes[{s}]", f"stage {s} has {hi - lo} layers")
         else:
             if hi - lo < split:
                 raise PartitionError(
                     f"stage {s} has {hi - lo} layer(s) ({lo}..{hi - 1}) but split d={split} needs at least "
-                    f"{split} layers per stage; lower d to {hi - lo} or use fewer forward stages")
+                    f"{split} layers per stage; lower d to {hi - lo} or use fewer forward stages"
+                )
             ss = _balanced_cut(costs[lo:hi], split)
             if n_ranks:
                 ss = _orient_for_ranks(ss, costs, lo, s, n_stages, split, n_ranks, rank_load)
@@ -248,8 +263,16 @@ def partition_layers(
     return Partition(costs, tuple(bounds), tuple(subs))
 
 
-def _orient_for_ranks(sizes: list[int], costs: Sequence[float], lo: int, s: int, n_stages: int, split: int,
-                      n_ranks: int, rank_load: list[float]) -> list[int]:
+def _orient_for_ranks(
+    sizes: list[int],
+    costs: Sequence[float],
+    lo: int,
+    s: int,
+    n_stages: int,
+    split: int,
+    n_ranks: int,
+    rank_load: list[float],
+) -> list[int]:
     """``sizes`` or its mirror image, whichever keeps the largest per-rank backward load smaller
     (``rank_load`` is updated with the choice)."""
     options = []
@@ -258,7 +281,7 @@ def _orient_for_ranks(sizes: list[int], costs: Sequence[float], lo: int, s: int,
         start = lo
         for k, n in enumerate(cand):
             q = (n_stages - 1 - s) * split + (split - 1 - k)
-            load[q % n_ranks] += sum(costs[start:start + n])
+            load[q % n_ranks] += sum(costs[start : start + n])
             start += n
         options.append((max(load), cand, load))
     best = options[1] if options[1][0] < options[0][0] - 1e-12 else options[0]
@@ -291,8 +314,7 @@ def partition_model(
 
     costs = list(layer_flops(cfg, seq_len))
     costs[0] = max(costs[0], 1e-6 * max(costs))
-    return partition_layers(costs, n_stages, split=split, stage_sizes=stage_sizes, sub_sizes=sub_sizes,
-                            n_ranks=n_ranks)
+    return partition_layers(costs, n_stages, split=split, stage_sizes=stage_sizes, sub_sizes=sub_sizes, n_ranks=n_ranks)
 
 
 @dataclass(frozen=True)
@@ -329,7 +351,8 @@ def _check_ranks(n_stages: int, n_ranks: int, split: int) -> None:
     if n_stages < n_ranks:
         raise PartitionError(
             f"{n_stages} forward stages cannot keep {n_ranks} ranks busy: every rank needs at least one "
-            f"forward stage; use at least {n_ranks} stages (Nsf >= Ng) or fewer ranks")
+            f"forward stage; use at least {n_ranks} stages (Nsf >= Ng) or fewer ranks"
+        )
 
 
 def coupled_placement(n_stages: int, n_ranks: int) -> Placement:

@@ -90,7 +90,9 @@ class PeerWatch:
         deadline = time.monotonic() + timeout
         while waiting and time.monotonic() < deadline:
             with contextlib.suppress(RuntimeError):
-                waiting = {r for r in waiting if not self.store.check([HEARD_KEY.format(r)]) and not self._process_gone(r)}
+                waiting = {
+                    r for r in waiting if not self.store.check([HEARD_KEY.format(r)]) and not self._process_gone(r)
+                }
             if waiting:
                 time.sleep(0.05)
 
@@ -160,14 +162,14 @@ class PeerWatch:
             self._heard()
         except RuntimeError as err:
             return self._store_lost(what, err)
-        return PeerFailed(f"rank {self.rank}: {what}: stopped because rank {rank} failed: {line}",
-                          failed_rank=int(rank), reason=line)
+        return PeerFailed(
+            f"rank {self.rank}: {what}: stopped because rank {rank} failed: {line}", failed_rank=int(rank), reason=line
+        )
 
     def _store_lost(self, what: str, err: Exception) -> StoreLost | None:
         if self.rank == 0:
             return None  # rank 0 hosts the store (or talks to its own launcher): not a peer's death
-        line = (f"the job's store is unreachable ({str(err).splitlines()[0][:120]}): rank 0 or the launcher "
-                f"is gone")
+        line = f"the job's store is unreachable ({str(err).splitlines()[0][:120]}): rank 0 or the launcher is gone"
         return StoreLost(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=0, reason=line)
 
     def dead_peer(self, what: str) -> PeerFailed | None:

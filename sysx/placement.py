@@ -42,5 +42,6 @@ def local_device(local_rank: int, local_world_size: int, device_count: int) -> i
         raise PlacementError(
             f"{max(local_world_size, local_rank + 1)} processes on this node but only {device_count} GPU(s): start at "
             f"most {device_count} per node (torchrun --nproc_per_node={device_count}, mpiexec -ppn {device_count}) "
-            f"or use device=cpu")
+            f"or use device=cpu"
+        )
     return local_rank

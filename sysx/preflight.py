@@ -49,8 +49,10 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     view = SimpleNamespace(info=info, units=sub_stages(schedule, numels, info), dtype=DTYPES[cfg.precision])
     rollback, _ = choose_rollback(cfg.optim.rollback, lambda r: StageParams.node_plan(view, r))  # type: ignore[arg-type]
     plan = StageParams.node_plan(view, rollback)  # type: ignore[arg-type]
-    return (f"{schedule.name}: {schedule.n_stages} stages on {ranks} rank(s), host memory {plan.total / 2**30:.2f} GiB, "
-            f"optim.rollback={rollback}")
+    return (
+        f"{schedule.name}: {schedule.n_stages} stages on {ranks} rank(s), host memory {plan.total / 2**30:.2f} GiB, "
+        f"optim.rollback={rollback}"
+    )
 
 
 def preflight(cfg: SysxConfig, ranks: int) -> str:
@@ -67,8 +69,10 @@ def preflight(cfg: SysxConfig, ranks: int) -> str:
         cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
         refuse_ignored_keys(name, cfg.schedule, cfg.single)
     if name in ("reference", "single") and ranks > 1:
-        raise ConfigError(f"schedule={name} runs in one process, not {ranks}; use schedule=sysx (or another pipeline) "
-                          "or launch one process")
+        raise ConfigError(
+            f"schedule={name} runs in one process, not {ranks}; use schedule=sysx (or another pipeline) "
+            "or launch one process"
+        )
     dataset = open_dataset(cfg, announce=False)
     check_model_vocab(dataset, model_config(cfg))
     if name == "single":

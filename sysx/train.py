@@ -32,8 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sysx.config import (ConfigError, SysxConfig, compose_config, config_dir, group_options, load_config,
-                         refuse_ignored_keys, to_yaml)
+from sysx.config import (
+    ConfigError,
+    SysxConfig,
+    compose_config,
+    config_dir,
+    group_options,
+    load_config,
+    refuse_ignored_keys,
+    to_yaml,
+)
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.launcher import env_rank
 
@@ -81,20 +89,26 @@ def parse_argv(argv: list[str]) -> Invocation:
         elif arg in ("--cfg", "-c") or arg.startswith("--cfg="):
             what = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
             if what != "job":
-                raise ConfigError(f"--cfg {what or '(nothing)'} is not valid: allowed: --cfg job (print the composed config)")
+                raise ConfigError(
+                    f"--cfg {what or '(nothing)'} is not valid: allowed: --cfg job (print the composed config)"
+                )
             inv.show_cfg = True
         elif arg == "--check":
             inv.check = True
         elif arg == "--ranks" or arg.startswith("--ranks="):
             value = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
             if not value.lstrip("-").isdigit():
-                raise ConfigError(f"--ranks {value or '(nothing)'} is not valid: must be an integer >= 1, e.g. --ranks 2")
+                raise ConfigError(
+                    f"--ranks {value or '(nothing)'} is not valid: must be an integer >= 1, e.g. --ranks 2"
+                )
             inv.ranks = int(value)
         elif arg.startswith(_LAUNCHER_ARGS):
             if "=" not in arg and args and args[0].isdigit():
                 args.pop(0)
         elif arg.startswith("-") and not arg.startswith("~"):
-            raise ConfigError(f"unknown option {arg!r}; {PROG} takes key=value overrides, --cfg job, --check [--ranks N] and --help")
+            raise ConfigError(
+                f"unknown option {arg!r}; {PROG} takes key=value overrides, --cfg job, --check [--ranks N] and --help"
+            )
         else:
             inv.overrides.append(arg)
     return inv
@@ -138,8 +152,10 @@ def train_auto(cfg: SysxConfig, info: DistInfo) -> int:
     what ran."""
     name = "sysx" if info.world_size > 1 or cfg.device == EMULATED_DEVICE else "single"
     if info.is_main:
-        print(f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
-              flush=True)
+        print(
+            f"sysx-train: schedule=auto -> {name} ({info.world_size} process{'es' if info.world_size > 1 else ''})",
+            flush=True,
+        )
     # several processes tune their layout unless told not to, or given one by hand
     s = cfg.schedule
     by_hand = s.stage_sizes is not None or s.stages_per_rank is not None or s.split is not None

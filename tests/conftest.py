@@ -69,7 +69,7 @@ def nvtx_ranges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     seen: list[tuple[str, str]] = []
 
     @contextlib.contextmanager
-    def annotate(name: str, domain: str | None = None):  # noqa: ANN202 - a stand-in for nvtx.annotate
+    def annotate(name: str, domain: str | None = None):
         seen.append((name, threading.current_thread().name))
         yield
 

@@ -33,8 +33,14 @@ def main(spec_path: str, out_path: str) -> int:
     spec = json.loads(open(spec_path).read())
     info = sdist.init(timeout_s=float(spec.get("timeout_s", 60)))
     steps = int(spec["steps"])
-    cfg = SysxConfig(model=ModelSection(**spec["model"]), train=TrainSection(steps=steps, **spec["train"]),
-                     optim=OptimSection(**spec.get("optim", {})), eval=EvalSection(every=0), device="cpu", seed=spec.get("seed", 0))
+    cfg = SysxConfig(
+        model=ModelSection(**spec["model"]),
+        train=TrainSection(steps=steps, **spec["train"]),
+        optim=OptimSection(**spec.get("optim", {})),
+        eval=EvalSection(every=0),
+        device="cpu",
+        seed=spec.get("seed", 0),
+    )
     validate(cfg)
     dataset = TokenDataset(default_corpus_path())
     ref_losses: list[float] = []
@@ -69,22 +75,37 @@ def main(spec_path: str, out_path: str) -> int:
         a = torch.cat([ref_state[k].flatten() for k in ref_state])
         b = torch.cat([state[k].flatten() for k in ref_state])
         per_tensor = max(float((state[k] - v).norm() / v.norm()) for k, v in ref_state.items())
-        rows.append({
-            "options": options,
-            "n_stages": sched.n_stages, "split": sched.split, "ckpt": sched.options.ckpt,
-            "optimizer": sched.options.optimizer, "messages_per_step": n_messages, "mirrored_units": mirrored,
-            "losses": losses, "ref_losses": ref_losses, "lrs": [r.lr for r in results], "backends": backends, "rollbacks": rollbacks,
-            "speculated": [r.speculated for r in results], "restepped": [r.restepped for r in results],
-            "rolled_back": [r.rolled_back for r in results], "ref_norms": ref_norms,
-            "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
-            "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
-            "param_rel": float((a - b).norm() / a.norm()),
-            "param_rel_per_tensor": per_tensor,
-            "param_max_abs": float((a - b).abs().max()),
-            "seconds": time.perf_counter() - t0,
-        })
-        print(f"parity {options}: loss rel {rows[-1]['loss_rel']:.2e} param rel {rows[-1]['param_rel']:.2e} "
-              f"({rows[-1]['seconds']:.1f} s)", flush=True)
+        rows.append(
+            {
+                "options": options,
+                "n_stages": sched.n_stages,
+                "split": sched.split,
+                "ckpt": sched.options.ckpt,
+                "optimizer": sched.options.optimizer,
+                "messages_per_step": n_messages,
+                "mirrored_units": mirrored,
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "lrs": [r.lr for r in results],
+                "backends": backends,
+                "rollbacks": rollbacks,
+                "speculated": [r.speculated for r in results],
+                "restepped": [r.restepped for r in results],
+                "rolled_back": [r.rolled_back for r in results],
+                "ref_norms": ref_norms,
+                "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
+                "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
+                "param_rel": float((a - b).norm() / a.norm()),
+                "param_rel_per_tensor": per_tensor,
+                "param_max_abs": float((a - b).abs().max()),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        print(
+            f"parity {options}: loss rel {rows[-1]['loss_rel']:.2e} param rel {rows[-1]['param_rel']:.2e} "
+            f"({rows[-1]['seconds']:.1f} s)",
+            flush=True,
+        )
     if info.rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world_size": info.world_size, "nodes": info.num_nodes, "rows": rows}, f, indent=1)

@@ -77,8 +77,9 @@ def test_ring_capacity_caps_the_sustainable_transfer_per_layer() -> None:
     # option 2 (1.2 s) never fits; option 1 (0.6 s) always does -> optimum is option 1 everywhere.
     # (the last layer is the window: it keeps its activations on the device)
     L = 5
-    p = SaveProblem.make([1.0] * L, [[0.2, 0.6, 1.2]] * (L - 1), [[0.0, 1.0, 3.0]] * (L - 1), ring_slots=2,
-                         transfer_layers=L - 1)
+    p = SaveProblem.make(
+        [1.0] * L, [[0.2, 0.6, 1.2]] * (L - 1), [[0.0, 1.0, 3.0]] * (L - 1), ring_slots=2, transfer_layers=L - 1
+    )
     sol = solve_save_levels(p)
     assert sol.feasible and sol.levels == (1,) * (L - 1) and sol.value == pytest.approx(L - 1)
     assert brute_force_levels(p)[1] == pytest.approx(sol.value)
@@ -100,8 +101,14 @@ def test_a_bigger_ring_lets_a_backlog_build_and_drain() -> None:
 def test_host_capacity_limits_the_bytes_kept_at_home() -> None:
     # unlimited bandwidth, but the host holds only 2 layers' worth of the big option
     L = 5
-    p = SaveProblem.make([1.0] * L, [[0.0, 0.0]] * L, [[0.0, 1.0]] * L, ring_slots=2,
-                         host_bytes=[[1.0, 10.0]] * L, host_capacity=2 * 10.0 + 3 * 1.0)
+    p = SaveProblem.make(
+        [1.0] * L,
+        [[0.0, 0.0]] * L,
+        [[0.0, 1.0]] * L,
+        ring_slots=2,
+        host_bytes=[[1.0, 10.0]] * L,
+        host_capacity=2 * 10.0 + 3 * 1.0,
+    )
     sol = solve_save_levels(p)
     assert sol.feasible and sol.levels.count(1) == 2 and sol.value == pytest.approx(2.0)
     assert sol.host_bytes <= 23.0
@@ -133,8 +140,16 @@ def test_dp_matches_brute_force_on_random_small_problems(seed: int) -> None:
         host.append([x * 10 for x in t])
     cap = rng.choice([None, sum(min(h) for h in host) * chunks * rng.uniform(1.0, 3.0)])
     n_tr = rng.randint(1, L)
-    p = SaveProblem.make(compute, transfer[:n_tr], value[:n_tr], ring_slots=ring, chunks=chunks,
-                         transfer_layers=n_tr, host_bytes=host[:n_tr], host_capacity=cap)
+    p = SaveProblem.make(
+        compute,
+        transfer[:n_tr],
+        value[:n_tr],
+        ring_slots=ring,
+        chunks=chunks,
+        transfer_layers=n_tr,
+        host_bytes=host[:n_tr],
+        host_capacity=cap,
+    )
     best, best_value = brute_force_levels(p)
     sol = solve_save_levels(p)
     if best is None:
@@ -148,10 +163,16 @@ def test_dp_matches_brute_force_on_random_small_problems(seed: int) -> None:
 def test_dp_solves_a_real_model_size() -> None:
     # 80 transferring blocks, 5 options, 4 chunks per round; its speed is profiling/bench_planners.py's
     n_tr, W, O, chunks = 80, 8, 5, 4
-    p = SaveProblem.make([1.0] * (n_tr + W), [[0.12 * o for o in range(1, O + 1)]] * n_tr,
-                         [[float(o) for o in range(O)]] * n_tr, ring_slots=W * chunks, chunks=chunks,
-                         transfer_layers=n_tr, host_bytes=[[float(o + 1) for o in range(O)]] * n_tr,
-                         host_capacity=3.0 * n_tr * chunks)
+    p = SaveProblem.make(
+        [1.0] * (n_tr + W),
+        [[0.12 * o for o in range(1, O + 1)]] * n_tr,
+        [[float(o) for o in range(O)]] * n_tr,
+        ring_slots=W * chunks,
+        chunks=chunks,
+        transfer_layers=n_tr,
+        host_bytes=[[float(o + 1) for o in range(O)]] * n_tr,
+        host_capacity=3.0 * n_tr * chunks,
+    )
     sol = solve_save_levels(p)
     assert sol.feasible and simulate_forward(p, sol.levels)[0]
 

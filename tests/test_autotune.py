@@ -14,11 +14,11 @@ import torch
 from sysx.autotune import cache as cache_mod
 from sysx.autotune import profile as prof
 from sysx.autotune.advice import advise
+from sysx.autotune.apply import choice, job_from_config, tuned_job_config
+from sysx.autotune.cli import main as tune_main
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.hardware import HardwareProfile
 from sysx.autotune.profile import LayerTiming, MachineProfile
-from sysx.autotune.apply import choice, job_from_config, tuned_job_config
-from sysx.autotune.cli import main as tune_main
 from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
 from sysx.config import ConfigError, load_config, to_yaml
 from sysx.dist import DistInfo
@@ -34,16 +34,35 @@ SEQ = 64
 
 def synthetic_profile(cfg=TINY, seq_len: int = SEQ, sizes=(1, 2, 4, 8)) -> MachineProfile:
     """A profile with made-up, size-proportional times (block 1 ms per 64 tokens, backward 3x)."""
-    hw = HardwareProfile(name="synthetic", kind="cpu", h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
-                         bidir_bytes_per_s=8e9, matmul_flops_per_s=1e12, device_mem_bytes_per_s=100e9,
-                         device_free_bytes=int(8 * GiB), device_total_bytes=int(8 * GiB),
-                         host_free_bytes=int(32 * GiB), host_total_bytes=int(32 * GiB), measured=False)
+    hw = HardwareProfile(
+        name="synthetic",
+        kind="cpu",
+        h2d_bytes_per_s=10e9,
+        d2h_bytes_per_s=10e9,
+        bidir_bytes_per_s=8e9,
+        matmul_flops_per_s=1e12,
+        device_mem_bytes_per_s=100e9,
+        device_free_bytes=int(8 * GiB),
+        device_total_bytes=int(8 * GiB),
+        host_free_bytes=int(32 * GiB),
+        host_total_bytes=int(32 * GiB),
+        measured=False,
+    )
     per_token = {"embedding": 1e-7, "block": 1e-3 / 64, "head": 3e-3 / 64}
-    layers = {k: [LayerTiming(m * seq_len, t * m * seq_len, 3 * t * m * seq_len) for m in sizes]
-              for k, t in per_token.items()}
-    return MachineProfile(machine={"host": "test"}, shape=prof.shape_key(cfg, seq_len, torch.float32), hardware=hw,
-                          layers=layers, adam_params_per_s=5e8, cpu_threads=8, host_available=int(32 * GiB),
-                          shm_free=int(16 * GiB), shm_total=int(16 * GiB))
+    layers = {
+        k: [LayerTiming(m * seq_len, t * m * seq_len, 3 * t * m * seq_len) for m in sizes] for k, t in per_token.items()
+    }
+    return MachineProfile(
+        machine={"host": "test"},
+        shape=prof.shape_key(cfg, seq_len, torch.float32),
+        hardware=hw,
+        layers=layers,
+        adam_params_per_s=5e8,
+        cpu_threads=8,
+        host_available=int(32 * GiB),
+        shm_free=int(16 * GiB),
+        shm_total=int(16 * GiB),
+    )
 
 
 ROOMY = Budget(gpu=8 * GiB, host=32 * GiB, shm=16 * GiB)
@@ -72,16 +91,39 @@ def test_profiled_costs_are_what_simulate_gets() -> None:
     assert costs.bwd_ratio == pytest.approx(2.0)  # backward with recompute is 3x forward: 1 + ratio
     assert costs.optim_params_per_s == pytest.approx(3 * 5e8)
     sched = make_schedule(PipelineOptions(stages_per_rank=2, split=1), TINY, n_ranks=2, n_micro=4, seq_len=SEQ)
-    hand = Costs(layer_fwd_time=tuple(fwd), layer_params=costs.layer_params, act_bytes=mbs * SEQ * TINY.dim * 4,
-                 layer_act_bytes=costs.layer_act_bytes, input_bytes=mbs * SEQ * 8, bwd_ratio=2.0, param_bytes=4,
-                 grad_bytes=4, host_bytes_per_param=costs.host_bytes_per_param, h2d_bandwidth=10e9, d2h_bandwidth=10e9,
-                 optim_params_per_s=1.5e9, optim_workers=2, posted_sends=True)  # the runtime's isends
+    hand = Costs(
+        layer_fwd_time=tuple(fwd),
+        layer_params=costs.layer_params,
+        act_bytes=mbs * SEQ * TINY.dim * 4,
+        layer_act_bytes=costs.layer_act_bytes,
+        input_bytes=mbs * SEQ * 8,
+        bwd_ratio=2.0,
+        param_bytes=4,
+        grad_bytes=4,
+        host_bytes_per_param=costs.host_bytes_per_param,
+        h2d_bandwidth=10e9,
+        d2h_bandwidth=10e9,
+        optim_params_per_s=1.5e9,
+        optim_workers=2,
+        posted_sends=True,
+    )  # the runtime's isends
     a, b = simulate(sched, costs), simulate(sched, hand)
     assert a.iteration == pytest.approx(b.iteration) and a.iteration > 0
     assert a.peak_gpu == pytest.approx(b.peak_gpu) and a.host == pytest.approx(b.host) and a.shm == pytest.approx(b.shm)
     # and the search's candidate is that simulation
-    res = search(Job(TINY, SEQ, 8, 2, work_dtype="float32", optim_backend="torch"), ROOMY, p,
-                 Space(stages_per_rank=(2,), splits=(1,), cfgs=(3,), param_buffers=(2,), micro_batch_sizes=(2,), optimizer_workers=(2,)))
+    res = search(
+        Job(TINY, SEQ, 8, 2, work_dtype="float32", optim_backend="torch"),
+        ROOMY,
+        p,
+        Space(
+            stages_per_rank=(2,),
+            splits=(1,),
+            cfgs=(3,),
+            param_buffers=(2,),
+            micro_batch_sizes=(2,),
+            optimizer_workers=(2,),
+        ),
+    )
     (cand,) = res.fitting
     assert cand.threads_per_worker == 2  # 8 cores over 2 ranks, 2 torch-backend workers each
     c = simulate(sched, profiled_costs(p, TINY, SEQ, mbs, work_dtype="float32", optim_workers=2, threads_per_worker=2))
@@ -157,7 +199,9 @@ def test_shorter_sequences_are_proposed_when_activations_do_not_fit() -> None:
     assert res.best is None
     seq = {ch.kind: ch for ch in advise(res, p, SMALL, rank_factors=())}["seq_len"]
     assert seq.value < 2048
-    assert search(dataclasses.replace(job, seq_len=int(seq.value)), dataclasses.replace(ROOMY, gpu=need * 0.5), p, SMALL).best
+    assert search(
+        dataclasses.replace(job, seq_len=int(seq.value)), dataclasses.replace(ROOMY, gpu=need * 0.5), p, SMALL
+    ).best
 
 
 def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypatch) -> None:
@@ -175,7 +219,10 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
     assert not reused and len(calls) == 1
     again, reused = cache_mod.load_or_measure(small, 16, [2], device="cpu")
     assert reused and len(calls) == 1 and again == first
-    assert json.loads(cache_mod.profile_path(small, 16, torch.float32, torch.device("cpu")).read_text())["shape"]["dim"] == 32
+    assert (
+        json.loads(cache_mod.profile_path(small, 16, torch.float32, torch.device("cpu")).read_text())["shape"]["dim"]
+        == 32
+    )
     wider = dataclasses.replace(small, ffn_dim=96)  # a changed shape: measured again
     _, reused = cache_mod.load_or_measure(wider, 16, [1], device="cpu")
     assert not reused and len(calls) == 2
@@ -196,8 +243,23 @@ def test_optimizer_threads_follow_the_core_plan() -> None:
 def _tune(monkeypatch, tmp_path, capsys, *extra: str) -> dict:
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
-    assert tune_main(["--ranks", "2", "--json", *extra, "--hydra", "model=tiny", f"train.seq_len={SEQ}",
-                      "train.micro_batch_size=2", "train.micro_batches=4", "device=cpu"]) == 0
+    assert (
+        tune_main(
+            [
+                "--ranks",
+                "2",
+                "--json",
+                *extra,
+                "--hydra",
+                "model=tiny",
+                f"train.seq_len={SEQ}",
+                "train.micro_batch_size=2",
+                "train.micro_batches=4",
+                "device=cpu",
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)
 
 
@@ -220,8 +282,18 @@ def test_sysx_tune_with_no_room_names_the_closest_and_the_change(monkeypatch, tm
 
 
 def _job_config(*extra: str):
-    return load_config(["schedule=sysx", "schedule.tune=true", "model=tiny", f"train.seq_len={SEQ}",
-                        "train.micro_batch_size=2", "train.micro_batches=4", "device=cpu", *extra])
+    return load_config(
+        [
+            "schedule=sysx",
+            "schedule.tune=true",
+            "model=tiny",
+            f"train.seq_len={SEQ}",
+            "train.micro_batch_size=2",
+            "train.micro_batches=4",
+            "device=cpu",
+            *extra,
+        ]
+    )
 
 
 def test_schedule_tune_at_job_start_writes_the_choice_into_the_config(monkeypatch, tmp_path) -> None:
@@ -260,9 +332,24 @@ def test_sysx_train_with_schedule_tune_runs_the_choice_and_records_it(monkeypatc
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
     run_dir = tmp_path / "run"
-    assert train_main(["schedule=sysx", "schedule.tune=true", "model=tiny", f"train.seq_len={SEQ}", "train.steps=1",
-                       "train.micro_batch_size=2", "train.micro_batches=4", "device=cpu", "eval.every=0",
-                       "log.progress=false", f"run_dir={run_dir}"]) == 0
+    assert (
+        train_main(
+            [
+                "schedule=sysx",
+                "schedule.tune=true",
+                "model=tiny",
+                f"train.seq_len={SEQ}",
+                "train.steps=1",
+                "train.micro_batch_size=2",
+                "train.micro_batches=4",
+                "device=cpu",
+                "eval.every=0",
+                "log.progress=false",
+                f"run_dir={run_dir}",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     best = search(Job(TINY, SEQ, 8, 1, work_dtype="float32"), ROOMY, synthetic_profile()).best
     assert best is not None and "schedule.tune (profile measured" in out and best.label() in out

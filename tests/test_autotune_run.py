@@ -27,7 +27,7 @@ from sysx.autotune.profile import LayerTiming
 from sysx.autotune.search import Job, candidate_costs, search
 from sysx.config import load_config
 from sysx.dist import DistInfo
-from sysx.emulate import EmulatedPacer, plan_emulation
+from sysx.emulate import plan_emulation
 from sysx.model import get_preset
 from sysx.runtime.options import make_schedule, options_from_config
 from sysx.schedule.simulate import simulate
@@ -53,14 +53,32 @@ def test_p2p_line_fit_and_costs_take_the_profile_links() -> None:
     p = dataclasses.replace(synthetic_profile(), p2p=P2PFigures(4, 2, 3e9, 30e-6, 1e9, 80e-6))
     assert prof.MachineProfile.from_json(p.to_json()) == p
     costs = profiled_costs(p, TINY, 64, 2, gpus_per_node=2)
-    assert (costs.p2p_bandwidth, costs.p2p_latency, costs.inter_p2p_bandwidth, costs.inter_p2p_latency) == (3e9, 30e-6, 1e9, 80e-6)
+    assert (costs.p2p_bandwidth, costs.p2p_latency, costs.inter_p2p_bandwidth, costs.inter_p2p_latency) == (
+        3e9,
+        30e-6,
+        1e9,
+        80e-6,
+    )
     assert costs.gpus_per_node == 2 and costs.posted_sends  # the runtime's isends
 
 
 def _emulated_cfg(*extra: str):
-    return load_config(["device=emulated", "schedule=sysx", "schedule.tune=true", "emulate.model=llama2_7b",
-                        "emulate.seq_len=1024", "emulate.micro_batch_size=2", "train.seq_len=16", "train.micro_batch_size=1",
-                        "train.micro_batches=8", "optim.backend=torch", "precision=bf16", *extra])
+    return load_config(
+        [
+            "device=emulated",
+            "schedule=sysx",
+            "schedule.tune=true",
+            "emulate.model=llama2_7b",
+            "emulate.seq_len=1024",
+            "emulate.micro_batch_size=2",
+            "train.seq_len=16",
+            "train.micro_batch_size=1",
+            "train.micro_batches=8",
+            "optim.backend=torch",
+            "precision=bf16",
+            *extra,
+        ]
+    )
 
 
 def test_the_emulated_device_answers_with_its_own_costs(monkeypatch) -> None:
@@ -104,27 +122,56 @@ def test_rank_1_takes_rank_0s_choice_without_searching(monkeypatch, tmp_path) ->
     monkeypatch.setattr(apply_mod.sdist, "cpu_group", lambda: None)
     monkeypatch.setattr(apply_mod, "search", lambda *a, **k: pytest.fail("rank 1 searched"))
     monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("rank 1 profiled"))
-    cfg = load_config(["schedule=sysx", "schedule.tune=true", "model=tiny", "train.seq_len=64", "train.micro_batch_size=8",
-                       "train.micro_batches=1", "device=cpu"])
+    cfg = load_config(
+        [
+            "schedule=sysx",
+            "schedule.tune=true",
+            "model=tiny",
+            "train.seq_len=64",
+            "train.micro_batch_size=8",
+            "train.micro_batches=1",
+            "device=cpu",
+        ]
+    )
     tuned = apply_mod.tune_job(cfg, DistInfo(rank=1, world_size=2, local_world_size=2), torch.device("cpu"))
     assert len(calls) == 2 and tuned.costs is None
     assert (tuned.cfg.schedule.stages_per_rank, tuned.cfg.schedule.split, tuned.cfg.train.micro_batch_size) == (
-        best.options.stages_per_rank, best.options.split, best.micro_batch_size)
+        best.options.stages_per_rank,
+        best.options.split,
+        best.micro_batch_size,
+    )
 
 
 # ------------------------------------------------------------------------------ the job, 2 ranks
 SEQ = 32
-JOB = ["schedule=auto", "schedule.tune=true", "model=tiny", "precision=fp32", "train.steps=4", f"train.seq_len={SEQ}",
-       "train.micro_batch_size=2", "train.micro_batches=4", "eval.every=0", "log.every=1", "log.progress=false",
-       "optim.backend=torch", "checkpoint.keep=1", "device=cpu"]
+JOB = [
+    "schedule=auto",
+    "schedule.tune=true",
+    "model=tiny",
+    "precision=fp32",
+    "train.steps=4",
+    f"train.seq_len={SEQ}",
+    "train.micro_batch_size=2",
+    "train.micro_batches=4",
+    "eval.every=0",
+    "log.every=1",
+    "log.progress=false",
+    "optim.backend=torch",
+    "checkpoint.keep=1",
+    "device=cpu",
+]
 
 
 def _slow_profile(cache: Path) -> None:
     """Plant this machine's profile of the job's shape, every layer 1000x slower than any CPU runs it."""
     profile = synthetic_profile(TINY, SEQ, sizes=(1, 2, 4, 8))
     layers = {k: [LayerTiming(p.tokens, p.fwd_s * 1000, p.bwd_s * 1000) for p in v] for k, v in profile.layers.items()}
-    profile = dataclasses.replace(profile, layers=layers, machine=prof.machine_key(torch.device("cpu")),
-                                  shape=prof.shape_key(TINY, SEQ, torch.float32))
+    profile = dataclasses.replace(
+        profile,
+        layers=layers,
+        machine=prof.machine_key(torch.device("cpu")),
+        shape=prof.shape_key(TINY, SEQ, torch.float32),
+    )
     path = cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
@@ -137,8 +184,24 @@ def test_a_tuned_2_rank_run_checks_its_prediction_and_warns_when_it_is_off(tmp_p
     _slow_profile(cache)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID", "TORCHELASTIC_RUN_ID")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SYSX_CACHE_DIR=str(cache))
-    run = subprocess.run([sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", "-m", "sysx.train",
-                          *JOB, f"run_dir={tmp_path / 'run'}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sysx.launch",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "sysx.train",
+            *JOB,
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "schedule.tune (profile cached; p2p" in run.stdout  # the planted profile, with the links just measured
     pred = json.loads((tmp_path / "run" / "summary.json").read_text())["prediction"]
@@ -152,12 +215,22 @@ def test_a_tuned_2_rank_run_checks_its_prediction_and_warns_when_it_is_off(tmp_p
     assert pred["iteration_s"]["error_pct"] < -90  # 1000x too slow a profile
     assert run.stdout.count("warning: the prediction is off by more than 10%") == 1
     assert f"prediction ({pred['source']}):" in run.stdout
-    cached = prof.MachineProfile.from_json(cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu")).read_text())
+    cached = prof.MachineProfile.from_json(
+        cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu")).read_text()
+    )
     assert cached.p2p is not None and cached.p2p.ranks == 2 and cached.p2p.intra_bandwidth > 0  # kept with the profile
 
 
-@pytest.mark.parametrize("world,extra,tuned", [(2, [], True), (1, [], False), (2, ["schedule.tune=false"], False),
-                                               (2, ["schedule.stages_per_rank=1"], False), (4, ["schedule.tune=true", "schedule.split=1"], True)])
+@pytest.mark.parametrize(
+    "world,extra,tuned",
+    [
+        (2, [], True),
+        (1, [], False),
+        (2, ["schedule.tune=false"], False),
+        (2, ["schedule.stages_per_rank=1"], False),
+        (4, ["schedule.tune=true", "schedule.split=1"], True),
+    ],
+)
 def test_schedule_tune_defaults_to_true_for_auto_with_several_processes(monkeypatch, world, extra, tuned) -> None:
     import sysx.train as train_mod
 
@@ -190,8 +263,11 @@ def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatc
     assert cache_mod.hardware_path(torch.device("cpu"), torch.float32).exists()
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
     seen: list[object] = []
-    monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq, sizes, **kw: seen.append(kw["hardware"]) or
-                        synthetic_profile(cfg, seq))
+    monkeypatch.setattr(
+        prof,
+        "measure_profile",
+        lambda cfg, seq, sizes, **kw: seen.append(kw["hardware"]) or synthetic_profile(cfg, seq),
+    )
     cache_mod.load_or_measure(small, 16, [1], device="cpu")
     cache_mod.load_or_measure(dataclasses.replace(small, ffn_dim=96), 16, [1], device="cpu")  # a new shape
     assert len(seen) == 2 and len(calls) == 1  # the layers were profiled twice, the hardware measured once
@@ -210,8 +286,23 @@ def test_sysx_tune_on_the_emulated_device_measures_nothing(monkeypatch, tmp_path
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
     monkeypatch.setattr(hw_mod, "measure_hardware", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))
-    assert tune_main(["--ranks", "2", "--json", "--hydra", "device=emulated", "emulate.model=llama2_7b", "emulate.seq_len=256",
-                      "emulate.micro_batch_size=2", "train.micro_batches=2", "train.seq_len=16"]) == 0
+    assert (
+        tune_main(
+            [
+                "--ranks",
+                "2",
+                "--json",
+                "--hydra",
+                "device=emulated",
+                "emulate.model=llama2_7b",
+                "emulate.seq_len=256",
+                "emulate.micro_batch_size=2",
+                "train.micro_batches=2",
+                "train.seq_len=16",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["budget"]["gpu"] == 32 * 2**30 and out["seq_len"] == 256 and out["global_batch"] == 4
     assert out["top"] and all(c["global_batch"] == 4 for c in out["top"])
@@ -245,8 +336,13 @@ def test_the_single_trainer_checks_its_planners_prediction(capsys) -> None:
     plan = SimpleNamespace(times={"step_s": 0.5}, device_bytes={"total": 1 << 20}, host_bytes={"total": 3 << 20})
     check = SinglePrediction(plan, torch.device("cpu"))
     for step, seconds in enumerate((9.0, 0.5, 0.6, 0.7)):
-        check.after_step(StepResult(step=step, loss=1.0, lr=1e-3, grad_norm=1.0, skipped=False, scale=1.0, tokens=1,
-                                    step_time_s=seconds), 10, None)
+        check.after_step(
+            StepResult(
+                step=step, loss=1.0, lr=1e-3, grad_norm=1.0, skipped=False, scale=1.0, tokens=1, step_time_s=seconds
+            ),
+            10,
+            None,
+        )
     s = check.section
     assert s["source"] == "single-device planner" and s["steps"] == [1, 3]
     assert s["iteration_s"]["measured"] == pytest.approx(0.6) and s["iteration_s"]["error_pct"] == pytest.approx(20.0)

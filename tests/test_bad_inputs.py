@@ -32,29 +32,62 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("run_dir={d}/afile", ["run_dir=", "afile", "existing file", "set run_dir"]),
     ("run_dir={d}/afile/sub", ["run_dir=", "which is a file", "set run_dir"]),
     ("run_dir=/proc/sysx-run", ["run_dir=/proc/sysx-run", "not writable", "set run_dir"]),
-    ("data=file data.path={d}/raw/train.bin data.dtype=uint32 data.vocab_size=256", ["data.dtype=uint32", "set data.dtype=uint16"]),
+    (
+        "data=file data.path={d}/raw/train.bin data.dtype=uint32 data.vocab_size=256",
+        ["data.dtype=uint32", "set data.dtype=uint16"],
+    ),
     ("data.path={d}/raw/train.bin", ["data.path=", "add data=file"]),
-    ("data=file data.path={d}/raw/train.bin data.dtype=uint16 data.vocab_size=100", ["data.vocab_size=100", "ids reach 240", "data.vocab_size=241"]),
+    (
+        "data=file data.path={d}/raw/train.bin data.dtype=uint16 data.vocab_size=100",
+        ["data.vocab_size=100", "ids reach 240", "data.vocab_size=241"],
+    ),
     ("data=file data.path={d}/odd/train.bin data.dtype=uint32 data.vocab_size=256", ["data.dtype=uint32", "odd count"]),
-    ("data=file data.path={d}/tiny/train.bin data.dtype=uint32 data.vocab_size=256", ["data.dtype=uint32 is wrong", "try data.dtype=uint16"]),
-    ("data=file data.path={d}/odd/train.bin data.dtype=uint16 data.vocab_size=256", ["data.dtype=uint16", "odd count", "truncated"]),
+    (
+        "data=file data.path={d}/tiny/train.bin data.dtype=uint32 data.vocab_size=256",
+        ["data.dtype=uint32 is wrong", "try data.dtype=uint16"],
+    ),
+    (
+        "data=file data.path={d}/odd/train.bin data.dtype=uint16 data.vocab_size=256",
+        ["data.dtype=uint16", "odd count", "truncated"],
+    ),
     ("data=file data.path={d}/trunc/tokens.bin", ["tokens.meta.json", "truncated", "sysx data prepare"]),
     ("data=file data.path={d}/raw/train.bin", ["no metadata", "data.dtype=uint16"]),
     ("schedule=single model=llama2_110b device=cpu", ["this machine has", "GiB", "smaller model"]),
-    ("schedule=single model=llama2_7b device=cpu single.host_memory_gb=100000", ["single.host_memory_gb=100000", "free host memory", "or 0"]),
-    ("--check --ranks 4 schedule=sysx model.n_layers=1", ["needs at least 4 forward stages (one per rank)", "fewer processes", "!stages_per_rank"]),
-    ("--check --ranks 2 schedule=sysx model.n_layers=1 schedule.stages_per_rank=2", ["needs 4 forward stages", "lower schedule.stages_per_rank"]),
+    (
+        "schedule=single model=llama2_7b device=cpu single.host_memory_gb=100000",
+        ["single.host_memory_gb=100000", "free host memory", "or 0"],
+    ),
+    (
+        "--check --ranks 4 schedule=sysx model.n_layers=1",
+        ["needs at least 4 forward stages (one per rank)", "fewer processes", "!stages_per_rank"],
+    ),
+    (
+        "--check --ranks 2 schedule=sysx model.n_layers=1 schedule.stages_per_rank=2",
+        ["needs 4 forward stages", "lower schedule.stages_per_rank"],
+    ),
     ("--check --ranks 0", ["--ranks 0", ">= 1"]),
     ("--ranks x --check", ["--ranks x", "integer"]),
     ("schedule=sysx model=llama2_110b device=cpu", ["host memory the job needs", "need", "Fix"]),
     # data files: missing, empty, corrupt, mismatched
     ("data=file data.path={d}/nope.bin", ["token file not found", "sysx data prepare"]),
-    ("data=file data.path={d}/empty/train.bin data.dtype=uint16 data.vocab_size=256", ["is empty", "sysx data prepare"]),
+    (
+        "data=file data.path={d}/empty/train.bin data.dtype=uint16 data.vocab_size=256",
+        ["is empty", "sysx data prepare"],
+    ),
     ("data=file data.path={d}/badmeta/tokens.bin", ["cannot read token metadata", "tokens.meta.json"]),
-    ("data=file data.path={d}/u32/train.bin data.dtype=uint16 data.vocab_size=256", ["data.dtype=uint16", "set data.dtype=uint32"]),
-    ("data=file data.path={d}/trunc/tokens.bin data.dtype=uint32", ["data.dtype=uint32 contradicts", "set data.dtype=uint16"]),
+    (
+        "data=file data.path={d}/u32/train.bin data.dtype=uint16 data.vocab_size=256",
+        ["data.dtype=uint16", "set data.dtype=uint32"],
+    ),
+    (
+        "data=file data.path={d}/trunc/tokens.bin data.dtype=uint32",
+        ["data.dtype=uint32 contradicts", "set data.dtype=uint16"],
+    ),
     ("data=file data.path={d}/corrupt/tokens.bin", ["ids up to", "says vocab_size=256", "corrupt"]),
-    ("data=file data.path={d}/tiny/train.bin data.dtype=uint16 data.vocab_size=256 eval.every=10", ["too few to carve", "eval.every=0"]),
+    (
+        "data=file data.path={d}/tiny/train.bin data.dtype=uint16 data.vocab_size=256 eval.every=10",
+        ["too few to carve", "eval.every=0"],
+    ),
     ("schedule=reference model.vocab_size=100", ["model.vocab_size=100", "model.vocab_size=256"]),
     ("model.init_from={d}/nope", ["model.init_from=", "does not exist"]),
     # every section: a wrong type and an out-of-range value
@@ -118,16 +151,20 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("emulate.time_scale=0.5", ["emulate.time_scale=0.5", "add device=emulated"]),
     ("device=emulated model.n_layers=4", ["model.n_layers=4", "48 layers", "remove model.n_layers"]),
     ("device=emulated schedule=single", ["device=emulated", "schedule=sysx"]),
-    ("device=emulated emulate.seq_len=4096 emulate.micro_batch_size=16", ["emulate.gpu=v100 has 32 GiB", "GiB on rank 0",
-                                                      "lower emulate.micro_batch_size"]),
+    (
+        "device=emulated emulate.seq_len=4096 emulate.micro_batch_size=16",
+        ["emulate.gpu=v100 has 32 GiB", "GiB on rank 0", "lower emulate.micro_batch_size"],
+    ),
     ("profile.timeline_steps=[5,2]", ["profile.timeline_steps=[5, 2]", "0 <= first <= last", "or null"]),
     ("profile.timeline_steps=[3]", ["profile.timeline_steps=[3]", "[first,last]"]),
     ("profile.nsys_steps=[-1,2]", ["profile.nsys_steps=[-1, 2]", "0 <= first <= last"]),
     ("profile.timeline_steps=[3,5] train.steps=5", ["profile.timeline_steps=[3, 5]", "0..4", "raise train.steps"]),
     ("profile.nsys_steps=abc", ["profile.nsys_steps=abc"]),
     ("profile.nvtx=maybe", ["profile.nvtx=maybe"]),
-    ("schedule=reference profile.timeline_steps=[1,2]", ["profile.timeline_steps=[1, 2]", "schedule=reference",
-                                                          "pipeline schedule"]),
+    (
+        "schedule=reference profile.timeline_steps=[1,2]",
+        ["profile.timeline_steps=[1, 2]", "schedule=reference", "pipeline schedule"],
+    ),
     ("foo.bar=1", ["unknown key 'foo'", "valid keys"]),
     ("train.steps", ["'train.steps'", "key=value"]),
     ("--bogus", ["'--bogus'", "key=value"]),
@@ -208,8 +245,9 @@ def _argv(spec: str, d: Path, run_dir: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("spec,expect", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
-def test_train_bad_input(spec: str, expect: list[str], data_dir: Path, tmp_path: Path,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_bad_input(
+    spec: str, expect: list[str], data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sysx.train import main
 
     monkeypatch.delenv("RANK", raising=False)
@@ -251,9 +289,11 @@ def test_nanogpt_train_bin_without_val_gets_a_carved_val_split(data_dir: Path) -
     from sysx.config import DataSection, EvalSection, SysxConfig, TrainSection
     from sysx.trainers.base import open_dataset
 
-    cfg = SysxConfig(data=DataSection(name="file", path=str(data_dir / "u32" / "train.bin"),
-                                      dtype="uint32", vocab_size=256),
-                     eval=EvalSection(every=10), train=TrainSection(seq_len=32))
+    cfg = SysxConfig(
+        data=DataSection(name="file", path=str(data_dir / "u32" / "train.bin"), dtype="uint32", vocab_size=256),
+        eval=EvalSection(every=10),
+        train=TrainSection(seq_len=32),
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         ds = open_dataset(cfg)
@@ -269,14 +309,24 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("spec,expect", [
-    ("run_dir={d}/afile", ["run_dir=", "existing file"]),
-    ("--check --ranks 2 schedule=sysx model=llama2_110b device=cpu", ["host memory the job needs", "Fix"]),
-], ids=["run_dir-file", "preflight-host-memory"])
+@pytest.mark.parametrize(
+    "spec,expect",
+    [
+        ("run_dir={d}/afile", ["run_dir=", "existing file"]),
+        ("--check --ranks 2 schedule=sysx model=llama2_110b device=cpu", ["host memory the job needs", "Fix"]),
+    ],
+    ids=["run_dir-file", "preflight-host-memory"],
+)
 def test_subprocess_bad_input(spec: str, expect: list[str], data_dir: Path) -> None:
     before = _segments()
-    proc = subprocess.run([sys.executable, "-m", "sysx.train", *spec.format(d=data_dir).split()], env=_env(),
-                          capture_output=True, text=True, timeout=240, cwd=data_dir)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sysx.train", *spec.format(d=data_dir).split()],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=data_dir,
+    )
     assert proc.returncode == 2, proc.stderr
     _assert_one_line(proc.stderr, "sysx-train: error: ", expect)
     assert _segments() <= before
@@ -284,8 +334,14 @@ def test_subprocess_bad_input(spec: str, expect: list[str], data_dir: Path) -> N
 
 @pytest.mark.timeout(300)
 def test_plan_ops_into_head_is_not_an_error() -> None:
-    proc = subprocess.run(f"{sys.executable} -m sysx.cli plan --ops | head -1", shell=True, env=_env(),
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        f"{sys.executable} -m sysx.cli plan --ops | head -1",
+        shell=True,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.stdout.startswith("rank 0") and proc.stderr == "", proc.stderr
 
 
@@ -297,14 +353,31 @@ def test_torchrun_prints_the_line_once(data_dir: Path, tmp_path: Path) -> None:
     before = _segments()
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "sysx.train", "schedule=sysx", "data=file",
-         f"data.path={data_dir / 'raw' / 'train.bin'}", "data.dtype=uint16", "data.vocab_size=100", f"run_dir={run_dir}"],
-        env=_env(), capture_output=True, text=True, timeout=500)
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "sysx.train",
+            "schedule=sysx",
+            "data=file",
+            f"data.path={data_dir / 'raw' / 'train.bin'}",
+            "data.dtype=uint16",
+            "data.vocab_size=100",
+            f"run_dir={run_dir}",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith(("sysx-train", "[rank"))]
     assert proc.returncode != 0
-    assert ours == ["sysx-train: error: data.vocab_size=100 is too small for "
-                      f"{data_dir / 'raw' / 'train.bin'}: train ids reach 240; set data.vocab_size=241 or larger "
-                      "(the tokenizer's vocabulary size)"], proc.stderr
+    assert ours == [
+        "sysx-train: error: data.vocab_size=100 is too small for "
+        f"{data_dir / 'raw' / 'train.bin'}: train ids reach 240; set data.vocab_size=241 or larger "
+        "(the tokenizer's vocabulary size)"
+    ], proc.stderr
     assert not run_dir.exists() and _segments() <= before
 
 

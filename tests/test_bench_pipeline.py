@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).parents[1] / "profiling" / "bench_pipeline.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_pipeline", Path(__file__).parents[1] / "profiling" / "bench_pipeline.py"
+)
 assert _SPEC is not None and _SPEC.loader is not None
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
@@ -17,9 +19,17 @@ _SPEC.loader.exec_module(bench)
 
 def _row(schedule: str, it: float | None, model: str = "llama2_10b", seq: int = 2048) -> dict[str, Any]:
     measured = None if it is None else {"iteration_s": it, "bubble": 0.1, "over_plan": 1.0}
-    return {"model": model, "seq": seq, "ranks": 4, "schedule": schedule,
-            "report": {"plan": {"iteration_s": it or 1.0, "bubble": 0.1}, "measured": measured,
-                       "refused": None if it else "lagged"}}
+    return {
+        "model": model,
+        "seq": seq,
+        "ranks": 4,
+        "schedule": schedule,
+        "report": {
+            "plan": {"iteration_s": it or 1.0, "bubble": 0.1},
+            "measured": measured,
+            "refused": None if it else "lagged",
+        },
+    }
 
 
 def test_a_layout_is_read_from_the_schedule_name() -> None:
@@ -31,8 +41,14 @@ def test_a_layout_is_read_from_the_schedule_name() -> None:
 
 
 def test_sysx_is_compared_with_the_baselines_run_the_same_way() -> None:
-    rows = [_row("mobius", 12.0), _row("interleaved_1f1b", 13.0), _row("sysx:cfg3", 10.0),
-            _row("mobius@s6", 11.0), _row("interleaved_1f1b@s6", 11.5), _row("sysx:cfg3@s4d3", 10.0)]
+    rows = [
+        _row("mobius", 12.0),
+        _row("interleaved_1f1b", 13.0),
+        _row("sysx:cfg3", 10.0),
+        _row("mobius@s6", 11.0),
+        _row("interleaved_1f1b@s6", 11.5),
+        _row("sysx:cfg3@s4d3", 10.0),
+    ]
     lines = bench.table(rows).splitlines()
     default = next(line for line in lines if "| SysX CFG3 |" in line)
     tuned = next(line for line in lines if "SysX CFG3, best layout" in line)
@@ -46,8 +62,12 @@ def test_a_cell_measured_again_keeps_its_measured_row() -> None:
 
 
 def test_the_tuned_row_is_compared_with_its_prediction_and_the_best_fixed_layout() -> None:
-    rows = [_row("mobius", 12.0), _row("sysx:cfg3", 11.0), _row("sysx:cfg3@s4d3", 10.5),
-            {**_row("sysx:tuned", 10.0), "choice": "stages/rank 4 d=3"}]
+    rows = [
+        _row("mobius", 12.0),
+        _row("sysx:cfg3", 11.0),
+        _row("sysx:cfg3@s4d3", 10.5),
+        {**_row("sysx:tuned", 10.0), "choice": "stages/rank 4 d=3"},
+    ]
     rows[-1]["report"]["plan"]["iteration_s"] = 9.9
     line = bench.tuned_lines(rows)
     assert "tuned 10.00 s measured vs 9.90 s predicted (+1.0%)" in line
@@ -73,22 +93,36 @@ def _placed(schedule: str, it: float, plan: float, on: list[int], *, gpu: str = 
     """A measured row at a placement: ``on[r]`` of rank r's 6 sub-stages on the device."""
     row = {**_row(schedule, it), "gpu": gpu, "split": 3}
     row["report"]["plan"]["iteration_s"] = plan
-    ranks = [{"device": [f"s{i}.0" for i in range(n)], "units": 6, "device_params": n, "params": 6,
-              "cpu_finish_s": 3.3, "finish_s": 3.3 - 0.4 * n, "saving_s": 0.4 * n} for n in on]
+    ranks = [
+        {
+            "device": [f"s{i}.0" for i in range(n)],
+            "units": 6,
+            "device_params": n,
+            "params": 6,
+            "cpu_finish_s": 3.3,
+            "finish_s": 3.3 - 0.4 * n,
+            "saving_s": 0.4 * n,
+        }
+        for n in on
+    ]
     row["placement"] = {"mode": bench.split_placement(schedule)[1] or "auto", "ranks": ranks}
     return row
 
 
 def test_placement_rows_are_labelled_and_compared_with_their_cpu_sibling() -> None:
-    rows = [{**_row("mobius", 6.0), "gpu": "h100"}, _placed("sysx:cfg3", 2.2, 2.1, [3, 3]),
-            {**_row("sysx:cfg3+cpu", 4.0), "gpu": "h100", "split": 3, "placement": {"mode": "cpu"}},
-            _placed("sysx:cfg3+split", 2.0, 2.07, [5, 4])]
+    rows = [
+        {**_row("mobius", 6.0), "gpu": "h100"},
+        _placed("sysx:cfg3", 2.2, 2.1, [3, 3]),
+        {**_row("sysx:cfg3+cpu", 4.0), "gpu": "h100", "split": 3, "placement": {"mode": "cpu"}},
+        _placed("sysx:cfg3+split", 2.0, 2.07, [5, 4]),
+    ]
     rows[2]["report"]["plan"]["iteration_s"] = 3.3
     lines = bench.table(rows).splitlines()
     assert "vs optim.placement=cpu" in lines[0] and lines[1].count("---") == 12
     split = next(line for line in lines if "+split" in line or "placement=split" in line)
-    assert ("| 10B on H100 | 2048 | 4 | SysX CFG3 (d=3), optim.placement=split: 9 of 12 sub-stages on the device |"
-            in split)
+    assert (
+        "| 10B on H100 | 2048 | 4 | SysX CFG3 (d=3), optim.placement=split: 9 of 12 sub-stages on the device |" in split
+    )
     # 4.0 / 2.0 measured; the plan 3.30 -> 2.07; the model: the slowest rank's end, 3.3 -> 3.3 - 4 x 0.4
     assert split.endswith("|  |  | **2.00x** (-2.00 s; plan -1.23 s, model -1.60 s) |")
     default = next(line for line in lines if "placement=auto" in line)
@@ -96,10 +130,12 @@ def test_placement_rows_are_labelled_and_compared_with_their_cpu_sibling() -> No
     assert "| **2.73x** | - | **1.82x** (-1.80 s" in default  # SysX/Mobius stays on the default row
     cpu = next(line for line in lines if "placement=cpu |" in line)
     assert cpu.endswith("| 4.00 | 10.0% | 3.30 | 10.0% | 1.000 |  |  |  |")
-    assert "SysX/Mobius 2.73x on average (2.73-2.73, 1 rows)" == bench.averages(rows)
+    assert bench.averages(rows) == "SysX/Mobius 2.73x on average (2.73-2.73, 1 rows)"
     v100 = [{**_row("mobius", 14.0), "gpu": "v100"}, {**_row("sysx:cfg3", 10.0), "gpu": "v100"}]
-    assert bench.averages(rows + v100) == ("SysX/Mobius on H100 2.73x on average (2.73-2.73, 1 rows); "
-                                           "SysX/Mobius on V100 1.40x on average (1.40-1.40, 1 rows)")
+    assert bench.averages(rows + v100) == (
+        "SysX/Mobius on H100 2.73x on average (2.73-2.73, 1 rows); "
+        "SysX/Mobius on V100 1.40x on average (1.40-1.40, 1 rows)"
+    )
 
 
 def test_the_planned_column_says_when_it_has_the_device_lane() -> None:

@@ -10,13 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_runtime_procs import ROOT, launch
 
 JOB = ROOT / "tests" / "resume_job.py"
 MODEL = {"dim": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
-BASE = {"model": MODEL, "train": {"steps": 6, "micro_batch_size": 2, "micro_batches": 4, "seq_len": 16},
-        "optim": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5}, "eval": {"every": 0}, "device": "cpu"}
+BASE = {
+    "model": MODEL,
+    "train": {"steps": 6, "micro_batch_size": 2, "micro_batches": 4, "seq_len": 16},
+    "optim": {"lr": 1e-3, "warmup_steps": 2, "grad_clip": 0.5},
+    "eval": {"every": 0},
+    "device": "cpu",
+}
 FP16 = {"precision": "fp16", "loss_scale": {"init": 65536.0, "growth_interval": 2}}
 
 pytestmark = pytest.mark.slow
@@ -39,8 +43,13 @@ def test_sysx_and_mobius_resume_bit_identically_on_2_ranks(tmp_path: Path, preci
     cfg = {**BASE, **(FP16 if precision == "fp16" else {})}
     schedules = [{"schedule": "sysx"}, {"schedule": "mobius"}]
     ckpt = str(tmp_path / "ckpt")
-    run_job(tmp_path, 2, cfg, schedules, [["straight", 6, ckpt + "-straight", ""], ["first", 3, ckpt, "save"],
-                                          ["second", 3, ckpt, "resume"]])
+    run_job(
+        tmp_path,
+        2,
+        cfg,
+        schedules,
+        [["straight", 6, ckpt + "-straight", ""], ["first", 3, ckpt, "save"], ["second", 3, ckpt, "resume"]],
+    )
     for index in range(len(schedules)):
         straight, first, second = (load(tmp_path, index, p) for p in ("straight", "first", "second"))
         assert first["results"] + second["results"] == straight["results"], schedules[index]
@@ -63,8 +72,13 @@ def test_a_checkpoint_moves_from_4_ranks_to_2_ranks_to_the_window(tmp_path: Path
     cfg = {**BASE, "train": {**BASE["train"], "steps": 6}}
     ckpt = str(tmp_path / "moved")
     run_job(tmp_path, 4, cfg, [{"schedule": "sysx", "stages_per_rank": 1, "split": 2}], [["a", 2, ckpt, "save"]])
-    run_job(tmp_path, 2, cfg, [{"schedule": "sysx", "split": 2}],
-            [["b", 2, ckpt, "resume save"], ["straight", 6, str(tmp_path / "straight"), ""]])
+    run_job(
+        tmp_path,
+        2,
+        cfg,
+        [{"schedule": "sysx", "split": 2}],
+        [["b", 2, ckpt, "resume save"], ["straight", 6, str(tmp_path / "straight"), ""]],
+    )
     straight = load(tmp_path, 0, "straight")
     a, b = load(tmp_path, 0, "a"), load(tmp_path, 0, "b")
     assert a["results"] + b["results"] == straight["results"][:4]  # 4 ranks -> 2 ranks: exact

@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from sysx.config import (CheckpointSection, ConfigError, EvalSection, LossScaleSection, ModelSection, OptimSection,
-                         SingleSection, SysxConfig, TrainSection)
+from sysx.config import (
+    CheckpointSection,
+    ConfigError,
+    EvalSection,
+    LossScaleSection,
+    ModelSection,
+    OptimSection,
+    SingleSection,
+    SysxConfig,
+    TrainSection,
+)
 from sysx.single.hardware import assumed_hardware
 from sysx.trainers.checkpointing import JobCheckpoints
 from sysx.trainers.reference import ReferenceTrainer
@@ -33,9 +42,13 @@ def make_cfg(tmp_path: Path, precision: str, **train) -> SysxConfig:
     return SysxConfig(
         model=ModelSection(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64),
         train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=2, seq_len=16, **train),
-        optim=OptimSection(lr=1e-3, warmup_steps=2, grad_clip=0.5), eval=EvalSection(every=0),
-        loss_scale=FP16_SCALE if precision == "fp16" else LossScaleSection(), precision=precision, device="cpu",
-        checkpoint=CheckpointSection(dir=str(tmp_path / "ckpt")), run_dir=str(tmp_path / "run"),
+        optim=OptimSection(lr=1e-3, warmup_steps=2, grad_clip=0.5),
+        eval=EvalSection(every=0),
+        loss_scale=FP16_SCALE if precision == "fp16" else LossScaleSection(),
+        precision=precision,
+        device="cpu",
+        checkpoint=CheckpointSection(dir=str(tmp_path / "ckpt")),
+        run_dir=str(tmp_path / "run"),
     )
 
 
@@ -94,9 +107,8 @@ def test_another_model_is_refused_with_both_values(tmp_path: Path) -> None:
         t.run(1)
         JobCheckpoints(t).save(background=False)
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=64))
-    with make_trainer("reference", other) as t:
-        with pytest.raises(ConfigError) as err:
-            JobCheckpoints(t).resume()
+    with make_trainer("reference", other) as t, pytest.raises(ConfigError) as err:
+        JobCheckpoints(t).resume()
     message = str(err.value)
     assert "\n" not in message and "dim=32" in message and "dim=64" in message and "train.resume=none" in message
 
@@ -104,9 +116,21 @@ def test_another_model_is_refused_with_both_values(tmp_path: Path) -> None:
 def test_the_job_resumes_where_it_stopped_and_keeps_the_earlier_metrics(tmp_path: Path) -> None:
     from sysx.train import main
 
-    args = ["schedule=reference", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-            "model.ffn_dim=64", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=0", "device=cpu",
-            "log.progress=false", f"run_dir={tmp_path / 'run'}", "checkpoint.every=2"]
+    args = [
+        "schedule=reference",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=64",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "eval.every=0",
+        "device=cpu",
+        "log.progress=false",
+        f"run_dir={tmp_path / 'run'}",
+        "checkpoint.every=2",
+    ]
     assert main([*args, "train.steps=4"]) == 0  # as if stopped after step 4 of a longer run
     assert main([*args, "train.steps=6"]) == 0  # the same command, longer: resumes at step 4
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -25,7 +25,9 @@ def layer(i: int, numel: int = 64, seed: int = 0) -> LayerState:
     g = torch.Generator().manual_seed(seed * 1000 + i)
     names = [f"layers.{i}.a", f"layers.{i}.b"]
     flat = torch.randn(3, 2 * numel, generator=g)  # views of one flat buffer, as the optimizers hold them
-    parts = [{n: flat[k, j * numel:(j + 1) * numel].view(8, numel // 8) for j, n in enumerate(names)} for k in range(3)]
+    parts = [
+        {n: flat[k, j * numel : (j + 1) * numel].view(8, numel // 8) for j, n in enumerate(names)} for k in range(3)
+    ]
     return LayerState(i, parts[0], parts[1], parts[2], step=7 + seed)
 
 
@@ -46,8 +48,9 @@ def assert_same(a: LayerState, b: LayerState) -> None:
 def test_round_trip_is_bit_exact_and_files_are_group_readable(tmp_path: Path, background: bool) -> None:
     states = {i: layer(i) for i in range(4)}
     saver = CheckpointSaver(tmp_path, rank=0, world=1, keep=2, tag="job")
-    report = saver.save(3, sources(states), manifest={"model": {"n_layers": 2}}, trainer_state={"step": 3},
-                        background=background)
+    report = saver.save(
+        3, sources(states), manifest={"model": {"n_layers": 2}}, trainer_state={"step": 3}, background=background
+    )
     assert report.mode == ("background" if background else "sync") and report.nbytes == 4 * 3 * 128 * 4
     saver.close()
     ckpt = find_resume("auto", tmp_path)
@@ -85,7 +88,7 @@ def test_two_ranks_write_their_own_layers_and_rank0_commits(tmp_path: Path) -> N
             saver = CheckpointSaver(tmp_path, rank=r, world=2, keep=2, tag="job", commit_timeout_s=30)
             saver.save(5, sources({i: states[i] for i in owned[r]}), manifest={"model": {}}, trainer_state={"r": r})
             saver.close()
-        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
@@ -168,7 +171,9 @@ KILL_CHILD = textwrap.dedent("""
 
 
 def _kill_while_writing(root: Path, world: int) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(root), str(world)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, str(root), str(world)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         if world == 1:
@@ -195,8 +200,21 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path:
     root = tmp_path / "ckpt"
     if world == 2:
         first = CheckpointSaver(root, rank=0, world=1, keep=2, tag="first")
-        first.save(1, {i: (lambda i=i: LayerState(i, {f"layers.{i}.w": torch.ones(8)}, {f"layers.{i}.w": torch.ones(8)},
-                                                    {f"layers.{i}.w": torch.ones(8)}, 1)) for i in range(2)})
+        first.save(
+            1,
+            {
+                i: (
+                    lambda i=i: LayerState(
+                        i,
+                        {f"layers.{i}.w": torch.ones(8)},
+                        {f"layers.{i}.w": torch.ones(8)},
+                        {f"layers.{i}.w": torch.ones(8)},
+                        1,
+                    )
+                )
+                for i in range(2)
+            },
+        )
         first.close()
     _kill_while_writing(root, world)
     if world == 2:
@@ -238,7 +256,7 @@ def test_flat_buffers_round_trip_through_layer_states(tmp_path: Path) -> None:
         got = torch.empty(alone.numel)
         load_flat(alone, (index,), {index: ckpt.layer(index).exp_avg}, got, what="test")
         lo = k * alone.numel
-        assert torch.equal(got, bufs[1][lo:lo + alone.numel])
+        assert torch.equal(got, bufs[1][lo : lo + alone.numel])
     with pytest.raises(ValueError, match="test: layers.1.attn_norm.weight is missing"):
         load_flat(alone, (1,), {1: {}}, got, what="test")
 

@@ -64,8 +64,9 @@ def test_ignored_labels_do_not_count_and_only_needed_gradients_are_made() -> Non
 
 
 def test_head_chunks_a_large_vocabulary_and_matches_the_full_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = ModelConfig(vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
-                      tie_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=96, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, tie_embeddings=True
+    )
     model = build_model(cfg, seed=3)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 96, (2, 24), generator=gen)
@@ -94,7 +95,7 @@ class _LargestLogits(TorchDispatchMode):
         self.vocab = vocab
         self.largest = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if any(r.alias_info is not None for r in func._schema.returns):
             return out  # a view (e.g. the weight transposed) allocates nothing

@@ -19,8 +19,19 @@ MAX_FUNCTION_LINES = 100
 MAX_FILE_LINES = 600
 # Engines and libraries never import the job layer (``sysx.train``, ``sysx.trainers``, ``sysx.cli``).
 ENTRY_LAYER = ("sysx.train", "sysx.trainers", "sysx.cli")
-ENGINES = ("sysx.runtime", "sysx.single", "sysx.schedule", "sysx.optim", "sysx.memory", "sysx.model", "sysx.data",
-           "sysx.partition", "sysx.device", "sysx.dist", "sysx.config")
+ENGINES = (
+    "sysx.runtime",
+    "sysx.single",
+    "sysx.schedule",
+    "sysx.optim",
+    "sysx.memory",
+    "sysx.model",
+    "sysx.data",
+    "sysx.partition",
+    "sysx.device",
+    "sysx.dist",
+    "sysx.config",
+)
 
 
 def module_name(path: Path) -> str:
@@ -47,8 +58,14 @@ def _imported_names(tree: ast.AST, name: str, is_package: bool) -> Iterator[str]
                 module = node.module or ""
             yield module
             yield from (f"{module}.{alias.name}" for alias in node.names)  # ``from pkg import submodule``
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             yield node.args[0].value
 
 
@@ -122,8 +139,13 @@ def test_no_import_circle_anywhere_in_sysx() -> None:
 
 def test_engines_do_not_import_the_entry_layer() -> None:
     graph = import_graph()
-    bad = [f"{v} -> {w}" for v, targets in graph.items() if v.startswith(ENGINES) for w in sorted(targets)
-           if w.startswith(ENTRY_LAYER)]
+    bad = [
+        f"{v} -> {w}"
+        for v, targets in graph.items()
+        if v.startswith(ENGINES)
+        for w in sorted(targets)
+        if w.startswith(ENTRY_LAYER)
+    ]
     assert not bad, "engines import the job layer: " + ", ".join(bad)
 
 

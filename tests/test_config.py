@@ -47,12 +47,29 @@ def test_default_config_composes_and_matches_the_dataclass_defaults() -> None:
 
 def test_overrides_reach_the_typed_config() -> None:
     cfg = load_config(
-        ["train.steps=7", "train.micro_batch_size=3", "train.micro_batches=5", "train.seq_len=32", "precision=bf16",
-         "seed=11", "run_dir=/tmp/somewhere", "optim.lr=0.01", "optim.betas=[0.8,0.9]", "log.progress=false",
-         "model.n_layers=1", "eval.every=0"]
+        [
+            "train.steps=7",
+            "train.micro_batch_size=3",
+            "train.micro_batches=5",
+            "train.seq_len=32",
+            "precision=bf16",
+            "seed=11",
+            "run_dir=/tmp/somewhere",
+            "optim.lr=0.01",
+            "optim.betas=[0.8,0.9]",
+            "log.progress=false",
+            "model.n_layers=1",
+            "eval.every=0",
+        ]
     )
     assert (cfg.train.steps, cfg.train.micro_batch_size, cfg.train.micro_batches, cfg.train.seq_len) == (7, 3, 5, 32)
-    assert (cfg.precision, cfg.seed, cfg.run_dir, cfg.optim.lr, cfg.optim.betas) == ("bf16", 11, "/tmp/somewhere", 0.01, [0.8, 0.9])
+    assert (cfg.precision, cfg.seed, cfg.run_dir, cfg.optim.lr, cfg.optim.betas) == (
+        "bf16",
+        11,
+        "/tmp/somewhere",
+        0.01,
+        [0.8, 0.9],
+    )
     assert cfg.log.progress is False and cfg.eval.every == 0
     assert cfg.tokens_per_step == 3 * 5 * 32
     mcfg = model_config(cfg)
@@ -140,11 +157,18 @@ def test_config_error_from_the_library_api() -> None:
         load_config(["train.micro_batches=0"])
 
 
-@pytest.mark.parametrize(("override", "word"), [("precision=fp8", "fp32, bf16, fp16"), ("schedule=nosuch", "reference")])
+@pytest.mark.parametrize(
+    ("override", "word"), [("precision=fp8", "fp32, bf16, fp16"), ("schedule=nosuch", "reference")]
+)
 def test_bad_value_from_the_command_line(override: str, word: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "sysx.train", override], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "sysx.train", override],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -204,9 +228,21 @@ IGNORED = [
 
 @pytest.mark.parametrize(("overrides", "words"), IGNORED, ids=[" ".join(o) for o, _ in IGNORED])
 def test_a_key_the_schedule_ignores_is_refused_in_one_line(
-    overrides: list[str], words: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    overrides: list[str],
+    words: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for key in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMIX_RANK",
+    ):
         monkeypatch.delenv(key, raising=False)  # one process
     run_dir = tmp_path / "run"
     status = main([*overrides, "device=cpu", f"run_dir={run_dir}"])
@@ -231,11 +267,15 @@ def test_keys_the_schedule_reads_pass() -> None:
 def test_pipeline_options_refuse_what_their_schedule_ignores() -> None:
     from sysx.runtime import PipelineOptions, RuntimeConfigError
 
-    with pytest.raises(RuntimeConfigError, match=r"^schedule.split=2 is not valid for gpipe: .*ignored; .*schedule=sysx$"):
+    with pytest.raises(
+        RuntimeConfigError, match=r"^schedule.split=2 is not valid for gpipe: .*ignored; .*schedule=sysx$"
+    ):
         PipelineOptions(schedule="gpipe", split=2).check()
     with pytest.raises(RuntimeConfigError, match=r"schedule.cfg=5 is not valid: allowed: 0, 1, 2, 3"):
         PipelineOptions(schedule="sysx", cfg=5).check()
-    with pytest.raises(RuntimeConfigError, match=r"optim.rollback=no is not valid: allowed: undo, snapshot, exact, auto"):
+    with pytest.raises(
+        RuntimeConfigError, match=r"optim.rollback=no is not valid: allowed: undo, snapshot, exact, auto"
+    ):
         PipelineOptions(rollback="no").check()
     PipelineOptions(schedule="sysx", split=2, cfg=1).check()
 
@@ -243,8 +283,12 @@ def test_pipeline_options_refuse_what_their_schedule_ignores() -> None:
 def test_single_section_checks_itself() -> None:
     from sysx.config import SingleSection
 
-    for bad, words in ((SingleSection(window=-1), "single.window=-1"), (SingleSection(policy="7"), "level 0..4"),
-                       (SingleSection(hardware="tpu"), "measure, remeasure, rtx4090"), (SingleSection(optimizer_overlap="x"), "backward")):
+    for bad, words in (
+        (SingleSection(window=-1), "single.window=-1"),
+        (SingleSection(policy="7"), "level 0..4"),
+        (SingleSection(hardware="tpu"), "measure, remeasure, rtx4090"),
+        (SingleSection(optimizer_overlap="x"), "backward"),
+    ):
         with pytest.raises(ConfigError, match=words):
             bad.validate()
     SingleSection(policy="3", hardware="h100").validate()

@@ -84,10 +84,9 @@ def test_dtype_for_vocab() -> None:
 
 def test_writer_publishes_atomically(tmp_path: Path) -> None:
     out = tmp_path / "t.bin"
-    with pytest.raises(RuntimeError):
-        with TokenWriter(out, vocab_size=256, tokenizer={"kind": "byte"}) as writer:
-            writer.write([1, 2, 3])
-            raise RuntimeError("interrupted")
+    with pytest.raises(RuntimeError), TokenWriter(out, vocab_size=256, tokenizer={"kind": "byte"}) as writer:
+        writer.write([1, 2, 3])
+        raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []  # nothing published, temp file removed
     with TokenWriter(out, vocab_size=256, tokenizer={"kind": "byte"}) as writer:
         with pytest.raises(DataError, match="out of range"):
@@ -285,7 +284,9 @@ def test_get_batch_resumable(dataset: TokenDataset) -> None:
 def test_get_batch_global_batch_independent_of_layout(dataset: TokenDataset) -> None:
     """dp=2 x 2 micro-batches x 2 rows covers the same 8 sequences as dp=1 x 1 micro-batch x 8 rows."""
     whole = _batch(dataset, micro_batch=0, micro_batch_size=8)[0]
-    parts = [_batch(dataset, micro_batch=m, dp_rank=r, dp_size=2, micro_batch_size=2)[0] for m in range(2) for r in range(2)]
+    parts = [
+        _batch(dataset, micro_batch=m, dp_rank=r, dp_size=2, micro_batch_size=2)[0] for m in range(2) for r in range(2)
+    ]
     assert torch.equal(torch.cat(parts), whole)
 
 
@@ -314,8 +315,12 @@ print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())
 @pytest.mark.slow
 def test_get_batch_same_in_separate_processes(dataset: TokenDataset) -> None:
     procs = [
-        subprocess.Popen([sys.executable, "-c", _PRINT_BATCH, str(dataset.path)], stdout=subprocess.PIPE,
-                         text=True, env=_env() | {"PYTHONHASHSEED": str(seed)})
+        subprocess.Popen(
+            [sys.executable, "-c", _PRINT_BATCH, str(dataset.path)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env() | {"PYTHONHASHSEED": str(seed)},
+        )
         for seed in (1, 2)
     ]
     digests = [p.communicate(timeout=120)[0].strip() for p in procs]
@@ -350,7 +355,16 @@ def test_default_corpus_built_once_and_cached(_private_cache: Path) -> None:
 
 def test_default_corpus_source_selection(tmp_path: Path) -> None:
     root = tmp_path / "lib"
-    for rel in ("a.py", "pkg/b.py", "test/t.py", "pkg/tests/t.py", "site-packages/x.py", "_sysconfigdata_x.py", "c.txt", "z.py"):
+    for rel in (
+        "a.py",
+        "pkg/b.py",
+        "test/t.py",
+        "pkg/tests/t.py",
+        "site-packages/x.py",
+        "_sysconfigdata_x.py",
+        "c.txt",
+        "z.py",
+    ):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(f"# {rel}\n" + "x = 1\n" * 20)
     assert [rel for rel, _ in stdlib_sources(root, max_bytes=10_000)] == ["a.py", "pkg/b.py", "z.py"]

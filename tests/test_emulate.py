@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 
 from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
-from sysx.emulate import (EmulatedEvent, EmulatedPacer, EmulatedPlan, EmulatedStream, emulated_model, merge_report,
-                          plan_emulation)
+from sysx.emulate import (
+    EmulatedEvent,
+    EmulatedPacer,
+    EmulatedPlan,
+    EmulatedStream,
+    emulated_model,
+    merge_report,
+    plan_emulation,
+)
 from sysx.runtime import PipelineOptions
 from sysx.runtime.options import make_schedule
 from sysx.schedule import Op, OpKind, Schedule
@@ -106,8 +113,16 @@ def test_messages_between_nodes_take_the_inter_node_link() -> None:
     from sysx.schedule.costs import Costs
 
     sched = build("gpipe", 4, 4, uniform_partition(4, 1), n_stages=4, split=1)
-    costs = Costs(layer_fwd_time=(1.0,) * 4, layer_params=(1.0,) * 4, act_bytes=1e9, p2p_bandwidth=10e9,
-                  p2p_latency=0.0, inter_p2p_bandwidth=1e9, inter_p2p_latency=0.5, gpus_per_node=2)
+    costs = Costs(
+        layer_fwd_time=(1.0,) * 4,
+        layer_params=(1.0,) * 4,
+        act_bytes=1e9,
+        p2p_bandwidth=10e9,
+        p2p_latency=0.0,
+        inter_p2p_bandwidth=1e9,
+        inter_p2p_latency=0.5,
+        gpus_per_node=2,
+    )
     tab = costs.table(sched)
     assert tab.act_xfer[:3] == [0.1, 1.5, 0.1]  # stage 1 on rank 1 sends to rank 2 on the other node
     assert tab.grad_xfer[2] == 1.5 and tab.grad_xfer[1] == tab.grad_xfer[3] == 0.1
@@ -144,9 +159,13 @@ def _pacer(time_scale: float) -> EmulatedPacer:
 
 def _plan(time_scale: float) -> tuple[EmulatedPlan, Schedule]:
     """The emulated 7B plan of a 2-rank SysX schedule and the schedule."""
-    cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
-                     train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
-                     emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale))
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        device="emulated",
+        eval=EvalSection(every=0),
+        train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
+        emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale),
+    )
     validate(cfg)
     opts = PipelineOptions(schedule="sysx", optim_backend="torch")
     model = emulated_model(cfg)
@@ -164,8 +183,10 @@ def test_the_plan_takes_the_device_lane_in() -> None:
 
     plan, schedule = _plan(1.0)
     assert device_lane_plan(plan, schedule, [{}, {}]) == (plan.timeline.iteration, plan.timeline.bubble_ratio)
-    h100 = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, h2d_bandwidth=50e9, d2h_bandwidth=50e9,
-                                                                 device_mem_bandwidth=2.8e12))
+    h100 = dataclasses.replace(
+        plan,
+        cluster=dataclasses.replace(plan.cluster, h2d_bandwidth=50e9, d2h_bandwidth=50e9, device_mem_bandwidth=2.8e12),
+    )
     ranks = [emulated_placement("split", h100, schedule, r, speculative=True) for r in range(2)]
     assert any(p.device for p, _ in ranks)
     it, bubble = device_lane_plan(h100, schedule, lane_times(schedule, ranks))
@@ -176,7 +197,9 @@ def test_the_plan_takes_the_device_lane_in() -> None:
     assert device_lane_plan(h100, schedule, slow)[0] >= max(plan.timeline.gpu_end) + 10.0 * n + 11.0
 
 
-def _run_forwards(pacer: EmulatedPacer, real_s: float, *, validate_s: float | None = None, after_s: float = 0.0) -> dict:
+def _run_forwards(
+    pacer: EmulatedPacer, real_s: float, *, validate_s: float | None = None, after_s: float = 0.0
+) -> dict:
     """Three steps of two forwards whose real part takes ``real_s``; with ``validate_s``, a VALIDATE
     taking that long ends each step, and ``after_s`` of real work follows it. The run's report."""
     handlers = {kind: (lambda op: None) for kind in OpKind}
@@ -193,8 +216,14 @@ def _run_forwards(pacer: EmulatedPacer, real_s: float, *, validate_s: float | No
         time.sleep(after_s)
         pacer.end_step(time.monotonic() - t0)
     tl = pacer.plan.timeline
-    return merge_report([pacer.steps], time_scale=pacer.time_scale, warmup_steps=1, max_late=0.05,
-                        plan_iteration=tl.iteration, plan_bubble=tl.bubble_ratio)
+    return merge_report(
+        [pacer.steps],
+        time_scale=pacer.time_scale,
+        warmup_steps=1,
+        max_late=0.05,
+        plan_iteration=tl.iteration,
+        plan_bubble=tl.bubble_ratio,
+    )
 
 
 def test_a_real_part_longer_than_modelled_refuses_the_measurement() -> None:
@@ -224,8 +253,9 @@ def test_real_work_at_the_end_of_a_step_is_lag(where: str) -> None:
     probe = _pacer(time_scale=1.0)
     pacer = _pacer(time_scale=0.1 / probe.table.fwd[0])  # a modelled forward takes 0.1 s of wall time
     in_validation = where == "validation"
-    report = _run_forwards(pacer, real_s=0.0, validate_s=0.1 if in_validation else 0.0,
-                           after_s=0.0 if in_validation else 0.1)
+    report = _run_forwards(
+        pacer, real_s=0.0, validate_s=0.1 if in_validation else 0.0, after_s=0.0 if in_validation else 0.1
+    )
     assert report["measured"] is None and "lag its modelled timeline" in report["refused"], report
     assert ("VALIDATE" if where == "validation" else "end of step") in report["late_op"]
 
@@ -235,8 +265,15 @@ def test_a_recorded_window_is_reported_in_modelled_seconds_and_bytes() -> None:
 
     pacer = _pacer(time_scale=0.5)
     load = Op(OpKind.LOAD_PARAMS, 1)
-    part = RankPart(0, "host", {3: 10.0}, [Span(0, 3, "h2d", "H2D s1", load, 10.0, 11.0, 4096),
-                                            Span(0, 3, "compute", "F s1 mb0", Op(OpKind.FORWARD, 1, mb=0), 11.0, 12.0)])
+    part = RankPart(
+        0,
+        "host",
+        {3: 10.0},
+        [
+            Span(0, 3, "h2d", "H2D s1", load, 10.0, 11.0, 4096),
+            Span(0, 3, "compute", "F s1 mb0", Op(OpKind.FORWARD, 1, mb=0), 11.0, 12.0),
+        ],
+    )
     out = pacer.modelled(part)
     assert out.starts == {3: 20.0} and [(x.start, x.end) for x in out.spans] == [(20.0, 22.0), (22.0, 24.0)]
     assert out.spans[0].nbytes == int(pacer.table.param_stage[1]) > 10**9  # a stage of llama2_7b, not the tiny copy
@@ -247,12 +284,39 @@ def test_a_recorded_window_is_reported_in_modelled_seconds_and_bytes() -> None:
 def _launch(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID", "TORCHELASTIC_RUN_ID")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", "-m", "sysx.train",
-                           *args, f"run_dir={run_dir}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sysx.launch",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "sysx.train",
+            *args,
+            f"run_dir={run_dir}",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
-COMMON = ["schedule=sysx", "precision=fp32", "train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "train.micro_batches=4",
-          "eval.every=0", "log.every=1", "optim.backend=torch", "optim.grad_clip=0", "checkpoint.keep=1"]
+COMMON = [
+    "schedule=sysx",
+    "precision=fp32",
+    "train.steps=3",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.micro_batches=4",
+    "eval.every=0",
+    "log.every=1",
+    "optim.backend=torch",
+    "optim.grad_clip=0",
+    "checkpoint.keep=1",
+]
 
 
 @pytest.mark.timeout(300)
@@ -260,14 +324,17 @@ def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> N
     from sysx.model import get_preset
     from sysx.partition import partition_model
 
-    emulated = _launch([*COMMON, "device=emulated", "emulate.model=llama2_7b", "emulate.time_scale=0.02"],
-                       tmp_path / "emulated")
+    emulated = _launch(
+        [*COMMON, "device=emulated", "emulate.model=llama2_7b", "emulate.time_scale=0.02"], tmp_path / "emulated"
+    )
     assert emulated.returncode == 0, emulated.stderr[-3000:]
     # the emulated run is cut like llama2_7b (32 blocks at seq 16); the CPU run gets the same cut
     cut = partition_model(get_preset("llama2_7b"), 16, 4, split=2)
     sizes = [len(cut.stage_layers(s)) for s in range(cut.n_stages)]
-    cpu = _launch([*COMMON, "device=cpu", "model.n_layers=32", f"schedule.stage_sizes=[{','.join(map(str, sizes))}]"],
-                  tmp_path / "cpu")
+    cpu = _launch(
+        [*COMMON, "device=cpu", "model.n_layers=32", f"schedule.stage_sizes=[{','.join(map(str, sizes))}]"],
+        tmp_path / "cpu",
+    )
     assert cpu.returncode == 0, cpu.stderr[-3000:]
 
     def numbers(run: str) -> list[tuple[float, float]]:

@@ -36,12 +36,15 @@ def _unaligned(n: int, offset: int, values: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("numel,offset", [
-    (10_007, 0),  # scalar tail of 7 (not a multiple of the 16 or 8 lanes)
-    (13, 0),  # tail only
-    ((1 << 20) + 37, 0),  # two DeepSpeed chunks
-    (4099, 3),  # the caller's parameters 12 bytes off alignment
-])
+@pytest.mark.parametrize(
+    "numel,offset",
+    [
+        (10_007, 0),  # scalar tail of 7 (not a multiple of the 16 or 8 lanes)
+        (13, 0),  # tail only
+        ((1 << 20) + 37, 0),  # two DeepSpeed chunks
+        (4099, 3),  # the caller's parameters 12 bytes off alignment
+    ],
+)
 def test_exact_equals_deepspeed_cpu_adam_over_100_steps(numel: int, offset: int) -> None:
     """fp32 master, AdamW, bias correction and weight decay on, a changing lr, and every fifth step a
     spike that is rolled back: p, m, v equal those of deepspeed.ops.adam.DeepSpeedCPUAdam that skipped
@@ -55,8 +58,16 @@ def test_exact_equals_deepspeed_cpu_adam_over_100_steps(numel: int, offset: int)
     gen = torch.Generator().manual_seed(numel)
     p0 = torch.randn(numel, generator=gen) * 0.02
     ref_p = torch.nn.Parameter(p0.clone())
-    ref = DeepSpeedCPUAdam([ref_p], lr=1e-3, bias_correction=True, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                           adamw_mode=True, fp32_optimizer_states=True)
+    ref = DeepSpeedCPUAdam(
+        [ref_p],
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        adamw_mode=True,
+        fp32_optimizer_states=True,
+    )
     opt = CpuAdam(_unaligned(numel, offset, p0), backend="deepspeed", rollback="exact", **HYPER)
     assert opt.backend == "deepspeed" and opt.rollback_bytes == 12 * numel
     rolled_back = 0
@@ -92,10 +103,12 @@ def test_step_then_rollback_is_bit_identical_to_never_stepping(backend: str) -> 
     grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(5)]
     spike = torch.randn(n, generator=gen) * 1e3
     for target_dtype in (torch.float16, torch.bfloat16):
-        a = StageOptimizer("a", p0.clone(), backend=backend, rollback="exact", target=torch.empty(n, dtype=target_dtype),
-                           **HYPER)
-        b = StageOptimizer("b", p0.clone(), backend=backend, rollback="exact", target=torch.empty(n, dtype=target_dtype),
-                           **HYPER)
+        a = StageOptimizer(
+            "a", p0.clone(), backend=backend, rollback="exact", target=torch.empty(n, dtype=target_dtype), **HYPER
+        )
+        b = StageOptimizer(
+            "b", p0.clone(), backend=backend, rollback="exact", target=torch.empty(n, dtype=target_dtype), **HYPER
+        )
         for k, g in enumerate(grads[:3] + [None] + grads[3:]):  # None: a steps with the spike and rolls back
             a.new_iteration()
             b.new_iteration()
@@ -183,8 +196,9 @@ def test_the_workers_refresh_in_the_background_and_the_next_step_waits_for_it(mo
     n = 2049
     master = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) for _ in range(2)]
-    stage = StageOptimizer("s", master.clone(), backend="torch", rollback="exact",
-                           target=torch.empty(n, dtype=torch.bfloat16), **HYPER)
+    stage = StageOptimizer(
+        "s", master.clone(), backend="torch", rollback="exact", target=torch.empty(n, dtype=torch.bfloat16), **HYPER
+    )
     ref = CpuAdam(master.clone(), backend="torch", rollback="undo", **HYPER)
     with OptimizerThreads([stage], workers=2) as threads:
         threads.submit_step("s", grads[0], None, lr=1e-3)
@@ -272,8 +286,9 @@ def test_the_host_budget_counts_the_exact_buffers() -> None:
     exact = plan_host_memory([(n, "bfloat16")], rollback="exact")
     assert exact.rollback == 12 * n and exact.total - undo.total == 12 * n
     assert "rollback buffers" in str(exact) and "rollback buffers" not in str(undo)
-    stage = StageOptimizer("s", torch.zeros(n), lr=1e-3, backend="torch", rollback="exact",
-                           target=torch.zeros(n, dtype=torch.bfloat16))
+    stage = StageOptimizer(
+        "s", torch.zeros(n), lr=1e-3, backend="torch", rollback="exact", target=torch.zeros(n, dtype=torch.bfloat16)
+    )
     assert stage.optimizer.rollback_bytes == exact.rollback  # the plan counts what is allocated
 
 
@@ -334,5 +349,3 @@ def test_bench_optim_prints_one_json_line_and_a_table(capsys: pytest.CaptureFixt
     assert "off the critical path" in table
     assert main(["bench", "optim", "--size", "lots"]) == 2
     assert "--size 'lots' is not valid" in capsys.readouterr().err
-
-

@@ -7,8 +7,8 @@ uses. CUDA calls are replaced by stand-ins; what only a GPU can confirm is run b
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -29,12 +29,20 @@ TINY = get_preset("tiny")
 
 
 # ------------------------------------------------------------------------------ items 2 and 4
-@pytest.mark.parametrize(("device", "cuda", "backend"), [
-    ("cpu", True, "gloo"), ("cuda", True, "nccl"), ("cuda:1", True, "nccl"), ("auto", True, "nccl"),
-    ("auto", False, "gloo"), (torch.device("cpu"), True, "gloo"),
-])
+@pytest.mark.parametrize(
+    ("device", "cuda", "backend"),
+    [
+        ("cpu", True, "gloo"),
+        ("cuda", True, "nccl"),
+        ("cuda:1", True, "nccl"),
+        ("auto", True, "nccl"),
+        ("auto", False, "gloo"),
+        (torch.device("cpu"), True, "gloo"),
+    ],
+)
 def test_the_backend_follows_the_resolved_device_not_the_presence_of_cuda(
-        monkeypatch: pytest.MonkeyPatch, device: object, cuda: bool, backend: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, device: object, cuda: bool, backend: str
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert backend_for(device) == backend
 
@@ -48,7 +56,9 @@ def test_more_processes_per_node_than_gpus_is_refused_in_one_line() -> None:
         local_device(0, 1, 0)
 
 
-def test_default_device_uses_the_gpu_chosen_at_init_and_refuses_oversubscription(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_device_uses_the_gpu_chosen_at_init_and_refuses_oversubscription(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -67,9 +77,9 @@ def test_default_device_uses_the_gpu_chosen_at_init_and_refuses_oversubscription
 # ----------------------------------------------------------------------------------- item 1
 def test_planning_sizes_chunks_from_meta_and_runs_only_the_chosen_size_treating_oom_as_no_fit() -> None:
     from sysx.single.hardware import assumed_hardware
-    from sysx.single.planner import PlanError, make_plan
     from sysx.single.plan_costs import meta_profiler
     from sysx.single.plan_request import PlanRequest
+    from sysx.single.planner import PlanError, make_plan
 
     meta = meta_profiler(TINY, 128, torch.float32)
     asked: list[int] = []
@@ -80,14 +90,23 @@ def test_planning_sizes_chunks_from_meta_and_runs_only_the_chosen_size_treating_
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
         return meta(b, seq_chunk)
 
-    req = PlanRequest(model=TINY, seq_len=128, global_batch=16, precision="fp32", device_budget_bytes=8 << 30,
-                      host_budget_bytes=4 << 30, round_sequences=16)
+    req = PlanRequest(
+        model=TINY,
+        seq_len=128,
+        global_batch=16,
+        precision="fp32",
+        device_budget_bytes=8 << 30,
+        host_budget_bytes=4 << 30,
+        round_sequences=16,
+    )
     hw = assumed_hardware("rtx4090")
     free = make_plan(req, hw, profiler=meta)
     assert free.chunk > 2  # the budget alone allows more than the stand-in device can run
     plan = make_plan(req, hw, profiler=device_profiler)
     assert plan.chunk == 2
-    assert sorted(set(asked), reverse=True) == [d for d in (16, 8, 4, 2) if d <= free.chunk]  # largest fitting first, no others
+    assert sorted(set(asked), reverse=True) == [
+        d for d in (16, 8, 4, 2) if d <= free.chunk
+    ]  # largest fitting first, no others
     with pytest.raises(PlanError, match="single.micro_batch_size=4: the device ran out of memory"):
         make_plan(PlanRequest(**{**req.__dict__, "chunk": 4}), hw, profiler=device_profiler)
 
@@ -120,12 +139,17 @@ def test_parameters_are_bound_once_per_slot_and_unit_not_per_op(monkeypatch: pyt
     binds: list[int] = []
     real = FlatLayout.bind
     monkeypatch.setattr(FlatLayout, "bind", lambda self, mods, buf: (binds.append(1), real(self, mods, buf))[1])
-    cfg = SysxConfig(model=ModelSection(preset="tiny"),
-                     train=TrainSection(steps=3, micro_batch_size=2, micro_batches=4, seq_len=16),
-                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0, batches=1), device="cpu")
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(steps=3, micro_batch_size=2, micro_batches=4, seq_len=16),
+        optim=OptimSection(warmup_steps=2),
+        eval=EvalSection(every=0, batches=1),
+        device="cpu",
+    )
     validate(cfg)
-    trainer = PipelineTrainer(cfg, PipelineOptions(optim_backend="torch", schedule="gpipe"),
-                              dataset=TokenDataset(default_corpus_path()))
+    trainer = PipelineTrainer(
+        cfg, PipelineOptions(optim_backend="torch", schedule="gpipe"), dataset=TokenDataset(default_corpus_path())
+    )
     try:
         trainer.run(1)
         first = len(binds)
@@ -152,7 +176,9 @@ def test_the_memory_cap_is_restored_when_closed(monkeypatch: pytest.MonkeyPatch)
     fake = _FakeCuda(0.7)  # a cap some earlier code set
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fake.set)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fake.fraction)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 80 << 30})())
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 80 << 30})()
+    )
     cap = MemoryCap(torch.device("cuda", 0), 20 << 30)
     assert cap.active and fake.fraction == 0.25
     cap.close()
@@ -164,8 +190,14 @@ def test_the_memory_cap_is_restored_when_closed(monkeypatch: pytest.MonkeyPatch)
 
 def test_the_budget_check_counts_reserved_memory_and_the_process_nvml_usage() -> None:
     budget = 10 << 30
-    ok = DeviceUsage(peak_allocated=6 << 30, peak_reserved=9 << 30, process_nvml=9_900 << 20, device_nvml=None,
-                     free=0, total=80 << 30)
+    ok = DeviceUsage(
+        peak_allocated=6 << 30,
+        peak_reserved=9 << 30,
+        process_nvml=9_900 << 20,
+        device_nvml=None,
+        free=0,
+        total=80 << 30,
+    )
     assert over_budget(ok, budget) == []
     reserved = DeviceUsage(6 << 30, 11 << 30, None, None, 0, 80 << 30)  # allocated alone would pass
     assert [m.split()[0] for m in over_budget(reserved, budget)] == ["peak"]
@@ -225,14 +257,23 @@ def test_offload_events_are_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [e.blocking for e in made] == [True, False]
 
 
-@pytest.mark.parametrize(("name", "precision", "tf32", "peak"), [
-    ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4), ("NVIDIA H100 PCIe", "bf16", False, 756.5),
-    ("NVIDIA H100 NVL", "bf16", False, 835.5), ("NVIDIA H200", "bf16", False, 989.4),
-    ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7), ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9),
-    ("NVIDIA H100 PCIe", "fp32", False, 51.2), ("NVIDIA H100 XYZ", "bf16", False, None), ("H100", "bf16", False, None),
-])
+@pytest.mark.parametrize(
+    ("name", "precision", "tf32", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989.4),
+        ("NVIDIA H100 PCIe", "bf16", False, 756.5),
+        ("NVIDIA H100 NVL", "bf16", False, 835.5),
+        ("NVIDIA H200", "bf16", False, 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", True, 494.7),
+        ("NVIDIA H100 80GB HBM3", "fp32", False, 66.9),
+        ("NVIDIA H100 PCIe", "fp32", False, 51.2),
+        ("NVIDIA H100 XYZ", "bf16", False, None),
+        ("H100", "bf16", False, None),
+    ],
+)
 def test_mfu_peaks_match_gpu_names_exactly_and_fp32_counts_tf32_only_when_enabled(
-        name: str, precision: str, tf32: bool, peak: float | None) -> None:
+    name: str, precision: str, tf32: bool, peak: float | None
+) -> None:
     sys.path.insert(0, str(ROOT / "profiling"))
     try:
         from bench_single import gpu_peak
@@ -264,8 +305,13 @@ def test_optimizer_workers_set_the_cuda_device_in_their_initialiser(monkeypatch:
 # ---------------------------------------------------------------------------------- item 12
 def test_no_pinned_allocation_bypasses_the_exact_size_registration() -> None:
     pattern = re.compile(r"pin_memory\s*=\s*True|\.pin_memory\(")
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "sysx").rglob("*.py") if p.name != "pinned.py"
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in (ROOT / "sysx").rglob("*.py")
+        if p.name != "pinned.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert hits == [], f"use sysx.memory.pinned.HostBuffers instead of the power-of-two caching host allocator: {hits}"
 
 
@@ -313,6 +359,7 @@ def fake_p2p(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
         def call(tensor: torch.Tensor, *args: object, group: object = None, **kw: object) -> _Work:
             log.append((kind, group))
             return _Work(log)
+
         return call
 
     monkeypatch.setattr(p2p_mod.dist, "isend", post("isend"))
@@ -328,7 +375,8 @@ def _spec(kind: object) -> object:
 
 
 def test_on_nccl_synchronous_transfers_order_the_stream_and_only_wait_ckpt_and_validate_block_the_host(
-        fake_p2p: list[tuple[str, object]]) -> None:
+    fake_p2p: list[tuple[str, object]],
+) -> None:
     from sysx.runtime.p2p import P2P
     from sysx.schedule.ops import Message
 
@@ -352,7 +400,9 @@ def test_checkpoint_messages_travel_on_their_own_group(fake_p2p: list[tuple[str,
     from sysx.schedule.ops import Message
 
     main, ckpt = object(), object()
-    p2p = P2P(0, device=torch.device("cpu"), timeout_s=30, verify=True, group=main, ckpt_group=ckpt, stream_ordered=False)
+    p2p = P2P(
+        0, device=torch.device("cpu"), timeout_s=30, verify=True, group=main, ckpt_group=ckpt, stream_ordered=False
+    )
     p2p.isend(torch.zeros(2, 3), _spec(Message.CKPT), 1, "SEND_CKPT")
     p2p.irecv(_spec(Message.CKPT), 1, "RECV_CKPT")
     p2p.isend(torch.zeros(2, 3), _spec(Message.ACT), 1, "SEND_ACT")
@@ -379,7 +429,11 @@ def test_the_process_group_timeout_is_a_multiple_of_the_per_wait_timeout(monkeyp
     monkeypatch.setattr(sdist.peers, "attach", lambda *a: None)
     sdist.init(timeout_s=120, device="cpu")
     assert seen["backend"] == "gloo"
-    assert seen["timeout"] == datetime.timedelta(seconds=sdist.process_group_timeout_s(120)) > datetime.timedelta(seconds=120)
+    assert (
+        seen["timeout"]
+        == datetime.timedelta(seconds=sdist.process_group_timeout_s(120))
+        > datetime.timedelta(seconds=120)
+    )
 
 
 def test_gqa_attention_passes_shared_kv_heads_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -392,7 +446,7 @@ def test_gqa_attention_passes_shared_kv_heads_to_sdpa(monkeypatch: pytest.Monkey
     shapes: list[tuple[int, int, bool]] = []
     real = F.scaled_dot_product_attention
 
-    def spy(q, k, v, **kw):  # noqa: ANN001, ANN202
+    def spy(q, k, v, **kw):
         shapes.append((q.shape[1], k.shape[1], kw.get("enable_gqa", False)))
         return real(q, k, v, **kw)
 
@@ -421,10 +475,19 @@ def test_closing_the_stage_params_synchronises_the_device_first(monkeypatch: pyt
 # ------------------------------------------------------------------------------ check script
 @pytest.mark.timeout(900)
 def test_gpu_check_runs_reduced_on_cpu_and_says_what_it_skipped(tmp_path: Path) -> None:
-    out = subprocess.run(["bash", str(ROOT / "profiling" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTEST_ARGS": "--co",
-                              "PYTHON": sys.executable},  # CI runs the venv's python without activating it
-                         timeout=850)
+    out = subprocess.run(
+        ["bash", str(ROOT / "profiling" / "gpu_check.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "OUT": str(tmp_path),
+            "GPU_CHECK_PYTEST_ARGS": "--co",
+            "PYTHON": sys.executable,
+        },  # CI runs the venv's python without activating it
+        timeout=850,
+    )
     log = (tmp_path / "gpu_check.log").read_text()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SKIP (no CUDA)" in log and "losses cpu" in log and "gpu_check: done" in log

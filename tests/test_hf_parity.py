@@ -32,17 +32,31 @@ CONFIGS = {
 
 # Llama-3.1 RoPE scaling with a short original context, so that the 16 frequencies of a 16-wide head fall
 # in all three bands (wavelength < 16 kept, > 64 divided by the factor, between interpolated).
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 5000.0}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 5000.0,
+}
 
 
-def make_hf(name: str, attn: str = "eager", seed: int = 0, rope: dict | None = None) -> tuple[LlamaConfig, LlamaForCausalLM]:
+def make_hf(
+    name: str, attn: str = "eager", seed: int = 0, rope: dict | None = None
+) -> tuple[LlamaConfig, LlamaForCausalLM]:
     """A random fp32 HF Llama; norm weights are perturbed too, so a swapped norm would show."""
     rope_args = {"rope_parameters": rope} if rope else {"rope_theta": 5000.0}
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        rms_norm_eps=1e-5, max_position_embeddings=256 if rope else 64,
-        attn_implementation=attn, **rope_args, **CONFIGS[name],
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256 if rope else 64,
+        attn_implementation=attn,
+        **rope_args,
+        **CONFIGS[name],
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
@@ -93,8 +107,10 @@ def test_logits_loss_and_grads_match_hf(name: str) -> None:
     loss_diff = (loss - out.loss).abs().item()
     grad_diffs = max_rel_grad_diff(hf_model, model)
     worst = max(grad_diffs, key=grad_diffs.get)
-    print(f"\n[{name}] max|logits diff|={logit_diff:.3g} |loss diff|={loss_diff:.3g} "
-          f"max rel grad diff={grad_diffs[worst]:.3g} ({worst})")
+    print(
+        f"\n[{name}] max|logits diff|={logit_diff:.3g} |loss diff|={loss_diff:.3g} "
+        f"max rel grad diff={grad_diffs[worst]:.3g} ({worst})"
+    )
     assert logit_diff <= 1e-5
     assert loss_diff <= 1e-5
     assert grad_diffs[worst] <= 1e-5, grad_diffs
@@ -112,9 +128,19 @@ def test_llama3_rope_tables_match_hf_rotary_embedding() -> None:
     cos_hf, sin_hf = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = rope_cos_sin(cfg, 200, torch.device("cpu"), torch.float32)
     assert (cos - cos_hf[0]).abs().max().item() <= 1e-5 and (sin - sin_hf[0]).abs().max().item() <= 1e-5
-    plain, _ = rope_cos_sin(dataclasses.replace(cfg, rope_type="default", rope_factor=None, rope_low_freq_factor=None,
-                                                rope_high_freq_factor=None, rope_original_max_len=None),
-                            200, torch.device("cpu"), torch.float32)
+    plain, _ = rope_cos_sin(
+        dataclasses.replace(
+            cfg,
+            rope_type="default",
+            rope_factor=None,
+            rope_low_freq_factor=None,
+            rope_high_freq_factor=None,
+            rope_original_max_len=None,
+        ),
+        200,
+        torch.device("cpu"),
+        torch.float32,
+    )
     assert (plain - cos).abs().max().item() > 0.1  # the scaling changed the long wavelengths
 
 
@@ -189,14 +215,39 @@ def test_sharded_export_loads_in_hf_and_sysx(tmp_path) -> None:
 
 
 def test_transformers_4_config_layout_is_read() -> None:
-    legacy = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 160,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "rms_norm_eps": 1e-6, "rope_theta": 7000.0, "rope_scaling": None, "max_position_embeddings": 64}
+    legacy = {
+        "model_type": "llama",
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 7000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 64,
+    }
     cfg = config_from_hf(legacy)
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.norm_eps, cfg.tie_embeddings) == (7000.0, 2, 1e-6, False)
-    scaled = config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}})
-    assert (scaled.rope_type, scaled.rope_factor, scaled.rope_original_max_len, scaled.rope_theta) == ("llama3", 8.0, 32, 7000.0)
+    scaled = config_from_hf(
+        {
+            **legacy,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        }
+    )
+    assert (scaled.rope_type, scaled.rope_factor, scaled.rope_original_max_len, scaled.rope_theta) == (
+        "llama3",
+        8.0,
+        32,
+        7000.0,
+    )
     with pytest.raises(ValueError, match="rope_scaling of rope_type 'llama3' lacks"):
         config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="rope_scaling.rope_type='yarn'"):

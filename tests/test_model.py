@@ -13,8 +13,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from sysx.model import (
-    PRESETS, Block, Embedding, FlatLayout, Head, ModelConfig, build_layers, build_model, choose_n_heads,
-    flops_per_token, get_preset, layer_flops, load_model, param_count, run_layers, save_model,
+    PRESETS,
+    Block,
+    Embedding,
+    FlatLayout,
+    Head,
+    ModelConfig,
+    build_layers,
+    build_model,
+    choose_n_heads,
+    flops_per_token,
+    get_preset,
+    layer_flops,
+    load_model,
+    param_count,
+    run_layers,
+    save_model,
 )
 from sysx.model.config import NOMINAL_PARAMS
 
@@ -23,10 +37,14 @@ SMALL_TIED = dataclasses.replace(SMALL, tie_embeddings=True)
 
 # SysX paper, Table 2: name -> (l, d, d_FFN, # KV heads)
 TABLE2 = {
-    "llama2_10b": (48, 4096, 10880, 2), "llama2_19b": (48, 5632, 14976, 4),
-    "llama2_30b": (96, 5120, 13632, 4), "llama2_40b": (96, 5888, 15680, 4),
-    "llama2_52b": (96, 6656, 17728, 8), "llama2_69b": (96, 7680, 20480, 8),
-    "llama2_88b": (192, 6144, 16384, 16), "llama2_110b": (192, 6912, 18432, 16),
+    "llama2_10b": (48, 4096, 10880, 2),
+    "llama2_19b": (48, 5632, 14976, 4),
+    "llama2_30b": (96, 5120, 13632, 4),
+    "llama2_40b": (96, 5888, 15680, 4),
+    "llama2_52b": (96, 6656, 17728, 8),
+    "llama2_69b": (96, 7680, 20480, 8),
+    "llama2_88b": (192, 6144, 16384, 16),
+    "llama2_110b": (192, 6912, 18432, 16),
 }
 
 
@@ -37,6 +55,7 @@ def batch(cfg: ModelConfig, bsz: int = 2, seq: int = 12, seed: int = 0) -> tuple
 
 
 # ---------------------------------------------------------------- config and presets
+
 
 def test_config_validation_names_the_bad_value() -> None:
     with pytest.raises(ValueError, match="dim=30 is not divisible by n_heads=4"):
@@ -75,11 +94,19 @@ def test_preset_sizes_are_near_their_names() -> None:
 
 def test_tiny_preset_shape() -> None:
     tiny = get_preset("tiny")
-    assert (tiny.vocab_size, tiny.dim, tiny.n_layers, tiny.n_heads, tiny.n_kv_heads, tiny.ffn_dim) == (256, 128, 4, 4, 2, 352)
+    assert (tiny.vocab_size, tiny.dim, tiny.n_layers, tiny.n_heads, tiny.n_kv_heads, tiny.ffn_dim) == (
+        256,
+        128,
+        4,
+        4,
+        2,
+        352,
+    )
     assert tiny.max_seq_len >= 128 and set(PRESETS) >= {"tiny", "llama2_7b", "llama3_8b", *TABLE2}
 
 
 # ---------------------------------------------------------------- counts
+
 
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_TIED], ids=["untied", "tied"])
 def test_param_count_is_exact(cfg: ModelConfig) -> None:
@@ -101,6 +128,7 @@ def test_flops_follow_the_palm_formula(cfg: ModelConfig) -> None:
 
 
 # ---------------------------------------------------------------- init and layers
+
 
 def test_build_is_deterministic_and_ignores_global_rng() -> None:
     torch.manual_seed(123)
@@ -183,6 +211,7 @@ def test_tiny_model_learns_a_fixed_batch() -> None:
 
 
 # ---------------------------------------------------------------- FlatLayout
+
 
 def _flat_stage(layers: list[nn.Module], device: str = "cpu") -> tuple[FlatLayout, torch.Tensor, torch.Tensor]:
     layout = FlatLayout.from_modules(layers)
@@ -280,6 +309,7 @@ def test_flat_layout_and_tied_embeddings() -> None:
 
 # ---------------------------------------------------------------- model file
 
+
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_TIED], ids=["untied", "tied"])
 def test_save_and_load_model(tmp_path, cfg: ModelConfig) -> None:
     model = build_model(cfg, seed=4)
@@ -302,15 +332,18 @@ def test_load_model_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="not a safetensors file"):
         load_model(junk)
     from safetensors.torch import save_file
+
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a sysx model file"):
         load_model(tmp_path / "other.safetensors")
 
 
 def test_sysx_model_imports_without_transformers() -> None:
-    code = ("import sys; sys.modules['transformers'] = None; "  # any transformers import now fails
-            "import sysx.model, sysx.model.convert, sysx.model.hf; "
-            "m = sysx.model.build_model(sysx.model.get_preset('tiny')); print(m.config.dim)")
+    code = (
+        "import sys; sys.modules['transformers'] = None; "  # any transformers import now fails
+        "import sysx.model, sysx.model.convert, sysx.model.hf; "
+        "m = sysx.model.build_model(sysx.model.get_preset('tiny')); print(m.config.dim)"
+    )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -22,7 +22,9 @@ def no_leaked_threads():
     assert threading.active_count() == before, [t.name for t in threading.enumerate()]
 
 
-def _stage(name: str, n: int, *, seed: int, backend: str = "torch", target_dtype=torch.bfloat16, **kw) -> StageOptimizer:
+def _stage(
+    name: str, n: int, *, seed: int, backend: str = "torch", target_dtype=torch.bfloat16, **kw
+) -> StageOptimizer:
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen) * 0.02
     target = master.to(target_dtype) if target_dtype is not None else None
@@ -131,12 +133,11 @@ def test_job_errors_propagate_and_threads_are_joined() -> None:
 def test_ctrl_c_inside_the_block_shuts_workers_down() -> None:
     stage, queued = _stage("s0.0", 50_000, seed=6), _stage("s0.1", 10, seed=7)
     event = GateEvent()
-    with pytest.raises(KeyboardInterrupt):
-        with OptimizerThreads([stage, queued], workers=1) as threads:
-            threads.submit_step("s0.0", torch.zeros(50_000), event, lr=1e-3)
-            threads.submit_step("s0.1", torch.zeros(10), None, lr=1e-3)  # queued: cancelled on exit
-            threading.Timer(0.2, event.release).start()  # the running job finishes, then the pool joins
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), OptimizerThreads([stage, queued], workers=1) as threads:
+        threads.submit_step("s0.0", torch.zeros(50_000), event, lr=1e-3)
+        threads.submit_step("s0.1", torch.zeros(10), None, lr=1e-3)  # queued: cancelled on exit
+        threading.Timer(0.2, event.release).start()  # the running job finishes, then the pool joins
+        raise KeyboardInterrupt
     assert stage.optimizer.step_count == 1 and queued.optimizer.step_count == 0
     time.sleep(0.05)  # let the Timer thread end
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
+import tomllib
 from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,12 +28,15 @@ def _brute_best(costs: list[float], parts: int) -> float:
     return best
 
 
-@pytest.mark.parametrize("costs,parts", [
-    ([0.0, 5, 5, 5, 5, 5, 5, 9], 3),           # embedding free, head heavy
-    ([1, 8, 1, 1, 1, 1, 1, 1, 8], 4),
-    ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 5),
-    ([2.0] * 9, 3),
-])
+@pytest.mark.parametrize(
+    "costs,parts",
+    [
+        ([0.0, 5, 5, 5, 5, 5, 5, 9], 3),  # embedding free, head heavy
+        ([1, 8, 1, 1, 1, 1, 1, 1, 8], 4),
+        ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 5),
+        ([2.0] * 9, 3),
+    ],
+)
 def test_balanced_partition_minimises_the_largest_stage(costs: list[float], parts: int) -> None:
     p = partition_layers(costs, parts)
     assert p.n_stages == parts and p.n_layers == len(costs)
@@ -90,16 +93,19 @@ def test_with_split_keeps_the_forward_stages() -> None:
     assert q.stage_bounds == p.stage_bounds and q.split == 3
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(layer_costs=[1.0] * 4, n_stages=5), "5 forward stages need at least 5 layers but the model has 4"),
-    (dict(layer_costs=[1.0] * 4, n_stages=2, split=3), "split d=3 needs at least 3 layers per stage"),
-    (dict(layer_costs=[1.0] * 4, n_stages=2, stage_sizes=[1, 2]), "must be positive and sum to 4"),
-    (dict(layer_costs=[1.0] * 4, n_stages=2, stage_sizes=[4]), "stage_sizes has 1 entries but n_stages=2"),
-    (dict(layer_costs=[1.0, -1.0], n_stages=1), "must be finite and >= 0"),
-    (dict(layer_costs=[], n_stages=1), "no layers"),
-    (dict(layer_costs=[1.0] * 4, n_stages=0), "must be a positive int"),
-    (dict(layer_costs=[1.0] * 4, n_stages=2, split=2, sub_sizes=[[2, 0], [1, 1]]), "sub_sizes[0]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(layer_costs=[1.0] * 4, n_stages=5), "5 forward stages need at least 5 layers but the model has 4"),
+        (dict(layer_costs=[1.0] * 4, n_stages=2, split=3), "split d=3 needs at least 3 layers per stage"),
+        (dict(layer_costs=[1.0] * 4, n_stages=2, stage_sizes=[1, 2]), "must be positive and sum to 4"),
+        (dict(layer_costs=[1.0] * 4, n_stages=2, stage_sizes=[4]), "stage_sizes has 1 entries but n_stages=2"),
+        (dict(layer_costs=[1.0, -1.0], n_stages=1), "must be finite and >= 0"),
+        (dict(layer_costs=[], n_stages=1), "no layers"),
+        (dict(layer_costs=[1.0] * 4, n_stages=0), "must be a positive int"),
+        (dict(layer_costs=[1.0] * 4, n_stages=2, split=2, sub_sizes=[[2, 0], [1, 1]]), "sub_sizes[0]"),
+    ],
+)
 def test_impossible_partitions_are_clear_errors(kwargs: dict, needle: str) -> None:
     with pytest.raises(PartitionError) as err:
         partition_layers(**kwargs)

@@ -11,14 +11,30 @@ import torch
 
 from sysx.optim.cpu_adam import CpuAdam
 from sysx.optim.device_lane import DeviceLane
-from sysx.optim.placement import (LaneRates, Placement, Unit, choose, count, device_seconds, finish_times, place,
-                                  record, seconds, summarize)
+from sysx.optim.placement import (
+    LaneRates,
+    Placement,
+    Unit,
+    choose,
+    count,
+    device_seconds,
+    finish_times,
+    place,
+    record,
+    seconds,
+    summarize,
+)
 from sysx.optim.stage import StageOptimizer
 
 GB = 1e9
 # a V100 node's figures: 12 GB/s each way, 800 GB/s device memory, 0.1 Gparams/s per CPU thread
-RATES = LaneRates(cpu_params_per_s=0.1e9, cpu_workers=2, h2d_bytes_per_s=12 * GB, d2h_bytes_per_s=12 * GB,
-                  device_mem_bytes_per_s=800 * GB)
+RATES = LaneRates(
+    cpu_params_per_s=0.1e9,
+    cpu_workers=2,
+    h2d_bytes_per_s=12 * GB,
+    d2h_bytes_per_s=12 * GB,
+    device_mem_bytes_per_s=800 * GB,
+)
 M = 1_000_000
 
 
@@ -37,7 +53,12 @@ def test_lanes_cost_what_their_rates_say() -> None:
 
 def test_the_units_ready_last_go_to_the_device_when_it_is_faster() -> None:
     # four sub-stages; the last two are ready when the backward ends (1.0 s), the device is idle then
-    units = [Unit("s1.1", 100 * M, 0.0), Unit("s1.0", 100 * M, 0.3), Unit("s0.1", 100 * M, 0.9), Unit("s0.0", 100 * M, 1.0)]
+    units = [
+        Unit("s1.1", 100 * M, 0.0),
+        Unit("s1.0", 100 * M, 0.3),
+        Unit("s0.1", 100 * M, 0.9),
+        Unit("s0.0", 100 * M, 1.0),
+    ]
     p = place(units, RATES, device_idle=1.0)
     assert p.cpu_finish == pytest.approx(2.3)  # s0.1 on a worker from 1.0 (s1.1 ends), s0.0 from 1.3
     assert "s0.0" in p.device and "s1.1" not in p.device
@@ -52,11 +73,13 @@ def test_the_split_is_printed_in_seconds_and_readable_parameter_counts() -> None
     split = Placement(("s0.0",), cpu_finish=21.5, finish=20.25)
     assert split.describe(units, "sub-stage") == (
         "optimizer placement: 1 of 2 sub-stages on the device (s0.0; 960M of 2.16B parameters): optimizer work "
-        "ends 20.25 s into the step instead of 21.50 s, predicted saving 1.25 s per step")
+        "ends 20.25 s into the step instead of 21.50 s, predicted saving 1.25 s per step"
+    )
     none = Placement((), cpu_finish=21.5, finish=21.5)
     assert none.describe(units, "sub-stage") == (
         "optimizer placement: all 2 sub-stages on the CPU (2.16B parameters): the device lane would not end the "
-        "optimizer work earlier (optimizer work ends 21.50 s into the step)")
+        "optimizer work earlier (optimizer work ends 21.50 s into the step)"
+    )
     full = dataclasses.replace(none, why="no unit's states fit in the device memory left free")
     assert "CPU (2.16B parameters): no unit's states fit" in full.describe(units)
     small = dataclasses.replace(RATES, device_free_bytes=1.0)  # the model says so when it is the reason
@@ -67,22 +90,37 @@ def test_one_line_sums_up_every_ranks_split() -> None:
     units = [Unit("a", 100 * M, 0.0), Unit("b", 100 * M, 1.0)]
     r0, r1 = Placement(("b",), 2.3, 1.2), Placement(("a", "b"), 2.4, 1.05)
     line = summarize([(r0, units), (r1, units)], "sub-stage")
-    assert line == ("optimizer placement over 2 ranks: 3 of 4 sub-stages on the device (per rank 1/2, 2/2; 300M "
-                    "of 400M parameters): optimizer work ends 1.05-1.20 s into the step instead of 2.30-2.40 s, "
-                    "predicted saving 1.10-1.35 s per step")
+    assert line == (
+        "optimizer placement over 2 ranks: 3 of 4 sub-stages on the device (per rank 1/2, 2/2; 300M "
+        "of 400M parameters): optimizer work ends 1.05-1.20 s into the step instead of 2.30-2.40 s, "
+        "predicted saving 1.10-1.35 s per step"
+    )
     assert "(2/2 on each rank;" in summarize([(r1, units), (r1, units)], "sub-stage")
     none = Placement((), 2.3, 2.3)
     assert summarize([(none, units)] * 4, "sub-stage") == (
         "optimizer placement over 4 ranks: all 8 sub-stages on the CPU (800M parameters): the device lane would not "
-        "end the optimizer work earlier on any rank (optimizer work ends 2.30 s into the step)")
+        "end the optimizer work earlier on any rank (optimizer work ends 2.30 s into the step)"
+    )
     assert summarize([(r0, units)]) == r0.describe(units)  # one rank: its own line
-    assert record(r0, units) == {"device": ["b"], "units": 2, "device_params": 100 * M, "params": 200 * M,
-                                 "cpu_finish_s": 2.3, "finish_s": 1.2, "saving_s": pytest.approx(1.1)}
+    assert record(r0, units) == {
+        "device": ["b"],
+        "units": 2,
+        "device_params": 100 * M,
+        "params": 200 * M,
+        "cpu_finish_s": 2.3,
+        "finish_s": 1.2,
+        "saving_s": pytest.approx(1.1),
+    }
 
 
 def test_a_slow_link_keeps_everything_on_the_cpu() -> None:
-    slow = LaneRates(cpu_params_per_s=1e9, cpu_workers=4, h2d_bytes_per_s=0.5 * GB, d2h_bytes_per_s=0.5 * GB,
-                     device_mem_bytes_per_s=800 * GB)
+    slow = LaneRates(
+        cpu_params_per_s=1e9,
+        cpu_workers=4,
+        h2d_bytes_per_s=0.5 * GB,
+        d2h_bytes_per_s=0.5 * GB,
+        device_mem_bytes_per_s=800 * GB,
+    )
     units = [Unit(f"u{i}", 10 * M, 0.1 * i) for i in range(4)]
     p = place(units, slow, device_idle=0.3)
     assert p.device == () and p.saving == 0.0 and p.finish == p.cpu_finish
@@ -114,7 +152,9 @@ def test_choose_modes() -> None:
 def _states(n: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=gen)
-    grads = [torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-3, 1, generator=gen)) for _ in range(5)]
+    grads = [
+        torch.randn(n, generator=gen) * 10 ** float(torch.empty(1).uniform_(-3, 1, generator=gen)) for _ in range(5)
+    ]
     return p, grads
 
 
@@ -131,7 +171,11 @@ def test_device_lane_steps_bit_identically_to_the_cpu_lane_on_cpu(n: int) -> Non
             lane_opt.step(g, lr=lr)
         else:
             lane.step(lane_opt, g, lr=lr)
-    for a, b in ((host.param, lane_opt.param), (host.exp_avg, lane_opt.exp_avg), (host.exp_avg_sq, lane_opt.exp_avg_sq)):
+    for a, b in (
+        (host.param, lane_opt.param),
+        (host.exp_avg, lane_opt.exp_avg),
+        (host.exp_avg_sq, lane_opt.exp_avg_sq),
+    ):
         assert torch.equal(a, b)
     assert lane_opt.step_count == host.step_count == len(grads)
     with pytest.raises(RuntimeError, match="no step to undo"):
@@ -141,8 +185,12 @@ def test_device_lane_steps_bit_identically_to_the_cpu_lane_on_cpu(n: int) -> Non
 def test_a_stage_on_the_device_lane_writes_its_target_like_a_host_step() -> None:
     n = 5000
     p, grads = _states(n, 7)
-    a = StageOptimizer("a", p.clone(), lr=1e-3, weight_decay=0.1, backend="torch", target=torch.empty(n, dtype=torch.bfloat16))
-    b = StageOptimizer("b", p.clone(), lr=1e-3, weight_decay=0.1, backend="torch", target=torch.empty(n, dtype=torch.bfloat16))
+    a = StageOptimizer(
+        "a", p.clone(), lr=1e-3, weight_decay=0.1, backend="torch", target=torch.empty(n, dtype=torch.bfloat16)
+    )
+    b = StageOptimizer(
+        "b", p.clone(), lr=1e-3, weight_decay=0.1, backend="torch", target=torch.empty(n, dtype=torch.bfloat16)
+    )
     lane = DeviceLane("cpu")
     for g in grads[:3]:
         for s in (a, b):
@@ -174,10 +222,13 @@ def _pipeline_state(speculate: str, device_units: int, steps: int = 4) -> tuple[
     from sysx.runtime import PipelineOptions
     from sysx.trainers.pipeline import PipelineTrainer
 
-    cfg = SysxConfig(model=ModelSection(preset="tiny"),
-                     train=TrainSection(steps=steps, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(warmup_steps=2, grad_clip=4.5, speculate=speculate, placement="cpu"),
-                     eval=EvalSection(every=0, batches=2), device="cpu")
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(steps=steps, micro_batch_size=2, micro_batches=2, seq_len=16),
+        optim=OptimSection(warmup_steps=2, grad_clip=4.5, speculate=speculate, placement="cpu"),
+        eval=EvalSection(every=0, batches=2),
+        device="cpu",
+    )
     validate(cfg)
     with PipelineTrainer(cfg, PipelineOptions(schedule="sysx", split=2, optim_backend="torch")) as trainer:
         opt = trainer.optimizer
@@ -229,13 +280,22 @@ def _pacer(time_scale: float = 1e-6):
     from sysx.runtime import PipelineOptions
     from sysx.runtime.options import make_schedule
 
-    cfg = SysxConfig(model=ModelSection(preset="tiny"), device="emulated", eval=EvalSection(every=0),
-                     train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
-                     emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale))
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        device="emulated",
+        eval=EvalSection(every=0),
+        train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
+        emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale),
+    )
     validate(cfg)
     model = emulated_model(cfg)
-    schedule = make_schedule(PipelineOptions(schedule="sysx", optim_backend="torch"), model.config, n_ranks=2,
-                             n_micro=2, seq_len=model.seq_len)
+    schedule = make_schedule(
+        PipelineOptions(schedule="sysx", optim_backend="torch"),
+        model.config,
+        n_ranks=2,
+        n_micro=2,
+        seq_len=model.seq_len,
+    )
     return EmulatedPacer(plan_emulation(cfg, schedule, backend="torch"), schedule, 0, time_scale=time_scale)
 
 

@@ -22,16 +22,27 @@ CLIP = 4.5  # the tiny model's norms over its first steps are 3.2-8.3: some step
 GROUPS = [(f"block{k}", 100 * M) for k in range(8)] + [("embedding+head", 200 * M)]
 # an H100 node's figures (50 GB/s each way, 3 TB/s device memory), and a link 200x slower; CPU Adam 0.1
 # Gparams/s per worker
-FAST = LaneRates(cpu_params_per_s=0.1e9, cpu_workers=2, h2d_bytes_per_s=50 * GB, d2h_bytes_per_s=50 * GB,
-                 device_mem_bytes_per_s=3000 * GB)
-SLOW = LaneRates(cpu_params_per_s=0.1e9, cpu_workers=2, h2d_bytes_per_s=0.25 * GB, d2h_bytes_per_s=0.25 * GB,
-                 device_mem_bytes_per_s=3000 * GB)
+FAST = LaneRates(
+    cpu_params_per_s=0.1e9,
+    cpu_workers=2,
+    h2d_bytes_per_s=50 * GB,
+    d2h_bytes_per_s=50 * GB,
+    device_mem_bytes_per_s=3000 * GB,
+)
+SLOW = LaneRates(
+    cpu_params_per_s=0.1e9,
+    cpu_workers=2,
+    h2d_bytes_per_s=0.25 * GB,
+    d2h_bytes_per_s=0.25 * GB,
+    device_mem_bytes_per_s=3000 * GB,
+)
 
 
 def fake_plan(step_s: float = 10.0, fwd: float = 0.3, window: int = 2, rounds: int = 1) -> SimpleNamespace:
     """The plan fields the window's timeline reads."""
-    return SimpleNamespace(times={"step_s": step_s, "block_fwd_round_s": fwd, "t_grad_s": 0.05}, rounds=rounds,
-                           window=window)
+    return SimpleNamespace(
+        times={"step_s": step_s, "block_fwd_round_s": fwd, "t_grad_s": 0.05}, rounds=rounds, window=window
+    )
 
 
 # ------------------------------------------------------------------------------------- model
@@ -61,8 +72,10 @@ def test_a_due_group_late_on_the_cpu_holds_nothing() -> None:
     # validating first, block7 may end 1.8 s after the next forward starts; speculating, it may not
     late, _ = window_units(fake_plan(), GROUPS, speculative=False)  # type: ignore[arg-type]
     now, _ = window_units(fake_plan(), GROUPS, speculative=True)  # type: ignore[arg-type]
-    assert place(late, SLOW, device_idle=10.0, speculative=False).finish < place(now, SLOW, device_idle=10.0,
-                                                                                 speculative=False).finish
+    assert (
+        place(late, SLOW, device_idle=10.0, speculative=False).finish
+        < place(now, SLOW, device_idle=10.0, speculative=False).finish
+    )
 
 
 def test_the_lane_steps_in_lent_bytes_when_they_hold_the_unit() -> None:
@@ -77,7 +90,7 @@ def test_the_lane_steps_in_lent_bytes_when_they_hold_the_unit() -> None:
     host.step(g, lr=1e-3)
     DeviceLane("cpu", lent).step(lane_opt, g, lr=1e-3)
     assert torch.equal(host.param, lane_opt.param) and torch.equal(host.exp_avg_sq, lane_opt.exp_avg_sq)
-    assert torch.equal(lent[:5 * n * 4].view(torch.float32).view(5, n)[1], host.param)  # p stepped there
+    assert torch.equal(lent[: 5 * n * 4].view(torch.float32).view(5, n)[1], host.param)  # p stepped there
     small = DeviceLane("cpu", torch.zeros(16, dtype=torch.uint8))
     small.step(lane_opt, g, lr=1e-3)  # too small: buffers of its own
     host.step(g, lr=1e-3)
@@ -86,10 +99,14 @@ def test_the_lane_steps_in_lent_bytes_when_they_hold_the_unit() -> None:
 
 # ------------------------------------------------------------------------------------ trainer
 def make_cfg(precision: str, speculate: str, clip: float, placement: str = "cpu") -> SysxConfig:
-    cfg = SysxConfig(model=ModelSection(preset="tiny"), precision=precision,
-                     train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(warmup_steps=2, grad_clip=clip, speculate=speculate, placement=placement),
-                     eval=EvalSection(every=0, batches=2), device="cpu")
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        precision=precision,
+        train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=2, seq_len=16),
+        optim=OptimSection(warmup_steps=2, grad_clip=clip, speculate=speculate, placement=placement),
+        eval=EvalSection(every=0, batches=2),
+        device="cpu",
+    )
     validate(cfg)
     return cfg
 
@@ -109,10 +126,13 @@ def run(cfg: SysxConfig, device_groups: tuple[str, ...] = ()) -> tuple[list, dic
         return results, trainer.state_dict(), masters
 
 
-@pytest.mark.parametrize("precision,speculate,clip", [
-    ("fp32", "never", CLIP), ("bf16", "never", CLIP), ("fp16", "never", CLIP), ("bf16", "always", 0.0)])
-def test_groups_on_the_device_lane_end_bit_identical_to_the_cpu_lane(precision: str, speculate: str,
-                                                                     clip: float) -> None:
+@pytest.mark.parametrize(
+    "precision,speculate,clip",
+    [("fp32", "never", CLIP), ("bf16", "never", CLIP), ("fp16", "never", CLIP), ("bf16", "always", 0.0)],
+)
+def test_groups_on_the_device_lane_end_bit_identical_to_the_cpu_lane(
+    precision: str, speculate: str, clip: float
+) -> None:
     cpu_results, cpu_state, cpu_bufs = run(make_cfg(precision, speculate, clip))
     results, state, bufs = run(make_cfg(precision, speculate, clip), ("embedding+head", "block0"))
     if clip:
@@ -132,8 +152,13 @@ def test_speculating_only_the_cpu_lane_re_steps() -> None:
 
 
 def test_split_runs_the_model_and_prints_the_split_once(capsys: pytest.CaptureFixture[str]) -> None:
-    slow_cpu = LaneRates(cpu_params_per_s=1e5, cpu_workers=2, h2d_bytes_per_s=50 * GB, d2h_bytes_per_s=50 * GB,
-                         device_mem_bytes_per_s=3000 * GB)
+    slow_cpu = LaneRates(
+        cpu_params_per_s=1e5,
+        cpu_workers=2,
+        h2d_bytes_per_s=50 * GB,
+        d2h_bytes_per_s=50 * GB,
+        device_mem_bytes_per_s=3000 * GB,
+    )
     with window(make_cfg("bf16", "never", CLIP, "split"), slow_cpu) as trainer:
         assert trainer.on_device and trainer.on_device[0] == "embedding+head"  # home last, needed first
         assert trainer.placement.saving > 0
@@ -156,8 +181,21 @@ def test_auto_on_a_cpu_job_keeps_the_cpu_lane(capsys: pytest.CaptureFixture[str]
 def test_plan_single_prints_the_window_split(capsys: pytest.CaptureFixture[str]) -> None:
     from sysx.single.plan_cmd import main
 
-    args = ["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "h100",
-            "--host-gb", "512", "--placement", "split", "--cpu-adam-mparams"]
+    args = [
+        "--model",
+        "llama2_7b",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--hardware",
+        "h100",
+        "--host-gb",
+        "512",
+        "--placement",
+        "split",
+        "--cpu-adam-mparams",
+    ]
     assert main([*args, "100"]) == 0  # 2 workers x 0.1 Gparams/s: 34 s of CPU Adam a step against a 28 s step
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("optim.placement=split: optimizer placement: ") and "embedding+head" in line

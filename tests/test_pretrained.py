@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data import _word_tokenizer
+from test_hf_parity import make_hf
 
 from sysx.checkpoint import CheckpointSaver, LayerState
 from sysx.checkpoint.pretrained import build_model, open_pretrained
@@ -15,8 +17,6 @@ from sysx.cli import main as sysx_main
 from sysx.data.prepare import prepare
 from sysx.data.tokenizer import kept_tokenizer_dir
 from sysx.model import load_hf_llama, save_model
-from test_data import _word_tokenizer
-from test_hf_parity import make_hf
 
 
 def test_sharded_hf_folder_is_read_one_layer_at_a_time(tmp_path: Path) -> None:
@@ -47,14 +47,19 @@ def test_a_sysx_model_file_and_a_checkpoint_are_sources_too(tmp_path: Path) -> N
     for name, p in params.items():
         by_layer.setdefault(int(name.split(".")[1]), {})[name] = p.detach()
     zeros = {i: {n: torch.zeros_like(t) for n, t in ts.items()} for i, ts in by_layer.items()}
-    saver.save(2, {i: (lambda i=i: LayerState(i, by_layer[i], zeros[i], zeros[i], 2)) for i in by_layer},
-               manifest={"model": {**vars(model.config)}})
+    saver.save(
+        2,
+        {i: (lambda i=i: LayerState(i, by_layer[i], zeros[i], zeros[i], 2)) for i in by_layer},
+        manifest={"model": {**vars(model.config)}},
+    )
     saver.close()
     from_ckpt = build_model(open_pretrained(tmp_path / "ckpt"))
     assert all(torch.equal(p, params[n]) for n, p in from_ckpt.named_parameters())
     assert sysx_main(["convert", "--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
-    assert torch.equal(dict(load_hf_llama(tmp_path / "out").named_parameters())["layers.1.attn.q_proj.weight"],
-                       params["layers.1.attn.q_proj.weight"])
+    assert torch.equal(
+        dict(load_hf_llama(tmp_path / "out").named_parameters())["layers.1.attn.q_proj.weight"],
+        params["layers.1.attn.q_proj.weight"],
+    )
 
 
 def test_export_is_group_readable_and_carries_the_tokenizer(tmp_path: Path) -> None:
@@ -69,8 +74,12 @@ def test_export_is_group_readable_and_carries_the_tokenizer(tmp_path: Path) -> N
     save_model(load_hf_llama((hf.config, hf.state_dict())), tmp_path / "m.safetensors")
     old = os.umask(0o077)  # the setting that made exports private before
     try:
-        assert sysx_main(["convert", "--to-hf", str(tmp_path / "m.safetensors"), str(tmp_path / "hf"),
-                          "--tokenizer", str(kept)]) == 0
+        assert (
+            sysx_main(
+                ["convert", "--to-hf", str(tmp_path / "m.safetensors"), str(tmp_path / "hf"), "--tokenizer", str(kept)]
+            )
+            == 0
+        )
     finally:
         os.umask(old)
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
@@ -95,21 +104,36 @@ def test_training_from_a_sharded_hf_llama_starts_at_transformers_loss(tmp_path: 
     from sysx.trainers.reference import ReferenceTrainer
     from sysx.trainers.single import SingleTrainer
 
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                      max_position_embeddings=64, rms_norm_eps=1e-5, attn_implementation="eager")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).float()
     hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    cfg = SysxConfig(model=ModelSection(init_from=str(tmp_path / "hf")),
-                     train=TrainSection(steps=1, micro_batch_size=2, micro_batches=2, seq_len=32),
-                     eval=EvalSection(every=0), device="cpu")
+    cfg = SysxConfig(
+        model=ModelSection(init_from=str(tmp_path / "hf")),
+        train=TrainSection(steps=1, micro_batch_size=2, micro_batches=2, seq_len=32),
+        eval=EvalSection(every=0),
+        device="cpu",
+    )
     if trainer == "reference":
         t = ReferenceTrainer(cfg)
     else:
-        t = SingleTrainer(cfg, single=SingleSection(window=1, micro_batch_size=2, print_plan=False),
-                          hardware=assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8))
+        t = SingleTrainer(
+            cfg,
+            single=SingleSection(window=1, micro_batch_size=2, print_plan=False),
+            hardware=assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8),
+        )
     with t:
         assert t.model_cfg.n_layers == 3 and t.model_cfg.n_kv_heads == 2 and not t.model_cfg.tie_embeddings
         first = t.run(1)[0].loss
@@ -148,15 +172,37 @@ def test_the_fine_tuning_path_of_the_readme(tmp_path: Path) -> None:
 
     (tmp_path / "base").mkdir()
     _word_tokenizer(tmp_path / "base" / "tokenizer.json", 60)  # vocab 62
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
     (tmp_path / "text.txt").write_text(" ".join(f"w{i % 60}" for i in range(3000)))
-    prepare([tmp_path / "text.txt"], tmp_path / "data" / "tok.bin", tokenizer=tmp_path / "base", val_fraction=0.1,
-            progress=False)
-    args = [f"model.init_from={tmp_path / 'base'}", "data=file", f"data.path={tmp_path / 'data' / 'tok.bin'}",
-            "train.seq_len=16", "train.micro_batch_size=2", "eval.every=0", "device=cpu", "log.progress=false",
-            f"run_dir={tmp_path / 'run'}", "checkpoint.export_hf=true", "schedule=reference"]
+    prepare(
+        [tmp_path / "text.txt"],
+        tmp_path / "data" / "tok.bin",
+        tokenizer=tmp_path / "base",
+        val_fraction=0.1,
+        progress=False,
+    )
+    args = [
+        f"model.init_from={tmp_path / 'base'}",
+        "data=file",
+        f"data.path={tmp_path / 'data' / 'tok.bin'}",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "eval.every=0",
+        "device=cpu",
+        "log.progress=false",
+        f"run_dir={tmp_path / 'run'}",
+        "checkpoint.export_hf=true",
+        "schedule=reference",
+    ]
     assert main([*args, "train.steps=2"]) == 0  # "stopped" after 2 steps
     assert main([*args, "train.steps=4"]) == 0  # the same command again resumes and finishes
     export = tmp_path / "run" / "hf"

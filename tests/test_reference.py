@@ -56,7 +56,9 @@ def hand_written_loop(cfg: SysxConfig, dataset: TokenDataset, steps: int) -> tup
         opt.zero_grad(set_to_none=True)
         step_loss = 0.0
         for j in range(t.micro_batches):
-            x, y = get_batch(dataset, seed=cfg.seed, step=step, micro_batch=j, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len)
+            x, y = get_batch(
+                dataset, seed=cfg.seed, step=step, micro_batch=j, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len
+            )
             loss = model.loss(x, y)
             (loss / t.micro_batches).backward()
             step_loss += loss.item() / t.micro_batches
@@ -152,7 +154,7 @@ def test_bf16_runs_with_fp32_masters(dataset: TokenDataset) -> None:
     assert all(math.isfinite(r.loss) and math.isfinite(r.grad_norm) and not r.skipped for r in results)
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
     state = trainer.state_dict()
-    for (name, p) in trainer.model.named_parameters():
+    for name, p in trainer.model.named_parameters():
         assert state[name].dtype == torch.float32
         assert torch.equal(p.detach(), state[name].to(torch.bfloat16)), name  # params = rounded masters
     # The masters start from the exact fp32 initialisation, not from its bf16 rounding.

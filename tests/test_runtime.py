@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sysx.config import ConfigError, EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, load_config, validate
+from sysx.config import (
+    ConfigError,
+    EvalSection,
+    ModelSection,
+    OptimSection,
+    SysxConfig,
+    TrainSection,
+    load_config,
+    validate,
+)
 from sysx.data import TokenDataset, default_corpus_path
 from sysx.dist import PeerTimeout, wait_for
 from sysx.model import get_preset
@@ -44,9 +53,13 @@ def dataset() -> TokenDataset:
 
 
 def small_cfg(**train: int) -> SysxConfig:
-    cfg = SysxConfig(model=ModelSection(preset="tiny"),
-                     train=TrainSection(**{"steps": 3, "micro_batch_size": 2, "micro_batches": 2, "seq_len": 16, **train}),
-                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0, batches=2), device="cpu")
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(**{"steps": 3, "micro_batch_size": 2, "micro_batches": 2, "seq_len": 16, **train}),
+        optim=OptimSection(warmup_steps=2),
+        eval=EvalSection(every=0, batches=2),
+        device="cpu",
+    )
     validate(cfg)
     return cfg
 
@@ -62,9 +75,15 @@ def segments(job: str) -> list[str]:
     return glob.glob(f"/dev/shm/sysx-*-{job}-*")
 
 
-@pytest.mark.parametrize("options", [
-    {"schedule": "sysx"}, {"schedule": "sysx", "cfg": 0}, {"schedule": "gpipe"}, {"schedule": "interleaved_1f1b"},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"schedule": "sysx"},
+        {"schedule": "sysx", "cfg": 0},
+        {"schedule": "gpipe"},
+        {"schedule": "interleaved_1f1b"},
+    ],
+)
 def test_world_size_one_matches_the_reference(dataset: TokenDataset, reference: tuple, options: dict) -> None:
     ref_losses, ref_state, ref_val = reference
     trainer = PipelineTrainer(small_cfg(), PipelineOptions(optim_backend="torch", **options), dataset=dataset)
@@ -91,10 +110,15 @@ def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(datas
     exactly where the reference skips."""
     from sysx.config import LossScaleSection
 
-    cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
-                     train=TrainSection(steps=5, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(lr=3e-3, warmup_steps=2), eval=EvalSection(every=0), device="cpu", precision="fp16",
-                     loss_scale=LossScaleSection(init=2.0**20))
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
+        train=TrainSection(steps=5, micro_batch_size=2, micro_batches=2, seq_len=16),
+        optim=OptimSection(lr=3e-3, warmup_steps=2),
+        eval=EvalSection(every=0),
+        device="cpu",
+        precision="fp16",
+        loss_scale=LossScaleSection(init=2.0**20),
+    )
     ref = ReferenceTrainer(cfg, dataset=dataset)
     expected = [(r.skipped, r.scale) for r in ref.run(5)]
     ref_state = ref.state_dict()
@@ -103,7 +127,7 @@ def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(datas
         undone = []
         validate_async = t.optimizer.validate_async
 
-        def spy(**kw: float):  # noqa: ANN202 - records each step's rollback count
+        def spy(**kw: float):
             outcome = validate_async(**kw)
             undone.append(outcome.undone)
             return outcome
@@ -120,19 +144,26 @@ def test_fp16_overflow_skips_the_same_steps_as_the_reference_with_rollback(datas
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDataset, precision: str,
-                                                                backend: str) -> None:
+def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(
+    dataset: TokenDataset, precision: str, backend: str
+) -> None:
     """Every sub-stage rolled back by switching buffer sets ends where the bit-exact copy restore
     ends: fp16 overflows (loss scale 2**20) skip the first steps, bf16 clips every step (each
     speculative step is rolled back and stepped again); losses and final weights equal bit for bit,
     with either backend, and the spares were refreshed off the critical path (after each decision)."""
     from sysx.config import LossScaleSection
 
-    cfg = SysxConfig(model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
-                     train=TrainSection(steps=4, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(lr=3e-3, warmup_steps=2, grad_clip=1.0 if precision == "fp16" else 1e-3,
-                                        speculate="always"),  # every step speculates: the rollbacks are the subject
-                     eval=EvalSection(every=0), device="cpu", precision=precision, loss_scale=LossScaleSection(init=2.0**20))
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
+        train=TrainSection(steps=4, micro_batch_size=2, micro_batches=2, seq_len=16),
+        optim=OptimSection(
+            lr=3e-3, warmup_steps=2, grad_clip=1.0 if precision == "fp16" else 1e-3, speculate="always"
+        ),  # every step speculates: the rollbacks are the subject
+        eval=EvalSection(every=0),
+        device="cpu",
+        precision=precision,
+        loss_scale=LossScaleSection(init=2.0**20),
+    )
     runs = {}
     for rollback in ("snapshot", "exact"):
         opts = PipelineOptions(schedule="sysx", split=2, optim_backend=backend, rollback=rollback)
@@ -140,7 +171,7 @@ def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(dataset: TokenDat
             outcomes = []
             validate_async = t.optimizer.validate_async
 
-            def spy(**kw: float):  # noqa: ANN202 - records each step's outcome
+            def spy(**kw: float):
                 outcome = validate_async(**kw)
                 outcomes.append(outcome)
                 return outcome
@@ -185,7 +216,9 @@ def test_an_op_without_handler_is_an_error_naming_the_op(trainer: PipelineTraine
 
 def test_an_inconsistent_op_list_is_an_error_naming_rank_step_and_op(trainer: PipelineTrainer) -> None:
     ops = [Op(OpKind.BACKWARD, 1, 1, 0)]
-    with pytest.raises(ExecutionError, match=r"rank 0: step 7: op #0 `B s1.1 mb0`.*BufferError.*layers 4..5 are not loaded"):
+    with pytest.raises(
+        ExecutionError, match=r"rank 0: step 7: op #0 `B s1.1 mb0`.*BufferError.*layers 4..5 are not loaded"
+    ):
         trainer.executor.run(ops, StepContext(step=7))
     trainer.executor.reset()
     ops = [Op(OpKind.LOAD_PARAMS, 1, 1), Op(OpKind.BACKWARD, 1, 1, 0)]
@@ -199,15 +232,21 @@ def test_an_inconsistent_op_list_is_an_error_naming_rank_step_and_op(trainer: Pi
 def test_leftover_tensors_are_reported_at_validate(trainer: PipelineTrainer) -> None:
     dropped = (OpKind.BACKWARD, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP)
     ops = [op for op in trainer.ops if not (op.kind in dropped and (op.stage, op.sub) == (0, 0))]
-    with pytest.raises(ExecutionError, match=r"`VALIDATE`.*left over at the end of the step: checkpoint s0.0 mb0, .*input gradient s0.1 mb1"):
+    with pytest.raises(
+        ExecutionError,
+        match=r"`VALIDATE`.*left over at the end of the step: checkpoint s0.0 mb0, .*input gradient s0.1 mb1",
+    ):
         trainer.executor.run(ops, StepContext(step=0, n_micro=2))
 
 
 def test_transfer_checks_name_stage_micro_batch_and_tensor() -> None:
     spec = TransferSpec(Message.CKPT, 2, 0, 1, (2, 16, 128), torch.float32)
     assert spec.label == "ckpt s2.0 mb1"
-    with pytest.raises(TransferMismatch, match=r"rank 3: op: sending ckpt s2.0 mb1: the tensor is \[2, 16, 64\] "
-                                               r"torch.float32 but the plan says \[2, 16, 128\].*stage 2.0, micro-batch 1, tensor ckpt"):
+    with pytest.raises(
+        TransferMismatch,
+        match=r"rank 3: op: sending ckpt s2.0 mb1: the tensor is \[2, 16, 64\] "
+        r"torch.float32 but the plan says \[2, 16, 128\].*stage 2.0, micro-batch 1, tensor ckpt",
+    ):
         spec.check(torch.zeros(2, 16, 64), rank=3, action="op: sending")
     with pytest.raises(TransferMismatch, match="torch.bfloat16"):
         spec.check(torch.zeros(2, 16, 128, dtype=torch.bfloat16), rank=3, action="x")
@@ -217,9 +256,20 @@ def test_transfer_checks_name_stage_micro_batch_and_tensor() -> None:
 
     p2p = P2P(1, device=torch.device("cpu"), timeout_s=1.0, verify=True)
     other = TransferSpec(Message.ACT, 2, -1, 1, (2, 16, 128), torch.float32)
-    pending = Pending(other, 0, "step 0: op #4 `RECV_ACT s2 mb1 <-r0`", [], torch.empty(0), spec.header(torch.device("cpu")), is_send=False)
-    with pytest.raises(TransferMismatch, match=r"rank 1: step 0: op #4 .*rank 0 sent ckpt s2.0 mb1 \[2, 16, 128\].*"
-                                               r"this rank expects act s2 mb1.*disagree about the plan"):
+    pending = Pending(
+        other,
+        0,
+        "step 0: op #4 `RECV_ACT s2 mb1 <-r0`",
+        [],
+        torch.empty(0),
+        spec.header(torch.device("cpu")),
+        is_send=False,
+    )
+    with pytest.raises(
+        TransferMismatch,
+        match=r"rank 1: step 0: op #4 .*rank 0 sent ckpt s2.0 mb1 \[2, 16, 128\].*"
+        r"this rank expects act s2 mb1.*disagree about the plan",
+    ):
         p2p._check_header(pending)
 
 
@@ -236,8 +286,11 @@ class FakeWork:
 
 
 def test_wait_for_names_rank_op_and_peer_and_tells_a_lost_peer_from_a_timeout() -> None:
-    with pytest.raises(PeerTimeout, match=r"rank 2: op #3 `RECV_ACT s1 mb0 <-r1` with peer rank 1 failed after 0.0 s "
-                                          r"\(Connection closed by peer \[127.0.0.1\]:1234\).*crashed or was killed"):
+    with pytest.raises(
+        PeerTimeout,
+        match=r"rank 2: op #3 `RECV_ACT s1 mb0 <-r1` with peer rank 1 failed after 0.0 s "
+        r"\(Connection closed by peer \[127.0.0.1\]:1234\).*crashed or was killed",
+    ):
         wait_for(FakeWork("broken"), rank=2, what="op #3 `RECV_ACT s1 mb0 <-r1`", peer=1, timeout_s=30)
     with pytest.raises(PeerTimeout, match=r"rank 2: VALIDATE did not complete within 0.1 s.*timeout_s"):
         wait_for(FakeWork("never"), rank=2, what="VALIDATE", peer=None, timeout_s=0.1)
@@ -258,36 +311,64 @@ def test_schedule_choice_follows_the_model_and_explains_refusals() -> None:
     assert shape(schedule="sysx", n=2, cfg=0) == (4, 1)
     assert shape(schedule="mobius", n=2) == (4, 1)
     assert shape(schedule="gpipe", n=2) == (2, 1)
-    with pytest.raises(RuntimeConfigError, match=r"needs 8 forward stages but the model has only 6 flat layers.*model.n_layers"):
+    with pytest.raises(
+        RuntimeConfigError, match=r"needs 8 forward stages but the model has only 6 flat layers.*model.n_layers"
+    ):
         make_schedule(PipelineOptions(schedule="sysx", split=4), tiny, n_ranks=4, n_micro=2, seq_len=16)
     with pytest.raises(RuntimeConfigError, match=r"d=4.*lower d"):
-        make_schedule(PipelineOptions(schedule="sysx", split=4, stages_per_rank=1), tiny, n_ranks=2, n_micro=2, seq_len=16)
+        make_schedule(
+            PipelineOptions(schedule="sysx", split=4, stages_per_rank=1), tiny, n_ranks=2, n_micro=2, seq_len=16
+        )
     with pytest.raises(RuntimeConfigError, match=r"stages_per_rank=2 is not valid for gpipe"):
         PipelineOptions(schedule="gpipe", stages_per_rank=2).check()
 
 
 def test_schedule_config_keys_reach_the_runtime() -> None:
-    cfg = load_config(["schedule=sysx", "schedule.split=3", "schedule.stages_per_rank=1", "schedule.cfg=2",
-                       "optim.rollback=snapshot", "optim.backend=torch", "optim.workers=2", "schedule.timeout_s=12"])
+    cfg = load_config(
+        [
+            "schedule=sysx",
+            "schedule.split=3",
+            "schedule.stages_per_rank=1",
+            "schedule.cfg=2",
+            "optim.rollback=snapshot",
+            "optim.backend=torch",
+            "optim.workers=2",
+            "schedule.timeout_s=12",
+        ]
+    )
     opts = options_from_config(cfg)
     assert (opts.schedule, opts.split, opts.stages_per_rank, opts.cfg, opts.timeout_s) == ("sysx", 3, 1, 2, 12.0)
     assert (opts.rollback, opts.optim_backend, opts.optimizer_workers) == ("snapshot", "torch", 2)
     assert options_from_config(load_config(["schedule=auto"])).schedule == "sysx"
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "mobius"):
         assert options_from_config(load_config([f"schedule={name}"])).schedule == name
-    for bad, word in (("schedule.cfg=5", "0, 1, 2, 3"), ("schedule.split=0", ">= 1"), ("optim.rollback=no", "undo, snapshot, exact, auto"),
-                      ("optim.backend=x", "auto, deepspeed, torch"), ("schedule.stage_sizes=[3,0]", "positive"),
-                      ("optim.workers=0", ">= 1"), ("schedule.timeout_s=0", "> 0")):
+    for bad, word in (
+        ("schedule.cfg=5", "0, 1, 2, 3"),
+        ("schedule.split=0", ">= 1"),
+        ("optim.rollback=no", "undo, snapshot, exact, auto"),
+        ("optim.backend=x", "auto, deepspeed, torch"),
+        ("schedule.stage_sizes=[3,0]", "positive"),
+        ("optim.workers=0", ">= 1"),
+        ("schedule.timeout_s=0", "> 0"),
+    ):
         with pytest.raises(ConfigError, match=word):
             load_config(["schedule=sysx", bad])
 
 
-def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_reference(tmp_path: Path,
-                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from sysx.train import main
 
-    args = ["train.steps=2", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=1", "eval.batches=2", "device=cpu",
-            "optim.backend=torch"]
+    args = [
+        "train.steps=2",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "eval.every=1",
+        "eval.batches=2",
+        "device=cpu",
+        "optim.backend=torch",
+    ]
     assert main(["schedule=sysx", *args, f"run_dir={tmp_path / 'a'}"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: schedule=sysx" in out and "1 rank(s) on 1 node(s) | Nsf=2 d=3" in out and "done: 2 steps" in out
@@ -301,16 +382,27 @@ def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_referenc
     assert [json.loads(x)["loss"] for x in a] == pytest.approx([json.loads(x)["loss"] for x in b], rel=TOL)
 
 
-def test_nvtx_ranges_cover_every_op_and_the_optimizer_threads(trainer: PipelineTrainer,
-                                                              nvtx_ranges: list[tuple[str, str]]) -> None:
+def test_nvtx_ranges_cover_every_op_and_the_optimizer_threads(
+    trainer: PipelineTrainer, nvtx_ranges: list[tuple[str, str]]
+) -> None:
     from sysx import trace
 
     seen = nvtx_ranges
     trace.enable(True)
     trainer.train_step()
     names = {n for n, _ in seen}
-    assert {"H2D s0", "F s0 mb0", "F s1 mb1", "H2D s1.1", "B s1.1 mb0", "B s0.0 mb1", "D2H s1.1", "OPT queue s1.1",
-            "VALIDATE", "FREE s0"} <= names
+    assert {
+        "H2D s0",
+        "F s0 mb0",
+        "F s1 mb1",
+        "H2D s1.1",
+        "B s1.1 mb0",
+        "B s0.0 mb1",
+        "D2H s1.1",
+        "OPT queue s1.1",
+        "VALIDATE",
+        "FREE s0",
+    } <= names
     workers = {n for n, t in seen if t.startswith("sysx-opt")}
     assert {"OPT s1.1", "OPT s1.0", "OPT s0.1", "OPT s0.0"} <= workers
     assert len(seen) >= len(trainer.ops)
@@ -348,8 +440,11 @@ def test_an_execution_error_shows_the_ops_around_the_failing_one(trainer: Pipeli
         trainer.executor.run(ops, StepContext(step=4))
     trainer.executor.reset()
     lines = str(info.value).splitlines()
-    assert re.match(rf"rank 0: step 4: op #{at} `WAIT_CKPT s1.1 mb0 <-r1` of schedule 'sysx' failed: RuntimeError: no "
-                    rf"receive of checkpoint s1.1 mb0 was posted before$", lines[0])
+    assert re.match(
+        rf"rank 0: step 4: op #{at} `WAIT_CKPT s1.1 mb0 <-r1` of schedule 'sysx' failed: RuntimeError: no "
+        rf"receive of checkpoint s1.1 mb0 was posted before$",
+        lines[0],
+    )
     assert lines[1] == f"  rank 0's ops around op #{at} (of {len(ops)}):"
     marked = [line for line in lines if line.endswith("<-- ERROR HERE")]
     assert marked == [f"  {at:>3}  WAIT_CKPT s1.1 mb0 <-r1   <-- ERROR HERE"]

@@ -47,15 +47,35 @@ def free_port() -> int:
 
 def rank_env(rank: int, world: int, local_world: int, port: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SYSX_JOB_ID")}
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world), LOCAL_WORLD_SIZE=str(local_world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % local_world),
+        LOCAL_WORLD_SIZE=str(local_world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        **extra,
+    )
     return env
 
 
-def launch(argv: list[str], world: int, local_world: int, timeout: float, **extra: str) -> list[subprocess.CompletedProcess]:
+def launch(
+    argv: list[str], world: int, local_world: int, timeout: float, **extra: str
+) -> list[subprocess.CompletedProcess]:
     port = free_port()
-    procs = [subprocess.Popen(argv, env=rank_env(r, world, local_world, port, **extra), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=rank_env(r, world, local_world, port, **extra),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     done = []
     try:
         for p in procs:
@@ -69,21 +89,41 @@ def launch(argv: list[str], world: int, local_world: int, timeout: float, **extr
     return done
 
 
-def run_parity(tmp_path: Path, *, world: int, local_world: int, model: dict, train: dict, schedules: list[dict],
-               steps: int = 3, optim: dict | None = None) -> dict:
-    spec = {"model": model, "train": train, "steps": steps, "optim": optim or {}, "schedules": schedules, "timeout_s": 60}
+def run_parity(
+    tmp_path: Path,
+    *,
+    world: int,
+    local_world: int,
+    model: dict,
+    train: dict,
+    schedules: list[dict],
+    steps: int = 3,
+    optim: dict | None = None,
+) -> dict:
+    spec = {
+        "model": model,
+        "train": train,
+        "steps": steps,
+        "optim": optim or {},
+        "schedules": schedules,
+        "timeout_s": 60,
+    }
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "result.json"
     spec_path.write_text(json.dumps(spec))
     procs = launch([sys.executable, str(JOB_SCRIPT), str(spec_path), str(out_path)], world, local_world, timeout=240)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     result = json.loads(out_path.read_text())
-    print(f"\n{world} ranks on {result['nodes']} node(s): schedule | Nsf d ckpt optimizer | loss rel | grad-norm rel | "
-          f"param rel (whole / worst tensor) | max abs")
+    print(
+        f"\n{world} ranks on {result['nodes']} node(s): schedule | Nsf d ckpt optimizer | loss rel | grad-norm rel | "
+        f"param rel (whole / worst tensor) | max abs"
+    )
     for row in result["rows"]:
-        print(f"  {row['options']} | {row['n_stages']} {row['split']} {row['ckpt']} {row['optimizer']} | "
-              f"{row['loss_rel']:.1e} | {row['grad_norm_rel']:.1e} | {row['param_rel']:.1e} / "
-              f"{row['param_rel_per_tensor']:.1e} | {row['param_max_abs']:.1e}")
+        print(
+            f"  {row['options']} | {row['n_stages']} {row['split']} {row['ckpt']} {row['optimizer']} | "
+            f"{row['loss_rel']:.1e} | {row['grad_norm_rel']:.1e} | {row['param_rel']:.1e} / "
+            f"{row['param_rel_per_tensor']:.1e} | {row['param_max_abs']:.1e}"
+        )
     assert len(result["rows"]) == len(schedules)
     for row in result["rows"]:
         assert row["loss_rel"] <= TOL, row
@@ -93,10 +133,15 @@ def run_parity(tmp_path: Path, *, world: int, local_world: int, model: dict, tra
 
 
 EVERY_SCHEDULE_2 = [
-    {"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "interleaved_1f1b"}, {"schedule": "mobius"},
-    {"schedule": "sysx", "split": 1}, {"schedule": "sysx", "split": 2, "stages_per_rank": 1},
+    {"schedule": "gpipe"},
+    {"schedule": "1f1b"},
+    {"schedule": "interleaved_1f1b"},
+    {"schedule": "mobius"},
+    {"schedule": "sysx", "split": 1},
+    {"schedule": "sysx", "split": 2, "stages_per_rank": 1},
     {"schedule": "sysx", "split": 3, "stages_per_rank": 1},
-    {"schedule": "sysx", "cfg": 0}, {"schedule": "sysx", "cfg": 1, "split": 2, "stages_per_rank": 1},
+    {"schedule": "sysx", "cfg": 0},
+    {"schedule": "sysx", "cfg": 1, "split": 2, "stages_per_rank": 1},
     {"schedule": "sysx", "cfg": 2, "split": 2, "stages_per_rank": 1},
     {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "snapshot"},
     {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "exact"},
@@ -105,8 +150,14 @@ EVERY_SCHEDULE_2 = [
 
 
 def test_every_schedule_matches_the_reference_on_2_ranks(tmp_path: Path) -> None:
-    result = run_parity(tmp_path, world=2, local_world=2, model={"preset": "tiny"},
-                        train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16}, schedules=EVERY_SCHEDULE_2)
+    result = run_parity(
+        tmp_path,
+        world=2,
+        local_world=2,
+        model={"preset": "tiny"},
+        train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16},
+        schedules=EVERY_SCHEDULE_2,
+    )
     rows = result["rows"]
     assert [r["split"] for r in rows if r["options"]["schedule"] == "sysx"] == [1, 2, 3, 1, 2, 2, 2, 2, 2]
     # fp32: the exact rollback steps a private master and keeps the shared fp32 copy current;
@@ -118,25 +169,45 @@ def test_every_schedule_matches_the_reference_on_2_ranks(tmp_path: Path) -> None
 
 
 EVERY_SCHEDULE_4 = [
-    {"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "interleaved_1f1b"}, {"schedule": "mobius"},
-    {"schedule": "sysx", "split": 1}, {"schedule": "sysx", "split": 2},
-    {"schedule": "sysx", "split": 3, "stages_per_rank": 1}, {"schedule": "sysx", "split": 4, "stages_per_rank": 1},
-    {"schedule": "sysx", "cfg": 0}, {"schedule": "sysx", "cfg": 1}, {"schedule": "sysx", "cfg": 2},
+    {"schedule": "gpipe"},
+    {"schedule": "1f1b"},
+    {"schedule": "interleaved_1f1b"},
+    {"schedule": "mobius"},
+    {"schedule": "sysx", "split": 1},
+    {"schedule": "sysx", "split": 2},
+    {"schedule": "sysx", "split": 3, "stages_per_rank": 1},
+    {"schedule": "sysx", "split": 4, "stages_per_rank": 1},
+    {"schedule": "sysx", "cfg": 0},
+    {"schedule": "sysx", "cfg": 1},
+    {"schedule": "sysx", "cfg": 2},
 ]
 
 
 def test_every_schedule_matches_the_reference_on_4_ranks_in_2_nodes(tmp_path: Path) -> None:
-    result = run_parity(tmp_path, world=4, local_world=2, model={"preset": "tiny", "n_layers": 14},
-                        train={"micro_batch_size": 2, "micro_batches": 4, "seq_len": 16}, schedules=EVERY_SCHEDULE_4)
+    result = run_parity(
+        tmp_path,
+        world=4,
+        local_world=2,
+        model={"preset": "tiny", "n_layers": 14},
+        train={"micro_batch_size": 2, "micro_batches": 4, "seq_len": 16},
+        schedules=EVERY_SCHEDULE_4,
+    )
     assert result["nodes"] == 2
     rows = {json.dumps(r["options"], sort_keys=True): r for r in result["rows"]}
     d4 = rows[json.dumps({"schedule": "sysx", "split": 4, "stages_per_rank": 1}, sort_keys=True)]
     assert (d4["n_stages"], d4["split"]) == (4, 4)
     sysx_full = rows[json.dumps({"schedule": "sysx", "split": 2}, sort_keys=True)]
-    assert (sysx_full["n_stages"], sysx_full["split"], sysx_full["ckpt"], sysx_full["optimizer"]) == (8, 2, "async", "async")
+    assert (sysx_full["n_stages"], sysx_full["split"], sysx_full["ckpt"], sysx_full["optimizer"]) == (
+        8,
+        2,
+        "async",
+        "async",
+    )
     # decoupled placement across 2 nodes: forward ranks need sub-stages owned on the other node
     assert sysx_full["mirrored_units"] > 0
-    assert rows[json.dumps({"schedule": "gpipe"}, sort_keys=True)]["mirrored_units"] == 0  # coupled: owner = forward rank
+    assert (
+        rows[json.dumps({"schedule": "gpipe"}, sort_keys=True)]["mirrored_units"] == 0
+    )  # coupled: owner = forward rank
 
 
 PAST_WARMUP = [
@@ -151,9 +222,16 @@ def test_deepspeed_backend_and_steps_past_warmup_match_the_reference(tmp_path: P
     cosine phase, and DeepSpeed's CPU Adam (the default backend) against torch AdamW in the reference
     (measured: parameters 1.8e-7 relative after 8 steps, like the torch backend)."""
     optim = {"lr": 1e-3, "warmup_steps": 2, "min_lr": 1e-4}
-    result = run_parity(tmp_path, world=2, local_world=2, model={"preset": "tiny"},
-                        train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16}, schedules=PAST_WARMUP,
-                        steps=8, optim=optim)
+    result = run_parity(
+        tmp_path,
+        world=2,
+        local_world=2,
+        model={"preset": "tiny"},
+        train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16},
+        schedules=PAST_WARMUP,
+        steps=8,
+        optim=optim,
+    )
     for row in result["rows"]:
         assert row["lrs"][2] == optim["lr"] and row["lrs"][-1] < optim["lr"] / 2, row["lrs"]  # warmup done, decaying
         assert row["losses"][-1] < row["losses"][0] - 0.5, row["losses"]  # it trains
@@ -163,11 +241,32 @@ def test_deepspeed_backend_and_steps_past_warmup_match_the_reference(tmp_path: P
 def test_a_killed_rank_stops_the_others_with_a_clear_error_and_no_leak(tmp_path: Path) -> None:
     job = f"kill{uuid.uuid4().hex[:8]}"
     port = free_port()
-    argv = [sys.executable, "-m", "sysx.train", "schedule=sysx", "train.steps=1000", "train.seq_len=16",
-            "train.micro_batch_size=2", "eval.every=0", "log.every=1", "device=cpu", "optim.backend=torch",
-            "schedule.timeout_s=20", f"run_dir={tmp_path / 'run'}"]
-    procs = [subprocess.Popen(argv, env=rank_env(r, 3, 3, port, SYSX_JOB_ID=job), cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    argv = [
+        sys.executable,
+        "-m",
+        "sysx.train",
+        "schedule=sysx",
+        "train.steps=1000",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "eval.every=0",
+        "log.every=1",
+        "device=cpu",
+        "optim.backend=torch",
+        "schedule.timeout_s=20",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=rank_env(r, 3, 3, port, SYSX_JOB_ID=job),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
     try:
         assert procs[0].stdout is not None
         for line in procs[0].stdout:  # rank 0 logs every step; kill rank 1 while the next steps run
@@ -201,8 +300,16 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error_and_no_leak(tmp_path:
     assert glob.glob(f"/dev/shm/sysx-*-{job}*") == []
 
 
-LAUNCH_ARGS = ["train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=2", "eval.batches=2",
-               "log.every=1", "device=cpu", "optim.backend=torch"]
+LAUNCH_ARGS = [
+    "train.steps=3",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "eval.every=2",
+    "eval.batches=2",
+    "log.every=1",
+    "device=cpu",
+    "optim.backend=torch",
+]
 
 
 def script_env() -> dict[str, str]:
@@ -217,14 +324,30 @@ def read_losses(run_dir: Path) -> list[float]:
 
 def test_two_torchrun_nodes_on_localhost_and_mpirun(tmp_path: Path) -> None:
     env = script_env()
-    two = subprocess.run(["bash", str(ROOT / "launch" / "two_nodes_localhost.sh"), "schedule=sysx", *LAUNCH_ARGS,
-                          f"run_dir={tmp_path / 'two'}"], env={**env, "NPROC": "1", "PORT": str(free_port())},
-                         cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    two = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch" / "two_nodes_localhost.sh"),
+            "schedule=sysx",
+            *LAUNCH_ARGS,
+            f"run_dir={tmp_path / 'two'}",
+        ],
+        env={**env, "NPROC": "1", "PORT": str(free_port())},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 rank(s) on 2 node(s)" in two.stdout and "done: 3 steps" in two.stdout, two.stdout
-    mpi = subprocess.run(["bash", str(ROOT / "launch" / "mpirun.sh"), "schedule=sysx", *LAUNCH_ARGS,
-                          f"run_dir={tmp_path / 'mpi'}"], env={**env, "NP": "2", "PYTHON": sys.executable},
-                         cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    mpi = subprocess.run(
+        ["bash", str(ROOT / "launch" / "mpirun.sh"), "schedule=sysx", *LAUNCH_ARGS, f"run_dir={tmp_path / 'mpi'}"],
+        env={**env, "NP": "2", "PYTHON": sys.executable},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert mpi.returncode == 0, mpi.stderr[-3000:]
     assert "2 rank(s) on 1 node(s)" in mpi.stdout and "done: 3 steps" in mpi.stdout, mpi.stdout
     # the same job on 2 "nodes" (mirrors) and on 1 node (attached segments) computes the same losses

@@ -39,9 +39,13 @@ def _cases() -> list[tuple[str, int, int, int, int, int]]:
     for i, (ng, nm) in enumerate(_shapes()):
         v = 1 + i % 3
         d = 1 + (i + ng) % 4
-        cases += [("gpipe", ng, nm, ng, 1, 3), ("1f1b", ng, nm, ng, 1, 3),
-                  ("interleaved_1f1b", ng, nm, ng * v, 1, 3), ("mobius", ng, nm, ng * v + (i % 2), 1, 3),
-                  ("sysx", ng, nm, ng * v + (i % 2), d, i % 4)]
+        cases += [
+            ("gpipe", ng, nm, ng, 1, 3),
+            ("1f1b", ng, nm, ng, 1, 3),
+            ("interleaved_1f1b", ng, nm, ng * v, 1, 3),
+            ("mobius", ng, nm, ng * v + (i % 2), 1, 3),
+            ("sysx", ng, nm, ng * v + (i % 2), d, i % 4),
+        ]
     return cases
 
 
@@ -69,7 +73,10 @@ def test_op_strings_read_like_the_paper() -> None:
     assert str(B(5, 1, 0)) == "B s5.1 mb0"
     assert str(Op(OpKind.SEND_CKPT, 0, 1, 0, 2, True)) == "SEND_CKPT s0.1 mb0 ->r2 async"
     assert str(Op(OpKind.RECV_ACT, 3, -1, 1, 0)) == "RECV_ACT s3 mb1 <-r0"
-    assert str(Op(OpKind.LOAD_PARAMS, 4)) == "LOAD s4" and str(Op(OpKind.OPTIM_STEP, 5, 1, is_async=True)) == "OPT s5.1 async"
+    assert (
+        str(Op(OpKind.LOAD_PARAMS, 4)) == "LOAD s4"
+        and str(Op(OpKind.OPTIM_STEP, 5, 1, is_async=True)) == "OPT s5.1 async"
+    )
     assert str(Op(OpKind.VALIDATE)) == "VALIDATE"
     assert hash(F(3, 2)) == hash(F(3, 2))
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -87,8 +94,9 @@ def test_sysx_figure_8_structure_and_checkpoint_plan() -> None:
                 assert r == pl.bwd_rank[op.stage][op.sub]
         # forward stages ascending, then backward sub-stages in q order, all micro-batches each
         seq = [op for op in ops if op.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
-        assert seq == [F(st, j) for st in pl.fwd_stages(r) for j in range(4)] + \
-            [B(st, k, j) for st, k in pl.bwd_substages(r) for j in range(4)]
+        assert seq == [F(st, j) for st in pl.fwd_stages(r) for j in range(4)] + [
+            B(st, k, j) for st, k in pl.bwd_substages(r) for j in range(4)
+        ]
     order0 = [str(op) for op in s.ops[0] if op.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
     assert order0[:8] == [f"F s{st} mb{j}" for st in (0, 4) for j in range(4)]
     assert order0[8:] == [f"B s{st}.1 mb{j}" for st in (7, 5, 3, 1) for j in range(4)]
@@ -105,10 +113,10 @@ def test_sysx_figure_8_structure_and_checkpoint_plan() -> None:
             ops = s.ops[rt.dst]
             b = ops.index(B(rt.stage, rt.sub, rt.mb))
             w = ops.index(Op(OpKind.WAIT_CKPT, rt.stage, rt.sub, rt.mb, rt.src))
-            assert rt.dst_index < w < b and all(o.kind != OpKind.BACKWARD for o in ops[w + 1:b])
+            assert rt.dst_index < w < b and all(o.kind != OpKind.BACKWARD for o in ops[w + 1 : b])
             # posted when produced: right after the forward on the sender (only posts/sends between)
             f = s.ops[rt.src].index(F(rt.stage, rt.mb))
-            assert all(o.kind not in (OpKind.FORWARD, OpKind.BACKWARD) for o in s.ops[rt.src][f + 1:rt.src_index])
+            assert all(o.kind not in (OpKind.FORWARD, OpKind.BACKWARD) for o in s.ops[rt.src][f + 1 : rt.src_index])
     # the async optimizer steps each sub-stage right after its offload
     for ops in s.ops:
         for i, op in enumerate(ops):
@@ -181,6 +189,7 @@ def test_builder_errors_name_the_fix() -> None:
 
 
 # --- hand-broken schedules ------------------------------------------------------------------------
+
 
 def _edit(s: Schedule, rank: int, ops: list[Op]) -> Schedule:
     lists = list(s.ops)
@@ -291,8 +300,13 @@ def test_the_evaluation_program_is_a_schedule_that_validates(name: str, ng: int)
         program = evaluation_schedule(train, n)
         validate(program)
         assert not program.options.training and program.n_micro == n and program.ckpt_plan == ()
-        assert {op.kind for ops in program.ops for op in ops} <= {OpKind.LOAD_PARAMS, OpKind.FREE, OpKind.FORWARD,
-                                                                    OpKind.SEND_ACT, OpKind.RECV_ACT}
+        assert {op.kind for ops in program.ops for op in ops} <= {
+            OpKind.LOAD_PARAMS,
+            OpKind.FREE,
+            OpKind.FORWARD,
+            OpKind.SEND_ACT,
+            OpKind.RECV_ACT,
+        }
         assert sum(op.kind == OpKind.FORWARD for ops in program.ops for op in ops) == train.n_stages * n
 
 

@@ -49,19 +49,63 @@ def test_compare_and_pictures(tmp_path, capsys) -> None:
 
 
 def test_model_mode_with_a_preset(capsys) -> None:
-    data = _json(capsys, ["--model", "tiny", "--ranks", "2", "--microbatches", "4", "--stages", "3", "--split", "2",
-                          "--seq-len", "64", "--micro-batch-size", "2"])
+    data = _json(
+        capsys,
+        [
+            "--model",
+            "tiny",
+            "--ranks",
+            "2",
+            "--microbatches",
+            "4",
+            "--stages",
+            "3",
+            "--split",
+            "2",
+            "--seq-len",
+            "64",
+            "--micro-batch-size",
+            "2",
+        ],
+    )
     assert data["unit"] == "s" and data["iteration"] > 0 and len(data["peak_gpu"]) == 2
     assert main(["--model", "tiny", "--ranks", "2", "--stages", "2", "--split", "1", "--stage-sizes", "3,3"]) == 0
     assert "partition of tiny" in capsys.readouterr().out
 
 
 def test_plan_from_the_training_hydra_config(capsys) -> None:
-    data = _json(capsys, ["--ranks", "2", "--stages", "3", "--hydra", "model=tiny", "train.micro_batches=3",
-                          "train.seq_len=64", "train.micro_batch_size=2"])
+    data = _json(
+        capsys,
+        [
+            "--ranks",
+            "2",
+            "--stages",
+            "3",
+            "--hydra",
+            "model=tiny",
+            "train.micro_batches=3",
+            "train.seq_len=64",
+            "train.micro_batch_size=2",
+        ],
+    )
     assert data["unit"] == "s" and data["schedule"] == "sysx" and data["ranks"] == 2
-    assert main(["--ranks", "2", "--stages", "3", "--microbatches", "5", "--ops", "--hydra", "model=tiny",
-                 "train.micro_batches=3"]) == 0
+    assert (
+        main(
+            [
+                "--ranks",
+                "2",
+                "--stages",
+                "3",
+                "--microbatches",
+                "5",
+                "--ops",
+                "--hydra",
+                "model=tiny",
+                "train.micro_batches=3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "F s0 mb4" in out and "partition of tiny" in out  # the flag wins over train.micro_batches
     assert main(["--hydra", "model=nope"]) == 2

@@ -73,8 +73,13 @@ def test_interleaved_1f1b_bubble_is_megatrons(ng: int, nm: int, v: int) -> None:
 
 
 def test_same_numbers_with_blocking_rendezvous_sends() -> None:
-    for name, kw in [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"n_stages": 8}),
-                     ("mobius", {"n_stages": 8}), ("sysx", {"n_stages": 8, "split": 2})]:
+    for name, kw in [
+        ("gpipe", {}),
+        ("1f1b", {}),
+        ("interleaved_1f1b", {"n_stages": 8}),
+        ("mobius", {"n_stages": 8}),
+        ("sysx", {"n_stages": 8, "split": 2}),
+    ]:
         s = build(name, 4, 4, **kw)
         eager = simulate(s, UnitCosts(1, 2, 6), record=False, memory=False)
         rdv = simulate(s, UnitCosts(1, 2, 6), record=False, memory=False, rendezvous=True)
@@ -107,9 +112,18 @@ def test_memory_of_afab_and_1f1b_checkpoints() -> None:
 
 
 def _physical(n_layers: int, **kw) -> Costs:
-    base = dict(layer_fwd_time=(1.0,) * n_layers, layer_params=(1e6,) * n_layers, act_bytes=1e6,
-                layer_act_bytes=(4e6,) * n_layers, p2p_latency=0.0, p2p_bandwidth=1e6, h2d_bandwidth=1e12,
-                d2h_bandwidth=1e12, optim_params_per_s=1e12, allreduce_latency=0.0)
+    base = dict(
+        layer_fwd_time=(1.0,) * n_layers,
+        layer_params=(1e6,) * n_layers,
+        act_bytes=1e6,
+        layer_act_bytes=(4e6,) * n_layers,
+        p2p_latency=0.0,
+        p2p_bandwidth=1e6,
+        h2d_bandwidth=1e12,
+        d2h_bandwidth=1e12,
+        optim_params_per_s=1e12,
+        allreduce_latency=0.0,
+    )
     base.update(kw)
     return Costs(**base)
 

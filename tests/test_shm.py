@@ -23,8 +23,8 @@ import torch
 
 from sysx.memory import budget, cleanup, names, pinned, procinfo
 from sysx.memory.cli import main as shm_main
-from sysx.memory.names import SegmentName, resolve_job_id, segment_name
 from sysx.memory.header import _FIXED, CREATOR_OFFSET, HEADER_BYTES, LAYOUT_VERSION, STATE_READY, SegmentError
+from sysx.memory.names import SegmentName, resolve_job_id, segment_name
 from sysx.memory.segment import Segment, SegmentExistsError
 from sysx.memory.store import SharedParamStore, StageSpec
 from sysx.memory.views import LiveViewsError
@@ -258,7 +258,9 @@ def test_process_identity_detects_death_reuse_and_zombies() -> None:
         (False, False, [], 1, "not a sysx segment", "broken"),
     ],
 )
-def test_classify(has_header: bool, alive: bool, holders: list[int], age: float, error: str | None, status: str) -> None:
+def test_classify(
+    has_header: bool, alive: bool, holders: list[int], age: float, error: str | None, status: str
+) -> None:
     header = object() if has_header else None
     assert cleanup.classify(header, alive, holders, age, error) == status  # type: ignore[arg-type]
 
@@ -283,7 +285,9 @@ def test_request_larger_than_free_shm_fails_before_allocating(job: str, monkeypa
 
 
 def test_cgroup_limit_fails_before_allocating(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(budget, "cgroup_memory", lambda *a, **k: budget.CgroupMemory(2, "/sys/fs/cgroup/job", 3 * MiB, 2 * MiB))
+    monkeypatch.setattr(
+        budget, "cgroup_memory", lambda *a, **k: budget.CgroupMemory(2, "/sys/fs/cgroup/job", 3 * MiB, 2 * MiB)
+    )
     with pytest.raises(budget.ShmBudgetError, match=r"(?s)cgroup memory limit leaves only 1.0 MiB.*--memory="):
         Segment.create(segment_name("p.a", job=job, node=0), 2 * MiB)
 
@@ -375,19 +379,19 @@ class _FakeCudart:
         self.calls: list[tuple[str, int, bool]] = []
         self._staging = staging
 
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
         self.calls.append(("register", address, flags == pinned.CUDA_HOST_REGISTER_PORTABLE))
         return self.code
 
-    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, address: int) -> int:
         mapped = bool(self._staging) and not self._staging[0].closed
         self.calls.append(("unregister", address, mapped))
         return 0
 
-    def cudaError(self, code: int) -> int:  # noqa: N802
+    def cudaError(self, code: int) -> int:
         return code
 
-    def cudaGetErrorString(self, code: int) -> str:  # noqa: N802
+    def cudaGetErrorString(self, code: int) -> str:
         return f"fake error {code}"
 
 
@@ -582,7 +586,9 @@ def test_cli_list_clean_and_clean_all(job: str, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "NAME" in out and "STATUS" in out
     assert any(live.name.name in line and line.rstrip().endswith("alive") for line in out.splitlines())
-    assert any(stale.name in line and "2.0 MiB" in line and line.rstrip().endswith("stale") for line in out.splitlines())
+    assert any(
+        stale.name in line and "2.0 MiB" in line and line.rstrip().endswith("stale") for line in out.splitlines()
+    )
     assert shm_main(["clean", "--job", job]) == 0
     out = capsys.readouterr().out
     assert f"removed {stale.name}" in out and live.name.name not in out
@@ -595,7 +601,9 @@ def test_cli_list_clean_and_clean_all(job: str, capsys: pytest.CaptureFixture[st
     assert "no sysx shared-memory segments" in capsys.readouterr().out
 
 
-def test_cli_clean_all_asks_on_a_terminal(job: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_clean_all_asks_on_a_terminal(
+    job: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     seg = Segment.create(segment_name("p.live", job=job, node=0), 4096)
     monkeypatch.setattr("sys.stdin.isatty", lambda: True)
     monkeypatch.setattr("builtins.input", lambda prompt: "n")

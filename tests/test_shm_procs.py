@@ -138,8 +138,14 @@ def _ready(proc: subprocess.Popen[str]) -> None:
 
 
 def _sysx(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "sysx.cli", "shm", *args], capture_output=True, text=True,
-                          env=_env(), timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "sysx.cli", "shm", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        check=True,
+    )
     return done.stdout
 
 
@@ -277,7 +283,9 @@ def test_sigkill_without_guardian_is_stale_cleanable_and_restartable(job: str) -
     for name, pid in ((a, first.pid), (s0, second.pid)):
         # another sysx process of this user starting meanwhile sweeps stale segments, by design: say so
         gone = "" if os.path.exists(name.path) else " (removed meanwhile: another sysx process of this user swept it)"
-        row = next((line for line in listing.splitlines() if line.startswith(name.name)), f"no row{gone} in:\n{listing}")
+        row = next(
+            (line for line in listing.splitlines() if line.startswith(name.name)), f"no row{gone} in:\n{listing}"
+        )
         assert f" {pid} " in row and row.rstrip().endswith("stale") and "1.0 MiB" in row
     assert "2 stale" in listing and "`sysx shm clean`" in listing
     # a restart with the same job id replaces its stale segment instead of failing
@@ -310,11 +318,15 @@ for check in (True, False):
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a private tmpfs")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a private tmpfs"
+)
 def test_real_small_tmpfs_refuses_before_allocating() -> None:
     """A 1 MiB /dev/shm (a private mount namespace, like a container's 64 MB default)."""
     shell = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c '{TMPFS_SCRIPT}'"
-    done = subprocess.run(["unshare", "--mount", "sh", "-c", shell], capture_output=True, text=True, env=_env(), timeout=60)
+    done = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", shell], capture_output=True, text=True, env=_env(), timeout=60
+    )
     if done.returncode != 0 and "mount" in done.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {done.stderr.strip()}")
     lines = done.stdout.splitlines()

@@ -44,8 +44,12 @@ def test_round_size_follows_adaws_formula() -> None:
     sizes = ModelSizes.of(LLAMA7B)
     x_min = min_round_sequences(req, sizes, HW24)
     d_attn = LLAMA7B.n_heads * LLAMA7B.head_dim
-    by_hand = (2 + 2) * sizes.block_params * HW24.matmul_flops_per_s / (
-        2 * 4096 * (sizes.block_active + 4096 * d_attn) * HW24.link_bytes_per_s)
+    by_hand = (
+        (2 + 2)
+        * sizes.block_params
+        * HW24.matmul_flops_per_s
+        / (2 * 4096 * (sizes.block_active + 4096 * d_attn) * HW24.link_bytes_per_s)
+    )
     assert x_min == pytest.approx(by_hand)
     plan = make_plan(req, HW24)
     divisors = [d for d in range(1, 65) if 64 % d == 0]
@@ -58,8 +62,12 @@ def test_round_size_follows_adaws_formula() -> None:
 def test_window_follows_adaws_formula() -> None:
     plan = make_plan(_7b(), HW24)
     tau = 2
-    static = plan.device_bytes["total"] - plan.device_bytes["weight ring"] - plan.device_bytes["grad ring"] \
+    static = (
+        plan.device_bytes["total"]
+        - plan.device_bytes["weight ring"]
+        - plan.device_bytes["grad ring"]
         - plan.device_bytes["activation ring"]
+    )
     per_block = 2 * align(plan.sizes.block_params * tau) + plan.chunks * align(plan.table.slot_bytes[plan.slot_level])
     assert plan.window == min(LLAMA7B.n_layers, (24 * GiB - static) // per_block)
 
@@ -75,8 +83,10 @@ def test_global_batch_never_changes_and_budget_holds(gib: float) -> None:
 def test_more_device_memory_never_hurts() -> None:
     budgets = (6, 8, 12, 16, 24, 40)
     # with a fixed activation slot size the window only grows ...
-    windows = [make_plan(_7b(device_budget_bytes=int(g * GiB), round_sequences=2, policy="matmuls"), HW24).window
-               for g in budgets]
+    windows = [
+        make_plan(_7b(device_budget_bytes=int(g * GiB), round_sequences=2, policy="matmuls"), HW24).window
+        for g in budgets
+    ]
     assert windows == sorted(windows) and windows[-1] > windows[0]
     # ... and with the DP (which may trade window for bigger slots) the predicted step never gets slower
     steps = [make_plan(_7b(device_budget_bytes=int(g * GiB), round_sequences=2), HW24).times["step_s"] for g in budgets]
@@ -106,8 +116,10 @@ def test_too_small_host_budget_is_refused_with_the_numbers_needed() -> None:
 
 def test_host_capacity_bounds_the_saved_activations() -> None:
     roomy = make_plan(_7b(), HW24)
-    tight_budget = int(sum(v for k, v in roomy.host_bytes.items() if k not in ("saved activations", "total"))
-                       + roomy.host_bytes["saved activations"] * 0.3)
+    tight_budget = int(
+        sum(v for k, v in roomy.host_bytes.items() if k not in ("saved activations", "total"))
+        + roomy.host_bytes["saved activations"] * 0.3
+    )
     tight = make_plan(_7b(host_budget_bytes=tight_budget), HW24)
     assert tight.host_bytes["total"] <= tight_budget
     assert tight.host_bytes["saved activations"] < roomy.host_bytes["saved activations"]
@@ -138,16 +150,23 @@ def test_policies_and_compression_change_what_moves() -> None:
 
 
 def test_tiny_model_fits_whole_and_grows_the_round() -> None:
-    req = PlanRequest(model=TINY, seq_len=128, global_batch=16, precision="fp32", device_budget_bytes=GiB,
-                      host_budget_bytes=4 * GiB)
+    req = PlanRequest(
+        model=TINY, seq_len=128, global_batch=16, precision="fp32", device_budget_bytes=GiB, host_budget_bytes=4 * GiB
+    )
     hw = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=4)
     plan = make_plan(req, hw)
     print(plan.render())
     assert plan.window == TINY.n_layers and plan.transfer_layers == 0
     assert plan.rounds == 1 and plan.round_sequences == 16
     assert "nothing slides" in plan.render()
-    tiny_budget = PlanRequest(model=TINY, seq_len=128, global_batch=16, precision="fp32",
-                              device_budget_bytes=int(0.001 * GiB), host_budget_bytes=4 * GiB)
+    tiny_budget = PlanRequest(
+        model=TINY,
+        seq_len=128,
+        global_batch=16,
+        precision="fp32",
+        device_budget_bytes=int(0.001 * GiB),
+        host_budget_bytes=4 * GiB,
+    )
     with pytest.raises(PlanError, match="cannot train within the budgets"):
         make_plan(tiny_budget, hw)
 
@@ -156,12 +175,19 @@ def test_measured_cpu_hardware_is_usable_by_the_planner() -> None:
     torch_threads = torch.get_num_threads()
     hw = measure_hardware("cpu", torch.float32)
     assert torch.get_num_threads() == torch_threads
-    for value in (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.bidir_bytes_per_s, hw.matmul_flops_per_s,
-                  hw.device_mem_bytes_per_s, hw.host_free_bytes):
+    for value in (
+        hw.h2d_bytes_per_s,
+        hw.d2h_bytes_per_s,
+        hw.bidir_bytes_per_s,
+        hw.matmul_flops_per_s,
+        hw.device_mem_bytes_per_s,
+        hw.host_free_bytes,
+    ):
         assert value > 0 and math.isfinite(value)
     assert hw.kind == "cpu" and "measured" in hw.describe()
-    plan = make_plan(PlanRequest(model=TINY, seq_len=64, global_batch=4, device_budget_bytes=GiB,
-                                 host_budget_bytes=2 * GiB), hw)
+    plan = make_plan(
+        PlanRequest(model=TINY, seq_len=64, global_batch=4, device_budget_bytes=GiB, host_budget_bytes=2 * GiB), hw
+    )
     assert plan.device_bytes["total"] <= GiB
 
 
@@ -170,9 +196,43 @@ def test_plan_single_is_a_sysx_subcommand(capsys: pytest.CaptureFixture[str]) ->
 
     assert main(["--help"]) == 0
     assert "plan-single" in capsys.readouterr().out
-    assert main(["plan-single", "--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--hardware", "rtx4090",
-                 "--device-gb", "2", "--host-gb", "8"]) == 0
+    assert (
+        main(
+            [
+                "plan-single",
+                "--model",
+                "tiny",
+                "--seq-len",
+                "64",
+                "--global-batch",
+                "8",
+                "--hardware",
+                "rtx4090",
+                "--device-gb",
+                "2",
+                "--host-gb",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert "sysx single-GPU plan" in capsys.readouterr().out
-    assert main(["plan-single", "--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware",
-                 "rtx4090", "--device-gb", "1.5"]) == 2
+    assert (
+        main(
+            [
+                "plan-single",
+                "--model",
+                "llama2_7b",
+                "--seq-len",
+                "4096",
+                "--global-batch",
+                "64",
+                "--hardware",
+                "rtx4090",
+                "--device-gb",
+                "1.5",
+            ]
+        )
+        == 2
+    )
     assert "sysx plan-single: refused:" in capsys.readouterr().err

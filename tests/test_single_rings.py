@@ -23,7 +23,9 @@ def test_arena_regions_are_aligned_disjoint_views_of_one_buffer() -> None:
     assert arena.nbytes == sum(arena.describe().values())
     a.fill_(1)
     c.fill_(3)
-    assert int(arena.buffer[offs[0]]) == 1 and int(arena.buffer[offs[2]]) == 3 and b.untyped_storage().data_ptr() == base
+    assert (
+        int(arena.buffer[offs[0]]) == 1 and int(arena.buffer[offs[2]]) == 3 and b.untyped_storage().data_ptr() == base
+    )
     with pytest.raises(KeyError, match="no region"):
         arena.region("d")
 
@@ -52,7 +54,16 @@ def test_slot_protocol_refill_only_after_release() -> None:
     ring.release(0, s, keep=True)
     assert int(ring.acquire(0, "L3", s)[0]) == 9
     ring.release(0, s)
-    assert [op for _, op, _, _ in log] == ["fill", "acquire", "release", "fill", "acquire", "release", "acquire", "release"]
+    assert [op for _, op, _, _ in log] == [
+        "fill",
+        "acquire",
+        "release",
+        "fill",
+        "acquire",
+        "release",
+        "acquire",
+        "release",
+    ]
     assert ring.slot_of(7) == 1 and len(ring) == 3
 
 
@@ -89,9 +100,9 @@ def test_regions_have_their_own_autograd_version_counters() -> None:
     expected = _block_grads((x0.clone(), w0.clone(), torch.zeros(n_w)), grad_out)  # separate tensors
 
     shared = torch.zeros(n_x + 2 * n_w)  # plain views of one buffer share its version counter
-    shared[:n_x], shared[n_x:n_x + n_w] = x0, w0
+    shared[:n_x], shared[n_x : n_x + n_w] = x0, w0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        _block_grads((shared[:n_x], shared[n_x:n_x + n_w], shared[n_x + n_w:]), grad_out)
+        _block_grads((shared[:n_x], shared[n_x : n_x + n_w], shared[n_x + n_w :]), grad_out)
 
     arena = DeviceArena(CPU, {"x": n_x * 4, "w": n_w * 4, "g": n_w * 4})
     x, w, g = (typed(arena.region(name), torch.float32) for name in ("x", "w", "g"))

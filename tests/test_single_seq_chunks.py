@@ -13,8 +13,8 @@ import torch
 
 from sysx.config import EvalSection, ModelSection, SingleSection, SysxConfig, TrainSection
 from sysx.config.choices import SAVE_LEVELS
-from sysx.model.attention import KVCache
 from sysx.model import get_preset
+from sysx.model.attention import KVCache
 from sysx.model.llama import init_layer, make_layer
 from sysx.single.hardware import assumed_hardware
 from sysx.single.planner import PlanError, PlanRequest, make_plan
@@ -30,15 +30,20 @@ MODEL = ModelSection(preset="tiny", n_layers=3, dim=64, n_heads=4, n_kv_heads=2,
 
 
 def make_cfg(steps: int = 1) -> SysxConfig:
-    return SysxConfig(model=MODEL, train=TrainSection(steps=steps, micro_batch_size=1, micro_batches=2, seq_len=SEQ),
-                      eval=EvalSection(every=0, batches=1), device="cpu")
+    return SysxConfig(
+        model=MODEL,
+        train=TrainSection(steps=steps, micro_batch_size=1, micro_batches=2, seq_len=SEQ),
+        eval=EvalSection(every=0, batches=1),
+        device="cpu",
+    )
 
 
 def one_step(policy: str, seq_chunk: int) -> tuple[list[float], dict[int, torch.Tensor], SingleTrainer]:
     """Losses and every group's gradients of one step: 2 rounds of 1 sequence, window 1 (all but the
     last block send their activations home), ``seq_chunk`` tokens per sequence chunk."""
-    single = SingleSection(window=1, policy=policy, round_sequences=1, micro_batch_size=1, seq_chunk=seq_chunk,
-                           print_plan=False)
+    single = SingleSection(
+        window=1, policy=policy, round_sequences=1, micro_batch_size=1, seq_chunk=seq_chunk, print_plan=False
+    )
     trainer = SingleTrainer(make_cfg(), single=single, hardware=HW, optimizer_backend="torch")
     grads: dict[int, torch.Tensor] = {}
 
@@ -123,17 +128,17 @@ def test_block_chunks_rebuild_the_cache_and_carry_kv_gradients_back() -> None:
     with torch.no_grad():
         whole = block(x)
         for j in range(3):
-            piece = block(x[:, 32 * j:32 * (j + 1)], kv.at(32 * j))
-            assert (piece - whole[:, 32 * j:32 * (j + 1)]).abs().max().item() <= 1e-6
+            piece = block(x[:, 32 * j : 32 * (j + 1)], kv.at(32 * j))
+            assert (piece - whole[:, 32 * j : 32 * (j + 1)]).abs().max().item() <= 1e-6
     kv.key.fill_(float("nan"))  # the rebuild alone must fill every position a chunk reads
     for j in range(3):
-        block.cache_keys_values(x[:, 32 * j:32 * (j + 1)].detach(), kv.at(32 * j))
+        block.cache_keys_values(x[:, 32 * j : 32 * (j + 1)].detach(), kv.at(32 * j))
     kv.zero_grads()
     grad_x = torch.empty_like(x)
     for j in (2, 1, 0):
-        xj = x[:, 32 * j:32 * (j + 1)].detach().requires_grad_(True)
-        block(xj, kv.at(32 * j)).backward(grad_out[:, 32 * j:32 * (j + 1)])
-        grad_x[:, 32 * j:32 * (j + 1)] = xj.grad
+        xj = x[:, 32 * j : 32 * (j + 1)].detach().requires_grad_(True)
+        block(xj, kv.at(32 * j)).backward(grad_out[:, 32 * j : 32 * (j + 1)])
+        grad_x[:, 32 * j : 32 * (j + 1)] = xj.grad
     assert float((grad_x - want_x).abs().max() / want_x.abs().max()) <= 1e-5
     for name, p in block.named_parameters():
         assert float((p.grad - want_p[name]).abs().max() / want_p[name].abs().max()) <= 1e-5, name
@@ -145,8 +150,15 @@ TINY = get_preset("tiny")
 
 
 def _plan(seq_len: int, budget_mib: float, seq_chunk: int = 0):
-    req = PlanRequest(model=dataclasses.replace(TINY, max_seq_len=seq_len), seq_len=seq_len, global_batch=1,
-                      precision="fp32", device_budget_bytes=int(budget_mib * 2**20), grad_clip=1.0, seq_chunk=seq_chunk)
+    req = PlanRequest(
+        model=dataclasses.replace(TINY, max_seq_len=seq_len),
+        seq_len=seq_len,
+        global_batch=1,
+        precision="fp32",
+        device_budget_bytes=int(budget_mib * 2**20),
+        grad_clip=1.0,
+        seq_chunk=seq_chunk,
+    )
     return make_plan(req, PLAN_HW)
 
 
@@ -184,5 +196,7 @@ def test_chunks_train_sequences_8x_longer_than_the_unchunked_planner_fits_in_the
         lo, hi = (mid, hi) if fits_whole(mid) else (lo, mid)
     plan = _plan(8 * lo, 64)
     assert plan.seq_chunks > 1 and plan.device_bytes["total"] <= 64 * 2**20
-    print(f"\nunder 64 MiB: whole sequences up to {lo} tokens; {8 * lo} tokens in {plan.seq_chunks} chunks of "
-          f"{plan.seq_chunk}, window {plan.window}")
+    print(
+        f"\nunder 64 MiB: whole sequences up to {lo} tokens; {8 * lo} tokens in {plan.seq_chunks} chunks of "
+        f"{plan.seq_chunk}, window {plan.window}"
+    )

@@ -105,14 +105,19 @@ def test_int8_error_bound_and_bytes() -> None:
     assert torch.equal(dequantize(quantize(zeros), (3, 40), torch.float32), zeros)
     bf = torch.randn(10, 100).to(torch.bfloat16)
     back = dequantize(quantize(bf), (10, 100), torch.bfloat16)
-    assert back.dtype == torch.bfloat16 and float((back.float() - bf.float()).abs().max()) <= float(bf.float().abs().max()) / 100
+    assert (
+        back.dtype == torch.bfloat16
+        and float((back.float() - bf.float()).abs().max()) <= float(bf.float().abs().max()) / 100
+    )
 
 
 def test_meta_profile_matches_the_real_one() -> None:
     """The planner profiles on ``meta`` (any model size, no memory): same bytes per category as a real run."""
     real_block = build_model(CFG, seed=0).layers[1]
     real = profile_layer(real_block, torch.randn(2, 32, CFG.dim), model_dim=CFG.dim)
-    meta = profile_layer(make_layer(CFG, 1, device="meta"), torch.empty(2, 32, CFG.dim, device="meta"), model_dim=CFG.dim)
+    meta = profile_layer(
+        make_layer(CFG, 1, device="meta"), torch.empty(2, 32, CFG.dim, device="meta"), model_dim=CFG.dim
+    )
     for cat in ("attention", "narrow_matmul", "wide_matmul", "elementwise"):
         assert sum(s.nbytes for s in real.sites_in([cat])) == sum(s.nbytes for s in meta.sites_in([cat])), cat
         assert sum(s.flops for s in real.sites_in([cat])) == sum(s.flops for s in meta.sites_in([cat])), cat
@@ -127,6 +132,8 @@ def test_replay_names_a_changed_op_sequence(block_and_reference) -> None:
     run_captured(block, x, profile, layout, slot)
     wrong = SlotLayout.build(head_profile, ())
     with pytest.raises(ReplayMismatch, match="op #"):
-        backward_replayed(block, g, head_profile, wrong, torch.empty(wrong.nbytes, dtype=torch.uint8).copy_(slot[:wrong.nbytes]))
+        backward_replayed(
+            block, g, head_profile, wrong, torch.empty(wrong.nbytes, dtype=torch.uint8).copy_(slot[: wrong.nbytes])
+        )
     with pytest.raises(ValueError, match="not cacheable"):
         SlotLayout.build(profile, {10_000})

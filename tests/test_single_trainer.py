@@ -13,8 +13,8 @@ import torch
 from sysx import device as dev
 from sysx.config import EvalSection, OptimSection, SingleSection, SysxConfig, TrainSection
 from sysx.single.hardware import GiB, assumed_hardware
-from sysx.trainers.single import SingleTrainer
 from sysx.trainers.reference import ReferenceTrainer
+from sysx.trainers.single import SingleTrainer
 
 STEPS = 3
 HW = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)  # planning figures; compute runs on CPU
@@ -26,7 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make_cfg(**optim) -> SysxConfig:
     return SysxConfig(
         train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=4, seq_len=32),
-        optim=OptimSection(**optim), eval=EvalSection(every=0, batches=2), device="cpu",
+        optim=OptimSection(**optim),
+        eval=EvalSection(every=0, batches=2),
+        device="cpu",
     )
 
 
@@ -42,7 +44,9 @@ def reference(cfg: SysxConfig) -> tuple[list, dict[str, torch.Tensor]]:
     return _REF[key]
 
 
-def run_single(cfg: SysxConfig, single: SingleSection, *, device: str = "cpu", hardware=HW) -> tuple[list, dict, SingleTrainer]:
+def run_single(
+    cfg: SysxConfig, single: SingleSection, *, device: str = "cpu", hardware=HW
+) -> tuple[list, dict, SingleTrainer]:
     trainer = SingleTrainer(cfg, single=single, hardware=hardware, optimizer_backend="torch", device=device)
     try:
         results = trainer.run(STEPS)
@@ -77,8 +81,9 @@ CASES = [
 def test_matches_reference_trainer(window: int, policy: str, round_sequences: int, chunk: int) -> None:
     cfg = make_cfg()
     ref_results, ref_state = reference(cfg)
-    single = SingleSection(window=window, policy=policy, round_sequences=round_sequences, micro_batch_size=chunk,
-                           print_plan=False)
+    single = SingleSection(
+        window=window, policy=policy, round_sequences=round_sequences, micro_batch_size=chunk, print_plan=False
+    )
     results, state, trainer = run_single(cfg, single)
     plan = trainer.plan
     assert (plan.window, plan.round_sequences, plan.chunk) == (window, round_sequences, chunk)
@@ -108,8 +113,9 @@ def cfg_layers(cfg: SysxConfig) -> int:
 def test_optimizer_pipeline_modes_match_reference(overlap: str, clip: float) -> None:
     cfg = make_cfg(grad_clip=clip)
     ref_results, ref_state = reference(cfg)
-    single = SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap=overlap,
-                           print_plan=False)
+    single = SingleSection(
+        window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap=overlap, print_plan=False
+    )
     results, state, trainer = run_single(cfg, single)
     loss, norm, param = diffs(results, state, ref_results, ref_state)
     assert loss <= 1e-5 and norm <= 1e-5 and param <= 1e-5, (loss, norm, param)
@@ -130,8 +136,9 @@ def test_window_takes_optim_rollback_and_refreshes_exact_spares(capsys: pytest.C
     for bit, and no step had to refresh its spare itself (every refresh ran in the background)."""
     import dataclasses
 
-    single = SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap="backward",
-                           print_plan=False)
+    single = SingleSection(
+        window=2, policy="dp", round_sequences=4, micro_batch_size=2, optimizer_overlap="backward", print_plan=False
+    )
     runs = {}
     for rollback in ("snapshot", "exact", "auto"):
         cfg = make_cfg(grad_clip=1e-3)
@@ -158,8 +165,9 @@ def test_a_different_split_keeps_the_global_batch() -> None:
     the gradients differ only by summation order, so parameters agree to Adam-amplified rounding."""
     cfg = make_cfg()
     ref_results, ref_state = reference(cfg)
-    results, state, trainer = run_single(cfg, SingleSection(window=2, micro_batch_size=1, round_sequences=2,
-                                                            print_plan=False))
+    results, state, trainer = run_single(
+        cfg, SingleSection(window=2, micro_batch_size=1, round_sequences=2, print_plan=False)
+    )
     assert trainer.plan.micro_batches == 8 and trainer.plan.chunk == 1
     loss, norm, param = diffs(results, state, ref_results, ref_state)
     assert loss <= 1e-6 and norm <= 1e-5 and param <= 1e-4, (loss, norm, param)
@@ -168,8 +176,12 @@ def test_a_different_split_keeps_the_global_batch() -> None:
 def test_evaluation_matches_reference() -> None:
     cfg = make_cfg()
     ref = ReferenceTrainer(cfg)
-    trainer = SingleTrainer(cfg, single=SingleSection(window=1, micro_batch_size=1, round_sequences=2, print_plan=False),
-                            hardware=HW, optimizer_backend="torch")
+    trainer = SingleTrainer(
+        cfg,
+        single=SingleSection(window=1, micro_batch_size=1, round_sequences=2, print_plan=False),
+        hardware=HW,
+        optimizer_backend="torch",
+    )
     try:
         assert trainer.evaluate() == pytest.approx(ref.evaluate(), rel=1e-6)
     finally:
@@ -180,7 +192,9 @@ def test_bf16_matches_reference_bf16() -> None:
     cfg = make_cfg()
     cfg.precision = "bf16"
     ref_results, ref_state = reference(cfg)
-    results, state, _ = run_single(cfg, SingleSection(window=2, round_sequences=4, micro_batch_size=2, print_plan=False))
+    results, state, _ = run_single(
+        cfg, SingleSection(window=2, round_sequences=4, micro_batch_size=2, print_plan=False)
+    )
     # before any optimizer step the 16-bit executor is exact: same loss and gradient norm bit for bit
     assert results[0].loss == ref_results[0].loss and results[0].grad_norm == ref_results[0].grad_norm
     # afterwards CpuAdam's fp32 rounding (not torch.optim.AdamW's) flips a few bf16 roundings of the
@@ -217,8 +231,12 @@ def test_ring_order_cpu_twin_of_stream_overlap() -> None:
     last window's activations never leave the device; each block's gradients reach the optimizer
     before the previous block's backward starts."""
     cfg = make_cfg()
-    trainer = SingleTrainer(cfg, single=SingleSection(window=2, policy="dp", round_sequences=8, micro_batch_size=2,
-                                                      print_plan=False), hardware=HW, optimizer_backend="torch")
+    trainer = SingleTrainer(
+        cfg,
+        single=SingleSection(window=2, policy="dp", round_sequences=8, micro_batch_size=2, print_plan=False),
+        hardware=HW,
+        optimizer_backend="torch",
+    )
     ex = trainer.executor
     ex.trace = []
     for ring in (ex.ring_w, ex.ring_g, ex.ring_a):
@@ -235,7 +253,9 @@ def test_ring_order_cpu_twin_of_stream_overlap() -> None:
     ver = ex.version
     for k in range(W, L):  # forward prefetch
         fill = pos[("weights", "fill", ("w", k, ver))]
-        assert pos[("weights", "release", ("w", k - W, ver))] < fill < pos[("weights", "acquire", ("w", k - W + 1, ver))]
+        assert (
+            pos[("weights", "release", ("w", k - W, ver))] < fill < pos[("weights", "acquire", ("w", k - W + 1, ver))]
+        )
     d2h = [key for ring, op, _, key in trace if op == "d2h_act"]
     assert d2h and all(key[1] < L - W for key in d2h)  # the last window keeps its activations
     fills = [key[1] for ring, op, _, key in trace if ring == "weights" and op == "fill"]
@@ -251,8 +271,12 @@ def test_working_set_is_preallocated_as_planned() -> None:
     and planned rings + tables + the workspace estimate fit the device budget."""
     cfg = make_cfg()
     budget = 0.004  # 4 MiB: the tiny model's 4 blocks cannot all stay
-    trainer = SingleTrainer(cfg, single=SingleSection(device_memory_gb=budget, print_plan=False),
-                            hardware=dataclasses.replace(HW, kind="cpu"), optimizer_backend="torch")
+    trainer = SingleTrainer(
+        cfg,
+        single=SingleSection(device_memory_gb=budget, print_plan=False),
+        hardware=dataclasses.replace(HW, kind="cpu"),
+        optimizer_backend="torch",
+    )
     try:
         plan, arena = trainer.plan, trainer.executor.arena.describe()
         assert 1 <= plan.window < cfg_layers(cfg)
@@ -274,7 +298,8 @@ def _gpu_cfg() -> SysxConfig:
     return SysxConfig(
         model=ModelSection(preset="tiny", dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408),
         train=TrainSection(steps=STEPS, micro_batch_size=4, micro_batches=4, seq_len=256),
-        eval=EvalSection(every=0), device="cuda",
+        eval=EvalSection(every=0),
+        device="cuda",
     )
 
 
@@ -282,8 +307,9 @@ def _gpu_cfg() -> SysxConfig:
 def test_gpu_peak_memory_stays_under_the_budget() -> None:
     cfg = _gpu_cfg()
     budget_gb = 0.4
-    trainer = SingleTrainer(cfg, single=SingleSection(device_memory_gb=budget_gb, print_plan=True),
-                            optimizer_backend="torch")
+    trainer = SingleTrainer(
+        cfg, single=SingleSection(device_memory_gb=budget_gb, print_plan=True), optimizer_backend="torch"
+    )
     try:
         assert trainer.plan.window < 8  # the budget forces the window to slide
         dev.reset_peak_memory(trainer.device)
@@ -300,8 +326,12 @@ def test_gpu_matches_reference() -> None:
     cfg.device = "cuda"
     ref = ReferenceTrainer(cfg)
     ref_results, ref_state = ref.run(STEPS), ref.state_dict()
-    results, state, _ = run_single(cfg, SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2,
-                                                      print_plan=False), device="cuda", hardware=None)
+    results, state, _ = run_single(
+        cfg,
+        SingleSection(window=2, policy="dp", round_sequences=4, micro_batch_size=2, print_plan=False),
+        device="cuda",
+        hardware=None,
+    )
     loss, norm, param = diffs(results, state, ref_results, {k: v.cpu() for k, v in ref_state.items()})
     assert loss <= 1e-4 and norm <= 1e-4 and param <= 1e-4, (loss, norm, param)
 
@@ -312,8 +342,11 @@ def test_gpu_copies_overlap_compute() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     cfg = _gpu_cfg()
-    trainer = SingleTrainer(cfg, single=SingleSection(window=2, round_sequences=4, micro_batch_size=2, policy="matmuls",
-                                                      print_plan=False), optimizer_backend="torch")
+    trainer = SingleTrainer(
+        cfg,
+        single=SingleSection(window=2, round_sequences=4, micro_batch_size=2, policy="matmuls", print_plan=False),
+        optimizer_backend="torch",
+    )
     try:
         trainer.train_step()  # warm up
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -359,11 +392,43 @@ def test_job_entry_point_trains_and_logs(tmp_path, capsys) -> None:
 def test_plan_command(capsys) -> None:
     from sysx.single.plan_cmd import main
 
-    assert main(["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "rtx4090",
-                 "--device-gb", "24", "--host-gb", "256"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "llama2_7b",
+                "--seq-len",
+                "4096",
+                "--global-batch",
+                "64",
+                "--hardware",
+                "rtx4090",
+                "--device-gb",
+                "24",
+                "--host-gb",
+                "256",
+            ]
+        )
+        == 0
+    )
     assert "window W=" in capsys.readouterr().out
-    assert main(["--model", "llama2_7b", "--seq-len", "4096", "--global-batch", "64", "--hardware", "rtx4090",
-                 "--device-gb", "1.5"]) == 2
+    assert (
+        main(
+            [
+                "--model",
+                "llama2_7b",
+                "--seq-len",
+                "4096",
+                "--global-batch",
+                "64",
+                "--hardware",
+                "rtx4090",
+                "--device-gb",
+                "1.5",
+            ]
+        )
+        == 2
+    )
     assert "Raise single.device_memory_gb" in capsys.readouterr().err
 
 

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sysx.config import ConfigError, EvalSection, ModelSection, OptimSection, SingleSection, SysxConfig, TrainSection, validate
+from sysx.config import (
+    ConfigError,
+    EvalSection,
+    ModelSection,
+    OptimSection,
+    SingleSection,
+    SysxConfig,
+    TrainSection,
+    validate,
+)
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.runtime import PipelineOptions
 from sysx.single.hardware import assumed_hardware
@@ -46,11 +55,18 @@ def run_policy(policy: SpeculationPolicy, clean: list[bool]) -> list[bool]:
 def test_auto_speculates_until_a_veto_then_waits_for_k_clean_steps() -> None:
     clean = [True, True, False, True, True, False, False, True, True, True, True]
     assert run_policy(SpeculationPolicy("auto", 2), clean) == [
-        True, True, True,  # optimistic at the start, the third step is vetoed
-        False, False,  # two clean steps must pass
+        True,
+        True,
+        True,  # optimistic at the start, the third step is vetoed
+        False,
+        False,  # two clean steps must pass
         True,  # ... then it speculates, and this one is vetoed
-        False, False, False,  # the veto right after resets the count
-        True, True]
+        False,
+        False,
+        False,  # the veto right after resets the count
+        True,
+        True,
+    ]
     assert run_policy(SpeculationPolicy("auto", 0), clean) == [True] * len(clean)  # K=0: always again at once
 
 
@@ -95,10 +111,13 @@ def test_exposed_time_spans_last_backward_to_last_validate() -> None:
 
 # ---------------------------------------------------------------------------------- trainers
 def make_cfg(clip: float, mode: str, *, micro_batches: int = 2) -> SysxConfig:
-    cfg = SysxConfig(model=ModelSection(preset="tiny"),
-                     train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=micro_batches, seq_len=16),
-                     optim=OptimSection(warmup_steps=2, grad_clip=clip, speculate=mode, speculate_after=AFTER),
-                     eval=EvalSection(every=0, batches=2), device="cpu")
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(steps=STEPS, micro_batch_size=2, micro_batches=micro_batches, seq_len=16),
+        optim=OptimSection(warmup_steps=2, grad_clip=clip, speculate=mode, speculate_after=AFTER),
+        eval=EvalSection(every=0, batches=2),
+        device="cpu",
+    )
     validate(cfg)
     return cfg
 
@@ -171,11 +190,20 @@ def test_pipeline_modes_match_the_clipping_reference(mode: str) -> None:
 def test_two_ranks_decide_alike_and_match_the_clipping_reference(tmp_path: Path) -> None:
     from test_runtime_procs import run_parity
 
-    schedules = [{"schedule": "sysx", "split": 2, "stages_per_rank": 1, "optim": {"speculate": mode}}
-                 for mode in ("auto", "never")]
-    result = run_parity(tmp_path, world=2, local_world=2, model={"preset": "tiny"}, steps=STEPS,
-                        train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16},
-                        optim={"warmup_steps": 2, "grad_clip": CLIP, "speculate_after": AFTER}, schedules=schedules)
+    schedules = [
+        {"schedule": "sysx", "split": 2, "stages_per_rank": 1, "optim": {"speculate": mode}}
+        for mode in ("auto", "never")
+    ]
+    result = run_parity(
+        tmp_path,
+        world=2,
+        local_world=2,
+        model={"preset": "tiny"},
+        steps=STEPS,
+        train={"micro_batch_size": 2, "micro_batches": 3, "seq_len": 16},
+        optim={"warmup_steps": 2, "grad_clip": CLIP, "speculate_after": AFTER},
+        schedules=schedules,
+    )
     auto, never = result["rows"]
     clean = [n <= CLIP for n in auto["ref_norms"]]
     assert any(clean) and not all(clean)

@@ -30,13 +30,21 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from test_runtime_procs import ROOT, VENV_BIN, free_port, rank_env
 
 SIGNAL_STOP_S = 20.0
 KILL_STOP_S = 40.0
-JOB_ARGS = ["schedule=sysx", "train.steps=100000", "train.seq_len=16", "train.micro_batch_size=2", "eval.every=0",
-            "log.every=1", "device=cpu", "optim.backend=torch", "schedule.timeout_s=120"]
+JOB_ARGS = [
+    "schedule=sysx",
+    "train.steps=100000",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "eval.every=0",
+    "log.every=1",
+    "device=cpu",
+    "optim.backend=torch",
+    "schedule.timeout_s=120",
+]
 
 
 def _interactive_signals() -> None:
@@ -138,10 +146,18 @@ def start_ranks(tmp_path: Path, world: int = 2, args: list[str] | None = None) -
     argv = [sys.executable, "-m", "sysx.train", *JOB_ARGS, f"run_dir={tmp_path / 'run'}", *(args or [])]
     procs: list[subprocess.Popen] = []
     for r in range(world):
-        procs.append(subprocess.Popen(
-            argv, env=rank_env(r, world, world, port, SYSX_JOB_ID=job, SYSX_TEST_MARK=mark), cwd=tmp_path,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interactive_signals,
-            process_group=0 if r == 0 else procs[0].pid))
+        procs.append(
+            subprocess.Popen(
+                argv,
+                env=rank_env(r, world, world, port, SYSX_JOB_ID=job, SYSX_TEST_MARK=mark),
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=_interactive_signals,
+                process_group=0 if r == 0 else procs[0].pid,
+            )
+        )
     return Job(tmp_path, procs, job, mark)
 
 
@@ -149,12 +165,27 @@ def start_launcher(tmp_path: Path, launcher: str) -> Job:
     """2 ranks through ``launch/torchrun.sh`` or ``launch/mpirun.sh``, in a new session."""
     job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SYSX_JOB_ID", "RANK", "WORLD_SIZE")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PATH=f"{VENV_BIN}:{env.get('PATH', '')}", NPROC="2", NP="2",
-               PYTHON=sys.executable, SYSX_JOB_ID=job, SYSX_TEST_MARK=mark)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        PATH=f"{VENV_BIN}:{env.get('PATH', '')}",
+        NPROC="2",
+        NP="2",
+        PYTHON=sys.executable,
+        SYSX_JOB_ID=job,
+        SYSX_TEST_MARK=mark,
+    )
     script = ROOT / "launch" / f"{launcher}.sh"
-    proc = subprocess.Popen(["bash", str(script), *JOB_ARGS, f"run_dir={tmp_path / 'run'}"], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interactive_signals,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(script), *JOB_ARGS, f"run_dir={tmp_path / 'run'}"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_interactive_signals,
+        start_new_session=True,
+    )
     return Job(tmp_path, [proc], job, mark)
 
 
@@ -190,7 +221,9 @@ def signal_case(job: Job, how: str, signum: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("how", "signum"), [("group", signal.SIGINT), ("rank1", signal.SIGTERM), ("rank0", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    ("how", "signum"), [("group", signal.SIGINT), ("rank1", signal.SIGTERM), ("rank0", signal.SIGTERM)]
+)
 def test_a_signal_stops_every_rank_cleanly(tmp_path: Path, how: str, signum: int) -> None:
     job = start_ranks(tmp_path)
     try:
@@ -215,7 +248,9 @@ def test_a_killed_rank_stops_the_other_quickly_naming_it(tmp_path: Path, victim:
         os.kill(job.procs[victim].pid, signal.SIGKILL)
         elapsed = job.wait_all(timeout=60)
         survivor = 1 - victim
-        print(f"\nrank {victim} SIGKILLed: rank {survivor} exited {elapsed:.2f} s later: {job.errors()[survivor][-400:]}")
+        print(
+            f"\nrank {victim} SIGKILLed: rank {survivor} exited {elapsed:.2f} s later: {job.errors()[survivor][-400:]}"
+        )
         assert job.procs[victim].returncode == -signal.SIGKILL
         assert job.procs[survivor].returncode == 1, job.errors()
         assert elapsed < KILL_STOP_S
@@ -229,14 +264,18 @@ def test_a_killed_rank_stops_the_other_quickly_naming_it(tmp_path: Path, victim:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
-@pytest.mark.parametrize(("how", "signum"), [("group", signal.SIGINT), ("rank1", signal.SIGTERM), ("rank1", signal.SIGKILL)])
+@pytest.mark.parametrize(
+    ("how", "signum"), [("group", signal.SIGINT), ("rank1", signal.SIGTERM), ("rank1", signal.SIGKILL)]
+)
 def test_launchers_stop_every_rank(tmp_path: Path, launcher: str, how: str, signum: int) -> None:
     job = start_launcher(tmp_path, launcher)
     try:
         elapsed = signal_case(job, how, signum)
         rc = job.procs[0].returncode
-        print(f"\n{launcher}: {how} {signal.Signals(signum).name}: the launcher and every rank exited {elapsed:.2f} s "
-              f"after the signal, status {rc}")
+        print(
+            f"\n{launcher}: {how} {signal.Signals(signum).name}: the launcher and every rank exited {elapsed:.2f} s "
+            f"after the signal, status {rc}"
+        )
         assert elapsed < (KILL_STOP_S if signum == signal.SIGKILL else SIGNAL_STOP_S)
         assert rc != 0
         if signum != signal.SIGKILL:
@@ -256,10 +295,28 @@ def test_one_process_ctrl_c(tmp_path: Path, schedule: str) -> None:
     job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SYSX_JOB_ID=job, SYSX_TEST_MARK=mark)
-    argv = [sys.executable, "-m", "sysx.train", f"schedule={schedule}", "train.steps=100000", "train.seq_len=16",
-            "train.micro_batch_size=2", "eval.every=0", "log.every=1", "device=cpu", f"run_dir={tmp_path / 'run'}"]
-    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_interactive_signals)
+    argv = [
+        sys.executable,
+        "-m",
+        "sysx.train",
+        f"schedule={schedule}",
+        "train.steps=100000",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "eval.every=0",
+        "log.every=1",
+        "device=cpu",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_interactive_signals,
+    )
     run = Job(tmp_path, [proc], job, mark)
     try:
         run.wait_for_step(2)

@@ -17,25 +17,45 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_runtime_procs import launch
 
-from sysx.config import ConfigError, EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, load_config, model_config, validate
+from sysx.config import (
+    ConfigError,
+    EvalSection,
+    ModelSection,
+    OptimSection,
+    SysxConfig,
+    TrainSection,
+    load_config,
+    model_config,
+    validate,
+)
 from sysx.config.sections import ProfileSection
 from sysx.runtime import PipelineOptions, make_schedule, options_from_config
 from sysx.schedule import Op, OpKind, build_sysx, simulate
 from sysx.schedule.costs import CostTable, UnitCosts
 from sysx.trace import Span, op_lane, ranges
 from sysx.trace.costs import measured_costs
-from sysx.trace.summary import measured
 from sysx.trace.recorder import RankPart, lane_family
+from sysx.trace.summary import measured
 from sysx.trace.timeline import merge, pack_lanes, step_timelines
 from sysx.trainers.pipeline import PipelineTrainer
-from test_runtime_procs import launch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOW = [1, 2]
-JOB = ["device=cpu", "train.steps=3", "train.seq_len=16", "train.micro_batch_size=2", "train.micro_batches=2",
-       "eval.every=0", "optim.backend=torch", "optim.workers=2", "log.progress=false", f"profile.timeline_steps=[{WINDOW[0]},{WINDOW[1]}]"]
+JOB = [
+    "device=cpu",
+    "train.steps=3",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.micro_batches=2",
+    "eval.every=0",
+    "optim.backend=torch",
+    "optim.workers=2",
+    "log.progress=false",
+    f"profile.timeline_steps=[{WINDOW[0]},{WINDOW[1]}]",
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -59,8 +79,11 @@ def boxes(trace: dict) -> list[dict]:
 
 
 def lane_names(trace: dict) -> dict[tuple[int, int], str]:
-    return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
-            if e["ph"] == "M" and e["name"] == "thread_name"}
+    return {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
 
 
 @pytest.mark.slow  # 2 processes
@@ -113,7 +136,9 @@ def test_boxes_are_well_formed_and_no_two_overlap_on_one_lane(job: dict) -> None
 @pytest.mark.slow  # 2 processes
 def test_the_chrome_trace_has_one_process_per_rank_and_one_thread_per_lane(job: dict) -> None:
     trace = job["trace"]
-    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    processes = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"
+    }
     assert processes == {0: f"{job['schedule'].name} rank 0", 1: f"{job['schedule'].name} rank 1"}
     lanes = lane_names(trace)
     assert {(e["pid"], e["tid"]) for e in boxes(trace)} <= set(lanes)
@@ -127,7 +152,10 @@ def test_the_chrome_trace_has_one_process_per_rank_and_one_thread_per_lane(job: 
 def test_the_summary_has_the_measured_and_planned_numbers(job: dict) -> None:
     summary = json.loads((job["run_dir"] / "summary.json").read_text())
     m, p = summary["measured"], summary["plan"]
-    assert set(m) == {"iteration_s", "bubble", "optimizer_exposed_s", "h2d_gbps"} and set(p) == {"iteration_s", "bubble"}
+    assert set(m) == {"iteration_s", "bubble", "optimizer_exposed_s", "h2d_gbps"} and set(p) == {
+        "iteration_s",
+        "bubble",
+    }
     assert m["iteration_s"] > 0 and 0 <= m["bubble"] < 1 and 0 <= m["optimizer_exposed_s"] < m["iteration_s"]
     assert m["h2d_gbps"] > 0
     assert p["iteration_s"] > 0 and 0 <= p["bubble"] < 1
@@ -137,10 +165,15 @@ def test_the_summary_has_the_measured_and_planned_numbers(job: dict) -> None:
 
 # -------------------------------------------------------------------------- one process, in-process
 def small_cfg(tmp_path: Path, **profile: object) -> SysxConfig:
-    cfg = SysxConfig(model=ModelSection(preset="tiny"),
-                     train=TrainSection(steps=4, micro_batch_size=2, micro_batches=2, seq_len=16),
-                     optim=OptimSection(warmup_steps=2), eval=EvalSection(every=0, batches=2), device="cpu",
-                     run_dir=str(tmp_path / "run"), profile=ProfileSection(**profile))  # type: ignore[arg-type]
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(steps=4, micro_batch_size=2, micro_batches=2, seq_len=16),
+        optim=OptimSection(warmup_steps=2),
+        eval=EvalSection(every=0, batches=2),
+        device="cpu",
+        run_dir=str(tmp_path / "run"),
+        profile=ProfileSection(**profile),
+    )  # type: ignore[arg-type]
     validate(cfg)
     return cfg
 
@@ -160,7 +193,9 @@ def test_without_a_window_nothing_holds_a_recorder(tmp_path: Path) -> None:
 
 
 def test_outside_its_window_the_recorder_records_nothing(tmp_path: Path) -> None:
-    trainer = PipelineTrainer(small_cfg(tmp_path, timeline_steps=[2, 3]), PipelineOptions(schedule="sysx", optim_backend="torch"))
+    trainer = PipelineTrainer(
+        small_cfg(tmp_path, timeline_steps=[2, 3]), PipelineOptions(schedule="sysx", optim_backend="torch")
+    )
     try:
         rec = trainer.window.recorder
         assert rec is not None and all(p.recorder is rec for p in parts(trainer))
@@ -177,10 +212,13 @@ def test_outside_its_window_the_recorder_records_nothing(tmp_path: Path) -> None
     assert {p.name for p in (tmp_path / "run").iterdir()} == {"timeline.json", "timeline.png", "plan.png"}
 
 
-def test_nvtx_from_the_config_ranges_every_op_and_the_optimizer_jobs(tmp_path: Path, nvtx_ranges: list[tuple[str, str]]) -> None:
+def test_nvtx_from_the_config_ranges_every_op_and_the_optimizer_jobs(
+    tmp_path: Path, nvtx_ranges: list[tuple[str, str]]
+) -> None:
     seen = nvtx_ranges
-    trainer = PipelineTrainer(small_cfg(tmp_path, nvtx=True, timeline_steps=[0, 0]),
-                              PipelineOptions(schedule="sysx", optim_backend="torch"))
+    trainer = PipelineTrainer(
+        small_cfg(tmp_path, nvtx=True, timeline_steps=[0, 0]), PipelineOptions(schedule="sysx", optim_backend="torch")
+    )
     try:
         assert ranges.enabled()
         trainer.train_step()  # recorded and ranged at once
@@ -191,8 +229,12 @@ def test_nvtx_from_the_config_ranges_every_op_and_the_optimizer_jobs(tmp_path: P
     assert {f"OPT s{s}.{k}" for s in range(2) for k in range(2)} <= workers
 
 
-def test_nsys_steps_on_cpu_says_once_that_it_applies_on_cuda_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    trainer = PipelineTrainer(small_cfg(tmp_path, nsys_steps=[1, 2]), PipelineOptions(schedule="sysx", optim_backend="torch"))
+def test_nsys_steps_on_cpu_says_once_that_it_applies_on_cuda_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    trainer = PipelineTrainer(
+        small_cfg(tmp_path, nsys_steps=[1, 2]), PipelineOptions(schedule="sysx", optim_backend="torch")
+    )
     try:
         trainer.run(3)
     finally:
@@ -211,9 +253,12 @@ def test_the_sliding_window_records_its_passes_and_copies(tmp_path: Path) -> Non
 
     cfg = small_cfg(tmp_path, timeline_steps=[1, 1])
     cfg.train = TrainSection(steps=2, micro_batch_size=2, micro_batches=4, seq_len=16)
-    trainer = SingleTrainer(cfg, single=SingleSection(window=1, round_sequences=4, micro_batch_size=2, print_plan=False),
-                            hardware=assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8),
-                            optimizer_backend="torch")
+    trainer = SingleTrainer(
+        cfg,
+        single=SingleSection(window=1, round_sequences=4, micro_batch_size=2, print_plan=False),
+        hardware=assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8),
+        optimizer_backend="torch",
+    )
     try:
         trainer.run(2)
     finally:
@@ -221,7 +266,9 @@ def test_the_sliding_window_records_its_passes_and_copies(tmp_path: Path) -> Non
     assert trainer.plan.rounds == 2 and trainer.plan.chunks == 2 and trainer.plan.window == 1
     run = tmp_path / "run"
     assert {p.name for p in run.iterdir()} == {"timeline.json", "timeline.png"}
-    assert set(trainer.measurements()["plan"]) == {"iteration_s"} and 0 <= trainer.measurements()["measured"]["bubble"] < 1
+    assert (
+        set(trainer.measurements()["plan"]) == {"iteration_s"} and 0 <= trainer.measurements()["measured"]["bubble"] < 1
+    )
     trace = json.loads((run / "timeline.json").read_text())
     assert_well_formed(trace)
     lanes = lane_names(trace)
@@ -249,12 +296,16 @@ def test_measured_costs_takes_medians_and_pairs_both_sides_of_a_message() -> Non
     spans = [Span(0, 0, "compute", "F", op(F, 0, -1, j), 0.0, d) for j, d in enumerate([1.0, 5.0, 2.0])]
     spans += [Span(1, 0, "compute", "F", op(F, 1, -1, 0), 0.0, 5.0)]
     spans += [Span(r, 0, "compute", "B", op(B, s, 0, 0), 10.0, 10.0 + 2 * s + 1) for r, s in ((1, 0), (0, 1))]
-    spans += [Span(0, 0, "h2d", "H2D s0", op(OpKind.LOAD_PARAMS, 0), 0.0, 0.5, 1000),
-              Span(0, 0, "opt1", "OPT s1.0", op(OpKind.OPTIM_STEP, 1, 0, is_async=True), 20.0, 24.0),
-              Span(0, 0, "opt0", "OPT clip s1.0", op(OpKind.OPTIM_STEP, 1, 0), 24.0, 30.0)]
+    spans += [
+        Span(0, 0, "h2d", "H2D s0", op(OpKind.LOAD_PARAMS, 0), 0.0, 0.5, 1000),
+        Span(0, 0, "opt1", "OPT s1.0", op(OpKind.OPTIM_STEP, 1, 0, is_async=True), 20.0, 24.0),
+        Span(0, 0, "opt0", "OPT clip s1.0", op(OpKind.OPTIM_STEP, 1, 0), 24.0, 30.0),
+    ]
     # act s0 mb0: the receiver posted at 1, the sender at 2; the receiver saw it done at 3, the sender at 3.5
-    spans += [Span(0, 0, "p2p", "SEND act s0 mb0", op(OpKind.SEND_ACT, 0, -1, 0, peer=1), 2.0, 3.5, 64),
-              Span(1, 0, "p2p1", "RECV act s0 mb0", op(OpKind.RECV_ACT, 0, -1, 0, peer=0), 1.0, 3.0, 64)]
+    spans += [
+        Span(0, 0, "p2p", "SEND act s0 mb0", op(OpKind.SEND_ACT, 0, -1, 0, peer=1), 2.0, 3.5, 64),
+        Span(1, 0, "p2p1", "RECV act s0 mb0", op(OpKind.RECV_ACT, 0, -1, 0, peer=0), 1.0, 3.0, 64),
+    ]
     tab = measured_costs(spans, schedule, param_bytes=4.0)
     assert isinstance(tab, CostTable) and tab.unit == "s" and tab.rendezvous
     assert tab.fwd == [2.0, 5.0] and tab.bwd == [1.0, 3.0]
@@ -265,7 +316,7 @@ def test_measured_costs_takes_medians_and_pairs_both_sides_of_a_message() -> Non
         measured_costs([s for s in spans if s.op is None or s.op.stage != 1], schedule)
 
 
-def spans_of(schedule, costs: CostTable, steps: int) -> list[Span]:  # noqa: ANN001 - a Schedule
+def spans_of(schedule, costs: CostTable, steps: int) -> list[Span]:
     """A simulated run as a recorder would see it: the simulator's lanes renamed, ``steps`` steps in a
     row, its overlapping optimizer steps on as many worker lanes as they need."""
     tl = simulate(schedule, costs)
@@ -302,19 +353,37 @@ def test_the_measured_numbers_of_a_simulated_run_are_the_simulator_s() -> None:
     tl = simulate(schedule, costs)
     spans = [s._replace(nbytes=1000) if s.lane == "h2d" else s for s in spans_of(schedule, costs, steps=3)]
     # VALIDATE on the compute lane from the rank's last pass to the end of the step: no pass, no busy time
-    spans += [Span(r, step, "compute", "VALIDATE", op(OpKind.VALIDATE), step * tl.iteration + tl.gpu_end[r],
-                   (step + 1) * tl.iteration) for r in range(2) for step in range(3)]
+    spans += [
+        Span(
+            r,
+            step,
+            "compute",
+            "VALIDATE",
+            op(OpKind.VALIDATE),
+            step * tl.iteration + tl.gpu_end[r],
+            (step + 1) * tl.iteration,
+        )
+        for r in range(2)
+        for step in range(3)
+    ]
     numbers = measured(spans, 2)
     assert numbers["iteration_s"] == pytest.approx(tl.iteration) and numbers["bubble"] == pytest.approx(tl.bubble_ratio)
-    assert numbers["optimizer_exposed_s"] == pytest.approx(tl.iteration - max(tl.gpu_end)) and numbers["optimizer_exposed_s"] > 0
+    assert (
+        numbers["optimizer_exposed_s"] == pytest.approx(tl.iteration - max(tl.gpu_end))
+        and numbers["optimizer_exposed_s"] > 0
+    )
     loads = [s for s in spans if s.lane == "h2d"]
     assert numbers["h2d_gbps"] == pytest.approx(1000 * len(loads) / sum(s.end - s.start for s in loads) / 1e9)
 
 
 def test_overlapping_transfers_get_their_own_lanes() -> None:
     send = op(OpKind.SEND_CKPT, 0, 0, 0, peer=1, is_async=True)
-    spans = [Span(0, 0, "p2p", "a", send, 0.0, 5.0), Span(0, 0, "p2p", "b", send, 1.0, 2.0),
-             Span(0, 0, "p2p", "c", send, 2.0, 3.0), Span(1, 0, "p2p", "d", send, 1.0, 2.0)]
+    spans = [
+        Span(0, 0, "p2p", "a", send, 0.0, 5.0),
+        Span(0, 0, "p2p", "b", send, 1.0, 2.0),
+        Span(0, 0, "p2p", "c", send, 2.0, 3.0),
+        Span(1, 0, "p2p", "d", send, 1.0, 2.0),
+    ]
     lanes = {s.name: s.lane for s in pack_lanes(spans, "p2p")}
     assert lanes == {"a": "p2p", "b": "p2p1", "c": "p2p1", "d": "p2p"}
 
@@ -326,15 +395,20 @@ def test_ranks_on_other_hosts_are_aligned_at_their_first_step() -> None:
     assert [(s.start, s.end) for s in merge([a, b])] == [(0.5, 1.0), (0.25, 1.0)]
     b_same_host = RankPart(1, "h0", {1: 100.2}, [Span(1, 1, "compute", "F", f, 100.25, 101.0)])
     merged = merge([a, b_same_host])  # one clock: rank 1 started its step 0.2 s later
-    assert [s.start for s in merged] == pytest.approx([0.5, 0.25]) and [s.end for s in merged] == pytest.approx([1.0, 1.0])
+    assert [s.start for s in merged] == pytest.approx([0.5, 0.25]) and [s.end for s in merged] == pytest.approx(
+        [1.0, 1.0]
+    )
 
 
 # ----------------------------------------------------------------------------------------- config
-@pytest.mark.parametrize("key,value,message", [
-    ("timeline_steps", [2, 1], "0 <= first <= last"),
-    ("timeline_steps", [-1, 1], "0 <= first <= last"),
-    ("nsys_steps", [1, 2, 3], "[first,last]"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("timeline_steps", [2, 1], "0 <= first <= last"),
+        ("timeline_steps", [-1, 1], "0 <= first <= last"),
+        ("nsys_steps", [1, 2, 3], "[first,last]"),
+    ],
+)
 def test_a_bad_window_names_the_key_and_the_fix(key: str, value: list[int], message: str) -> None:
     with pytest.raises(ConfigError, match=rf"^profile\.{key}=\[.*\] is not valid: .*") as info:
         ProfileSection(**{key: value}).validate()
@@ -372,17 +446,32 @@ def test_nsys_sh_runs_every_rank_under_its_own_report(tmp_path: Path) -> None:
     fake.write_text(FAKE_NSYS)
     fake.chmod(0o755)
     out, log = tmp_path / "reports", tmp_path / "called"
-    env = {**os.environ, "NSYS": str(fake), "FAKE_NSYS_LOG": str(log), "NPROC": "2", "STEPS": "1,2", "OUT": str(out),
-           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "NSYS": str(fake),
+        "FAKE_NSYS_LOG": str(log),
+        "NPROC": "2",
+        "STEPS": "1,2",
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     env.pop("RANK", None)
-    done = subprocess.run(["bash", str(ROOT / "profiling" / "nsys.sh"), "schedule=sysx", *JOB[:-1],
-                           f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        ["bash", str(ROOT / "profiling" / "nsys.sh"), "schedule=sysx", *JOB[:-1], f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in range(2):
         called = (tmp_path / f"called.{rank}").read_text().split()
         assert called[:2] == ["profile", f"--output={out}/sysx_%q{{RANK}}"]
         assert {"--capture-range=cudaProfilerApi", "--capture-range-end=stop", "--trace=cuda,nvtx,osrt"} <= set(called)
-        job = called[called.index("-m"):]
+        job = called[called.index("-m") :]
         assert job[:2] == ["-m", "sysx.train"] and {"profile.nvtx=true", "profile.nsys_steps=[1,2]"} <= set(job)
     assert done.stdout.count("profile.nsys_steps=[1, 2] only applies on CUDA") == 1
     assert f"reports in {out}/" in done.stdout

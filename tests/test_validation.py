@@ -30,7 +30,14 @@ def _stages(backend: str, rollback: str = "undo", *, target_dtype=torch.bfloat16
         target = master.to(target_dtype) if target_dtype is not None else None
         out.append(
             StageOptimizer(
-                name, master, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, backend=backend, rollback=rollback, target=target
+                name,
+                master,
+                lr=1e-3,
+                betas=(0.9, 0.95),
+                weight_decay=0.1,
+                backend=backend,
+                rollback=rollback,
+                target=target,
             )
         )
     return out
@@ -120,7 +127,10 @@ def test_overflow_in_one_stage_rolls_back_every_stage(rollback: str, caplog: pyt
         grads["s1.0"][5] = float("inf")
         with caplog.at_level(logging.WARNING, logger="sysx.optim"):
             out = _async_iteration(threads, grads, scaler, lr=1e-3)
-    assert "step skipped: inf/nan gradients in 1 stage(s); 2 local stage(s) rolled back; loss scale 1024 -> 512" in caplog.text
+    assert (
+        "step skipped: inf/nan gradients in 1 stage(s); 2 local stage(s) rolled back; loss scale 1024 -> 512"
+        in caplog.text
+    )
     assert out.overflow and out.skipped and out.undone == 2 and math.isinf(out.grad_norm)
     assert out.scale == 2.0**10 and out.next_scale == 2.0**9 and scaler.skipped_steps == 1
     for s in stages:
@@ -143,9 +153,8 @@ def test_bf16_nonfinite_raises_after_rolling_back() -> None:
     scaler = make_scaler("bf16")
     grads = _grads(0, dtype=torch.bfloat16)
     grads["s0.1"][0] = float("nan")
-    with OptimizerThreads(stages) as threads:
-        with pytest.raises(NonFiniteGradients, match="bf16"):
-            _async_iteration(threads, grads, scaler, lr=1e-3)
+    with OptimizerThreads(stages) as threads, pytest.raises(NonFiniteGradients, match="bf16"):
+        _async_iteration(threads, grads, scaler, lr=1e-3)
     assert all(torch.equal(x, y) for x, y in zip(_state(stages), before))
 
 

@@ -32,8 +32,13 @@ def _numel(rank: int, k: int) -> int:
     return 3000 + 1000 * k + 17 * rank
 
 
-MODES = ("torch/undo/fp16", "deepspeed/snapshot/fp16", "deepspeed/exact/fp16", "deepspeed/exact/bf16",
-         "torch/exact/bf16")
+MODES = (
+    "torch/undo/fp16",
+    "deepspeed/snapshot/fp16",
+    "deepspeed/exact/fp16",
+    "deepspeed/exact/bf16",
+    "torch/exact/bf16",
+)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -46,7 +51,13 @@ def _make_stages(rank: int, backend: str, rollback: str, work: str):
         master = torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + k)) * 0.02
         out.append(
             StageOptimizer(
-                name, master, lr=1e-3, weight_decay=0.1, backend=backend, rollback=rollback, target=master.to(DTYPES[work])
+                name,
+                master,
+                lr=1e-3,
+                weight_decay=0.1,
+                backend=backend,
+                rollback=rollback,
+                target=master.to(DTYPES[work]),
             )
         )
     return out
@@ -82,8 +93,9 @@ def _rank_main(rank: int, init: str, out_dir: str) -> None:
                     try:
                         out = post_step_validate(reports, threads, scaler, lr=lr)
                     except NonFiniteGradients:  # bf16: raised after the rollback
-                        out = SimpleNamespace(skipped=True, overflow=True, undone=sum(r.stepped for r in reports),
-                                              scale=scale)
+                        out = SimpleNamespace(
+                            skipped=True, overflow=True, undone=sum(r.stepped for r in reports), scale=scale
+                        )
                     outcomes.append(out)
                     replay.append((grads, scale, lr, out.skipped))
             # The run that skipped the bad iteration: the same stages stepped directly, no validation.
@@ -98,7 +110,11 @@ def _rank_main(rank: int, init: str, out_dir: str) -> None:
             diffs = []
             target_mismatch = 0
             for s, r in zip(stages, ref):
-                for x, y in ((s.master, r.master), (s.optimizer.exp_avg, r.optimizer.exp_avg), (s.optimizer.exp_avg_sq, r.optimizer.exp_avg_sq)):
+                for x, y in (
+                    (s.master, r.master),
+                    (s.optimizer.exp_avg, r.optimizer.exp_avg),
+                    (s.optimizer.exp_avg_sq, r.optimizer.exp_avg_sq),
+                ):
                     diffs.append(float((x - y).abs().max() / y.abs().max()))
                 target_mismatch += int((s.target != r.target).sum())
             result[mode] = {
@@ -113,7 +129,12 @@ def _rank_main(rank: int, init: str, out_dir: str) -> None:
                 "bit_equal": all(
                     torch.equal(x, y)
                     for s, r in zip(stages, ref)
-                    for x, y in ((s.master, r.master), (s.optimizer.exp_avg, r.optimizer.exp_avg), (s.optimizer.exp_avg_sq, r.optimizer.exp_avg_sq), (s.target, r.target))
+                    for x, y in (
+                        (s.master, r.master),
+                        (s.optimizer.exp_avg, r.optimizer.exp_avg),
+                        (s.optimizer.exp_avg_sq, r.optimizer.exp_avg_sq),
+                        (s.target, r.target),
+                    )
                 ),
             }
             for s in stages + ref:

@@ -41,8 +41,13 @@ def _memory_changes(result: Result) -> list[Change]:
             continue
         need = cand.over[resource] * getattr(result.budget, resource)
         have = getattr(result.budget, resource)
-        out.append(Change(resource, need, f"{_NAMES[resource]}: {fmt_bytes(need)} instead of {fmt_bytes(have)} "
-                                          f"lets `{cand.label()}` fit"))
+        out.append(
+            Change(
+                resource,
+                need,
+                f"{_NAMES[resource]}: {fmt_bytes(need)} instead of {fmt_bytes(have)} lets `{cand.label()}` fit",
+            )
+        )
     return out
 
 
@@ -58,8 +63,12 @@ def _rank_change(result: Result, profile: MachineProfile, space: Space, factors:
         bigger = dataclasses.replace(job, n_ranks=job.n_ranks * f, gpus_per_node=job.ranks_per_node)
         best = search(bigger, result.budget, profile, _smallest_space(space)).best
         if best is not None:
-            return Change("ranks", bigger.n_ranks, f"{bigger.n_ranks} ranks ({job.ranks_per_node} per node) instead of "
-                                                   f"{job.n_ranks}: `{best.label()}` fits")
+            return Change(
+                "ranks",
+                bigger.n_ranks,
+                f"{bigger.n_ranks} ranks ({job.ranks_per_node} per node) instead of "
+                f"{job.n_ranks}: `{best.label()}` fits",
+            )
     return None
 
 
@@ -76,8 +85,14 @@ def _seq_change(result: Result, profile: MachineProfile, space: Space, min_seq: 
     return None
 
 
-def advise(result: Result, profile: MachineProfile, space: Space = Space(), *, rank_factors: tuple[int, ...] = (2, 4, 8),
-           min_seq: int = 64) -> list[Change]:
+def advise(
+    result: Result,
+    profile: MachineProfile,
+    space: Space = Space(),
+    *,
+    rank_factors: tuple[int, ...] = (2, 4, 8),
+    min_seq: int = 64,
+) -> list[Change]:
     """Changes that make some candidate fit (empty when one already does)."""
     if result.best is not None:
         return []

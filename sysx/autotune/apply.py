@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -28,26 +28,42 @@ from sysx.emulate import cluster, emulated_model
 from sysx.schedule.costs import Costs
 
 
-def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: Optional[int], device: torch.device) -> Job:
+def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: int | None, device: torch.device) -> Job:
     """The :class:`Job` of ``cfg`` on ``n_ranks`` ranks (``schedule=auto`` means sysx here). On
     ``device=emulated`` it is the emulated job: ``emulate.model`` at ``emulate.seq_len``, micro-batches
     of ``emulate.micro_batch_size``, the emulated network's GPUs per node, 16-bit unless ``precision=fp32``."""
     name = "sysx" if cfg.schedule.name == "auto" else cfg.schedule.name
     if name in ("single", "reference"):
-        raise ConfigError(f"tuning chooses pipeline configurations; schedule={name} runs one process "
-                          f"(use schedule=auto or a pipeline schedule)")
+        raise ConfigError(
+            f"tuning chooses pipeline configurations; schedule={name} runs one process "
+            f"(use schedule=auto or a pipeline schedule)"
+        )
     t = cfg.train
     if cfg.device == EMULATED_DEVICE:
         em = emulated_model(cfg)
-        return Job(model=em.config, seq_len=em.seq_len, global_batch=em.micro_batch_size * t.micro_batches,
-                   n_ranks=n_ranks, schedule=name, gpus_per_node=cluster(cfg.emulate).gpus_per_node,
-                   work_dtype="float32" if cfg.precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend,
-                   rollback=cfg.optim.rollback)
+        return Job(
+            model=em.config,
+            seq_len=em.seq_len,
+            global_batch=em.micro_batch_size * t.micro_batches,
+            n_ranks=n_ranks,
+            schedule=name,
+            gpus_per_node=cluster(cfg.emulate).gpus_per_node,
+            work_dtype="float32" if cfg.precision == "fp32" else "bfloat16",
+            optim_backend=cfg.optim.backend,
+            rollback=cfg.optim.rollback,
+        )
     precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
-    return Job(model=model_config(cfg), seq_len=t.seq_len, global_batch=t.micro_batch_size * t.micro_batches,
-               n_ranks=n_ranks, schedule=name, gpus_per_node=gpus_per_node,
-               work_dtype="float32" if precision == "fp32" else "bfloat16", optim_backend=cfg.optim.backend,
-               rollback=cfg.optim.rollback)
+    return Job(
+        model=model_config(cfg),
+        seq_len=t.seq_len,
+        global_batch=t.micro_batch_size * t.micro_batches,
+        n_ranks=n_ranks,
+        schedule=name,
+        gpus_per_node=gpus_per_node,
+        work_dtype="float32" if precision == "fp32" else "bfloat16",
+        optim_backend=cfg.optim.backend,
+        rollback=cfg.optim.rollback,
+    )
 
 
 @dataclass
@@ -60,9 +76,16 @@ class Tuning:
     changes: list[Change]
 
 
-def tune(job: Job, device: torch.device, *, adam_backend: str = "auto", refresh: bool = False,
-         budget: Optional[dict[str, Optional[float]]] = None, profile: Optional[MachineProfile] = None,
-         p2p: Optional[P2PFigures] = None) -> Tuning:
+def tune(
+    job: Job,
+    device: torch.device,
+    *,
+    adam_backend: str = "auto",
+    refresh: bool = False,
+    budget: dict[str, float | None] | None = None,
+    profile: MachineProfile | None = None,
+    p2p: P2PFigures | None = None,
+) -> Tuning:
     """Profile (cached), search, advise. ``budget`` bytes override what the profile found free
     (keys ``gpu``, ``host``, ``shm``; None keeps the profile's figure). ``profile``: use this one
     (the emulated device's) instead of the cache. ``p2p``: figures just measured between the job's
@@ -70,8 +93,16 @@ def tune(job: Job, device: torch.device, *, adam_backend: str = "auto", refresh:
     reused = profile is not None
     if profile is None:
         dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
-        profile, reused = load_or_measure(job.model, job.seq_len, divisors(job.global_batch), dtype=dtype,
-                                          device=device, refresh=refresh, adam_backend=adam_backend, p2p=p2p)
+        profile, reused = load_or_measure(
+            job.model,
+            job.seq_len,
+            divisors(job.global_batch),
+            dtype=dtype,
+            device=device,
+            refresh=refresh,
+            adam_backend=adam_backend,
+            p2p=p2p,
+        )
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
     limits = Budget(**{k: float(given[k] if given.get(k) is not None else v) for k, v in found.items()})
@@ -79,13 +110,14 @@ def tune(job: Job, device: torch.device, *, adam_backend: str = "auto", refresh:
     return Tuning(profile, reused, result, advise(result, profile))
 
 
-def job_profile(cfg: SysxConfig, job: Job) -> Optional[MachineProfile]:
+def job_profile(cfg: SysxConfig, job: Job) -> MachineProfile | None:
     """The profile a job is tuned with when it is not measured: the emulated device's, else None."""
     return emulated_profile(cfg, divisors(job.global_batch)) if cfg.device == EMULATED_DEVICE else None
 
 
-def cached_costs(cfg: SysxConfig, n_ranks: int, ranks_per_node: int, device: torch.device, *, workers: int,
-                 threads: int) -> Optional[Costs]:
+def cached_costs(
+    cfg: SysxConfig, n_ranks: int, ranks_per_node: int, device: torch.device, *, workers: int, threads: int
+) -> Costs | None:
     """The costs of ``cfg``'s job from this machine's cached profile (its micro-batch size, the run's
     optimizer workers and threads), or None when none is cached: nothing is measured here."""
     job = job_from_config(cfg, n_ranks, ranks_per_node, device)
@@ -101,9 +133,15 @@ def choice(cand: Candidate, *, emulated: bool = False) -> dict[str, Any]:
     size is the emulated one (``emulate.micro_batch_size``); the real tensors keep ``train.micro_batch_size``."""
     o = cand.options
     mbs_key = "emulate.micro_batch_size" if emulated else "train.micro_batch_size"
-    return {"schedule.stages_per_rank": o.stages_per_rank, "schedule.split": o.split, "schedule.cfg": o.cfg,
-            "schedule.param_buffers": o.param_buffers, "optim.workers": o.optimizer_workers,
-            mbs_key: cand.micro_batch_size, "train.micro_batches": cand.micro_batches}
+    return {
+        "schedule.stages_per_rank": o.stages_per_rank,
+        "schedule.split": o.split,
+        "schedule.cfg": o.cfg,
+        "schedule.param_buffers": o.param_buffers,
+        "optim.workers": o.optimizer_workers,
+        mbs_key: cand.micro_batch_size,
+        "train.micro_batches": cand.micro_batches,
+    }
 
 
 def apply_choice(cfg: SysxConfig, keys: dict[str, Any]) -> SysxConfig:
@@ -123,8 +161,11 @@ def no_fit_message(tuning: Tuning) -> str:
     closest = tuning.result.closest
     lines = ["schedule.tune: no configuration fits the memory budgets"]
     if closest is not None:
-        lines.append(f"closest: {closest.label()} (needs " + ", ".join(
-            f"{r} {100 * v:.0f}%" for r, v in closest.over.items()) + " of the budget)")
+        lines.append(
+            f"closest: {closest.label()} (needs "
+            + ", ".join(f"{r} {100 * v:.0f}%" for r, v in closest.over.items())
+            + " of the budget)"
+        )
     lines += [f"change: {ch.text}" for ch in tuning.changes] or ["no single change found: try a smaller model"]
     return "\n".join(lines)
 
@@ -135,7 +176,7 @@ class TunedJob:
     the winner was predicted with (the run's prediction, :mod:`sysx.autotune.check`)."""
 
     cfg: SysxConfig
-    costs: Optional[Costs] = None
+    costs: Costs | None = None
 
 
 def _wants_p2p(cfg: SysxConfig, job: Job, device: torch.device) -> bool:
@@ -178,10 +219,16 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
         best = tuning.result.best
         box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)
         if best is not None:
-            costs = candidate_costs(job, tuning.profile, best.micro_batch_size, best.options.optimizer_workers or 1,
-                                    best.threads_per_worker)
-        how = ("the emulated device's" if cfg.device == EMULATED_DEVICE else
-               "cached" if tuning.reused else f"measured in {tuning.profile.seconds:.1f} s")
+            costs = candidate_costs(
+                job, tuning.profile, best.micro_batch_size, best.options.optimizer_workers or 1, best.threads_per_worker
+            )
+        how = (
+            "the emulated device's"
+            if cfg.device == EMULATED_DEVICE
+            else "cached"
+            if tuning.reused
+            else f"measured in {tuning.profile.seconds:.1f} s"
+        )
         links = f"; {tuning.profile.p2p.describe()}" if tuning.profile.p2p is not None else ""
         print("schedule.tune (profile " + how + links + "):\n  " + "\n  ".join(why(tuning.result, None)), flush=True)
     if info.world_size > 1:

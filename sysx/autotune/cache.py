@@ -50,8 +50,13 @@ def hardware_path(device: torch.device, dtype: torch.dtype) -> Path:
     return cache_root() / "autotune" / f"hardware-v{PROFILE_VERSION}-{machine}-{str(dtype).removeprefix('torch.')}.json"
 
 
-def load_or_measure_hardware(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, *,
-                             refresh: bool = False, repeats: int = 3) -> tuple[HardwareProfile, bool]:
+def load_or_measure_hardware(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    refresh: bool = False,
+    repeats: int = 3,
+) -> tuple[HardwareProfile, bool]:
     """This machine's hardware figures, measured once per machine (and compute dtype) and cached; the
     free and total memory are read again every time (they change, the rates do not). Returns
     ``(figures, reused)``; ``refresh`` measures again. The single-device planner and the autotune
@@ -81,7 +86,9 @@ def _save(path: Path, found: prof.MachineProfile) -> None:
     _write(path, found.to_json())
 
 
-def cached_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device) -> prof.MachineProfile | None:
+def cached_profile(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> prof.MachineProfile | None:
     """The cached profile of this machine and shape, or None (none, unreadable, or another shape)."""
     path = profile_path(cfg, seq_len, dtype, device)
     if not path.exists():
@@ -94,9 +101,17 @@ def cached_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: t
     return cached if cached.shape == prof.shape_key(cfg, seq_len, dtype) else None
 
 
-def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None, refresh: bool = False,
-                    p2p: P2PFigures | None = None, **measure: Any) -> tuple[prof.MachineProfile, bool]:
+def load_or_measure(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch_sizes: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    refresh: bool = False,
+    p2p: P2PFigures | None = None,
+    **measure: Any,
+) -> tuple[prof.MachineProfile, bool]:
     """The cached profile when it covers ``micro_batch_sizes``, else a new measurement (saved).
 
     Returns ``(profile, reused)``. ``refresh`` measures even when a cached profile exists. ``p2p``:
@@ -112,7 +127,9 @@ def load_or_measure(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int]
             _save(path, cached)
         return cached, True
     hardware, _ = load_or_measure_hardware(device, dtype, refresh=refresh)
-    found = prof.measure_profile(cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, hardware=hardware, **measure)
+    found = prof.measure_profile(
+        cfg, seq_len, micro_batch_sizes, dtype=dtype, device=device, hardware=hardware, **measure
+    )
     found.p2p = p2p if p2p is not None else (cached.p2p if cached is not None else None)
     _save(path, found)
     return found, False

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import mean
-from typing import Any, Optional, Union
+from typing import Any
 
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable
@@ -43,8 +43,9 @@ class Prediction:
     source: str
 
 
-def predict(schedule: Schedule, costs: Union[Costs, CostTable], *, memory: str, source: str,
-            gpus_per_node: Optional[int] = None) -> Prediction:
+def predict(
+    schedule: Schedule, costs: Costs | CostTable, *, memory: str, source: str, gpus_per_node: int | None = None
+) -> Prediction:
     """Simulate ``schedule`` with ``costs``; ``memory`` says which peak is compared (see :class:`Prediction`)."""
     table = costs if isinstance(costs, CostTable) else costs.table(schedule)
     tl = simulate(schedule, table, record=False, gpus_per_node=gpus_per_node)
@@ -57,7 +58,7 @@ def predict(schedule: Schedule, costs: Union[Costs, CostTable], *, memory: str, 
     return Prediction(tl.iteration, peak, memory, source)
 
 
-def check_step(first_step: int, total_steps: int, recorded_last: Optional[int]) -> int:
+def check_step(first_step: int, total_steps: int, recorded_last: int | None) -> int:
     """The step after which a run starting at ``first_step`` checks its prediction: the end of the
     recorded window when there is one, else after :data:`WINDOW_STEPS` steps past the warm-up."""
     if recorded_last is not None and first_step <= recorded_last < total_steps:
@@ -79,27 +80,38 @@ def _entry(predicted: float, measured: float) -> dict[str, float]:
     return {"predicted": predicted, "measured": measured, "error_pct": error}
 
 
-def compare(pred: Prediction, iteration_s: float, peak_bytes: Optional[float], *, steps: Sequence[int],
-            measured_by: str) -> tuple[dict[str, Any], list[str]]:
+def compare(
+    pred: Prediction, iteration_s: float, peak_bytes: float | None, *, steps: Sequence[int], measured_by: str
+) -> tuple[dict[str, Any], list[str]]:
     """The ``prediction`` section of ``summary.json`` and the log lines (the last one a warning when
     an error exceeds :data:`WARN_PCT`). ``peak_bytes`` None: no memory was measured."""
-    section: dict[str, Any] = {"source": pred.source, "measured_by": measured_by, "steps": [steps[0], steps[-1]],
-                               "iteration_s": _entry(pred.iteration_s, iteration_s)}
+    section: dict[str, Any] = {
+        "source": pred.source,
+        "measured_by": measured_by,
+        "steps": [steps[0], steps[-1]],
+        "iteration_s": _entry(pred.iteration_s, iteration_s),
+    }
     if pred.memory and peak_bytes is not None:
         section[pred.memory] = _entry(pred.peak_bytes, peak_bytes)
     window = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else f"{steps[0]}"
     it = section["iteration_s"]
-    line = (f"prediction ({pred.source}): {it['predicted']:.4g} s/iteration, measured {it['measured']:.4g} s "
-            f"({measured_by}, steps {window}): {it['error_pct']:+.1f}%")
+    line = (
+        f"prediction ({pred.source}): {it['predicted']:.4g} s/iteration, measured {it['measured']:.4g} s "
+        f"({measured_by}, steps {window}): {it['error_pct']:+.1f}%"
+    )
     if pred.memory in section:
         m = section[pred.memory]
         what = "peak GPU memory" if pred.memory == GPU else "peak host memory (all ranks)"
-        line += (f"; {what} {m['predicted'] / 2**20:.1f} MiB, measured {m['measured'] / 2**20:.1f} MiB: "
-                 f"{m['error_pct']:+.1f}%")
+        line += (
+            f"; {what} {m['predicted'] / 2**20:.1f} MiB, measured {m['measured'] / 2**20:.1f} MiB: "
+            f"{m['error_pct']:+.1f}%"
+        )
     lines = [line]
     off = [k for k in ("iteration_s", GPU, HOST) if k in section and abs(section[k]["error_pct"]) > WARN_PCT]
     if off:
-        lines.append(f"warning: the prediction is off by more than {WARN_PCT:g}% ({', '.join(off)}): the costs "
-                     f"({pred.source}) do not describe this run (a busy machine, or a stale profile: `sysx tune "
-                     f"--refresh` or single.hardware=remeasure measures this machine again)")
+        lines.append(
+            f"warning: the prediction is off by more than {WARN_PCT:g}% ({', '.join(off)}): the costs "
+            f"({pred.source}) do not describe this run (a busy machine, or a stale profile: `sysx tune "
+            f"--refresh` or single.hardware=remeasure measures this machine again)"
+        )
     return section, lines

@@ -34,12 +34,15 @@ GiB = float(1 << 30)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sysx tune", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="sysx tune", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hydra", nargs="*", metavar="KEY=VALUE", default=[], help="overrides of the job config (conf/)")
     p.add_argument("--ranks", "-g", type=int, default=4, help="pipeline ranks (processes) of the job, default 4")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default all on one node)")
-    p.add_argument("--gpu-memory-gib", type=float, default=None, help="GPU budget per GPU (default: free on this device)")
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="GPU budget per GPU (default: free on this device)"
+    )
     p.add_argument("--host-memory-gib", type=float, default=None, help="host budget per node (default: available RAM)")
     p.add_argument("--shm-gib", type=float, default=None, help="/dev/shm budget per node (default: free)")
     p.add_argument("--top", type=int, default=5, help="candidates to print")
@@ -59,14 +62,23 @@ def _baseline(cfg: SysxConfig, job: Job, budget: Budget, profile: MachineProfile
         return str(err)
 
 
-def _print(result: Result, profile: MachineProfile, reused: bool, baseline: Candidate | str, changes: list, top: int) -> None:
+def _print(
+    result: Result, profile: MachineProfile, reused: bool, baseline: Candidate | str, changes: list, top: int
+) -> None:
     b = result.budget
-    how = "the emulated device's" if profile.hardware.kind == "emulated" else (
-        "cached" if reused else f"measured in {profile.seconds:.1f} s")
-    print(f"profile ({how}): {profile.hardware.describe()}; CPU Adam {profile.adam_params_per_s / 1e6:.0f} M params/s "
-          f"per thread, {profile.cpu_threads} threads")
-    print(f"budget: GPU {b.gpu / GiB:.2f} GiB per GPU, host {b.host / GiB:.2f} GiB and /dev/shm {b.shm / GiB:.2f} GiB "
-          f"per node; {result.job.n_ranks} ranks, global batch {result.job.global_batch} x {result.job.seq_len} tokens")
+    how = (
+        "the emulated device's"
+        if profile.hardware.kind == "emulated"
+        else ("cached" if reused else f"measured in {profile.seconds:.1f} s")
+    )
+    print(
+        f"profile ({how}): {profile.hardware.describe()}; CPU Adam {profile.adam_params_per_s / 1e6:.0f} M params/s "
+        f"per thread, {profile.cpu_threads} threads"
+    )
+    print(
+        f"budget: GPU {b.gpu / GiB:.2f} GiB per GPU, host {b.host / GiB:.2f} GiB and /dev/shm {b.shm / GiB:.2f} GiB "
+        f"per node; {result.job.n_ranks} ranks, global batch {result.job.global_batch} x {result.job.seq_len} tokens"
+    )
     print()
     if result.fitting:
         print(table(result.fitting, top))
@@ -92,8 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sysx tune: {err}", file=sys.stderr)
         return 2
     given = {"gpu": args.gpu_memory_gib, "host": args.host_memory_gib, "shm": args.shm_gib}
-    tuning = tune(job, device, adam_backend=cfg.optim.backend, refresh=args.refresh, profile=job_profile(cfg, job),
-                  budget={k: None if v is None else v * GiB for k, v in given.items()})
+    tuning = tune(
+        job,
+        device,
+        adam_backend=cfg.optim.backend,
+        refresh=args.refresh,
+        profile=job_profile(cfg, job),
+        budget={k: None if v is None else v * GiB for k, v in given.items()},
+    )
     profile, reused, result, changes = tuning.profile, tuning.reused, tuning.result, tuning.changes
     baseline = _baseline(cfg, job, result.budget, profile)
     if args.json:

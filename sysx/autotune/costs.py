@@ -38,10 +38,19 @@ def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
     return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
 
 
-def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micro_batch_size: int, *,
-                   work_dtype: str = "bfloat16", optim_workers: int | None = None,
-                   threads_per_worker: int = 1, gpus_per_node: int | None = None, rollback: str = "undo",
-                   **hardware: Any) -> Costs:
+def profiled_costs(
+    profile: MachineProfile,
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch_size: int,
+    *,
+    work_dtype: str = "bfloat16",
+    optim_workers: int | None = None,
+    threads_per_worker: int = 1,
+    gpus_per_node: int | None = None,
+    rollback: str = "undo",
+    **hardware: Any,
+) -> Costs:
     """:class:`Costs` of ``cfg`` at ``seq_len`` x ``micro_batch_size`` on the profiled machine.
 
     ``work_dtype``: the working copy (``float32`` or ``bfloat16``): bytes per parameter on the GPU
@@ -56,14 +65,26 @@ def profiled_costs(profile: MachineProfile, cfg: ModelConfig, seq_len: int, micr
     nbytes = 4 if work_dtype == "float32" else 2
     hw = profile.hardware
     base = costs_from_model(
-        cfg, seq_len, micro_batch_size, dtype_bytes=nbytes,
+        cfg,
+        seq_len,
+        micro_batch_size,
+        dtype_bytes=nbytes,
         host_bytes_per_param=float(training_state_bytes(work_dtype, rollback=rollback).optimizer),
-        h2d_bandwidth=hw.h2d_bytes_per_s, d2h_bandwidth=hw.d2h_bytes_per_s,
-        optim_params_per_s=profile.adam_params_per_s * threads_per_worker, optim_workers=optim_workers,
+        h2d_bandwidth=hw.h2d_bytes_per_s,
+        d2h_bandwidth=hw.d2h_bytes_per_s,
+        optim_params_per_s=profile.adam_params_per_s * threads_per_worker,
+        optim_workers=optim_workers,
     )
     # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,
     # the measured total backward over the measured total forward
     ratio = sum(bwd) / sum(fwd) - 1.0
     links = profile.p2p.costs_fields() if profile.p2p is not None else {}
-    return dataclasses.replace(base, layer_fwd_time=tuple(fwd), bwd_ratio=ratio, recompute=True, posted_sends=True,
-                               gpus_per_node=gpus_per_node, **{**links, **hardware})
+    return dataclasses.replace(
+        base,
+        layer_fwd_time=tuple(fwd),
+        bwd_ratio=ratio,
+        recompute=True,
+        posted_sends=True,
+        gpus_per_node=gpus_per_node,
+        **{**links, **hardware},
+    )

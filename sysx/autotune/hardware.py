@@ -136,12 +136,21 @@ def memory_now(device: torch.device) -> dict[str, int]:
         free, total = torch.cuda.mem_get_info(device)
     else:  # the host stands in for the device
         free, total = host_free, host_total
-    return {"device_free_bytes": int(free), "device_total_bytes": int(total), "host_free_bytes": host_free,
-            "host_total_bytes": host_total}
+    return {
+        "device_free_bytes": int(free),
+        "device_total_bytes": int(total),
+        "host_free_bytes": host_free,
+        "host_total_bytes": host_total,
+    }
 
 
-def measure_hardware(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, *,
-                     nbytes: int | None = None, repeats: int = 3) -> HardwareProfile:
+def measure_hardware(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    nbytes: int | None = None,
+    repeats: int = 3,
+) -> HardwareProfile:
     """Measure the figures of :class:`HardwareProfile` on ``device`` (default: the default device).
 
     Takes well under a second on CPU (16 MiB copies, 512^3 matmuls) and about a second on a GPU
@@ -154,8 +163,9 @@ def measure_hardware(device: torch.device | str | None = None, dtype: torch.dtyp
     return _measure_cpu(dtype, nbytes or 16 * 1024**2, repeats, host_free, host_total)
 
 
-def _measure_cuda(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int,
-                  host_free: int, host_total: int) -> HardwareProfile:
+def _measure_cuda(
+    device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, host_total: int
+) -> HardwareProfile:
     n = nbytes // 4
     buffers = HostBuffers("copy-rate probe", pin=True)
     host_a = buffers.empty(n, torch.float32).fill_(1.0)
@@ -184,11 +194,17 @@ def _measure_cuda(device: torch.device, dtype: torch.dtype, nbytes: int, repeats
     del host_a, host_b, dev_a, dev_b, both
     buffers.close()
     return HardwareProfile(
-        name=f"{device} ({torch.cuda.get_device_name(device)})", kind="cuda",
-        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, bidir_bytes_per_s=min(bidir, h2d, d2h),
-        matmul_flops_per_s=flops, device_mem_bytes_per_s=d2d,
-        device_free_bytes=int(free), device_total_bytes=int(total),
-        host_free_bytes=host_free, host_total_bytes=host_total,
+        name=f"{device} ({torch.cuda.get_device_name(device)})",
+        kind="cuda",
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        bidir_bytes_per_s=min(bidir, h2d, d2h),
+        matmul_flops_per_s=flops,
+        device_mem_bytes_per_s=d2d,
+        device_free_bytes=int(free),
+        device_total_bytes=int(total),
+        host_free_bytes=host_free,
+        host_total_bytes=host_total,
     )
 
 
@@ -209,9 +225,15 @@ def _measure_cpu(dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, 
     bidir = nbytes / _time_cpu(both, repeats)
     flops = measure_matmul(torch.device("cpu"), dtype, repeats=repeats)
     return HardwareProfile(
-        name="cpu (host memory stands in for the device)", kind="cpu",
-        h2d_bytes_per_s=one_way, d2h_bytes_per_s=one_way, bidir_bytes_per_s=min(bidir, one_way),
-        matmul_flops_per_s=flops, device_mem_bytes_per_s=2 * one_way,
-        device_free_bytes=host_free, device_total_bytes=host_total,
-        host_free_bytes=host_free, host_total_bytes=host_total,
+        name="cpu (host memory stands in for the device)",
+        kind="cpu",
+        h2d_bytes_per_s=one_way,
+        d2h_bytes_per_s=one_way,
+        bidir_bytes_per_s=min(bidir, one_way),
+        matmul_flops_per_s=flops,
+        device_mem_bytes_per_s=2 * one_way,
+        device_free_bytes=host_free,
+        device_total_bytes=host_total,
+        host_free_bytes=host_free,
+        host_total_bytes=host_total,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as tdist
@@ -28,8 +27,8 @@ class P2PFigures:
     ranks_per_node: int
     intra_bandwidth: float
     intra_latency: float
-    inter_bandwidth: Optional[float] = None
-    inter_latency: Optional[float] = None
+    inter_bandwidth: float | None = None
+    inter_latency: float | None = None
 
     def costs_fields(self) -> dict[str, float]:
         """The :class:`~sysx.schedule.costs.Costs` fields these figures set."""
@@ -38,7 +37,7 @@ class P2PFigures:
             out.update(inter_p2p_bandwidth=self.inter_bandwidth, inter_p2p_latency=self.inter_latency)
         return out
 
-    def as_dict(self) -> dict[str, Optional[float]]:
+    def as_dict(self) -> dict[str, float | None]:
         """Plain fields (for the cached profile's JSON)."""
         return asdict(self)
 
@@ -61,7 +60,7 @@ def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return (1.0 / slope if slope > 0 else 1e15), latency
 
 
-def _ping_pong(peer: int, first: bool, device: torch.device, group: Optional[tdist.ProcessGroup]) -> list[float]:
+def _ping_pong(peer: int, first: bool, device: torch.device, group: tdist.ProcessGroup | None) -> list[float]:
     """One-way seconds per size (half the fastest round trip); ``first`` sends first."""
     out = []
     for size in SIZES:
@@ -83,8 +82,9 @@ def _ping_pong(peer: int, first: bool, device: torch.device, group: Optional[tdi
     return out
 
 
-def measure_p2p(rank: int, world: int, ranks_per_node: int, device: torch.device,
-                group: Optional[tdist.ProcessGroup] = None) -> Optional[P2PFigures]:
+def measure_p2p(
+    rank: int, world: int, ranks_per_node: int, device: torch.device, group: tdist.ProcessGroup | None = None
+) -> P2PFigures | None:
     """Collective over ``group`` (every rank calls it): the figures on rank 0, None elsewhere and
     for a one-rank job."""
     if world < 2:
@@ -106,5 +106,11 @@ def measure_p2p(rank: int, world: int, ranks_per_node: int, device: torch.device
         return None
     intra = found.get("intra") or found["inter"]  # one rank per node: the only link there is
     inter = found.get("inter")
-    return P2PFigures(ranks=world, ranks_per_node=per_node, intra_bandwidth=intra[0], intra_latency=intra[1],
-                      inter_bandwidth=inter[0] if inter else None, inter_latency=inter[1] if inter else None)
+    return P2PFigures(
+        ranks=world,
+        ranks_per_node=per_node,
+        intra_bandwidth=intra[0],
+        intra_latency=intra[1],
+        inter_bandwidth=inter[0] if inter else None,
+        inter_latency=inter[1] if inter else None,
+    )

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -63,7 +63,7 @@ class MachineProfile:
     shm_total: int
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    p2p: Optional[P2PFigures] = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
+    p2p: P2PFigures | None = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
@@ -101,8 +101,16 @@ class MachineProfile:
         return cls(**data)
 
 
-def _time_layer(layer: torch.nn.Module, kind: str, cfg: ModelConfig, mbs: int, seq_len: int,
-                device: torch.device, dtype: torch.dtype, repeats: int) -> LayerTiming:
+def _time_layer(
+    layer: torch.nn.Module,
+    kind: str,
+    cfg: ModelConfig,
+    mbs: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+) -> LayerTiming:
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (mbs, seq_len), generator=gen).to(device)
     hidden = torch.randn(mbs, seq_len, cfg.dim, generator=gen).to(device=device, dtype=dtype)
@@ -138,9 +146,17 @@ def machine_key(device: torch.device) -> dict[str, str]:
     return {"host": os.uname().nodename, "cpu": cpu, "gpu": gpu, "torch": torch.__version__}
 
 
-def measure_profile(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int], *, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None, repeats: int = 3,
-                    adam_backend: str = "auto", hardware: HardwareProfile | None = None) -> MachineProfile:
+def measure_profile(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch_sizes: list[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    repeats: int = 3,
+    adam_backend: str = "auto",
+    hardware: HardwareProfile | None = None,
+) -> MachineProfile:
     """Measure a :class:`MachineProfile` for ``cfg`` at ``seq_len`` and each micro-batch size
     (``hardware``: this machine's figures when already known, else measured too)."""
     t0 = time.perf_counter()
@@ -156,10 +172,15 @@ def measure_profile(cfg: ModelConfig, seq_len: int, micro_batch_sizes: list[int]
     cap = probe_host()
     host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)
     return MachineProfile(
-        machine=machine_key(device), shape=shape_key(cfg, seq_len, dtype), hardware=hardware, layers=layers,
+        machine=machine_key(device),
+        shape=shape_key(cfg, seq_len, dtype),
+        hardware=hardware,
+        layers=layers,
         adam_params_per_s=adam_params_per_s(threads=1, backend=adam_backend, repeat=repeats),
         cpu_threads=usable_physical_cores()[0],
-        host_available=int(host), shm_free=cap.shm_free, shm_total=cap.shm_total,
+        host_available=int(host),
+        shm_free=cap.shm_free,
+        shm_total=cap.shm_total,
         seconds=time.perf_counter() - t0,
     )
 

@@ -24,8 +24,10 @@ def table(cands: list[Candidate], top: int) -> str:
     shown = cands[:top]
     big = max((max(c.gpu, c.host, c.shm) for c in shown), default=0.0) >= GiB
     scale, u = (GiB, "GiB") if big else (float(1 << 20), "MiB")
-    head = (f"{'#':>3} {'iter s':>9} {'bubble':>7} {'GPU ' + u:>7} {'params':>7} {'grads':>6} {'ckpts':>6} {'work':>6} "
-            f"{'host ' + u:>7} {'shm ' + u:>6}  options")
+    head = (
+        f"{'#':>3} {'iter s':>9} {'bubble':>7} {'GPU ' + u:>7} {'params':>7} {'grads':>6} {'ckpts':>6} {'work':>6} "
+        f"{'host ' + u:>7} {'shm ' + u:>6}  options"
+    )
     return "\n".join([head] + [_row(i + 1, c, scale) for i, c in enumerate(shown)])
 
 
@@ -37,17 +39,24 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
     """Sentences on why the winner won (or, when nothing fits, on what is closest)."""
     over = Counter(max(RESOURCES, key=lambda r: c.over[r]) for c in result.rejected)
     rejected = ", ".join(f"{n} over the {r} budget" for r, n in sorted(over.items())) or "none over budget"
-    lines = [f"{len(result.fitting)} of {len(result.fitting) + len(result.rejected)} buildable candidates fit "
-             f"({rejected}); {len(result.invalid)} could not be built (too few layers for the stages, or too few "
-             f"micro-batches for the ranks); global batch {result.job.global_batch} sequences in every candidate"]
+    lines = [
+        f"{len(result.fitting)} of {len(result.fitting) + len(result.rejected)} buildable candidates fit "
+        f"({rejected}); {len(result.invalid)} could not be built (too few layers for the stages, or too few "
+        f"micro-batches for the ranks); global batch {result.job.global_batch} sequences in every candidate"
+    ]
     best = result.best
     if best is None:
         c = result.closest
         if c is not None:
-            lines.append(f"nothing fits; closest: `{c.label()}` needs " + ", ".join(
-                f"{r} {100 * c.over[r]:.0f}%" for r in RESOURCES) + " of the budget")
+            lines.append(
+                f"nothing fits; closest: `{c.label()}` needs "
+                + ", ".join(f"{r} {100 * c.over[r]:.0f}%" for r in RESOURCES)
+                + " of the budget"
+            )
         return lines
-    lines.append(f"winner `{best.label()}`: predicted {best.iteration:.4g} s per iteration, bubble {100 * best.bubble:.1f}%")
+    lines.append(
+        f"winner `{best.label()}`: predicted {best.iteration:.4g} s per iteration, bubble {100 * best.bubble:.1f}%"
+    )
     slower = [c for c in result.fitting[1:] if c.iteration > best.iteration]
     if slower:
         r = slower[0]
@@ -56,8 +65,10 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
         lines.append(f"{lead} the next slower, `{r.label()}` ({r.iteration:.4g} s, bubble {100 * r.bubble:.1f}%)")
     if isinstance(baseline, Candidate):
         state = "fits" if baseline.fits else f"does not fit ({max(baseline.over, key=baseline.over.get)} budget)"
-        lines.append(f"the fixed layout rule with the config's micro-batches, `{baseline.label()}`, predicts "
-                     f"{baseline.iteration:.4g} s and {state}: the winner is {_pct(best.iteration, baseline.iteration):.1f}% faster")
+        lines.append(
+            f"the fixed layout rule with the config's micro-batches, `{baseline.label()}`, predicts "
+            f"{baseline.iteration:.4g} s and {state}: the winner is {_pct(best.iteration, baseline.iteration):.1f}% faster"
+        )
     elif baseline:
         lines.append(f"the fixed layout rule cannot run this job: {baseline}")
     return lines
@@ -65,22 +76,41 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
 
 def _cand_dict(c: Candidate) -> dict[str, Any]:
     o = c.options
-    return {"schedule": o.schedule, "stages_per_rank": o.stages_per_rank, "split": o.split, "cfg": o.cfg,
-            "param_buffers": o.param_buffers, "optimizer_workers": o.optimizer_workers,
-            "threads_per_worker": c.threads_per_worker, "micro_batch_size": c.micro_batch_size,
-            "micro_batches": c.micro_batches, "global_batch": c.global_batch, "iteration_s": c.iteration,
-            "bubble": c.bubble, "gpu_bytes": c.gpu, "gpu_parts": c.gpu_parts, "host_bytes": c.host,
-            "shm_bytes": c.shm, "over": c.over, "fits": c.fits, "label": c.label()}
+    return {
+        "schedule": o.schedule,
+        "stages_per_rank": o.stages_per_rank,
+        "split": o.split,
+        "cfg": o.cfg,
+        "param_buffers": o.param_buffers,
+        "optimizer_workers": o.optimizer_workers,
+        "threads_per_worker": c.threads_per_worker,
+        "micro_batch_size": c.micro_batch_size,
+        "micro_batches": c.micro_batches,
+        "global_batch": c.global_batch,
+        "iteration_s": c.iteration,
+        "bubble": c.bubble,
+        "gpu_bytes": c.gpu,
+        "gpu_parts": c.gpu_parts,
+        "host_bytes": c.host,
+        "shm_bytes": c.shm,
+        "over": c.over,
+        "fits": c.fits,
+        "label": c.label(),
+    }
 
 
 def as_dict(result: Result, changes: list[Change], baseline: Candidate | str | None, top: int) -> dict[str, Any]:
     """Everything :func:`table` and :func:`why` print, as plain data."""
     closest = result.closest
     return {
-        "global_batch": result.job.global_batch, "ranks": result.job.n_ranks, "seq_len": result.job.seq_len,
+        "global_batch": result.job.global_batch,
+        "ranks": result.job.n_ranks,
+        "seq_len": result.job.seq_len,
         "budget": {r: getattr(result.budget, r) for r in RESOURCES},
         "top": [_cand_dict(c) for c in result.fitting[:top]],
-        "n_fitting": len(result.fitting), "n_rejected": len(result.rejected), "n_invalid": len(result.invalid),
+        "n_fitting": len(result.fitting),
+        "n_rejected": len(result.rejected),
+        "n_invalid": len(result.invalid),
         "closest": _cand_dict(closest) if result.best is None and closest is not None else None,
         "changes": [{"kind": ch.kind, "value": ch.value, "text": ch.text} for ch in changes],
         "baseline": _cand_dict(baseline) if isinstance(baseline, Candidate) else baseline,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
 
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.profile import MachineProfile
@@ -49,7 +48,7 @@ class Job:
     global_batch: int
     n_ranks: int
     schedule: str = "sysx"
-    gpus_per_node: Optional[int] = None
+    gpus_per_node: int | None = None
     work_dtype: str = "bfloat16"
     optim_backend: str = "auto"
     rollback: str = "undo"  # optim.rollback: snapshot and exact keep a second (p, m, v) set in host memory
@@ -68,8 +67,8 @@ class Space:
     splits: tuple[int, ...] = (1, 2, 3)
     cfgs: tuple[int, ...] = (0, 1, 2, 3)  # sysx ablation configs: lower ones hold fewer checkpoints in flight
     param_buffers: tuple[int, ...] = (1, 2, 3)
-    micro_batch_sizes: Optional[tuple[int, ...]] = None  # None: every divisor of the global batch
-    optimizer_workers: Optional[tuple[int, ...]] = None  # None: 1, 2, 4, ... up to the rank's threads
+    micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor of the global batch
+    optimizer_workers: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to the rank's threads
 
 
 @dataclass
@@ -111,8 +110,12 @@ class Candidate:
             parts.append(f"stages_per_rank={o.stages_per_rank}")
         if o.schedule == "sysx":
             parts += [f"split={o.split}", f"cfg={o.cfg}"]
-        parts += [f"micro_batch_size={self.micro_batch_size}", f"micro_batches={self.micro_batches}",
-                  f"param_buffers={o.param_buffers}", f"optim.workers={o.optimizer_workers}"]
+        parts += [
+            f"micro_batch_size={self.micro_batch_size}",
+            f"micro_batches={self.micro_batches}",
+            f"param_buffers={o.param_buffers}",
+            f"optim.workers={o.optimizer_workers}",
+        ]
         return " ".join(parts)
 
 
@@ -155,18 +158,25 @@ def thread_options(job: Job, profile: MachineProfile, space: Space) -> list[tupl
 def _options(job: Job, space: Space) -> Iterator[PipelineOptions]:
     """Schedule options of the job's family, without duplicates the family ignores."""
     one = job.schedule in ONE_STAGE_PER_RANK
-    per_rank: tuple[Optional[int], ...] = (None,) if one else space.stages_per_rank
+    per_rank: tuple[int | None, ...] = (None,) if one else space.stages_per_rank
     cfgs = space.cfgs if job.schedule == "sysx" else (3,)
     for p, c, b in itertools.product(per_rank, cfgs, space.param_buffers):
         # other schedules and CFG0 run whole-stage backwards: d is 1 there
-        splits: tuple[Optional[int], ...] = space.splits if job.schedule == "sysx" and c > 0 else (None,)
+        splits: tuple[int | None, ...] = space.splits if job.schedule == "sysx" and c > 0 else (None,)
         for d in splits:
-            yield PipelineOptions(schedule=job.schedule, stages_per_rank=p, split=d, cfg=c, param_buffers=b,
-                                  optim_backend=job.optim_backend)
+            yield PipelineOptions(
+                schedule=job.schedule,
+                stages_per_rank=p,
+                split=d,
+                cfg=c,
+                param_buffers=b,
+                optim_backend=job.optim_backend,
+            )
 
 
-def evaluate(job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOptions, mbs: int,
-             workers: int, threads: int) -> Candidate:
+def evaluate(
+    job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOptions, mbs: int, workers: int, threads: int
+) -> Candidate:
     """Build, validate and simulate one candidate; its memory against ``budget``.
 
     Raises ``ScheduleError``, ``PartitionError`` or ``ConfigError`` when it cannot be built.
@@ -187,30 +197,55 @@ def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, 
     return opts, sched
 
 
-def _simulated(job: Job, budget: Budget, profile: MachineProfile, opts: PipelineOptions, sched: Schedule, mbs: int,
-               workers: int, threads: int) -> Candidate:
+def _simulated(
+    job: Job,
+    budget: Budget,
+    profile: MachineProfile,
+    opts: PipelineOptions,
+    sched: Schedule,
+    mbs: int,
+    workers: int,
+    threads: int,
+) -> Candidate:
     opts = PipelineOptions(**{**opts.__dict__, "optimizer_workers": workers})
-    tl = simulate(sched, candidate_costs(job, profile, mbs, workers, threads), record=False,
-                  gpus_per_node=job.ranks_per_node)
+    tl = simulate(
+        sched, candidate_costs(job, profile, mbs, workers, threads), record=False, gpus_per_node=job.ranks_per_node
+    )
     return _candidate(job, budget, opts, mbs, job.global_batch // mbs, threads, tl)
 
 
 def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, threads: int) -> Costs:
     """The :class:`Costs` a candidate is simulated with (and a tuned run's prediction, :mod:`sysx.autotune.check`)."""
-    return profiled_costs(profile, job.model, job.seq_len, mbs, work_dtype=job.work_dtype, optim_workers=workers,
-                          threads_per_worker=threads, gpus_per_node=job.ranks_per_node, rollback=job.rollback)
+    return profiled_costs(
+        profile,
+        job.model,
+        job.seq_len,
+        mbs,
+        work_dtype=job.work_dtype,
+        optim_workers=workers,
+        threads_per_worker=threads,
+        gpus_per_node=job.ranks_per_node,
+        rollback=job.rollback,
+    )
 
 
-def _candidate(job: Job, budget: Budget, opts: PipelineOptions, mbs: int, n_micro: int, threads: int,
-               tl: Timeline) -> Candidate:
+def _candidate(
+    job: Job, budget: Budget, opts: PipelineOptions, mbs: int, n_micro: int, threads: int, tl: Timeline
+) -> Candidate:
     gpn = tl.gpus_per_node
     top = max(range(tl.n_ranks), key=lambda r: tl.peak_gpu[r])
-    node_host = [sum(tl.host[i * gpn:(i + 1) * gpn]) + tl.shm[i] for i in range(len(tl.shm))]
+    node_host = [sum(tl.host[i * gpn : (i + 1) * gpn]) + tl.shm[i] for i in range(len(tl.shm))]
     host, shm = max(node_host), max(tl.shm)
-    parts = {"params": tl.peak_params[top], "grads": tl.peak_grads[top], "ckpts": tl.peak_ckpts[top],
-             "work": tl.peak_work[top]}
+    parts = {
+        "params": tl.peak_params[top],
+        "grads": tl.peak_grads[top],
+        "ckpts": tl.peak_ckpts[top],
+        "work": tl.peak_work[top],
+    }
     over = {"gpu": tl.peak_gpu[top] / budget.gpu, "host": host / budget.host, "shm": shm / budget.shm}
-    return Candidate(opts, mbs, n_micro, threads, tl.iteration, tl.bubble_ratio, tl.peak_gpu[top], parts, host, shm, over)
+    return Candidate(
+        opts, mbs, n_micro, threads, tl.iteration, tl.bubble_ratio, tl.peak_gpu[top], parts, host, shm, over
+    )
 
 
 def search(job: Job, budget: Budget, profile: MachineProfile, space: Space = Space()) -> Result:

@@ -12,4 +12,12 @@ from sysx.checkpoint.reader import Checkpoint, find_resume
 from sysx.checkpoint.saver import CheckpointSaver, SaveReport
 from sysx.checkpoint.store import CheckpointDir, CheckpointError
 
-__all__ = ["Checkpoint", "CheckpointDir", "CheckpointError", "CheckpointSaver", "LayerState", "SaveReport", "find_resume"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointDir",
+    "CheckpointError",
+    "CheckpointSaver",
+    "LayerState",
+    "SaveReport",
+    "find_resume",
+]

@@ -18,7 +18,9 @@ from sysx.checkpoint.layer_state import LayerState
 from sysx.model.flat import FlatLayout
 
 
-def _entries_by_layer(layout: FlatLayout, layer_indices: Sequence[int]) -> dict[int, list[tuple[str, slice, tuple[int, ...]]]]:
+def _entries_by_layer(
+    layout: FlatLayout, layer_indices: Sequence[int]
+) -> dict[int, list[tuple[str, slice, tuple[int, ...]]]]:
     out: dict[int, list[tuple[str, slice, tuple[int, ...]]]] = {}
     for e in layout.entries:
         member, _, rest = e.name.partition(".")
@@ -27,20 +29,34 @@ def _entries_by_layer(layout: FlatLayout, layer_indices: Sequence[int]) -> dict[
     return out
 
 
-def flat_layer_states(layout: FlatLayout, layer_indices: Sequence[int], master: torch.Tensor, exp_avg: torch.Tensor,
-                      exp_avg_sq: torch.Tensor, step: Callable[[], int]) -> dict[int, Callable[[], LayerState]]:
+def flat_layer_states(
+    layout: FlatLayout,
+    layer_indices: Sequence[int],
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: Callable[[], int],
+) -> dict[int, Callable[[], LayerState]]:
     """Per-layer sources of views into the flat buffers (read when the save happens)."""
     sources = {}
     for index, entries in _entries_by_layer(layout, layer_indices).items():
+
         def source(index: int = index, entries: list = entries) -> LayerState:
             views = [{name: t[sl].view(shape) for name, sl, shape in entries} for t in (master, exp_avg, exp_avg_sq)]
             return LayerState(index, views[0], views[1], views[2], step())
+
         sources[index] = source
     return sources
 
 
-def load_flat(layout: FlatLayout, layer_indices: Sequence[int], tensors: Mapping[int, Mapping[str, torch.Tensor]],
-              out: torch.Tensor, *, what: str) -> None:
+def load_flat(
+    layout: FlatLayout,
+    layer_indices: Sequence[int],
+    tensors: Mapping[int, Mapping[str, torch.Tensor]],
+    out: torch.Tensor,
+    *,
+    what: str,
+) -> None:
     """Copy per-layer tensors (``layer -> name -> tensor``) into the flat buffer ``out`` (casting);
     every parameter of the layout must be there with its shape (``what`` names the source in errors)."""
     for index, entries in _entries_by_layer(layout, layer_indices).items():

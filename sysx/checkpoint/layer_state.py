@@ -58,8 +58,15 @@ def encode_layer(state: LayerState) -> bytes:
     refuses (shared storage) and would copy; :func:`safetensors.serialize` takes each view's
     address instead, so the only copy is into the file's bytes."""
     tensors = {f"{kind}/{name}": t.detach().contiguous() for kind in KINDS for name, t in getattr(state, kind).items()}
-    specs = {name: TensorSpec(dtype=str(t.dtype).split(".")[-1], shape=list(t.shape), data_ptr=t.data_ptr(),
-                              data_len=t.numel() * t.element_size()) for name, t in tensors.items()}
+    specs = {
+        name: TensorSpec(
+            dtype=str(t.dtype).split(".")[-1],
+            shape=list(t.shape),
+            data_ptr=t.data_ptr(),
+            data_len=t.numel() * t.element_size(),
+        )
+        for name, t in tensors.items()
+    }
     if any(t.device.type != "cpu" for t in tensors.values()):
         raise ValueError(f"layer {state.layer}: checkpoint tensors must be host tensors")
     return serialize(specs, metadata={"layer": str(state.layer), "step": str(state.step)})  # `tensors` keeps them alive
@@ -68,7 +75,7 @@ def encode_layer(state: LayerState) -> bytes:
 def decode_layer(data: bytes, layer: int) -> LayerState:
     """Read a layer file's bytes back (tensors own their memory)."""
     header_len = struct.unpack("<Q", data[:8])[0]
-    metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+    metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
     parts: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}
     for key, tensor in st_load(data).items():
         kind, _, name = key.partition("/")

@@ -19,10 +19,10 @@ from safetensors import safe_open
 from torch import nn
 
 from sysx.checkpoint.reader import find_resume
+from sysx.model import llama
 from sysx.model.config import ModelConfig
 from sysx.model.hf import CONFIG_FILE, SafetensorsFiles, config_from_hf, hf_key_map, hf_weight_files
 from sysx.model.io import read_model_config
-from sysx.model import llama
 from sysx.model.layers import Head
 from sysx.model.llama import LayerInit, LlamaModel
 
@@ -40,7 +40,9 @@ class PretrainedWeights:
         return self._layer(index)
 
 
-def _layers_of(source: str, files: SafetensorsFiles, key_map: Mapping[str, str]) -> Callable[[int], dict[str, torch.Tensor]]:
+def _layers_of(
+    source: str, files: SafetensorsFiles, key_map: Mapping[str, str]
+) -> Callable[[int], dict[str, torch.Tensor]]:
     """Per-layer reads through ``key_map`` (sysx name -> stored key)."""
     grouped: dict[int, dict[str, str]] = {}
     for ours, stored in key_map.items():
@@ -63,18 +65,26 @@ def open_pretrained(path: str | os.PathLike) -> PretrainedWeights:
     root = Path(path)
     if root.is_dir() and (root / CONFIG_FILE).is_file():
         cfg = config_from_hf(json.loads((root / CONFIG_FILE).read_text()))
-        return PretrainedWeights(str(root), cfg, _layers_of(str(root), SafetensorsFiles(hf_weight_files(root)), hf_key_map(cfg)))
+        return PretrainedWeights(
+            str(root), cfg, _layers_of(str(root), SafetensorsFiles(hf_weight_files(root)), hf_key_map(cfg))
+        )
     if root.is_dir():
         ckpt = find_resume(str(root), root)
         assert ckpt is not None  # find_resume raises for a folder without a checkpoint
-        return PretrainedWeights(str(ckpt.path), ModelConfig.from_dict(ckpt.model), lambda index: ckpt.layer(index).weight)
+        return PretrainedWeights(
+            str(ckpt.path), ModelConfig.from_dict(ckpt.model), lambda index: ckpt.layer(index).weight
+        )
     if root.is_file():
         cfg = read_model_config(root)
         with safe_open(str(root), framework="pt") as f:
             keys = list(f.keys())
-        return PretrainedWeights(str(root), cfg, _layers_of(str(root), SafetensorsFiles({k: root for k in keys}), {k: k for k in keys}))
-    raise FileNotFoundError(f"{path} does not exist; give a Hugging Face Llama folder "
-                            f"(config.json + *.safetensors), a sysx model file or a sysx checkpoint")
+        return PretrainedWeights(
+            str(root), cfg, _layers_of(str(root), SafetensorsFiles({k: root for k in keys}), {k: k for k in keys})
+        )
+    raise FileNotFoundError(
+        f"{path} does not exist; give a Hugging Face Llama folder "
+        f"(config.json + *.safetensors), a sysx model file or a sysx checkpoint"
+    )
 
 
 def pretrained_init(weights: PretrainedWeights) -> LayerInit:
@@ -90,12 +100,16 @@ def pretrained_init(weights: PretrainedWeights) -> LayerInit:
         missing = sorted(set(own) - set(tensors))
         extra = sorted(set(tensors) - set(own))
         if missing or extra:
-            raise ValueError(f"{weights.source}: flat layer {index} does not match the model: missing {missing[:3]}, "
-                             f"unexpected {extra[:3]}")
+            raise ValueError(
+                f"{weights.source}: flat layer {index} does not match the model: missing {missing[:3]}, "
+                f"unexpected {extra[:3]}"
+            )
         for name, param in own.items():
             if tuple(tensors[name].shape) != tuple(param.shape):
-                raise ValueError(f"{weights.source}: {name} has shape {tuple(tensors[name].shape)}, the model needs "
-                                 f"{tuple(param.shape)}")
+                raise ValueError(
+                    f"{weights.source}: {name} has shape {tuple(tensors[name].shape)}, the model needs "
+                    f"{tuple(param.shape)}"
+                )
             param.copy_(tensors[name])
 
     return init

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from sysx.checkpoint.layer_state import LayerState, decode_layer
-from sysx.checkpoint.store import FORMAT, FORMAT_VERSION, MANIFEST, TRAINER_STATE, CheckpointDir, CheckpointError, layer_filename
+from sysx.checkpoint.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    TRAINER_STATE,
+    CheckpointDir,
+    CheckpointError,
+    layer_filename,
+)
 
 RESUME_CHOICES = ("auto", "none")  # or a path
 
@@ -20,8 +28,10 @@ class Checkpoint:
         self.path = Path(path)
         manifest = self.path / MANIFEST
         if not manifest.is_file():
-            raise CheckpointError(f"{self.path} is not a complete sysx checkpoint (no {MANIFEST}); give a folder "
-                                  f"step-<N> inside checkpoint.dir, or the checkpoint.dir itself")
+            raise CheckpointError(
+                f"{self.path} is not a complete sysx checkpoint (no {MANIFEST}); give a folder "
+                f"step-<N> inside checkpoint.dir, or the checkpoint.dir itself"
+            )
         try:
             self.manifest: dict[str, Any] = json.loads(manifest.read_text())
         except ValueError as err:
@@ -29,8 +39,10 @@ class Checkpoint:
         if self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"{manifest}: format {self.manifest.get('format')!r} is not {FORMAT!r}")
         if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{manifest}: format version {self.manifest.get('format_version')} is not supported "
-                                  f"(this sysx reads version {FORMAT_VERSION})")
+            raise CheckpointError(
+                f"{manifest}: format version {self.manifest.get('format_version')} is not supported "
+                f"(this sysx reads version {FORMAT_VERSION})"
+            )
 
     @property
     def step(self) -> int:
@@ -59,10 +71,14 @@ class Checkpoint:
         try:
             data = (self.path / name).read_bytes()
         except OSError as err:
-            raise CheckpointError(f"{self.path / name}: cannot read ({err.strerror}); the checkpoint is damaged") from None
+            raise CheckpointError(
+                f"{self.path / name}: cannot read ({err.strerror}); the checkpoint is damaged"
+            ) from None
         if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
-            raise CheckpointError(f"{self.path / name}: size or checksum differs from the manifest; the checkpoint is "
-                                  f"damaged (resume from an older one: train.resume=<path>)")
+            raise CheckpointError(
+                f"{self.path / name}: size or checksum differs from the manifest; the checkpoint is "
+                f"damaged (resume from an older one: train.resume=<path>)"
+            )
         return data
 
     def layer(self, index: int) -> LayerState:

@@ -48,8 +48,17 @@ LayerSource = Callable[[], LayerState]  # returns views of the live state; the s
 class CheckpointSaver:
     """One rank's saver (every rank of a job has one, with the same ``tag`` prefix)."""
 
-    def __init__(self, root: str | Path, *, rank: int, world: int, keep: int, tag: str,
-                 available_bytes: Callable[[], int] | None = None, commit_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        rank: int,
+        world: int,
+        keep: int,
+        tag: str,
+        available_bytes: Callable[[], int] | None = None,
+        commit_timeout_s: float = 600.0,
+    ) -> None:
         self.dir = CheckpointDir(root)
         self.rank, self.world, self.keep, self.tag = rank, world, keep, tag
         self.commit_timeout_s = commit_timeout_s
@@ -60,8 +69,15 @@ class CheckpointSaver:
         self._snapshots: dict[int, LayerState] = {}  # reused from save to save (see LayerState.snapshot)
         self.last_path: Path | None = None
 
-    def save(self, step: int, layers: Mapping[int, LayerSource], *, manifest: Mapping[str, Any] | None = None,
-             trainer_state: Mapping[str, Any] | None = None, background: bool = True) -> SaveReport:
+    def save(
+        self,
+        step: int,
+        layers: Mapping[int, LayerSource],
+        *,
+        manifest: Mapping[str, Any] | None = None,
+        trainer_state: Mapping[str, Any] | None = None,
+        background: bool = True,
+    ) -> SaveReport:
         """Save this rank's ``layers`` (index -> source) for ``step``; rank 0 also ``trainer_state``
         and the ``manifest`` fields (model shape, config) and commits."""
         t0 = time.perf_counter()
@@ -77,9 +93,12 @@ class CheckpointSaver:
             self._inflight = self._executor().submit(self._write, pending, snapshot, extra, False)
             return SaveReport(step, "background", time.perf_counter() - t0, nbytes)
         if background and self.rank == 0:
-            print(f"checkpoint step {step}: {nbytes / 2**30:.2f} GiB do not fit beside training in the host memory "
-                  f"available ({self._available() / 2**30:.2f} GiB); writing them before training goes on",
-                  file=sys.stderr, flush=True)
+            print(
+                f"checkpoint step {step}: {nbytes / 2**30:.2f} GiB do not fit beside training in the host memory "
+                f"available ({self._available() / 2**30:.2f} GiB); writing them before training goes on",
+                file=sys.stderr,
+                flush=True,
+            )
         self.last_path = self._write(pending, states, extra, show_progress=True)
         return SaveReport(step, "sync", time.perf_counter() - t0, nbytes)
 
@@ -105,11 +124,22 @@ class CheckpointSaver:
             raise RuntimeError("CheckpointSaver used after close()")
         return self._pool
 
-    def _write(self, pending: PendingCheckpoint, states: Sequence[LayerState], extra: dict[str, dict[str, Any]],
-               show_progress: bool) -> Path | None:
+    def _write(
+        self,
+        pending: PendingCheckpoint,
+        states: Sequence[LayerState],
+        extra: dict[str, dict[str, Any]],
+        show_progress: bool,
+    ) -> Path | None:
         # a bar on rank 0's terminal, only for writes long enough to watch (tqdm's delay)
-        bar = tqdm(total=len(states), desc=f"checkpoint step {pending.step}", unit="layer", delay=1.0, file=sys.stderr,
-                   disable=not (show_progress and self.rank == 0 and sys.stderr.isatty()))
+        bar = tqdm(
+            total=len(states),
+            desc=f"checkpoint step {pending.step}",
+            unit="layer",
+            delay=1.0,
+            file=sys.stderr,
+            disable=not (show_progress and self.rank == 0 and sys.stderr.isatty()),
+        )
         with bar:
             for state in states:
                 pending.write_file(layer_filename(state.layer), encode_layer(state), layer=state.layer, rank=self.rank)
@@ -119,5 +149,6 @@ class CheckpointSaver:
         pending.finish_rank(self.rank)
         if self.rank != 0:
             return None
-        return pending.commit(world=self.world, manifest=extra["manifest"], keep=self.keep, timeout_s=self.commit_timeout_s)
-
+        return pending.commit(
+            world=self.world, manifest=extra["manifest"], keep=self.keep, timeout_s=self.commit_timeout_s
+        )

@@ -89,8 +89,13 @@ class PendingCheckpoint:
         files: dict[str, dict[str, Any]] = {}
         for rank in range(world):
             files.update(self._wait_record(rank, timeout_s))
-        body = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": self.step, **manifest,
-                "files": dict(sorted(files.items()))}
+        body = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            **manifest,
+            "files": dict(sorted(files.items())),
+        }
         write_durable(self.path / MANIFEST, (json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
         for rank in range(world):
             (self.path / f"rank-{rank}.done.json").unlink(missing_ok=True)
@@ -113,8 +118,10 @@ class PendingCheckpoint:
         deadline = time.monotonic() + timeout_s
         while not record.exists():
             if time.monotonic() > deadline:
-                raise CheckpointError(f"checkpoint {self.path}: rank {rank} did not finish writing its layers within "
-                                      f"{timeout_s:.0f} s; the previous checkpoint stays the latest")
+                raise CheckpointError(
+                    f"checkpoint {self.path}: rank {rank} did not finish writing its layers within "
+                    f"{timeout_s:.0f} s; the previous checkpoint stays the latest"
+                )
             time.sleep(0.02)
         return json.loads(record.read_text())["files"]
 

@@ -54,7 +54,9 @@ EMULATED_DEVICE = "emulated"
 ASSUMED_CPUS: dict[str, dict[str, float]] = {
     # host_memory_gib: the node's RAM (the SysX paper's nodes have 512 GB; the 9654 node is assumed
     # with one 64 GiB DIMM per channel)
-    "epyc7452": dict(cores=32, adam_gparams_per_thread=0.1, host_memory_gib=512),  # the SysX paper's nodes (AMD EPYC 7452)
+    "epyc7452": dict(
+        cores=32, adam_gparams_per_thread=0.1, host_memory_gib=512
+    ),  # the SysX paper's nodes (AMD EPYC 7452)
     "epyc9654": dict(cores=96, adam_gparams_per_thread=0.15, host_memory_gib=768),  # 12 DDR5-4800 channels
 }
 # GPU<->GPU messages inside a node and between nodes (GB/s one way, latency in microseconds).

@@ -64,7 +64,11 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         with initialize_config_dir(config_dir=str(config_dir()), job_name="sysx", version_base="1.3"):
             cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
         OmegaConf.resolve(cfg)
-    except (HydraException, OmegaConfBaseException, ValueError) as err:  # Hydra raises ValueError for some bad overrides
+    except (
+        HydraException,
+        OmegaConfBaseException,
+        ValueError,
+    ) as err:  # Hydra raises ValueError for some bad overrides
         raise ConfigError(_explain(err, overrides)) from None
     return cfg
 
@@ -212,6 +216,8 @@ def _check_keys(node: Any, schema: Any, prefix: str = "") -> None:
             raise ConfigError(_unknown_key(prefix + str(key)))
     for name in names:
         if name not in node:
-            raise ConfigError(f"{prefix}{name} was removed; every key is needed, set a value instead (e.g. {prefix}{name}=...)")
+            raise ConfigError(
+                f"{prefix}{name} was removed; every key is needed, set a value instead (e.g. {prefix}{name}=...)"
+            )
         if dataclasses.is_dataclass(hints[name]):
             _check_keys(node[name], hints[name], f"{prefix}{name}.")

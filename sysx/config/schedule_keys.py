@@ -9,7 +9,7 @@ needs the schedule that actually runs, so ``schedule=auto`` is checked once it i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from sysx.config.checks import ConfigError
 from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
@@ -22,36 +22,64 @@ _SEVERAL_STAGES = ", ".join(s for s in PIPELINE_SCHEDULES if s not in ONE_STAGE_
 def _set_fields(section: Any) -> list[tuple[str, Any]]:
     """``(key, value)`` of the fields of ``section`` that differ from its dataclass default."""
     default = type(section)()
-    return [(f.name, getattr(section, f.name)) for f in dataclasses.fields(section)
-            if getattr(section, f.name) != getattr(default, f.name)]
+    return [
+        (f.name, getattr(section, f.name))
+        for f in dataclasses.fields(section)
+        if getattr(section, f.name) != getattr(default, f.name)
+    ]
 
 
 def _refuse(key: str, value: Any, schedule: str, why: str, fix: str) -> None:
     raise ConfigError(f"{key}={value} is not valid for {schedule}: {why}, so the key would be ignored; {fix}")
 
 
-def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: Optional[SingleSection] = None) -> None:
+def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: SingleSection | None = None) -> None:
     """Raise :class:`ConfigError` for the first key of ``section`` (``schedule.*``) or ``single``
     (``single.*``) that schedule ``schedule`` (a resolved name, never ``auto``) does not read."""
     pipeline_keys = [(k, v) for k, v in _set_fields(section) if k != "name"]
     if schedule in ("single", "reference"):
         for key, value in pipeline_keys:
-            _refuse(f"schedule.{key}", value, schedule, "it runs one process without a pipeline",
-                    f"remove it or use one of {_PIPELINES}")
+            _refuse(
+                f"schedule.{key}",
+                value,
+                schedule,
+                "it runs one process without a pipeline",
+                f"remove it or use one of {_PIPELINES}",
+            )
     if schedule not in PIPELINE_SCHEDULES:
         return
     for key, value in _set_fields(single) if single is not None else []:
-        _refuse(f"single.{key}", value, schedule, "single.* configures schedule=single only",
-                "remove it or use schedule=single")
+        _refuse(
+            f"single.{key}",
+            value,
+            schedule,
+            "single.* configures schedule=single only",
+            "remove it or use schedule=single",
+        )
     values = dict(pipeline_keys)
     if schedule in ONE_STAGE_PER_RANK and values.get("stages_per_rank", 1) != 1:
-        _refuse("schedule.stages_per_rank", values["stages_per_rank"], schedule, "it places one stage per rank",
-                f"remove it or use schedule={_SEVERAL_STAGES} for several stages per rank")
+        _refuse(
+            "schedule.stages_per_rank",
+            values["stages_per_rank"],
+            schedule,
+            "it places one stage per rank",
+            f"remove it or use schedule={_SEVERAL_STAGES} for several stages per rank",
+        )
     if schedule != "sysx":
         ignored = [k for k in ("split", "cfg") if k in values and not (k == "split" and values[k] == 1)]
         for key in ignored:
-            _refuse(f"schedule.{key}", values[key], schedule, f"only sysx reads schedule.{key}",
-                    "remove it or use schedule=sysx")
+            _refuse(
+                f"schedule.{key}",
+                values[key],
+                schedule,
+                f"only sysx reads schedule.{key}",
+                "remove it or use schedule=sysx",
+            )
     elif section.cfg == 0 and values.get("split", 1) != 1:
-        _refuse("schedule.split", values["split"], "sysx with schedule.cfg=0",
-                "CFG0 runs whole-stage backwards (d=1)", "remove it or use schedule.cfg=1, 2 or 3")
+        _refuse(
+            "schedule.split",
+            values["split"],
+            "sysx with schedule.cfg=0",
+            "CFG0 runs whole-stage backwards (d=1)",
+            "remove it or use schedule.cfg=1, 2 or 3",
+        )

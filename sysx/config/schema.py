@@ -70,8 +70,19 @@ def validate(cfg: SysxConfig) -> None:
     check_int("seed", cfg.seed, 0)
     if not str(cfg.run_dir).strip():
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
-    for section in (cfg.train, cfg.optim, cfg.loss_scale, cfg.log, cfg.eval, cfg.single, cfg.data, cfg.schedule,
-                    cfg.checkpoint, cfg.profile, cfg.emulate):
+    for section in (
+        cfg.train,
+        cfg.optim,
+        cfg.loss_scale,
+        cfg.log,
+        cfg.eval,
+        cfg.single,
+        cfg.data,
+        cfg.schedule,
+        cfg.checkpoint,
+        cfg.profile,
+        cfg.emulate,
+    ):
         section.validate()
     check_profile_window(cfg)
     check_emulation(cfg)
@@ -82,7 +93,11 @@ def validate(cfg: SysxConfig) -> None:
         fail("single.seq_chunk", chunk, f"must divide train.seq_len={cfg.train.seq_len} (or 0 = automatic)")
     max_seq_len = model_config(cfg).max_seq_len
     if cfg.train.seq_len > max_seq_len:
-        fail("train.seq_len", cfg.train.seq_len, f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)")
+        fail(
+            "train.seq_len",
+            cfg.train.seq_len,
+            f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)",
+        )
 
 
 def check_profile_window(cfg: SysxConfig) -> None:
@@ -90,11 +105,20 @@ def check_profile_window(cfg: SysxConfig) -> None:
     for key in ("timeline_steps", "nsys_steps"):
         window = getattr(cfg.profile, key)
         if window is not None and window[1] >= cfg.train.steps:
-            fail(f"profile.{key}", list(window), f"the run's steps are 0..{cfg.train.steps - 1} (train.steps="
-                 f"{cfg.train.steps}); end the window before that or raise train.steps")
+            fail(
+                f"profile.{key}",
+                list(window),
+                f"the run's steps are 0..{cfg.train.steps - 1} (train.steps="
+                f"{cfg.train.steps}); end the window before that or raise train.steps",
+            )
     if cfg.profile.timeline_steps is not None and cfg.schedule.name == "reference":
-        fail("profile.timeline_steps", list(cfg.profile.timeline_steps), "schedule=reference records no timeline; "
-             "remove it or use a pipeline schedule or schedule=single")
+        fail(
+            "profile.timeline_steps",
+            list(cfg.profile.timeline_steps),
+            "schedule=reference records no timeline; remove it or use a pipeline schedule or schedule=single",
+        )
+
+
 def check_emulation(cfg: SysxConfig) -> None:
     """``emulate.*`` is read with ``device=emulated`` only, which runs the pipeline schedules with a
     job model of the emulated preset's layer count."""
@@ -102,16 +126,27 @@ def check_emulation(cfg: SysxConfig) -> None:
         default = EmulateSection()
         for f in dataclasses.fields(EmulateSection):
             if getattr(cfg.emulate, f.name) != getattr(default, f.name):
-                fail(f"emulate.{f.name}", getattr(cfg.emulate, f.name),
-                     f"it is read with device={EMULATED_DEVICE} only; remove it or add device={EMULATED_DEVICE}")
+                fail(
+                    f"emulate.{f.name}",
+                    getattr(cfg.emulate, f.name),
+                    f"it is read with device={EMULATED_DEVICE} only; remove it or add device={EMULATED_DEVICE}",
+                )
         return
     if cfg.schedule.name in ("single", "reference"):
-        fail("device", EMULATED_DEVICE, f"it emulates a multi-GPU pipeline, not schedule={cfg.schedule.name}; use "
-             f"schedule=sysx (or gpipe, 1f1b, interleaved_1f1b, mobius)")
+        fail(
+            "device",
+            EMULATED_DEVICE,
+            f"it emulates a multi-GPU pipeline, not schedule={cfg.schedule.name}; use "
+            f"schedule=sysx (or gpipe, 1f1b, interleaved_1f1b, mobius)",
+        )
     layers = cfg.emulate.preset_layers()
     if cfg.model.n_layers is not None and cfg.model.n_layers != layers:
-        fail("model.n_layers", cfg.model.n_layers, f"device={EMULATED_DEVICE} runs the job model with the {layers} layers "
-             f"of emulate.model={cfg.emulate.model}; remove model.n_layers (it is set to {layers}) or set {layers}")
+        fail(
+            "model.n_layers",
+            cfg.model.n_layers,
+            f"device={EMULATED_DEVICE} runs the job model with the {layers} layers "
+            f"of emulate.model={cfg.emulate.model}; remove model.n_layers (it is set to {layers}) or set {layers}",
+        )
 
 
 def model_config(cfg: SysxConfig) -> ModelConfig:

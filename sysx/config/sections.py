@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from sysx.config.checks import ConfigError, check_choice, check_int, check_positive, fail, first_line
 from sysx.config.choices import (
@@ -60,22 +60,22 @@ class ModelSection:
     preset's value, a field that is set replaces it."""
 
     preset: str = "tiny"
-    vocab_size: Optional[int] = None
-    dim: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
-    ffn_dim: Optional[int] = None
-    norm_eps: Optional[float] = None
-    rope_theta: Optional[float] = None
-    max_seq_len: Optional[int] = None
-    tie_embeddings: Optional[bool] = None
-    rope_type: Optional[str] = None  # default | llama3 (Llama-3.1 scaling: the four rope_* fields below)
-    rope_factor: Optional[float] = None
-    rope_low_freq_factor: Optional[float] = None
-    rope_high_freq_factor: Optional[float] = None
-    rope_original_max_len: Optional[int] = None
-    init_from: Optional[str] = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    norm_eps: float | None = None
+    rope_theta: float | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+    rope_type: str | None = None  # default | llama3 (Llama-3.1 scaling: the four rope_* fields below)
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_len: int | None = None
+    init_from: str | None = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
 
     def resolve(self) -> ModelConfig:
         """The :class:`sysx.model.ModelConfig`: the preset with the fields that are set, checked; with
@@ -112,8 +112,12 @@ class ModelSection:
         for name in MODEL_OVERRIDE_FIELDS:
             value = getattr(self, name)
             if value is not None and name != "max_seq_len" and value != getattr(shape, name):
-                fail(f"model.{name}", value, f"model.init_from={self.init_from} has {name}={getattr(shape, name)}; "
-                     f"remove model.{name} (the shape comes from the pretrained weights)")
+                fail(
+                    f"model.{name}",
+                    value,
+                    f"model.init_from={self.init_from} has {name}={getattr(shape, name)}; "
+                    f"remove model.{name} (the shape comes from the pretrained weights)",
+                )
         if self.max_seq_len is not None:
             shape = dataclasses.replace(shape, max_seq_len=self.max_seq_len)
         return shape
@@ -127,17 +131,21 @@ class ScheduleSection:
     single with one). The other keys are read by the pipeline schedules only."""
 
     name: str = "auto"
-    stages_per_rank: Optional[int] = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
-    split: Optional[int] = None  # sysx: backward sub-stages per forward stage d (null: 3 when possible (2 with cfg=1), else 2, else 1)
+    stages_per_rank: int | None = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
+    split: int | None = (
+        None  # sysx: backward sub-stages per forward stage d (null: 3 when possible (2 with cfg=1), else 2, else 1)
+    )
     cfg: int = 3  # sysx ablation (paper Table 3): 0 decoupled passes, 1 +sub-stages, 2 +async ckpts, 3 +async optimizer
     param_buffers: int = 2  # device parameter buffers per rank (2 = current + prefetch)
-    stage_sizes: Optional[list[int]] = None  # manual partition: flat layers (embedding, blocks, head) per forward stage
-    verify_transfers: Optional[bool] = None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
+    stage_sizes: list[int] | None = None  # manual partition: flat layers (embedding, blocks, head) per forward stage
+    verify_transfers: bool | None = (
+        None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
+    )
     timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
     # choose stages/rank, split, cfg, buffers, micro-batch split, optim.workers by profile + simulation
     # (null: true for schedule=auto with several processes unless stages_per_rank, split or
     # stage_sizes are given; false otherwise)
-    tune: Optional[bool] = None
+    tune: bool | None = None
 
     def validate(self) -> None:
         """Ranges of the pipeline keys (which schedule reads which: :mod:`sysx.config.schedule_keys`)."""
@@ -147,17 +155,28 @@ class ScheduleSection:
             if getattr(self, key) is not None:
                 check_int(f"schedule.{key}", getattr(self, key), 1)
         if self.cfg not in SYSX_CFGS:
-            fail("schedule.cfg", self.cfg,
-                 f"allowed: {', '.join(map(str, SYSX_CFGS))} (sysx ablation configs of the paper's Table 3)")
+            fail(
+                "schedule.cfg",
+                self.cfg,
+                f"allowed: {', '.join(map(str, SYSX_CFGS))} (sysx ablation configs of the paper's Table 3)",
+            )
         check_int("schedule.param_buffers", self.param_buffers, 1)
         if self.stage_sizes is not None and (not self.stage_sizes or min(self.stage_sizes) < 1):
-            fail("schedule.stage_sizes", list(self.stage_sizes), "must be positive layer counts, one per forward stage, e.g. [3,3]")
+            fail(
+                "schedule.stage_sizes",
+                list(self.stage_sizes),
+                "must be positive layer counts, one per forward stage, e.g. [3,3]",
+            )
         check_positive("schedule.timeout_s", self.timeout_s, " seconds")
         if self.tune is not None and not isinstance(self.tune, bool):
-            fail("schedule.tune", repr(self.tune), "must be true, false or null (true for schedule=auto with several processes)")
+            fail(
+                "schedule.tune",
+                repr(self.tune),
+                "must be true, false or null (true for schedule=auto with several processes)",
+            )
 
 
-def check_host_adam(backend: str, rollback: str, workers: Optional[int]) -> None:
+def check_host_adam(backend: str, rollback: str, workers: int | None) -> None:
     """The host CPU Adam keys (``optim.backend``, ``optim.rollback``, ``optim.workers``)."""
     check_choice("optim.backend", backend, OPTIM_BACKENDS)
     check_choice("optim.rollback", rollback, ROLLBACKS)
@@ -178,11 +197,15 @@ class OptimSection:
     min_lr: float = 0.0001
     grad_clip: float = 1.0
     backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
-    rollback: str = "undo"  # undoing a step on overflow: undo | snapshot | exact | auto (exact if host memory allows, else undo)
-    workers: Optional[int] = None  # optimizer threads per rank (null: from the core plan)
+    rollback: str = (
+        "undo"  # undoing a step on overflow: undo | snapshot | exact | auto (exact if host memory allows, else undo)
+    )
+    workers: int | None = None  # optimizer threads per rank (null: from the core plan)
     speculate: str = "auto"  # step before validating: auto (while recent steps were clean) | always | never
     speculate_after: int = SPECULATE_AFTER  # auto: clean steps after a clipped/overflowed one before speculating again
-    placement: str = "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
+    placement: str = (
+        "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
+    )
 
     def validate(self) -> None:
         """Choices and ranges of ``optim.*``."""
@@ -209,9 +232,9 @@ class DataSection:
     """``data=default`` (stdlib byte corpus) or ``data=file data.path=<tokens.bin>``."""
 
     name: str = "default"
-    path: Optional[str] = None
-    dtype: Optional[str] = None  # uint16 | uint32, for a .bin without metadata (e.g. nanoGPT's GPT-2 files)
-    vocab_size: Optional[int] = None  # likewise
+    path: str | None = None
+    dtype: str | None = None  # uint16 | uint32, for a .bin without metadata (e.g. nanoGPT's GPT-2 files)
+    vocab_size: int | None = None  # likewise
 
     def validate(self) -> None:
         """The source, and the file's format when it has no metadata."""
@@ -226,7 +249,11 @@ class DataSection:
             # data=default trains on the built-in corpus; a file key set beside it would be silently ignored
             for key in ("path", "dtype", "vocab_size"):
                 if getattr(self, key) is not None:
-                    fail(f"data.{key}", getattr(self, key), f"data=default ignores it; add data=file to train on a token file")
+                    fail(
+                        f"data.{key}",
+                        getattr(self, key),
+                        "data=default ignores it; add data=file to train on a token file",
+                    )
 
 
 @dataclass
@@ -253,7 +280,7 @@ class CheckpointSection:
     ``dir`` (null: ``<run_dir>/checkpoints``), keeping the newest ``keep``."""
 
     every: int = 0
-    dir: Optional[str] = None
+    dir: str | None = None
     keep: int = 2
     export_hf: bool = False  # also write the final weights as a Hugging Face folder (<run_dir>/hf)
     on_signal: bool = False  # on SIGINT/SIGTERM finish the step and save before stopping
@@ -336,21 +363,31 @@ class SingleSection:
     def validate(self) -> None:
         """Budgets and counts are >= 0 (0 = automatic); policy, overlap and hardware are known."""
         if self.device_memory_gb < 0:
-            raise ConfigError(f"single.device_memory_gb={self.device_memory_gb} must be >= 0 (0 = all free device memory)")
+            raise ConfigError(
+                f"single.device_memory_gb={self.device_memory_gb} must be >= 0 (0 = all free device memory)"
+            )
         if self.host_memory_gb < 0:
-            raise ConfigError(f"single.host_memory_gb={self.host_memory_gb} must be >= 0 (0 = all available host memory)")
+            raise ConfigError(
+                f"single.host_memory_gb={self.host_memory_gb} must be >= 0 (0 = all available host memory)"
+            )
         for name in ("micro_batch_size", "round_sequences", "window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"single.{name}={getattr(self, name)} must be >= 0 (0 = automatic)")
         if not isinstance(self.seq_chunk, int) or isinstance(self.seq_chunk, bool) or self.seq_chunk < 0:
-            raise ConfigError(f"single.seq_chunk={self.seq_chunk} must be a whole number of tokens >= 0 that divides "
-                              f"train.seq_len (0 = automatic)")
+            raise ConfigError(
+                f"single.seq_chunk={self.seq_chunk} must be a whole number of tokens >= 0 that divides "
+                f"train.seq_len (0 = automatic)"
+            )
         policy = str(self.policy)
         if policy not in POLICIES and not (policy.isdigit() and int(policy) < len(SAVE_LEVELS)):
-            raise ConfigError(f"single.policy={self.policy} is not valid; allowed: {', '.join(POLICIES)} "
-                              f"or a level 0..{len(SAVE_LEVELS) - 1}")
+            raise ConfigError(
+                f"single.policy={self.policy} is not valid; allowed: {', '.join(POLICIES)} "
+                f"or a level 0..{len(SAVE_LEVELS) - 1}"
+            )
         if self.optimizer_overlap not in OVERLAPS:
-            raise ConfigError(f"single.optimizer_overlap={self.optimizer_overlap} is not valid; allowed: {', '.join(OVERLAPS)}")
+            raise ConfigError(
+                f"single.optimizer_overlap={self.optimizer_overlap} is not valid; allowed: {', '.join(OVERLAPS)}"
+            )
         if self.hardware not in HARDWARE:
             raise ConfigError(f"single.hardware={self.hardware} is not valid; allowed: {', '.join(HARDWARE)}")
 
@@ -360,17 +397,20 @@ class ProfileSection:
     """``profile.*``: what a run records about its own time (``profiling/README.md``). Steps are
     0-based indices ``[first, last]``, both included."""
 
-    timeline_steps: Optional[list[int]] = None  # record these steps: timeline.json, timeline.png, plan.png in run_dir
+    timeline_steps: list[int] | None = None  # record these steps: timeline.json, timeline.png, plan.png in run_dir
     nvtx: bool = False  # NVTX ranges on every op, copy and optimizer job (also SYSX_NVTX=1)
-    nsys_steps: Optional[list[int]] = None  # CUDA profiler capture range for nsys --capture-range=cudaProfilerApi
+    nsys_steps: list[int] | None = None  # CUDA profiler capture range for nsys --capture-range=cudaProfilerApi
 
     def validate(self) -> None:
         """Each window is two steps ``0 <= first <= last`` or null."""
         for key in ("timeline_steps", "nsys_steps"):
             value = getattr(self, key)
             if value is not None and (len(value) != 2 or not 0 <= value[0] <= value[1]):
-                fail(f"profile.{key}", list(value), "give [first,last] step indices with 0 <= first <= last, "
-                     "e.g. [3,5], or null (off)")
+                fail(
+                    f"profile.{key}",
+                    list(value),
+                    "give [first,last] step indices with 0 <= first <= last, e.g. [3,5], or null (off)",
+                )
 
 
 @dataclass
@@ -391,8 +431,8 @@ class EmulateSection:
     cpu: str = "epyc7452"
     net: str = "pcie3_ib_hdr"
     model: str = "llama2_10b"
-    seq_len: Optional[int] = None
-    micro_batch_size: Optional[int] = None
+    seq_len: int | None = None
+    micro_batch_size: int | None = None
     time_scale: float = 0.1
     warmup_steps: int = 1
     max_late: float = 0.05
@@ -408,7 +448,9 @@ class EmulateSection:
         for key in ("seq_len", "micro_batch_size"):
             if getattr(self, key) is not None:
                 check_int(f"emulate.{key}", getattr(self, key), 1)
-        check_positive("emulate.time_scale", self.time_scale, " (0.1: the emulated cluster runs 10x slower than modelled)")
+        check_positive(
+            "emulate.time_scale", self.time_scale, " (0.1: the emulated cluster runs 10x slower than modelled)"
+        )
         check_int("emulate.warmup_steps", self.warmup_steps, 0)
         if not 0 < self.max_late < 1:
             fail("emulate.max_late", self.max_late, "must be in (0, 1), e.g. 0.05 (5% of the iteration)")

@@ -33,7 +33,9 @@ DEFAULT_MAX_BYTES = 12 * 2**20  # ~10 MB of sources on CPython 3.11: builds in w
 MIN_BYTES = 2**20  # less than this is not a useful corpus: the Python install has no sources
 VAL_FRACTION = 0.01
 # Directories skipped anywhere in the tree: installed packages, test suites, caches, generated tables.
-SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"})
+SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
+)
 
 
 def cache_dir() -> Path:
@@ -67,7 +69,9 @@ def stdlib_sources(root: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple
 
 def corpus_key(sources: list[tuple[str, int]], max_bytes: int) -> str:
     """Cache key: corpus version, Python implementation and version, cap, and the file list."""
-    payload = json.dumps([CORPUS_VERSION, sys.implementation.name, list(sys.version_info[:3]), max_bytes, VAL_FRACTION, sources])
+    payload = json.dumps(
+        [CORPUS_VERSION, sys.implementation.name, list(sys.version_info[:3]), max_bytes, VAL_FRACTION, sources]
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -103,7 +107,9 @@ def _build(bin_path: Path, root: Path, sources: list[tuple[str, int]], progress:
     tok = ByteTokenizer()
     total = sum(size for _, size in sources)
     with TokenWriter(bin_path, vocab_size=tok.vocab_size, tokenizer=tok.describe(), dtype="uint16") as writer:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="default corpus", delay=1.0, disable=not progress) as bar:
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc="default corpus", delay=1.0, disable=not progress
+        ) as bar:
             for rel, size in sources:
                 data = (root / rel).read_bytes()
                 if data and not data.endswith(b"\n"):
@@ -146,8 +152,10 @@ def ensure_default_corpus(
             _build(bin_path, root, sources, progress)
     except OSError as exc:
         where = "SYSX_CACHE_DIR" if os.environ.get("SYSX_CACHE_DIR") else "the cache directory"
-        raise DataError(f"{where}={out_dir.parent} is not writable ({exc.strerror or exc}): the default corpus is "
-                        "built there once; set SYSX_CACHE_DIR to a writable directory") from None
+        raise DataError(
+            f"{where}={out_dir.parent} is not writable ({exc.strerror or exc}): the default corpus is "
+            "built there once; set SYSX_CACHE_DIR to a writable directory"
+        ) from None
     return bin_path, True
 
 

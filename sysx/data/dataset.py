@@ -49,18 +49,26 @@ def _memmap(path: Path, dtype: np.dtype, meta: Path | None = None) -> np.memmap:
     if size == 0:
         raise DataError(f"token file {path} is empty; rebuild it with `sysx data prepare`")
     if size % dtype.itemsize and meta is not None:
-        raise DataError(f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name} per "
-                        f"{meta}): the file is truncated; rebuild it with `sysx data prepare`")
+        raise DataError(
+            f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name} per "
+            f"{meta}): the file is truncated; rebuild it with `sysx data prepare`"
+        )
     if size % 2:
-        raise DataError(f"token file {path} has {size} bytes, an odd count no token dtype fits (data.dtype={dtype.name}): "
-                        "the file is truncated; rebuild it")
+        raise DataError(
+            f"token file {path} has {size} bytes, an odd count no token dtype fits (data.dtype={dtype.name}): "
+            "the file is truncated; rebuild it"
+        )
     if size % dtype.itemsize:
-        raise DataError(f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize}: "
-                        f"data.dtype={dtype.name} is wrong (try data.dtype=uint16) or the file is truncated")
+        raise DataError(
+            f"token file {path} has {size} bytes, not a multiple of {dtype.itemsize}: "
+            f"data.dtype={dtype.name} is wrong (try data.dtype=uint16) or the file is truncated"
+        )
     try:
         return np.memmap(path, dtype=dtype, mode="r")
     except OSError as exc:
-        raise DataError(f"cannot read token file {path}: {exc.strerror or exc}; check data.path and its permissions") from None
+        raise DataError(
+            f"cannot read token file {path}: {exc.strerror or exc}; check data.path and its permissions"
+        ) from None
 
 
 class TokenDataset:
@@ -71,7 +79,9 @@ class TokenDataset:
         if path.is_dir():
             path = path / "train.bin"
         if not path.is_file():
-            raise DataError(f"token file not found: {path}; build one with `sysx data prepare --input ... --output {path}`")
+            raise DataError(
+                f"token file not found: {path}; build one with `sysx data prepare --input ... --output {path}`"
+            )
         self.path = path
         self.meta, self.meta_source = self._find_meta(path)
         self.dtype = self._resolve("dtype", dtype, self.meta.get("dtype"))
@@ -111,8 +121,10 @@ class TokenDataset:
 
     def _resolve(self, key: str, given: Any, found: Any) -> Any:
         if given is not None and found is not None and str(given) != str(found):
-            raise DataError(f"data.{key}={given} contradicts {self.meta_source}, which says {key}={found} for "
-                            f"{self.path}; drop data.{key} or set data.{key}={found}")
+            raise DataError(
+                f"data.{key}={given} contradicts {self.meta_source}, which says {key}={found} for "
+                f"{self.path}; drop data.{key} or set data.{key}={found}"
+            )
         value = given if given is not None else found
         if value is None:
             hint = "data.dtype=uint16 (nanoGPT's default)" if key == "dtype" else "data.vocab_size=50257 for GPT-2 ids"
@@ -161,8 +173,10 @@ class TokenDataset:
         train = self._splits["train"]
         n_val = max(int(len(train) * fraction), min_tokens)
         if 2 * n_val > len(train):
-            raise DataError(f"{self.path} has {len(train)} tokens and no val split, too few to carve {n_val} val tokens "
-                            "from its end; set eval.every=0 or give it a val split (`sysx data prepare --val-fraction 0.01`)")
+            raise DataError(
+                f"{self.path} has {len(train)} tokens and no val split, too few to carve {n_val} val tokens "
+                "from its end; set eval.every=0 or give it a val split (`sysx data prepare --val-fraction 0.01`)"
+            )
         self._splits["train"], self._splits["val"] = train[: len(train) - n_val], train[len(train) - n_val :]
         return n_val
 

@@ -110,7 +110,9 @@ class TokenWriter:
     existing file at ``path`` untouched.
     """
 
-    def __init__(self, path: str | Path, *, vocab_size: int, tokenizer: dict[str, Any], dtype: str | None = None) -> None:
+    def __init__(
+        self, path: str | Path, *, vocab_size: int, tokenizer: dict[str, Any], dtype: str | None = None
+    ) -> None:
         self.path = Path(path)
         if self.path.suffix != ".bin":
             raise DataError(f"token file name must end with .bin, got {self.path}")
@@ -132,9 +134,7 @@ class TokenWriter:
         if arr.size == 0:
             return
         if arr.min() < 0 or arr.max() >= self.vocab_size:
-            raise DataError(
-                f"token id out of range [0, {self.vocab_size}): min {int(arr.min())}, max {int(arr.max())}"
-            )
+            raise DataError(f"token id out of range [0, {self.vocab_size}): min {int(arr.min())}, max {int(arr.max())}")
         data = arr.astype(self._np_dtype, copy=False).tobytes()
         self._file.write(data)
         self._sha.update(data)
@@ -174,6 +174,8 @@ class TokenWriter:
     def __enter__(self) -> TokenWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None or self._tmp.exists():
             self.abort()

@@ -1,8 +1,8 @@
 """``sysx data``: make token files from text (``prepare``), inspect them (``info``), build the default corpus.
 
-    sysx data prepare --input FILES_OR_DIRS... --output out.bin [--tokenizer byte|tokenizer.json] [--val-fraction 0.01]
-    sysx data info PATH [--dtype uint16 --vocab-size N] [--sample 200] [--check]
-    sysx data default
+sysx data prepare --input FILES_OR_DIRS... --output out.bin [--tokenizer byte|tokenizer.json] [--val-fraction 0.01]
+sysx data info PATH [--dtype uint16 --vocab-size N] [--sample 200] [--check]
+sysx data default
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def collect_inputs(inputs: Sequence[str | Path], globs: Sequence[str] = (), excl
             candidates = [path]
         elif path.is_dir():
             candidates = sorted(
-                p for p in path.rglob("*")
+                p
+                for p in path.rglob("*")
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
                 and (not globs or any(fnmatch.fnmatch(p.name, g) for g in globs))
@@ -166,8 +167,15 @@ def prepare(
     return meta
 
 
-def info(path: str | Path, *, dtype: str | None = None, vocab_size: int | None = None, split: str = "train",
-         sample: int = 200, check: bool = False) -> str:
+def info(
+    path: str | Path,
+    *,
+    dtype: str | None = None,
+    vocab_size: int | None = None,
+    split: str = "train",
+    sample: int = 200,
+    check: bool = False,
+) -> str:
     """A human-readable summary of a token file: counts, dtype, vocab, splits, source, a decoded sample."""
     ds = TokenDataset(path, dtype=dtype, vocab_size=vocab_size)
     tok_desc = {k: v for k, v in (ds.meta.get("tokenizer") or {}).items() if k != "itos"}
@@ -191,7 +199,9 @@ def info(path: str | Path, *, dtype: str | None = None, vocab_size: int | None =
             for i in range(0, len(ds.tokens), 1 << 24):
                 digest.update(np.ascontiguousarray(ds.tokens[i : i + (1 << 24)]).tobytes())
             if digest.hexdigest() != ds.meta["sha256"]:
-                raise DataError(f"{ds.path} does not match the sha256 in {ds.meta_source}: the file changed; rebuild it")
+                raise DataError(
+                    f"{ds.path} does not match the sha256 in {ds.meta_source}: the file changed; rebuild it"
+                )
             lines.append("sha256:     ok")
     ids = [int(i) for i in ds.split(split)[:sample]]
     tok = ds.tokenizer()
@@ -208,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="OUT.bin", help="token file to write")
     p.add_argument("--tokenizer", default="byte", help="`byte` (default) or a local tokenizer.json (or its directory)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="last fraction of tokens kept as the val split")
-    p.add_argument("--glob", action="append", default=[], metavar="PATTERN", help="only files matching (repeatable), e.g. '*.txt'")
+    p.add_argument(
+        "--glob", action="append", default=[], metavar="PATTERN", help="only files matching (repeatable), e.g. '*.txt'"
+    )
     p.add_argument("--eos", default="auto", help="token appended after each file: auto | none | a token string")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     i = sub.add_parser("info", help="print token count, dtype, vocab, splits and a decoded sample")
@@ -231,14 +243,31 @@ def main(argv: list[str]) -> int:
     try:
         if args.cmd == "prepare":
             start = time.perf_counter()
-            meta = prepare(args.input, args.output, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                           globs=args.glob, eos=args.eos, progress=not args.quiet)
+            meta = prepare(
+                args.input,
+                args.output,
+                tokenizer=args.tokenizer,
+                val_fraction=args.val_fraction,
+                globs=args.glob,
+                eos=args.eos,
+                progress=not args.quiet,
+            )
             splits = ", ".join(f"{k} {b - a:,}" for k, (a, b) in meta["splits"].items())
-            print(f"wrote {args.output}: {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}; "
-                  f"{splits}) from {meta['source']['files']} file(s) in {time.perf_counter() - start:.1f} s")
+            print(
+                f"wrote {args.output}: {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}; "
+                f"{splits}) from {meta['source']['files']} file(s) in {time.perf_counter() - start:.1f} s"
+            )
         elif args.cmd == "info":
-            print(info(args.path, dtype=args.dtype, vocab_size=args.vocab_size, split=args.split,
-                       sample=args.sample, check=args.check))
+            print(
+                info(
+                    args.path,
+                    dtype=args.dtype,
+                    vocab_size=args.vocab_size,
+                    split=args.split,
+                    sample=args.sample,
+                    check=args.check,
+                )
+            )
         else:
             start = time.perf_counter()
             path, built = ensure_default_corpus(progress=True)

@@ -75,8 +75,13 @@ def get_batch(
     import torch  # imported here so the data tools (`sysx data ...`) start without loading torch
 
     _check_args(
-        seed=seed, step=step, micro_batch=micro_batch, micro_batch_size=micro_batch_size,
-        seq_len=seq_len, dp_rank=dp_rank, dp_size=dp_size,
+        seed=seed,
+        step=step,
+        micro_batch=micro_batch,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
     tokens = dataset.split(split)
     first_row = (micro_batch * dp_size + dp_rank) * micro_batch_size

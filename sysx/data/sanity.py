@@ -30,7 +30,9 @@ def _looks_like_uint32_as_uint16(ids: np.ndarray) -> bool:
     return len(odd) >= 64 and not odd.any() and np.count_nonzero(even) > len(even) // 2
 
 
-def check_ids(tokens: np.ndarray, *, split: str, vocab_size: int, dtype: str, source: str, meta: str | None = None) -> None:
+def check_ids(
+    tokens: np.ndarray, *, split: str, vocab_size: int, dtype: str, source: str, meta: str | None = None
+) -> None:
     """Raise :class:`DataError` when sampled ids of ``split`` do not fit ``vocab_size`` or betray a wrong ``dtype``;
     ``meta`` names the metadata file that gave both (None: they were given as ``data.*`` keys)."""
     ids = sample_ids(tokens)
@@ -38,14 +40,22 @@ def check_ids(tokens: np.ndarray, *, split: str, vocab_size: int, dtype: str, so
         return
     top = int(ids.max())
     if dtype == "uint32" and top >= 2**16 and top >= vocab_size:
-        raise DataError(f"data.dtype=uint32 does not match {source}: {split} ids reach {top}, beyond the vocabulary "
-                        f"({vocab_size}), as uint16 ids read as uint32 do; set data.dtype=uint16")
+        raise DataError(
+            f"data.dtype=uint32 does not match {source}: {split} ids reach {top}, beyond the vocabulary "
+            f"({vocab_size}), as uint16 ids read as uint32 do; set data.dtype=uint16"
+        )
     if top >= vocab_size and meta is not None:
-        raise DataError(f"{source} has {split} ids up to {top} but {meta} says vocab_size={vocab_size}: the file or its "
-                        "metadata is corrupt; rebuild it with `sysx data prepare`")
+        raise DataError(
+            f"{source} has {split} ids up to {top} but {meta} says vocab_size={vocab_size}: the file or its "
+            "metadata is corrupt; rebuild it with `sysx data prepare`"
+        )
     if top >= vocab_size:
-        raise DataError(f"data.vocab_size={vocab_size} is too small for {source}: {split} ids reach {top}; "
-                        f"set data.vocab_size={top + 1} or larger (the tokenizer's vocabulary size)")
+        raise DataError(
+            f"data.vocab_size={vocab_size} is too small for {source}: {split} ids reach {top}; "
+            f"set data.vocab_size={top + 1} or larger (the tokenizer's vocabulary size)"
+        )
     if dtype == "uint16" and _looks_like_uint32_as_uint16(ids):
-        raise DataError(f"data.dtype=uint16 does not match {source}: every second {split} id is 0, as uint32 ids "
-                        "read as uint16 are; set data.dtype=uint32")
+        raise DataError(
+            f"data.dtype=uint16 does not match {source}: every second {split} id is 0, as uint32 ids "
+            "read as uint16 are; set data.dtype=uint32"
+        )

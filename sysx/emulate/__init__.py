@@ -15,7 +15,19 @@ from sysx.emulate.report import StepStats, describe, merge_report
 from sysx.emulate.streams import EmulatedEvent, EmulatedStream, sleep_until
 
 __all__ = [
-    "EmulatedCluster", "EmulatedEvent", "EmulatedModel", "EmulatedPacer", "EmulatedPlan", "EmulatedStream", "Pacer",
-    "StepStats", "cluster", "describe", "emulated_costs", "emulated_model", "merge_report", "plan_emulation",
+    "EmulatedCluster",
+    "EmulatedEvent",
+    "EmulatedModel",
+    "EmulatedPacer",
+    "EmulatedPlan",
+    "EmulatedStream",
+    "Pacer",
+    "StepStats",
+    "cluster",
+    "describe",
+    "emulated_costs",
+    "emulated_model",
+    "merge_report",
+    "plan_emulation",
     "sleep_until",
 ]

@@ -26,7 +26,6 @@ from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable, costs_from_model
 from sysx.schedule.simulate import Timeline, simulate
 
-
 # An undo's time in steps of the same stage, by optim.rollback (profiling/RESULTS.md "Rollback
 # cost", DeepSpeed at 50M elements: undo 215.8 ms vs a step 26.7 ms; snapshot restores p, m, v
 # by a copy like the one its step adds, +38.0 ms; exact rolls back by not switching its sets, and
@@ -71,18 +70,30 @@ def optimizer_workers(hw: EmulatedCluster, schedule: Schedule, *, backend: str, 
     return split_workers(hw.threads_per_rank, n_stages=owned, backend=backend, workers=workers)[0]
 
 
-def emulated_costs(hw: EmulatedCluster, model: EmulatedModel, *, precision: str, workers: int,
-                   async_optimizer: bool) -> Costs:
+def emulated_costs(
+    hw: EmulatedCluster, model: EmulatedModel, *, precision: str, workers: int, async_optimizer: bool
+) -> Costs:
     """:func:`costs_from_model` of ``model`` on ``hw`` (see the module doc for sends and workers)."""
     work = "float32" if precision == "fp32" else "bfloat16"
     per_worker = hw.adam_params_per_thread_s * hw.threads_per_rank / (workers if async_optimizer else 1)
     return costs_from_model(
-        model.config, model.seq_len, model.micro_batch_size, gpu_flops=hw.gpu_flops,
-        dtype_bytes=4 if precision == "fp32" else 2, host_bytes_per_param=float(training_state_bytes(work).optimizer),
-        p2p_bandwidth=hw.intra_bandwidth, p2p_latency=hw.intra_latency, h2d_bandwidth=hw.h2d_bandwidth,
-        d2h_bandwidth=hw.d2h_bandwidth, optim_params_per_s=per_worker,
-        optim_workers=workers if async_optimizer else None, posted_sends=True, gpus_per_node=hw.gpus_per_node,
-        inter_p2p_bandwidth=hw.inter_bandwidth, inter_p2p_latency=hw.inter_latency)
+        model.config,
+        model.seq_len,
+        model.micro_batch_size,
+        gpu_flops=hw.gpu_flops,
+        dtype_bytes=4 if precision == "fp32" else 2,
+        host_bytes_per_param=float(training_state_bytes(work).optimizer),
+        p2p_bandwidth=hw.intra_bandwidth,
+        p2p_latency=hw.intra_latency,
+        h2d_bandwidth=hw.h2d_bandwidth,
+        d2h_bandwidth=hw.d2h_bandwidth,
+        optim_params_per_s=per_worker,
+        optim_workers=workers if async_optimizer else None,
+        posted_sends=True,
+        gpus_per_node=hw.gpus_per_node,
+        inter_p2p_bandwidth=hw.inter_bandwidth,
+        inter_p2p_latency=hw.inter_latency,
+    )
 
 
 def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str) -> EmulatedPlan:
@@ -90,19 +101,23 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str) -> Emul
     :class:`ConfigError` when a rank's planned GPU memory exceeds the emulated GPU's."""
     hw, model = cluster(cfg.emulate), emulated_model(cfg)
     workers = optimizer_workers(hw, schedule, backend=backend, workers=cfg.optim.workers)
-    costs = emulated_costs(hw, model, precision=cfg.precision, workers=workers,
-                           async_optimizer=schedule.options.async_optimizer)
+    costs = emulated_costs(
+        hw, model, precision=cfg.precision, workers=workers, async_optimizer=schedule.options.async_optimizer
+    )
     table = costs.table(schedule)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)
     worst = max(range(schedule.n_ranks), key=lambda r: timeline.peak_gpu[r])
     if timeline.peak_gpu[worst] > hw.gpu_memory_bytes:
-        parts = zip(("parameters", "gradients", "checkpoints", "activations"),
-                    (timeline.peak_params, timeline.peak_grads, timeline.peak_ckpts, timeline.peak_work))
+        parts = zip(
+            ("parameters", "gradients", "checkpoints", "activations"),
+            (timeline.peak_params, timeline.peak_grads, timeline.peak_ckpts, timeline.peak_work),
+        )
         raise ConfigError(
             f"emulate.gpu={hw.gpu} has {hw.gpu_memory_bytes / GIB:g} GiB but {schedule.name} of {model.name} at "
             f"{model.micro_batch_size}x{model.seq_len} tokens per micro-batch needs {timeline.peak_gpu[worst] / GIB:.1f} GiB "
             f"on rank {worst} (peaks: " + ", ".join(f"{n} {p[worst] / GIB:.1f}" for n, p in parts) + "); lower "
-            f"emulate.micro_batch_size or emulate.seq_len, or use a GPU with more memory")
+            "emulate.micro_batch_size or emulate.seq_len, or use a GPU with more memory"
+        )
     return EmulatedPlan(hw, model, costs, table, timeline, workers)
 
 

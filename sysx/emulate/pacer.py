@@ -66,8 +66,9 @@ class Pacer:
         """``(compute, h2d, d2h)`` streams of a rank."""
         return dev.current_stream(device), dev.new_stream(device), dev.new_stream(device)
 
-    def wrap(self, handlers: dict[OpKind, Handler], offload_event: Callable[[tuple[int, int]], dev.Event | None]
-             ) -> dict[OpKind, Handler]:
+    def wrap(
+        self, handlers: dict[OpKind, Handler], offload_event: Callable[[tuple[int, int]], dev.Event | None]
+    ) -> dict[OpKind, Handler]:
         """The executor's handlers, paced (here: as they are)."""
         return handlers
 
@@ -110,8 +111,17 @@ class EmulatedPacer(Pacer):
 
     active = True
 
-    def __init__(self, plan: EmulatedPlan, schedule: Schedule, rank: int, *, time_scale: float,
-                 group: dist.ProcessGroup | None = None, world: int = 1, rollback: str = "undo") -> None:
+    def __init__(
+        self,
+        plan: EmulatedPlan,
+        schedule: Schedule,
+        rank: int,
+        *,
+        time_scale: float,
+        group: dist.ProcessGroup | None = None,
+        world: int = 1,
+        rollback: str = "undo",
+    ) -> None:
         self.plan, self.table, self.rank, self.time_scale = plan, plan.table, rank, float(time_scale)
         self.rollback = rollback  # what an undo costs (UNDO_STEPS)
         self._device_jobs: list[tuple[str, tuple[float, float, float]]] = []  # device-lane steps not yet charged
@@ -211,8 +221,9 @@ class EmulatedPacer(Pacer):
                 self._stats.late, self._stats.late_op = lag, self._label(what)
 
     # ------------------------------------------------------------------------------- handlers
-    def wrap(self, handlers: dict[OpKind, Handler], offload_event: Callable[[tuple[int, int]], dev.Event | None]
-             ) -> dict[OpKind, Handler]:
+    def wrap(
+        self, handlers: dict[OpKind, Handler], offload_event: Callable[[tuple[int, int]], dev.Event | None]
+    ) -> dict[OpKind, Handler]:
         """Paced FORWARD, BACKWARD, LOAD_PARAMS, OFFLOAD_GRADS, OPTIM_STEP and VALIDATE; messages are
         paced in :meth:`post` / :meth:`settle`."""
         paced = dict(handlers)
@@ -235,6 +246,7 @@ class EmulatedPacer(Pacer):
             self._stats.spans.append(("gpu", str(op), start, end))
             self._ratio("compute", real, seconds, op)
             self._hold(end, op)
+
         return paced
 
     def _copying(self, handler: Handler, stream: EmulatedStream, kind: str) -> Handler:
@@ -245,6 +257,7 @@ class EmulatedPacer(Pacer):
             handler(op)
             self._ratio(kind, time.monotonic() - t0, seconds, op)
             self._stats.spans.append((kind, str(op), stream.free - seconds, stream.free))
+
         return paced
 
     def _stepping(self, handler: Handler, offload_event: Callable[[tuple[int, int]], dev.Event | None]) -> Handler:
@@ -262,6 +275,7 @@ class EmulatedPacer(Pacer):
             self._stats.spans.append(("cpu", str(op), start, end))
             self._ratio("optimizer", time.monotonic() - t0, seconds, op)
             self._hold(end, op)
+
         return paced
 
     def _validating(self, handler: Handler) -> Handler:
@@ -272,8 +286,9 @@ class EmulatedPacer(Pacer):
             # the simulator's barrier ends when every rank's last copy, send and optimizer step has: real
             # work past that (a slow all-reduce, a worker descheduled by this machine) is lag like any other
             with self._lock:
-                arrival = torch.tensor([max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)],
-                                       dtype=torch.float64)
+                arrival = torch.tensor(
+                    [max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)], dtype=torch.float64
+                )
             if self.world > 1:  # ranks on one host share the monotonic clock (as the emulated device requires)
                 dist.all_reduce(arrival, op=dist.ReduceOp.MAX, group=self.group)
             lag = done - float(arrival)
@@ -282,6 +297,7 @@ class EmulatedPacer(Pacer):
                     if lag > self._stats.late:
                         self._stats.late, self._stats.late_op = lag, self._label(op)
             self.compute.free = max(self.compute.free, time.monotonic())
+
         return paced
 
     # ------------------------------------------------------------------------------ optimizer
@@ -289,8 +305,9 @@ class EmulatedPacer(Pacer):
         """The span a worker wraps a step of a stage in; made on the main thread at submission."""
         return self._optimizer_span
 
-    def _optimizer_span(self, name: str, event: dev.Event | None, kind: str = "step"
-                        ) -> contextlib.AbstractContextManager[None]:
+    def _optimizer_span(
+        self, name: str, event: dev.Event | None, kind: str = "step"
+    ) -> contextlib.AbstractContextManager[None]:
         """A ``kind`` job (step | undo | restep = undo + step) of stage ``name``; an undo takes
         :data:`~sysx.emulate.costs.UNDO_STEPS` steps' time for the run's ``optim.rollback``."""
         undo = UNDO_STEPS.get(self.rollback, 0.0)  # a mode not listed rolls back without arithmetic
@@ -298,7 +315,9 @@ class EmulatedPacer(Pacer):
         return self._optimizer_job(name, self.compute.free, event, steps)
 
     @contextlib.contextmanager
-    def _optimizer_job(self, name: str, submitted: float, event: dev.Event | None, steps: float = 1.0) -> Iterator[None]:
+    def _optimizer_job(
+        self, name: str, submitted: float, event: dev.Event | None, steps: float = 1.0
+    ) -> Iterator[None]:
         ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
         start = max(submitted, ready, getattr(self._worker, "free", 0.0))
         t0 = time.monotonic()
@@ -346,8 +365,11 @@ class EmulatedPacer(Pacer):
     def _xfer(self, spec: Any) -> float:
         """Wall seconds of the transfer of a :class:`sysx.runtime.p2p.TransferSpec`'s message."""
         t, g = self.table, spec.stage * self.split + spec.sub
-        xfer = t.act_xfer[spec.stage] if spec.family == Message.ACT else (
-            t.grad_xfer[g] if spec.family == Message.GRAD else t.ckpt_xfer[g])
+        xfer = (
+            t.act_xfer[spec.stage]
+            if spec.family == Message.ACT
+            else (t.grad_xfer[g] if spec.family == Message.GRAD else t.ckpt_xfer[g])
+        )
         return xfer * self.time_scale
 
     def post(self, pending: Any, group: dist.ProcessGroup | None) -> None:
@@ -355,8 +377,10 @@ class EmulatedPacer(Pacer):
         mine = torch.tensor([self.cursor()], dtype=torch.float64)
         theirs = torch.empty(1, dtype=torch.float64)
         out_tag, in_tag = (_STAMP_TAG, _BACK_TAG) if pending.is_send else (_BACK_TAG, _STAMP_TAG)
-        pending.extra = [dist.isend(mine, dst=pending.peer, group=group, tag=out_tag),
-                         dist.irecv(theirs, src=pending.peer, group=group, tag=in_tag)]
+        pending.extra = [
+            dist.isend(mine, dst=pending.peer, group=group, tag=out_tag),
+            dist.irecv(theirs, src=pending.peer, group=group, tag=in_tag),
+        ]
         pending.stamps = (mine, theirs)
         if pending.is_send:  # VALIDATE waits for it: at least until its transfer could have ended
             self.asend_end = max(self.asend_end, self.cursor() + self._xfer(pending.spec))

@@ -37,11 +37,13 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         """One line: ``v100 (65 TFLOP/s, 32 GiB, 12 GB/s h2d) x4 per node, epyc7452 (8 threads/rank ...)``."""
-        return (f"{self.gpu} ({self.gpu_flops / 1e12:g} TFLOP/s, {self.gpu_memory_bytes / GIB:g} GiB, "
-                f"{self.h2d_bandwidth / GB:g}/{self.d2h_bandwidth / GB:g} GB/s h2d/d2h) x{self.gpus_per_node} per node, "
-                f"{self.cpu} ({self.threads_per_rank} Adam threads per rank, {self.adam_params_per_thread_s / 1e9:g} "
-                f"Gparams/s each), {self.net} ({self.intra_bandwidth / GB:g} GB/s in a node, "
-                f"{self.inter_bandwidth / GB:g} GB/s between nodes)")
+        return (
+            f"{self.gpu} ({self.gpu_flops / 1e12:g} TFLOP/s, {self.gpu_memory_bytes / GIB:g} GiB, "
+            f"{self.h2d_bandwidth / GB:g}/{self.d2h_bandwidth / GB:g} GB/s h2d/d2h) x{self.gpus_per_node} per node, "
+            f"{self.cpu} ({self.threads_per_rank} Adam threads per rank, {self.adam_params_per_thread_s / 1e9:g} "
+            f"Gparams/s each), {self.net} ({self.intra_bandwidth / GB:g} GB/s in a node, "
+            f"{self.inter_bandwidth / GB:g} GB/s between nodes)"
+        )
 
 
 def cluster(section: EmulateSection) -> EmulatedCluster:
@@ -49,13 +51,21 @@ def cluster(section: EmulateSection) -> EmulatedCluster:
     g, c, n = ASSUMED_HARDWARE[section.gpu], ASSUMED_CPUS[section.cpu], ASSUMED_NETWORKS[section.net]
     gpn = int(n["gpus_per_node"])
     return EmulatedCluster(
-        gpu=section.gpu, cpu=section.cpu, net=section.net,
-        gpu_flops=g["tflops"] * 1e12, gpu_memory_bytes=g["memory_gib"] * GIB,
-        h2d_bandwidth=g["link_gbps"] * GB, d2h_bandwidth=g["link_gbps"] * GB, bidir_bandwidth=g["bidir_gbps"] * GB,
+        gpu=section.gpu,
+        cpu=section.cpu,
+        net=section.net,
+        gpu_flops=g["tflops"] * 1e12,
+        gpu_memory_bytes=g["memory_gib"] * GIB,
+        h2d_bandwidth=g["link_gbps"] * GB,
+        d2h_bandwidth=g["link_gbps"] * GB,
+        bidir_bandwidth=g["bidir_gbps"] * GB,
         gpus_per_node=gpn,
-        intra_bandwidth=n["intra_gbps"] * GB, intra_latency=n["intra_latency_us"] * 1e-6,
-        inter_bandwidth=n["inter_gbps"] * GB, inter_latency=n["inter_latency_us"] * 1e-6,
-        threads_per_rank=max(1, int(c["cores"]) // gpn), adam_params_per_thread_s=c["adam_gparams_per_thread"] * GB,
+        intra_bandwidth=n["intra_gbps"] * GB,
+        intra_latency=n["intra_latency_us"] * 1e-6,
+        inter_bandwidth=n["inter_gbps"] * GB,
+        inter_latency=n["inter_latency_us"] * 1e-6,
+        threads_per_rank=max(1, int(c["cores"]) // gpn),
+        adam_params_per_thread_s=c["adam_gparams_per_thread"] * GB,
         host_memory_bytes=c["host_memory_gib"] * GIB,
         device_mem_bandwidth=g["mem_gbps"] * GB,
     )

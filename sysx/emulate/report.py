@@ -64,14 +64,28 @@ class StepStats:
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (lane, op, modelled start, end)
 
 
-def merge_report(per_rank: list[list[StepStats]], *, time_scale: float, warmup_steps: int, max_late: float,
-                 plan_iteration: float, plan_bubble: float) -> dict[str, Any]:
+def merge_report(
+    per_rank: list[list[StepStats]],
+    *,
+    time_scale: float,
+    warmup_steps: int,
+    max_late: float,
+    plan_iteration: float,
+    plan_bubble: float,
+) -> dict[str, Any]:
     """The ``emulation`` report of a run from every rank's steps (times in modelled seconds)."""
     steps = sorted({s.step for stats in per_rank for s in stats})
     measured = steps[warmup_steps:]
-    out: dict[str, Any] = {"time_scale": time_scale, "steps_measured": len(measured),
-                           "plan": {"iteration_s": plan_iteration, "bubble": plan_bubble}, "measured": None,
-                           "late_fraction": None, "real_ratio": {}, "p2p_past_model": None, "refused": None}
+    out: dict[str, Any] = {
+        "time_scale": time_scale,
+        "steps_measured": len(measured),
+        "plan": {"iteration_s": plan_iteration, "bubble": plan_bubble},
+        "measured": None,
+        "late_fraction": None,
+        "real_ratio": {},
+        "p2p_past_model": None,
+        "refused": None,
+    }
     if not measured:
         out["refused"] = f"no step after the {warmup_steps} warm-up step(s) (emulate.warmup_steps)"
         return out
@@ -88,25 +102,43 @@ def merge_report(per_rank: list[list[StepStats]], *, time_scale: float, warmup_s
                 ratios[k].merge(s.ratios[k])
     out["late_fraction"] = late
     out["late_op"] = lagged.late_op
-    out["real_ratio"] = {k: {"ops": r.n, "mean": r.mean, "max": r.worst, "over_1": r.over, "worst_op": r.worst_op}
-                         for k, r in ratios.items() if r.n and k != "p2p"}
+    out["real_ratio"] = {
+        k: {"ops": r.n, "mean": r.mean, "max": r.worst, "over_1": r.over, "worst_op": r.worst_op}
+        for k, r in ratios.items()
+        if r.n and k != "p2p"
+    }
     p2p = ratios["p2p"]
-    out["p2p_past_model"] = {"messages": p2p.n, "late": p2p.over, "max_s": p2p.worst / time_scale, "worst": p2p.worst_op}
+    out["p2p_past_model"] = {
+        "messages": p2p.n,
+        "late": p2p.over,
+        "max_s": p2p.worst / time_scale,
+        "worst": p2p.worst_op,
+    }
     slow = [k for k, r in ratios.items() if k != "p2p" and r.n and r.mean > 1.0]  # messages: their lag counts
     if slow or late > max_late:
         worst = max((r for k, r in ratios.items() if k != "p2p"), key=lambda r: r.worst)
         if slow:
-            why = (f"the real part of {', '.join(slow)} ops is longer than modelled (mean ratio "
-                   + ", ".join(f"{ratios[k].mean:.2f}" for k in slow) + ")")
+            why = (
+                f"the real part of {', '.join(slow)} ops is longer than modelled (mean ratio "
+                + ", ".join(f"{ratios[k].mean:.2f}" for k in slow)
+                + ")"
+            )
         else:
-            why = (f"real work made a rank lag its modelled timeline by {100 * late:.1f}% of a step at "
-                   f"{lagged.late_op} (emulate.max_late={max_late:g})")
-        out["refused"] = (f"{why}; worst op {worst.worst_op} at {worst.worst:.2f}x its modelled time; "
-                          f"raise emulate.time_scale (now {time_scale:g}) or run on a less busy machine")
+            why = (
+                f"real work made a rank lag its modelled timeline by {100 * late:.1f}% of a step at "
+                f"{lagged.late_op} (emulate.max_late={max_late:g})"
+            )
+        out["refused"] = (
+            f"{why}; worst op {worst.worst_op} at {worst.worst:.2f}x its modelled time; "
+            f"raise emulate.time_scale (now {time_scale:g}) or run on a less busy machine"
+        )
         return out
     it = iteration / time_scale
-    out["measured"] = {"iteration_s": it, "bubble": 1.0 - sum(busy) / (iteration * len(busy)),
-                       "over_plan": it / plan_iteration if plan_iteration > 0 else None}
+    out["measured"] = {
+        "iteration_s": it,
+        "bubble": 1.0 - sum(busy) / (iteration * len(busy)),
+        "over_plan": it / plan_iteration if plan_iteration > 0 else None,
+    }
     return out
 
 
@@ -119,7 +151,9 @@ def describe(report: dict[str, Any]) -> str:
     m = report["measured"]
     ratios = ", ".join(f"{k} {v['max']:.2f}" for k, v in report["real_ratio"].items())
     p2p = report["p2p_past_model"]
-    return (f"{head}; measured {m['iteration_s']:.3f} s ({m['over_plan']:.3f}x plan), bubble {100 * m['bubble']:.1f}%, "
-            f"{report['steps_measured']} step(s), largest lag {100 * report['late_fraction']:.2f}% of a step; worst "
-            f"real/modelled: {ratios}; {p2p['late']} of {p2p['messages']} messages ended over 1 ms (wall) past their "
-            f"modelled time (the worst by {1000 * p2p['max_s']:.1f} ms modelled)")
+    return (
+        f"{head}; measured {m['iteration_s']:.3f} s ({m['over_plan']:.3f}x plan), bubble {100 * m['bubble']:.1f}%, "
+        f"{report['steps_measured']} step(s), largest lag {100 * report['late_fraction']:.2f}% of a step; worst "
+        f"real/modelled: {ratios}; {p2p['late']} of {p2p['messages']} messages ended over 1 ms (wall) past their "
+        f"modelled time (the worst by {1000 * p2p['max_s']:.1f} ms modelled)"
+    )

@@ -35,11 +35,30 @@ _LAZY = {
 }
 
 __all__ = [
-    "HostCapacity", "HostMemoryError", "HostMemoryPlan", "LiveViewsError", "Segment", "SegmentError",
-    "SegmentExistsError", "SegmentInfo", "SegmentName", "SegmentNotFoundError", "ShmBudgetError",
-    "StaleSegmentError", "check_shm_request", "mpi_broadcast", "plan_host_memory", "probe_host",
-    "release_all", "remove_ipc_warning", "resolve_job_id", "scan", "segment_name", "sweep_stale",
-    "torch_broadcast", *_LAZY,
+    "HostCapacity",
+    "HostMemoryError",
+    "HostMemoryPlan",
+    "LiveViewsError",
+    "Segment",
+    "SegmentError",
+    "SegmentExistsError",
+    "SegmentInfo",
+    "SegmentName",
+    "SegmentNotFoundError",
+    "ShmBudgetError",
+    "StaleSegmentError",
+    "check_shm_request",
+    "mpi_broadcast",
+    "plan_host_memory",
+    "probe_host",
+    "release_all",
+    "remove_ipc_warning",
+    "resolve_job_id",
+    "scan",
+    "segment_name",
+    "sweep_stale",
+    "torch_broadcast",
+    *_LAZY,
 ]
 
 

@@ -222,8 +222,13 @@ class StateBytes:
     def rows(self) -> dict[str, int]:
         """Non-zero components by name."""
         working = "working copy" if self.master else "fp32 masters (= working copy)"
-        names = {"fp32 masters": self.master, "Adam m+v": self.adam, "grads": self.grads,
-                 working: self.working, "rollback buffers": self.snapshot}
+        names = {
+            "fp32 masters": self.master,
+            "Adam m+v": self.adam,
+            "grads": self.grads,
+            working: self.working,
+            "rollback buffers": self.snapshot,
+        }
         return {name: n for name, n in names.items() if n}
 
 
@@ -324,8 +329,12 @@ class HostMemoryPlan:
             )
         if problems:
             error = ShmBudgetError if only_shm else HostMemoryError
-            raise error("this node does not have the host memory the job needs (nothing was allocated):\n- "
-                        + "\n- ".join(problems) + "\n\nPlan:\n" + str(self))
+            raise error(
+                "this node does not have the host memory the job needs (nothing was allocated):\n- "
+                + "\n- ".join(problems)
+                + "\n\nPlan:\n"
+                + str(self)
+            )
         return cap
 
 

@@ -18,8 +18,8 @@ Forked children inherit nothing: they never unlink their parent's segments.
 
 from __future__ import annotations
 
-import contextlib
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -75,7 +75,9 @@ class SegmentInfo:
         return self.status in ("stale", "broken")
 
 
-def classify(header: Header | None, creator_alive: bool, holders: list[int] | None, age_s: float, error: str | None) -> str:
+def classify(
+    header: Header | None, creator_alive: bool, holders: list[int] | None, age_s: float, error: str | None
+) -> str:
     """Status of a segment: ``alive`` (creator running), ``orphaned`` (creator dead, still mapped
     by others), ``stale`` (creator dead, unused), ``creating`` (no header yet, young or locked),
     ``broken`` (no valid header and unused)."""
@@ -114,8 +116,21 @@ def inspect(path: str) -> SegmentInfo | None:
                 holders = [-1]
         alive = header is not None and header.creator_alive
         status = classify(header, alive, holders, time.time() - st.st_mtime, error)
-        return SegmentInfo(name, path, SegmentName.parse(name), st.st_size, st.st_uid, st.st_mode & 0o777,
-                           st.st_dev, st.st_ino, st.st_mtime, header, error, holders, status)
+        return SegmentInfo(
+            name,
+            path,
+            SegmentName.parse(name),
+            st.st_size,
+            st.st_uid,
+            st.st_mode & 0o777,
+            st.st_dev,
+            st.st_ino,
+            st.st_mtime,
+            header,
+            error,
+            holders,
+            status,
+        )
     finally:
         os.close(fd)
 
@@ -249,7 +264,7 @@ def release_all(timeout_s: float | None = None) -> None:
             for segment in mine:
                 try:
                     segment.release(deadline=deadline)
-                except Exception as exc:  # noqa: BLE001 - report and go on with the others
+                except Exception as exc:
                     sys.stderr.write(f"sysx: could not release {segment.name.name}: {exc}\n")
         finally:
             _releasing = False

@@ -36,17 +36,19 @@ def format_table(infos: list[SegmentInfo]) -> str:
     rows = [("NAME", "JOB", "NODE", "WHAT", "SIZE", "PID", "USERS", "AGE", "STATUS")]
     for info in infos:
         parsed = info.parsed
-        rows.append((
-            info.name,
-            parsed.job if parsed else "?",
-            parsed.node if parsed else "?",
-            parsed.what if parsed else "?",
-            fmt_bytes(info.size),
-            str(info.creator_pid) if info.creator_pid is not None else "-",
-            "?" if info.holders is None else str(len(info.holders)),
-            _age(info),
-            info.status + (f" ({info.error})" if info.error else ""),
-        ))
+        rows.append(
+            (
+                info.name,
+                parsed.job if parsed else "?",
+                parsed.node if parsed else "?",
+                parsed.what if parsed else "?",
+                fmt_bytes(info.size),
+                str(info.creator_pid) if info.creator_pid is not None else "-",
+                "?" if info.holders is None else str(len(info.holders)),
+                _age(info),
+                info.status + (f" ({info.error})" if info.error else ""),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows)
 
@@ -59,8 +61,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print(format_table(infos))
     total = sum(i.size for i in infos)
     removable = [i for i in infos if i.removable]
-    print(f"\n{len(infos)} segment(s), {fmt_bytes(total)}; {len(removable)} stale "
-          f"({fmt_bytes(sum(i.size for i in removable))})" + (": `sysx shm clean` removes them" if removable else ""))
+    print(
+        f"\n{len(infos)} segment(s), {fmt_bytes(total)}; {len(removable)} stale "
+        f"({fmt_bytes(sum(i.size for i in removable))})" + (": `sysx shm clean` removes them" if removable else "")
+    )
     warning = remove_ipc_warning()
     if warning:
         print(f"\nwarning: {warning}")
@@ -73,7 +77,9 @@ def _confirm(infos: list[SegmentInfo], assume_yes: bool) -> bool:
     live = [i for i in infos if not i.removable]
     print(format_table(infos))
     if live:
-        print(f"\n{len(live)} of them are in use by running processes; removing them makes their jobs unable to attach.")
+        print(
+            f"\n{len(live)} of them are in use by running processes; removing them makes their jobs unable to attach."
+        )
     answer = input(f"Remove these {len(infos)} segment(s)? [y/N] ")
     return answer.strip().lower() in ("y", "yes")
 
@@ -82,7 +88,10 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     infos = scan(job=args.job)
     targets = infos if args.all else [i for i in infos if i.removable]
     if not targets:
-        print("nothing to remove" + ("" if args.all else " (no stale segments; `--all` removes every sysx segment of this user)"))
+        print(
+            "nothing to remove"
+            + ("" if args.all else " (no stale segments; `--all` removes every sysx segment of this user)")
+        )
         return 0
     if args.all and not _confirm(targets, args.yes):
         print("nothing removed")
@@ -100,7 +109,9 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``sysx shm``."""
-    parser = argparse.ArgumentParser(prog="sysx shm", description="List and remove this user's sysx shared-memory segments.")
+    parser = argparse.ArgumentParser(
+        prog="sysx shm", description="List and remove this user's sysx shared-memory segments."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="show segments: job, node, size, creator, alive/stale")
     p_list.add_argument("--job", help="only this job id")

@@ -55,8 +55,17 @@ class Header:
         meta = json.dumps(self.meta, separators=(",", ":")).encode()
         if _FIXED.size + len(meta) > self.header_bytes:
             raise ValueError(f"segment metadata is {len(meta)} bytes; at most {self.header_bytes - _FIXED.size} fit")
-        fixed = _FIXED.pack(MAGIC, self.layout_version, self.header_bytes, self.state, len(meta),
-                            self.creator_pid, self.creator_start, self.data_bytes, self.created_unix)
+        fixed = _FIXED.pack(
+            MAGIC,
+            self.layout_version,
+            self.header_bytes,
+            self.state,
+            len(meta),
+            self.creator_pid,
+            self.creator_start,
+            self.data_bytes,
+            self.created_unix,
+        )
         return fixed + meta
 
     @property

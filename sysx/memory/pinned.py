@@ -60,7 +60,7 @@ def _clear_cuda_error() -> None:
 def _error_text(cudart: Any, code: int) -> str:
     try:
         return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
-    except Exception:  # noqa: BLE001 - only for the message
+    except Exception:
         return f"cudaError {code}"
 
 
@@ -81,7 +81,11 @@ class HostRegistration:
         code = int(_cudart().cudaHostUnregister(self.address))
         if code != 0:
             _clear_cuda_error()
-            warnings.warn(f"sysx: cudaHostUnregister of {self.label} failed: {_error_text(_cudart(), code)}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"sysx: cudaHostUnregister of {self.label} failed: {_error_text(_cudart(), code)}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def register_host_memory(address: int, nbytes: int, *, label: str, pin: bool | None = None) -> HostRegistration | None:
@@ -92,7 +96,11 @@ def register_host_memory(address: int, nbytes: int, *, label: str, pin: bool | N
         return None
     if not _cuda_available():
         if pin:
-            warnings.warn(f"sysx: pinning of {label} requested but CUDA is not available; using pageable memory", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"sysx: pinning of {label} requested but CUDA is not available; using pageable memory",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return None
     cudart = _cudart()
     code = int(cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE))

@@ -83,7 +83,9 @@ def _same_file(path: str, fd: int) -> bool:
 class Segment:
     """A mapped sysx segment. Build with :meth:`create` (owner) or :meth:`attach` (others)."""
 
-    def __init__(self, name: SegmentName, shm: posix_ipc.SharedMemory, header: Header, mm: mmap.mmap, *, owner: bool) -> None:
+    def __init__(
+        self, name: SegmentName, shm: posix_ipc.SharedMemory, header: Header, mm: mmap.mmap, *, owner: bool
+    ) -> None:
         self.name = name
         self._shm: posix_ipc.SharedMemory | None = shm
         self._fd = shm.fd
@@ -154,14 +156,18 @@ class Segment:
                     cleanup.remove(info)
                     continue
                 if info.creator_pid == os.getpid():
-                    raise SegmentExistsError(f"{name.name} was already created by this process; close it before creating it again")
+                    raise SegmentExistsError(
+                        f"{name.name} was already created by this process; close it before creating it again"
+                    )
                 raise SegmentExistsError(
                     f"shared-memory segment {name.name} already exists and is {info.status} "
                     f"(creator pid {info.creator_pid}, users {info.holders}): another sysx job with job id "
                     f"{name.job!r} is running on this node. Give this job another id (SYSX_JOB_ID=...) or stop "
                     "the other one; `sysx shm list` shows all segments"
                 ) from None
-        raise SegmentExistsError(f"shared-memory segment {name.name} keeps reappearing; is another job racing for this name?")
+        raise SegmentExistsError(
+            f"shared-memory segment {name.name} keeps reappearing; is another job racing for this name?"
+        )
 
     @classmethod
     def attach(cls, name: SegmentName, *, timeout_s: float = 60.0, register: bool = True) -> Segment:
@@ -192,7 +198,9 @@ class Segment:
                         cleanup.register_attached(segment)
                     return segment
                 if header is not None and header.state == STATE_CLOSING:
-                    raise SegmentError(f"{name.name} is being closed by its owner (pid {header.creator_pid}); it cannot be attached now")
+                    raise SegmentError(
+                        f"{name.name} is being closed by its owner (pid {header.creator_pid}); it cannot be attached now"
+                    )
                 last = "it is still being created"
             except posix_ipc.ExistentialError:
                 last = "it does not exist"
@@ -227,7 +235,9 @@ class Segment:
         """A flat tensor over ``numel`` elements of ``dtype`` at ``byte_offset`` into the payload
         (zero copy, contiguous)."""
         if byte_offset + numel * dtype_itemsize(dtype) > self.data_bytes:
-            raise ValueError(f"{self.name.name}: view of {numel} x {dtype} at {byte_offset} exceeds the {self.data_bytes}-byte payload")
+            raise ValueError(
+                f"{self.name.name}: view of {numel} x {dtype} at {byte_offset} exceeds the {self.data_bytes}-byte payload"
+            )
         return self.buffer.tensor(dtype, self.header.header_bytes + byte_offset, numel)
 
     @property
@@ -239,7 +249,9 @@ class Segment:
     def mark_closing(self) -> None:
         """Owner only: set the header to CLOSING so no new process attaches (first step of release)."""
         if not self.is_owner:
-            raise SegmentError(f"{self.name.name}: only the owner (pid {self.header.creator_pid}) unlinks; attachers call close()")
+            raise SegmentError(
+                f"{self.name.name}: only the owner (pid {self.header.creator_pid}) unlinks; attachers call close()"
+            )
         if not self.unlinked and self._shm is not None:
             os.pwrite(self._fd, struct.pack("<I", STATE_CLOSING), STATE_OFFSET)
 
@@ -317,8 +329,16 @@ class Segment:
 
 
 def _replace_state(header: Header, state: int) -> Header:
-    return Header(header.layout_version, header.header_bytes, state, header.creator_pid, header.creator_start,
-                  header.data_bytes, header.created_unix, header.meta)
+    return Header(
+        header.layout_version,
+        header.header_bytes,
+        state,
+        header.creator_pid,
+        header.creator_start,
+        header.data_bytes,
+        header.created_unix,
+        header.meta,
+    )
 
 
 def _reserve(fd: int, total: int, name: str) -> None:
@@ -334,7 +354,11 @@ def _reserve(fd: int, total: int, name: str) -> None:
                 + budget.shm_fix_hint(total)
             ) from None
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            warnings.warn(f"sysx: posix_fallocate unsupported on {SHM_DIR} ({exc}); a later shortage may SIGBUS", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"sysx: posix_fallocate unsupported on {SHM_DIR} ({exc}); a later shortage may SIGBUS",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             os.ftruncate(fd, total)
             return
         raise

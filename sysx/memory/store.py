@@ -102,14 +102,22 @@ class StageSpec:
 
     def to_meta(self) -> dict[str, Any]:
         """The JSON form stored in the segment header."""
-        return {"key": self.key, "sections": [list(s) for s in self.sections], "owner_node": self.owner_node,
-                "mirror_nodes": sorted(self.mirror_nodes)}
+        return {
+            "key": self.key,
+            "sections": [list(s) for s in self.sections],
+            "owner_node": self.owner_node,
+            "mirror_nodes": sorted(self.mirror_nodes),
+        }
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> StageSpec:
         """Inverse of :meth:`to_meta`."""
-        return cls(meta["key"], tuple((str(d), int(n)) for d, n in meta["sections"]), int(meta["owner_node"]),
-                   frozenset(int(n) for n in meta["mirror_nodes"]))
+        return cls(
+            meta["key"],
+            tuple((str(d), int(n)) for d, n in meta["sections"]),
+            int(meta["owner_node"]),
+            frozenset(int(n) for n in meta["mirror_nodes"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,9 @@ class MirrorPush:
 class StageBuffers:
     """One sub-stage's segment on this node and its flat tensors (one per dtype)."""
 
-    def __init__(self, spec: StageSpec, role: str, segment: Segment, registration: pinned.HostRegistration | None) -> None:
+    def __init__(
+        self, spec: StageSpec, role: str, segment: Segment, registration: pinned.HostRegistration | None
+    ) -> None:
         self.spec = spec
         self.role = role
         self.segment = segment
@@ -229,7 +239,9 @@ class SharedParamStore:
         return segment_name(f"p.{key}", job=self.job, node=self.node, user=self.user)
 
     def _register(self, segment: Segment) -> pinned.HostRegistration | None:
-        return pinned.register_host_memory(segment.buffer.address, segment.buffer.size, label=f"segment {segment.name.name}", pin=self.pin)
+        return pinned.register_host_memory(
+            segment.buffer.address, segment.buffer.size, label=f"segment {segment.name.name}", pin=self.pin
+        )
 
     def create(self, spec: StageSpec) -> StageBuffers:
         """Create this node's segment of ``spec`` (the owner's copy on the owner node, or the mirror

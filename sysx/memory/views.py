@@ -25,8 +25,18 @@ class LiveViewsError(RuntimeError):
     """A mapping cannot be closed because tensors still view it."""
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1}
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32"}
 
 

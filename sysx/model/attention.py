@@ -61,8 +61,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def rope_cos_sin(cfg: ModelConfig, seq_len: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables ``(cos, sin)`` of shape ``[seq_len, head_dim]`` for positions ``0..seq_len-1``.
 
     Computed like HF ``LlamaRotaryEmbedding`` (inverse frequencies in fp32 on the CPU, angles in
@@ -136,8 +137,9 @@ def _chunk_attention_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tup
     ctx.scale = scale  # type: ignore[attr-defined]
 
 
-def _chunk_attention_backward(ctx: torch.autograd.function.FunctionCtx,
-                              grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+def _chunk_attention_backward(
+    ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     saved = ctx.saved_tensors  # type: ignore[attr-defined]
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in saved]
@@ -200,25 +202,32 @@ class _ExtendCache(torch.autograd.Function):
     the later chunks accumulated at its positions is the gradient of its K/V."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
-                cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        key: torch.Tensor,
+        value: torch.Tensor,  # type: ignore[override]
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cache.write(key, value)
         ctx.cache = cache  # type: ignore[attr-defined]
         end, rows = cache.offset + key.shape[2], key.shape[0]
         return cache.span(cache.key, rows, 0, end), cache.span(cache.value, rows, 0, end)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_key: torch.Tensor,  # type: ignore[override]
-                 grad_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_key: torch.Tensor,  # type: ignore[override]
+        grad_value: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
         cache: KVCache = ctx.cache  # type: ignore[attr-defined]
         if cache.grad_key is None or cache.grad_value is None:
             raise RuntimeError("chunked attention backward needs a KVCache with gradient accumulators")
         off = cache.offset
         own = []
         for grad, acc in ((grad_key, cache.grad_key), (grad_value, cache.grad_value)):
-            acc = acc[:grad.shape[0]]
+            acc = acc[: grad.shape[0]]
             acc[:, :, :off] += grad[:, :, :off]
-            own.append((grad[:, :, off:] + acc[:, :, off:grad.shape[2]]).to(grad.dtype))
+            own.append((grad[:, :, off:] + acc[:, :, off : grad.shape[2]]).to(grad.dtype))
         return own[0], own[1], None
 
 

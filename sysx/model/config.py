@@ -79,13 +79,17 @@ class ModelConfig:
         given = [name for name in LLAMA3_ROPE_FIELDS if getattr(self, name) is not None]
         if self.rope_type == "default":
             if given:
-                raise ValueError(f"ModelConfig: {', '.join(given)} set but rope_type='default' ignores them; "
-                                 f"set rope_type='llama3' or leave them unset")
+                raise ValueError(
+                    f"ModelConfig: {', '.join(given)} set but rope_type='default' ignores them; "
+                    f"set rope_type='llama3' or leave them unset"
+                )
             return
         missing = [name for name in LLAMA3_ROPE_FIELDS if name not in given]
         if missing:
-            raise ValueError(f"ModelConfig: rope_type='llama3' needs {', '.join(missing)} (Llama-3.1: rope_factor=8, "
-                             f"rope_low_freq_factor=1, rope_high_freq_factor=4, rope_original_max_len=8192)")
+            raise ValueError(
+                f"ModelConfig: rope_type='llama3' needs {', '.join(missing)} (Llama-3.1: rope_factor=8, "
+                f"rope_low_freq_factor=1, rope_high_freq_factor=4, rope_original_max_len=8192)"
+            )
         factor, low, high = self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
             raise ValueError(f"ModelConfig.rope_factor must be a number >= 1, got {factor!r}")
@@ -105,7 +109,7 @@ class ModelConfig:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         """Build a config from a dict of its fields; unknown or missing keys are a clear error."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
@@ -117,7 +121,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: cannot build from {data!r}: {err}") from err
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         """Inverse of :meth:`to_json`."""
         return cls.from_dict(json.loads(text))
 
@@ -144,45 +148,92 @@ def choose_n_heads(dim: int, n_kv_heads: int, target_head_dim: int = 128) -> int
 
 def _table2(n_layers: int, dim: int, ffn_dim: int, n_kv_heads: int, n_heads: int) -> ModelConfig:
     return ModelConfig(
-        vocab_size=32000, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        ffn_dim=ffn_dim, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
+        vocab_size=32000,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_seq_len=4096,
     )
 
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
-        vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352,
-        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=512,
+        vocab_size=256,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=352,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_seq_len=512,
     ),
     "llama2_7b": ModelConfig(
-        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
-        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
+        vocab_size=32000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=32,
+        ffn_dim=11008,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_seq_len=4096,
     ),
     "llama3_8b": ModelConfig(
-        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192,
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
     ),
     "llama3_1_8b": ModelConfig(
-        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, rope_type="llama3", rope_factor=8.0,
-        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_seq_len=131072,
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
     ),
     # SysX paper, Table 2: (l, d, d_FFN, # KV heads) from the table; n_heads = choose_n_heads(d, kv).
-    "llama2_10b": _table2(48, 4096, 10880, 2, n_heads=32),    # head_dim 128
-    "llama2_19b": _table2(48, 5632, 14976, 4, n_heads=44),    # head_dim 128
-    "llama2_30b": _table2(96, 5120, 13632, 4, n_heads=40),    # head_dim 128
-    "llama2_40b": _table2(96, 5888, 15680, 4, n_heads=32),    # head_dim 184 (46 heads of 128 are not a multiple of 4)
-    "llama2_52b": _table2(96, 6656, 17728, 8, n_heads=64),    # head_dim 104 (52 heads of 128 are not a multiple of 8)
-    "llama2_69b": _table2(96, 7680, 20480, 8, n_heads=64),    # head_dim 120 (60 heads of 128 are not a multiple of 8)
+    "llama2_10b": _table2(48, 4096, 10880, 2, n_heads=32),  # head_dim 128
+    "llama2_19b": _table2(48, 5632, 14976, 4, n_heads=44),  # head_dim 128
+    "llama2_30b": _table2(96, 5120, 13632, 4, n_heads=40),  # head_dim 128
+    "llama2_40b": _table2(96, 5888, 15680, 4, n_heads=32),  # head_dim 184 (46 heads of 128 are not a multiple of 4)
+    "llama2_52b": _table2(96, 6656, 17728, 8, n_heads=64),  # head_dim 104 (52 heads of 128 are not a multiple of 8)
+    "llama2_69b": _table2(96, 7680, 20480, 8, n_heads=64),  # head_dim 120 (60 heads of 128 are not a multiple of 8)
     "llama2_88b": _table2(192, 6144, 16384, 16, n_heads=48),  # head_dim 128
-    "llama2_110b": _table2(192, 6912, 18432, 16, n_heads=48), # head_dim 144 (54 heads of 128 are not a multiple of 16)
+    "llama2_110b": _table2(192, 6912, 18432, 16, n_heads=48),  # head_dim 144 (54 heads of 128 are not a multiple of 16)
 }
 
 # Nominal sizes (parameters) the presets are named after; tests compare param_count with them.
 NOMINAL_PARAMS: dict[str, float] = {
-    "llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_1_8b": 8.03e9,
-    "llama2_10b": 10e9, "llama2_19b": 19e9, "llama2_30b": 30e9, "llama2_40b": 40e9,
-    "llama2_52b": 52e9, "llama2_69b": 69e9, "llama2_88b": 88e9, "llama2_110b": 110e9,
+    "llama2_7b": 6.74e9,
+    "llama3_8b": 8.03e9,
+    "llama3_1_8b": 8.03e9,
+    "llama2_10b": 10e9,
+    "llama2_19b": 19e9,
+    "llama2_30b": 30e9,
+    "llama2_40b": 40e9,
+    "llama2_52b": 52e9,
+    "llama2_69b": 69e9,
+    "llama2_88b": 88e9,
+    "llama2_110b": 110e9,
 }
 
 

@@ -1,8 +1,8 @@
 """``sysx convert``: sysx model file or checkpoint <-> Hugging Face Llama directory.
 
-    sysx convert --to-hf model.safetensors out_dir/      # sysx file -> HF dir (config.json + safetensors)
-    sysx convert --to-hf runs/x/checkpoints out_dir/     # a checkpoint (its latest, or a step-<N> folder) -> HF dir
-    sysx convert --from-hf hf_dir/ model.safetensors     # HF dir -> sysx file
+sysx convert --to-hf model.safetensors out_dir/      # sysx file -> HF dir (config.json + safetensors)
+sysx convert --to-hf runs/x/checkpoints out_dir/     # a checkpoint (its latest, or a step-<N> folder) -> HF dir
+sysx convert --from-hf hf_dir/ model.safetensors     # HF dir -> sysx file
 """
 
 from __future__ import annotations
@@ -24,20 +24,28 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sysx convert",
         description="Convert model weights between a sysx model file and a Hugging Face Llama directory.",
-        epilog=("examples:\n  sysx convert --to-hf model.safetensors out_dir/\n"
-                "  sysx convert --from-hf hf_dir/ model.safetensors"),
+        epilog=(
+            "examples:\n  sysx convert --to-hf model.safetensors out_dir/\n"
+            "  sysx convert --from-hf hf_dir/ model.safetensors"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     direction = parser.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--to-hf", action="store_true",
-                           help="SRC is a sysx model file or checkpoint (folder), DST an HF directory")
+    direction.add_argument(
+        "--to-hf", action="store_true", help="SRC is a sysx model file or checkpoint (folder), DST an HF directory"
+    )
     direction.add_argument("--from-hf", action="store_true", help="SRC is an HF directory, DST a sysx model file")
     parser.add_argument("src", help="input: sysx model file or checkpoint (--to-hf), or HF directory (--from-hf)")
     parser.add_argument("dst", help="output: HF directory (--to-hf) or sysx model file (--from-hf)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                        help="store the weights in this dtype (default: as in SRC)")
-    parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="--to-hf: copy the tokenizer files of DIR into the HF directory (e.g. <tokens>.tokenizer/)")
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="store the weights in this dtype (default: as in SRC)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="--to-hf: copy the tokenizer files of DIR into the HF directory (e.g. <tokens>.tokenizer/)",
+    )
     return parser
 
 
@@ -60,6 +68,8 @@ def main(argv: list[str]) -> int:
         print(f"sysx convert: {err}", file=sys.stderr)
         return 1
     cfg = model.config
-    print(f"sysx convert: wrote {out} ({cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}, "
-          f"{model.embedding.weight.dtype})")
+    print(
+        f"sysx convert: wrote {out} ({cfg.n_layers} layers, dim {cfg.dim}, vocab {cfg.vocab_size}, "
+        f"{model.embedding.weight.dtype})"
+    )
     return 0

@@ -66,7 +66,7 @@ class FlatLayout:
         self.numel = sum(e.numel for e in self.entries)
 
     @classmethod
-    def from_modules(cls, modules: Sequence[nn.Module]) -> "FlatLayout":
+    def from_modules(cls, modules: Sequence[nn.Module]) -> FlatLayout:
         """Lay out the parameters of ``modules`` (e.g. one stage's layers) back to back.
 
         All parameters must share one dtype; a Head or Embedding whose tied partner is not in
@@ -108,7 +108,7 @@ class FlatLayout:
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``buffer`` per entry, shaped like its parameter."""
         self._check_buffer(buffer, "buffer")
-        return [buffer[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries]
+        return [buffer[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries]
 
     def flatten(self, modules: Sequence[nn.Module]) -> torch.Tensor:
         """A new contiguous 1-D copy of the parameters (on their device, in the layout's dtype)."""

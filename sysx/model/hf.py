@@ -126,9 +126,13 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"HF Llama config: {key} of rope_type 'llama3' lacks {absent}")
             # transformers falls back to max_position_embeddings when the original length is not given
             original = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
-            out.update(rope_type="llama3", rope_factor=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]), rope_original_max_len=int(original))
+            out.update(
+                rope_type="llama3",
+                rope_factor=float(rope["factor"]),
+                rope_low_freq_factor=float(rope["low_freq_factor"]),
+                rope_high_freq_factor=float(rope["high_freq_factor"]),
+                rope_original_max_len=int(original),
+            )
     return out
 
 
@@ -230,10 +234,14 @@ def _open_source(src: Any) -> tuple[ModelConfig, SafetensorsFiles | _DictTensors
     if isinstance(src, (str, os.PathLike)):
         root = Path(src)
         if not root.is_dir():
-            raise FileNotFoundError(f"load_hf_llama: {root} is not a directory (expected an HF model dir with {CONFIG_FILE})")
+            raise FileNotFoundError(
+                f"load_hf_llama: {root} is not a directory (expected an HF model dir with {CONFIG_FILE})"
+            )
         config_path = root / CONFIG_FILE
         if not config_path.is_file():
-            raise FileNotFoundError(f"load_hf_llama: {config_path} does not exist; is {root} a Hugging Face model directory?")
+            raise FileNotFoundError(
+                f"load_hf_llama: {config_path} does not exist; is {root} a Hugging Face model directory?"
+            )
         return config_from_hf(json.loads(config_path.read_text())), SafetensorsFiles(hf_weight_files(root))
     if isinstance(src, tuple) and len(src) == 2:
         config, state_dict = src
@@ -261,7 +269,9 @@ def load_hf_llama(src: Any, *, dtype: torch.dtype | None = None, device: torch.d
     ignorable = set(_IGNORED_HF_KEYS) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     unexpected = sorted(present - wanted - ignorable)
     if unexpected:
-        raise ValueError(f"load_hf_llama: {len(unexpected)} unexpected weight(s) for a Llama model, e.g. {unexpected[:5]}")
+        raise ValueError(
+            f"load_hf_llama: {len(unexpected)} unexpected weight(s) for a Llama model, e.g. {unexpected[:5]}"
+        )
     if dtype is None:
         dtype = next(t for _, t in tensors.items(["model.embed_tokens.weight"])).dtype
     model = LlamaModel(cfg, dtype=dtype, device=device)
@@ -270,13 +280,21 @@ def load_hf_llama(src: Any, *, dtype: torch.dtype | None = None, device: torch.d
     for key, tensor in tensors.items(sorted(wanted)):
         param = params[ours_of[key]]
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"load_hf_llama: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
+            raise ValueError(
+                f"load_hf_llama: {key} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}"
+            )
         param.copy_(tensor)
     return model
 
 
-def export_hf_llama(model: LlamaModel, dst_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 5 * 2**30, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+def export_hf_llama(
+    model: LlamaModel,
+    dst_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path:
     """Write ``model`` as an HF directory (``config.json`` + safetensors, sharded above 5 GiB), plus the
     tokenizer files found in ``tokenizer_dir``; every file is readable by the user's group."""
     cfg = model.config
@@ -297,9 +315,11 @@ def export_hf_llama(model: LlamaModel, dst_dir: str | os.PathLike, *, dtype: tor
             size = 0
         shards[-1].append(ours)
         size += nbytes
-    names = [WEIGHTS_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
+    names = (
+        [WEIGHTS_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map = {}
     for name, shard in zip(names, shards):
         # Copies: parameters may be views of one flat buffer, which safetensors refuses to save.
@@ -310,7 +330,9 @@ def export_hf_llama(model: LlamaModel, dst_dir: str | os.PathLike, *, dtype: tor
         (dst / INDEX_FILE).unlink()  # a stale index of an earlier sharded export would shadow the new file
     if len(shards) > 1:
         total = sum(params[o].numel() for o in key_map) * itemsize
-        (dst / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (dst / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     (dst / CONFIG_FILE).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
     if tokenizer_dir is not None:
         for src in sorted(Path(tokenizer_dir).iterdir()):

@@ -24,7 +24,7 @@ from sysx.model.attention import (
 from sysx.model.config import ModelConfig
 from sysx.model.loss import IGNORE_INDEX, chunked_cross_entropy
 
-__all__ = ["SDPA_GQA", "IGNORE_INDEX", "Attention", "Block", "Embedding", "Head", "MLP", "RMSNorm"]
+__all__ = ["IGNORE_INDEX", "MLP", "SDPA_GQA", "Attention", "Block", "Embedding", "Head", "RMSNorm"]
 
 
 def _linear(in_features: int, out_features: int, device: torch.device | str | None, dtype: torch.dtype) -> nn.Linear:
@@ -36,8 +36,9 @@ def _linear(in_features: int, out_features: int, device: torch.device | str | No
 class RMSNorm(nn.Module):
     """RMS normalisation as in HF ``LlamaRMSNorm``: fp32 variance, cast back, then scale."""
 
-    def __init__(self, dim: int, eps: float, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, dim: int, eps: float, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
@@ -57,8 +58,9 @@ class Attention(nn.Module):
     Both share the projections, RoPE and :func:`~sysx.model.attention.attend`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_heads = cfg.n_heads
@@ -80,7 +82,9 @@ class Attention(nn.Module):
             return cos.narrow(0, offset, x.shape[1]), sin.narrow(0, offset, x.shape[1])
         return cos, sin
 
-    def keys_values(self, x: torch.Tensor, offset: int = 0, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, x: torch.Tensor, offset: int = 0, total: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values ``[B, Hkv, T, D]`` of ``x`` at positions ``offset ..`` of ``total``."""
         cos, sin = self._rope(x, offset, x.shape[1] if total is None else total)
         k = self._heads(self.k_proj, x, self.n_kv_heads)
@@ -91,7 +95,7 @@ class Attention(nn.Module):
         offset, total = (0, x.shape[1]) if kv is None else (kv.offset, kv.seq_len)
         q = apply_rope(self._heads(self.q_proj, x, self.n_heads), *self._rope(x, offset, total))
         k, v = self.keys_values(x, offset, total)
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim**-0.5
         if kv is None:
             y = merge_heads(attend(q, k, v, scale=scale))
         else:
@@ -102,8 +106,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.gate_proj = _linear(cfg.dim, cfg.ffn_dim, device, dtype)
         self.up_proj = _linear(cfg.dim, cfg.ffn_dim, device, dtype)
@@ -123,15 +128,20 @@ class _EmbeddingFp32Grad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, input_ids: torch.Tensor,  # type: ignore[override]
-                weight: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        input_ids: torch.Tensor,  # type: ignore[override]
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.save_for_backward(input_ids)
         ctx.weight_meta = (weight.shape, weight.dtype)  # type: ignore[attr-defined]
         return F.embedding(input_ids, weight)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
-                 grad_out: torch.Tensor) -> tuple[None, torch.Tensor]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+        grad_out: torch.Tensor,
+    ) -> tuple[None, torch.Tensor]:
         (input_ids,) = ctx.saved_tensors  # type: ignore[attr-defined]
         shape, dtype = ctx.weight_meta  # type: ignore[attr-defined]
         ids, slot = torch.unique(input_ids.reshape(-1), return_inverse=True)
@@ -150,8 +160,9 @@ class Embedding(nn.Module):
     PyTorch's own path, bit for bit.
     """
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim, device=device, dtype=dtype))
         self.tied_to_head = False  # set by LlamaModel when the Head reuses this weight
@@ -171,8 +182,9 @@ class Block(nn.Module):
     chunks before it; everything else is position-wise). The RoPE tables are computed (and cached) inside.
     """
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
         self.attn = Attention(cfg, device=device, dtype=dtype)
@@ -198,8 +210,9 @@ class Head(nn.Module):
     (:func:`~sysx.model.loss.chunked_cross_entropy`), so the logits of all tokens never exist at once.
     """
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
         self.lm_head = _linear(cfg.dim, cfg.vocab_size, device, dtype)

@@ -29,8 +29,9 @@ def seed_init(seed: int) -> LayerInit:
     return lambda layer, index: init_layer(layer, index, seed=seed)
 
 
-def make_layer(cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> nn.Module:
+def make_layer(
+    cfg: ModelConfig, index: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
     """Uninitialised layer ``index`` of the flat list (0: Embedding, 1..L: Block, L+1: Head)."""
     n_total = cfg.n_layers + 2
     if not 0 <= index < n_total:
@@ -104,13 +105,12 @@ class LlamaModel(nn.Module):
     The constructor leaves parameters uninitialised; use :func:`build_model`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(
-            [make_layer(cfg, i, dtype=dtype, device=device) for i in range(cfg.n_layers + 2)]
-        )
+        self.layers = nn.ModuleList([make_layer(cfg, i, dtype=dtype, device=device) for i in range(cfg.n_layers + 2)])
         if cfg.tie_embeddings:
             tie_embeddings(self.layers[0], self.layers[-1])
 
@@ -133,8 +133,14 @@ class LlamaModel(nn.Module):
         return run_layers(self.layers, input_ids, labels)
 
 
-def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", seed: int = 0, init: LayerInit | None = None) -> LlamaModel:
+def build_model(
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    init: LayerInit | None = None,
+) -> LlamaModel:
     """A deterministically initialised :class:`LlamaModel` (independent of the global RNG), or one
     filled by ``init``."""
     model = LlamaModel(cfg, dtype=dtype, device=device)
@@ -144,8 +150,16 @@ def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32,
     return model
 
 
-def build_layers(cfg: ModelConfig, start: int, stop: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", seed: int = 0, init: LayerInit | None = None) -> list[nn.Module]:
+def build_layers(
+    cfg: ModelConfig,
+    start: int,
+    stop: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    init: LayerInit | None = None,
+) -> list[nn.Module]:
     """Flat layers ``start..stop-1``, equal to ``build_model(cfg, ...).layers[start:stop]``.
 
     With tied embeddings the slice must hold both the Embedding and the Head or neither.

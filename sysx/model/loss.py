@@ -87,14 +87,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``F.linear(features(hidden), weight)`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                labels: torch.Tensor, features: nn.Module, chunk: int, *feature_params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,  # type: ignore[override]
+        labels: torch.Tensor,
+        features: nn.Module,
+        chunk: int,
+        *feature_params: torch.Tensor,
+    ) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for s in _rows(x.shape[0], chunk):
-            lse[s:s + chunk], losses = _token_losses(F.linear(features(x[s:s + chunk]), weight), y[s:s + chunk])
+            lse[s : s + chunk], losses = _token_losses(F.linear(features(x[s : s + chunk]), weight), y[s : s + chunk])
             total += losses.sum()
         ctx.save_for_backward(hidden, weight, labels, lse, *feature_params)
         ctx.features, ctx.chunk = features, chunk  # type: ignore[attr-defined]
@@ -102,8 +109,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
-                 grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+        grad_loss: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse, *params = ctx.saved_tensors  # type: ignore[attr-defined]
         features, chunk = ctx.features, ctx.chunk  # type: ignore[attr-defined]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # type: ignore[attr-defined]
@@ -115,20 +124,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w: torch.Tensor | None = None
         grad_p: list[torch.Tensor | None] = [None] * len(params)
         for s in _rows(x.shape[0], chunk):
-            xc = x[s:s + chunk].detach().requires_grad_(need_x)
+            xc = x[s : s + chunk].detach().requires_grad_(need_x)
             with torch.enable_grad():
                 h = features(xc)
             logits = F.linear(h.detach(), weight)
-            g = _logits_grad(logits, lse[s:s + chunk], y[s:s + chunk], scale)
+            g = _logits_grad(logits, lse[s : s + chunk], y[s : s + chunk], scale)
             del logits
             if need_w:
                 grad_w = g.t() @ h.detach() if grad_w is None else grad_w.addmm_(g.t(), h.detach())
-            _backprop_features(h, g @ weight, xc, params, need_p, grad_p, grad_x[s:s + chunk] if need_x else None)
+            _backprop_features(h, g @ weight, xc, params, need_p, grad_p, grad_x[s : s + chunk] if need_x else None)
         return (None if grad_x is None else grad_x.view_as(hidden), grad_w, None, None, None, *grad_p)
 
 
-def _backprop_features(h: torch.Tensor, grad_h: torch.Tensor, xc: torch.Tensor, params: Sequence[torch.Tensor],
-                       need_p: Sequence[bool], grad_p: list[torch.Tensor | None], grad_x: torch.Tensor | None) -> None:
+def _backprop_features(
+    h: torch.Tensor,
+    grad_h: torch.Tensor,
+    xc: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    need_p: Sequence[bool],
+    grad_p: list[torch.Tensor | None],
+    grad_x: torch.Tensor | None,
+) -> None:
     """Backpropagate ``grad_h`` through the features of one chunk: its input gradient into ``grad_x``,
     the feature parameters' gradients summed into ``grad_p``."""
     wanted = [p for p, need in zip(params, need_p) if need]
@@ -144,8 +160,14 @@ def _backprop_features(h: torch.Tensor, grad_h: torch.Tensor, xc: torch.Tensor, 
             grad_p[i] = g if grad_p[i] is None else grad_p[i].add_(g)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          features: nn.Module, chunk_tokens: int | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    features: nn.Module,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of the logits ``F.linear(features(hidden), weight)`` against ``labels``
     (-100 = ignored), ``chunk_tokens`` tokens at a time (default :func:`loss_chunk_tokens`)."""
     chunk = chunk_tokens or loss_chunk_tokens(weight.shape[0])

@@ -183,7 +183,13 @@ def bench_pipeline(
     out: dict[str, float] = {}
     for mode in ("sync", "async"):
         stages = [
-            StageOptimizer(name, torch.randn(numel) * 0.02, lr=1e-3, backend=backend, target=torch.empty(numel, dtype=torch.bfloat16))
+            StageOptimizer(
+                name,
+                torch.randn(numel) * 0.02,
+                lr=1e-3,
+                backend=backend,
+                target=torch.empty(numel, dtype=torch.bfloat16),
+            )
             for name in grads
         ]
         scaler = make_scaler("bf16")
@@ -228,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=6, help="simulated pipeline: sub-stages")
     ap.add_argument("--stage-size", default="10M", help="simulated pipeline: elements per sub-stage")
     ap.add_argument("--backward-ms", type=float, default=60.0, help="simulated pipeline: backward time per sub-stage")
-    ap.add_argument("--opt-threads", type=int, default=1, help="intra-op threads per optimizer worker (rollback, pipeline)")
+    ap.add_argument(
+        "--opt-threads", type=int, default=1, help="intra-op threads per optimizer worker (rollback, pipeline)"
+    )
     ap.add_argument("--skip", default="", help="comma list of tables to skip: steps,rollback,undo,pipeline")
     args = ap.parse_args(argv)
     sizes, threads = _parse_sizes(args.sizes), [int(t) for t in args.threads.split(",")]
@@ -237,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" not in skip:
         print("| backend | elements | threads | ms/step | Melem/s | GB/s |\n|---|---:|---:|---:|---:|---:|")
         for backend, n, t, s in bench_steps(sizes, threads, args.repeat):
-            print(f"| {backend} | {n / 1e6:.0f}M | {t} | {s * 1e3:.1f} | {n / s / 1e6:.0f} | {n * BYTES_PER_ELEM / s / 1e9:.1f} |")
+            print(
+                f"| {backend} | {n / 1e6:.0f}M | {t} | {s * 1e3:.1f} | {n / s / 1e6:.0f} | {n * BYTES_PER_ELEM / s / 1e9:.1f} |"
+            )
         print()
     if "rollback" not in skip:
         print(f"Rollback, {args.opt_threads} thread(s)\n")
@@ -250,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
     if "undo" not in skip:
-        print("| backend | regime | p: max abs / exact / max ulps | m: max abs / exact / max ulps | v: max abs / exact / max ulps |")
+        print(
+            "| backend | regime | p: max abs / exact / max ulps | m: max abs / exact / max ulps | v: max abs / exact / max ulps |"
+        )
         print("|---|---|---|---|---|")
         for backend in ("deepspeed", "torch"):
             for regime in REGIMES:

@@ -53,8 +53,14 @@ def machine() -> dict[str, Any]:
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
-    return {"cpu": model, "avx2": "avx2" in flags, "avx512": "avx512f" in flags, "cores": os.cpu_count(),
-            "load_avg_1m": round(os.getloadavg()[0], 2), "torch_simd": str(torch.backends.cpu.get_cpu_capability())}
+    return {
+        "cpu": model,
+        "avx2": "avx2" in flags,
+        "avx512": "avx512f" in flags,
+        "cores": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "torch_simd": str(torch.backends.cpu.get_cpu_capability()),
+    }
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -80,9 +86,15 @@ def run(numel: int, *, repeat: int = 7, warmup: int = 2, threads: int = 1) -> di
     exact = CpuAdam(p0.clone(), rollback="exact", **kw)
     snap = CpuAdam(p0.clone(), rollback="snapshot", **kw)
     del p0
-    times: dict[str, list[float]] = {"step_ms": [], "exact_step_ms": [], "exact_refresh_ms": [],
-                                     "snapshot_step_ms": [], "undo_ms": []}
+    times: dict[str, list[float]] = {
+        "step_ms": [],
+        "exact_step_ms": [],
+        "exact_refresh_ms": [],
+        "snapshot_step_ms": [],
+        "undo_ms": [],
+    }
     try:
+
         def plain_round(row: dict[str, float]) -> None:
             row["step_ms"] = _timed(lambda: plain.step(g))
             row["undo_ms"] = _timed(lambda: plain.undo(g))
@@ -101,7 +113,7 @@ def run(numel: int, *, repeat: int = 7, warmup: int = 2, threads: int = 1) -> di
             # each step is rolled back so every round steps the same state (undo's own time is a
             # row); the order rotates so no mode always runs after the same one
             row: dict[str, float] = {}
-            for fn in order[i % 3:] + order[:i % 3]:
+            for fn in order[i % 3 :] + order[: i % 3]:
                 fn(row)
             if i >= warmup:
                 for key, ms in row.items():
@@ -115,7 +127,9 @@ def run(numel: int, *, repeat: int = 7, warmup: int = 2, threads: int = 1) -> di
     out["exact_ratio"] = round(out["exact_step_ms"] / out["step_ms"], 3)
     # the same ratio taken within each round (the two steps ran back to back), then the median: the
     # steadier figure when other processes load the machine
-    out["exact_ratio_paired"] = round(statistics.median(e / p for e, p in zip(times["exact_step_ms"], times["step_ms"])), 3)
+    out["exact_ratio_paired"] = round(
+        statistics.median(e / p for e, p in zip(times["exact_step_ms"], times["step_ms"])), 3
+    )
     out["exact_backend"] = exact.backend
     out["machine"] = machine()
     return out
@@ -126,15 +140,25 @@ def table(r: dict[str, Any]) -> str:
     m = r["machine"]
     plain = r["step_ms"]
     mib = 12 * r["size"] / 2**20
-    rows = [("plain in-place step (DeepSpeed)", plain, "0"),
-            ("exact: DeepSpeed's in-place step on the spare set (critical path)", r["exact_step_ms"], f"{mib:.0f} MiB"),
-            ("exact: refresh of the spare, copy of p, m, v (off the critical path: next forward)",
-             r["exact_refresh_ms"], "-"),
-            ("snapshot: copy p, m, v, then step", r["snapshot_step_ms"], f"{mib:.0f} MiB"),
-            ("undo: arithmetic inverse of one step", r["undo_ms"], "0")]
-    lines = [f"{r['size'] / 1e6:g}M fp32 parameters, {r['threads']} thread(s), median of {r['repeat']}; {m['cpu']}, "
-             f"AVX2 {'yes' if m['avx2'] else 'no'}, AVX-512 {'yes' if m['avx512'] else 'no'}, {m['cores']} cores, "
-             f"load {m['load_avg_1m']}", "", "| mode | ms | x plain | extra memory |", "|---|---:|---:|---:|"]
+    rows = [
+        ("plain in-place step (DeepSpeed)", plain, "0"),
+        ("exact: DeepSpeed's in-place step on the spare set (critical path)", r["exact_step_ms"], f"{mib:.0f} MiB"),
+        (
+            "exact: refresh of the spare, copy of p, m, v (off the critical path: next forward)",
+            r["exact_refresh_ms"],
+            "-",
+        ),
+        ("snapshot: copy p, m, v, then step", r["snapshot_step_ms"], f"{mib:.0f} MiB"),
+        ("undo: arithmetic inverse of one step", r["undo_ms"], "0"),
+    ]
+    lines = [
+        f"{r['size'] / 1e6:g}M fp32 parameters, {r['threads']} thread(s), median of {r['repeat']}; {m['cpu']}, "
+        f"AVX2 {'yes' if m['avx2'] else 'no'}, AVX-512 {'yes' if m['avx512'] else 'no'}, {m['cores']} cores, "
+        f"load {m['load_avg_1m']}",
+        "",
+        "| mode | ms | x plain | extra memory |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {name} | {ms:.1f} | {ms / plain:.2f} | {extra} |" for name, ms, extra in rows]
     lines += ["", f"exact / plain within each round, median: {r['exact_ratio_paired']:.2f}"]
     return "\n".join(lines)
@@ -156,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name in ("repeat", "threads"):
         if getattr(args, name) < 1:
-            print(f"sysx bench optim: --{name} {getattr(args, name)} is not valid: give an integer >= 1", file=sys.stderr)
+            print(
+                f"sysx bench optim: --{name} {getattr(args, name)} is not valid: give an integer >= 1", file=sys.stderr
+            )
             return 2
     result = run(numel, repeat=args.repeat, warmup=max(0, args.warmup), threads=args.threads)
     print(json.dumps(result) if args.json else table(result), flush=True)

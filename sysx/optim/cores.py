@@ -125,8 +125,16 @@ def plan_cores(
     """The thread plan for this rank (local rank/size default to the launcher's environment)."""
     if n_stages < 1:
         raise ValueError(f"plan_cores: n_stages={n_stages} must be >= 1")
-    lws = local_world_size if local_world_size is not None else _env_int(("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"), 1)
-    lr = local_rank if local_rank is not None else _env_int(("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"), 0)
+    lws = (
+        local_world_size
+        if local_world_size is not None
+        else _env_int(("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"), 1)
+    )
+    lr = (
+        local_rank
+        if local_rank is not None
+        else _env_int(("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"), 0)
+    )
     if lws < 1 or not 0 <= lr < lws:
         raise ValueError(f"plan_cores: local_rank={lr} must be in [0, local_world_size={lws})")
     cores, affinity = usable_physical_cores()

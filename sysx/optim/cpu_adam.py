@@ -40,7 +40,6 @@ from sysx.optim.undo import Snapshot, UndoWorkspace, undo_chunk
 log = logging.getLogger("sysx.optim")
 
 
-
 class Backend(Protocol):
     """What :class:`CpuAdam` needs from a backend."""
 
@@ -51,7 +50,13 @@ class Backend(Protocol):
     def simd(self) -> str: ...
 
     def step_chunk(
-        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: StepConstants, scratch: torch.Tensor
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        c: StepConstants,
+        scratch: torch.Tensor,
     ) -> None: ...
 
     def direction_chunk(self, m: torch.Tensor, v: torch.Tensor, c: StepConstants, out: torch.Tensor) -> None: ...
@@ -127,11 +132,15 @@ class CpuAdam:
     ) -> None:
         _check_flat(param, "param")
         if rollback not in ROLLBACK_MODES:
-            raise ValueError(f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACK_MODES)} (resolve "
-                             "optim.rollback=auto first, e.g. with sysx.optim.rollback_choice.choose_rollback)")
+            raise ValueError(
+                f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACK_MODES)} (resolve "
+                "optim.rollback=auto first, e.g. with sysx.optim.rollback_choice.choose_rollback)"
+            )
         if not lr >= 0:
             raise ValueError(f"CpuAdam: lr={lr} must be >= 0")
-        self.hyper = Hyper(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps), weight_decay=float(weight_decay))
+        self.hyper = Hyper(
+            beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps), weight_decay=float(weight_decay)
+        )
         self.hyper.check()
         self.lr = float(lr)
         self.step_count = 0
@@ -322,9 +331,13 @@ class CpuAdam:
         """Restore from :meth:`state_dict` (sizes and hyper-parameters must match)."""
         for key in ("exp_avg", "exp_avg_sq"):
             _check_flat(state[key].contiguous(), f"state_dict[{key!r}]", self.numel)
-        saved = Hyper(float(state["betas"][0]), float(state["betas"][1]), float(state["eps"]), float(state["weight_decay"]))
+        saved = Hyper(
+            float(state["betas"][0]), float(state["betas"][1]), float(state["eps"]), float(state["weight_decay"])
+        )
         if saved != self.hyper:
-            raise ValueError(f"CpuAdam.load_state_dict: saved hyper-parameters {saved} differ from this optimizer's {self.hyper}")
+            raise ValueError(
+                f"CpuAdam.load_state_dict: saved hyper-parameters {saved} differ from this optimizer's {self.hyper}"
+            )
         self.exp_avg.copy_(state["exp_avg"].view(-1))
         self.exp_avg_sq.copy_(state["exp_avg_sq"].view(-1))
         self.resume_at(int(state["step"]))

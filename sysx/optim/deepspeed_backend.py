@@ -228,7 +228,9 @@ def _self_test(op: ModuleType) -> None:
     try:
         for step in (1, 2):
             g = torch.randn(n, generator=gen)
-            op.adam_update(opt_id, step, 1e-2, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, True, p, g, m, v)
+            op.adam_update(
+                opt_id, step, 1e-2, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, True, p, g, m, v
+            )
             c = constants(step, 1e-2, hyper, powers)
             ref = list(reference_step(ref[0], g.numpy(), ref[1], ref[2], c))
     finally:
@@ -265,7 +267,13 @@ class DeepSpeedBackend:
         return f"{info.get('simd', '?')} ({lanes} fp32 lanes)"
 
     def step_chunk(
-        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: StepConstants, scratch: torch.Tensor
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        c: StepConstants,
+        scratch: torch.Tensor,
     ) -> None:
         """One ``adam_update`` call on contiguous fp32 chunks (``scratch`` is unused)."""
         h = self.hyper

@@ -40,7 +40,7 @@ class DeviceLane:
     def _buffers(self, n: int) -> torch.Tensor:
         lent = self._lent
         if lent is not None and lent.numel() >= 5 * n * 4:
-            return lent[:5 * n * 4].view(torch.float32).view(5, n)
+            return lent[: 5 * n * 4].view(torch.float32).view(5, n)
         if self._bufs is None or self._bufs.shape[1] < n:
             self._bufs = torch.empty(5, n, dtype=torch.float32, device=self.device)
         return self._bufs[:, :n]
@@ -48,8 +48,9 @@ class DeviceLane:
     def step(self, opt: CpuAdam, grad: torch.Tensor, *, lr: float) -> None:
         """One AdamW step of ``opt`` with the host fp32 ``grad``, computed on the device."""
         if grad.dtype != torch.float32 or grad.numel() != opt.numel:
-            raise ValueError(f"DeviceLane.step: grad must be fp32 with {opt.numel} elements, got {grad.dtype} "
-                             f"with {grad.numel()}")
+            raise ValueError(
+                f"DeviceLane.step: grad must be fp32 with {opt.numel} elements, got {grad.dtype} with {grad.numel()}"
+            )
         if self.device is None:
             opt.step(grad, lr=lr, final=True)  # after the validation, as on a device: never undone
             return

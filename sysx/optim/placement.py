@@ -109,15 +109,22 @@ class Placement:
         ends = "is done as the next forward needs it" if any(u.due > 0 for u in units) else "ends"
         if not self.device:
             why = self.why or NOT_EARLIER
-            return (f"optimizer placement: all {_plural(len(units), noun)} on the CPU ({count(total)} parameters): "
-                    f"{why} (optimizer work {ends} {seconds(self.cpu_finish)} into the step)")
+            return (
+                f"optimizer placement: all {_plural(len(units), noun)} on the CPU ({count(total)} parameters): "
+                f"{why} (optimizer work {ends} {seconds(self.cpu_finish)} into the step)"
+            )
         on = sum(numel[n] for n in self.device)
-        shown = self.device if len(self.device) <= 6 else (*self.device[:3], f"... {len(self.device) - 5} more",
-                                                          *self.device[-2:])  # a window of 80 blocks
-        return (f"optimizer placement: {len(self.device)} of {_plural(len(units), noun)} on the device "
-                f"({', '.join(shown)}; {count(on)} of {count(total)} parameters): optimizer work {ends} "
-                f"{seconds(self.finish)} into the step instead of {seconds(self.cpu_finish)}, predicted saving "
-                f"{seconds(self.saving)} per step")
+        shown = (
+            self.device
+            if len(self.device) <= 6
+            else (*self.device[:3], f"... {len(self.device) - 5} more", *self.device[-2:])
+        )  # a window of 80 blocks
+        return (
+            f"optimizer placement: {len(self.device)} of {_plural(len(units), noun)} on the device "
+            f"({', '.join(shown)}; {count(on)} of {count(total)} parameters): optimizer work {ends} "
+            f"{seconds(self.finish)} into the step instead of {seconds(self.cpu_finish)}, predicted saving "
+            f"{seconds(self.saving)} per step"
+        )
 
 
 def count(n: float) -> str:
@@ -144,12 +151,16 @@ def cpu_seconds(numel: int, rates: LaneRates) -> float:
 
 def device_seconds(numel: int, rates: LaneRates) -> tuple[float, float, float]:
     """One unit on the device lane: ``(copy in, step, copy out)`` seconds."""
-    return (numel * IN_BYTES / rates.h2d_bytes_per_s, numel * STEP_BYTES / rates.device_mem_bytes_per_s,
-            numel * OUT_BYTES / rates.d2h_bytes_per_s)
+    return (
+        numel * IN_BYTES / rates.h2d_bytes_per_s,
+        numel * STEP_BYTES / rates.device_mem_bytes_per_s,
+        numel * OUT_BYTES / rates.d2h_bytes_per_s,
+    )
 
 
-def finish_times(units: Sequence[Unit], on_device: Iterable[str], rates: LaneRates, *, device_idle: float,
-                 speculative: bool = True) -> dict[str, float]:
+def finish_times(
+    units: Sequence[Unit], on_device: Iterable[str], rates: LaneRates, *, device_idle: float, speculative: bool = True
+) -> dict[str, float]:
     """When each unit's update ends with the units named in ``on_device`` on the device lane."""
     on_device = set(on_device)
     last_ready = max((u.ready for u in units), default=0.0)
@@ -164,8 +175,12 @@ def finish_times(units: Sequence[Unit], on_device: Iterable[str], rates: LaneRat
         heapq.heappush(workers, ends[u.name])
     decided = max([last_ready, *ends.values()]) if speculative else last_ready
     lane = sorted((u for u in units if u.name in on_device), key=lambda u: u.ready)
-    ends.update(zip((u.name for u in lane),
-                    device_flow(max(decided, device_idle), [device_seconds(u.numel, rates) for u in lane])))
+    ends.update(
+        zip(
+            (u.name for u in lane),
+            device_flow(max(decided, device_idle), [device_seconds(u.numel, rates) for u in lane]),
+        )
+    )
     return ends
 
 
@@ -212,8 +227,8 @@ def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, specul
     # lane ends when its last worker does), then single moves while one helps
     by_ready = [u.name for u in sorted(units, key=lambda u: u.ready) if u.numel * LANE_BYTES <= rates.device_free_bytes]
     names = [n for n in names if n in by_ready]  # a unit whose states do not fit on the device stays on the CPU
-    best, k = min((finish(by_ready[len(by_ready) - k:])[0], k) for k in range(len(by_ready) + 1))
-    chosen = by_ready[len(by_ready) - k:]
+    best, k = min((finish(by_ready[len(by_ready) - k :])[0], k) for k in range(len(by_ready) + 1))
+    chosen = by_ready[len(by_ready) - k :]
     while len(chosen) < len(names):
         t, n = min((finish([*chosen, n])[0], n) for n in names if n not in chosen)
         if t >= best:
@@ -224,12 +239,25 @@ def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, specul
     order = {n: i for i, n in enumerate(names)}
     numel = {u.name: u.numel for u in units}
     why = "" if by_ready else "no unit's states fit in the device memory left free"
-    return Placement(tuple(sorted(chosen, key=order.__getitem__)), cpu_finish, best, ends,
-                     {n: device_seconds(numel[n], rates) for n in chosen}, why)
+    return Placement(
+        tuple(sorted(chosen, key=order.__getitem__)),
+        cpu_finish,
+        best,
+        ends,
+        {n: device_seconds(numel[n], rates) for n in chosen},
+        why,
+    )
 
 
-def choose(mode: str, units: Sequence[Unit], rates: LaneRates, *, device_idle: float, speculative: bool = True,
-           separate_device: bool = True) -> Placement:
+def choose(
+    mode: str,
+    units: Sequence[Unit],
+    rates: LaneRates,
+    *,
+    device_idle: float,
+    speculative: bool = True,
+    separate_device: bool = True,
+) -> Placement:
     """``optim.placement``: ``cpu`` (every unit on the CPU), ``split`` (the model's split), ``auto``
     (the model's split where the device is a separate processor, ``separate_device``; on a CPU-only
     job the "device" is the host itself, so nothing is gained and auto keeps the CPU lane)."""
@@ -245,9 +273,16 @@ def choose(mode: str, units: Sequence[Unit], rates: LaneRates, *, device_idle: f
 def record(placed: Placement, units: Sequence[Unit]) -> dict[str, object]:
     """One rank's split, JSON-ready (``summary.json``'s ``placement``; the benchmark's rows)."""
     numel = {u.name: u.numel for u in units}
-    return {"device": list(placed.device), "units": len(units), "device_params": sum(numel[n] for n in placed.device),
-            "params": sum(numel.values()), "cpu_finish_s": placed.cpu_finish, "finish_s": placed.finish,
-            "saving_s": placed.saving, **({"why": placed.why} if placed.why else {})}
+    return {
+        "device": list(placed.device),
+        "units": len(units),
+        "device_params": sum(numel[n] for n in placed.device),
+        "params": sum(numel.values()),
+        "cpu_finish_s": placed.cpu_finish,
+        "finish_s": placed.finish,
+        "saving_s": placed.saving,
+        **({"why": placed.why} if placed.why else {}),
+    }
 
 
 def summarize(ranks: Sequence[tuple[Placement, Sequence[Unit]]], noun: str = "unit") -> str:
@@ -264,13 +299,17 @@ def summarize(ranks: Sequence[tuple[Placement, Sequence[Unit]]], noun: str = "un
     if not n_on:
         whys = {p.why for p, _ in ranks}
         why = whys.pop() if whys != {""} and len(whys) == 1 else f"{NOT_EARLIER} on any rank"
-        return (f"{head} all {_plural(n_all, noun)} on the CPU ({count(p_all)} parameters): {why} "
-                f"(optimizer work {ends} {cpu} into the step)")
+        return (
+            f"{head} all {_plural(n_all, noun)} on the CPU ({count(p_all)} parameters): {why} "
+            f"(optimizer work {ends} {cpu} into the step)"
+        )
     per = [f"{len(r['device'])}/{r['units']}" for r in recs]  # type: ignore[arg-type]
     each = f"{per[0]} on each rank" if len(set(per)) == 1 else "per rank " + ", ".join(per)
-    return (f"{head} {n_on} of {_plural(n_all, noun)} on the device ({each}; {count(p_on)} of {count(p_all)} "
-            f"parameters): optimizer work {ends} {_range([p.finish for p, _ in ranks])} into the step instead of "
-            f"{cpu}, predicted saving {_range([p.saving for p, _ in ranks])} per step")
+    return (
+        f"{head} {n_on} of {_plural(n_all, noun)} on the device ({each}; {count(p_on)} of {count(p_all)} "
+        f"parameters): optimizer work {ends} {_range([p.finish for p, _ in ranks])} into the step instead of "
+        f"{cpu}, predicted saving {_range([p.saving for p, _ in ranks])} per step"
+    )
 
 
 def _range(values: Sequence[float]) -> str:

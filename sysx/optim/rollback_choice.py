@@ -18,8 +18,9 @@ from sysx.config.choices import ROLLBACKS
 from sysx.memory.budget import HostCapacity, HostMemoryError, HostMemoryPlan, fmt_bytes, probe_host
 
 
-def choose_rollback(requested: str, plan: Callable[[str], HostMemoryPlan],
-                    capacity: HostCapacity | None = None) -> tuple[str, str]:
+def choose_rollback(
+    requested: str, plan: Callable[[str], HostMemoryPlan], capacity: HostCapacity | None = None
+) -> tuple[str, str]:
     """``(mode, why)``: ``requested`` after checking ``plan(mode)`` against the host (raising
     :class:`HostMemoryError` when it does not fit), or for ``auto`` the choice and a one-line reason."""
     if requested not in ROLLBACKS:
@@ -33,12 +34,16 @@ def choose_rollback(requested: str, plan: Callable[[str], HostMemoryPlan],
         exact.check(cap)
     except HostMemoryError:
         plan("undo").check(cap)  # raises when even the plain plan does not fit
-        return "undo", (f"optim.rollback=auto -> undo: the exact rollback's buffers ({fmt_bytes(exact.rollback)}) "
-                        f"do not fit this node's host memory (need {fmt_bytes(exact.total)}, available "
-                        f"{fmt_bytes(_available(cap))}); undo needs none and is within ~1 ulp")
-    return "exact", (f"optim.rollback=auto -> exact: its buffers ({fmt_bytes(exact.rollback)}) fit this node's host "
-                     f"memory (need {fmt_bytes(exact.total)}, available {fmt_bytes(_available(cap))}); rollbacks are "
-                     "bit-exact and a step costs a plain in-place one (a copy follows, off the critical path)")
+        return "undo", (
+            f"optim.rollback=auto -> undo: the exact rollback's buffers ({fmt_bytes(exact.rollback)}) "
+            f"do not fit this node's host memory (need {fmt_bytes(exact.total)}, available "
+            f"{fmt_bytes(_available(cap))}); undo needs none and is within ~1 ulp"
+        )
+    return "exact", (
+        f"optim.rollback=auto -> exact: its buffers ({fmt_bytes(exact.rollback)}) fit this node's host "
+        f"memory (need {fmt_bytes(exact.total)}, available {fmt_bytes(_available(cap))}); rollbacks are "
+        "bit-exact and a step costs a plain in-place one (a copy follows, off the critical path)"
+    )
 
 
 def _available(cap: HostCapacity) -> int:

@@ -72,6 +72,8 @@ def window_mode(overlap: str, speculate: str) -> str:
     if spelled is None:
         return speculate
     if speculate not in ("auto", spelled):
-        raise ValueError(f"single.optimizer_overlap={overlap} means optim.speculate={spelled}, but optim.speculate="
-                         f"{speculate}; set one of them only (single.optimizer_overlap=auto defers to optim.speculate)")
+        raise ValueError(
+            f"single.optimizer_overlap={overlap} means optim.speculate={spelled}, but optim.speculate="
+            f"{speculate}; set one of them only (single.optimizer_overlap=auto defers to optim.speculate)"
+        )
     return spelled

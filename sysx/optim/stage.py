@@ -108,14 +108,17 @@ class StageOptimizer:
         if target is not None and target.numel() != n:
             raise ValueError(f"stage {name}: target has {target.numel()} elements, the master weights {n}")
         if target is not None and target.device.type != "cpu":
-            raise ValueError(f"stage {name}: target is on {target.device}; it must be a host tensor (shared store view)")
+            raise ValueError(
+                f"stage {name}: target is on {target.device}; it must be a host tensor (shared store view)"
+            )
         self.target = target.view(-1) if target is not None else None
         if grad_buffer is not None and not keep_grads:
             raise ValueError(f"stage {name}: a grad_buffer is kept by definition; keep_grads=False allocates per job")
         if grad_buffer is None and keep_grads:
             grad_buffer = torch.empty(n, dtype=torch.float32)
-        if grad_buffer is not None and (grad_buffer.dtype != torch.float32 or grad_buffer.numel() != n
-                                        or not grad_buffer.is_contiguous()):
+        if grad_buffer is not None and (
+            grad_buffer.dtype != torch.float32 or grad_buffer.numel() != n or not grad_buffer.is_contiguous()
+        ):
             raise ValueError(f"stage {name}: grad_buffer must be a contiguous fp32 tensor of {n} elements")
         self._buffer = grad_buffer.view(-1) if grad_buffer is not None else None
         self.grad32: torch.Tensor | None = self._buffer  # the fp32 unscaled gradients while they exist
@@ -129,9 +132,17 @@ class StageOptimizer:
     @classmethod
     def from_settings(cls, name: str, master: torch.Tensor, settings: OptimSettings, **kw: object) -> StageOptimizer:
         """A stage with ``settings``' hyper-parameters, backend and rollback; ``kw`` as for the constructor."""
-        return cls(name, master, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                   weight_decay=settings.weight_decay, backend=settings.backend, rollback=settings.rollback,
-                   **kw)  # type: ignore[arg-type]
+        return cls(
+            name,
+            master,
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+            backend=settings.backend,
+            rollback=settings.rollback,
+            **kw,
+        )  # type: ignore[arg-type]
 
     @property
     def master(self) -> torch.Tensor:
@@ -160,7 +171,7 @@ class StageOptimizer:
         self.grad32 = self._buffer if self._buffer is not None else torch.empty(self.numel, dtype=torch.float32)
         sq = self._convert(self.grad32, fp64_norm=self.param_spans is None)
         if self.param_spans is not None:
-            self.param_norms = [torch.linalg.vector_norm(self.grad32[lo:lo + n]) for lo, n in self.param_spans]
+            self.param_norms = [torch.linalg.vector_norm(self.grad32[lo : lo + n]) for lo, n in self.param_spans]
             sq = sum(float(norm) ** 2 for norm in self.param_norms)
         return (not math.isfinite(sq)), sq
 

@@ -130,13 +130,15 @@ class OptimizerThreads:
         """Queue stage ``name``'s step: wait ``event``, load ``grads``, step if finite."""
         return self._submit_report(name, grads, event, scale, lr)
 
-    def submit_load(self, name: str, grads: torch.Tensor, event: Event | None = None, *,
-                    scale: float = 1.0) -> Future[StageReport]:
+    def submit_load(
+        self, name: str, grads: torch.Tensor, event: Event | None = None, *, scale: float = 1.0
+    ) -> Future[StageReport]:
         """Queue stage ``name``'s check only: wait ``event``, load ``grads`` (no step)."""
         return self._submit_report(name, grads, event, scale, None)
 
-    def _submit_report(self, name: str, grads: torch.Tensor, event: Event | None, scale: float,
-                       lr: float | None) -> Future[StageReport]:
+    def _submit_report(
+        self, name: str, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None
+    ) -> Future[StageReport]:
         pool = self._executor()  # "closed" before "no stage": close() lets go of the stages
         span = self.pace(name, event) if self.pace is not None and lr is not None else contextlib.nullcontext()
         future = pool.submit(_step_job, self.stage(name), grads, event, scale, lr, now(), span, self._recording())
@@ -155,12 +157,15 @@ class OptimizerThreads:
         return _results(pending)
 
     # ---------------------------------------------------------------------------- other jobs
-    def run_all(self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str, *,
-                paced: str | None = None) -> list[T]:
+    def run_all(
+        self, fn: Callable[[StageOptimizer], T], names: Sequence[str], label: str, *, paced: str | None = None
+    ) -> list[T]:
         """Run ``fn(stage)`` for each named stage on the workers; wait for all, return the results."""
         return _results([self.submit(fn, n, label, paced=paced) for n in names])
 
-    def submit(self, fn: Callable[[StageOptimizer], T], name: str, label: str, *, paced: str | None = None) -> Future[T]:
+    def submit(
+        self, fn: Callable[[StageOptimizer], T], name: str, label: str, *, paced: str | None = None
+    ) -> Future[T]:
         """Queue ``fn(stage)`` for stage ``name``; :meth:`wait_stage` waits for it. ``paced``: what the
         job is on an emulated device's clock (``step``, ``undo``, ``restep``; None: no time)."""
         pool = self._executor()
@@ -223,8 +228,14 @@ class OptimizerThreads:
 
 
 def _step_job(
-    stage: StageOptimizer, grads: torch.Tensor, event: Event | None, scale: float, lr: float | None, t_submit: float,
-    span: contextlib.AbstractContextManager[None], rec: Recorder | None = None,
+    stage: StageOptimizer,
+    grads: torch.Tensor,
+    event: Event | None,
+    scale: float,
+    lr: float | None,
+    t_submit: float,
+    span: contextlib.AbstractContextManager[None],
+    rec: Recorder | None = None,
 ) -> StageReport:
     """Wait for the copy, load and check; step too unless ``lr`` is None (a check only)."""
     with nvtx_range(f"OPT {stage.name}"):
@@ -259,7 +270,7 @@ def _refresh_job(stage: StageOptimizer, decided: Future[object] | None, stamp: i
     if decided is not None:
         try:
             decided.result()  # started before this job (FIFO): no deadlock on one worker
-        except BaseException:  # noqa: BLE001 - its owner re-raises it (wait_stage); leave the state alone
+        except BaseException:
             return False
     with nvtx_range(f"OPT refresh {stage.name}"):
         begin = rec.now() if rec is not None else 0.0
@@ -269,8 +280,13 @@ def _refresh_job(stage: StageOptimizer, decided: Future[object] | None, stamp: i
         return copied
 
 
-def _labelled_job(fn: Callable[[StageOptimizer], T], stage: StageOptimizer, label: str, rec: Recorder | None = None,
-                  span: contextlib.AbstractContextManager[None] | None = None) -> T:
+def _labelled_job(
+    fn: Callable[[StageOptimizer], T],
+    stage: StageOptimizer,
+    label: str,
+    rec: Recorder | None = None,
+    span: contextlib.AbstractContextManager[None] | None = None,
+) -> T:
     with nvtx_range(f"OPT {label} {stage.name}"), span or contextlib.nullcontext():
         if rec is None:
             return fn(stage)
@@ -288,7 +304,7 @@ def _results(futures: Sequence[Future[T]]) -> list[T]:
     for future in futures:
         try:
             results.append(future.result())
-        except BaseException as exc:  # noqa: BLE001 - re-raised once every job has ended
+        except BaseException as exc:
             error = error or exc
     if error is not None:
         raise error

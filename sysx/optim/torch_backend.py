@@ -40,7 +40,13 @@ class TorchBackend:
         return f"ATen {cpu_capability()}"
 
     def step_chunk(
-        self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: StepConstants, scratch: torch.Tensor
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        c: StepConstants,
+        scratch: torch.Tensor,
     ) -> None:
         """One AdamW step in place on a chunk; ``scratch`` is fp32 of the same length."""
         m.mul_(c.beta1).add_(g, alpha=c.one_minus_beta1)

@@ -73,15 +73,23 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def reduce_flags(found_inf: Sequence[bool], sq_norms: Sequence[float], group: dist.ProcessGroup | None) -> tuple[int, float]:
+def reduce_flags(
+    found_inf: Sequence[bool], sq_norms: Sequence[float], group: dist.ProcessGroup | None
+) -> tuple[int, float]:
     """Sum ``(#overflowed stages, squared norms of finite stages)`` over all ranks of ``group``."""
     n_inf = sum(1 for f in found_inf if f)
     sq = sum(s for f, s in zip(found_inf, sq_norms) if not f)
     if _world(group) == 1:
         return n_inf, sq
     t = torch.tensor([float(n_inf), sq], dtype=torch.float64)
-    wait_for(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), rank=dist.get_rank(),
-             what="VALIDATE (overflow and gradient-norm all-reduce)", peer=None, timeout_s=group_timeout_s(), collective=True)
+    wait_for(
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        rank=dist.get_rank(),
+        what="VALIDATE (overflow and gradient-norm all-reduce)",
+        peer=None,
+        timeout_s=group_timeout_s(),
+        collective=True,
+    )
     return int(t[0].item()), float(t[1].item())
 
 
@@ -125,7 +133,9 @@ def _run(
     return []
 
 
-def _stage_map(stages: OptimizerThreads | Sequence[StageOptimizer]) -> tuple[dict[str, StageOptimizer], OptimizerThreads | None]:
+def _stage_map(
+    stages: OptimizerThreads | Sequence[StageOptimizer],
+) -> tuple[dict[str, StageOptimizer], OptimizerThreads | None]:
     if isinstance(stages, OptimizerThreads):
         return stages.stages, stages
     return {s.name: s for s in stages}, None
@@ -143,12 +153,15 @@ def _reduce(
     return n_inf, total_norm() if n_inf == 0 else math.inf
 
 
-def _skip(n_inf: int, scale: float, scaler: LossScaler, group: dist.ProcessGroup | None, undone: int,
-          t0: float) -> StepOutcome:
+def _skip(
+    n_inf: int, scale: float, scaler: LossScaler, group: dist.ProcessGroup | None, undone: int, t0: float
+) -> StepOutcome:
     """Back the scaler off (it raises for bf16/fp32) and report the skipped step."""
     skipped = scaler.update(True)
     _log_skip(n_inf, scale, scaler, group, undone)
-    return StepOutcome(True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), undone, 0, time.perf_counter() - t0)
+    return StepOutcome(
+        True, bool(skipped), math.inf, 1.0, scale, float(scaler.scale), undone, 0, time.perf_counter() - t0
+    )
 
 
 def post_step_validate(
@@ -175,7 +188,9 @@ def post_step_validate(
     n_inf, norm = _reduce(reports, group, total_norm)
     stepped = [r.stage for r in reports if r.stepped]
     if n_inf > 0 or not math.isfinite(norm):
-        _run(by_name, threads, StageOptimizer.undo, stepped, "undo", paced="undo")  # before the scaler raises (bf16/fp32)
+        _run(
+            by_name, threads, StageOptimizer.undo, stepped, "undo", paced="undo"
+        )  # before the scaler raises (bf16/fp32)
         return _skip(n_inf, scale, scaler, group, len(stepped), t0)
     scaler.update(False)
     coef = clip_coefficient(norm, max_grad_norm)

@@ -15,6 +15,14 @@ from sysx.runtime.options import PipelineOptions, RuntimeConfigError, make_sched
 from sysx.runtime.p2p import P2P, TransferMismatch, TransferSpec
 
 __all__ = [
-    "ExecutionError", "Executor", "P2P", "PipelineOptions", "RuntimeConfigError", "StepContext",
-    "TransferMismatch", "TransferSpec", "make_schedule", "options_from_config",
+    "P2P",
+    "ExecutionError",
+    "Executor",
+    "PipelineOptions",
+    "RuntimeConfigError",
+    "StepContext",
+    "TransferMismatch",
+    "TransferSpec",
+    "make_schedule",
+    "options_from_config",
 ]

@@ -50,8 +50,17 @@ class Slot:
 class ParamSlots:
     """``n`` device buffers holding the parameters of loaded units (see the module doc)."""
 
-    def __init__(self, n: int, numel: int, dtype: torch.dtype, device: torch.device, *, layer_numels: Sequence[int],
-                 h2d: dev.Stream, compute: dev.Stream) -> None:
+    def __init__(
+        self,
+        n: int,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        layer_numels: Sequence[int],
+        h2d: dev.Stream,
+        compute: dev.Stream,
+    ) -> None:
         if n < 1:
             raise ValueError(f"ParamSlots: n={n} must be >= 1")
         self.device = torch.device(device)
@@ -74,11 +83,15 @@ class ParamSlots:
         slot = next((s for s in self.slots if s.unit is None), None)
         if slot is None:
             busy = ", ".join(f"slot {s.index}: {s.unit}" for s in self.slots)
-            raise BufferError(f"{label}: no free parameter buffer ({busy}); the schedule's param_buffers must match the runtime's")
+            raise BufferError(
+                f"{label}: no free parameter buffer ({busy}); the schedule's param_buffers must match the runtime's"
+            )
         numel = self.offsets[layers.stop] - self.offsets[layers.start]
         if sum(p.numel() for p in pieces) != numel or numel > slot.buffer.numel():
-            raise BufferError(f"{label}: host pieces hold {sum(p.numel() for p in pieces)} elements, the unit needs {numel} "
-                              f"(slot size {slot.buffer.numel()})")
+            raise BufferError(
+                f"{label}: host pieces hold {sum(p.numel() for p in pieces)} elements, the unit needs {numel} "
+                f"(slot size {slot.buffer.numel()})"
+            )
         if slot.released is not None:
             self.h2d.wait_event(slot.released)
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
@@ -88,7 +101,7 @@ class ParamSlots:
             offset = 0
             for piece in pieces:
                 n = piece.numel()
-                slot.buffer[offset:offset + n].copy_(piece, non_blocking=True)
+                slot.buffer[offset : offset + n].copy_(piece, non_blocking=True)
                 offset += n
             slot.ready = self.h2d.record_event(timing=rec is not None)
         slot.unit, slot.layers = unit, layers
@@ -106,9 +119,13 @@ class ParamSlots:
                 lo = self.offsets[layers.start] - self.offsets[slot.layers.start]
                 hi = self.offsets[layers.stop] - self.offsets[slot.layers.start]
                 return slot.buffer[lo:hi]
-        loaded = ", ".join(f"{s.unit} layers {s.layers.start}..{s.layers.stop - 1}" for s in self.slots if s.unit is not None)
-        raise BufferError(f"{label}: the parameters of layers {layers.start}..{layers.stop - 1} are not loaded "
-                          f"(loaded: {loaded or 'nothing'}); a LOAD_PARAMS is missing")
+        loaded = ", ".join(
+            f"{s.unit} layers {s.layers.start}..{s.layers.stop - 1}" for s in self.slots if s.unit is not None
+        )
+        raise BufferError(
+            f"{label}: the parameters of layers {layers.start}..{layers.stop - 1} are not loaded "
+            f"(loaded: {loaded or 'nothing'}); a LOAD_PARAMS is missing"
+        )
 
     def free(self, unit: tuple[int, int], label: str) -> None:
         """Return ``unit``'s slot once the compute stream's work so far is done."""
@@ -159,7 +176,9 @@ class GradBuffers:
         if buf is None:
             raise BufferError(f"OFFLOAD {unit_label(*unit)}: no gradients were accumulated for it on this rank")
         if host.numel() != buf.numel():
-            raise BufferError(f"OFFLOAD {unit_label(*unit)}: host buffer has {host.numel()} elements, gradients {buf.numel()}")
+            raise BufferError(
+                f"OFFLOAD {unit_label(*unit)}: host buffer has {host.numel()} elements, gradients {buf.numel()}"
+            )
         self.d2h.wait_stream(self.compute)
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
         begin = rec.mark(self.d2h) if rec is not None else None  # after the wait, before the copy's block

@@ -46,11 +46,11 @@ from sysx.dist import PeerTimeout
 from sysx.emulate.pacer import Pacer
 from sysx.model import FlatLayout, ModelConfig, run_layers
 from sysx.model.llama import make_shell
+from sysx.partition import unit_label
 from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.p2p import P2P, Pending, TransferMismatch, TransferSpec
 from sysx.runtime.stage_params import StageParams
-from sysx.partition import unit_label
 from sysx.schedule import Message, Op, OpKind, Schedule
 from sysx.schedule.ops import format_op_window
 
@@ -162,8 +162,10 @@ class Executor:
             handler = self.handlers.get(op.kind)
             self._index, self._op = index, op
             if handler is None:
-                raise self._error(f"{self._label}: no handler for op kind {op.kind!r} in the executor's dispatch table "
-                                  f"(known: {', '.join(k.name for k in self.handlers)})")
+                raise self._error(
+                    f"{self._label}: no handler for op kind {op.kind!r} in the executor's dispatch table "
+                    f"(known: {', '.join(k.name for k in self.handlers)})"
+                )
             started = timer.start()
             try:
                 if rec is not None and rec.on:
@@ -176,7 +178,9 @@ class Executor:
             except (ExecutionError, PeerTimeout, TransferMismatch):
                 raise  # they already name the rank, the op and the peer
             except Exception as err:
-                raise self._error(f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}") from err
+                raise self._error(
+                    f"{self._label} of schedule {self.schedule.name!r} failed: {type(err).__name__}: {err}"
+                ) from err
             timer.stop(op.kind.name, started)
             if op.kind == OpKind.BACKWARD:
                 ctx.backward_end = time.monotonic()
@@ -221,8 +225,9 @@ class Executor:
     def _error(self, message: str) -> ExecutionError:
         """``message`` followed by the ops around the current one in the list being run."""
         context = format_op_window(self._ops, self._index)
-        return ExecutionError(f"{message}\n  rank {self.rank}'s ops around op #{self._index} "
-                              f"(of {len(self._ops)}):\n{context}")
+        return ExecutionError(
+            f"{message}\n  rank {self.rank}'s ops around op #{self._index} (of {len(self._ops)}):\n{context}"
+        )
 
     def leftovers(self) -> list[str]:
         """Tensors still held between ops (empty after a complete op list)."""
@@ -291,8 +296,10 @@ class Executor:
         try:
             return store.pop(key)
         except KeyError:
-            raise RuntimeError(f"{what} is not available on this rank (neither computed here nor received before); "
-                               f"the op list is inconsistent with the schedule") from None
+            raise RuntimeError(
+                f"{what} is not available on this rank (neither computed here nor received before); "
+                f"the op list is inconsistent with the schedule"
+            ) from None
 
     def _reap_sends(self) -> None:
         p2p = self._need_p2p()
@@ -343,8 +350,11 @@ class Executor:
         layout.bind_grads(mods, self.grads.get((s, k), layout.numel))
         x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of {op}")
         nxt = self.schedule.partition.next_sub(s, k)
-        grad_out = None if nxt is None else self._pop(self.igrads, (nxt[0], nxt[1], j),
-                                                      f"the output gradient of {op} (from B {unit_label(*nxt)})")
+        grad_out = (
+            None
+            if nxt is None
+            else self._pop(self.igrads, (nxt[0], nxt[1], j), f"the output gradient of {op} (from B {unit_label(*nxt)})")
+        )
         with torch.enable_grad():
             x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
             out = self._run(mods, layers, x, j)
@@ -365,7 +375,9 @@ class Executor:
         self._post_send(t, self._spec(Message.ACT, op.stage, -1, op.mb), op.peer)
 
     def _recv_act(self, op: Op) -> None:
-        self.acts[(op.stage, op.mb)] = self._need_p2p().recv(self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where)
+        self.acts[(op.stage, op.mb)] = self._need_p2p().recv(
+            self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where
+        )
 
     def _send_grad(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
@@ -414,10 +426,11 @@ class Executor:
         self.wait_sends()
         left = self.leftovers()
         if left:
-            raise RuntimeError(f"tensors left over at the end of the step: {', '.join(left[:8])}; the op list does not "
-                               f"consume what it produces")
+            raise RuntimeError(
+                f"tensors left over at the end of the step: {', '.join(left[:8])}; the op list does not "
+                f"consume what it produces"
+            )
         if self.schedule.options.async_optimizer:
             self.optimizer.validate_async(lr=self.ctx.lr)
         else:
             self.optimizer.validate_sync(scale=self.ctx.scale)
-

@@ -38,29 +38,44 @@ def emulated_rates(plan: EmulatedPlan, rank: int) -> LaneRates:
     """The emulated cluster's figures, per CPU worker as the plan's optimizer costs are; the lane may
     use the GPU memory the rank's planned peak leaves free."""
     hw = plan.cluster
-    return LaneRates(cpu_params_per_s=plan.costs.optim_params_per_s, cpu_workers=plan.optimizer_workers,
-                     h2d_bytes_per_s=hw.h2d_bandwidth, d2h_bytes_per_s=hw.d2h_bandwidth,
-                     device_mem_bytes_per_s=hw.device_mem_bandwidth,
-                     device_free_bytes=hw.gpu_memory_bytes - plan.timeline.peak_gpu[rank])
+    return LaneRates(
+        cpu_params_per_s=plan.costs.optim_params_per_s,
+        cpu_workers=plan.optimizer_workers,
+        h2d_bytes_per_s=hw.h2d_bandwidth,
+        d2h_bytes_per_s=hw.d2h_bandwidth,
+        device_mem_bytes_per_s=hw.device_mem_bandwidth,
+        device_free_bytes=hw.gpu_memory_bytes - plan.timeline.peak_gpu[rank],
+    )
 
 
 def emulated_units(plan: EmulatedPlan, schedule: Schedule, rank: int) -> tuple[list[Unit], float]:
     """The rank's owned sub-stages (emulated parameters, modelled ready times) and when its passes end."""
     part, layer_params = schedule.partition, plan.costs.layer_params
-    ready = {(ev.op.stage, ev.op.sub): ev.end for ev in plan.timeline.events
-             if ev.rank == rank and ev.op.kind == OpKind.OFFLOAD_GRADS}
-    units = [Unit(unit_label(s, k), int(sum(layer_params[i] for i in part.sub_layers(s, k))), ready.get((s, k), 0.0))
-             for s, k in schedule.placement.bwd_substages(rank)]
+    ready = {
+        (ev.op.stage, ev.op.sub): ev.end
+        for ev in plan.timeline.events
+        if ev.rank == rank and ev.op.kind == OpKind.OFFLOAD_GRADS
+    }
+    units = [
+        Unit(unit_label(s, k), int(sum(layer_params[i] for i in part.sub_layers(s, k))), ready.get((s, k), 0.0))
+        for s, k in schedule.placement.bwd_substages(rank)
+    ]
     return units, plan.timeline.gpu_end[rank]
 
 
-def emulated_placement(mode: str, plan: EmulatedPlan, schedule: Schedule, rank: int, *,
-                       speculative: bool) -> tuple[Placement, list[Unit]]:
+def emulated_placement(
+    mode: str, plan: EmulatedPlan, schedule: Schedule, rank: int, *, speculative: bool
+) -> tuple[Placement, list[Unit]]:
     """``rank``'s placement on the emulated cluster, from the plan alone (so any rank, or the
     benchmark's planner, can compute every rank's)."""
     units, idle = emulated_units(plan, schedule, rank)
-    placed = choose(mode if schedule.options.async_optimizer else "cpu", units, emulated_rates(plan, rank),
-                    device_idle=idle, speculative=speculative)
+    placed = choose(
+        mode if schedule.options.async_optimizer else "cpu",
+        units,
+        emulated_rates(plan, rank),
+        device_idle=idle,
+        speculative=speculative,
+    )
     return (placed if schedule.options.async_optimizer else dataclasses.replace(placed, why=SYNC)), units
 
 
@@ -70,14 +85,29 @@ def measured_rates(device: torch.device, dtype: torch.dtype, *, workers: int, ba
     from sysx.optim.bench import adam_params_per_s
 
     hw = measure_hardware(device, dtype)
-    return LaneRates(cpu_params_per_s=adam_params_per_s(threads=1, backend=backend), cpu_workers=workers,
-                     h2d_bytes_per_s=hw.h2d_bytes_per_s, d2h_bytes_per_s=hw.d2h_bytes_per_s,
-                     device_mem_bytes_per_s=hw.device_mem_bytes_per_s, device_free_bytes=hw.device_free_bytes)
+    return LaneRates(
+        cpu_params_per_s=adam_params_per_s(threads=1, backend=backend),
+        cpu_workers=workers,
+        h2d_bytes_per_s=hw.h2d_bytes_per_s,
+        d2h_bytes_per_s=hw.d2h_bytes_per_s,
+        device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
+        device_free_bytes=hw.device_free_bytes,
+    )
 
 
-def rank_placement(mode: str, schedule: Schedule, rank: int, numels: dict[tuple[int, int], int], *,
-                   device: torch.device, dtype: torch.dtype, workers: int, backend: str, speculative: bool,
-                   plan: EmulatedPlan | None = None) -> tuple[Placement, list[Unit]]:
+def rank_placement(
+    mode: str,
+    schedule: Schedule,
+    rank: int,
+    numels: dict[tuple[int, int], int],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    workers: int,
+    backend: str,
+    speculative: bool,
+    plan: EmulatedPlan | None = None,
+) -> tuple[Placement, list[Unit]]:
     """The placement of ``rank``'s owned sub-stages (``numels``: their parameters here) under
     ``optim.placement=mode``, and the units it placed; names are sub-stage labels (``s1.0``)."""
     if plan is not None:

@@ -44,9 +44,17 @@ from sysx.runtime.stage_params import StageParams
 class RankOptimizer:
     """Optimizer state and per-step protocol of the sub-stages one rank owns."""
 
-    def __init__(self, params: StageParams, settings: OptimSettings, scaler: LossScaler, *,
-                 group: dist.ProcessGroup | None, local_rank: int = 0, local_world_size: int = 1,
-                 pace: Pace | None = None) -> None:
+    def __init__(
+        self,
+        params: StageParams,
+        settings: OptimSettings,
+        scaler: LossScaler,
+        *,
+        group: dist.ProcessGroup | None,
+        local_rank: int = 0,
+        local_world_size: int = 1,
+        pace: Pace | None = None,
+    ) -> None:
         self.settings = settings
         self.scaler = scaler
         self.group = group
@@ -58,18 +66,33 @@ class RankOptimizer:
             for unit in params.owned():
                 key = (unit.stage, unit.sub)
                 fp32 = self.dtype == torch.float32
-                grad32 = self.buffers.empty(unit.numel, torch.float32) if fp32 else torch.empty(unit.numel, dtype=torch.float32)
+                grad32 = (
+                    self.buffers.empty(unit.numel, torch.float32)
+                    if fp32
+                    else torch.empty(unit.numel, dtype=torch.float32)
+                )
                 target = None if fp32 else params.shared[key]
-                self.stages[key] = StageOptimizer.from_settings(unit.key, params.masters[key], settings,
-                                                                target=target, grad_buffer=grad32)
+                self.stages[key] = StageOptimizer.from_settings(
+                    unit.key, params.masters[key], settings, target=target, grad_buffer=grad32
+                )
                 self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
             workers, threads = settings.workers, settings.threads_per_worker
             if workers is None or threads is None:
-                plan = plan_cores(n_stages=len(self.stages), backend="torch" if settings.backend == "torch" else "deepspeed",
-                                  local_rank=local_rank, local_world_size=local_world_size, workers=workers)
+                plan = plan_cores(
+                    n_stages=len(self.stages),
+                    backend="torch" if settings.backend == "torch" else "deepspeed",
+                    local_rank=local_rank,
+                    local_world_size=local_world_size,
+                    workers=workers,
+                )
                 workers, threads = plan.optimizer_workers, threads or plan.threads_per_worker
-            self.threads = OptimizerThreads(list(self.stages.values()), workers=workers, threads_per_worker=threads,
-                                            name=f"sysx-opt-r{params.rank}", pace=pace)
+            self.threads = OptimizerThreads(
+                list(self.stages.values()),
+                workers=workers,
+                threads_per_worker=threads,
+                name=f"sysx-opt-r{params.rank}",
+                pace=pace,
+            )
         except BaseException:
             self.close()
             raise
@@ -77,16 +100,18 @@ class RankOptimizer:
         self.outcome: StepOutcome | None = None
         self.step_seconds = 0.0
         # every rank feeds its policy the same all-reduced outcome, so all decide alike
-        self.policy = SpeculationPolicy(settings.speculate, settings.speculate_after,
-                                        can_veto=settings.grad_clip > 0 or self.dtype == torch.float16)
+        self.policy = SpeculationPolicy(
+            settings.speculate, settings.speculate_after, can_veto=settings.grad_clip > 0 or self.dtype == torch.float16
+        )
         self.speculating = self.policy.speculate()
         # units placed on the device lane (optim.placement) -> their modelled (in, step, out) seconds
         self.on_device: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.lane: DeviceLane | None = None
         self.pacer = Pacer()
 
-    def use_device_lane(self, units: dict[tuple[int, int], tuple[float, float, float]], lane: DeviceLane,
-                        pacer: Pacer) -> None:
+    def use_device_lane(
+        self, units: dict[tuple[int, int], tuple[float, float, float]], lane: DeviceLane, pacer: Pacer
+    ) -> None:
         """Step ``units`` on ``lane`` after every validation (``pacer`` charges their modelled times)."""
         for unit in units:
             self._stage(unit)
@@ -119,15 +144,20 @@ class RankOptimizer:
         reports = self.threads.wait()
         clip = self.settings.grad_clip
         if self.speculating:
-            outcome = post_step_validate(reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip,
-                                         group=self.group, wait=False)
+            outcome = post_step_validate(
+                reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip, group=self.group, wait=False
+            )
         else:
             outcome = check_reports(reports, self.scaler, max_grad_norm=clip, group=self.group)
             device = {self.stages[u].name for u in self.on_device}
             for r in reports:
                 if r.stage not in device:
-                    self.threads.submit(lambda stage: apply_checked(stage, outcome, lr), r.stage, "step",
-                                        paced=None if outcome.skipped else "step")
+                    self.threads.submit(
+                        lambda stage: apply_checked(stage, outcome, lr),
+                        r.stage,
+                        "step",
+                        paced=None if outcome.skipped else "step",
+                    )
         self.outcome = outcome
         self._device_steps(outcome, lr)  # beside the CPU lane's (re-)steps on the workers
         self.threads.wait_stages()
@@ -151,9 +181,15 @@ class RankOptimizer:
     def validate_sync(self, *, scale: float) -> StepOutcome:
         """Validate first (baselines): load and check every offloaded sub-stage, reduce, decide."""
         names = {self.stages[u].name: u for u in self.events}
-        self.outcome = load_and_check({n: self.host_grads[u] for n, u in names.items()}, self.threads, self.scaler,
-                                      max_grad_norm=self.settings.grad_clip, group=self.group,
-                                      events={n: self.events[u] for n, u in names.items()}, scale=scale)
+        self.outcome = load_and_check(
+            {n: self.host_grads[u] for n, u in names.items()},
+            self.threads,
+            self.scaler,
+            max_grad_norm=self.settings.grad_clip,
+            group=self.group,
+            events={n: self.events[u] for n, u in names.items()},
+            scale=scale,
+        )
         return self.outcome
 
     def step_sync(self, unit: tuple[int, int], *, lr: float) -> None:
@@ -166,8 +202,10 @@ class RankOptimizer:
         try:
             return self.stages[unit]
         except KeyError:
-            raise RuntimeError(f"sub-stage s{unit[0]}.{unit[1]} is not owned by this rank (owned: "
-                               f"{sorted(self.stages)}); its optimizer lives on the rank running its backward") from None
+            raise RuntimeError(
+                f"sub-stage s{unit[0]}.{unit[1]} is not owned by this rank (owned: "
+                f"{sorted(self.stages)}); its optimizer lives on the rank running its backward"
+            ) from None
 
     # ------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:

@@ -68,16 +68,24 @@ class PipelineOptions:
 
     def schedule_section(self) -> ScheduleSection:
         """The ``schedule.*`` section of the job config these options stand for."""
-        return ScheduleSection(name=self.schedule, stages_per_rank=self.stages_per_rank, split=self.split, cfg=self.cfg,
-                               param_buffers=self.param_buffers, stage_sizes=self.stage_sizes,
-                               verify_transfers=self.verify_transfers, timeout_s=self.timeout_s)
+        return ScheduleSection(
+            name=self.schedule,
+            stages_per_rank=self.stages_per_rank,
+            split=self.split,
+            cfg=self.cfg,
+            param_buffers=self.param_buffers,
+            stage_sizes=self.stage_sizes,
+            verify_transfers=self.verify_transfers,
+            timeout_s=self.timeout_s,
+        )
 
     def check(self) -> None:
         """Raise :class:`RuntimeConfigError` naming the first bad option. The checks are the job
         config's (one definition of each range and choice), also refusing a key this schedule ignores."""
         if self.schedule not in PIPELINE_SCHEDULES:
             raise RuntimeConfigError(
-                f"schedule.name={self.schedule} is not a pipeline schedule; allowed: {', '.join(PIPELINE_SCHEDULES)}")
+                f"schedule.name={self.schedule} is not a pipeline schedule; allowed: {', '.join(PIPELINE_SCHEDULES)}"
+            )
         section = self.schedule_section()
         try:
             section.validate()
@@ -134,7 +142,9 @@ def options_from_config(cfg: SysxConfig, **overrides: Any) -> PipelineOptions:
     return opts
 
 
-def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int, n_micro: int, seq_len: int) -> Schedule:
+def make_schedule(
+    opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int, n_micro: int, seq_len: int
+) -> Schedule:
     """The validated schedule of this run (identical on every rank).
 
     The layers are cut by forward FLOPs (or ``stage_sizes``) into ``Nsf`` stages of ``d``
@@ -147,19 +157,33 @@ def make_schedule(opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int
     for nsf, split in opts.candidates(n_ranks):
         if nsf > n_layers:
             # lowering schedule.stages_per_rank helps only when the user set it above 1
-            fix = "lower schedule.stages_per_rank, use " if nsf > n_ranks and opts.stages_per_rank is not None else "use "
-            need = f"at least {n_ranks} forward stages (one per rank)" if n_ranks > n_layers else f"{nsf} forward stages"
-            problem = (f"{opts.schedule} with {n_ranks} rank(s) needs {need} but the model has only {n_layers} "
-                       f"flat layers (embedding + {model_cfg.n_layers} blocks + head); {fix}"
-                       f"fewer processes or a deeper model (model.n_layers)")
+            fix = (
+                "lower schedule.stages_per_rank, use " if nsf > n_ranks and opts.stages_per_rank is not None else "use "
+            )
+            need = (
+                f"at least {n_ranks} forward stages (one per rank)" if n_ranks > n_layers else f"{nsf} forward stages"
+            )
+            problem = (
+                f"{opts.schedule} with {n_ranks} rank(s) needs {need} but the model has only {n_layers} "
+                f"flat layers (embedding + {model_cfg.n_layers} blocks + head); {fix}"
+                f"fewer processes or a deeper model (model.n_layers)"
+            )
         else:
             try:
                 partition = partition_model(model_cfg, seq_len, nsf, split=split, stage_sizes=opts.stage_sizes)
             except PartitionError as err:
                 problem = f"cannot partition the model for {opts.schedule} ({nsf} stages, d={split}): {err}"
             else:
-                schedule = build(opts.schedule, n_ranks, n_micro, partition, n_stages=nsf, split=split, cfg=opts.cfg,
-                                 param_buffers=opts.param_buffers)
+                schedule = build(
+                    opts.schedule,
+                    n_ranks,
+                    n_micro,
+                    partition,
+                    n_stages=nsf,
+                    split=split,
+                    cfg=opts.cfg,
+                    param_buffers=opts.param_buffers,
+                )
                 validate(schedule)
                 return schedule
         first_error = first_error or problem

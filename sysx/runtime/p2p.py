@@ -74,7 +74,8 @@ class TransferSpec:
                 f"rank {rank}: {action} {self.label}: the tensor is {list(tensor.shape)} {tensor.dtype} but the plan says "
                 f"{list(self.shape)} {self.dtype} (stage {self.stage}{'' if self.sub < 0 else f'.{self.sub}'}, "
                 f"micro-batch {self.mb}, tensor {self.family.label}); every rank must run the same model, batch shape, "
-                f"precision and schedule")
+                f"precision and schedule"
+            )
 
     def header(self, device: torch.device) -> torch.Tensor:
         """The int64 header announcing this message."""
@@ -91,7 +92,9 @@ class TransferSpec:
             return None
         if not 0 <= values[5] < len(_DTYPES) or not 0 <= values[6] <= _MAX_DIMS:
             return None
-        return TransferSpec(Message(values[1]), values[2], values[3], values[4], tuple(values[7:7 + values[6]]), _DTYPES[values[5]])
+        return TransferSpec(
+            Message(values[1]), values[2], values[3], values[4], tuple(values[7 : 7 + values[6]]), _DTYPES[values[5]]
+        )
 
 
 @dataclass
@@ -115,9 +118,18 @@ class Pending:
 class P2P:
     """Checked, time-bounded point-to-point messages of one rank (see the module doc)."""
 
-    def __init__(self, rank: int, *, device: torch.device, timeout_s: float, verify: bool,
-                 group: dist.ProcessGroup | None = None, ckpt_group: dist.ProcessGroup | None = None,
-                 stream_ordered: bool | None = None, pacer: Pacer | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        *,
+        device: torch.device,
+        timeout_s: float,
+        verify: bool,
+        group: dist.ProcessGroup | None = None,
+        ckpt_group: dist.ProcessGroup | None = None,
+        stream_ordered: bool | None = None,
+        pacer: Pacer | None = None,
+    ) -> None:
         """``group``: activations and gradients (None: the default group); ``ckpt_group``:
         checkpoints (None: ``group``); ``stream_ordered``: synchronous transfers only order the
         compute stream (default: when the backend is NCCL); ``pacer``: the emulated device's."""
@@ -212,8 +224,9 @@ class P2P:
         return pending.buffer
 
     def _settle(self, pending: Pending, what: str) -> None:
-        self.pacer.settle(pending, lambda work: wait_for(work, rank=self.rank, what=what, peer=pending.peer,
-                                                         timeout_s=self.timeout_s))
+        self.pacer.settle(
+            pending, lambda work: wait_for(work, rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+        )
 
     def _check_header(self, pending: Pending) -> None:
         got = TransferSpec.from_header([int(v) for v in pending.header.tolist()])  # type: ignore[union-attr]
@@ -223,7 +236,8 @@ class P2P:
                 f"rank {self.rank}: {pending.what}: rank {pending.peer} sent {sent} but this rank expects "
                 f"{pending.spec.describe()} (stage {pending.spec.stage}, micro-batch {pending.spec.mb}, tensor "
                 f"{pending.spec.family.label}); the two ranks disagree about the plan: check that every rank runs the same "
-                f"config and schedule")
+                f"config and schedule"
+            )
 
     def completed(self, pending: Pending) -> bool:
         """For a send: True once every work of ``pending`` has finished, so its buffer may go

@@ -86,7 +86,9 @@ def sub_stages(schedule: Schedule, numels: list[int], info: DistInfo) -> dict[tu
         for k in range(part.split):
             layers = part.sub_layers(s, k)
             owner, fwd = place.bwd_rank[s][k], place.fwd_rank[s]
-            out[(s, k)] = SubStage(s, k, layers, sum(numels[i] for i in layers), owner, fwd, info.node_of(owner), info.node_of(fwd))
+            out[(s, k)] = SubStage(
+                s, k, layers, sum(numels[i] for i in layers), owner, fwd, info.node_of(owner), info.node_of(fwd)
+            )
     return out
 
 
@@ -185,8 +187,13 @@ class StageParams:
         fits = torch.tensor([0 if mode == "undo" else 1], dtype=torch.int32)  # other local ranks: no vote against
         if self.group is not None and self.info.world_size > 1:
             work = dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-            wait_for(work, rank=self.rank, what="optim.rollback=auto (host budget all-reduce)", peer=None,
-                     timeout_s=self.timeout_s)
+            wait_for(
+                work,
+                rank=self.rank,
+                what="optim.rollback=auto (host budget all-reduce)",
+                peer=None,
+                timeout_s=self.timeout_s,
+            )
         self.rollback = "exact" if int(fits) else "undo"
         if self.rank == 0:
             if mode == "exact" and self.rollback == "undo":
@@ -209,7 +216,8 @@ class StageParams:
         except KeyError as err:
             raise RuntimeError(
                 f"rank {self.rank}: parameters of {unit_label(stage, sub)} are not mapped on this rank "
-                f"(missing {err}); the schedule loads a unit this rank neither owns nor runs forward") from None
+                f"(missing {err}); the schedule loads a unit this rank neither owns nor runs forward"
+            ) from None
 
     def push_mirrors(self) -> int:
         """Owners send their updated parameters to the mirrors on other nodes; forward ranks
@@ -220,11 +228,21 @@ class StageParams:
             if not unit.mirrored:
                 continue
             if unit.owner == self.rank:
-                works.append((dist.isend(self.shared[key], dst=unit.fwd_rank, group=self.group),
-                              f"mirror push of {unit.key} to node {unit.fwd_node}", unit.fwd_rank))
+                works.append(
+                    (
+                        dist.isend(self.shared[key], dst=unit.fwd_rank, group=self.group),
+                        f"mirror push of {unit.key} to node {unit.fwd_node}",
+                        unit.fwd_rank,
+                    )
+                )
             elif unit.fwd_rank == self.rank:
-                works.append((dist.irecv(self.shared[key], src=unit.owner, group=self.group),
-                              f"mirror update of {unit.key} from node {unit.owner_node}", unit.owner))
+                works.append(
+                    (
+                        dist.irecv(self.shared[key], src=unit.owner, group=self.group),
+                        f"mirror update of {unit.key} from node {unit.owner_node}",
+                        unit.owner,
+                    )
+                )
         for work, what, peer in works:
             wait_for(work, rank=self.rank, what=what, peer=peer, timeout_s=self.timeout_s)
         return len(works)
@@ -240,7 +258,7 @@ class StageParams:
             for i in self.units[key].layers:
                 for name, shape in self.params_of_layer[i]:
                     n = _numel(shape)
-                    out[f"layers.{i}.{name}"] = master[offset:offset + n].detach().clone().view(shape)
+                    out[f"layers.{i}.{name}"] = master[offset : offset + n].detach().clone().view(shape)
                     offset += n
         return out
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
 from sysx.partition import Partition, PartitionError, uniform_partition
-from sysx.schedule.costs import CostTable, Costs, UnitCosts, costs_from_model
+from sysx.schedule.costs import Costs, CostTable, UnitCosts, costs_from_model
 from sysx.schedule.evaluation import evaluation_schedule
 from sysx.schedule.gpipe import build_gpipe
 from sysx.schedule.interleaved import build_interleaved_1f1b
@@ -26,8 +26,17 @@ from sysx.schedule.validate import validate
 SCHEDULES = PIPELINE_SCHEDULES
 
 
-def build(name: str, n_ranks: int, n_micro: int, partition: Partition | None = None, *,
-          n_stages: int | None = None, split: int = 1, cfg: int = 3, param_buffers: int = 2) -> Schedule:
+def build(
+    name: str,
+    n_ranks: int,
+    n_micro: int,
+    partition: Partition | None = None,
+    *,
+    n_stages: int | None = None,
+    split: int = 1,
+    cfg: int = 3,
+    param_buffers: int = 2,
+) -> Schedule:
     """Build schedule ``name``. Without ``partition``, a uniform one with ``n_stages`` stages
     (default: ``Ng`` for gpipe/1f1b, ``2 Ng`` otherwise) and ``split`` (sysx only).
 
@@ -63,13 +72,37 @@ def validate_first(schedule: Schedule) -> Schedule:
         return schedule
     if schedule.name != "sysx":
         raise ScheduleError(f"{schedule.name} has an asynchronous optimizer but no synchronous variant")
-    return build_sysx(schedule.n_ranks, schedule.n_micro, schedule.partition, cfg=2,
-                      param_buffers=schedule.options.param_buffers)
+    return build_sysx(
+        schedule.n_ranks, schedule.n_micro, schedule.partition, cfg=2, param_buffers=schedule.options.param_buffers
+    )
 
 
 __all__ = [
-    "CFG_FEATURES", "CkptRoute", "CostTable", "Costs", "Event", "Message", "Op", "OpKind", "Partition", "PartitionError",
-    "SCHEDULES", "Schedule", "ScheduleError", "ScheduleOptions", "Timeline", "UnitCosts", "build", "build_1f1b",
-    "build_gpipe", "build_interleaved_1f1b", "build_mobius", "build_sysx", "costs_from_model", "evaluation_schedule",
-    "simulate", "validate", "validate_first",
+    "CFG_FEATURES",
+    "SCHEDULES",
+    "CkptRoute",
+    "CostTable",
+    "Costs",
+    "Event",
+    "Message",
+    "Op",
+    "OpKind",
+    "Partition",
+    "PartitionError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleOptions",
+    "Timeline",
+    "UnitCosts",
+    "build",
+    "build_1f1b",
+    "build_gpipe",
+    "build_interleaved_1f1b",
+    "build_mobius",
+    "build_sysx",
+    "costs_from_model",
+    "evaluation_schedule",
+    "simulate",
+    "validate",
+    "validate_first",
 ]

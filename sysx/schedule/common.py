@@ -20,7 +20,8 @@ def whole_stages(partition: Partition | None, n_stages: int, schedule: str) -> P
     if partition.split != 1:
         raise PartitionError(
             f"{schedule} runs each stage's backward as one pass but the partition has split d={partition.split}; "
-            f"pass partition.with_split(1) (fine-grained backward sub-stages are a sysx feature)")
+            f"pass partition.with_split(1) (fine-grained backward sub-stages are a sysx feature)"
+        )
     return partition
 
 

@@ -90,13 +90,30 @@ class UnitCosts:
         nsub = nsf * d
         zero_s, zero_b = [0.0] * nsf, [0.0] * nsub
         return CostTable(
-            split=d, fwd=[float(self.t_fwd)] * nsf, bwd=[self.t_bwd / d] * nsub, opt=[self.t_opt / d] * nsub,
-            load_stage=zero_s, load_sub=zero_b, offload=zero_b, act_xfer=zero_s, grad_xfer=zero_b,
-            ckpt_xfer=zero_b, allreduce=0.0,
-            param_stage=[1.0] * nsf, param_sub=[1.0 / d] * nsub, grad_mem=[1.0 / d] * nsub, ckpt_mem=[1.0] * nsub,
-            fwd_work=zero_s, bwd_work=zero_b, host_bytes_per_param=1.0, param_bytes=1.0,
-            params_stage=[1.0] * nsf, params_sub=[1.0 / d] * nsub, rendezvous=False,
-            optim_workers=self.optim_workers, unit="units",
+            split=d,
+            fwd=[float(self.t_fwd)] * nsf,
+            bwd=[self.t_bwd / d] * nsub,
+            opt=[self.t_opt / d] * nsub,
+            load_stage=zero_s,
+            load_sub=zero_b,
+            offload=zero_b,
+            act_xfer=zero_s,
+            grad_xfer=zero_b,
+            ckpt_xfer=zero_b,
+            allreduce=0.0,
+            param_stage=[1.0] * nsf,
+            param_sub=[1.0 / d] * nsub,
+            grad_mem=[1.0 / d] * nsub,
+            ckpt_mem=[1.0] * nsub,
+            fwd_work=zero_s,
+            bwd_work=zero_b,
+            host_bytes_per_param=1.0,
+            param_bytes=1.0,
+            params_stage=[1.0] * nsf,
+            params_sub=[1.0 / d] * nsub,
+            rendezvous=False,
+            optim_workers=self.optim_workers,
+            unit="units",
         )
 
 
@@ -140,9 +157,13 @@ class Costs:
     def __post_init__(self) -> None:
         n = len(self.layer_fwd_time)
         if len(self.layer_params) != n:
-            raise ValueError(f"Costs: {len(self.layer_params)} layer_params for {n} layer_fwd_time entries; give one per layer")
+            raise ValueError(
+                f"Costs: {len(self.layer_params)} layer_params for {n} layer_fwd_time entries; give one per layer"
+            )
         if self.layer_act_bytes and len(self.layer_act_bytes) != n:
-            raise ValueError(f"Costs: {len(self.layer_act_bytes)} layer_act_bytes for {n} layers; give one per layer or none")
+            raise ValueError(
+                f"Costs: {len(self.layer_act_bytes)} layer_act_bytes for {n} layers; give one per layer or none"
+            )
         for name in ("p2p_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "optim_params_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Costs.{name}={getattr(self, name)!r} must be > 0")
@@ -157,8 +178,10 @@ class Costs:
         """Resolve for ``schedule`` (its partition must cover these layers)."""
         p: Partition = schedule.partition
         if p.n_layers != len(self.layer_fwd_time):
-            raise ValueError(f"the schedule's partition has {p.n_layers} layers but the costs describe "
-                             f"{len(self.layer_fwd_time)}; build both from the same model")
+            raise ValueError(
+                f"the schedule's partition has {p.n_layers} layers but the costs describe "
+                f"{len(self.layer_fwd_time)}; build both from the same model"
+            )
         nsf, d = p.n_stages, p.split
         ft, pr = self.layer_fwd_time, self.layer_params
         act = self.layer_act_bytes or (0.0,) * p.n_layers

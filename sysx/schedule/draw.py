@@ -133,8 +133,16 @@ def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
     def box(x0: float, w: float, yb: float, h: float, color: str, text: str) -> None:
         ax.add_patch(_rect(x0, yb, w, h, color))
         if text and w * px_per_unit >= 5.5 * len(text) + 6:
-            ax.text(x0 + w / 2, yb + h / 2, text, ha="center", va="center",
-                    fontsize=7 if h >= 1 else 6, color="white" if color in DARK else "black", clip_on=True)
+            ax.text(
+                x0 + w / 2,
+                yb + h / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=7 if h >= 1 else 6,
+                color="white" if color in DARK else "black",
+                clip_on=True,
+            )
 
     for r in range(R):
         yb, h = layout[(r, "gpu")]
@@ -198,15 +206,26 @@ def draw_compare(timelines: Sequence[Timeline], path: str | Path, *, width: floa
     for tl in timelines:
         n_cpu = len({e.rank for e in tl.events if e.lane == "cpu"})
         heights.append(0.55 + tl.n_ranks * 0.62 + n_cpu * 0.22)
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(width, sum(heights)), sharex=True,
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(timelines),
+        1,
+        figsize=(width, sum(heights)),
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     px_per_unit = (width * 0.86 * dpi) / xmax
     for ax, tl in zip(axes[:, 0], timelines):
         _panel(ax, tl, xmax, px_per_unit)
     unit = timelines[0].unit
     axes[-1, 0].set_xlabel("time (cost units)" if unit == "units" else "time (s)", fontsize=8)
-    fig.subplots_adjust(left=0.05, right=0.99, top=1 - 0.32 / sum(heights), bottom=0.45 / sum(heights),
-                        hspace=0.55 / max(1.0, sum(heights) / len(timelines)))
+    fig.subplots_adjust(
+        left=0.05,
+        right=0.99,
+        top=1 - 0.32 / sum(heights),
+        bottom=0.45 / sum(heights),
+        hspace=0.55 / max(1.0, sum(heights) / len(timelines)),
+    )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
@@ -231,10 +250,18 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | Path) -> 
     for n, tl in enumerate(tls):
         scale = 1000.0 if tl.unit == "units" else 1e6
         processes += [(n * 1000 + r, f"{title_of(tl).split('  ')[0]} rank {r}", lanes) for r in range(tl.n_ranks)]
-        boxes += [{"name": str(ev.op), "cat": ev.lane, "pid": n * 1000 + ev.rank, "tid": lanes.index(ev.lane),
-                   "ts": ev.start * scale, "dur": (ev.end - ev.start) * scale,
-                   "args": {"stage": ev.op.stage, "sub": ev.op.sub, "mb": ev.op.mb, "kind": ev.op.kind.name}}
-                  for ev in tl.events]
+        boxes += [
+            {
+                "name": str(ev.op),
+                "cat": ev.lane,
+                "pid": n * 1000 + ev.rank,
+                "tid": lanes.index(ev.lane),
+                "ts": ev.start * scale,
+                "dur": (ev.end - ev.start) * scale,
+                "args": {"stage": ev.op.stage, "sub": ev.op.sub, "mb": ev.op.mb, "kind": ev.op.kind.name},
+            }
+            for ev in tl.events
+        ]
     return write_trace(path, processes, boxes)
 
 

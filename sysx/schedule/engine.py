@@ -109,11 +109,17 @@ class _Compiler:
                     prog.append((_BWD, g, u, i, g not in seen_g))
                     seen_g.add(g)
             elif k in (OpKind.SEND_ACT, OpKind.SEND_GRAD, OpKind.SEND_CKPT):
-                prog.append((_ASEND, self.async_message(op, r, True), i) if op.is_async
-                            else (_SEND, self.message(op, r, True), i))
+                prog.append(
+                    (_ASEND, self.async_message(op, r, True), i)
+                    if op.is_async
+                    else (_SEND, self.message(op, r, True), i)
+                )
             elif k in (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.RECV_CKPT):
-                prog.append((_ARECV, self.async_message(op, r, False), i) if op.is_async
-                            else (_RECV, self.message(op, r, False), i))
+                prog.append(
+                    (_ARECV, self.async_message(op, r, False), i)
+                    if op.is_async
+                    else (_RECV, self.message(op, r, False), i)
+                )
             elif k == OpKind.WAIT_CKPT:
                 prog.append((_WAIT, self.message(Op(OpKind.RECV_CKPT, op.stage, op.sub, op.mb, op.peer), r, False), i))
             elif k == OpKind.OFFLOAD_GRADS:
@@ -171,15 +177,55 @@ class _Engine:
     """
 
     __slots__ = (
-        "code", "msg_src", "rendezvous", "posted", "record", "memory", "xfer", "fwd", "bwd", "opt",
-        "offload", "load", "workers", "allreduce", "ckmem", "param_mem", "grad_mem", "ckpt_mem", "f_ckpt",
-        "fwd_work", "bwd_work", "pcs", "clock", "busy", "gpu_end", "h2d", "d2h", "cpu_end", "asend_end",
-        "unit_ready", "offl_end", "heaps", "send_post", "recv_post", "arrival", "waiters", "mem", "events",
-        "arrived", "val_time", "val_wait", "blocked_on", "queue", "inq",
+        "allreduce",
+        "arrival",
+        "arrived",
+        "asend_end",
+        "blocked_on",
+        "busy",
+        "bwd",
+        "bwd_work",
+        "ckmem",
+        "ckpt_mem",
+        "clock",
+        "code",
+        "cpu_end",
+        "d2h",
+        "events",
+        "f_ckpt",
+        "fwd",
+        "fwd_work",
+        "gpu_end",
+        "grad_mem",
+        "h2d",
+        "heaps",
+        "inq",
+        "load",
+        "mem",
+        "memory",
+        "msg_src",
+        "offl_end",
+        "offload",
+        "opt",
+        "param_mem",
+        "pcs",
+        "posted",
+        "queue",
+        "record",
+        "recv_post",
+        "rendezvous",
+        "send_post",
+        "unit_ready",
+        "val_time",
+        "val_wait",
+        "waiters",
+        "workers",
+        "xfer",
     )
 
-    def __init__(self, prog: Program, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool,
-                 posted: bool = False) -> None:
+    def __init__(
+        self, prog: Program, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool, posted: bool = False
+    ) -> None:
         R, M = len(prog.code), len(prog.msg_src)
         self.code, self.msg_src = prog.code, prog.msg_src
         self.rendezvous, self.posted, self.record, self.memory = rendezvous, posted, record, memory
@@ -231,8 +277,21 @@ class _Engine:
         # by opcode; each returns the rank's new time, or None when the instruction blocks. Bound
         # here, not in __init__: kept on the engine, they would make it a reference cycle that only
         # the garbage collector frees (and all its lists with it)
-        handlers = (self._load, self._free, self._forward, self._backward, self._send, self._recv, self._isend,
-                    self._irecv, self._wait, self._offload, self._optim_async, self._optim_sync, self._validate)
+        handlers = (
+            self._load,
+            self._free,
+            self._forward,
+            self._backward,
+            self._send,
+            self._recv,
+            self._isend,
+            self._irecv,
+            self._wait,
+            self._offload,
+            self._optim_async,
+            self._optim_sync,
+            self._validate,
+        )
         while queue:
             r = queue.popleft()
             inq[r] = False
@@ -476,20 +535,28 @@ def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_o
         if why == "validate":
             lines.append(f"rank {r} op #{i} `{op}` waits at the VALIDATE barrier")
         elif op.kind == OpKind.WAIT_CKPT:
-            lines.append(f"rank {r} op #{i} `{op}` waits for the checkpoint from rank {op.peer} "
-                         f"(SEND_CKPT s{op.stage}.{op.sub} mb{op.mb} ->r{r} never posted)")
+            lines.append(
+                f"rank {r} op #{i} `{op}` waits for the checkpoint from rank {op.peer} "
+                f"(SEND_CKPT s{op.stage}.{op.sub} mb{op.mb} ->r{r} never posted)"
+            )
         else:
             partner = PARTNER[op.kind].name if op.kind in PARTNER else "?"
             at = pcs[op.peer]
-            where = (f" `{schedule.ops[op.peer][op_index(code[op.peer][at])]}`)" if at < len(code[op.peer])
-                     else ", finished)")
-            lines.append(f"rank {r} op #{i} `{op}` waits for rank {op.peer} to reach its {partner} "
-                         f"(rank {op.peer} is at op #{at}" + where)
+            where = (
+                f" `{schedule.ops[op.peer][op_index(code[op.peer][at])]}`)"
+                if at < len(code[op.peer])
+                else ", finished)"
+            )
+            lines.append(
+                f"rank {r} op #{i} `{op}` waits for rank {op.peer} to reach its {partner} "
+                f"(rank {op.peer} is at op #{at}" + where
+            )
     return Deadlock(f"schedule {schedule.name!r} deadlocks: " + "; ".join(lines), stuck)
 
 
-def run_program(schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool,
-                posted: bool = False) -> dict:
+def run_program(
+    schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool, posted: bool = False
+) -> dict:
     """Execute every rank's list together; returns iteration time, per-rank busy time, GPU end,
     memory deltas (per rank, per category: ``(time, delta)`` lists), events ``(rank, lane, op
     index, start, end)`` (index ``~m`` for the async transfer of message ``m``) and clocks.
@@ -500,5 +567,11 @@ def run_program(schedule: Schedule, tab: CostTable, *, rendezvous: bool, record:
     if any(eng.pcs[r] < len(prog.code[r]) for r in range(len(prog.code))):
         raise deadlock_report(schedule, prog, eng.pcs, eng.blocked_on)
     iteration = max(max(eng.clock), max(eng.cpu_end), max(eng.d2h), max(eng.h2d)) if prog.code else 0.0
-    return {"iteration": iteration, "busy": eng.busy, "gpu_end": eng.gpu_end, "mem": eng.mem, "events": eng.events,
-            "clock": eng.clock}
+    return {
+        "iteration": iteration,
+        "busy": eng.busy,
+        "gpu_end": eng.gpu_end,
+        "mem": eng.mem,
+        "events": eng.events,
+        "clock": eng.clock,
+    }

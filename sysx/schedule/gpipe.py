@@ -19,8 +19,10 @@ def build_gpipe(n_ranks: int, n_micro: int, partition: Partition | None = None, 
     if partition.n_stages != n_ranks:
         raise PartitionError(
             f"gpipe places one stage per rank: Nsf={partition.n_stages} stages for Ng={n_ranks} ranks; "
-            f"use {n_ranks} stages, or schedule 'mobius' (interleaved AFAB) for more stages than ranks")
+            f"use {n_ranks} stages, or schedule 'mobius' (interleaved AFAB) for more stages than ranks"
+        )
     placement = coupled_placement(n_ranks, n_ranks)
     orders = [afab_forwards([r], n_micro) + afab_backwards([(r, 0)], n_micro) for r in range(n_ranks)]
-    return lower("gpipe", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers)
+    return lower(
+        "gpipe", partition, placement, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
+    )

@@ -64,8 +64,9 @@ def interleaved_order(rank: int, n_ranks: int, n_micro: int, chunks: int) -> lis
     return order
 
 
-def build_interleaved_1f1b(n_ranks: int, n_micro: int, partition: Partition | None = None, *,
-                           chunks: int = 2, param_buffers: int = 2) -> Schedule:
+def build_interleaved_1f1b(
+    n_ranks: int, n_micro: int, partition: Partition | None = None, *, chunks: int = 2, param_buffers: int = 2
+) -> Schedule:
     """Interleaved 1F1B; ``Nsf = chunks * Ng`` (taken from ``partition`` when given)."""
     check_counts(n_ranks, n_micro)
     if partition is not None:
@@ -73,12 +74,21 @@ def build_interleaved_1f1b(n_ranks: int, n_micro: int, partition: Partition | No
             raise PartitionError(
                 f"interleaved_1f1b gives every rank the same number of chunks: Nsf={partition.n_stages} is not a "
                 f"multiple of Ng={n_ranks}; use {n_ranks * max(1, partition.n_stages // n_ranks)} or "
-                f"{n_ranks * (partition.n_stages // n_ranks + 1)} stages")
+                f"{n_ranks * (partition.n_stages // n_ranks + 1)} stages"
+            )
         chunks = partition.n_stages // n_ranks
     if not isinstance(chunks, int) or chunks < 1:
         raise PartitionError(f"chunks (v)={chunks!r} must be a positive int")
     partition = whole_stages(partition, chunks * n_ranks, "interleaved_1f1b")
     placement = coupled_placement(partition.n_stages, n_ranks)
     orders = [interleaved_order(r, n_ranks, n_micro, chunks) for r in range(n_ranks)]
-    return lower("interleaved_1f1b", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers)
+    return lower(
+        "interleaved_1f1b",
+        partition,
+        placement,
+        n_micro,
+        orders,
+        ckpt="local",
+        optimizer="sync",
+        param_buffers=param_buffers,
+    )

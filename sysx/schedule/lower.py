@@ -33,7 +33,18 @@ from typing import NamedTuple
 
 from sysx.partition import Partition, Placement
 from sysx.schedule.ops import (
-    RECV_OF, SEND_OF, B, CkptMode, CkptRoute, F, Message, Op, OpKind, OptimizerMode, Schedule, ScheduleError,
+    RECV_OF,
+    SEND_OF,
+    B,
+    CkptMode,
+    CkptRoute,
+    F,
+    Message,
+    Op,
+    OpKind,
+    OptimizerMode,
+    Schedule,
+    ScheduleError,
     ScheduleOptions,
 )
 
@@ -53,13 +64,23 @@ def _check_orders(orders: Sequence[Sequence[Op]], partition: Partition, n_micro:
                 raise ScheduleError(f"`{op}` appears twice in the compute orders (ranks {where[op]} and {r})")
             where[op] = r
     missing = [str(F(s, j)) for s in range(n_stages) for j in range(n_micro) if F(s, j) not in where]
-    missing += [str(B(s, k, j)) for s in range(n_stages) for k in range(split) for j in range(n_micro)
-                if B(s, k, j) not in where]
+    missing += [
+        str(B(s, k, j))
+        for s in range(n_stages)
+        for k in range(split)
+        for j in range(n_micro)
+        if B(s, k, j) not in where
+    ]
     if missing:
         raise ScheduleError(f"the compute orders miss {len(missing)} pass(es): {', '.join(missing[:8])}")
     if len(where) != n_stages * n_micro * (1 + split):
-        extra = [str(op) for op in where if not (0 <= op.stage < n_stages and 0 <= op.mb < n_micro
-                                                   and (op.kind == OpKind.FORWARD or 0 <= op.sub < split))]
+        extra = [
+            str(op)
+            for op in where
+            if not (
+                0 <= op.stage < n_stages and 0 <= op.mb < n_micro and (op.kind == OpKind.FORWARD or 0 <= op.sub < split)
+            )
+        ]
         raise ScheduleError(f"the compute orders hold passes outside the schedule: {', '.join(extra[:8])}")
     return where
 
@@ -75,8 +96,9 @@ def _inputs(op: Op, partition: Partition) -> list[Op]:
     return deps
 
 
-def logical_times(orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int
-                  ) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
+def logical_times(
+    orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int
+) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
     """Rank of every pass, and its (start, end) on the logical timeline (see the module doc)."""
     where = _check_orders(orders, partition, n_micro)
     duration = {OpKind.FORWARD: float(partition.split), OpKind.BACKWARD: 2.0}
@@ -201,8 +223,13 @@ def _global_order(msgs: list[_Msg], progress: Callable[[Message, int, int], int]
     return out
 
 
-def _messages(orders: Sequence[Sequence[Op]], where: dict[Op, int], times: dict[Op, tuple[float, float]],
-              partition: Partition, ckpt: CkptMode) -> tuple[list[Keyed], list[_Msg], list[CkptRoute]]:
+def _messages(
+    orders: Sequence[Sequence[Op]],
+    where: dict[Op, int],
+    times: dict[Op, tuple[float, float]],
+    partition: Partition,
+    ckpt: CkptMode,
+) -> tuple[list[Keyed], list[_Msg], list[CkptRoute]]:
     """Every rank's passes keyed by their logical start, the messages between ranks, WAIT_CKPTs,
     and the route of every checkpoint."""
     items: list[Keyed] = [[] for _ in orders]
@@ -225,8 +252,16 @@ def _messages(orders: Sequence[Sequence[Op]], where: dict[Op, int], times: dict[
     return items, msgs, routes
 
 
-def _route_checkpoint(op: Op, r: int, where: dict[Op, int], times: dict[Op, tuple[float, float]], ckpt: CkptMode,
-                      items: Keyed, msgs: list[_Msg], routes: list[CkptRoute]) -> None:
+def _route_checkpoint(
+    op: Op,
+    r: int,
+    where: dict[Op, int],
+    times: dict[Op, tuple[float, float]],
+    ckpt: CkptMode,
+    items: Keyed,
+    msgs: list[_Msg],
+    routes: list[CkptRoute],
+) -> None:
     """The route of backward ``op``'s checkpoint from its forward; a message (and a WAIT_CKPT) across ranks."""
     fwd = F(op.stage, op.mb)
     src = where[fwd]
@@ -235,13 +270,18 @@ def _route_checkpoint(op: Op, r: int, where: dict[Op, int], times: dict[Op, tupl
     elif ckpt == "local":
         raise ScheduleError(
             f"`{op}` runs on rank {r} but `{fwd}` on rank {src}: a coupled schedule keeps every "
-            f"checkpoint on its rank; build it with ckpt='sync' or 'async'")
+            f"checkpoint on its rank; build it with ckpt='sync' or 'async'"
+        )
     elif ckpt == "async":
         tau = times[fwd][1]
         msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, op.mb, True))
         # right before the backward, after the messages keyed at its start
-        items.append(((times[op][0], 0, float("inf"), op.stage, op.sub, op.mb),
-                      Op(OpKind.WAIT_CKPT, op.stage, op.sub, op.mb, src)))
+        items.append(
+            (
+                (times[op][0], 0, float("inf"), op.stage, op.sub, op.mb),
+                Op(OpKind.WAIT_CKPT, op.stage, op.sub, op.mb, src),
+            )
+        )
         routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "async", tau))
     else:
         tau = times[op][0]

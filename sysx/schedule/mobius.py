@@ -15,8 +15,14 @@ from sysx.schedule.lower import lower
 from sysx.schedule.ops import Schedule
 
 
-def build_mobius(n_ranks: int, n_micro: int, partition: Partition | None = None, *, n_stages: int | None = None,
-                 param_buffers: int = 2) -> Schedule:
+def build_mobius(
+    n_ranks: int,
+    n_micro: int,
+    partition: Partition | None = None,
+    *,
+    n_stages: int | None = None,
+    param_buffers: int = 2,
+) -> Schedule:
     """Mobius with ``Nsf`` stages (``partition.n_stages``, else ``n_stages``, else ``2 Ng``)."""
     check_counts(n_ranks, n_micro)
     if partition is None:
@@ -27,5 +33,6 @@ def build_mobius(n_ranks: int, n_micro: int, partition: Partition | None = None,
     for r in range(n_ranks):
         stages = placement.fwd_stages(r)
         orders.append(afab_forwards(stages, n_micro) + afab_backwards([(s, 0) for s in reversed(stages)], n_micro))
-    return lower("mobius", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers)
+    return lower(
+        "mobius", partition, placement, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
+    )

@@ -26,8 +26,10 @@ def build_1f1b(n_ranks: int, n_micro: int, partition: Partition | None = None, *
     if partition.n_stages != n_ranks:
         raise PartitionError(
             f"1f1b places one stage per rank: Nsf={partition.n_stages} stages for Ng={n_ranks} ranks; "
-            f"use {n_ranks} stages, or schedule 'interleaved_1f1b' for several stages per rank")
+            f"use {n_ranks} stages, or schedule 'interleaved_1f1b' for several stages per rank"
+        )
     placement = coupled_placement(n_ranks, n_ranks)
     orders = [one_f_one_b_order(r, r, n_ranks, n_micro) for r in range(n_ranks)]
-    return lower("1f1b", partition, placement, n_micro, orders, ckpt="local", optimizer="sync",
-                 param_buffers=param_buffers)
+    return lower(
+        "1f1b", partition, placement, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
+    )

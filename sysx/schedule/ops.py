@@ -82,13 +82,22 @@ class Message(enum.IntEnum):
 
 SEND_OF = {Message.ACT: OpKind.SEND_ACT, Message.GRAD: OpKind.SEND_GRAD, Message.CKPT: OpKind.SEND_CKPT}
 RECV_OF = {Message.ACT: OpKind.RECV_ACT, Message.GRAD: OpKind.RECV_GRAD, Message.CKPT: OpKind.RECV_CKPT}
-MESSAGE_OF = {**{k: m for m, k in SEND_OF.items()}, **{k: m for m, k in RECV_OF.items()}, OpKind.WAIT_CKPT: Message.CKPT}
+MESSAGE_OF = {
+    **{k: m for m, k in SEND_OF.items()},
+    **{k: m for m, k in RECV_OF.items()},
+    OpKind.WAIT_CKPT: Message.CKPT,
+}
 SENDS = frozenset(SEND_OF.values())
 RECVS = frozenset(RECV_OF.values())
 COMMS = SENDS | RECVS
 PARTNER = {**{SEND_OF[m]: RECV_OF[m] for m in Message}, **{RECV_OF[m]: SEND_OF[m] for m in Message}}
-_SHORT = {OpKind.FORWARD: "F", OpKind.BACKWARD: "B", OpKind.LOAD_PARAMS: "LOAD", OpKind.OFFLOAD_GRADS: "OFFLOAD",
-          OpKind.OPTIM_STEP: "OPT"}
+_SHORT = {
+    OpKind.FORWARD: "F",
+    OpKind.BACKWARD: "B",
+    OpKind.LOAD_PARAMS: "LOAD",
+    OpKind.OFFLOAD_GRADS: "OFFLOAD",
+    OpKind.OPTIM_STEP: "OPT",
+}
 # NVTX range names name the copy direction, not the op
 _TRACE = {OpKind.LOAD_PARAMS: "H2D", OpKind.OFFLOAD_GRADS: "D2H", OpKind.FREE: "FREE"}
 
@@ -253,7 +262,7 @@ class Schedule:
             out += [_op_row(i, op, width) for i, op in enumerate(ops)]
         return "\n".join(out)
 
-    def with_ops(self, ops: Sequence[Sequence[Op]]) -> "Schedule":
+    def with_ops(self, ops: Sequence[Sequence[Op]]) -> Schedule:
         """A copy with other op lists; the checkpoint plan's op positions follow the new lists."""
         lists = tuple(tuple(x) for x in ops)
         where: dict[tuple[int, Op], int] = {}

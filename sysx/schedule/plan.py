@@ -25,7 +25,7 @@ from typing import Any
 
 from sysx.config.choices import PRECISIONS, SYSX_CFGS
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
-from sysx.schedule import SCHEDULES, ONE_STAGE_PER_RANK, build
+from sysx.schedule import ONE_STAGE_PER_RANK, SCHEDULES, build
 from sysx.schedule.costs import Costs, UnitCosts, costs_from_model
 from sysx.schedule.ops import Schedule, ScheduleError
 from sysx.schedule.simulate import Timeline, simulate
@@ -35,20 +35,36 @@ GIB = float(1 << 30)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sysx plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="sysx plan", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", help="YAML file with these options (flags override it)")
-    p.add_argument("--hydra", nargs="*", metavar="KEY=VALUE", default=None,
-                   help="compose the training config (conf/) with these overrides and plan for it")
+    p.add_argument(
+        "--hydra",
+        nargs="*",
+        metavar="KEY=VALUE",
+        default=None,
+        help="compose the training config (conf/) with these overrides and plan for it",
+    )
     p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default sysx")
     p.add_argument("--ranks", "-g", type=int, default=None, help="Ng: pipeline ranks (GPUs), default 4")
     p.add_argument("--microbatches", "-m", type=int, default=None, help="Nm: micro-batches per iteration, default 4")
-    p.add_argument("--stages", "-s", type=int, default=None, help="Nsf: forward stages (default 2*Ng; Ng for gpipe/1f1b)")
-    p.add_argument("--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2")
-    p.add_argument("--cfg", type=int, default=None, choices=SYSX_CFGS, help="sysx ablation config (paper Table 3), default 3")
+    p.add_argument(
+        "--stages", "-s", type=int, default=None, help="Nsf: forward stages (default 2*Ng; Ng for gpipe/1f1b)"
+    )
+    p.add_argument(
+        "--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2"
+    )
+    p.add_argument(
+        "--cfg", type=int, default=None, choices=SYSX_CFGS, help="sysx ablation config (paper Table 3), default 3"
+    )
     p.add_argument("--param-buffers", type=int, default=2, help="GPU parameter buffers per rank (current + prefetch)")
-    p.add_argument("--precision", default=None, choices=PRECISIONS,
-                   help="working-copy precision: bytes per parameter in GPU buffers and shared memory (default bf16)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="working-copy precision: bytes per parameter in GPU buffers and shared memory (default bf16)",
+    )
     u = p.add_argument_group("unit-cost mode (no --model)")
     u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
     u.add_argument("--t-bwd", type=float, default=2.0, help="whole backward of one stage (recompute included)")
@@ -61,21 +77,41 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-tflops", type=float, default=50.0, help="achieved TFLOP/s of one GPU")
     m.add_argument("--p2p-gbps", type=float, default=10.0, help="GPU<->GPU bandwidth, GB/s")
     m.add_argument("--p2p-latency-us", type=float, default=20.0)
-    m.add_argument("--inter-gbps", type=float, default=None,
-                   help="GPU<->GPU bandwidth between nodes (with --gpus-per-node), GB/s (default --p2p-gbps)")
-    m.add_argument("--inter-latency-us", type=float, default=None, help="latency between nodes (default --p2p-latency-us)")
+    m.add_argument(
+        "--inter-gbps",
+        type=float,
+        default=None,
+        help="GPU<->GPU bandwidth between nodes (with --gpus-per-node), GB/s (default --p2p-gbps)",
+    )
+    m.add_argument(
+        "--inter-latency-us", type=float, default=None, help="latency between nodes (default --p2p-latency-us)"
+    )
     m.add_argument("--h2d-gbps", type=float, default=12.0, help="host->GPU bandwidth (parameter prefetch), GB/s")
     m.add_argument("--d2h-gbps", type=float, default=12.0, help="GPU->host bandwidth (gradient offload), GB/s")
     m.add_argument("--optim-gparams-per-s", type=float, default=2.0, help="CPU Adam throughput of one optimizer worker")
-    m.add_argument("--optim-workers", type=int, default=None, help="concurrent async optimizer steps per rank (default unlimited)")
+    m.add_argument(
+        "--optim-workers", type=int, default=None, help="concurrent async optimizer steps per rank (default unlimited)"
+    )
     m.add_argument("--rendezvous", action="store_true", help="sync sends wait for the receiver (default: eager)")
-    m.add_argument("--posted-sends", action="store_true",
-                   help="sends are posted isends, the transfer runs once the receive is posted (the runtime's)")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="ranks per node, for shared memory and --inter-gbps (default all)")
+    m.add_argument(
+        "--posted-sends",
+        action="store_true",
+        help="sends are posted isends, the transfer runs once the receive is posted (the runtime's)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="ranks per node, for shared memory and --inter-gbps (default all)",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--compare", nargs="?", const="all", default=None,
-                   help="simulate several schedules: all | ablation | comma list (e.g. mobius,sysx:cfg0,sysx)")
+    o.add_argument(
+        "--compare",
+        nargs="?",
+        const="all",
+        default=None,
+        help="simulate several schedules: all | ablation | comma list (e.g. mobius,sysx:cfg0,sysx)",
+    )
     o.add_argument("--ops", action="store_true", help="print every rank's op list")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     o.add_argument("--png", help="write the timeline picture here")
@@ -104,14 +140,24 @@ def _entries(spec: str) -> list[tuple[str, int]]:
         item = item.strip()
         name, _, cfg = item.partition(":cfg")
         if name not in SCHEDULES or (cfg and cfg not in "0123"):
-            raise SystemExit(f"sysx plan: unknown --compare entry {item!r}; use one of {', '.join(SCHEDULES)}, "
-                             f"sysx:cfg0..sysx:cfg3, 'all' or 'ablation'")
+            raise SystemExit(
+                f"sysx plan: unknown --compare entry {item!r}; use one of {', '.join(SCHEDULES)}, "
+                f"sysx:cfg0..sysx:cfg3, 'all' or 'ablation'"
+            )
         out.append((name, int(cfg) if cfg else 3))
     return out
 
 
-DEFAULTS = {"schedule": "sysx", "ranks": 4, "microbatches": 4, "split": 2, "cfg": 3, "seq_len": 2048,
-            "micro_batch_size": 1, "precision": "bf16"}
+DEFAULTS = {
+    "schedule": "sysx",
+    "ranks": 4,
+    "microbatches": 4,
+    "split": 2,
+    "cfg": 3,
+    "seq_len": 2048,
+    "micro_batch_size": 1,
+    "precision": "bf16",
+}
 _COUNTS = ("ranks", "microbatches", "stages", "split", "seq_len", "micro_batch_size", "param_buffers")
 
 
@@ -125,9 +171,12 @@ def _resolve(args: argparse.Namespace) -> None:
         job = load_config(args.hydra)
         args.model_cfg = model_config(job)
         args.model = args.model or job.model.preset
-        found = {"seq_len": job.train.seq_len, "micro_batch_size": job.train.micro_batch_size,
-                 "microbatches": job.train.micro_batches,
-                 "precision": "bf16" if job.precision == "auto" else job.precision}  # a plan is for GPUs: auto is bf16 there
+        found = {
+            "seq_len": job.train.seq_len,
+            "micro_batch_size": job.train.micro_batch_size,
+            "microbatches": job.train.micro_batches,
+            "precision": "bf16" if job.precision == "auto" else job.precision,
+        }  # a plan is for GPUs: auto is bf16 there
         if job.schedule.name in SCHEDULES:
             found["schedule"] = job.schedule.name
         found["cfg"] = job.schedule.cfg
@@ -156,8 +205,14 @@ def _partition_for(args: argparse.Namespace, name: str, n_stages: int, manual: b
             sizes = [int(x) for x in str(args.stage_sizes).split(",")]
         except ValueError:
             raise PartitionError(f"--stage-sizes {args.stage_sizes!r} must be comma-separated layer counts") from None
-    return partition_model(cfg, args.seq_len, n_stages, split=args.split if name == "sysx" else 1, stage_sizes=sizes,
-                           n_ranks=args.ranks if name == "sysx" else None)
+    return partition_model(
+        cfg,
+        args.seq_len,
+        n_stages,
+        split=args.split if name == "sysx" else 1,
+        stage_sizes=sizes,
+        n_ranks=args.ranks if name == "sysx" else None,
+    )
 
 
 def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
@@ -168,14 +223,24 @@ def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
     work = "float32" if args.precision == "fp32" else "bfloat16"
     nbytes = 4 if args.precision == "fp32" else 2
     return costs_from_model(
-        args.model_cfg, args.seq_len, args.micro_batch_size, gpu_flops=args.gpu_tflops * 1e12, dtype_bytes=nbytes,
+        args.model_cfg,
+        args.seq_len,
+        args.micro_batch_size,
+        gpu_flops=args.gpu_tflops * 1e12,
+        dtype_bytes=nbytes,
         host_bytes_per_param=float(training_state_bytes(work).optimizer),
-        p2p_bandwidth=args.p2p_gbps * 1e9, p2p_latency=args.p2p_latency_us * 1e-6, h2d_bandwidth=args.h2d_gbps * 1e9,
-        d2h_bandwidth=args.d2h_gbps * 1e9, optim_params_per_s=args.optim_gparams_per_s * 1e9,
-        optim_workers=args.optim_workers, rendezvous=args.rendezvous, posted_sends=args.posted_sends,
+        p2p_bandwidth=args.p2p_gbps * 1e9,
+        p2p_latency=args.p2p_latency_us * 1e-6,
+        h2d_bandwidth=args.h2d_gbps * 1e9,
+        d2h_bandwidth=args.d2h_gbps * 1e9,
+        optim_params_per_s=args.optim_gparams_per_s * 1e9,
+        optim_workers=args.optim_workers,
+        rendezvous=args.rendezvous,
+        posted_sends=args.posted_sends,
         gpus_per_node=args.gpus_per_node,
         inter_p2p_bandwidth=None if args.inter_gbps is None else args.inter_gbps * 1e9,
-        inter_p2p_latency=None if args.inter_latency_us is None else args.inter_latency_us * 1e-6)
+        inter_p2p_latency=None if args.inter_latency_us is None else args.inter_latency_us * 1e-6,
+    )
 
 
 def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tuple[Schedule, Timeline, str]:
@@ -184,8 +249,10 @@ def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tup
     note, scale, manual = "", 1.0, True
     if fit and name in ONE_STAGE_PER_RANK and nsf != args.ranks:
         if args.model_cfg is None and nsf % args.ranks:
-            raise PartitionError(f"{name} needs Nsf = Ng = {args.ranks} stages; with --stages {nsf} the unit costs "
-                                 f"cannot be merged evenly into {args.ranks} stages (use a multiple of {args.ranks})")
+            raise PartitionError(
+                f"{name} needs Nsf = Ng = {args.ranks} stages; with --stages {nsf} the unit costs "
+                f"cannot be merged evenly into {args.ranks} stages (use a multiple of {args.ranks})"
+            )
         if args.model_cfg is not None:
             note = f"{args.ranks} stages, one per rank"
         else:
@@ -195,8 +262,16 @@ def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tup
     part = _partition_for(args, name, nsf, manual)
     if part is None and name == "sysx":
         part = uniform_partition(nsf, args.split)
-    sched = build(name, args.ranks, args.microbatches, part, n_stages=nsf, split=args.split, cfg=cfg,
-                  param_buffers=args.param_buffers)
+    sched = build(
+        name,
+        args.ranks,
+        args.microbatches,
+        part,
+        n_stages=nsf,
+        split=args.split,
+        cfg=cfg,
+        param_buffers=args.param_buffers,
+    )
     validate(sched)
     tl = simulate(sched, _costs(args, scale), gpus_per_node=args.gpus_per_node)
     return sched, tl, note
@@ -212,11 +287,17 @@ def _report(sched: Schedule, tl: Timeline, args: argparse.Namespace) -> str:
     u = tl.unit
     lines = [title_of(tl), ""]
     if args.model_cfg is not None:
-        lines += [f"partition of {args.model} (forward FLOPs per token, {sched.n_stages} stages, d={sched.split}):",
-                  sched.partition.describe(), ""]
+        lines += [
+            f"partition of {args.model} (forward FLOPs per token, {sched.n_stages} stages, d={sched.split}):",
+            sched.partition.describe(),
+            "",
+        ]
     else:
-        lines += [f"unit costs: forward stage {args.t_fwd:g}, stage backward {args.t_bwd:g} "
-                  f"(sub-stage {args.t_bwd / sched.split:g}), optimizer per stage {args.t_opt:g}; copies and p2p free", ""]
+        lines += [
+            f"unit costs: forward stage {args.t_fwd:g}, stage backward {args.t_bwd:g} "
+            f"(sub-stage {args.t_bwd / sched.split:g}), optimizer per stage {args.t_opt:g}; copies and p2p free",
+            "",
+        ]
     if u == "units":
         lines.append("memory in units: one forward stage's parameters = 1, one checkpoint = 1")
         head = f"{'params':>7} {'grads':>7} {'ckpts':>7} {'host':>7}"
@@ -227,24 +308,34 @@ def _report(sched: Schedule, tl: Timeline, args: argparse.Namespace) -> str:
     lines.append(f"{'rank':>4} {'busy':>9} {'idle':>9} {'bubble':>7} {'gpu end':>9}   peak: {head}")
     for r in range(tl.n_ranks):
         mem = " ".join(f"{_fmt_mem(c[r], u):>{8 if i == 0 and u != 'units' else 7}}" for i, c in enumerate(cols))
-        lines.append(f"{r:>4} {tl.busy[r]:>9.4g} {tl.iteration - tl.busy[r]:>9.4g} {100 * tl.bubble[r]:>6.1f}% "
-                     f"{tl.gpu_end[r]:>9.4g}         {mem}")
+        lines.append(
+            f"{r:>4} {tl.busy[r]:>9.4g} {tl.iteration - tl.busy[r]:>9.4g} {100 * tl.bubble[r]:>6.1f}% "
+            f"{tl.gpu_end[r]:>9.4g}         {mem}"
+        )
     lines.append("")
     unit = "" if u == "units" else " GiB"
     work = "fp32 working-copy" if args.precision == "fp32" else f"16-bit ({args.precision})"
     masters = "" if args.precision == "fp32" else "fp32 master weights, "
-    lines.append(f"shared memory per node ({work} parameters owned or run forward there): "
-                 + ", ".join(f"node {i}: {_fmt_mem(x, u)}{unit}" for i, x in enumerate(tl.shm)))
+    lines.append(
+        f"shared memory per node ({work} parameters owned or run forward there): "
+        + ", ".join(f"node {i}: {_fmt_mem(x, u)}{unit}" for i, x in enumerate(tl.shm))
+    )
     gpn = tl.gpus_per_node
-    lines.append(f"host memory per node ({masters}Adam m and v, fp32 gradients of owned sub-stages): "
-                 + ", ".join(f"node {i}: {_fmt_mem(sum(tl.host[i * gpn:(i + 1) * gpn]), u)}{unit}" for i in range(len(tl.shm))))
+    lines.append(
+        f"host memory per node ({masters}Adam m and v, fp32 gradients of owned sub-stages): "
+        + ", ".join(f"node {i}: {_fmt_mem(sum(tl.host[i * gpn : (i + 1) * gpn]), u)}{unit}" for i in range(len(tl.shm)))
+    )
     exposed = tl.iteration - max(tl.gpu_end)
-    lines.append(f"iteration {tl.iteration:.6g}{'' if u == 'units' else ' s'}   bubble ratio {100 * tl.bubble_ratio:.2f}%   "
-                 f"optimizer time after the last backward {exposed:.4g}")
+    lines.append(
+        f"iteration {tl.iteration:.6g}{'' if u == 'units' else ' s'}   bubble ratio {100 * tl.bubble_ratio:.2f}%   "
+        f"optimizer time after the last backward {exposed:.4g}"
+    )
     n_ops = sum(len(x) for x in sched.ops)
     n_msg = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
-    lines.append(f"validated: {n_ops} ops, {n_msg} messages, {sum(1 for c in sched.ckpt_plan if c.mode != 'local')} "
-                 f"checkpoint transfers, no deadlock")
+    lines.append(
+        f"validated: {n_ops} ops, {n_msg} messages, {sum(1 for c in sched.ckpt_plan if c.mode != 'local')} "
+        f"checkpoint transfers, no deadlock"
+    )
     return "\n".join(lines)
 
 
@@ -293,14 +384,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         from sysx.schedule.draw import title_of
 
-        print(f"{'schedule':<34} {'iteration':>10} {'bubble':>8} {'after last bwd':>15}"
-              + ("" if timelines[0].unit == "units" else f" {'GPU GiB':>8}"))
+        print(
+            f"{'schedule':<34} {'iteration':>10} {'bubble':>8} {'after last bwd':>15}"
+            + ("" if timelines[0].unit == "units" else f" {'GPU GiB':>8}")
+        )
         for s, tl, note in runs:
             label = title_of(tl).split("   ")[0]
-            print(f"{label:<34} {tl.iteration:>10.4g} {100 * tl.bubble_ratio:>7.1f}% "
-                  f"{tl.iteration - max(tl.gpu_end):>15.4g}"
-                  + ("" if tl.unit == "units" else f" {_fmt_mem(max(tl.peak_gpu), tl.unit):>8}")
-                  + (f"   ({note})" if note else ""))
+            print(
+                f"{label:<34} {tl.iteration:>10.4g} {100 * tl.bubble_ratio:>7.1f}% "
+                f"{tl.iteration - max(tl.gpu_end):>15.4g}"
+                + ("" if tl.unit == "units" else f" {_fmt_mem(max(tl.peak_gpu), tl.unit):>8}")
+                + (f"   ({note})" if note else "")
+            )
     else:
         sched, tl, _ = runs[0]
         if args.ops:

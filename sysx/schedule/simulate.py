@@ -77,12 +77,23 @@ class Timeline:
     def summary(self) -> dict:
         """JSON-ready numbers (no events)."""
         return {
-            "schedule": self.name, "ranks": self.n_ranks, "iteration": self.iteration,
-            "bubble_ratio": self.bubble_ratio, "busy": self.busy, "bubble": self.bubble,
-            "idle": [self.iteration - b for b in self.busy], "gpu_end": self.gpu_end,
-            "peak_gpu": self.peak_gpu, "peak_params": self.peak_params, "peak_grads": self.peak_grads,
-            "peak_ckpts": self.peak_ckpts, "peak_work": self.peak_work, "host_per_rank": self.host,
-            "shm_per_node": self.shm, "gpus_per_node": self.gpus_per_node, "unit": self.unit,
+            "schedule": self.name,
+            "ranks": self.n_ranks,
+            "iteration": self.iteration,
+            "bubble_ratio": self.bubble_ratio,
+            "busy": self.busy,
+            "bubble": self.bubble,
+            "idle": [self.iteration - b for b in self.busy],
+            "gpu_end": self.gpu_end,
+            "peak_gpu": self.peak_gpu,
+            "peak_params": self.peak_params,
+            "peak_grads": self.peak_grads,
+            "peak_ckpts": self.peak_ckpts,
+            "peak_work": self.peak_work,
+            "host_per_rank": self.host,
+            "shm_per_node": self.shm,
+            "gpus_per_node": self.gpus_per_node,
+            "unit": self.unit,
         }
 
 
@@ -126,8 +137,15 @@ def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple
 CostsLike = Union[Costs, UnitCosts, CostTable]
 
 
-def simulate(schedule: Schedule, costs: CostsLike | None = None, *, record: bool = True, memory: bool = True,
-             rendezvous: bool | None = None, gpus_per_node: int | None = None) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    costs: CostsLike | None = None,
+    *,
+    record: bool = True,
+    memory: bool = True,
+    rendezvous: bool | None = None,
+    gpus_per_node: int | None = None,
+) -> Timeline:
     """Run ``schedule`` under ``costs`` (unit costs 1/2/0 by default) and return its timeline.
 
     ``record=False`` skips the per-op events and ``memory=False`` the memory sweep (faster, for
@@ -156,6 +174,23 @@ def simulate(schedule: Schedule, costs: CostsLike | None = None, *, record: bool
     if record:
         ops, transfer = schedule.ops, PROGRAMS.get(schedule).transfer_op
         events = [Event(r, lane, ops[r][i] if i >= 0 else transfer[~i], st, en) for r, lane, i, st, en in out["events"]]
-    return Timeline(schedule.name, R, it, busy, bubble, ratio, out["gpu_end"], peaks, cats[PARAMS], cats[GRADS],
-                    cats[CKPTS], cats[WORK], host, shm, gpn, tab.unit, events, schedule)
-
+    return Timeline(
+        schedule.name,
+        R,
+        it,
+        busy,
+        bubble,
+        ratio,
+        out["gpu_end"],
+        peaks,
+        cats[PARAMS],
+        cats[GRADS],
+        cats[CKPTS],
+        cats[WORK],
+        host,
+        shm,
+        gpn,
+        tab.unit,
+        events,
+        schedule,
+    )

@@ -34,8 +34,16 @@ CFG_FEATURES = {
 }
 
 
-def build_sysx(n_ranks: int, n_micro: int, partition: Partition | None = None, *, n_stages: int | None = None,
-               split: int = 2, cfg: int = 3, param_buffers: int = 2) -> Schedule:
+def build_sysx(
+    n_ranks: int,
+    n_micro: int,
+    partition: Partition | None = None,
+    *,
+    n_stages: int | None = None,
+    split: int = 2,
+    cfg: int = 3,
+    param_buffers: int = 2,
+) -> Schedule:
     """SysX schedule; the partition gives ``Nsf`` and ``d`` (else ``n_stages`` / ``2 Ng`` and ``split``).
 
     CFG0 uses the partition's forward stages with ``d = 1``.
@@ -51,8 +59,17 @@ def build_sysx(n_ranks: int, n_micro: int, partition: Partition | None = None, *
     placement = sysx_placement(partition.n_stages, d, n_ranks)
     orders = []
     for r in range(n_ranks):
-        orders.append(afab_forwards(placement.fwd_stages(r), n_micro)
-                      + afab_backwards(placement.bwd_substages(r), n_micro))
-    return lower("sysx", partition, placement, n_micro, orders,
-                 ckpt="async" if cfg >= 2 else "sync", optimizer="async" if cfg >= 3 else "sync",
-                 param_buffers=param_buffers, cfg=cfg)
+        orders.append(
+            afab_forwards(placement.fwd_stages(r), n_micro) + afab_backwards(placement.bwd_substages(r), n_micro)
+        )
+    return lower(
+        "sysx",
+        partition,
+        placement,
+        n_micro,
+        orders,
+        ckpt="async" if cfg >= 2 else "sync",
+        optimizer="async" if cfg >= 3 else "sync",
+        param_buffers=param_buffers,
+        cfg=cfg,
+    )

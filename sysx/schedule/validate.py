@@ -26,14 +26,35 @@ from collections.abc import Callable
 
 from sysx.partition import unit_label
 from sysx.schedule.costs import UnitCosts
-from sysx.schedule.ops import COMMS, PARTNER, RECVS, SENDS, B, F, Op, OpKind, Schedule, ScheduleError
 from sysx.schedule.engine import Deadlock, run_program
+from sysx.schedule.ops import COMMS, PARTNER, RECVS, SENDS, B, F, Op, OpKind, Schedule, ScheduleError
 
 # op kinds that only a training step has
-_TRAINING_ONLY = frozenset({OpKind.BACKWARD, OpKind.SEND_GRAD, OpKind.RECV_GRAD, OpKind.SEND_CKPT, OpKind.RECV_CKPT,
-                            OpKind.WAIT_CKPT, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP, OpKind.VALIDATE})
-_NEEDS_SUB = frozenset({OpKind.BACKWARD, OpKind.SEND_GRAD, OpKind.RECV_GRAD, OpKind.SEND_CKPT, OpKind.RECV_CKPT,
-                        OpKind.WAIT_CKPT, OpKind.OFFLOAD_GRADS, OpKind.OPTIM_STEP})
+_TRAINING_ONLY = frozenset(
+    {
+        OpKind.BACKWARD,
+        OpKind.SEND_GRAD,
+        OpKind.RECV_GRAD,
+        OpKind.SEND_CKPT,
+        OpKind.RECV_CKPT,
+        OpKind.WAIT_CKPT,
+        OpKind.OFFLOAD_GRADS,
+        OpKind.OPTIM_STEP,
+        OpKind.VALIDATE,
+    }
+)
+_NEEDS_SUB = frozenset(
+    {
+        OpKind.BACKWARD,
+        OpKind.SEND_GRAD,
+        OpKind.RECV_GRAD,
+        OpKind.SEND_CKPT,
+        OpKind.RECV_CKPT,
+        OpKind.WAIT_CKPT,
+        OpKind.OFFLOAD_GRADS,
+        OpKind.OPTIM_STEP,
+    }
+)
 
 
 def _partner_str(op: Op, rank: int) -> str:
@@ -43,7 +64,9 @@ def _partner_str(op: Op, rank: int) -> str:
 def validate(schedule: Schedule, *, max_errors: int = 25) -> None:
     """Raise :class:`ScheduleError` listing every problem found (see the module doc); else return."""
     if len(schedule.ops) != schedule.n_ranks:
-        raise ScheduleError(f"schedule {schedule.name!r} has {len(schedule.ops)} op lists for n_ranks={schedule.n_ranks}")
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has {len(schedule.ops)} op lists for n_ranks={schedule.n_ranks}"
+        )
     errors = check_ranges(schedule)
     if errors:
         _raise(schedule, errors, max_errors)
@@ -134,13 +157,17 @@ def check_pairing(schedule: Schedule) -> list[str]:
         for key, lst in mine.items():
             r, i, op = lst[0]
             if len(lst) > 1:
-                errors.append(f"rank {r} {verb} `{op}` {len(lst)} times (ops " + ", ".join(f"#{x[1]}" for x in lst) + ")")
+                errors.append(
+                    f"rank {r} {verb} `{op}` {len(lst)} times (ops " + ", ".join(f"#{x[1]}" for x in lst) + ")"
+                )
             if key not in theirs:
                 errors.append(f"rank {r} op #{i} `{op}` has no matching `{_partner_str(op, r)}` on rank {op.peer}")
             elif verb == "sends" and theirs[key][0][2].is_async != op.is_async:
                 ro = theirs[key][0]
-                errors.append(f"rank {r} op #{i} `{op}` is matched by `{ro[2]}` (rank {ro[0]} op #{ro[1]}) in the other "
-                              f"mode; post both sides sync or both async")
+                errors.append(
+                    f"rank {r} op #{i} `{op}` is matched by `{ro[2]}` (rank {ro[0]} op #{ro[1]}) in the other "
+                    f"mode; post both sides sync or both async"
+                )
     if errors:
         return errors
     for (a, b, side), lst in order.items():
@@ -153,7 +180,8 @@ def check_pairing(schedule: Schedule) -> list[str]:
                     f"ranks {a} and {b} post their messages in different orders: message {n} from rank {a} to "
                     f"rank {b} is `{op_s}` (rank {a} op #{i_s}) but rank {b}'s receive {n} from rank {a} is "
                     f"`{op_r}` (op #{i_r}); NCCL matches a pair's messages in posting order, so post them "
-                    f"in the same order on both ranks")
+                    f"in the same order on both ranks"
+                )
                 break
     return errors
 
@@ -175,10 +203,18 @@ class _RankState:
         self.validated = -1
         self.errors: list[str] = []
         self.checks: dict[OpKind, Callable[[Op, str], None]] = {
-            OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward, OpKind.SEND_ACT: self._send_act,
-            OpKind.SEND_GRAD: self._send_grad, OpKind.SEND_CKPT: self._send_ckpt, OpKind.RECV_ACT: self._recv_act,
-            OpKind.RECV_GRAD: self._recv_grad, OpKind.RECV_CKPT: self._recv_ckpt, OpKind.WAIT_CKPT: self._wait_ckpt,
-            OpKind.LOAD_PARAMS: self._load, OpKind.FREE: self._free, OpKind.OFFLOAD_GRADS: self._offload,
+            OpKind.FORWARD: self._forward,
+            OpKind.BACKWARD: self._backward,
+            OpKind.SEND_ACT: self._send_act,
+            OpKind.SEND_GRAD: self._send_grad,
+            OpKind.SEND_CKPT: self._send_ckpt,
+            OpKind.RECV_ACT: self._recv_act,
+            OpKind.RECV_GRAD: self._recv_grad,
+            OpKind.RECV_CKPT: self._recv_ckpt,
+            OpKind.WAIT_CKPT: self._wait_ckpt,
+            OpKind.LOAD_PARAMS: self._load,
+            OpKind.FREE: self._free,
+            OpKind.OFFLOAD_GRADS: self._offload,
             OpKind.OPTIM_STEP: self._optim_step,
         }
 
@@ -188,8 +224,9 @@ class _RankState:
             here = f"rank {self.rank} op #{i} `{op}`"
             k = op.kind
             if self.validated >= 0 and not (k == OpKind.OPTIM_STEP and not op.is_async) and k != OpKind.FREE:
-                self.errors.append(f"{here} comes after VALIDATE (op #{self.validated}); only synchronous OPTIM_STEPs "
-                                   f"may follow it")
+                self.errors.append(
+                    f"{here} comes after VALIDATE (op #{self.validated}); only synchronous OPTIM_STEPs may follow it"
+                )
             if k in (OpKind.FORWARD, OpKind.BACKWARD):
                 self._params_loaded(op, here)
             if k == OpKind.VALIDATE:
@@ -199,35 +236,49 @@ class _RankState:
             else:
                 self.checks[k](op, here)
         if self.validated < 0 and self.schedule.options.training:
-            self.errors.append(f"rank {self.rank} never runs VALIDATE (the all-reduce of overflow flags every rank joins)")
+            self.errors.append(
+                f"rank {self.rank} never runs VALIDATE (the all-reduce of overflow flags every rank joins)"
+            )
         if self.resident:
-            self.errors.append(f"rank {self.rank} never frees " + ", ".join(unit_label(*u) for u in self.resident)
-                               + " (add FREE after the last use)")
+            self.errors.append(
+                f"rank {self.rank} never frees "
+                + ", ".join(unit_label(*u) for u in self.resident)
+                + " (add FREE after the last use)"
+            )
         return self.errors
 
     def _params_loaded(self, op: Op, here: str) -> None:
         need = self.schedule.partition.layers(op.stage, -1 if op.kind == OpKind.FORWARD else op.sub)
         if not any(u.start <= need.start and need.stop <= u.stop for u in self.resident.values()):
-            self.errors.append(f"{here}: the parameters of layers {need.start}..{need.stop - 1} are not loaded "
-                               f"(no earlier LOAD_PARAMS covering them without a FREE since)")
+            self.errors.append(
+                f"{here}: the parameters of layers {need.start}..{need.stop - 1} are not loaded "
+                f"(no earlier LOAD_PARAMS covering them without a FREE since)"
+            )
 
     def _forward(self, op: Op, here: str) -> None:
         prev = (op.stage - 1, op.mb)
         if op.stage > 0 and prev not in self.done_f and prev not in self.got_act:
-            self.errors.append(f"{here}: its input (output of stage {op.stage - 1}, mb {op.mb}) was neither computed on "
-                               f"this rank nor received before (missing `RECV_ACT s{op.stage - 1} mb{op.mb}`)")
+            self.errors.append(
+                f"{here}: its input (output of stage {op.stage - 1}, mb {op.mb}) was neither computed on "
+                f"this rank nor received before (missing `RECV_ACT s{op.stage - 1} mb{op.mb}`)"
+            )
         self.done_f.add((op.stage, op.mb))
 
     def _backward(self, op: Op, here: str) -> None:
         key = (op.stage, op.sub, op.mb)
         if (op.stage, op.mb) not in self.done_f and key not in self.ready_ck:
-            why = ("its async RECV_CKPT was posted but no WAIT_CKPT precedes it" if key in self.posted
-                   else f"no earlier `F s{op.stage} mb{op.mb}` here and no RECV_CKPT")
+            why = (
+                "its async RECV_CKPT was posted but no WAIT_CKPT precedes it"
+                if key in self.posted
+                else f"no earlier `F s{op.stage} mb{op.mb}` here and no RECV_CKPT"
+            )
             self.errors.append(f"{here}: checkpoint of {unit_label(op.stage, op.sub)} mb{op.mb} not available: {why}")
         nxt = self.schedule.partition.next_sub(op.stage, op.sub)
         if nxt is not None and (*nxt, op.mb) not in self.done_b and (*nxt, op.mb) not in self.got_grad:
-            self.errors.append(f"{here}: its output gradient (from `B {unit_label(*nxt)} mb{op.mb}`) was neither "
-                               f"computed on this rank nor received before (missing `RECV_GRAD {unit_label(*nxt)} mb{op.mb}`)")
+            self.errors.append(
+                f"{here}: its output gradient (from `B {unit_label(*nxt)} mb{op.mb}`) was neither "
+                f"computed on this rank nor received before (missing `RECV_GRAD {unit_label(*nxt)} mb{op.mb}`)"
+            )
         self.done_b.add(key)
 
     def _send_act(self, op: Op, here: str) -> None:
@@ -236,7 +287,9 @@ class _RankState:
 
     def _send_grad(self, op: Op, here: str) -> None:
         if (op.stage, op.sub, op.mb) not in self.done_b:
-            self.errors.append(f"{here}: sends the input gradient of `{B(op.stage, op.sub, op.mb)}` before computing it here")
+            self.errors.append(
+                f"{here}: sends the input gradient of `{B(op.stage, op.sub, op.mb)}` before computing it here"
+            )
 
     def _send_ckpt(self, op: Op, here: str) -> None:
         if (op.stage, op.mb) not in self.done_f:
@@ -273,8 +326,10 @@ class _RankState:
         g = (op.stage, op.sub)
         miss = [j for j in range(self.schedule.n_micro) if (op.stage, op.sub, j) not in self.done_b]
         if miss:
-            self.errors.append(f"{here}: the backward of micro-batch(es) {miss} of {unit_label(*g)} did not run on "
-                               f"this rank before; a sub-stage's gradients must accumulate on one rank")
+            self.errors.append(
+                f"{here}: the backward of micro-batch(es) {miss} of {unit_label(*g)} did not run on "
+                f"this rank before; a sub-stage's gradients must accumulate on one rank"
+            )
         if g in self.offloaded:
             self.errors.append(f"{here}: {unit_label(*g)} is offloaded twice")
         self.offloaded[g] = self.rank
@@ -319,8 +374,10 @@ def check_ckpt_plan(schedule: Schedule) -> list[str]:
             ops = schedule.ops[rank] if 0 <= rank < schedule.n_ranks else ()
             op = ops[idx] if 0 <= idx < len(ops) else None
             if op is None or op.kind != kind or (op.stage, op.sub, op.mb) != (rt.stage, rt.sub, rt.mb):
-                errors.append(f"checkpoint plan entry s{rt.stage}.{rt.sub} mb{rt.mb} ({rt.src}->{rt.dst}) points at "
-                              f"rank {rank} op #{idx} `{op}`, not a {kind.name} of that checkpoint")
+                errors.append(
+                    f"checkpoint plan entry s{rt.stage}.{rt.sub} mb{rt.mb} ({rt.src}->{rt.dst}) points at "
+                    f"rank {rank} op #{idx} `{op}`, not a {kind.name} of that checkpoint"
+                )
     return errors
 
 
@@ -335,5 +392,6 @@ def check_deadlock(schedule: Schedule) -> None:
 def _raise(schedule: Schedule, errors: list[str], max_errors: int) -> None:
     shown = errors[:max_errors]
     more = f"\n  ... and {len(errors) - max_errors} more" if len(errors) > max_errors else ""
-    raise ScheduleError(f"schedule {schedule.name!r} is invalid ({len(errors)} problem(s)):\n  - "
-                        + "\n  - ".join(shown) + more)
+    raise ScheduleError(
+        f"schedule {schedule.name!r} is invalid ({len(errors)} problem(s)):\n  - " + "\n  - ".join(shown) + more
+    )

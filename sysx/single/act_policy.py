@@ -91,15 +91,26 @@ class SaveProblem:
     host_capacity: float | None = None
 
     @classmethod
-    def make(cls, compute_s: Sequence[float], transfer_s: Sequence[Sequence[float]], value_s: Sequence[Sequence[float]],
-             *, ring_slots: int, chunks: int = 1, transfer_layers: int | None = None,
-             host_bytes: Sequence[Sequence[float]] | None = None, host_capacity: float | None = None) -> SaveProblem:
+    def make(
+        cls,
+        compute_s: Sequence[float],
+        transfer_s: Sequence[Sequence[float]],
+        value_s: Sequence[Sequence[float]],
+        *,
+        ring_slots: int,
+        chunks: int = 1,
+        transfer_layers: int | None = None,
+        host_bytes: Sequence[Sequence[float]] | None = None,
+        host_capacity: float | None = None,
+    ) -> SaveProblem:
         """Build and check a problem from plain sequences."""
         p = cls(
             tuple(float(c) for c in compute_s),
             tuple(tuple(float(t) for t in row) for row in transfer_s),
             tuple(tuple(float(v) for v in row) for row in value_s),
-            int(ring_slots), int(chunks), transfer_layers,
+            int(ring_slots),
+            int(chunks),
+            transfer_layers,
             None if host_bytes is None else tuple(tuple(float(b) for b in row) for row in host_bytes),
             None if host_capacity is None else float(host_capacity),
         )
@@ -120,19 +131,25 @@ class SaveProblem:
         """Raise ValueError naming the first inconsistent input."""
         L = self.n_layers
         if len(self.transfer_s) < self.n_transfer or len(self.value_s) < self.n_transfer:
-            raise ValueError(f"SaveProblem: need transfer/value rows for {self.n_transfer} layers, got "
-                             f"{len(self.transfer_s)} / {len(self.value_s)}")
+            raise ValueError(
+                f"SaveProblem: need transfer/value rows for {self.n_transfer} layers, got "
+                f"{len(self.transfer_s)} / {len(self.value_s)}"
+            )
         if not 0 <= self.n_transfer <= L:
             raise ValueError(f"SaveProblem: transfer_layers={self.transfer_layers} must be in [0, {L}]")
         if self.ring_slots < 1 or self.chunks < 1:
             raise ValueError(f"SaveProblem: ring_slots={self.ring_slots} and chunks={self.chunks} must be >= 1")
         for i in range(self.n_transfer):
             if len(self.transfer_s[i]) != len(self.value_s[i]) or not self.transfer_s[i]:
-                raise ValueError(f"SaveProblem: layer {i} has {len(self.transfer_s[i])} transfer options and "
-                                 f"{len(self.value_s[i])} values; give the same (>= 1) number")
+                raise ValueError(
+                    f"SaveProblem: layer {i} has {len(self.transfer_s[i])} transfer options and "
+                    f"{len(self.value_s[i])} values; give the same (>= 1) number"
+                )
             if self.host_bytes is not None and len(self.host_bytes[i]) != len(self.transfer_s[i]):
-                raise ValueError(f"SaveProblem: layer {i} host_bytes has {len(self.host_bytes[i])} options, "
-                                 f"expected {len(self.transfer_s[i])}")
+                raise ValueError(
+                    f"SaveProblem: layer {i} host_bytes has {len(self.host_bytes[i])} options, "
+                    f"expected {len(self.transfer_s[i])}"
+                )
         if any(c < 0 for c in self.compute_s):
             raise ValueError("SaveProblem: compute times must be >= 0")
 

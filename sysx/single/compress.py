@@ -41,7 +41,9 @@ def quantize_into(x: torch.Tensor, out: torch.Tensor) -> None:
         raise TypeError(f"quantize_into: only floating tensors are compressed, got {x.dtype}")
     need = packed_nbytes(tuple(x.shape))
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != need:
-        raise ValueError(f"quantize_into: out must be a 1-D uint8 buffer of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"quantize_into: out must be a 1-D uint8 buffer of {need} bytes, got {out.dtype} {tuple(out.shape)}"
+        )
     rows, cols = rows_of(tuple(x.shape))
     payload = rows * cols
     pad = (-payload) % _SCALE_BYTES
@@ -50,7 +52,7 @@ def quantize_into(x: torch.Tensor, out: torch.Tensor) -> None:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.clamp(torch.round(xf / safe), -QMAX, QMAX).to(torch.int8)
     out[:payload].view(torch.int8).view(rows, cols).copy_(q)
-    out[payload + pad:].view(torch.float32).view(rows, 1).copy_(scale)
+    out[payload + pad :].view(torch.float32).view(rows, 1).copy_(scale)
 
 
 def dequantize(packed: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -59,7 +61,7 @@ def dequantize(packed: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype)
     payload = rows * cols
     pad = (-payload) % _SCALE_BYTES
     q = packed[:payload].view(torch.int8).view(rows, cols)
-    scale = packed[payload + pad:payload + pad + rows * _SCALE_BYTES].view(torch.float32).view(rows, 1)
+    scale = packed[payload + pad : payload + pad + rows * _SCALE_BYTES].view(torch.float32).view(rows, 1)
     return (q.float() * scale).to(dtype).reshape(shape)
 
 
@@ -81,7 +83,9 @@ def compression_error(x: torch.Tensor) -> dict[str, float]:
     back = dequantize(quantize(x), tuple(x.shape), x.dtype)
     err = (back.float() - x.float()).reshape(rows, cols)
     absmax = x.float().reshape(rows, cols).abs().amax(dim=1, keepdim=True)
-    rel_row = torch.where(absmax > 0, err.abs() / absmax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(err))
+    rel_row = torch.where(
+        absmax > 0, err.abs() / absmax.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(err)
+    )
     norm = float(x.float().norm())
     raw = x.numel() * x.element_size()
     packed = packed_nbytes(tuple(x.shape))

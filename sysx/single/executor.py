@@ -88,8 +88,15 @@ class SlidingWindowExecutor:
 
     STATIC = -1  # group id of the Embedding+Head in callbacks (host.groups[-1])
 
-    def __init__(self, plan: SinglePlan, host: HostState, device: torch.device | str, profile: LayerProfile, *,
-                 trace: bool = False) -> None:
+    def __init__(
+        self,
+        plan: SinglePlan,
+        host: HostState,
+        device: torch.device | str,
+        profile: LayerProfile,
+        *,
+        trace: bool = False,
+    ) -> None:
         from sysx.model.llama import make_layer, tie_embeddings
 
         self.plan = plan
@@ -115,15 +122,18 @@ class SlidingWindowExecutor:
         tau = torch.empty((), dtype=self.dtype).element_size()
         block_bytes = self.block_layout.numel * tau
         slot_bytes = max(layout.nbytes for layout in self.layouts)
-        self.arena = DeviceArena(self.device, {
-            "static weights": self.static_layout.numel * tau,
-            "static grads": self.static_layout.numel * tau,
-            "weight ring": R_p * _stride(block_bytes),
-            "grad ring": R_g * _stride(block_bytes),
-            "activation ring": R_a * _stride(slot_bytes),
-            "transitions": self.n * self.b * self.S * cfg.dim * tau,
-            **self._kv_regions(tau),
-        })
+        self.arena = DeviceArena(
+            self.device,
+            {
+                "static weights": self.static_layout.numel * tau,
+                "static grads": self.static_layout.numel * tau,
+                "weight ring": R_p * _stride(block_bytes),
+                "grad ring": R_g * _stride(block_bytes),
+                "activation ring": R_a * _stride(slot_bytes),
+                "transitions": self.n * self.b * self.S * cfg.dim * tau,
+                **self._kv_regions(tau),
+            },
+        )
         self.trace: list[tuple[str, str, int, object]] | None = [] if trace else None
         self.ring_w = Ring("weights", self.arena.region("weight ring"), R_p, block_bytes, log=self.trace)
         self.ring_g = Ring("grads", self.arena.region("grad ring"), R_g, block_bytes, log=self.trace)
@@ -149,7 +159,8 @@ class SlidingWindowExecutor:
         self.host_buffers = HostBuffers("saved activations", pin=dev.is_cuda(self.device))
         self.host_acts = {
             (k, v): self.host_buffers.empty(self.layouts[k].nbytes, torch.uint8)
-            for k in range(self.n_transfer) for v in range(self.units)
+            for k in range(self.n_transfer)
+            for v in range(self.units)
         }
         self.compute = dev.current_stream(self.device)
         self.inbound = dev.new_stream(self.device)
@@ -178,8 +189,9 @@ class SlidingWindowExecutor:
             if rec is not None and begin is not None:
                 rec.add(lane, what, begin, rec.mark(stream), nbytes)
 
-    def _timed(self, stream: dev.Stream, lane: str, what: What, write: Callable[[torch.Tensor], None],
-               nbytes: int = 0) -> Callable[[torch.Tensor], None]:
+    def _timed(
+        self, stream: dev.Stream, lane: str, what: What, write: Callable[[torch.Tensor], None], nbytes: int = 0
+    ) -> Callable[[torch.Tensor], None]:
         """``write`` for :meth:`Ring.fill`, framed like :meth:`_on` when recording (the ring runs it
         on ``stream`` after the slot's wait)."""
         rec = self._recording()
@@ -211,7 +223,7 @@ class SlidingWindowExecutor:
 
     def _piece(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """Sequence chunk ``j`` of ``x [rows, S, ...]`` (all of it without sequence chunks)."""
-        return x if self.J == 1 else x[:, j * self.C:(j + 1) * self.C]
+        return x if self.J == 1 else x[:, j * self.C : (j + 1) * self.C]
 
     def _kv_at(self, j: int) -> KVCache | None:
         return None if self.kv is None else self.kv.at(j * self.C)
@@ -231,8 +243,14 @@ class SlidingWindowExecutor:
         return self.arena.describe()
 
     # ------------------------------------------------------------------------------------- step
-    def run_step(self, batches: Sequence[Batch], *, scale: float, on_grads: Callable[[int, dev.Event], None],
-                 before_load: Callable[[int], None]) -> list[torch.Tensor]:
+    def run_step(
+        self,
+        batches: Sequence[Batch],
+        *,
+        scale: float,
+        on_grads: Callable[[int, dev.Event], None],
+        before_load: Callable[[int], None],
+    ) -> list[torch.Tensor]:
         """Forward and backward of every round of one step; returns each micro-batch's loss.
 
         ``batches``: ``rounds * chunks`` (input_ids, labels) pairs on the device, in micro-batch
@@ -243,7 +261,9 @@ class SlidingWindowExecutor:
         """
         n_micro = len(batches)
         if n_micro != self.plan.rounds * self.n:
-            raise ValueError(f"run_step: got {n_micro} micro-batches, the plan has {self.plan.rounds} rounds x {self.n} chunks")
+            raise ValueError(
+                f"run_step: got {n_micro} micro-batches, the plan has {self.plan.rounds} rounds x {self.n} chunks"
+            )
         self.version += 1
         ver = self.version
         self._load_static(before_load)
@@ -255,7 +275,7 @@ class SlidingWindowExecutor:
         losses: list[torch.Tensor] = []
         rounds = self.plan.rounds
         for r in range(rounds):
-            mbs = batches[r * self.n:(r + 1) * self.n]
+            mbs = batches[r * self.n : (r + 1) * self.n]
             last = r == rounds - 1
             self._forward(r, ver, mbs, before_load)
             losses += self._turnaround(mbs, scale, n_micro)
@@ -291,10 +311,18 @@ class SlidingWindowExecutor:
             self.ring_w.drop(s)
         before_load(k)
         src = self.host.groups[k].work
-        self.ring_w.fill(s, key, self.inbound, self._timed(
-            self.inbound, H2D, Op(OpKind.LOAD_PARAMS, k + 1),
-            lambda raw: typed(raw, self.dtype, self.block_layout.numel).copy_(src, non_blocking=True),
-            src.numel() * src.element_size()))
+        self.ring_w.fill(
+            s,
+            key,
+            self.inbound,
+            self._timed(
+                self.inbound,
+                H2D,
+                Op(OpKind.LOAD_PARAMS, k + 1),
+                lambda raw: typed(raw, self.dtype, self.block_layout.numel).copy_(src, non_blocking=True),
+                src.numel() * src.element_size(),
+            ),
+        )
         self.stats.h2d_weights += src.numel() * src.element_size()
         self.stats.weight_loads += 1
 
@@ -307,9 +335,18 @@ class SlidingWindowExecutor:
             return
         self.inbound.wait_event(self._grad_home[k])
         src = self.host.groups[k].grad
-        self.ring_g.fill(gs, ("g", k, r), self.inbound, self._timed(
-            self.inbound, H2D, f"H2D grads s{k + 1}", lambda raw: typed(raw, self.dtype, numel).copy_(src, non_blocking=True),
-            src.numel() * src.element_size()))
+        self.ring_g.fill(
+            gs,
+            ("g", k, r),
+            self.inbound,
+            self._timed(
+                self.inbound,
+                H2D,
+                f"H2D grads s{k + 1}",
+                lambda raw: typed(raw, self.dtype, numel).copy_(src, non_blocking=True),
+                src.numel() * src.element_size(),
+            ),
+        )
         self.stats.h2d_grads += src.numel() * src.element_size()
 
     def _fill_a(self, a: int, unit: int, r: int) -> None:
@@ -321,8 +358,12 @@ class SlidingWindowExecutor:
         self.inbound.wait_event(self._act_home[(k, v)])
         src = self.host_acts[(k, v)]
         label = f"H2D act s{k + 1} mb{v // self.J}" + (f" seq{v % self.J}" if self.J > 1 else "")
-        self.ring_a.fill(a, ("a", k, v, r), self.inbound, self._timed(
-            self.inbound, H2D, label, lambda raw: raw[:nbytes].copy_(src, non_blocking=True), nbytes))
+        self.ring_a.fill(
+            a,
+            ("a", k, v, r),
+            self.inbound,
+            self._timed(self.inbound, H2D, label, lambda raw: raw[:nbytes].copy_(src, non_blocking=True), nbytes),
+        )
         self.stats.h2d_acts += nbytes
 
     # ---------------------------------------------------------------------------------- forward
@@ -347,12 +388,18 @@ class SlidingWindowExecutor:
                     x = self._piece(self.T[c], j)
                     x.copy_(run_captured(shell, x, self.profile, layout, raw, kv=self._kv_at(j)))
 
-                self.ring_a.fill(a, key, self.compute, self._timed(self.compute, COMPUTE, Op(OpKind.FORWARD, k + 1, mb=c), write))
+                self.ring_a.fill(
+                    a, key, self.compute, self._timed(self.compute, COMPUTE, Op(OpKind.FORWARD, k + 1, mb=c), write)
+                )
                 if k < self.n_transfer:
                     raw = self.ring_a.acquire(a, key, self.outbound)
-                    with self._on(self.outbound, D2H, f"D2H act s{k + 1} mb{c}" + (f" seq{j}" if self.J > 1 else ""),
-                                  layout.nbytes):
-                        self.host_acts[(k, v)].copy_(raw[:layout.nbytes], non_blocking=True)
+                    with self._on(
+                        self.outbound,
+                        D2H,
+                        f"D2H act s{k + 1} mb{c}" + (f" seq{j}" if self.J > 1 else ""),
+                        layout.nbytes,
+                    ):
+                        self.host_acts[(k, v)].copy_(raw[: layout.nbytes], non_blocking=True)
                     self._act_home[(k, v)] = self.ring_a.release(a, self.outbound)
                     self.stats.d2h_acts += layout.nbytes
                     self._note("d2h_act", key)
@@ -400,7 +447,9 @@ class SlidingWindowExecutor:
             raw = self.ring_a.acquire(a, ("a", k, u - k * self.units, r), self.compute)
             with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, k + 1, 0, c)):
                 grad = self._piece(self.T[c], j)
-                grad.copy_(backward_replayed(shell, grad, self.profile, layout, raw, stats=self.replay, kv=self._kv_at(j)))
+                grad.copy_(
+                    backward_replayed(shell, grad, self.profile, layout, raw, stats=self.replay, kv=self._kv_at(j))
+                )
             self.ring_a.release(a, self.compute)
             self.stats.chunks_backward += 1
             name = self.plan.table.names[self.plan.levels[k]]
@@ -408,8 +457,15 @@ class SlidingWindowExecutor:
             if u - R_a >= 0:
                 self._fill_a(a, u - R_a, r)
 
-    def _backward(self, r: int, ver: int, mbs: Sequence[Batch], on_grads: Callable[[int, dev.Event], None] | None,
-                  before_load: Callable[[int], None], last: bool) -> None:
+    def _backward(
+        self,
+        r: int,
+        ver: int,
+        mbs: Sequence[Batch],
+        on_grads: Callable[[int, dev.Event], None] | None,
+        before_load: Callable[[int], None],
+        last: bool,
+    ) -> None:
         L = self.L
         R_p, R_g, R_a = len(self.ring_w), len(self.ring_g), len(self.ring_a)
         numel = self.block_layout.numel
@@ -454,8 +510,8 @@ class SlidingWindowExecutor:
         out: list[torch.Tensor] = []
         R_p = len(self.ring_w)
         for start in range(0, len(pieces), self.n):
-            group = pieces[start:start + self.n]
-            views = [self.T[c][:ids.shape[0]] for c, (ids, _) in enumerate(group)]
+            group = pieces[start : start + self.n]
+            views = [self.T[c][: ids.shape[0]] for c, (ids, _) in enumerate(group)]
             for k in range(min(R_p, self.L)):
                 self._ensure_w(k, ver, before_load)
             with self.compute.use():

@@ -12,8 +12,9 @@ from sysx.config.choices import ASSUMED_HARDWARE
 __all__ = ["GB", "GiB", "HardwareProfile", "assumed_hardware", "machine_hardware", "measure_hardware", "measure_matmul"]
 
 
-def machine_hardware(setting: str, device: torch.device | str | None = None,
-                     dtype: torch.dtype = torch.float32) -> HardwareProfile:
+def machine_hardware(
+    setting: str, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> HardwareProfile:
     """The figures ``single.hardware`` names: ``measure`` this machine's cached profile (measured on
     first use), ``remeasure`` measured again (and cached), else the assumed preset."""
     from sysx.autotune.cache import load_or_measure_hardware
@@ -23,13 +24,21 @@ def machine_hardware(setting: str, device: torch.device | str | None = None,
     return assumed_hardware(setting)
 
 
-def assumed_hardware(preset: str = "rtx4090", *, device_memory_gib: float | None = None,
-                     host_memory_gib: float = 256.0, link_gbps: float | None = None,
-                     bidir_gbps: float | None = None, tflops: float | None = None,
-                     mem_gbps: float | None = None) -> HardwareProfile:
+def assumed_hardware(
+    preset: str = "rtx4090",
+    *,
+    device_memory_gib: float | None = None,
+    host_memory_gib: float = 256.0,
+    link_gbps: float | None = None,
+    bidir_gbps: float | None = None,
+    tflops: float | None = None,
+    mem_gbps: float | None = None,
+) -> HardwareProfile:
     """A profile from a named preset of :data:`~sysx.config.choices.ASSUMED_HARDWARE`, any figure overridden by the arguments."""
     if preset not in ASSUMED_HARDWARE:
-        raise ValueError(f"unknown hardware preset {preset!r}; choose one of {', '.join(ASSUMED_HARDWARE)} or give the figures")
+        raise ValueError(
+            f"unknown hardware preset {preset!r}; choose one of {', '.join(ASSUMED_HARDWARE)} or give the figures"
+        )
     p = ASSUMED_HARDWARE[preset]
     mem = p["memory_gib"] if device_memory_gib is None else device_memory_gib
     link = (p["link_gbps"] if link_gbps is None else link_gbps) * GB

@@ -72,8 +72,17 @@ def _static_layers(cfg: ModelConfig, init: LayerInit, model: nn.Module | None) -
 class HostState:
     """Masters, working copies, gradient buffers and optimizers of every group (blocks, then static)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, optim: OptimSettings, seed: int = 0,
-                 model: nn.Module | None = None, pin: bool | None = None, init: LayerInit | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        optim: OptimSettings,
+        seed: int = 0,
+        model: nn.Module | None = None,
+        pin: bool | None = None,
+        init: LayerInit | None = None,
+    ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.optim = optim
@@ -92,12 +101,21 @@ class HostState:
             modules = build()
             layout = FlatLayout.from_modules(modules)
             flat = layout.flatten(modules).float()
-            master = (self.buffers.empty(layout.numel, torch.float32) if fp32 else torch.empty(layout.numel)).copy_(flat)
+            master = (self.buffers.empty(layout.numel, torch.float32) if fp32 else torch.empty(layout.numel)).copy_(
+                flat
+            )
             work = master if fp32 else self.buffers.empty(layout.numel, dtype).copy_(flat)
             grad = self.buffers.empty(layout.numel, dtype).zero_()
             spans = [(e.offset, e.numel) for e in layout.entries]
-            stage = StageOptimizer.from_settings(name, master, optim, target=None if fp32 else work,
-                                                 grad_buffer=grad if fp32 else None, keep_grads=fp32, param_spans=spans)
+            stage = StageOptimizer.from_settings(
+                name,
+                master,
+                optim,
+                target=None if fp32 else work,
+                grad_buffer=grad if fp32 else None,
+                keep_grads=fp32,
+                param_spans=spans,
+            )
             self.groups.append(HostGroup(name, indices, layout, work, grad, stage))
             del flat, modules
 
@@ -123,7 +141,7 @@ class HostState:
             for e in g.layout.entries:
                 member, _, rest = e.name.partition(".")
                 flat_index = g.layer_indices[int(member)]
-                out[f"layers.{flat_index}.{rest}"] = g.master[e.offset:e.offset + e.numel].view(e.shape).clone()
+                out[f"layers.{flat_index}.{rest}"] = g.master[e.offset : e.offset + e.numel].view(e.shape).clone()
         return out
 
     def grad_norm(self) -> float:

@@ -54,23 +54,36 @@ def plan_groups(plan: SinglePlan) -> list[tuple[str, int]]:
     return [*blocks, ("embedding+head", sizes.static_params)]
 
 
-def window_rates(hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str,
-                 cpu_params_per_s: float | None = None) -> LaneRates:
+def window_rates(
+    hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str, cpu_params_per_s: float | None = None
+) -> LaneRates:
     """The plan's copy and device-memory rates, the device memory the lane may use (the activation
     ring and what the working set leaves free), and the CPU Adam throughput per worker:
     ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
     from sysx.optim.bench import adam_params_per_s
 
     per_worker = cpu_params_per_s or adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
-    return LaneRates(cpu_params_per_s=per_worker, cpu_workers=workers, h2d_bytes_per_s=hw.h2d_bytes_per_s,
-                     d2h_bytes_per_s=hw.d2h_bytes_per_s, device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
-                     device_free_bytes=float(plan.device_budget - plan.device_bytes["total"]
-                                             + plan.device_bytes["activation ring"]))
+    return LaneRates(
+        cpu_params_per_s=per_worker,
+        cpu_workers=workers,
+        h2d_bytes_per_s=hw.h2d_bytes_per_s,
+        d2h_bytes_per_s=hw.d2h_bytes_per_s,
+        device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
+        device_free_bytes=float(plan.device_budget - plan.device_bytes["total"] + plan.device_bytes["activation ring"]),
+    )
 
 
-def window_placement(mode: str, plan: SinglePlan, groups: Sequence[tuple[str, int]], *, separate_device: bool,
-                     speculative: bool, backend: str = "auto", rates: LaneRates | None = None,
-                     cpu_params_per_s: float | None = None) -> tuple[Placement, list[Unit]]:
+def window_placement(
+    mode: str,
+    plan: SinglePlan,
+    groups: Sequence[tuple[str, int]],
+    *,
+    separate_device: bool,
+    speculative: bool,
+    backend: str = "auto",
+    rates: LaneRates | None = None,
+    cpu_params_per_s: float | None = None,
+) -> tuple[Placement, list[Unit]]:
     """The window's groups placed under ``optim.placement=mode`` and the units placed;
     ``separate_device``: the device is not the host (a GPU); ``rates``: given instead of the
     plan's and the measured ones (``cpu_params_per_s``: given instead of the measured CPU Adam)."""
@@ -79,5 +92,4 @@ def window_placement(mode: str, plan: SinglePlan, groups: Sequence[tuple[str, in
         return Placement((), 0.0, 0.0, {}), units
     if rates is None:
         rates = window_rates(plan.hardware, plan, workers=WORKERS, backend=backend, cpu_params_per_s=cpu_params_per_s)
-    return choose(mode, units, rates, device_idle=idle, speculative=speculative,
-                  separate_device=separate_device), units
+    return choose(mode, units, rates, device_idle=idle, speculative=speculative, separate_device=separate_device), units

@@ -39,11 +39,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=0)
     p.add_argument("--round-sequences", type=int, default=0)
     p.add_argument("--window", type=int, default=0)
-    p.add_argument("--seq-chunk", type=int, default=0, help="tokens per sequence chunk (0 = auto, seq-len = never chunk)")
-    p.add_argument("--placement", default="cpu", choices=PLACEMENTS,
-                   help="also print the optimizer placement model's split (optim.placement; cpu: nothing)")
-    p.add_argument("--cpu-adam-mparams", type=float, default=0.0,
-                   help="CPU Adam Mparams/s per worker for --placement (0 = measured on this machine)")
+    p.add_argument(
+        "--seq-chunk", type=int, default=0, help="tokens per sequence chunk (0 = auto, seq-len = never chunk)"
+    )
+    p.add_argument(
+        "--placement",
+        default="cpu",
+        choices=PLACEMENTS,
+        help="also print the optimizer placement model's split (optim.placement; cpu: nothing)",
+    )
+    p.add_argument(
+        "--cpu-adam-mparams",
+        type=float,
+        default=0.0,
+        help="CPU Adam Mparams/s per worker for --placement (0 = measured on this machine)",
+    )
     return p
 
 
@@ -60,19 +70,29 @@ def main(argv: list[str]) -> int:
     if args.hardware in ("measure", "remeasure"):
         hw = machine_hardware("remeasure" if args.refresh else args.hardware, dtype=dtype)
     else:
-        hw = assumed_hardware(args.hardware, device_memory_gib=args.device_gb or None,
-                              host_memory_gib=args.host_gb or 256.0)
+        hw = assumed_hardware(
+            args.hardware, device_memory_gib=args.device_gb or None, host_memory_gib=args.host_gb or 256.0
+        )
     try:
         model = get_preset(args.model)
     except ValueError as err:
         print(f"sysx plan-single: {err}", file=sys.stderr)
         return 2
     req = PlanRequest(
-        model=model, seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
-        device_budget_bytes=int(args.device_gb * GiB) or None, host_budget_bytes=int(args.host_gb * GiB) or None,
-        chunk=args.micro_batch_size, round_sequences=args.round_sequences, window=args.window,
-        seq_chunk=args.seq_chunk, policy=args.policy,
-        compress=args.compress, grad_clip=args.grad_clip, optimizer_overlap=args.overlap,
+        model=model,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        precision=args.precision,
+        device_budget_bytes=int(args.device_gb * GiB) or None,
+        host_budget_bytes=int(args.host_gb * GiB) or None,
+        chunk=args.micro_batch_size,
+        round_sequences=args.round_sequences,
+        window=args.window,
+        seq_chunk=args.seq_chunk,
+        policy=args.policy,
+        compress=args.compress,
+        grad_clip=args.grad_clip,
+        optimizer_overlap=args.overlap,
     )
     try:
         plan = make_plan(req, hw)
@@ -90,8 +110,14 @@ def _placement_line(plan: SinglePlan, mode: str, speculative: bool, cpu_params_p
     preset's device counts as a separate processor."""
     from sysx.single.lanes import plan_groups, window_placement
 
-    placed, units = window_placement(mode, plan, plan_groups(plan), separate_device=plan.hardware.kind == "cuda",
-                                     speculative=speculative, cpu_params_per_s=cpu_params_per_s or None)
+    placed, units = window_placement(
+        mode,
+        plan,
+        plan_groups(plan),
+        separate_device=plan.hardware.kind == "cuda",
+        speculative=speculative,
+        cpu_params_per_s=cpu_params_per_s or None,
+    )
     return f"optim.placement={mode}: {placed.describe(units, 'group')}"
 
 

@@ -16,6 +16,7 @@ from sysx.single.hardware import HardwareProfile
 from sysx.single.plan_request import ModelSizes, PlanRequest
 from sysx.single.sites import LayerProfile, Profiler, SlotLayout, profile_cache, profile_layer
 
+
 def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
     """Profile one Block on ``b`` sequences of ``C`` tokens on the ``meta`` device (exact bytes, no
     memory, no time)."""
@@ -69,7 +70,9 @@ def site_seconds(profile: LayerProfile, hw: HardwareProfile, *, measured: bool) 
     return out
 
 
-def pyao_sites(profile: LayerProfile, times: Sequence[float], hw: HardwareProfile) -> tuple[frozenset[int], list[float], list[bool]]:
+def pyao_sites(
+    profile: LayerProfile, times: Sequence[float], hw: HardwareProfile
+) -> tuple[frozenset[int], list[float], list[bool]]:
     """PyAO's choice for a block: every site saved except IQR-outlier throughput sites faster than the link."""
     throughput = [s.nbytes / max(t, 1e-15) for s, t in zip(profile.sites, times)]
     mask = pyao_recompute_mask(throughput, hw.d2h_bytes_per_s)
@@ -77,7 +80,9 @@ def pyao_sites(profile: LayerProfile, times: Sequence[float], hw: HardwareProfil
     return keep, throughput, mask
 
 
-def level_table(profile: LayerProfile, req: PlanRequest, hw: HardwareProfile, chunk: int, cfg: ModelConfig) -> LevelTable:
+def level_table(
+    profile: LayerProfile, req: PlanRequest, hw: HardwareProfile, chunk: int, cfg: ModelConfig
+) -> LevelTable:
     """Slot bytes, recompute avoided and workspace of each option for units of ``chunk`` sequences (of
     the tokens ``profile`` ran on: whole sequences or sequence chunks)."""
     times = site_seconds(profile, hw, measured=req.use_measured_times)
@@ -96,18 +101,42 @@ def level_table(profile: LayerProfile, req: PlanRequest, hw: HardwareProfile, ch
     ws_head = loss_workspace_bytes(chunk * req.seq_len, cfg.vocab_size, cfg.dim, req.dtype)  # whole sequences
     seq_chunk = profile.input.shape[1]
     extra = 0.0
-    if seq_chunk < req.seq_len:  # chunk_attention's backward runs its forward again; norm + K/V projections rebuild the cache
+    if (
+        seq_chunk < req.seq_len
+    ):  # chunk_attention's backward runs its forward again; norm + K/V projections rebuild the cache
         kv_flops = 2.0 * chunk * seq_chunk * cfg.dim * 2 * cfg.n_kv_heads * cfg.head_dim
-        extra = sum(t for s, t in zip(profile.sites, times) if s.category == "attention") + kv_flops / hw.matmul_flops_per_s
+        extra = (
+            sum(t for s, t in zip(profile.sites, times) if s.category == "attention") + kv_flops / hw.matmul_flops_per_s
+        )
     return LevelTable(
-        chunk, tuple(layout.nbytes for layout in layouts), tuple(saved), float(sum(times)), tuple(times),
-        tuple(names), tuple(layouts), int(max(ws_block, ws_head)), profile, seq_chunk, extra,
+        chunk,
+        tuple(layout.nbytes for layout in layouts),
+        tuple(saved),
+        float(sum(times)),
+        tuple(times),
+        tuple(names),
+        tuple(layouts),
+        int(max(ws_block, ws_head)),
+        profile,
+        seq_chunk,
+        extra,
     )
 
 
-def predict_step(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, W: int, units: int,
-             rounds: int, levels: Sequence[int], slot_level: int, act_capacity: int, *, with_rows: bool = True,
-             ) -> tuple[dict[str, float], list[dict[str, object]]]:
+def predict_step(
+    req: PlanRequest,
+    sizes: ModelSizes,
+    hw: HardwareProfile,
+    table: LevelTable,
+    W: int,
+    units: int,
+    rounds: int,
+    levels: Sequence[int],
+    slot_level: int,
+    act_capacity: int,
+    *,
+    with_rows: bool = True,
+) -> tuple[dict[str, float], list[dict[str, object]]]:
     """Rough step time of a plan and of the alternative policies (what the saved-activation choice changes);
     ``units`` is units per block per round (:meth:`LevelTable.units`)."""
     L = sizes.n_blocks
@@ -123,15 +152,31 @@ def predict_step(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table
         act_out = [units * table.slot_bytes[o] / hw.d2h_bytes_per_s for o in opts]
         act_in = [units * table.slot_bytes[o] / hw.h2d_bytes_per_s for o in opts]
         bwd = [2.0 * fwd + units * (table.forward_s - table.saved_s[o] + table.backward_extra_s) for o in opts]
-        round_s, stall = simulate_round(fwd, bwd, act_out, act_in, window=W, chunks=units, transfer_layers=n_tr,
-                                        t_param=t_param, t_grad=t_grad, fetch_grads=rounds > 1)
+        round_s, stall = simulate_round(
+            fwd,
+            bwd,
+            act_out,
+            act_in,
+            window=W,
+            chunks=units,
+            transfer_layers=n_tr,
+            t_param=t_param,
+            t_grad=t_grad,
+            fetch_grads=rounds > 1,
+        )
         return rounds * round_s, recompute * rounds, offload * rounds, stall * rounds
 
     step, recompute, offload, stall = step_time(levels)
     tokens = req.global_batch * req.seq_len
     times = {
-        "step_s": step, "tokens_per_s": tokens / step if step > 0 else 0.0, "block_fwd_round_s": fwd,
-        "t_param_s": t_param, "t_grad_s": t_grad, "recompute_s": recompute, "offload_bytes": offload, "stall_s": stall,
+        "step_s": step,
+        "tokens_per_s": tokens / step if step > 0 else 0.0,
+        "block_fwd_round_s": fwd,
+        "t_param_s": t_param,
+        "t_grad_s": t_grad,
+        "recompute_s": recompute,
+        "offload_bytes": offload,
+        "stall_s": stall,
     }
     rows: list[dict[str, object]] = []
     if not with_rows:
@@ -142,17 +187,44 @@ def predict_step(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table
         if sum(table.slot_bytes[o] * units for _ in range(n_tr)) > act_capacity:
             continue
         s, rc, off, st = step_time(opts)
-        rows.append({"policy": table.names[o], "offload_bytes": off, "recompute_s": rc, "stall_s": st, "step_s": s,
-                     "chosen": req.policy not in ("dp",) and o == req.top_option})
+        rows.append(
+            {
+                "policy": table.names[o],
+                "offload_bytes": off,
+                "recompute_s": rc,
+                "stall_s": st,
+                "step_s": s,
+                "chosen": req.policy not in ("dp",) and o == req.top_option,
+            }
+        )
     if req.policy == "dp":
-        rows.insert(0, {"policy": "dp", "offload_bytes": offload, "recompute_s": recompute, "stall_s": stall,
-                        "step_s": step, "chosen": True})
+        rows.insert(
+            0,
+            {
+                "policy": "dp",
+                "offload_bytes": offload,
+                "recompute_s": recompute,
+                "stall_s": stall,
+                "step_s": step,
+                "chosen": True,
+            },
+        )
     return times, rows
 
 
-def simulate_round(fwd: float, bwd: Sequence[float], act_out: Sequence[float], act_in: Sequence[float], *,
-                   window: int, chunks: int, transfer_layers: int, t_param: float, t_grad: float,
-                   fetch_grads: bool) -> tuple[float, float]:
+def simulate_round(
+    fwd: float,
+    bwd: Sequence[float],
+    act_out: Sequence[float],
+    act_in: Sequence[float],
+    *,
+    window: int,
+    chunks: int,
+    transfer_layers: int,
+    t_param: float,
+    t_grad: float,
+    fetch_grads: bool,
+) -> tuple[float, float]:
     """Time of one round (forward + backward) with serial inbound/outbound streams; returns (time, stall).
 
     Forward: block ``k + W`` loads into the weight slot block ``k`` frees; a chunk waits for its
@@ -197,7 +269,11 @@ def simulate_round(fwd: float, bwd: Sequence[float], act_out: Sequence[float], a
         q_out = max(q_out, t) + t_grad
         j = k - window
         if j >= 0:
-            q_in = max(q_in, t, q_out if fetch_grads else t) + t_param + (t_grad if fetch_grads else 0.0) + (
-                act_in[j] if j < transfer_layers else 0.0)
+            q_in = (
+                max(q_in, t, q_out if fetch_grads else t)
+                + t_param
+                + (t_grad if fetch_grads else 0.0)
+                + (act_in[j] if j < transfer_layers else 0.0)
+            )
             ready[j] = q_in
     return max(t, q_out), stall

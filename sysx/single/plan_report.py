@@ -9,6 +9,7 @@ from sysx.single.hardware import HardwareProfile
 from sysx.single.plan_costs import LevelTable
 from sysx.single.plan_request import ModelSizes, PlanRequest, gib
 
+
 @dataclass(frozen=True)
 class SinglePlan:
     """The chosen configuration, its memory accounting, predicted timing and the reasons."""
@@ -79,10 +80,16 @@ class SinglePlan:
             f"optimizer overlap: {self.overlap}",
         ]
         lines += [f"  * {reason}" for reason in self.reasons]
-        lines.append("  device memory: " + ", ".join(f"{k} {gib(v)}" for k, v in self.device_bytes.items() if k != "total")
-                     + f" = {gib(self.device_bytes['total'])} of {gib(self.device_budget)}")
-        lines.append("  host memory: " + ", ".join(f"{k} {gib(v)}" for k, v in self.host_bytes.items() if k != "total")
-                     + f" = {gib(self.host_bytes['total'])} of {gib(self.host_budget)}")
+        lines.append(
+            "  device memory: "
+            + ", ".join(f"{k} {gib(v)}" for k, v in self.device_bytes.items() if k != "total")
+            + f" = {gib(self.device_bytes['total'])} of {gib(self.device_budget)}"
+        )
+        lines.append(
+            "  host memory: "
+            + ", ".join(f"{k} {gib(v)}" for k, v in self.host_bytes.items() if k != "total")
+            + f" = {gib(self.host_bytes['total'])} of {gib(self.host_budget)}"
+        )
         lines.append("  saved-activation options (per step, same window; the choice is marked *):")
         lines.append("    policy        offload/step  recompute/step   stall/step  predicted step")
         for row in self.policy_rows:

@@ -44,16 +44,22 @@ def choose_seq_chunk(req: PlanRequest, table: Table, room: float) -> tuple[int, 
     S, b = req.seq_len, req.chunk or 1
     if req.seq_chunk:
         if S % req.seq_chunk:
-            raise PlanError(f"single.seq_chunk={req.seq_chunk} must divide train.seq_len={S}; divisors: "
-                            f"{sorted([S, *_divisors_below(S)])}")
+            raise PlanError(
+                f"single.seq_chunk={req.seq_chunk} must divide train.seq_len={S}; divisors: "
+                f"{sorted([S, *_divisors_below(S)])}"
+            )
         if req.seq_chunk == S:
             return S, "sequence chunks: none (single.seq_chunk = train.seq_len)"
-        return req.seq_chunk, (f"sequence chunks: {S // req.seq_chunk} chunks of {req.seq_chunk} tokens per sequence "
-                               f"(single.seq_chunk)" + _kv_note(req, b, req.seq_chunk))
+        return req.seq_chunk, (
+            f"sequence chunks: {S // req.seq_chunk} chunks of {req.seq_chunk} tokens per sequence "
+            f"(single.seq_chunk)" + _kv_note(req, b, req.seq_chunk)
+        )
     whole = table(b, S).workspace_bytes
     if whole <= room:
-        return S, (f"sequence chunks: none: the workspace of {b} whole sequence(s) ({gib(whole)}) fits the workspace "
-                   f"room {gib(room)}")
+        return S, (
+            f"sequence chunks: none: the workspace of {b} whole sequence(s) ({gib(whole)}) fits the workspace "
+            f"room {gib(room)}"
+        )
     best, best_ws = S, whole
     for C in _divisors_below(S):
         ws = table(b, C).workspace_bytes
@@ -63,9 +69,11 @@ def choose_seq_chunk(req: PlanRequest, table: Table, room: float) -> tuple[int, 
         if ws < best_ws:  # no size fits: the smallest workspace (the head's may bound it from below)
             best, best_ws = C, ws
     fits = "fits" if best_ws <= room else "the least of any chunk length: the head's share does not shrink with them"
-    return best, (f"sequence chunks: the workspace of {b} whole sequence(s) of {S} tokens ({gib(whole)}) is more than the "
-                  f"workspace room {gib(room)}; chunks of {best} tokens need {gib(best_ws)} ({fits}) -> {S // best} chunks "
-                  f"per sequence, each attending over the K/V of the chunks before it" + _kv_note(req, b, best))
+    return best, (
+        f"sequence chunks: the workspace of {b} whole sequence(s) of {S} tokens ({gib(whole)}) is more than the "
+        f"workspace room {gib(room)}; chunks of {best} tokens need {gib(best_ws)} ({fits}) -> {S // best} chunks "
+        f"per sequence, each attending over the K/V of the chunks before it" + _kv_note(req, b, best)
+    )
 
 
 def _kv_note(req: PlanRequest, b: int, seq_chunk: int) -> str:

@@ -60,8 +60,12 @@ def min_round_sequences(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile
     d_attn = cfg.n_heads * cfg.head_dim
     tau = req.param_bytes
     bw = hw.link_bytes_per_s
-    return (tau + tau) * sizes.block_params * hw.matmul_flops_per_s / (
-        2.0 * req.seq_len * (sizes.block_active + req.seq_len * d_attn) * bw)
+    return (
+        (tau + tau)
+        * sizes.block_params
+        * hw.matmul_flops_per_s
+        / (2.0 * req.seq_len * (sizes.block_active + req.seq_len * d_attn) * bw)
+    )
 
 
 @dataclass
@@ -75,7 +79,9 @@ class _Fit:
     slot_level: int
 
 
-def _static_device(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int, cuda: bool) -> dict[str, int]:
+def _static_device(
+    req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int, cuda: bool
+) -> dict[str, int]:
     tau = req.param_bytes
     cfg = req.model
     return {
@@ -87,8 +93,9 @@ def _static_device(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round
     }
 
 
-def _fit(req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int, budget: int, slot_level: int,
-         cuda: bool) -> _Fit:
+def _fit(
+    req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int, budget: int, slot_level: int, cuda: bool
+) -> _Fit:
     tau = req.param_bytes
     units = table.units(round_seqs // table.chunk, req.seq_len)
     static = _static_device(req, sizes, table, round_seqs, cuda)
@@ -109,20 +116,31 @@ def _host_fixed(req: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
 def _overlap(req: PlanRequest) -> tuple[str, str]:
     """The optimizer overlap mode and why (CpuAdam's arithmetic undo makes speculation free of memory)."""
     can_veto = req.grad_clip > 0 or req.precision == "fp16"
-    veto = (f"grad_clip={req.grad_clip:g}" if req.grad_clip > 0 else "") + (
-        " and " if req.grad_clip > 0 and req.precision == "fp16" else "") + ("fp16 overflow" if req.precision == "fp16" else "")
+    veto = (
+        (f"grad_clip={req.grad_clip:g}" if req.grad_clip > 0 else "")
+        + (" and " if req.grad_clip > 0 and req.precision == "fp16" else "")
+        + ("fp16 overflow" if req.precision == "fp16" else "")
+    )
     if req.optimizer_overlap == "forward":
-        return "forward", ("optimizer: blocks step after the global norm is known, in forward order, overlapped with the "
-                           "next step's forward (single.optimizer_overlap=forward)")
+        return "forward", (
+            "optimizer: blocks step after the global norm is known, in forward order, overlapped with the "
+            "next step's forward (single.optimizer_overlap=forward)"
+        )
     if not can_veto:
-        return "backward", ("optimizer: each block's CPU Adam steps as soon as its gradients are home, during the "
-                            "backward pass (nothing can veto a step)")
+        return "backward", (
+            "optimizer: each block's CPU Adam steps as soon as its gradients are home, during the "
+            "backward pass (nothing can veto a step)"
+        )
     if req.optimizer_overlap == "backward":
-        return "backward", (f"optimizer: each block steps as soon as its gradients are home (single.optimizer_overlap="
-                            f"backward); when {veto} vetoes the step it is undone (CpuAdam.undo, no extra memory) and redone")
-    return "auto", (f"optimizer: blocks step as soon as their gradients are home while recent steps passed the "
-                    f"{veto} check (undone and redone if this one does not); after a step that needed it, steps wait for the "
-                    f"global norm (overlapped with the following forward) until optim.speculate_after clean ones passed")
+        return "backward", (
+            f"optimizer: each block steps as soon as its gradients are home (single.optimizer_overlap="
+            f"backward); when {veto} vetoes the step it is undone (CpuAdam.undo, no extra memory) and redone"
+        )
+    return "auto", (
+        f"optimizer: blocks step as soon as their gradients are home while recent steps passed the "
+        f"{veto} check (undone and redone if this one does not); after a step that needed it, steps wait for the "
+        f"global norm (overlapped with the following forward) until optim.speculate_after clean ones passed"
+    )
 
 
 def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | None = None) -> SinglePlan:
@@ -141,7 +159,10 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     candidates = _round_candidates(req, x_min, reasons)
     sizer = _sizer(req.model, req.seq_len, req.dtype)
     seq_chunk, seq_reason = choose_seq_chunk(
-        req, lambda b, c: level_table(sizer(b, c), req, hw, b, req.model), _workspace_room(req, sizes, budget=device_budget))
+        req,
+        lambda b, c: level_table(sizer(b, c), req, hw, b, req.model),
+        _workspace_room(req, sizes, budget=device_budget),
+    )
     req = replace(req, seq_chunk=seq_chunk)  # pinned from here on
 
     # -- 2./3. chunk, window, host capacity; shrink X while the window or the host cannot hold it
@@ -157,7 +178,11 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     units = table.units(chunks, req.seq_len)
     if not req.round_sequences:
         reasons.append(_round_reason(req, x_min, x, rounds, grown))
-    how = "single.micro_batch_size" if req.chunk else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
+    how = (
+        "single.micro_batch_size"
+        if req.chunk
+        else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
+    )
     reasons.append(f"chunk: {chunk} sequence(s) per chunk ({how}), {chunks} chunks per round")
     reasons.append(seq_reason)
 
@@ -181,11 +206,30 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
 
     times, rows = predict_step(req, sizes, hw, table, W, units, rounds, full_levels, slot_level, act_capacity)
     return SinglePlan(
-        request=req, hardware=hw, sizes=sizes, chunk=chunk, chunks=chunks, seq_chunk=seq_chunk, rounds=rounds, window=W,
-        r_param=W, r_grad=W, r_act=W * units, slot_level=slot_level, levels=full_levels, table=table,
-        device_bytes=dev_bytes, host_bytes=host, device_budget=device_budget, host_budget=host_budget,
-        overlap=overlap, feasible_no_stall=bool(best.info["feasible"]),
-        stall_s=float(best.info["stall_s"]), times=times, policy_rows=tuple(rows), reasons=tuple(reasons),
+        request=req,
+        hardware=hw,
+        sizes=sizes,
+        chunk=chunk,
+        chunks=chunks,
+        seq_chunk=seq_chunk,
+        rounds=rounds,
+        window=W,
+        r_param=W,
+        r_grad=W,
+        r_act=W * units,
+        slot_level=slot_level,
+        levels=full_levels,
+        table=table,
+        device_bytes=dev_bytes,
+        host_bytes=host,
+        device_budget=device_budget,
+        host_budget=host_budget,
+        overlap=overlap,
+        feasible_no_stall=bool(best.info["feasible"]),
+        stall_s=float(best.info["stall_s"]),
+        times=times,
+        policy_rows=tuple(rows),
+        reasons=tuple(reasons),
     )
 
 
@@ -195,15 +239,21 @@ def _round_candidates(req: PlanRequest, x_min: float, reasons: list[str]) -> lis
     G = req.global_batch
     if req.round_sequences:
         if G % req.round_sequences:
-            raise PlanError(f"single.round_sequences={req.round_sequences} must divide the global batch {G} "
-                            f"(train.micro_batch_size x train.micro_batches); divisors: {_divisors(G)}")
+            raise PlanError(
+                f"single.round_sequences={req.round_sequences} must divide the global batch {G} "
+                f"(train.micro_batch_size x train.micro_batches); divisors: {_divisors(G)}"
+            )
         candidates = [req.round_sequences]
-        reasons.append(f"round: {req.round_sequences} sequences per round (single.round_sequences); AdaWS 3.2.2 would "
-                       f"want >= {x_min:.2f}")
+        reasons.append(
+            f"round: {req.round_sequences} sequences per round (single.round_sequences); AdaWS 3.2.2 would "
+            f"want >= {x_min:.2f}"
+        )
     else:
         divs = [d for d in _divisors(G) if not req.chunk or d % req.chunk == 0]
         if not divs:
-            raise PlanError(f"single.micro_batch_size={req.chunk} must divide the global batch {G}; divisors: {_divisors(G)}")
+            raise PlanError(
+                f"single.micro_batch_size={req.chunk} must divide the global batch {G}; divisors: {_divisors(G)}"
+            )
         above = [d for d in divs if d >= x_min]
         first = above[0] if above else divs[-1]
         candidates = [d for d in reversed(divs) if d <= first]  # largest first, then smaller (caps)
@@ -212,8 +262,16 @@ def _round_candidates(req: PlanRequest, x_min: float, reasons: list[str]) -> lis
     return candidates
 
 
-def _first_fit(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, candidates: list[int],
-               budget: int, act_capacity: int, cuda: bool) -> tuple[_Fit, list[str]]:
+def _first_fit(
+    req: PlanRequest,
+    sizes: ModelSizes,
+    hw: HardwareProfile,
+    profiler: Profiler,
+    candidates: list[int],
+    budget: int,
+    act_capacity: int,
+    cuda: bool,
+) -> tuple[_Fit, list[str]]:
     """Steps 2-3: the first round size whose window holds 2 blocks (1 for the last resort) and whose
     saved layer inputs fit the host; the attempts that failed, for a refusal."""
     L = sizes.n_blocks
@@ -228,8 +286,10 @@ def _first_fit(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
         min_acts = (L - f.window) * f.table.units(x // f.chunk, req.seq_len) * f.table.slot_bytes[base]
         if f.window >= min(2, L) and min_acts <= act_capacity:
             return f, tried
-        tried.append(f"X={x}, chunk {f.chunk}: window {f.window}" + (
-            f", saved layer inputs need {gib(min_acts)} of host" if min_acts > act_capacity else ""))
+        tried.append(
+            f"X={x}, chunk {f.chunk}: window {f.window}"
+            + (f", saved layer inputs need {gib(min_acts)} of host" if min_acts > act_capacity else "")
+        )
         if f.window >= 1 and min_acts <= act_capacity and x == candidates[-1]:
             fit = f
     if fit is None:
@@ -238,8 +298,9 @@ def _first_fit(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
     return fit, tried
 
 
-def _grow_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, fit: _Fit, budget: int,
-                cuda: bool) -> tuple[_Fit, bool]:
+def _grow_round(
+    req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, fit: _Fit, budget: int, cuda: bool
+) -> tuple[_Fit, bool]:
     """When the whole model fits, nothing slides, so bigger rounds only cut per-round overhead:
     grow ``X`` while every block still fits. Returns the fit and whether it grew."""
     L = sizes.n_blocks
@@ -257,15 +318,25 @@ def _grow_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profil
 def _round_reason(req: PlanRequest, x_min: float, x: int, rounds: int, grown: bool) -> str:
     """Why an automatic round has ``x`` sequences."""
     if grown:
-        return (f"round: every block fits on the device (no weight traffic after the first load), so X grows "
-                f"past the AdaWS 3.2.2 minimum {x_min:.2f} to {x} sequences -> {rounds} rounds per step")
+        return (
+            f"round: every block fits on the device (no weight traffic after the first load), so X grows "
+            f"past the AdaWS 3.2.2 minimum {x_min:.2f} to {x} sequences -> {rounds} rounds per step"
+        )
     if x >= x_min:
-        return (f"round: AdaWS 3.2.2 needs X >= {x_min:.2f} sequences so a block's forward hides its weight "
-                f"and gradient transfers; X={x} (smallest divisor of the global batch {req.global_batch} that is large "
-                f"enough) -> {rounds} rounds per step")
-    why = "the global batch is smaller" if x == req.global_batch else "capped so that W >= 2 and the host holds the layer inputs"
-    return (f"round: AdaWS 3.2.2 wants X >= {x_min:.2f} sequences but X={x} ({why}); weight transfers "
-            f"will not be fully hidden -> {rounds} rounds per step")
+        return (
+            f"round: AdaWS 3.2.2 needs X >= {x_min:.2f} sequences so a block's forward hides its weight "
+            f"and gradient transfers; X={x} (smallest divisor of the global batch {req.global_batch} that is large "
+            f"enough) -> {rounds} rounds per step"
+        )
+    why = (
+        "the global batch is smaller"
+        if x == req.global_batch
+        else "capped so that W >= 2 and the host holds the layer inputs"
+    )
+    return (
+        f"round: AdaWS 3.2.2 wants X >= {x_min:.2f} sequences but X={x} ({why}); weight transfers "
+        f"will not be fully hidden -> {rounds} rounds per step"
+    )
 
 
 @dataclass(frozen=True)
@@ -285,8 +356,18 @@ class _SlotCandidate:
         return (self.fit.window < min(2, n_blocks), self.step_s, -self.fit.window)
 
 
-def _best_slot(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, x: int, rounds: int,
-               slot_options: list[int], budget: int, act_capacity: int, cuda: bool) -> _SlotCandidate | None:
+def _best_slot(
+    req: PlanRequest,
+    sizes: ModelSizes,
+    hw: HardwareProfile,
+    table: LevelTable,
+    x: int,
+    rounds: int,
+    slot_options: list[int],
+    budget: int,
+    act_capacity: int,
+    cuda: bool,
+) -> _SlotCandidate | None:
     """Step 4: for dp, every slot size (bigger slots save more but shrink the window); the best
     candidate, or None when no slot size fits."""
     units = table.units(x // table.chunk, req.seq_len)
@@ -300,26 +381,46 @@ def _best_slot(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: 
         if f.window < 1:
             continue
         levels_m, _, info = _choose_levels(req, sizes, hw, table, f, units, act_capacity, max_option=m)
-        predicted, _ = predict_step(req, sizes, hw, table, f.window, units, rounds, list(levels_m) + [m] * f.window, m,
-                                    act_capacity, with_rows=False)
+        predicted, _ = predict_step(
+            req,
+            sizes,
+            hw,
+            table,
+            f.window,
+            units,
+            rounds,
+            list(levels_m) + [m] * f.window,
+            m,
+            act_capacity,
+            with_rows=False,
+        )
         candidate = _SlotCandidate(predicted["step_s"], m, f, list(levels_m), info)
         if best is None or candidate.rank(sizes.n_blocks) < best.rank(sizes.n_blocks):
             best = candidate
     return best
 
 
-def _window_reasons(req: PlanRequest, sizes: ModelSizes, best: _SlotCandidate, budget: int, n_options: int) -> list[str]:
+def _window_reasons(
+    req: PlanRequest, sizes: ModelSizes, best: _SlotCandidate, budget: int, n_options: int
+) -> list[str]:
     """Why the window has its size (and what one block of window costs)."""
     L, W, fit = sizes.n_blocks, best.fit.window, best.fit
     reasons = [
         f"window: W = (C_dev - B) / L_bytes = ({gib(budget)} - {gib(sum(fit.static.values()))}) / "
-        f"{gib(fit.per_block)} = {W} blocks" + (" (single.window)" if req.window else "") +
-        (f" (all {L} blocks fit: nothing slides)" if W == L else "") +
-        (f"; activation slots sized for '{fit.table.names[best.slot_level]}' (best predicted step of {n_options} sizes)"
-         if n_options > 1 else "")]
+        f"{gib(fit.per_block)} = {W} blocks"
+        + (" (single.window)" if req.window else "")
+        + (f" (all {L} blocks fit: nothing slides)" if W == L else "")
+        + (
+            f"; activation slots sized for '{fit.table.names[best.slot_level]}' (best predicted step of {n_options} sizes)"
+            if n_options > 1
+            else ""
+        )
+    ]
     if W == 1 and L > 1:
-        reasons.append("window: only 1 block fits, so a block's weights load after the previous block finished "
-                       "(no prefetch overlap); more single.device_memory_gb gives W >= 2")
+        reasons.append(
+            "window: only 1 block fits, so a block's weights load after the previous block finished "
+            "(no prefetch overlap); more single.device_memory_gb gives W >= 2"
+        )
     return reasons
 
 
@@ -334,8 +435,16 @@ def _device_bytes(req: PlanRequest, sizes: ModelSizes, fit: _Fit, units: int) ->
     return dev_bytes
 
 
-def _fit_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, x: int, budget: int,
-               slot_level: int, cuda: bool) -> _Fit | None:
+def _fit_round(
+    req: PlanRequest,
+    sizes: ModelSizes,
+    hw: HardwareProfile,
+    profiler: Profiler,
+    x: int,
+    budget: int,
+    slot_level: int,
+    cuda: bool,
+) -> _Fit | None:
     """Chunk, level table and window for rounds of ``x`` sequences (None if a pinned window does not fit)."""
     chunk = _choose_chunk(req, sizes, hw, profiler, x, budget, cuda)
     table = level_table(profiler(chunk, req.seq_chunk), req, hw, chunk, req.model)
@@ -349,8 +458,9 @@ def _fit_round(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profile
     return f
 
 
-def _choose_chunk(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, x: int,
-                  budget: int, cuda: bool) -> int:
+def _choose_chunk(
+    req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, x: int, budget: int, cuda: bool
+) -> int:
     """The largest divisor of ``x`` whose workspace fits :data:`WORKSPACE_SHARE` of the budget left.
 
     Sizes come from exact byte counts (a ``meta`` profile: no memory, no time); only the size
@@ -360,8 +470,10 @@ def _choose_chunk(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, prof
     C = req.seq_chunk
     if req.chunk:
         if not _runs_on_device(profiler, req.chunk, C):
-            raise PlanError(f"single.micro_batch_size={req.chunk}: the device ran out of memory running one block on "
-                            f"{req.chunk} sequence(s) of {C} tokens while planning; lower it")
+            raise PlanError(
+                f"single.micro_batch_size={req.chunk}: the device ran out of memory running one block on "
+                f"{req.chunk} sequence(s) of {C} tokens while planning; lower it"
+            )
         return req.chunk
     sizer = _sizer(req.model, req.seq_len, req.dtype)
     room = _workspace_room(req, sizes, budget)
@@ -371,8 +483,10 @@ def _choose_chunk(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, prof
     for b in (d for d in reversed(divisors) if d <= first):
         if _runs_on_device(profiler, b, C):
             return b
-    raise PlanError(f"the device ran out of memory running one block on 1 sequence of {C} tokens while planning; "
-                    f"lower single.seq_chunk, shorten train.seq_len or free device memory (other processes on the GPU?)")
+    raise PlanError(
+        f"the device ran out of memory running one block on 1 sequence of {C} tokens while planning; "
+        f"lower single.seq_chunk, shorten train.seq_len or free device memory (other processes on the GPU?)"
+    )
 
 
 def _workspace_room(req: PlanRequest, sizes: ModelSizes, budget: int) -> float:
@@ -401,9 +515,16 @@ def _runs_on_device(profiler: Profiler, chunk: int, seq_chunk: int) -> bool:
     return False
 
 
-def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, table: LevelTable, fit: _Fit,
-                   units: int, act_capacity: int, max_option: int | None = None,
-                   ) -> tuple[list[int], int, dict[str, object]]:
+def _choose_levels(
+    req: PlanRequest,
+    sizes: ModelSizes,
+    hw: HardwareProfile,
+    table: LevelTable,
+    fit: _Fit,
+    units: int,
+    act_capacity: int,
+    max_option: int | None = None,
+) -> tuple[list[int], int, dict[str, object]]:
     L, W = sizes.n_blocks, fit.window
     n_tr = L - W
     fwd_round = table.forward_s * units
@@ -415,45 +536,70 @@ def _choose_levels(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, tab
             [fwd_round] * L,
             [[table.slot_bytes[o] / bw for o in opts]] * n_tr,
             [[table.saved_s[o] * units for o in opts]] * n_tr,
-            ring_slots=max(1, W * units), chunks=units, transfer_layers=n_tr,
-            host_bytes=[[float(table.slot_bytes[o]) for o in opts]] * n_tr, host_capacity=float(act_capacity),
+            ring_slots=max(1, W * units),
+            chunks=units,
+            transfer_layers=n_tr,
+            host_bytes=[[float(table.slot_bytes[o]) for o in opts]] * n_tr,
+            host_capacity=float(act_capacity),
         )
         sol = solve_save_levels(problem)
         levels = list(sol.levels)
         slot_level = top
         if n_tr == 0:
-            reason = (f"saved activations: no block leaves the device, so every block keeps level "
-                      f"'{LEVEL_NAMES[top]}' in its activation slots")
+            reason = (
+                f"saved activations: no block leaves the device, so every block keeps level "
+                f"'{LEVEL_NAMES[top]}' in its activation slots"
+            )
         elif not sol.feasible:
-            reason = (f"saved activations: even layer inputs only cannot be drained through the ring in time "
-                      f"(predicted forward stall {sol.stall_s * 1e3:.1f} ms per round): all blocks save level 0")
+            reason = (
+                f"saved activations: even layer inputs only cannot be drained through the ring in time "
+                f"(predicted forward stall {sol.stall_s * 1e3:.1f} ms per round): all blocks save level 0"
+            )
         else:
             avoided = sol.value / max(1e-15, n_tr * table.forward_s * units) if n_tr else 1.0
             counts = {LEVEL_NAMES[o]: levels.count(o) for o in sorted(set(levels))}
-            reason = (f"saved activations (AdaWS DP, {n_tr} transferring blocks, ring of {W * units} unit slots, "
-                      f"{'exact' if sol.exact else 'thinned'}): {counts}; recompute avoided {100 * avoided:.0f}% of their "
-                      f"forward; window blocks keep level '{LEVEL_NAMES[slot_level]}' on the device")
+            reason = (
+                f"saved activations (AdaWS DP, {n_tr} transferring blocks, ring of {W * units} unit slots, "
+                f"{'exact' if sol.exact else 'thinned'}): {counts}; recompute avoided {100 * avoided:.0f}% of their "
+                f"forward; window blocks keep level '{LEVEL_NAMES[slot_level]}' on the device"
+            )
         return levels, slot_level, {"reason": reason, "feasible": sol.feasible, "stall_s": sol.stall_s}
     option = req.top_option
     levels = [option] * n_tr
     problem = SaveProblem.make(
-        [fwd_round] * L, [[table.slot_bytes[option] / bw]] * n_tr, [[table.saved_s[option] * units]] * n_tr,
-        ring_slots=max(1, W * units), chunks=units, transfer_layers=n_tr,
-        host_bytes=[[float(table.slot_bytes[option])]] * n_tr, host_capacity=float(act_capacity),
+        [fwd_round] * L,
+        [[table.slot_bytes[option] / bw]] * n_tr,
+        [[table.saved_s[option] * units]] * n_tr,
+        ring_slots=max(1, W * units),
+        chunks=units,
+        transfer_layers=n_tr,
+        host_bytes=[[float(table.slot_bytes[option])]] * n_tr,
+        host_capacity=float(act_capacity),
     )
     ok, stall, _, host = simulate_forward(problem, [0] * n_tr)
     if host > act_capacity:
         raise PlanError(
             f"single.policy={req.policy}: saving '{table.names[option]}' on {n_tr} blocks needs {gib(host)} of host memory "
-            f"but {gib(act_capacity)} is left after the training state; use single.policy=dp or raise single.host_memory_gb")
+            f"but {gib(act_capacity)} is left after the training state; use single.policy=dp or raise single.host_memory_gb"
+        )
     name = table.names[option]
-    reason = (f"saved activations: fixed '{name}' on every block (single.policy={req.policy}); predicted forward stall "
-              f"{stall * 1e3:.1f} ms per round" + ("" if ok else " (the ring cannot drain it in time)"))
+    reason = (
+        f"saved activations: fixed '{name}' on every block (single.policy={req.policy}); predicted forward stall "
+        f"{stall * 1e3:.1f} ms per round" + ("" if ok else " (the ring cannot drain it in time)")
+    )
     return levels, option, {"reason": reason, "feasible": ok, "stall_s": stall}
 
 
-def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: Profiler, budget: int,
-            act_capacity: int, cuda: bool, tried: list[str]) -> None:
+def _refuse(
+    req: PlanRequest,
+    sizes: ModelSizes,
+    hw: HardwareProfile,
+    profiler: Profiler,
+    budget: int,
+    act_capacity: int,
+    cuda: bool,
+    tried: list[str],
+) -> None:
     """Raise the PlanError of a budget that is too small, with the smallest plan's needs."""
     C = req.seq_chunk or req.seq_len
     table = level_table(_sizer(req.model, req.seq_len, req.dtype)(1, C), replace(req, policy="input"), hw, 1, req.model)
@@ -466,17 +612,25 @@ def _refuse(req: PlanRequest, sizes: ModelSizes, hw: HardwareProfile, profiler: 
     msg = [f"the model cannot train within the budgets ({'; '.join(tried)})."]
     if need_dev > budget:
         msg.append(
-            f"Device: the smallest plan (1 sequence per round" + (f" in chunks of {C} tokens" if C < req.seq_len else "")
+            "Device: the smallest plan (1 sequence per round"
+            + (f" in chunks of {C} tokens" if req.seq_len > C else "")
             + ", a window of 1 block, layer inputs only) needs "
             f"{gib(need_dev)} = {parts} + {gib(smallest.per_block)} per block (weights + grads + activation slot), "
             f"and a window of 2 blocks (weights prefetched during compute) needs {gib(need_two)}; "
             f"single.device_memory_gb gives {gib(budget)}. Raise single.device_memory_gb to >= "
             f"{gib_up(need_dev)} (>= {gib_up(need_two)} to overlap), "
-            f"or shorten train.seq_len" + (" or chunk it (single.seq_chunk: tokens per sequence chunk, a divisor of "
-                                           "train.seq_len)" if C == req.seq_len else " or lower single.seq_chunk"))
+            f"or shorten train.seq_len"
+            + (
+                " or chunk it (single.seq_chunk: tokens per sequence chunk, a divisor of train.seq_len)"
+                if req.seq_len == C
+                else " or lower single.seq_chunk"
+            )
+        )
     if need_host > act_capacity:
-        msg.append(f"Host: the layer inputs of one sequence need {gib(need_host)} but only {gib(max(0, act_capacity))} is left "
-                   f"after the training state; raise single.host_memory_gb")
+        msg.append(
+            f"Host: the layer inputs of one sequence need {gib(need_host)} but only {gib(max(0, act_capacity))} is left "
+            f"after the training state; raise single.host_memory_gb"
+        )
     raise PlanError(" ".join(msg))
 
 
@@ -484,14 +638,20 @@ def _host_shortage(req: PlanRequest, hw: HardwareProfile, sizes: ModelSizes, bud
     """Why the training state does not fit the host budget, and the fix this machine allows: a larger
     ``single.host_memory_gb`` only while the machine has that much free, else a smaller model or a larger machine."""
     need = sum(fixed.values())
-    state = (f"training state alone needs {gib(need)} ({', '.join(f'{k} {gib(v)}' for k, v in fixed.items())}) "
-             f"for {sizes.total_params / 1e9:.3f}B parameters")
+    state = (
+        f"training state alone needs {gib(need)} ({', '.join(f'{k} {gib(v)}' for k, v in fixed.items())}) "
+        f"for {sizes.total_params / 1e9:.3f}B parameters"
+    )
     wanted = gib_up(need * 1.05)
     if req.host_budget_bytes and float(wanted) * GiB <= hw.host_free_bytes:
-        return (f"host budget {gib(budget)} (single.host_memory_gb={req.host_budget_bytes / GiB:g}) is too small: {state}; "
-                f"raise single.host_memory_gb to >= {wanted}")
-    return (f"host budget {gib(budget)} is too small: {state}, and this machine has {gib(hw.host_free_bytes)} of host "
-            f"memory free; use a smaller model (model=...), or a machine with >= {wanted} GiB free")
+        return (
+            f"host budget {gib(budget)} (single.host_memory_gb={req.host_budget_bytes / GiB:g}) is too small: {state}; "
+            f"raise single.host_memory_gb to >= {wanted}"
+        )
+    return (
+        f"host budget {gib(budget)} is too small: {state}, and this machine has {gib(hw.host_free_bytes)} of host "
+        f"memory free; use a smaller model (model=...), or a machine with >= {wanted} GiB free"
+    )
 
 
 def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig) -> PlanRequest:
@@ -503,14 +663,22 @@ def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig
     hb = single.host_memory_gb  # type: ignore[attr-defined]
     free = ram_available_bytes()
     if hb and hb * GiB > free:  # the job allocates on this host whatever single.hardware assumes
-        raise PlanError(f"single.host_memory_gb={hb:g} is more than this machine's {gib(free)} of free host memory; "
-                        f"set single.host_memory_gb <= {free / GiB:.0f} or 0 (all available)")
+        raise PlanError(
+            f"single.host_memory_gb={hb:g} is more than this machine's {gib(free)} of free host memory; "
+            f"set single.host_memory_gb <= {free / GiB:.0f} or 0 (all available)"
+        )
     return PlanRequest(
-        model=model_cfg, seq_len=t.seq_len, global_batch=t.micro_batch_size * t.micro_batches,
+        model=model_cfg,
+        seq_len=t.seq_len,
+        global_batch=t.micro_batch_size * t.micro_batches,
         precision=cfg.precision,  # type: ignore[attr-defined]
-        device_budget_bytes=int(gb * GiB) if gb else None, host_budget_bytes=int(hb * GiB) if hb else None,
-        chunk=single.micro_batch_size, round_sequences=single.round_sequences,  # type: ignore[attr-defined]
-        window=single.window, policy=str(single.policy), compress=bool(single.compress),  # type: ignore[attr-defined]
+        device_budget_bytes=int(gb * GiB) if gb else None,
+        host_budget_bytes=int(hb * GiB) if hb else None,
+        chunk=single.micro_batch_size,
+        round_sequences=single.round_sequences,  # type: ignore[attr-defined]
+        window=single.window,
+        policy=str(single.policy),
+        compress=bool(single.compress),  # type: ignore[attr-defined]
         seq_chunk=single.seq_chunk,  # type: ignore[attr-defined]
         grad_clip=float(cfg.optim.grad_clip),  # type: ignore[attr-defined]
         optimizer_overlap=_overlap_setting(single.optimizer_overlap, cfg.optim.speculate),  # type: ignore[attr-defined]

@@ -57,7 +57,7 @@ class DeviceArena:
         if name not in self.offsets:
             raise KeyError(f"DeviceArena has no region {name!r}; regions: {', '.join(self.offsets)}")
         off, size = self.offsets[name]
-        return alias(self.buffer[off:off + size])
+        return alias(self.buffer[off : off + size])
 
     def describe(self) -> dict[str, int]:
         """Bytes of every region (aligned), for the memory report."""
@@ -95,16 +95,24 @@ class _Slot:
 class Ring:
     """``slots`` equal byte slots of ``slot_bytes`` each, cut from ``region`` (see module docstring)."""
 
-    def __init__(self, name: str, region: torch.Tensor, slots: int, slot_bytes: int,
-                 log: list[tuple[str, str, int, Hashable]] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        region: torch.Tensor,
+        slots: int,
+        slot_bytes: int,
+        log: list[tuple[str, str, int, Hashable]] | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"ring {name}: needs at least 1 slot, got {slots}")
         stride = align(slot_bytes)
         if region.numel() < stride * slots - (stride - slot_bytes):
-            raise ValueError(f"ring {name}: region of {region.numel()} bytes cannot hold {slots} slots of {slot_bytes} bytes")
+            raise ValueError(
+                f"ring {name}: region of {region.numel()} bytes cannot hold {slots} slots of {slot_bytes} bytes"
+            )
         self.name = name
         self.slot_bytes = int(slot_bytes)
-        self._slots = [_Slot(alias(region[i * stride:i * stride + slot_bytes])) for i in range(slots)]
+        self._slots = [_Slot(alias(region[i * stride : i * stride + slot_bytes])) for i in range(slots)]
         self.fills = 0  # how many fills so far (tests and stats)
         self.log = log  # when a list: (ring, op, slot, key) of every fill/acquire/release, in issue order
 

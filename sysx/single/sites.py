@@ -34,10 +34,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from sysx.model.attention import KVCache
 from sysx.single.act_policy import N_LEVELS, level_categories
 from sysx.single.compress import dequantize, packed_nbytes, quantize_into, rows_of
-
-from sysx.model.attention import KVCache
 
 if TYPE_CHECKING:
     from sysx.model.config import ModelConfig
@@ -55,8 +54,13 @@ CHUNK_ATTENTION_OP = "sysx.chunk_attention.default"  # sysx.model.attention.chun
 
 
 def _is_attention(name: str) -> bool:
-    return ("scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name
-            or "cudnn_attention" in name or name == CHUNK_ATTENTION_OP) and "backward" not in name
+    return (
+        "scaled_dot_product" in name
+        or "flash_attention" in name
+        or "efficient_attention" in name
+        or "cudnn_attention" in name
+        or name == CHUNK_ATTENTION_OP
+    ) and "backward" not in name
 
 
 def _is_matmul(name: str) -> bool:
@@ -95,8 +99,12 @@ class TensorMeta:
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
         dense = _dense_extent(t) is not None
-        return cls(tuple(t.shape), tuple(t.stride()) if dense else tuple(torch.empty(t.shape, device="meta").stride()),
-                   t.dtype, dense)
+        return cls(
+            tuple(t.shape),
+            tuple(t.stride()) if dense else tuple(torch.empty(t.shape, device="meta").stride()),
+            t.dtype,
+            dense,
+        )
 
     @property
     def numel(self) -> int:
@@ -128,8 +136,13 @@ class Site:
     def compressible(self, k: int) -> bool:
         """Whether output ``k`` may be int8-compressed: the main (first) floating output with long rows."""
         m = self.outputs[k]
-        return (k == 0 and m is not None and m.dtype.is_floating_point and len(m.shape) >= 2
-                and rows_of(m.shape)[1] >= COMPRESS_MIN_ROW)
+        return (
+            k == 0
+            and m is not None
+            and m.dtype.is_floating_point
+            and len(m.shape) >= 2
+            and rows_of(m.shape)[1] >= COMPRESS_MIN_ROW
+        )
 
 
 @dataclass(frozen=True)
@@ -224,11 +237,12 @@ class _Recorder(TorchDispatchMode):
         const = [_is_const(t, name) for t in leaves]
         metas = tuple(None if c else TensorMeta.of(t) for t, c in zip(leaves, const))
         consts = tuple(_const_value(t) if c else None for t, c in zip(leaves, const))
-        self.sites.append(Site(len(self.ops), name, category_of(name, leaves, self.model_dim), metas, consts, spec,
-                               flops, seconds))
+        self.sites.append(
+            Site(len(self.ops), name, category_of(name, leaves, self.model_dim), metas, consts, spec, flops, seconds)
+        )
         self.ops.append(name)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
@@ -256,7 +270,7 @@ class _MetaAttention(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
@@ -267,7 +281,9 @@ class _MetaAttention(TorchFunctionMode):
                 out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device="meta").transpose(1, 2)
                 lse = torch.empty((b, h, sq), dtype=torch.float32, device="meta")
                 self.recorder.paused = False
-                flops = attention_flops(tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(kwargs.get("is_causal", False)))
+                flops = attention_flops(
+                    tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(kwargs.get("is_causal", False))
+                )
                 self.recorder.add_site("aten._scaled_dot_product_fused_attention(meta)", (out, lse), flops, None)
                 return out.requires_grad_(q.requires_grad)
         return func(*args, **kwargs)
@@ -278,8 +294,15 @@ def _run(layer: nn.Module, x: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
     return layer(x) if kv is None else layer(x, kv)
 
 
-def profile_layer(layer: nn.Module, x: torch.Tensor, *, model_dim: int, measure: bool = False,
-                  repeats: int = 3, kv: KVCache | None = None) -> LayerProfile:
+def profile_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    *,
+    model_dim: int,
+    measure: bool = False,
+    repeats: int = 3,
+    kv: KVCache | None = None,
+) -> LayerProfile:
     """Run ``layer(x)`` (autograd on, as the executor does) and list its ops and cacheable sites.
 
     With ``measure`` each site's time is the median of ``repeats`` timed runs (the GPU is
@@ -309,9 +332,19 @@ def profile_layer(layer: nn.Module, x: torch.Tensor, *, model_dim: int, measure:
     if measure:
         for k, site in enumerate(sites):
             times = sorted(p.sites[k].seconds or 0.0 for p in profiles)
-            sites[k] = Site(site.index, site.op, site.category, site.outputs, site.consts, site.spec, site.flops,
-                            times[len(times) // 2])
-    return LayerProfile(tuple(first.ops), tuple(sites), TensorMeta.of(x), sorted(walls)[len(walls) // 2] if measure else None)
+            sites[k] = Site(
+                site.index,
+                site.op,
+                site.category,
+                site.outputs,
+                site.consts,
+                site.spec,
+                site.flops,
+                times[len(times) // 2],
+            )
+    return LayerProfile(
+        tuple(first.ops), tuple(sites), TensorMeta.of(x), sorted(walls)[len(walls) // 2] if measure else None
+    )
 
 
 # ----------------------------------------------------------------------------------- slot layout
@@ -365,7 +398,7 @@ class SlotLayout:
 
     def view(self, slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
         """The tensor ``entry`` occupies in ``slot`` (uint8), with its dtype, shape and strides."""
-        raw = slot[entry.offset:entry.offset + entry.nbytes]
+        raw = slot[entry.offset : entry.offset + entry.nbytes]
         if entry.compressed:
             return raw
         flat = raw.view(entry.meta.dtype)
@@ -404,7 +437,7 @@ class Capture(TorchDispatchMode):
         self.profile, self.layout, self.slot = profile, layout, slot
         self.idx = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         idx = self.idx
         self.idx += 1
@@ -435,15 +468,16 @@ class ReplayStats:
 class Replay(TorchDispatchMode):
     """Recompute: return the saved outputs of ``layout.sites`` from ``slot``; run every other op."""
 
-    def __init__(self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor,
-                 stats: ReplayStats | None = None) -> None:
+    def __init__(
+        self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor, stats: ReplayStats | None = None
+    ) -> None:
         super().__init__()
         self.profile, self.layout, self.slot = profile, layout, slot
         self.sites = {s.index: s for s in profile.sites}
         self.stats = stats if stats is not None else ReplayStats()
         self.idx = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         idx = self.idx
         self.idx += 1
         _check_op(self.profile, idx, str(func), "Replay")
@@ -464,15 +498,24 @@ class Replay(TorchDispatchMode):
             elif entry.compressed:
                 t = dequantize(self.layout.view(self.slot, entry), entry.meta.shape, entry.meta.dtype)
                 if entry.meta.dense and t.stride() != entry.meta.stride:
-                    t = torch.empty_strided(entry.meta.shape, entry.meta.stride, dtype=t.dtype, device=t.device).copy_(t)
+                    t = torch.empty_strided(entry.meta.shape, entry.meta.stride, dtype=t.dtype, device=t.device).copy_(
+                        t
+                    )
                 leaves.append(t)
             else:
                 leaves.append(self.layout.view(self.slot, entry).detach())
         return tree_unflatten(leaves, site.spec)
 
 
-def run_captured(layer: nn.Module, x: torch.Tensor, profile: LayerProfile, layout: SlotLayout,
-                 slot: torch.Tensor, *, kv: KVCache | None = None) -> torch.Tensor:
+def run_captured(
+    layer: nn.Module,
+    x: torch.Tensor,
+    profile: LayerProfile,
+    layout: SlotLayout,
+    slot: torch.Tensor,
+    *,
+    kv: KVCache | None = None,
+) -> torch.Tensor:
     """Forward ``layer(x)`` with autograd on, saving ``x`` and the layout's sites into ``slot``; returns the
     detached output. The layer reads its input from the slot (contiguous, as profiled and as replayed,
     whatever the strides of ``x``, e.g. a sequence chunk of the residual stream)."""
@@ -484,8 +527,16 @@ def run_captured(layer: nn.Module, x: torch.Tensor, profile: LayerProfile, layou
     return y.detach()
 
 
-def backward_replayed(layer: nn.Module, grad_out: torch.Tensor, profile: LayerProfile, layout: SlotLayout,
-                      slot: torch.Tensor, *, stats: ReplayStats | None = None, kv: KVCache | None = None) -> torch.Tensor:
+def backward_replayed(
+    layer: nn.Module,
+    grad_out: torch.Tensor,
+    profile: LayerProfile,
+    layout: SlotLayout,
+    slot: torch.Tensor,
+    *,
+    stats: ReplayStats | None = None,
+    kv: KVCache | None = None,
+) -> torch.Tensor:
     """Recompute ``layer`` from the input saved in ``slot`` (reusing the saved sites), backpropagate
     ``grad_out`` (parameter grads accumulate into ``.grad``), and return the gradient of the input.
     With ``kv`` the slot holds a sequence chunk: ``kv`` must hold the K/V of the whole sequence and its
@@ -503,8 +554,9 @@ def backward_replayed(layer: nn.Module, grad_out: torch.Tensor, profile: LayerPr
 Profiler = Callable[[int, int], LayerProfile]
 
 
-def profile_cache(cfg: ModelConfig, b: int, seq_len: int, seq_chunk: int, dtype: torch.dtype,
-                  device: torch.device | str) -> KVCache | None:
+def profile_cache(
+    cfg: ModelConfig, b: int, seq_len: int, seq_chunk: int, dtype: torch.dtype, device: torch.device | str
+) -> KVCache | None:
     """The K/V cache a Block profiled on a sequence chunk runs with (None for whole sequences): zeros,
     the chunk in the middle of the sequence, so its attention has the mean length of a chunk's
     attention (``C (S / 2)`` query-key pairs) and its time and FLOPs are the mean."""
@@ -515,8 +567,9 @@ def profile_cache(cfg: ModelConfig, b: int, seq_len: int, seq_chunk: int, dtype:
     return KVCache(zeros[0], zeros[1], offset=(seq_len - seq_chunk) // 2)
 
 
-def device_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *,
-                    measure: bool) -> Profiler:
+def device_profiler(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *, measure: bool
+) -> Profiler:
     """Profile a Block with random weights on ``b`` sequences of ``C`` tokens on the training device
     (cached per size).
 

@@ -16,7 +16,7 @@ _ORDER = {COMPUTE: 0, H2D: 1, D2H: 2, P2P: 3, OPT: 4}
 def lane_order(lane: str) -> tuple[int, int, str]:
     """Sort key: compute, h2d, d2h, p2p, p2p1, ..., opt0, opt1, ..., then anything else by name."""
     family = lane_family(lane)
-    tail = lane[len(family):]
+    tail = lane[len(family) :]
     return _ORDER.get(family, len(_ORDER)), int(tail) if tail.isdigit() else -1, lane
 
 
@@ -36,6 +36,15 @@ def write_chrome(spans: Sequence[Span], path: str | Path, *, title: str, n_ranks
             args.update(kind=s.op.kind.name, stage=s.op.stage, sub=s.op.sub, mb=s.op.mb, is_async=s.op.is_async)
         if s.nbytes:
             args["bytes"] = s.nbytes
-        boxes.append({"name": s.name, "cat": lane_family(s.lane), "pid": s.rank, "tid": lanes[s.rank].index(s.lane),
-                      "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "args": args})
+        boxes.append(
+            {
+                "name": s.name,
+                "cat": lane_family(s.lane),
+                "pid": s.rank,
+                "tid": lanes[s.rank].index(s.lane),
+                "ts": s.start * 1e6,
+                "dur": (s.end - s.start) * 1e6,
+                "args": args,
+            }
+        )
     return write_trace(path, processes, boxes)

@@ -70,8 +70,9 @@ def _allreduce(spans: Sequence[Span]) -> float:
     return float(median(min(v) for v in per_step.values())) if per_step else 0.0
 
 
-def measured_costs(spans: Sequence[Span], schedule: Schedule, *, param_bytes: float = 2.0,
-                   rendezvous: bool = True) -> CostTable:
+def measured_costs(
+    spans: Sequence[Span], schedule: Schedule, *, param_bytes: float = 2.0, rendezvous: bool = True
+) -> CostTable:
     """The :class:`CostTable` of ``schedule`` profiled from ``spans`` (see the module doc);
     ``param_bytes``: bytes per parameter of the copies (the model's dtype)."""
     p = schedule.partition
@@ -89,9 +90,14 @@ def measured_costs(spans: Sequence[Span], schedule: Schedule, *, param_bytes: fl
         g = op.stage * d + op.sub
         if family == P2P and op.kind == OpKind.SEND_CKPT and s.nbytes:
             sizes["ckpt"][g].append(float(s.nbytes))
-        key = {(COMPUTE, OpKind.FORWARD): "fwd", (COMPUTE, OpKind.BACKWARD): "bwd", (D2H, OpKind.OFFLOAD_GRADS): "offload",
-               (COMPUTE, OpKind.OPTIM_STEP): "opt", (OPT, OpKind.OPTIM_STEP): "opt",
-               (H2D, OpKind.LOAD_PARAMS): "load_stage" if op.sub < 0 else "load_sub"}.get((family, op.kind))
+        key = {
+            (COMPUTE, OpKind.FORWARD): "fwd",
+            (COMPUTE, OpKind.BACKWARD): "bwd",
+            (D2H, OpKind.OFFLOAD_GRADS): "offload",
+            (COMPUTE, OpKind.OPTIM_STEP): "opt",
+            (OPT, OpKind.OPTIM_STEP): "opt",
+            (H2D, OpKind.LOAD_PARAMS): "load_stage" if op.sub < 0 else "load_sub",
+        }.get((family, op.kind))
         if key is None:
             continue
         index = op.stage if key in ("fwd", "load_stage") else g
@@ -107,13 +113,29 @@ def measured_costs(spans: Sequence[Span], schedule: Schedule, *, param_bytes: fl
     grad_mem = _medians(sizes["offload"], nsub)
     params_sub = [(a or b) / param_bytes for a, b in zip(param_sub, grad_mem)]
     param_stage = _medians(sizes["load_stage"], nsf)
-    params_stage = [(param_stage[s] / param_bytes) or sum(params_sub[s * d:(s + 1) * d]) for s in range(nsf)]
+    params_stage = [(param_stage[s] / param_bytes) or sum(params_sub[s * d : (s + 1) * d]) for s in range(nsf)]
     return CostTable(
-        split=d, fwd=_medians(times["fwd"], nsf), bwd=_medians(times["bwd"], nsub), opt=_medians(times["opt"], nsub),
-        load_stage=_medians(times["load_stage"], nsf), load_sub=_medians(times["load_sub"], nsub),
-        offload=_medians(times["offload"], nsub), act_xfer=_medians(xfer[Message.ACT], nsf),
-        grad_xfer=_medians(xfer[Message.GRAD], nsub), ckpt_xfer=_medians(xfer[Message.CKPT], nsub),
-        allreduce=_allreduce(spans), param_stage=param_stage, param_sub=param_sub, grad_mem=grad_mem,
-        ckpt_mem=_medians(sizes["ckpt"], nsub), fwd_work=[0.0] * nsf, bwd_work=[0.0] * nsub, param_bytes=param_bytes,
-        params_stage=params_stage, params_sub=params_sub, rendezvous=rendezvous,
-        optim_workers=max((len(v) for v in workers.values()), default=None), unit="s")
+        split=d,
+        fwd=_medians(times["fwd"], nsf),
+        bwd=_medians(times["bwd"], nsub),
+        opt=_medians(times["opt"], nsub),
+        load_stage=_medians(times["load_stage"], nsf),
+        load_sub=_medians(times["load_sub"], nsub),
+        offload=_medians(times["offload"], nsub),
+        act_xfer=_medians(xfer[Message.ACT], nsf),
+        grad_xfer=_medians(xfer[Message.GRAD], nsub),
+        ckpt_xfer=_medians(xfer[Message.CKPT], nsub),
+        allreduce=_allreduce(spans),
+        param_stage=param_stage,
+        param_sub=param_sub,
+        grad_mem=grad_mem,
+        ckpt_mem=_medians(sizes["ckpt"], nsub),
+        fwd_work=[0.0] * nsf,
+        bwd_work=[0.0] * nsub,
+        param_bytes=param_bytes,
+        params_stage=params_stage,
+        params_sub=params_sub,
+        rendezvous=rendezvous,
+        optim_workers=max((len(v) for v in workers.values()), default=None),
+        unit="s",
+    )

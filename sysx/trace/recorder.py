@@ -98,8 +98,9 @@ class RankPart:
 class Recorder:
     """Collects one rank's records for the steps ``first..last`` (see the module doc)."""
 
-    def __init__(self, rank: int, device: torch.device | str, *, steps: tuple[int, int],
-                 compute: dev.Stream | None = None) -> None:
+    def __init__(
+        self, rank: int, device: torch.device | str, *, steps: tuple[int, int], compute: dev.Stream | None = None
+    ) -> None:
         self.rank = rank
         self.device = torch.device(device)
         self.first, self.last = int(steps[0]), int(steps[1])
@@ -163,7 +164,11 @@ class Recorder:
                 label, stage = what
                 name = f"OPT {label} {stage}" if label else f"OPT {stage}"
                 unit = units.get(stage) if label != "refresh" else None
-                op = Op(OpKind.OPTIM_STEP, unit[0], unit[1], is_async=label in ("", "load")) if unit is not None else None
+                op = (
+                    Op(OpKind.OPTIM_STEP, unit[0], unit[1], is_async=label in ("", "load"))
+                    if unit is not None
+                    else None
+                )
             out.append(Span(self.rank, step, lane, name, op, self._seconds(start), self._seconds(end), nbytes))
         return out
 

@@ -59,31 +59,54 @@ def gather_parts(part: RankPart, *, rank: int, world: int, group: dist.ProcessGr
     return parts
 
 
-def write_report(parts: Sequence[RankPart], schedule: Schedule, run_dir: str | Path, *,
-                 plan_costs: CostTable | None = None, param_bytes: float = 2.0,
-                 plan_schedule: Schedule | None = None) -> WindowReport:
+def write_report(
+    parts: Sequence[RankPart],
+    schedule: Schedule,
+    run_dir: str | Path,
+    *,
+    plan_costs: CostTable | None = None,
+    param_bytes: float = 2.0,
+    plan_schedule: Schedule | None = None,
+) -> WindowReport:
     """A pipeline's window: :func:`write_window`, and ``plan.png`` with the plan simulated from the
     window's profiled costs (or ``plan_costs``), compared in the line and the summary. The plan runs
     ``plan_schedule`` when given (the program the window's steps ran, e.g. validating first)."""
     spans = merge(parts)
     costs = plan_costs if plan_costs is not None else measured_costs(spans, schedule, param_bytes=param_bytes)
     plan = simulate(plan_schedule or schedule, costs, memory=False)
-    report = write_window(spans, run_dir, name=schedule.name, n_ranks=schedule.n_ranks, schedule=schedule,
-                          plan=planned(plan), plan_source="modelled costs" if plan_costs is not None else "measured costs")
+    report = write_window(
+        spans,
+        run_dir,
+        name=schedule.name,
+        n_ranks=schedule.n_ranks,
+        schedule=schedule,
+        plan=planned(plan),
+        plan_source="modelled costs" if plan_costs is not None else "measured costs",
+    )
     report.costs = costs
     report.files.append(draw(plan, Path(run_dir) / PLAN_PNG))
     report.line += f" | {Path(run_dir)}/{{{TIMELINE_JSON},{TIMELINE_PNG},{PLAN_PNG}}}"
     return report
 
 
-def write_window(spans: Sequence[Span], run_dir: str | Path, *, name: str, n_ranks: int, schedule: Schedule | None = None,
-                 plan: dict[str, float] | None = None, plan_source: str = "") -> WindowReport:
+def write_window(
+    spans: Sequence[Span],
+    run_dir: str | Path,
+    *,
+    name: str,
+    n_ranks: int,
+    schedule: Schedule | None = None,
+    plan: dict[str, float] | None = None,
+    plan_source: str = "",
+) -> WindowReport:
     """Write merged ``spans`` as ``timeline.json`` and ``timeline.png`` into ``run_dir`` and measure
     them; ``plan`` (``iteration_s``, optionally ``bubble``) is what they are compared with."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = [write_chrome(spans, out / TIMELINE_JSON, title=name, n_ranks=n_ranks),
-             draw_compare(step_timelines(spans, n_ranks=n_ranks, name=name, schedule=schedule), out / TIMELINE_PNG)]
+    files = [
+        write_chrome(spans, out / TIMELINE_JSON, title=name, n_ranks=n_ranks),
+        draw_compare(step_timelines(spans, n_ranks=n_ranks, name=name, schedule=schedule), out / TIMELINE_PNG),
+    ]
     meas = measured(spans, n_ranks)
     line = format_line(steps_of(spans), meas, plan, plan_source)
     return WindowReport(meas, dict(plan or {}), line, None, list(spans), files)

@@ -38,8 +38,12 @@ def measured(spans: Sequence[Span], n_ranks: int) -> dict[str, float]:
     loads = [s for s in spans if s.lane == H2D]
     load_s = sum(s.end - s.start for s in loads)
     gbps = sum(s.nbytes for s in loads) / load_s / 1e9 if load_s > 0 else 0.0
-    return {"iteration_s": mean(iterations), "bubble": mean(bubbles), "optimizer_exposed_s": mean(exposed),
-            "h2d_gbps": gbps}
+    return {
+        "iteration_s": mean(iterations),
+        "bubble": mean(bubbles),
+        "optimizer_exposed_s": mean(exposed),
+        "h2d_gbps": gbps,
+    }
 
 
 def planned(plan: Timeline) -> dict[str, float]:
@@ -51,8 +55,10 @@ def format_line(steps: Sequence[int], meas: dict[str, float], plan: dict[str, fl
     """``timeline: steps 3-5 measured 0.412 s/step, bubble 31.0%, ... | plan (...) 0.398 s/step (measured/plan 1.04)``;
     ``plan`` may lack the bubble, or be None."""
     window = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else f"{steps[0]}"
-    line = (f"timeline: steps {window} measured {meas['iteration_s']:.4g} s/step, bubble {100 * meas['bubble']:.1f}%, "
-            f"optimizer exposed {meas['optimizer_exposed_s']:.3g} s, h2d {meas['h2d_gbps']:.3g} GB/s")
+    line = (
+        f"timeline: steps {window} measured {meas['iteration_s']:.4g} s/step, bubble {100 * meas['bubble']:.1f}%, "
+        f"optimizer exposed {meas['optimizer_exposed_s']:.3g} s, h2d {meas['h2d_gbps']:.3g} GB/s"
+    )
     if not plan:
         return line
     ratio = meas["iteration_s"] / plan["iteration_s"] if plan["iteration_s"] > 0 else float("inf")

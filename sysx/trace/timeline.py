@@ -84,8 +84,9 @@ def _draw_lane(s: Span) -> str | None:
     return None
 
 
-def step_timeline(spans: Sequence[Span], step: int, *, n_ranks: int, name: str,
-                  schedule: Schedule | None = None) -> Timeline:
+def step_timeline(
+    spans: Sequence[Span], step: int, *, n_ranks: int, name: str, schedule: Schedule | None = None
+) -> Timeline:
     """The measured ``step`` as a :class:`Timeline` (times from the step's first op, in seconds;
     memory peaks are not recorded and stay 0). ``schedule``: the op lists the spans ran, if any."""
     lo, hi = step_bounds(spans, step)
@@ -108,11 +109,30 @@ def step_timeline(spans: Sequence[Span], step: int, *, n_ranks: int, name: str,
             gpu_end[s.rank] = max(gpu_end[s.rank], s.end - lo)
     bubble = [1.0 - b / iteration if iteration > 0 else 0.0 for b in busy]
     zeros = [0.0] * R
-    return Timeline(f"{name} step {step} (measured)", R, iteration, busy, bubble, sum(bubble) / R, gpu_end,
-                    zeros, zeros, zeros, zeros, zeros, zeros, zeros, R, "s",
-                    sorted(events, key=lambda e: (e.rank, e.start)), schedule)
+    return Timeline(
+        f"{name} step {step} (measured)",
+        R,
+        iteration,
+        busy,
+        bubble,
+        sum(bubble) / R,
+        gpu_end,
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        R,
+        "s",
+        sorted(events, key=lambda e: (e.rank, e.start)),
+        schedule,
+    )
 
 
-def step_timelines(spans: Sequence[Span], *, n_ranks: int, name: str, schedule: Schedule | None = None) -> list[Timeline]:
+def step_timelines(
+    spans: Sequence[Span], *, n_ranks: int, name: str, schedule: Schedule | None = None
+) -> list[Timeline]:
     """One measured :class:`Timeline` per recorded step."""
     return [step_timeline(spans, step, n_ranks=n_ranks, name=name, schedule=schedule) for step in steps_of(spans)]

@@ -20,16 +20,26 @@ if TYPE_CHECKING:
 class StepWindow:
     """The profiling settings of one rank's trainer (see the module doc)."""
 
-    def __init__(self, profile: ProfileSection, device: torch.device | str, rank: int, *,
-                 compute: dev.Stream | None = None, announce: bool = True) -> None:
+    def __init__(
+        self,
+        profile: ProfileSection,
+        device: torch.device | str,
+        rank: int,
+        *,
+        compute: dev.Stream | None = None,
+        announce: bool = True,
+    ) -> None:
         if profile.nvtx:
             ranges.enable(True)  # SYSX_NVTX=1 turns it on too; false leaves the variable's choice
         self.device = torch.device(device)
         self.nsys = tuple(profile.nsys_steps) if profile.nsys_steps is not None else None
         if self.nsys is not None and not dev.is_cuda(self.device):
             if announce:
-                print(f"sysx-train: profile.nsys_steps={list(self.nsys)} only applies on CUDA (torch.cuda.profiler); "
-                      f"this run is on {self.device.type}, so there is no capture range", flush=True)
+                print(
+                    f"sysx-train: profile.nsys_steps={list(self.nsys)} only applies on CUDA (torch.cuda.profiler); "
+                    f"this run is on {self.device.type}, so there is no capture range",
+                    flush=True,
+                )
             self.nsys = None
         self.recorder: Recorder | None = None
         if profile.timeline_steps is not None:

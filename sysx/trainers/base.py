@@ -28,15 +28,16 @@ from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
 
 if TYPE_CHECKING:
-    from sysx.optim.speculate import SpeculationPolicy
     from sysx.data import TokenDataset
     from sysx.model import ModelConfig
+    from sysx.optim.speculate import SpeculationPolicy
 
 
 class StepHook(Protocol):
     """Called after every step, before it is logged (checkpoints record their stall on the result)."""
 
     def after_step(self, result: StepResult) -> None: ...
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,16 +56,21 @@ def open_dataset(cfg: SysxConfig, *, announce: bool = True) -> TokenDataset:
     if cfg.eval.every > 0:
         carved = dataset.carve_val(VAL_CARVE_FRACTION, min_tokens=8 * (cfg.train.seq_len + 1))
         if carved and announce:
-            print(f"sysx-train: {dataset.path} has no val split; its last {carved} tokens are the val split "
-                  f"(eval.every={cfg.eval.every})", flush=True)
+            print(
+                f"sysx-train: {dataset.path} has no val split; its last {carved} tokens are the val split "
+                f"(eval.every={cfg.eval.every})",
+                flush=True,
+            )
     return dataset
 
 
 def check_model_vocab(dataset: TokenDataset, model_cfg: ModelConfig) -> None:
     """The model's embedding must hold every id of the data: a :class:`ConfigError` naming the fix."""
     if dataset.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is too small for the data (vocab_size "
-                          f"{dataset.vocab_size}); set model.vocab_size={dataset.vocab_size} or larger")
+        raise ConfigError(
+            f"model.vocab_size={model_cfg.vocab_size} is too small for the data (vocab_size "
+            f"{dataset.vocab_size}); set model.vocab_size={dataset.vocab_size} or larger"
+        )
 
 
 def resolve_precision(cfg: SysxConfig, device: torch.device | str | None = None) -> SysxConfig:
@@ -99,8 +105,13 @@ class Trainer(ABC):
     test or another trainer (opened from ``cfg.data`` by default).
     """
 
-    def __init__(self, cfg: SysxConfig | DictConfig, *, dataset: TokenDataset | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SysxConfig | DictConfig,
+        *,
+        dataset: TokenDataset | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         from sysx.optim.loss_scaler import make_scaler
 
         if isinstance(cfg, DictConfig):
@@ -111,7 +122,9 @@ class Trainer(ABC):
         self.cfg: SysxConfig = cfg
         self.model_cfg = model_config(cfg)
         self.dtype = DTYPES[cfg.precision]
-        self.dataset = dataset if dataset is not None else open_dataset(cfg, announce=env_rank() == 0)  # rank 0 prints the data notes
+        self.dataset = (
+            dataset if dataset is not None else open_dataset(cfg, announce=env_rank() == 0)
+        )  # rank 0 prints the data notes
         check_model_vocab(self.dataset, self.model_cfg)
         if cfg.eval.every > 0 and "val" not in self.dataset.splits:
             raise ConfigError(
@@ -119,8 +132,14 @@ class Trainer(ABC):
                 f"{', '.join(self.dataset.splits)}; set eval.every=0 or prepare the data with a val split"
             )
         s = cfg.loss_scale
-        self.scaler = make_scaler(cfg.precision, init_scale=s.init, growth_factor=s.growth_factor,
-                                  backoff_factor=s.backoff, growth_interval=s.growth_interval, min_scale=s.min)
+        self.scaler = make_scaler(
+            cfg.precision,
+            init_scale=s.init,
+            growth_factor=s.growth_factor,
+            backoff_factor=s.backoff,
+            growth_interval=s.growth_interval,
+            min_scale=s.min,
+        )
         self.step_index = 0
         self.rank, self.world = 0, 1  # a multi-process trainer sets its own
         self._tag = uuid.uuid4().hex[:12]
@@ -162,8 +181,12 @@ class Trainer(ABC):
         """What a checkpoint holds besides the layers (written by rank 0). With a speculation policy,
         its state too: an undone speculative step is exact only to an ulp (``rollback=undo``), so a
         resumed run must choose as the uninterrupted one would, whichever trainer resumes it."""
-        state = {"step": self.step_index, "scaler": self.scaler.state_dict(), "rng": rng_state(),
-                 "config": to_yaml(self.cfg)}
+        state = {
+            "step": self.step_index,
+            "scaler": self.scaler.state_dict(),
+            "rng": rng_state(),
+            "config": to_yaml(self.cfg),
+        }
         policy = self.speculation_policy()
         if policy is not None:
             state["speculation"] = policy.state_dict()
@@ -173,8 +196,10 @@ class Trainer(ABC):
         """Continue from ``ckpt``: its model must be this model; restores layers, scaler, RNG, step."""
         mismatch = ckpt.model_mismatch(dataclasses.asdict(self.model_cfg))
         if mismatch:
-            raise ConfigError(f"train.resume={ckpt.path}: {mismatch}; resume with the same model, or set "
-                              f"train.resume=none (or another checkpoint.dir) to start fresh")
+            raise ConfigError(
+                f"train.resume={ckpt.path}: {mismatch}; resume with the same model, or set "
+                f"train.resume=none (or another checkpoint.dir) to start fresh"
+            )
         state = ckpt.trainer_state()
         self.restore_layers(ckpt)
         self.scaler.load_state_dict(state["scaler"])
@@ -211,8 +236,14 @@ class Trainer(ABC):
     def finish_pending(self) -> None:
         """Wait for work a step left running in the background (optimizer threads)."""
 
-    def run(self, steps: int | None = None, *, logger: RunLogger | None = None,
-            on_step: Callable[[StepResult], None] | None = None, hook: StepHook | None = None) -> list[StepResult]:
+    def run(
+        self,
+        steps: int | None = None,
+        *,
+        logger: RunLogger | None = None,
+        on_step: Callable[[StepResult], None] | None = None,
+        hook: StepHook | None = None,
+    ) -> list[StepResult]:
         """Train ``steps`` more steps (default ``train.steps``).
 
         With ``eval.every > 0`` the val loss is measured after steps ``0, every, 2*every, ...`` and

@@ -32,14 +32,22 @@ if TYPE_CHECKING:
     from sysx.trainers.base import Trainer
 
 
-def stage_layer_sources(stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequence[int]) -> dict[int, LayerSource]:
+def stage_layer_sources(
+    stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequence[int]
+) -> dict[int, LayerSource]:
     """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources."""
     adam = stage.optimizer
     return flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
 
 
-def restore_stage(stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequence[int],
-                  layers: Mapping[int, LayerState], *, what: str) -> None:
+def restore_stage(
+    stage: StageOptimizer,
+    layout: FlatLayout,
+    layer_indices: Sequence[int],
+    layers: Mapping[int, LayerState],
+    *,
+    what: str,
+) -> None:
     """Fill one host optimizer's masters, moments and step count from checkpointed layers, then
     rewrite its working copy (the 16-bit copy the device loads)."""
     adam = stage.optimizer
@@ -48,7 +56,9 @@ def restore_stage(stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequ
     load_flat(layout, layer_indices, {i: s.exp_avg_sq for i, s in layers.items()}, adam.exp_avg_sq, what=what)
     steps = {layers[i].step for i in set(layer_indices)}
     if len(steps) != 1:
-        raise ValueError(f"{what}: layers {sorted(set(layer_indices))} were saved at different Adam step counts {steps}")
+        raise ValueError(
+            f"{what}: layers {sorted(set(layer_indices))} were saved at different Adam step counts {steps}"
+        )
     adam.resume_at(steps.pop())
     stage.write_target()
 
@@ -61,8 +71,9 @@ class JobCheckpoints:
         self.trainer = trainer
         self.dir = Path(cfg.checkpoint_dir)
         self.every = cfg.checkpoint.every
-        self.saver = CheckpointSaver(self.dir, rank=trainer.rank, world=trainer.world, keep=cfg.checkpoint.keep,
-                                     tag=tag or trainer.job_tag)
+        self.saver = CheckpointSaver(
+            self.dir, rank=trainer.rank, world=trainer.world, keep=cfg.checkpoint.keep, tag=tag or trainer.job_tag
+        )
         self.reports: list[SaveReport] = []
         self.saved_step: int | None = None
         self.resumed_from: Checkpoint | None = None
@@ -83,8 +94,13 @@ class JobCheckpoints:
         t.finish_pending()  # the steps still running on optimizer threads belong to this state
         waited = time.perf_counter() - t0
         manifest = {"model": asdict(t.model_cfg), "saved_by": {"schedule": t.cfg.schedule.name, "world": t.world}}
-        report = self.saver.save(t.step_index, t.checkpoint_layers(), manifest=manifest,
-                                 trainer_state=t.training_state() if t.rank == 0 else None, background=background)
+        report = self.saver.save(
+            t.step_index,
+            t.checkpoint_layers(),
+            manifest=manifest,
+            trainer_state=t.training_state() if t.rank == 0 else None,
+            background=background,
+        )
         report = SaveReport(report.step, report.mode, report.stall_s + waited, report.nbytes)
         self.reports.append(report)
         self.saved_step = t.step_index
@@ -110,12 +126,23 @@ class JobCheckpoints:
             exported = export_hf(path, Path(cfg.run_dir) / "hf", tokenizer_dir=self.trainer.tokenizer_dir())
         if logger is not None:
             stalls = [r.stall_s for r in self.reports]
-            logger.note("checkpoint", {"dir": str(self.dir), "last": str(path) if path else None, "saves": len(stalls),
-                                       "stall_s_total": sum(stalls), "stall_s_max": max(stalls, default=0.0),
-                                       "final_s": seconds, "bytes_per_rank": self.reports[-1].nbytes if self.reports else 0,
-                                       "hf_export": str(exported) if exported else None})
-            logger.info(f"checkpoint: {path} ({len(stalls)} save(s), training stalled {sum(stalls):.2f} s in all; "
-                        f"final save {seconds:.2f} s)" + (f" | Hugging Face folder {exported}" if exported else ""))
+            logger.note(
+                "checkpoint",
+                {
+                    "dir": str(self.dir),
+                    "last": str(path) if path else None,
+                    "saves": len(stalls),
+                    "stall_s_total": sum(stalls),
+                    "stall_s_max": max(stalls, default=0.0),
+                    "final_s": seconds,
+                    "bytes_per_rank": self.reports[-1].nbytes if self.reports else 0,
+                    "hf_export": str(exported) if exported else None,
+                },
+            )
+            logger.info(
+                f"checkpoint: {path} ({len(stalls)} save(s), training stalled {sum(stalls):.2f} s in all; "
+                f"final save {seconds:.2f} s)" + (f" | Hugging Face folder {exported}" if exported else "")
+            )
         return path
 
     def close(self) -> None:

@@ -37,10 +37,19 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
                 lines.append(f"weights from model.init_from={cfg.model.init_from}")
             if resumed is not None:
                 lines.append(f"resumed from {resumed.path} at step {resumed.step}")
-            print(describe_run(cfg, n_params=trainer.n_params, device=trainer.device, extra="\n  ".join(lines)), flush=True)
-        with RunLogger(run_dir if is_main else None, total_steps=cfg.train.steps, every=cfg.log.every,
-                       progress=cfg.log.progress, device=trainer.device, enabled=is_main,
-                       first_step=trainer.step_index) as logger:
+            print(
+                describe_run(cfg, n_params=trainer.n_params, device=trainer.device, extra="\n  ".join(lines)),
+                flush=True,
+            )
+        with RunLogger(
+            run_dir if is_main else None,
+            total_steps=cfg.train.steps,
+            every=cfg.log.every,
+            progress=cfg.log.progress,
+            device=trainer.device,
+            enabled=is_main,
+            first_step=trainer.step_index,
+        ) as logger:
             with stopping.deferring(cfg.checkpoint.on_signal):
                 trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
             stop = stopping.pending()

@@ -44,14 +44,14 @@ from sysx.metrics import StepResult
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import Placement, summarize
 from sysx.optim.speculate import SpeculationPolicy
+from sysx.partition import unit_label
 from sysx.runtime.buffers import GradBuffers, ParamSlots
-from sysx.runtime.executor import Executor, ExecutionError, StepContext
+from sysx.runtime.executor import ExecutionError, Executor, StepContext
 from sysx.runtime.lanes import gather_placements, lane_times, placement_section, rank_placement
 from sysx.runtime.optimizer import OptimSettings, RankOptimizer
 from sysx.runtime.options import PipelineOptions, make_schedule, options_from_config
 from sysx.runtime.p2p import P2P, TransferMismatch
 from sysx.runtime.stage_params import StageParams
-from sysx.partition import unit_label
 from sysx.schedule import CostTable, OpKind, Schedule, evaluation_schedule, validate, validate_first
 from sysx.schedule.costs import Costs
 from sysx.trace.report import gather_parts, write_report
@@ -90,7 +90,9 @@ class PipelineTrainer(Trainer):
         self.info = info if info is not None else sdist.init(timeout_s=self.opts.timeout_s, device=cfg.device)
         self.rank, self.world = self.info.rank, self.info.world_size
         if self.world > 1 and not dist.is_initialized():
-            raise RuntimeError(f"rank {self.rank}: {self.world} processes but no process group; call sysx.dist.init() first")
+            raise RuntimeError(
+                f"rank {self.rank}: {self.world} processes but no process group; call sysx.dist.init() first"
+            )
         try:
             self.device = dev.resolve_device(cfg.device) if device is None else torch.device(device)
         except ValueError as err:
@@ -128,17 +130,31 @@ class PipelineTrainer(Trainer):
         """The emulated device's pacer (its plan refuses a GPU memory overflow), else none."""
         if self.cfg.device != EMULATED_DEVICE:
             return Pacer()
-        plan = plan_emulation(self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed")
-        return EmulatedPacer(plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale,
-                             group=self.group, world=self.world)
+        plan = plan_emulation(
+            self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed"
+        )
+        return EmulatedPacer(
+            plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale, group=self.group, world=self.world
+        )
 
     def _build(self) -> None:
         cfg, opts, t = self.cfg, self.opts, self.cfg.train
-        base = opts.job_id or resolve_job_id(rank=self.rank, broadcast=torch_broadcast(self.group) if self.world > 1 else None)
+        base = opts.job_id or resolve_job_id(
+            rank=self.rank, broadcast=torch_broadcast(self.group) if self.world > 1 else None
+        )
         self.job_id = f"{base}.t{next(_instances)}"
-        self.params = StageParams(self.schedule, self.model_cfg, self.info, dtype=self.dtype, job=self.job_id,
-                                  group=self.group, timeout_s=opts.timeout_s, seed=cfg.seed, init=self.layer_init(),
-                                  rollback=opts.rollback)
+        self.params = StageParams(
+            self.schedule,
+            self.model_cfg,
+            self.info,
+            dtype=self.dtype,
+            job=self.job_id,
+            group=self.group,
+            timeout_s=opts.timeout_s,
+            seed=cfg.seed,
+            init=self.layer_init(),
+            rollback=opts.rollback,
+        )
         if isinstance(self.pacer, EmulatedPacer):
             self.pacer.rollback = self.params.rollback  # what an undo costs there (optim.rollback=auto resolved)
         compute, h2d, d2h = self.pacer.streams(self.device)
@@ -146,31 +162,71 @@ class PipelineTrainer(Trainer):
         loads += [self.schedule.partition.stage_layers(s) for s in self.schedule.placement.fwd_stages(self.rank)]
         numels = self.params.numels
         slot_numel = max(sum(numels[i] for i in r) for r in loads)
-        self.slots = ParamSlots(self.schedule.options.param_buffers, slot_numel, self.dtype, self.device,
-                                layer_numels=numels, h2d=h2d, compute=compute)
+        self.slots = ParamSlots(
+            self.schedule.options.param_buffers,
+            slot_numel,
+            self.dtype,
+            self.device,
+            layer_numels=numels,
+            h2d=h2d,
+            compute=compute,
+        )
         self.grads = GradBuffers(self.dtype, self.device, compute=compute, d2h=d2h)
         o = cfg.optim
         settings = OptimSettings(
-            lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
-            backend=opts.optim_backend, rollback=self.params.rollback, workers=opts.optimizer_workers,
-            speculate=o.speculate, speculate_after=o.speculate_after)
+            lr=o.lr,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            grad_clip=o.grad_clip,
+            backend=opts.optim_backend,
+            rollback=self.params.rollback,
+            workers=opts.optimizer_workers,
+            speculate=o.speculate,
+            speculate_after=o.speculate_after,
+        )
         if isinstance(self.pacer, EmulatedPacer):  # the emulated workers; their real work is small: one thread each
             settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
-        self.optimizer = RankOptimizer(self.params, settings, self.scaler, group=self.group, local_rank=self.info.local_rank,
-                                       local_world_size=self.info.local_world_size, pace=self.pacer.optimizer_pace())
+        self.optimizer = RankOptimizer(
+            self.params,
+            settings,
+            self.scaler,
+            group=self.group,
+            local_rank=self.info.local_rank,
+            local_world_size=self.info.local_world_size,
+            pace=self.pacer.optimizer_pace(),
+        )
         self.placement = self._place_optimizer()
         p2p = None
         if self.world > 1:
             backend = dist.get_backend()
             verify = opts.verify_transfers if opts.verify_transfers is not None else backend != "nccl"
             # checkpoints on a communicator of their own: they overlap activations and gradients on NCCL too
-            p2p = P2P(self.rank, device=self.device, timeout_s=opts.timeout_s, verify=verify,
-                      ckpt_group=sdist.checkpoint_group(), pacer=self.pacer)
+            p2p = P2P(
+                self.rank,
+                device=self.device,
+                timeout_s=opts.timeout_s,
+                verify=verify,
+                ckpt_group=sdist.checkpoint_group(),
+                pacer=self.pacer,
+            )
         self.p2p = p2p
         self.executor = Executor(
-            self.schedule, self.rank, model_cfg=self.model_cfg, device=self.device, dtype=self.dtype,
-            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, params=self.params, slots=self.slots,
-            grads=self.grads, optimizer=self.optimizer, p2p=p2p, batch=self._batch, pacer=self.pacer)
+            self.schedule,
+            self.rank,
+            model_cfg=self.model_cfg,
+            device=self.device,
+            dtype=self.dtype,
+            micro_batch_size=t.micro_batch_size,
+            seq_len=t.seq_len,
+            params=self.params,
+            slots=self.slots,
+            grads=self.grads,
+            optimizer=self.optimizer,
+            p2p=p2p,
+            batch=self._batch,
+            pacer=self.pacer,
+        )
         self._eval = self._evaluation(cfg.eval.batches)
         self.window = StepWindow(cfg.profile, self.device, self.rank, compute=compute, announce=self.rank == 0)
         if self.window.recorder is not None:
@@ -187,15 +243,23 @@ class PipelineTrainer(Trainer):
         o = self.cfg.optim
         plan = self.pacer.plan if isinstance(self.pacer, EmulatedPacer) else None
         placement, units = rank_placement(
-            o.placement, self.schedule, self.rank, {k: s.numel for k, s in self.optimizer.stages.items()},
-            device=self.device, dtype=self.dtype, workers=self.optimizer.threads.workers,
-            backend="torch" if self.opts.optim_backend == "torch" else "auto", speculative=o.speculate != "never",
-            plan=plan)
+            o.placement,
+            self.schedule,
+            self.rank,
+            {k: s.numel for k, s in self.optimizer.stages.items()},
+            device=self.device,
+            dtype=self.dtype,
+            workers=self.optimizer.threads.workers,
+            backend="torch" if self.opts.optim_backend == "torch" else "auto",
+            speculative=o.speculate != "never",
+            plan=plan,
+        )
         if placement.device:
             keys = {unit_label(*k): k for k in self.optimizer.stages}
             lane = DeviceLane(None if plan is not None else self.device)  # emulated: the host steps, the pacer times it
-            self.optimizer.use_device_lane({keys[n]: placement.device_times[n] for n in placement.device}, lane,
-                                           self.pacer)
+            self.optimizer.use_device_lane(
+                {keys[n]: placement.device_times[n] for n in placement.device}, lane, self.pacer
+            )
         modelled = plan is not None or dev.is_cuda(self.device)  # auto on a CPU device: no second lane to model
         if o.placement == "cpu" or (o.placement == "auto" and not (self.schedule.options.async_optimizer and modelled)):
             return placement  # nothing to say or to gather: every rank keeps the CPU lane (asked, synchronous, or no device)
@@ -250,10 +314,19 @@ class PipelineTrainer(Trainer):
         from sysx.data import get_batch
 
         t = self.cfg.train
-        return get_batch(self.dataset, seed=self.cfg.seed, step=step, micro_batch=mb, micro_batch_size=t.micro_batch_size,
-                         seq_len=t.seq_len, split=split)
+        return get_batch(
+            self.dataset,
+            seed=self.cfg.seed,
+            step=step,
+            micro_batch=mb,
+            micro_batch_size=t.micro_batch_size,
+            seq_len=t.seq_len,
+            split=split,
+        )
 
-    def _all_reduce(self, values: list[float], what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+    def _all_reduce(
+        self, values: list[float], what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> list[float]:
         """``values`` reduced over the ranks, waited for in slices (a stop or a dead peer interrupts it)."""
         if self.world == 1:
             return values
@@ -302,26 +375,44 @@ class PipelineTrainer(Trainer):
         outcome = self.optimizer.outcome
         assert outcome is not None
         times = [0.0] * (2 * self.world)  # this rank's slots only: the sum gathers every rank's
-        times[2 * self.rank:2 * self.rank + 2] = [ctx.backward_end, ctx.validate_end]
+        times[2 * self.rank : 2 * self.rank + 2] = [ctx.backward_end, ctx.validate_end]
         total, count, undone, restepped, *rest = self._all_reduce(
-            [local, float(len(ctx.losses)), float(outcome.undone + outcome.restepped), float(outcome.restepped),
-             *signals, *times], f"end of step {step} (loss all-reduce)")
-        stops, times = rest[:len(signals)], rest[len(signals):]
+            [
+                local,
+                float(len(ctx.losses)),
+                float(outcome.undone + outcome.restepped),
+                float(outcome.restepped),
+                *signals,
+                *times,
+            ],
+            f"end of step {step} (loss all-reduce)",
+        )
+        stops, times = rest[: len(signals)], rest[len(signals) :]
         for signum, seen in zip(stopping.STOP_SIGNALS, stops):
             if seen > 0:
                 stopping.request(signum)
                 break
         if int(count) != self.cfg.train.micro_batches:
-            raise ExecutionError(f"rank {self.rank}: step {step}: {int(count)} micro-batch losses were computed, expected "
-                                 f"{self.cfg.train.micro_batches}")
+            raise ExecutionError(
+                f"rank {self.rank}: step {step}: {int(count)} micro-batch losses were computed, expected "
+                f"{self.cfg.train.micro_batches}"
+            )
         dev.synchronize(self.device)
-        result = StepResult(step=step, loss=total / count, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
-                            scale=scale, tokens=self.tokens_per_step,
-                            step_time_s=self.pacer.end_step(time.perf_counter() - t0),
-                            speculated=self.schedule.options.async_optimizer and self.optimizer.speculating,
-                            rolled_back=int(undone), restepped=int(restepped),
-                            opt_exposed_s=exposed_seconds(times[0::2], times[1::2], one_clock=self.info.num_nodes == 1)
-                            / self.pacer.time_scale)
+        result = StepResult(
+            step=step,
+            loss=total / count,
+            lr=lr,
+            grad_norm=outcome.grad_norm,
+            skipped=outcome.skipped,
+            scale=scale,
+            tokens=self.tokens_per_step,
+            step_time_s=self.pacer.end_step(time.perf_counter() - t0),
+            speculated=self.schedule.options.async_optimizer and self.optimizer.speculating,
+            rolled_back=int(undone),
+            restepped=int(restepped),
+            opt_exposed_s=exposed_seconds(times[0::2], times[1::2], one_clock=self.info.num_nodes == 1)
+            / self.pacer.time_scale,
+        )
         if self.schedule.options.async_optimizer and not result.speculated:
             self.validated_first.add(step)
         self.last_op_seconds = ctx.op_seconds
@@ -340,9 +431,14 @@ class PipelineTrainer(Trainer):
         parts = gather_parts(self.pacer.modelled(rec.part(units)), rank=self.rank, world=self.world, group=self.group)
         rec.clear()
         if parts is not None:
-            report = write_report(parts, self.schedule, self.cfg.run_dir, plan_costs=self.plan_costs(),
-                                  param_bytes=float(self.dtype.itemsize),
-                                  plan_schedule=self.plan_schedule(range(rec.first, rec.last + 1)))
+            report = write_report(
+                parts,
+                self.schedule,
+                self.cfg.run_dir,
+                plan_costs=self.plan_costs(),
+                param_bytes=float(self.dtype.itemsize),
+                plan_schedule=self.plan_schedule(range(rec.first, rec.last + 1)),
+            )
             print(report.line, flush=True)
             self._measurements = report.summary()
             self.window_costs = report.costs
@@ -412,8 +508,13 @@ class PipelineTrainer(Trainer):
         assert self.optimizer is not None and self.params is not None
         for key, stage in self.optimizer.stages.items():
             indices = list(self.params.units[key].layers)
-            restore_stage(stage, self.params.layout(key), indices, {i: ckpt.layer(i) for i in indices},
-                          what=f"checkpoint {ckpt.path}")
+            restore_stage(
+                stage,
+                self.params.layout(key),
+                indices,
+                {i: ckpt.layer(i) for i in indices},
+                what=f"checkpoint {ckpt.path}",
+            )
         self.params.push_mirrors()
         self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it
 
@@ -445,14 +546,25 @@ class PipelineTrainer(Trainer):
             steps = [None] * self.world
             dist.all_gather_object(steps, self.pacer.steps, group=self.group)
         plan, e = self.pacer.plan, self.cfg.emulate
-        measured = sorted({s.step for stats in steps for s in stats})[e.warmup_steps:]  # as merge_report counts
+        measured = sorted({s.step for stats in steps for s in stats})[e.warmup_steps :]  # as merge_report counts
         iteration, bubble = self.planned(measured)
-        report = merge_report(steps, time_scale=e.time_scale, warmup_steps=e.warmup_steps, max_late=e.max_late,
-                              plan_iteration=iteration, plan_bubble=bubble)
+        report = merge_report(
+            steps,
+            time_scale=e.time_scale,
+            warmup_steps=e.warmup_steps,
+            max_late=e.max_late,
+            plan_iteration=iteration,
+            plan_bubble=bubble,
+        )
         if self.lane_plan is not None:  # the plan above has the device lane; the CPU lane's alone beside it
             report["plan"]["cpu_lane_iteration_s"] = plan.timeline.iteration
-        report.update(cluster=plan.cluster.describe(), model=plan.model.name, seq_len=plan.model.seq_len,
-                      micro_batch_size=plan.model.micro_batch_size, schedule=self.schedule.name)
+        report.update(
+            cluster=plan.cluster.describe(),
+            model=plan.model.name,
+            seq_len=plan.model.seq_len,
+            micro_batch_size=plan.model.micro_batch_size,
+            schedule=self.schedule.name,
+        )
         if self.rank == 0:
             print(describe(report), flush=True)
         return report
@@ -461,18 +573,25 @@ class PipelineTrainer(Trainer):
         """The plan of this run: schedule and options, partition, and which rank runs what."""
         sch, place = self.schedule, self.schedule.placement
         fwd = " | ".join(f"r{r}: " + ",".join(map(unit_label, place.fwd_stages(r))) for r in range(self.world))
-        bwd = " | ".join(f"r{r}: " + ",".join(unit_label(s, k) for s, k in place.bwd_substages(r)) for r in range(self.world))
-        lines = [f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
-                 f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.ckpt} | "
-                 f"optimizer {sch.options.optimizer} | job {getattr(self, 'job_id', '?')}",
-                 *("  " + line for line in sch.partition.describe().splitlines()),
-                 f"  forward stages   {fwd}", f"  backward (owner) {bwd}"]
+        bwd = " | ".join(
+            f"r{r}: " + ",".join(unit_label(s, k) for s, k in place.bwd_substages(r)) for r in range(self.world)
+        )
+        lines = [
+            f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
+            f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.ckpt} | "
+            f"optimizer {sch.options.optimizer} | job {getattr(self, 'job_id', '?')}",
+            *("  " + line for line in sch.partition.describe().splitlines()),
+            f"  forward stages   {fwd}",
+            f"  backward (owner) {bwd}",
+        ]
         if isinstance(self.pacer, EmulatedPacer):
             plan = self.pacer.plan
-            lines.append(f"  emulated: {plan.cluster.describe()}; costs of {plan.model.name} at "
-                         f"{plan.model.micro_batch_size}x{plan.model.seq_len} tokens per micro-batch; time x"
-                         f"{self.pacer.time_scale:g}; plan {self.planned()[0]:.3f} s/iteration, bubble "
-                         f"{100 * self.planned()[1]:.1f}%" + (" (with the device lane)" if self.lane_plan else ""))
+            lines.append(
+                f"  emulated: {plan.cluster.describe()}; costs of {plan.model.name} at "
+                f"{plan.model.micro_batch_size}x{plan.model.seq_len} tokens per micro-batch; time x"
+                f"{self.pacer.time_scale:g}; plan {self.planned()[0]:.3f} s/iteration, bubble "
+                f"{100 * self.planned()[1]:.1f}%" + (" (with the device lane)" if self.lane_plan else "")
+            )
         return "\n".join(lines)
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -519,8 +638,12 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
             tuned = tune_job(cfg, info, dev.resolve_device(cfg.device))
             cfg, tuned_costs = tuned.cfg, tuned.costs
             opts = options_from_config(cfg)
-        plan = plan_cores(n_stages=1, backend="torch" if opts.optim_backend == "torch" else "deepspeed",
-                          local_rank=info.local_rank, local_world_size=info.local_world_size)
+        plan = plan_cores(
+            n_stages=1,
+            backend="torch" if opts.optim_backend == "torch" else "deepspeed",
+            local_rank=info.local_rank,
+            local_world_size=info.local_world_size,
+        )
         apply_plan(plan)
         trainer = PipelineTrainer(resolve(cfg), opts, info=info, tuned_costs=tuned_costs)
         return run_job(trainer, is_main=info.is_main, extra=trainer.describe())

@@ -10,8 +10,7 @@ ran, else the mean of the logged step times after the warm-up.
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,13 +26,13 @@ class RunPrediction:
 
     ``trainer`` is a :class:`sysx.trainers.pipeline.PipelineTrainer` (not imported: it imports this)."""
 
-    def __init__(self, trainer: Any, tuned: Optional[Costs], *, rss0: int) -> None:
+    def __init__(self, trainer: Any, tuned: Costs | None, *, rss0: int) -> None:
         self.trainer = trainer
         self.tuned = tuned
         self.emulated = trainer.cfg.device == "emulated"
         self.rss0 = rss0  # the RSS before the trainer built its state: the growth is what the plan describes
         self.step_times: list[tuple[int, float]] = []
-        self.at: Optional[int] = None  # set at the first step this process runs (after a resume, too)
+        self.at: int | None = None  # set at the first step this process runs (after a resume, too)
         self.section: dict[str, Any] = {}
 
     def _memory_kind(self) -> str:
@@ -41,19 +40,22 @@ class RunPrediction:
             return ""
         return GPU if dev.is_cuda(self.trainer.device) else HOST
 
-    def _peak(self) -> Optional[float]:
+    def _peak(self) -> float | None:
         """Collective: the fullest rank's GPU peak, or every rank's host growth summed (CPU)."""
         t = self.trainer
         kind = self._memory_kind()
         if not kind:
             return None
-        mine = float(dev.max_memory_allocated(t.device)) if kind == GPU else float(dev.host_peak_rss_bytes() - self.rss0)
+        mine = (
+            float(dev.max_memory_allocated(t.device)) if kind == GPU else float(dev.host_peak_rss_bytes() - self.rss0)
+        )
         # through the trainer's sliced wait: a signal or a dead peer during the check stops it
-        (value,) = t._all_reduce([mine], "prediction check (memory peaks)",
-                                 op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM)
+        (value,) = t._all_reduce(
+            [mine], "prediction check (memory peaks)", op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM
+        )
         return float(value)
 
-    def costs(self) -> tuple[Optional[Costs | CostTable], str]:
+    def costs(self) -> tuple[Costs | CostTable | None, str]:
         """Rank 0: the costs the run used and their name (see :mod:`sysx.autotune.check`)."""
         t = self.trainer
         if self.tuned is not None:
@@ -65,8 +67,14 @@ class RunPrediction:
 
         assert t.optimizer is not None
         threads = t.optimizer.threads
-        cached = cached_costs(t.cfg, t.world, t.info.local_world_size, t.device, workers=threads.workers,
-                              threads=threads.threads_per_worker or 1)
+        cached = cached_costs(
+            t.cfg,
+            t.world,
+            t.info.local_world_size,
+            t.device,
+            workers=threads.workers,
+            threads=threads.threads_per_worker or 1,
+        )
         if cached is not None:
             return cached, "cached profile"
         window = t.window_costs
@@ -86,8 +94,11 @@ class RunPrediction:
             return
         costs, source = self.costs()
         if costs is None:
-            print("prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
-                  "`sysx tune` measures one)", flush=True)
+            print(
+                "prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
+                "`sysx tune` measures one)",
+                flush=True,
+            )
             return
         recorded = t.recorded_iteration()
         if recorded is not None:
@@ -116,10 +127,10 @@ class SinglePrediction:
         self.plan, self.device = plan, device
         self.rss0 = dev.host_rss_bytes()
         self.step_times: list[tuple[int, float]] = []
-        self.at: Optional[int] = None
+        self.at: int | None = None
         self.section: dict[str, Any] = {}
 
-    def after_step(self, result: StepResult, total_steps: int, recorded: Optional[tuple[int, int, float]]) -> None:
+    def after_step(self, result: StepResult, total_steps: int, recorded: tuple[int, int, float] | None) -> None:
         """Note the step; at the check step compare. ``recorded``: ``(first, last, seconds)`` of a
         written timeline window, else None."""
         self.step_times.append((result.step, result.step_time_s))

@@ -195,10 +195,13 @@ class ReferenceTrainer(Trainer):
 
     def checkpoint_layers(self) -> dict[int, LayerSource]:
         """Every layer: fp32 masters and torch AdamW's moments and step (zeros before the first step)."""
+
         def source(index: int, params: list[tuple[str, torch.Tensor]]) -> LayerState:
             states = [self.optimizer.state.get(m, {}) for _, m in params]
-            moments = [{n: s.get(k, torch.zeros_like(m)).detach().cpu() for (n, m), s in zip(params, states)}
-                       for k in ("exp_avg", "exp_avg_sq")]
+            moments = [
+                {n: s.get(k, torch.zeros_like(m)).detach().cpu() for (n, m), s in zip(params, states)}
+                for k in ("exp_avg", "exp_avg_sq")
+            ]
             steps = {int(s["step"]) if "step" in s else 0 for s in states}
             return LayerState(index, {n: m.detach().cpu() for n, m in params}, moments[0], moments[1], steps.pop())
 

@@ -47,22 +47,21 @@ from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.device_memory import MemoryCap
-from sysx.metrics import StepResult
 from sysx.memory import plan_host_memory
+from sysx.metrics import StepResult
 from sysx.model.flops import param_count
 from sysx.optim.device_lane import DeviceLane
-from sysx.optim.rollback_choice import choose_rollback
 from sysx.optim.placement import LaneRates, Placement
+from sysx.optim.rollback_choice import choose_rollback
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
 from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
-from sysx.trainers.prediction import SinglePrediction
 from sysx.single.host import HostState
 from sysx.single.lanes import WORKERS, window_placement
-from sysx.single.planner import PlanError, Profiler, SinglePlan, make_plan, plan_request_from_config
+from sysx.single.planner import PlanError, SinglePlan, make_plan, plan_request_from_config
 from sysx.single.sites import device_profiler
 from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
 from sysx.trace.timeline import merge
@@ -70,6 +69,7 @@ from sysx.trace.window import StepWindow
 from sysx.trainers.base import Trainer, job_device
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
+from sysx.trainers.prediction import SinglePrediction
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -102,10 +102,12 @@ class SingleTrainer(Trainer):
             hardware = machine_hardware(self.settings.hardware, self.device, self.dtype)
         self.hardware = hardware
         # PyAO's throughputs and the DP's values use measured site times where they are meaningful (a GPU)
-        request = dataclasses.replace(plan_request_from_config(cfg, self.settings, self.model_cfg),
-                                      use_measured_times=dev.is_cuda(self.device))
-        profiler = device_profiler(self.model_cfg, cfg.train.seq_len, self.dtype, self.device,
-                                   measure=dev.is_cuda(self.device))
+        request = dataclasses.replace(
+            plan_request_from_config(cfg, self.settings, self.model_cfg), use_measured_times=dev.is_cuda(self.device)
+        )
+        profiler = device_profiler(
+            self.model_cfg, cfg.train.seq_len, self.dtype, self.device, measure=dev.is_cuda(self.device)
+        )
         self.plan: SinglePlan = make_plan(request, hardware, profiler=profiler)
         if self.settings.print_plan:
             print(self.plan.render(), flush=True)
@@ -118,13 +120,20 @@ class SingleTrainer(Trainer):
             raise
         dev.reset_peak_memory(self.device)
 
-    def _build(self, cfg: SysxConfig, optimizer_backend: str | None, model: LlamaModel | None,
-               lane_rates: LaneRates | None) -> None:
+    def _build(
+        self, cfg: SysxConfig, optimizer_backend: str | None, model: LlamaModel | None, lane_rates: LaneRates | None
+    ) -> None:
         """The host state, the executor, the optimizer threads and the optimizer's placement."""
         o = cfg.optim
-        settings = OptimSettings(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay,
-                                 grad_clip=o.grad_clip, backend=optimizer_backend or o.backend,
-                                 rollback=self._choose_rollback(o.rollback))
+        settings = OptimSettings(
+            lr=o.lr,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            grad_clip=o.grad_clip,
+            backend=optimizer_backend or o.backend,
+            rollback=self._choose_rollback(o.rollback),
+        )
         self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
@@ -157,9 +166,14 @@ class SingleTrainer(Trainer):
         printed once with the model's predicted saving."""
         o = self.cfg.optim
         placement, units = window_placement(
-            o.placement, self.plan, [(g.name, g.layout.numel) for g in self.host.groups],
-            separate_device=dev.is_cuda(self.device), speculative=self.policy.mode != "never",
-            backend="torch" if backend == "torch" else "auto", rates=rates)
+            o.placement,
+            self.plan,
+            [(g.name, g.layout.numel) for g in self.host.groups],
+            separate_device=dev.is_cuda(self.device),
+            speculative=self.policy.mode != "never",
+            backend="torch" if backend == "torch" else "auto",
+            rates=rates,
+        )
         if placement.device:
             self.use_device_lane(placement.device)
         if o.placement != "cpu" and (placement.device or placement.cpu_finish > 0):
@@ -184,12 +198,21 @@ class SingleTrainer(Trainer):
         """Number of (distinct) parameters."""
         return self.host.n_params
 
-    def batch(self, step: int, micro_batch: int, *, rows: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, micro_batch: int, *, rows: int, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch ``micro_batch`` of ``rows`` sequences, on the device (global rows as the reference's)."""
         from sysx.data import get_batch
 
-        x, y = get_batch(self.dataset, seed=self.cfg.seed, step=step, micro_batch=micro_batch,
-                         micro_batch_size=rows, seq_len=self.cfg.train.seq_len, split=split)
+        x, y = get_batch(
+            self.dataset,
+            seed=self.cfg.seed,
+            step=step,
+            micro_batch=micro_batch,
+            micro_batch_size=rows,
+            seq_len=self.cfg.train.seq_len,
+            split=split,
+        )
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _before_load(self, group: int) -> None:
@@ -235,10 +258,20 @@ class SingleTrainer(Trainer):
             self.redone_steps += not clean
         loss_value = float(torch.stack(losses).mean())
         dev.synchronize(self.device)
-        result = StepResult(step=step, loss=loss_value, lr=lr, grad_norm=outcome.grad_norm, skipped=outcome.skipped,
-                            scale=scale, tokens=self.tokens_per_step, step_time_s=time.perf_counter() - t0,
-                            speculated=speculate, rolled_back=outcome.undone + outcome.restepped,
-                            restepped=outcome.restepped, opt_exposed_s=self._waited)
+        result = StepResult(
+            step=step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=outcome.grad_norm,
+            skipped=outcome.skipped,
+            scale=scale,
+            tokens=self.tokens_per_step,
+            step_time_s=time.perf_counter() - t0,
+            speculated=speculate,
+            rolled_back=outcome.undone + outcome.restepped,
+            restepped=outcome.restepped,
+            opt_exposed_s=self._waited,
+        )
         if self.window.after(step):
             self._write_timeline()
         self._check_prediction(result)
@@ -259,8 +292,14 @@ class SingleTrainer(Trainer):
         rec = self.window.recorder
         spans = merge([rec.part({g.name: (g.layer_indices[0], 0) for g in self.host.groups})])
         rec.clear()
-        report = write_window(spans, self.cfg.run_dir, name="single", n_ranks=1,
-                              plan={"iteration_s": self.plan.times["step_s"]}, plan_source="the planner's prediction")
+        report = write_window(
+            spans,
+            self.cfg.run_dir,
+            name="single",
+            n_ranks=1,
+            plan={"iteration_s": self.plan.times["step_s"]},
+            plan_source="the planner's prediction",
+        )
         print(f"{report.line} | {self.cfg.run_dir}/{{{TIMELINE_JSON},{TIMELINE_PNG}}}", flush=True)
         self._measurements = report.summary()
 
@@ -279,8 +318,15 @@ class SingleTrainer(Trainer):
         reports = sorted(reports, key=lambda r: forward[r.stage])
         clip = self.cfg.optim.grad_clip
         if speculate:
-            outcome = post_step_validate(reports, self.threads, self.scaler, lr=lr, max_grad_norm=clip,
-                                         total_norm=self.host.grad_norm, wait=False)
+            outcome = post_step_validate(
+                reports,
+                self.threads,
+                self.scaler,
+                lr=lr,
+                max_grad_norm=clip,
+                total_norm=self.host.grad_norm,
+                wait=False,
+            )
         else:
             outcome = check_reports(reports, self.scaler, max_grad_norm=clip, total_norm=self.host.grad_norm)
             if not outcome.skipped:
@@ -301,7 +347,7 @@ class SingleTrainer(Trainer):
         means = []
         for j in range(n):
             x, y = self.batch(0, j, rows=mbs, split="val")
-            pieces = [(x[i:i + b], y[i:i + b]) for i in range(0, mbs, b)]
+            pieces = [(x[i : i + b], y[i : i + b]) for i in range(0, mbs, b)]
             losses = self.executor.evaluate(pieces, self._before_load)
             rows = torch.tensor([p[0].shape[0] for p in pieces], dtype=torch.float32)
             means.append(float((torch.stack([v.cpu() for v in losses]) * rows).sum() / rows.sum()))
@@ -367,7 +413,11 @@ def train(cfg: SysxConfig, info: DistInfo) -> int:
     except PlanError as err:
         raise ConfigError(f"schedule=single: {err}") from None
     p = trainer.plan
-    seqs = f"{p.chunk} seqs" + (f" in {p.seq_chunks} sequence chunks of {p.seq_chunk} tokens" if p.seq_chunks > 1 else "")
-    extra = (f"single: W={p.window}/{p.sizes.n_blocks} blocks, {p.rounds} rounds x {p.chunks} chunks x {seqs}, "
-             f"device working set {p.device_bytes['total'] / GiB:.2f} GiB of {p.device_budget / GiB:.2f} GiB")
+    seqs = f"{p.chunk} seqs" + (
+        f" in {p.seq_chunks} sequence chunks of {p.seq_chunk} tokens" if p.seq_chunks > 1 else ""
+    )
+    extra = (
+        f"single: W={p.window}/{p.sizes.n_blocks} blocks, {p.rounds} rounds x {p.chunks} chunks x {seqs}, "
+        f"device working set {p.device_bytes['total'] / GiB:.2f} GiB of {p.device_budget / GiB:.2f} GiB"
+    )
     return run_job(trainer, extra=extra)
