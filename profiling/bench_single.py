@@ -216,7 +216,7 @@ def sync(device: torch.device) -> None:
 
 def run_single(args: argparse.Namespace, cfg: SysxConfig, row: Row, peak: float | None) -> Row:
     """(a) the sliding-window trainer under ``single.device_memory_gb``."""
-    from sysx.single.planner import PlanError
+    from sysx.single.plan_request import PlanError
     from sysx.trainers.base import job_device
     from sysx.trainers.single import SingleTrainer
 

@@ -166,6 +166,7 @@ class Stream:
 
     def __init__(self, device: torch.device, *, priority: int = 0, raw: torch.cuda.Stream | None = None) -> None:
         self.device = torch.device(device)
+        self.raw: torch.cuda.Stream | None
         if raw is not None:
             self.raw = raw
         elif is_cuda(self.device):

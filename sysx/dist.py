@@ -267,14 +267,16 @@ class _Waiter:
             job = self._queue.get()
             if job is None:
                 return
+            work = job.work
             try:
-                job.completed = job.work.wait(datetime.timedelta(seconds=job.timeout_s))
+                if work is not None:  # submit always hands one over; only this loop clears it
+                    job.completed = work.wait(datetime.timedelta(seconds=job.timeout_s))
             except RuntimeError as err:
                 job.error = err
             finally:
                 # the Work holds its tensor (a receive into a shared-memory segment, say): a reference
                 # kept by this idle thread would stop the store from closing
-                job.work = None
+                work = job.work = None
                 self.in_flight -= 1
                 job.done.set()
 
@@ -303,6 +305,13 @@ def _poll_collective(work: dist.Work, timeout_s: float, watch: peers.PeerWatch |
     except RuntimeError as err:
         job.error = err
     return job
+
+
+def posted(work: dist.Work | None, what: str) -> dist.Work:
+    """The Work of an ``isend``/``irecv``: torch returns None only to a rank outside the group."""
+    if work is None:
+        raise RuntimeError(f"{what}: this rank is not a member of the transfer's process group")
+    return work
 
 
 def wait_for(

@@ -176,9 +176,9 @@ def _balanced_cut(costs: Sequence[float], parts: int) -> list[int]:
     sizes: list[int] = []
     i = n
     for p in range(parts, 0, -1):
-        j = int(choice[p, i])
-        sizes.append(i - j)
-        i = j
+        start = int(choice[p, i])
+        sizes.append(i - start)
+        i = start
     return sizes[::-1]
 
 

@@ -18,7 +18,8 @@ from sysx.config import ConfigError, SysxConfig, model_config, refuse_ignored_ke
 def check_single(cfg: SysxConfig) -> str:
     """The sliding-window plan of ``schedule=single`` (hardware from ``single.hardware``); its summary line."""
     from sysx.single.hardware import machine_hardware
-    from sysx.single.planner import PlanError, make_plan, plan_request_from_config
+    from sysx.single.plan_request import PlanError, plan_request_from_config
+    from sysx.single.planner import make_plan
     from sysx.trainers.base import DTYPES, job_device, resolve_precision
 
     device = job_device(cfg)

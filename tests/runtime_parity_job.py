@@ -17,6 +17,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +31,7 @@ def main(spec_path: str, out_path: str) -> int:
     from sysx.trainers.pipeline import PipelineTrainer
     from sysx.trainers.reference import ReferenceTrainer
 
-    spec = json.loads(open(spec_path).read())
+    spec = json.loads(Path(spec_path).read_text())
     info = sdist.init(timeout_s=float(spec.get("timeout_s", 60)))
     steps = int(spec["steps"])
     cfg = SysxConfig(

@@ -127,14 +127,14 @@ def test_window_layers_keep_their_activations_on_the_device() -> None:
 def test_dp_matches_brute_force_on_random_small_problems(seed: int) -> None:
     rng = random.Random(seed)
     L = rng.randint(2, 5)
-    O = rng.randint(2, 4)
+    n_opts = rng.randint(2, 4)
     chunks = rng.choice([1, 2])
     ring = rng.randint(1, 4) * chunks
     compute = [rng.uniform(0.5, 1.5) for _ in range(L)]
     transfer, value, host = [], [], []
     for _ in range(L):
-        t = sorted(rng.uniform(0.0, 1.2) / chunks for _ in range(O))
-        v = sorted(rng.uniform(0.0, 2.0) for _ in range(O))
+        t = sorted(rng.uniform(0.0, 1.2) / chunks for _ in range(n_opts))
+        v = sorted(rng.uniform(0.0, 2.0) for _ in range(n_opts))
         transfer.append(t)
         value.append(v)
         host.append([x * 10 for x in t])
@@ -162,15 +162,15 @@ def test_dp_matches_brute_force_on_random_small_problems(seed: int) -> None:
 
 def test_dp_solves_a_real_model_size() -> None:
     # 80 transferring blocks, 5 options, 4 chunks per round; its speed is profiling/bench_planners.py's
-    n_tr, W, O, chunks = 80, 8, 5, 4
+    n_tr, W, n_opts, chunks = 80, 8, 5, 4
     p = SaveProblem.make(
         [1.0] * (n_tr + W),
-        [[0.12 * o for o in range(1, O + 1)]] * n_tr,
-        [[float(o) for o in range(O)]] * n_tr,
+        [[0.12 * o for o in range(1, n_opts + 1)]] * n_tr,
+        [[float(o) for o in range(n_opts)]] * n_tr,
         ring_slots=W * chunks,
         chunks=chunks,
         transfer_layers=n_tr,
-        host_bytes=[[float(o + 1) for o in range(O)]] * n_tr,
+        host_bytes=[[float(o + 1) for o in range(n_opts)]] * n_tr,
         host_capacity=3.0 * n_tr * chunks,
     )
     sol = solve_save_levels(p)

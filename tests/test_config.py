@@ -140,7 +140,7 @@ def test_bad_value_gives_one_line_naming_key_value_and_allowed(
 ) -> None:
     run_dir = tmp_path / "run"
     status = main([*overrides, f"run_dir={run_dir}"])
-    out, err = capsys.readouterr()
+    _, err = capsys.readouterr()
     assert status == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

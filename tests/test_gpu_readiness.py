@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -78,8 +79,8 @@ def test_default_device_uses_the_gpu_chosen_at_init_and_refuses_oversubscription
 def test_planning_sizes_chunks_from_meta_and_runs_only_the_chosen_size_treating_oom_as_no_fit() -> None:
     from sysx.single.hardware import assumed_hardware
     from sysx.single.plan_costs import meta_profiler
-    from sysx.single.plan_request import PlanRequest
-    from sysx.single.planner import PlanError, make_plan
+    from sysx.single.plan_request import PlanError, PlanRequest
+    from sysx.single.planner import make_plan
 
     meta = meta_profiler(TINY, 128, torch.float32)
     asked: list[int] = []
@@ -220,7 +221,7 @@ def test_ds_accelerator_cpu_is_set_only_without_cuda(monkeypatch: pytest.MonkeyP
 
 # ----------------------------------------------------------------------------------- item 8
 class _FakeEvent:
-    clock = [0.0]
+    clock: ClassVar[list[float]] = [0.0]
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.timing, self.blocking, self.at, self.synced = enable_timing, blocking, None, False

@@ -177,7 +177,7 @@ def test_matches_hf_sdpa_attention_too() -> None:
 
 @pytest.mark.parametrize("name", ["gqa", "gqa_tied"])
 def test_load_from_hf_directory(tmp_path, name: str) -> None:
-    config, hf_model = make_hf(name)
+    _, hf_model = make_hf(name)
     hf_model.save_pretrained(tmp_path / "hf")
     ids, _, _ = batch()
     model = load_hf_llama(tmp_path / "hf")
@@ -269,7 +269,7 @@ def test_unsupported_hf_config_is_a_clear_error() -> None:
 
 
 def test_convert_command_round_trip(tmp_path, capsys) -> None:
-    config, hf_model = make_hf("gqa_tied")
+    _, hf_model = make_hf("gqa_tied")
     hf_model.save_pretrained(tmp_path / "hf")
     sysx_file = tmp_path / "m.safetensors"
     assert sysx_main(["convert", "--from-hf", str(tmp_path / "hf"), str(sysx_file)]) == 0
@@ -291,7 +291,7 @@ def test_convert_command_round_trip(tmp_path, capsys) -> None:
 def test_convert_command_errors(tmp_path, capsys) -> None:
     assert sysx_main(["convert", "--to-hf", str(tmp_path / "nope.safetensors"), str(tmp_path / "o")]) == 1
     assert "does not exist" in capsys.readouterr().err
-    config, hf_model = make_hf("gqa")
+    _, hf_model = make_hf("gqa")
     hf_model.save_pretrained(tmp_path / "hf")
     # An HF weights file is safetensors but not a sysx model file.
     assert sysx_main(["convert", "--to-hf", str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "o")]) == 1

@@ -298,7 +298,7 @@ def test_flat_layout_and_tied_embeddings() -> None:
     assert f"{n - 1}.lm_head.weight" not in {e.name for e in layout.entries}  # stored once, as 0.weight
 
     reference = build_model(SMALL_TIED)
-    _, buffer, grads = _flat_stage(list(model.layers))
+    _, _, grads = _flat_stage(list(model.layers))
     assert model.head.lm_head.weight is model.embedding.weight
     ids, labels = batch(SMALL_TIED)
     model.loss(ids, labels).backward()

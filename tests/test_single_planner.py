@@ -11,7 +11,8 @@ import torch
 
 from sysx.model import get_preset
 from sysx.single.hardware import GiB, assumed_hardware, measure_hardware
-from sysx.single.planner import ModelSizes, PlanError, PlanRequest, make_plan, min_round_sequences
+from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest
+from sysx.single.planner import make_plan, min_round_sequences
 from sysx.single.rings import align
 
 HW24 = assumed_hardware("rtx4090", host_memory_gib=256)

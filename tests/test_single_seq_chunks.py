@@ -17,7 +17,8 @@ from sysx.model import get_preset
 from sysx.model.attention import KVCache
 from sysx.model.llama import init_layer, make_layer
 from sysx.single.hardware import assumed_hardware
-from sysx.single.planner import PlanError, PlanRequest, make_plan
+from sysx.single.plan_request import PlanError, PlanRequest
+from sysx.single.planner import make_plan
 from sysx.trainers.reference import ReferenceTrainer
 from sysx.trainers.single import SingleTrainer
 

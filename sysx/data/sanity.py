@@ -27,7 +27,7 @@ def sample_ids(tokens: np.ndarray, *, windows: int = SAMPLE_WINDOWS, window: int
 def _looks_like_uint32_as_uint16(ids: np.ndarray) -> bool:
     """Every odd position zero while the even ones are not: the high halves of uint32 ids."""
     even, odd = ids[0::2], ids[1::2]
-    return len(odd) >= 64 and not odd.any() and np.count_nonzero(even) > len(even) // 2
+    return bool(len(odd) >= 64 and not odd.any() and np.count_nonzero(even) > len(even) // 2)
 
 
 def check_ids(

@@ -158,7 +158,7 @@ class Segment:
                 if info.creator_pid == os.getpid():
                     raise SegmentExistsError(
                         f"{name.name} was already created by this process; close it before creating it again"
-                    )
+                    ) from None
                 raise SegmentExistsError(
                     f"shared-memory segment {name.name} already exists and is {info.status} "
                     f"(creator pid {info.creator_pid}, users {info.holders}): another sysx job with job id "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +99,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -
     bsz, n_heads, tq, head_dim = q.shape
     n_kv, tk = k.shape[1], k.shape[2]
     n_rep = n_heads // n_kv
-    gqa: dict[str, bool] = {}
+    gqa: dict[str, Any] = {}  # keyword arguments: older torch has no enable_gqa
     if n_rep > 1 and SDPA_GQA:
         # Each KV head serves n_rep consecutive query heads (HF ``repeat_kv``); the flash kernels
         # read the shared K/V directly instead of n_rep materialised copies.
@@ -205,7 +206,7 @@ class _ExtendCache(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         key: torch.Tensor,
-        value: torch.Tensor,  # type: ignore[override]
+        value: torch.Tensor,
         cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cache.write(key, value)
@@ -216,7 +217,7 @@ class _ExtendCache(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx,
-        grad_key: torch.Tensor,  # type: ignore[override]
+        grad_key: torch.Tensor,
         grad_value: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         cache: KVCache = ctx.cache  # type: ignore[attr-defined]

@@ -194,7 +194,7 @@ def hf_weight_files(root: Path) -> dict[str, Path]:
     for name in files:
         path = root / name
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safetensors' safe_open has no __iter__
                 where[key] = path
     return where
 

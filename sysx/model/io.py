@@ -69,8 +69,8 @@ def load_model(
     with safe_open(str(path), framework="pt") as f:
         stored = set(f.keys())
         if dtype is None:
-            dtype = f.get_slice("layers.0.weight").get_dtype() if "layers.0.weight" in stored else None
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.float32)
+            stored_dtype = f.get_slice("layers.0.weight").get_dtype() if "layers.0.weight" in stored else "F32"
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(stored_dtype, torch.float32)
         model = LlamaModel(cfg, dtype=dtype, device=device)
         params = dict(model.named_parameters())
         missing = sorted(set(params) - stored)

@@ -130,7 +130,7 @@ class _EmbeddingFp32Grad(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
-        input_ids: torch.Tensor,  # type: ignore[override]
+        input_ids: torch.Tensor,
         weight: torch.Tensor,
     ) -> torch.Tensor:
         ctx.save_for_backward(input_ids)
@@ -139,7 +139,7 @@ class _EmbeddingFp32Grad(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
         grad_out: torch.Tensor,
     ) -> tuple[None, torch.Tensor]:
         (input_ids,) = ctx.saved_tensors  # type: ignore[attr-defined]

@@ -8,7 +8,8 @@ its own generator seeded by ``(seed, layer index)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -65,8 +66,11 @@ def _stand_ins(module: nn.Module, made: dict[int, nn.Parameter]) -> None:
             sub._parameters[name] = made[id(p)]
 
 
-def tie_embeddings(embedding: Embedding, head: Head) -> None:
-    """Make ``head.lm_head.weight`` the very Parameter of ``embedding.weight`` (tied embeddings)."""
+def tie_embeddings(embedding: nn.Module, head: nn.Module) -> None:
+    """Make ``head.lm_head.weight`` the very Parameter of ``embedding.weight`` (tied embeddings);
+    ``embedding`` and ``head`` are flat layers 0 and ``n_layers + 1`` (:func:`make_layer`)."""
+    if not isinstance(embedding, Embedding) or not isinstance(head, Head):
+        raise TypeError(f"cannot tie {type(embedding).__name__} to {type(head).__name__}: need an Embedding and a Head")
     head.lm_head.weight = embedding.weight
     embedding.tied_to_head = True
     head.tied_to_embedding = True
@@ -117,12 +121,12 @@ class LlamaModel(nn.Module):
     @property
     def embedding(self) -> Embedding:
         """The first flat layer."""
-        return self.layers[0]
+        return cast(Embedding, self.layers[0])  # __init__ puts the Embedding first
 
     @property
     def head(self) -> Head:
         """The last flat layer."""
-        return self.layers[-1]
+        return cast(Head, self.layers[-1])  # and the Head last
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, T] -> logits [B, T, vocab]``."""
@@ -182,7 +186,7 @@ def build_layers(
     return layers
 
 
-def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+def run_layers(layers: Iterable[nn.Module], x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
     """Run a contiguous slice of flat layers on ``x`` (token ids before the Embedding, else hidden).
 
     The Head gets ``labels`` and returns the loss (or the logits when ``labels`` is None); a

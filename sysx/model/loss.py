@@ -90,7 +90,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         hidden: torch.Tensor,
-        weight: torch.Tensor,  # type: ignore[override]
+        weight: torch.Tensor,
         labels: torch.Tensor,
         features: nn.Module,
         chunk: int,
@@ -110,7 +110,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
         grad_loss: torch.Tensor,
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse, *params = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -132,7 +132,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del logits
             if need_w:
                 grad_w = g.t() @ h.detach() if grad_w is None else grad_w.addmm_(g.t(), h.detach())
-            _backprop_features(h, g @ weight, xc, params, need_p, grad_p, grad_x[s : s + chunk] if need_x else None)
+            _backprop_features(h, g @ weight, xc, params, need_p, grad_p, None if grad_x is None else grad_x[s : s + chunk])
         return (None if grad_x is None else grad_x.view_as(hidden), grad_w, None, None, None, *grad_p)
 
 
@@ -156,8 +156,8 @@ def _backprop_features(
         grad_x.copy_(grads.pop(0))
     for i, need in enumerate(need_p):
         if need:
-            g = grads.pop(0)
-            grad_p[i] = g if grad_p[i] is None else grad_p[i].add_(g)
+            g, before = grads.pop(0), grad_p[i]
+            grad_p[i] = g if before is None else before.add_(g)
 
 
 def chunked_cross_entropy(

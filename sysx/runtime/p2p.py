@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sysx.dist import wait_for
+from sysx.dist import posted, wait_for
 from sysx.emulate.pacer import Pacer
 from sysx.partition import unit_label
 from sysx.schedule.ops import Message, Op
@@ -153,11 +153,12 @@ class P2P:
         """Post the send of ``tensor`` (checked against ``spec``) to ``peer``; returns the handle."""
         spec.check(tensor, rank=self.rank, action=f"{what}: sending")
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
-        works, header, group = [], None, self._group(spec)
+        works: list[dist.Work] = []
+        header, group = None, self._group(spec)
         if self.verify:
             header = spec.header(payload.device)
-            works.append(dist.isend(header, dst=peer, group=group))
-        works.append(dist.isend(payload, dst=peer, group=group))
+            works.append(posted(dist.isend(header, dst=peer, group=group), what))
+        works.append(posted(dist.isend(payload, dst=peer, group=group), what))
         self.bytes_sent += payload.numel() * payload.element_size()
         self.messages += 1
         pending = Pending(spec, peer, what, works, payload, header, is_send=True, posted=self._posted())
@@ -167,11 +168,12 @@ class P2P:
     def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
         """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
         buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-        works, header, group = [], None, self._group(spec)
+        works: list[dist.Work] = []
+        header, group = None, self._group(spec)
         if self.verify:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            works.append(dist.irecv(header, src=peer, group=group))
-        works.append(dist.irecv(buffer, src=peer, group=group))
+            works.append(posted(dist.irecv(header, src=peer, group=group), what))
+        works.append(posted(dist.irecv(buffer, src=peer, group=group), what))
         self.bytes_received += buffer.numel() * buffer.element_size()
         self.messages += 1
         pending = Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
@@ -242,11 +244,14 @@ class P2P:
     def completed(self, pending: Pending) -> bool:
         """For a send: True once every work of ``pending`` has finished, so its buffer may go
         (never blocks). Receives are completed by :meth:`wait`, which checks the header."""
-        if not pending.done and all(w.is_completed() for w in [*pending.works, *pending.extra]):
-            if pending.is_send:
-                self._settle(pending, pending.what)
-                pending.done = True
-                self._record(pending)
+        if (
+            not pending.done
+            and pending.is_send
+            and all(w.is_completed() for w in [*pending.works, *pending.extra])
+        ):
+            self._settle(pending, pending.what)
+            pending.done = True
+            self._record(pending)
         return pending.done
 
     def send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> None:

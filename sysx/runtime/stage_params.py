@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from sysx import device as dev
-from sysx.dist import DistInfo, wait_for
+from sysx.dist import DistInfo, posted, wait_for
 from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
@@ -230,7 +230,7 @@ class StageParams:
             if unit.owner == self.rank:
                 works.append(
                     (
-                        dist.isend(self.shared[key], dst=unit.fwd_rank, group=self.group),
+                        posted(dist.isend(self.shared[key], dst=unit.fwd_rank, group=self.group), "mirror push"),
                         f"mirror push of {unit.key} to node {unit.fwd_node}",
                         unit.fwd_rank,
                     )
@@ -238,7 +238,7 @@ class StageParams:
             elif unit.fwd_rank == self.rank:
                 works.append(
                     (
-                        dist.irecv(self.shared[key], src=unit.owner, group=self.group),
+                        posted(dist.irecv(self.shared[key], src=unit.owner, group=self.group), "mirror update"),
                         f"mirror update of {unit.key} from node {unit.owner_node}",
                         unit.owner,
                     )

@@ -173,7 +173,7 @@ def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
     ax.set_ylim(-0.1, top - 0.25)
     ax.set_yticks([yb + h / 2 for _, yb, h in rows])
     ax.set_yticklabels([name for name, _, _ in rows], fontsize=7)
-    for name, yb, h in rows:
+    for name, yb, _ in rows:
         if name.startswith("GPU"):
             ax.axhline(yb - 0.04, color="#dddddd", lw=0.5, zorder=0)
     ax.axvline(tl.iteration, color="#c0392b", lw=0.8, ls="--")

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from operator import itemgetter
-from typing import Union
 
 from sysx.schedule.costs import Costs, CostTable, UnitCosts
 from sysx.schedule.engine import CKPTS, GRADS, PARAMS, PROGRAMS, WORK, run_program
@@ -134,7 +133,7 @@ def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple
     return host, shm
 
 
-CostsLike = Union[Costs, UnitCosts, CostTable]
+CostsLike = Costs | UnitCosts | CostTable
 
 
 def simulate(

@@ -308,7 +308,7 @@ def _pareto(cands: list[tuple[float, float, float, int, int]]) -> list[tuple[flo
 
 def _infeasible(problem: SaveProblem) -> SaveSolution:
     levels = [0] * problem.n_transfer
-    ok, stall, finish, host = simulate_forward(problem, levels)
+    _, stall, finish, host = simulate_forward(problem, levels)
     value = sum(problem.value_s[i][0] for i in range(problem.n_transfer))
     return SaveSolution(tuple(levels), value, False, True, stall, tuple(finish), host)
 

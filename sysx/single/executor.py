@@ -54,9 +54,11 @@ from sysx import device as dev
 from sysx.memory.pinned import HostBuffers
 from sysx.model.attention import KVCache
 from sysx.model.flat import FlatLayout
+from sysx.model.layers import Block, Embedding, Head
+from sysx.model.llama import tie_embeddings
 from sysx.schedule.ops import Op, OpKind
 from sysx.single.host import HostState
-from sysx.single.planner import SinglePlan
+from sysx.single.plan_report import SinglePlan
 from sysx.single.rings import DeviceArena, Ring, alias, align, typed
 from sysx.single.sites import LayerProfile, ReplayStats, SlotLayout, backward_replayed, run_captured
 from sysx.trace.recorder import COMPUTE, D2H, H2D, Recorder, What
@@ -97,8 +99,6 @@ class SlidingWindowExecutor:
         *,
         trace: bool = False,
     ) -> None:
-        from sysx.model.llama import make_layer, tie_embeddings
-
         self.plan = plan
         self.host = host
         self.device = torch.device(device)
@@ -143,18 +143,7 @@ class SlidingWindowExecutor:
         self.static_w = typed(self.arena.region("static weights"), self.dtype)
         self.static_g = typed(self.arena.region("static grads"), self.dtype)
 
-        # compute shells: one Block per weight slot, its parameters views of that slot
-        self.shells = []
-        for s in range(R_p):
-            shell = make_layer(cfg, 1, dtype=self.dtype, device="cpu")
-            self.block_layout.bind([shell], typed(self.ring_w.raw(s), self.dtype, self.block_layout.numel))
-            self.shells.append(shell)
-        self.emb = make_layer(cfg, 0, dtype=self.dtype, device="cpu")
-        self.head = make_layer(cfg, self.L + 1, dtype=self.dtype, device="cpu")
-        if cfg.tie_embeddings:
-            tie_embeddings(self.emb, self.head)
-        self.static_layout.bind([self.emb, self.head], self.static_w)
-        self.static_layout.bind_grads([self.emb, self.head], self.static_g)
+        self.shells, self.emb, self.head = self._compute_modules()
 
         self.host_buffers = HostBuffers("saved activations", pin=dev.is_cuda(self.device))
         self.host_acts = {
@@ -173,6 +162,23 @@ class SlidingWindowExecutor:
         self._grad_home: dict[int, dev.Event] = {}
         self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
+    def _compute_modules(self) -> tuple[list[Block], Embedding, Head]:
+        """One Block shell per weight slot, its parameters views of that slot, and the Embedding and
+        Head bound to the static weights and gradients."""
+        cfg = self.cfg
+        shells = []
+        for s in range(len(self.ring_w)):
+            shell = Block(cfg, device="cpu", dtype=self.dtype)
+            self.block_layout.bind([shell], typed(self.ring_w.raw(s), self.dtype, self.block_layout.numel))
+            shells.append(shell)
+        emb = Embedding(cfg, device="cpu", dtype=self.dtype)
+        head = Head(cfg, device="cpu", dtype=self.dtype)
+        if cfg.tie_embeddings:
+            tie_embeddings(emb, head)
+        self.static_layout.bind([emb, head], self.static_w)
+        self.static_layout.bind_grads([emb, head], self.static_g)
+        return shells, emb, head
+
     # ------------------------------------------------------------------------------- recording
     def _recording(self) -> Recorder | None:
         rec = self.recorder
@@ -190,8 +196,8 @@ class SlidingWindowExecutor:
                 rec.add(lane, what, begin, rec.mark(stream), nbytes)
 
     def _timed(
-        self, stream: dev.Stream, lane: str, what: What, write: Callable[[torch.Tensor], None], nbytes: int = 0
-    ) -> Callable[[torch.Tensor], None]:
+        self, stream: dev.Stream, lane: str, what: What, write: Callable[[torch.Tensor], object], nbytes: int = 0
+    ) -> Callable[[torch.Tensor], object]:
         """``write`` for :meth:`Ring.fill`, framed like :meth:`_on` when recording (the ring runs it
         on ``stream`` after the slot's wait)."""
         rec = self._recording()
@@ -384,7 +390,9 @@ class SlidingWindowExecutor:
                 a = (k * self.units + v) % R_a
                 key = ("a", k, v, r)
 
-                def write(raw: torch.Tensor, c: int = c, j: int = j) -> None:
+                def write(
+                    raw: torch.Tensor, c: int = c, j: int = j, shell: Block = shell, layout: SlotLayout = layout
+                ) -> None:
                     x = self._piece(self.T[c], j)
                     x.copy_(run_captured(shell, x, self.profile, layout, raw, kv=self._kv_at(j)))
 
@@ -428,7 +436,7 @@ class SlidingWindowExecutor:
         return losses
 
     # --------------------------------------------------------------------------------- backward
-    def _backward_chunk(self, k: int, c: int, r: int, shell: torch.nn.Module, layout: SlotLayout) -> None:
+    def _backward_chunk(self, k: int, c: int, r: int, shell: Block, layout: SlotLayout) -> None:
         """Backward of block ``k`` on chunk ``c``: its units (sequence chunks) in reverse order, after
         rebuilding the K/V cache from their saved inputs when the sequences are chunked."""
         R_a = len(self.ring_a)
@@ -467,7 +475,7 @@ class SlidingWindowExecutor:
         last: bool,
     ) -> None:
         L = self.L
-        R_p, R_g, R_a = len(self.ring_w), len(self.ring_g), len(self.ring_a)
+        R_p, R_g = len(self.ring_w), len(self.ring_g)
         numel = self.block_layout.numel
         for k in range(L - 1, -1, -1):
             s, gs = k % R_p, k % R_g

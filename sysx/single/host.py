@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from sysx.memory.pinned import HostBuffers
 from sysx.model.config import ModelConfig
 from sysx.model.flat import FlatLayout
-from sysx.model.llama import LayerInit, make_layer, seed_init, tie_embeddings
+from sysx.model.llama import LayerInit, LlamaModel, make_layer, seed_init, tie_embeddings
 from sysx.optim.stage import OptimSettings, StageOptimizer
 
 
@@ -44,10 +45,10 @@ class HostGroup:
         return self.optimizer.master
 
 
-def _init_layers(cfg: ModelConfig, init: LayerInit, model: nn.Module | None) -> Callable[[int], nn.Module]:
+def _init_layers(cfg: ModelConfig, init: LayerInit, model: LlamaModel | None) -> Callable[[int], nn.Module]:
     """A function giving flat layer ``i`` (fp32, filled by ``init``: one layer at a time)."""
     if model is not None:
-        return lambda i: model.layers[i]  # type: ignore[index]
+        return lambda i: model.layers[i]
 
     def build(i: int) -> nn.Module:
         layer = make_layer(cfg, i, dtype=torch.float32, device="cpu")
@@ -57,9 +58,9 @@ def _init_layers(cfg: ModelConfig, init: LayerInit, model: nn.Module | None) -> 
     return build
 
 
-def _static_layers(cfg: ModelConfig, init: LayerInit, model: nn.Module | None) -> list[nn.Module]:
+def _static_layers(cfg: ModelConfig, init: LayerInit, model: LlamaModel | None) -> list[nn.Module]:
     if model is not None:
-        return [model.layers[0], model.layers[-1]]  # type: ignore[index]
+        return [model.layers[0], model.layers[-1]]
     emb = make_layer(cfg, 0, dtype=torch.float32, device="cpu")
     head = make_layer(cfg, cfg.n_layers + 1, dtype=torch.float32, device="cpu")
     if cfg.tie_embeddings:
@@ -79,7 +80,7 @@ class HostState:
         dtype: torch.dtype,
         optim: OptimSettings,
         seed: int = 0,
-        model: nn.Module | None = None,
+        model: LlamaModel | None = None,
         pin: bool | None = None,
         init: LayerInit | None = None,
     ) -> None:
@@ -90,10 +91,14 @@ class HostState:
         init = init or seed_init(seed)
         layer = _init_layers(cfg, init, model)
         self.groups: list[HostGroup] = []
+
         # Each group's layers are built (or read from pretrained weights) only when its turn comes and
         # dropped after, so the model is never held twice in host memory.
+        def block(k: int) -> list[nn.Module]:
+            return [layer(k + 1)]
+
         members: list[tuple[str, tuple[int, ...], Callable[[], list[nn.Module]]]] = [
-            (f"block{k}", (k + 1,), lambda k=k: [layer(k + 1)]) for k in range(cfg.n_layers)
+            (f"block{k}", (k + 1,), partial(block, k)) for k in range(cfg.n_layers)
         ]
         members.append(("embedding+head", (0, cfg.n_layers + 1), lambda: _static_layers(cfg, init, model)))
         fp32 = dtype == torch.float32

@@ -23,7 +23,7 @@ import torch
 
 from sysx.optim.placement import LaneRates, Placement, Unit, choose
 from sysx.single.hardware import HardwareProfile
-from sysx.single.planner import SinglePlan
+from sysx.single.plan_report import SinglePlan
 
 # the window's CPU Adam workers: one group's norms are taken while another steps (at most two fp32
 # gradient temporaries)

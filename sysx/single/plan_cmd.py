@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISIONS
 
 if TYPE_CHECKING:
-    from sysx.single.planner import SinglePlan
+    from sysx.single.plan_report import SinglePlan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
 
     from sysx.model import get_preset
     from sysx.single.hardware import GiB, assumed_hardware, machine_hardware
-    from sysx.single.planner import PlanError, PlanRequest, make_plan
+    from sysx.single.plan_request import PlanError, PlanRequest
+    from sysx.single.planner import make_plan
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     if args.hardware in ("measure", "remeasure"):

@@ -4,8 +4,9 @@ window (:func:`predict_step`, :func:`simulate_round`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -15,6 +16,17 @@ from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, pyao_recompute_mask
 from sysx.single.hardware import HardwareProfile
 from sysx.single.plan_request import ModelSizes, PlanRequest
 from sysx.single.sites import LayerProfile, Profiler, SlotLayout, profile_cache, profile_layer
+
+
+class PolicyRow(TypedDict):
+    """Predicted cost per step of one saved-activation policy (a row of the plan's comparison table)."""
+
+    policy: str
+    offload_bytes: float
+    recompute_s: float
+    stall_s: float
+    step_s: float
+    chosen: bool
 
 
 def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
@@ -136,7 +148,7 @@ def predict_step(
     act_capacity: int,
     *,
     with_rows: bool = True,
-) -> tuple[dict[str, float], list[dict[str, object]]]:
+) -> tuple[dict[str, float], list[PolicyRow]]:
     """Rough step time of a plan and of the alternative policies (what the saved-activation choice changes);
     ``units`` is units per block per round (:meth:`LevelTable.units`)."""
     L = sizes.n_blocks
@@ -178,38 +190,43 @@ def predict_step(
         "offload_bytes": offload,
         "stall_s": stall,
     }
-    rows: list[dict[str, object]] = []
     if not with_rows:
-        return times, rows
+        return times, []
+    rows = _policy_rows(req, table, n_tr, W, units, slot_level, act_capacity, step_time)
+    if req.policy == "dp":
+        rows.insert(
+            0,
+            PolicyRow(
+                policy="dp", offload_bytes=offload, recompute_s=recompute, stall_s=stall, step_s=step, chosen=True
+            ),
+        )
+    return times, rows
+
+
+def _policy_rows(
+    req: PlanRequest,
+    table: LevelTable,
+    n_tr: int,
+    W: int,
+    units: int,
+    slot_level: int,
+    act_capacity: int,
+    step_time: Callable[[Sequence[int]], tuple[float, float, float, float]],
+) -> list[PolicyRow]:
+    """The step with every transferring block at one fixed save level, for each level whose saved
+    activations fit the host (and PyAO's mask when it is the policy)."""
+    rows = []
     options = list(range(N_LEVELS)) + ([N_LEVELS] if req.policy == "pyao" else [])
     for o in options:
         opts = [o] * n_tr + [slot_level] * W
         if sum(table.slot_bytes[o] * units for _ in range(n_tr)) > act_capacity:
             continue
         s, rc, off, st = step_time(opts)
+        chosen = req.policy not in ("dp",) and o == req.top_option
         rows.append(
-            {
-                "policy": table.names[o],
-                "offload_bytes": off,
-                "recompute_s": rc,
-                "stall_s": st,
-                "step_s": s,
-                "chosen": req.policy not in ("dp",) and o == req.top_option,
-            }
+            PolicyRow(policy=table.names[o], offload_bytes=off, recompute_s=rc, stall_s=st, step_s=s, chosen=chosen)
         )
-    if req.policy == "dp":
-        rows.insert(
-            0,
-            {
-                "policy": "dp",
-                "offload_bytes": offload,
-                "recompute_s": recompute,
-                "stall_s": stall,
-                "step_s": step,
-                "chosen": True,
-            },
-        )
-    return times, rows
+    return rows
 
 
 def simulate_round(

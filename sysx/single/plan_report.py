@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sysx.single.hardware import HardwareProfile
-from sysx.single.plan_costs import LevelTable
+from sysx.single.plan_costs import LevelTable, PolicyRow
 from sysx.single.plan_request import ModelSizes, PlanRequest, gib
 
 
@@ -36,7 +36,7 @@ class SinglePlan:
     feasible_no_stall: bool
     stall_s: float
     times: dict[str, float]
-    policy_rows: tuple[dict[str, object], ...]
+    policy_rows: tuple[PolicyRow, ...]
     reasons: tuple[str, ...] = ()
 
     @property

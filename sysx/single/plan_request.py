@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from sysx.memory.budget import ram_available_bytes
 from sysx.model.config import ModelConfig
 from sysx.model.flops import block_matmul_params
 from sysx.single.act_policy import N_LEVELS, parse_level
 from sysx.single.hardware import GiB
+
+if TYPE_CHECKING:
+    from sysx.config import SingleSection, SysxConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,3 +97,38 @@ class ModelSizes:
         block = block_matmul_params(cfg) + 2 * cfg.dim
         static = cfg.vocab_size * cfg.dim + cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
         return cls(cfg.n_layers, block, block_matmul_params(cfg), static, static + cfg.n_layers * block)
+
+
+def plan_request_from_config(cfg: SysxConfig, single: SingleSection, model_cfg: ModelConfig) -> PlanRequest:
+    """A :class:`PlanRequest` from a job config (``SysxConfig``) and its ``single`` section."""
+    t = cfg.train
+    gb = single.device_memory_gb
+    hb = single.host_memory_gb
+    free = ram_available_bytes()
+    if hb and hb * GiB > free:  # the job allocates on this host whatever single.hardware assumes
+        raise PlanError(
+            f"single.host_memory_gb={hb:g} is more than this machine's {gib(free)} of free host memory; "
+            f"set single.host_memory_gb <= {free / GiB:.0f} or 0 (all available)"
+        )
+    return PlanRequest(
+        model=model_cfg,
+        seq_len=t.seq_len,
+        global_batch=t.micro_batch_size * t.micro_batches,
+        precision=cfg.precision,
+        device_budget_bytes=int(gb * GiB) if gb else None,
+        host_budget_bytes=int(hb * GiB) if hb else None,
+        chunk=single.micro_batch_size,
+        round_sequences=single.round_sequences,
+        window=single.window,
+        policy=str(single.policy),
+        compress=bool(single.compress),
+        seq_chunk=single.seq_chunk,
+        grad_clip=float(cfg.optim.grad_clip),
+        optimizer_overlap=_overlap_setting(single.optimizer_overlap, cfg.optim.speculate),
+    )
+
+
+def _overlap_setting(overlap: str, speculate: str) -> str:
+    """``single.optimizer_overlap`` with ``optim.speculate=always|never`` spelled as the window's
+    ``backward|forward`` (a disagreement is the trainer's error)."""
+    return {"always": "backward", "never": "forward"}.get(speculate, overlap) if overlap == "auto" else overlap

@@ -37,9 +37,9 @@ import torch
 
 from sysx.memory.budget import training_state_bytes
 from sysx.model.config import ModelConfig
-from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, SaveProblem, simulate_forward, solve_save_levels
 from sysx.single.hardware import GiB, HardwareProfile
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
+from sysx.single.plan_levels import SaveChoice, choose_save_levels
 from sysx.single.plan_report import SinglePlan
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib, gib_up
 from sysx.single.plan_seq import choose_seq_chunk, kv_cache_bytes
@@ -348,7 +348,7 @@ class _SlotCandidate:
     slot_level: int
     fit: _Fit
     levels: list[int]
-    info: dict[str, object]
+    info: SaveChoice
 
     def rank(self, n_blocks: int) -> tuple[bool, float, int]:
         """Better is smaller: a window of 2+ blocks first (W = 1 cannot prefetch), then the fastest
@@ -380,7 +380,7 @@ def _best_slot(
             f.window = req.window
         if f.window < 1:
             continue
-        levels_m, _, info = _choose_levels(req, sizes, hw, table, f, units, act_capacity, max_option=m)
+        levels_m, _, info = choose_save_levels(req, sizes, hw, table, f.window, units, act_capacity, max_option=m)
         predicted, _ = predict_step(
             req,
             sizes,
@@ -515,81 +515,6 @@ def _runs_on_device(profiler: Profiler, chunk: int, seq_chunk: int) -> bool:
     return False
 
 
-def _choose_levels(
-    req: PlanRequest,
-    sizes: ModelSizes,
-    hw: HardwareProfile,
-    table: LevelTable,
-    fit: _Fit,
-    units: int,
-    act_capacity: int,
-    max_option: int | None = None,
-) -> tuple[list[int], int, dict[str, object]]:
-    L, W = sizes.n_blocks, fit.window
-    n_tr = L - W
-    fwd_round = table.forward_s * units
-    bw = hw.d2h_bytes_per_s
-    if req.policy in ("dp",):
-        top = N_LEVELS - 1 if max_option is None else max_option
-        opts = list(range(top + 1))
-        problem = SaveProblem.make(
-            [fwd_round] * L,
-            [[table.slot_bytes[o] / bw for o in opts]] * n_tr,
-            [[table.saved_s[o] * units for o in opts]] * n_tr,
-            ring_slots=max(1, W * units),
-            chunks=units,
-            transfer_layers=n_tr,
-            host_bytes=[[float(table.slot_bytes[o]) for o in opts]] * n_tr,
-            host_capacity=float(act_capacity),
-        )
-        sol = solve_save_levels(problem)
-        levels = list(sol.levels)
-        slot_level = top
-        if n_tr == 0:
-            reason = (
-                f"saved activations: no block leaves the device, so every block keeps level "
-                f"'{LEVEL_NAMES[top]}' in its activation slots"
-            )
-        elif not sol.feasible:
-            reason = (
-                f"saved activations: even layer inputs only cannot be drained through the ring in time "
-                f"(predicted forward stall {sol.stall_s * 1e3:.1f} ms per round): all blocks save level 0"
-            )
-        else:
-            avoided = sol.value / max(1e-15, n_tr * table.forward_s * units) if n_tr else 1.0
-            counts = {LEVEL_NAMES[o]: levels.count(o) for o in sorted(set(levels))}
-            reason = (
-                f"saved activations (AdaWS DP, {n_tr} transferring blocks, ring of {W * units} unit slots, "
-                f"{'exact' if sol.exact else 'thinned'}): {counts}; recompute avoided {100 * avoided:.0f}% of their "
-                f"forward; window blocks keep level '{LEVEL_NAMES[slot_level]}' on the device"
-            )
-        return levels, slot_level, {"reason": reason, "feasible": sol.feasible, "stall_s": sol.stall_s}
-    option = req.top_option
-    levels = [option] * n_tr
-    problem = SaveProblem.make(
-        [fwd_round] * L,
-        [[table.slot_bytes[option] / bw]] * n_tr,
-        [[table.saved_s[option] * units]] * n_tr,
-        ring_slots=max(1, W * units),
-        chunks=units,
-        transfer_layers=n_tr,
-        host_bytes=[[float(table.slot_bytes[option])]] * n_tr,
-        host_capacity=float(act_capacity),
-    )
-    ok, stall, _, host = simulate_forward(problem, [0] * n_tr)
-    if host > act_capacity:
-        raise PlanError(
-            f"single.policy={req.policy}: saving '{table.names[option]}' on {n_tr} blocks needs {gib(host)} of host memory "
-            f"but {gib(act_capacity)} is left after the training state; use single.policy=dp or raise single.host_memory_gb"
-        )
-    name = table.names[option]
-    reason = (
-        f"saved activations: fixed '{name}' on every block (single.policy={req.policy}); predicted forward stall "
-        f"{stall * 1e3:.1f} ms per round" + ("" if ok else " (the ring cannot drain it in time)")
-    )
-    return levels, option, {"reason": reason, "feasible": ok, "stall_s": stall}
-
-
 def _refuse(
     req: PlanRequest,
     sizes: ModelSizes,
@@ -652,40 +577,3 @@ def _host_shortage(req: PlanRequest, hw: HardwareProfile, sizes: ModelSizes, bud
         f"host budget {gib(budget)} is too small: {state}, and this machine has {gib(hw.host_free_bytes)} of host "
         f"memory free; use a smaller model (model=...), or a machine with >= {wanted} GiB free"
     )
-
-
-def plan_request_from_config(cfg: object, single: object, model_cfg: ModelConfig) -> PlanRequest:
-    """A :class:`PlanRequest` from a job config (``SysxConfig``) and its ``single`` section."""
-    from sysx.memory.budget import ram_available_bytes
-
-    t = cfg.train  # type: ignore[attr-defined]
-    gb = single.device_memory_gb  # type: ignore[attr-defined]
-    hb = single.host_memory_gb  # type: ignore[attr-defined]
-    free = ram_available_bytes()
-    if hb and hb * GiB > free:  # the job allocates on this host whatever single.hardware assumes
-        raise PlanError(
-            f"single.host_memory_gb={hb:g} is more than this machine's {gib(free)} of free host memory; "
-            f"set single.host_memory_gb <= {free / GiB:.0f} or 0 (all available)"
-        )
-    return PlanRequest(
-        model=model_cfg,
-        seq_len=t.seq_len,
-        global_batch=t.micro_batch_size * t.micro_batches,
-        precision=cfg.precision,  # type: ignore[attr-defined]
-        device_budget_bytes=int(gb * GiB) if gb else None,
-        host_budget_bytes=int(hb * GiB) if hb else None,
-        chunk=single.micro_batch_size,
-        round_sequences=single.round_sequences,  # type: ignore[attr-defined]
-        window=single.window,
-        policy=str(single.policy),
-        compress=bool(single.compress),  # type: ignore[attr-defined]
-        seq_chunk=single.seq_chunk,  # type: ignore[attr-defined]
-        grad_clip=float(cfg.optim.grad_clip),  # type: ignore[attr-defined]
-        optimizer_overlap=_overlap_setting(single.optimizer_overlap, cfg.optim.speculate),  # type: ignore[attr-defined]
-    )
-
-
-def _overlap_setting(overlap: str, speculate: str) -> str:
-    """``single.optimizer_overlap`` with ``optim.speculate=always|never`` spelled as the window's
-    ``backward|forward`` (a disagreement is the trainer's error)."""
-    return {"always": "backward", "never": "forward"}.get(speculate, overlap) if overlap == "auto" else overlap

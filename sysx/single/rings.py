@@ -136,7 +136,7 @@ class Ring:
         """``free``, ``ready`` or ``in_use``."""
         return self._slots[i].state
 
-    def fill(self, i: int, key: Hashable, stream: dev.Stream, write: Callable[[torch.Tensor], None]) -> None:
+    def fill(self, i: int, key: Hashable, stream: dev.Stream, write: Callable[[torch.Tensor], object]) -> None:
         """Producer: after the slot's last consumer finished, run ``write(slot)`` on ``stream`` and mark it ready."""
         s = self._slots[i]
         if s.state != "free":
