@@ -8,17 +8,17 @@ import torch
 
 from sysx.model import get_preset
 from sysx.model.llama import build_model, make_layer
-from sysx.single.act_policy import N_LEVELS
-from sysx.single.compress import compression_error, dequantize, packed_nbytes, quantize
-from sysx.single.sites import (
+from sysx.single.act_capture import (
     ReplayMismatch,
     ReplayStats,
     SlotLayout,
     backward_replayed,
     level_layouts,
-    profile_layer,
     run_captured,
 )
+from sysx.single.act_policy import N_LEVELS
+from sysx.single.compress import compression_error, dequantize, packed_nbytes, quantize
+from sysx.single.op_profile import profile_layer
 
 CFG = get_preset("tiny")
 

@@ -16,7 +16,7 @@
   rounding; the K/V gradients are summed per chunk instead of inside one kernel).
 
 :func:`chunk_attention` is a ``torch.library`` custom op so that a dispatch mode (the sliding window's
-capture and replay of saved activations, :mod:`sysx.single.sites`) sees one op of fixed output shape
+capture and replay of saved activations, :mod:`sysx.single.act_capture`) sees one op of fixed output shape
 for every chunk, whatever the prefix length and however the kernel builds its mask. Its backward
 recomputes the chunk's attention forward under autograd (:func:`attend` again: one implementation).
 """

@@ -70,7 +70,9 @@ def load_model(
         stored = set(f.keys())
         if dtype is None:
             stored_dtype = f.get_slice("layers.0.weight").get_dtype() if "layers.0.weight" in stored else "F32"
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(stored_dtype, torch.float32)
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(
+                stored_dtype, torch.float32
+            )
         model = LlamaModel(cfg, dtype=dtype, device=device)
         params = dict(model.named_parameters())
         missing = sorted(set(params) - stored)

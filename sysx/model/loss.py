@@ -132,7 +132,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del logits
             if need_w:
                 grad_w = g.t() @ h.detach() if grad_w is None else grad_w.addmm_(g.t(), h.detach())
-            _backprop_features(h, g @ weight, xc, params, need_p, grad_p, None if grad_x is None else grad_x[s : s + chunk])
+            _backprop_features(
+                h, g @ weight, xc, params, need_p, grad_p, None if grad_x is None else grad_x[s : s + chunk]
+            )
         return (None if grad_x is None else grad_x.view_as(hidden), grad_w, None, None, None, *grad_p)
 
 

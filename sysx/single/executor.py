@@ -6,7 +6,7 @@ every layer, layer by layer (all chunks of a layer, then the next layer):
 Forward: the Embedding fills the transition table ``T`` (one residual-stream entry per chunk);
 block ``k`` runs from weight slot ``k % R_param``, and as soon as it is done the inbound stream
 loads block ``k + R_param`` into that slot while later blocks compute; each (block, chunk) writes its layer input
-and its chosen saved activations (:mod:`sysx.single.sites`) into activation slot
+and its chosen saved activations (:mod:`sysx.single.act_capture`) into activation slot
 ``(k * chunks + c) % R_act``, and the outbound stream copies that slot to pinned host memory —
 except for the last ``W`` blocks, whose slots stay on the device for the start of backward. A slot
 is rewritten only after its copy home finished (the ring-capacity constraint the DP planned for).
@@ -57,10 +57,11 @@ from sysx.model.flat import FlatLayout
 from sysx.model.layers import Block, Embedding, Head
 from sysx.model.llama import tie_embeddings
 from sysx.schedule.ops import Op, OpKind
+from sysx.single.act_capture import ReplayStats, SlotLayout, backward_replayed, run_captured
 from sysx.single.host import HostState
+from sysx.single.op_profile import LayerProfile
 from sysx.single.plan_report import SinglePlan
 from sysx.single.rings import DeviceArena, Ring, alias, align, typed
-from sysx.single.sites import LayerProfile, ReplayStats, SlotLayout, backward_replayed, run_captured
 from sysx.trace.recorder import COMPUTE, D2H, H2D, Recorder, What
 
 Batch = tuple[torch.Tensor, torch.Tensor]

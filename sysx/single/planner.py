@@ -32,19 +32,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 import torch
 
 from sysx.memory.budget import training_state_bytes
 from sysx.model.config import ModelConfig
 from sysx.single.hardware import GiB, HardwareProfile
+from sysx.single.op_profile import Profiler
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
 from sysx.single.plan_levels import SaveChoice, choose_save_levels
 from sysx.single.plan_report import SinglePlan
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib, gib_up
 from sysx.single.plan_seq import choose_seq_chunk, kv_cache_bytes
 from sysx.single.rings import align
-from sysx.single.sites import Profiler
 
 CUDA_RESERVE = 256 * 1024**2  # cuBLAS / attention workspaces and allocator rounding on a GPU
 WORKSPACE_SHARE = 0.25  # a chunk's transient workspace may use this share of the budget left
@@ -178,20 +179,13 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     units = table.units(chunks, req.seq_len)
     if not req.round_sequences:
         reasons.append(_round_reason(req, x_min, x, rounds, grown))
-    how = (
-        "single.micro_batch_size"
-        if req.chunk
-        else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
-    )
-    reasons.append(f"chunk: {chunk} sequence(s) per chunk ({how}), {chunks} chunks per round")
-    reasons.append(seq_reason)
+    reasons += [_chunk_reason(req, table, chunk, chunks), seq_reason]
 
     # -- 4. saved activations
     slot_options = list(range(req.top_option + 1)) if req.policy == "dp" else [req.top_option]
     best = _best_slot(req, sizes, hw, table, x, rounds, slot_options, device_budget, act_capacity, cuda)
     if best is None:
         _refuse(req, sizes, hw, profiler, device_budget, act_capacity, cuda, tried + ["no activation slot size fits"])
-    assert best is not None
     fit, slot_level, levels, W = best.fit, best.slot_level, best.levels, best.fit.window
     reasons += _window_reasons(req, sizes, best, device_budget, len(slot_options))
     reasons.append(str(best.info["reason"]))
@@ -199,9 +193,7 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
 
     # -- memory accounting
     dev_bytes = _device_bytes(req, sizes, fit, units)
-    host = dict(host_fixed)
-    host["saved activations"] = int(sum(table.slot_bytes[o] for o in levels) * units)
-    host["total"] = sum(host.values())
+    host = _host_bytes(host_fixed, table, levels, units)
     reasons.append(overlap_reason)
 
     times, rows = predict_step(req, sizes, hw, table, W, units, rounds, full_levels, slot_level, act_capacity)
@@ -231,6 +223,23 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         policy_rows=tuple(rows),
         reasons=tuple(reasons),
     )
+
+
+def _chunk_reason(req: PlanRequest, table: LevelTable, chunk: int, chunks: int) -> str:
+    how = (
+        "single.micro_batch_size"
+        if req.chunk
+        else f"largest divisor of X whose workspace {gib(table.workspace_bytes)} fits"
+    )
+    return f"chunk: {chunk} sequence(s) per chunk ({how}), {chunks} chunks per round"
+
+
+def _host_bytes(fixed: dict[str, int], table: LevelTable, levels: list[int], units: int) -> dict[str, int]:
+    """Host memory by use: the training state, the saved activations of the transferring blocks, the total."""
+    host = dict(fixed)
+    host["saved activations"] = int(sum(table.slot_bytes[o] for o in levels) * units)
+    host["total"] = sum(host.values())
+    return host
 
 
 def _round_candidates(req: PlanRequest, x_min: float, reasons: list[str]) -> list[int]:
@@ -524,7 +533,7 @@ def _refuse(
     act_capacity: int,
     cuda: bool,
     tried: list[str],
-) -> None:
+) -> NoReturn:
     """Raise the PlanError of a budget that is too small, with the smallest plan's needs."""
     C = req.seq_chunk or req.seq_len
     table = level_table(_sizer(req.model, req.seq_len, req.dtype)(1, C), replace(req, policy="input"), hw, 1, req.model)

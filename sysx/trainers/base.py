@@ -105,6 +105,8 @@ class Trainer(ABC):
     test or another trainer (opened from ``cfg.data`` by default).
     """
 
+    device: torch.device  # where the model computes: each trainer's __init__ decides it
+
     def __init__(
         self,
         cfg: SysxConfig | DictConfig,
@@ -165,6 +167,11 @@ class Trainer(ABC):
         return kept if kept.is_dir() else None
 
     # ------------------------------------------------------------------------------ checkpoints
+    @property
+    @abstractmethod
+    def n_params(self) -> int:
+        """Number of (distinct) parameters of the model."""
+
     @abstractmethod
     def checkpoint_layers(self) -> dict[int, LayerSource]:
         """The flat layers this rank owns (weights, Adam moments, step count), as sources read at save time."""

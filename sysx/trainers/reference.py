@@ -25,6 +25,8 @@ step; :meth:`ReferenceTrainer.state_dict` gives the fp32 weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +73,7 @@ class ReferenceTrainer(Trainer):
 
         fp32_model = model if model is not None else build_model(self.model_cfg, init=self.layer_init())
         fp32_model = fp32_model.to(self.device)
+        self.masters: Sequence[torch.Tensor]  # fp32 weights the optimizer steps (the parameters themselves in fp32)
         if self.dtype == torch.float32:
             self.model = fp32_model
             self.params = list(self.model.parameters())
@@ -205,7 +208,7 @@ class ReferenceTrainer(Trainer):
             steps = {int(s["step"]) if "step" in s else 0 for s in states}
             return LayerState(index, {n: m.detach().cpu() for n, m in params}, moments[0], moments[1], steps.pop())
 
-        return {i: (lambda i=i, params=params: source(i, params)) for i, params in self._by_layer().items()}
+        return {i: partial(source, i, params) for i, params in self._by_layer().items()}
 
     @torch.no_grad()
     def restore_layers(self, ckpt: Checkpoint) -> None:

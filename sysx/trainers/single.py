@@ -61,10 +61,10 @@ from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
 from sysx.single.host import HostState
 from sysx.single.lanes import WORKERS, window_placement
+from sysx.single.op_profile import device_profiler
 from sysx.single.plan_report import SinglePlan
 from sysx.single.plan_request import PlanError, plan_request_from_config
 from sysx.single.planner import make_plan
-from sysx.single.sites import device_profiler
 from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
 from sysx.trace.timeline import merge
 from sysx.trace.window import StepWindow

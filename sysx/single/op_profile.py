@@ -1,22 +1,12 @@
-"""Saving chosen op outputs of a layer in the forward pass and reusing them when it is recomputed.
+"""Profiling a layer's forward pass op by op, for planning the saved activations.
 
 A *site* is one op of a layer's forward pass whose output is a fresh tensor (not a view, not an
-in-place update): a matmul, the attention kernel, a norm, a SwiGLU product... Running a layer
-under :class:`Capture` copies the outputs of the selected sites into an activation slot (one
-contiguous byte buffer; the layer input goes first). Recomputing the layer for backward under
-:class:`Replay` hands back those saved outputs instead of running the ops (like PyTorch's selective
-checkpointing, but the saved values live in our ring slot and travel to host memory and back):
-the skipped ops cost nothing, autograd still records their backward, and every op that was not
-saved is recomputed from the layer input. The result is bit-identical to a plain recompute.
-
-Both passes run with autograd enabled, so forward and recompute dispatch the very same op
-sequence; :class:`Replay` checks each op against the profile and names the first mismatch.
-
-:func:`profile_layer` runs a layer once under a recording mode and returns its sites (op,
-category, output shapes, bytes, FLOPs and optionally measured time), from which
-:class:`SlotLayout` places a chosen set of sites in a slot. On the ``meta`` device (planning a
-model that does not fit here) the attention call is emulated, because ``meta`` would otherwise
-decompose it into the unfused math kernel.
+in-place update): a matmul, the attention kernel, a norm, a SwiGLU product... :func:`profile_layer`
+runs a layer once under a recording mode and returns its sites (op, category, output shapes,
+bytes, FLOPs and optionally measured time) as a :class:`LayerProfile`; :mod:`sysx.single.act_capture`
+saves chosen sites and replays them in the recompute. On the ``meta`` device (planning a model that
+does not fit here) the attention call is emulated, because ``meta`` would otherwise decompose it
+into the unfused math kernel.
 """
 
 from __future__ import annotations
@@ -25,30 +15,24 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from sysx.model.attention import KVCache
-from sysx.single.act_policy import N_LEVELS, level_categories
-from sysx.single.compress import dequantize, packed_nbytes, quantize_into, rows_of
+from sysx.single.act_policy import level_categories
+from sysx.single.compress import rows_of
 
 if TYPE_CHECKING:
     from sysx.model.config import ModelConfig
 
-ALIGN = 256  # byte alignment of every tensor inside a slot
 COMPRESS_MIN_ROW = 32  # rows shorter than this are not worth an fp32 scale each
 _ALIAS_OPS = {"aten._unsafe_view.default", "aten.lift_fresh.default", "aten.alias.default"}
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
 
 CHUNK_ATTENTION_OP = "sysx.chunk_attention.default"  # sysx.model.attention.chunk_attention: always causal
 
@@ -124,7 +108,7 @@ class Site:
     category: str  # one of act_policy.CATEGORIES
     outputs: tuple[TensorMeta | None, ...]  # per pytree leaf; None for a leaf replayed as a constant
     consts: tuple[object, ...]  # those constant leaves (ints, None, RNG-state tensors), as produced
-    spec: object  # pytree spec of the op's return value
+    spec: TreeSpec  # pytree spec of the op's return value
     flops: float
     seconds: float | None = None
 
@@ -171,7 +155,7 @@ class LayerProfile:
 # ------------------------------------------------------------------------------------- profiling
 
 
-def _flops(name: str, args: Sequence[object], kwargs: dict, func: torch._ops.OpOverload, out: object) -> float:
+def _flops(name: str, args: Sequence[Any], kwargs: dict[str, Any], func: torch._ops.OpOverload, out: object) -> float:
     """FLOPs of a matmul or attention op from its operand shapes (0 for anything else)."""
     short = name.split(".")[1] if "." in name else name
     if short in {"mm", "addmm"}:
@@ -289,7 +273,7 @@ class _MetaAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _run(layer: nn.Module, x: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
+def run_layer(layer: nn.Module, x: torch.Tensor, kv: KVCache | None) -> torch.Tensor:
     """``layer(x)``, or ``layer(x, kv)`` for a chunk of a longer sequence."""
     return layer(x) if kv is None else layer(x, kv)
 
@@ -312,7 +296,7 @@ def profile_layer(
     """
     x = x.detach().requires_grad_(x.is_floating_point())
     with torch.enable_grad():
-        _run(layer, x, kv)  # warm caches (RoPE tables, kernels)
+        run_layer(layer, x, kv)  # warm caches (RoPE tables, kernels)
         runs = repeats if measure else 1
         profiles: list[_Recorder] = []
         walls: list[float] = []
@@ -321,10 +305,10 @@ def profile_layer(
             t0 = time.perf_counter()
             if x.is_meta:
                 with _MetaAttention(rec), rec:
-                    _run(layer, x, kv)
+                    run_layer(layer, x, kv)
             else:
                 with rec:
-                    _run(layer, x, kv)
+                    run_layer(layer, x, kv)
             walls.append(time.perf_counter() - t0)
             profiles.append(rec)
     first = profiles[0]
@@ -345,209 +329,6 @@ def profile_layer(
     return LayerProfile(
         tuple(first.ops), tuple(sites), TensorMeta.of(x), sorted(walls)[len(walls) // 2] if measure else None
     )
-
-
-# ----------------------------------------------------------------------------------- slot layout
-
-
-@dataclass(frozen=True)
-class SlotEntry:
-    """Where one saved tensor lives in a slot."""
-
-    offset: int
-    nbytes: int
-    meta: TensorMeta
-    compressed: bool
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Placement of the layer input and the saved sites' outputs in one activation slot."""
-
-    input: SlotEntry
-    entries: dict[int, tuple[SlotEntry | None, ...]]  # site index -> one entry per pytree leaf
-    nbytes: int
-    sites: frozenset[int]
-
-    @classmethod
-    def build(cls, profile: LayerProfile, sites: Iterable[int], *, compress: bool = False) -> SlotLayout:
-        """Lay out the input then every selected site (in op order), each tensor ``ALIGN``-aligned."""
-        chosen = frozenset(sites)
-        known = {s.index for s in profile.sites}
-        unknown = sorted(chosen - known)
-        if unknown:
-            raise ValueError(f"SlotLayout: site indices {unknown} are not cacheable sites of this layer")
-        off = 0
-        inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
-        off = _align(inp.nbytes)
-        entries: dict[int, tuple[SlotEntry | None, ...]] = {}
-        for site in profile.sites:
-            if site.index not in chosen:
-                continue
-            row: list[SlotEntry | None] = []
-            for k, meta in enumerate(site.outputs):
-                if meta is None:
-                    row.append(None)
-                    continue
-                packed = compress and site.compressible(k)
-                n = packed_nbytes(meta.shape) if packed else meta.nbytes
-                row.append(SlotEntry(off, n, meta, packed))
-                off += _align(n)
-            entries[site.index] = tuple(row)
-        return cls(inp, entries, off, chosen)
-
-    def view(self, slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
-        """The tensor ``entry`` occupies in ``slot`` (uint8), with its dtype, shape and strides."""
-        raw = slot[entry.offset : entry.offset + entry.nbytes]
-        if entry.compressed:
-            return raw
-        flat = raw.view(entry.meta.dtype)
-        if entry.meta.dense:
-            return flat.as_strided(entry.meta.shape, entry.meta.stride)
-        return flat.view(entry.meta.shape)
-
-
-def level_layouts(profile: LayerProfile, *, compress: bool = False) -> list[SlotLayout]:
-    """The slot layout of every save level 0..N_LEVELS-1."""
-    return [SlotLayout.build(profile, profile.level_sites(level), compress=compress) for level in range(N_LEVELS)]
-
-
-# ---------------------------------------------------------------------------------- the two modes
-
-
-class ReplayMismatch(RuntimeError):
-    """The recompute dispatched a different op sequence from the profiled forward pass."""
-
-
-def _check_op(profile: LayerProfile, idx: int, name: str, where: str) -> None:
-    if idx >= len(profile.ops) or profile.ops[idx] != name:
-        expected = profile.ops[idx] if idx < len(profile.ops) else "<end of the profiled forward>"
-        raise ReplayMismatch(
-            f"{where}: op #{idx} is {name} but the profiled forward had {expected}; the layer's op sequence "
-            f"changed between passes (data-dependent control flow or a cache filled mid-run). Use save level 0 "
-            f"(single.save_level=input) for this model."
-        )
-
-
-class Capture(TorchDispatchMode):
-    """Forward pass: copy the outputs of ``layout.sites`` into ``slot`` as they are produced."""
-
-    def __init__(self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor) -> None:
-        super().__init__()
-        self.profile, self.layout, self.slot = profile, layout, slot
-        self.idx = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        idx = self.idx
-        self.idx += 1
-        _check_op(self.profile, idx, str(func), "Capture")
-        row = self.layout.entries.get(idx)
-        if row is not None:
-            leaves = tree_flatten(out)[0]
-            for entry, leaf in zip(row, leaves):
-                if entry is None:
-                    continue
-                if entry.compressed:
-                    quantize_into(leaf, self.layout.view(self.slot, entry))
-                else:
-                    self.layout.view(self.slot, entry).copy_(leaf)
-        return out
-
-
-@dataclass
-class ReplayStats:
-    """What recomputes did: cacheable sites recomputed vs. reused from the slot, and their FLOPs."""
-
-    recomputed_sites: int = 0
-    reused_sites: int = 0
-    recomputed_flops: float = 0.0
-    reused_flops: float = 0.0
-
-
-class Replay(TorchDispatchMode):
-    """Recompute: return the saved outputs of ``layout.sites`` from ``slot``; run every other op."""
-
-    def __init__(
-        self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor, stats: ReplayStats | None = None
-    ) -> None:
-        super().__init__()
-        self.profile, self.layout, self.slot = profile, layout, slot
-        self.sites = {s.index: s for s in profile.sites}
-        self.stats = stats if stats is not None else ReplayStats()
-        self.idx = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        idx = self.idx
-        self.idx += 1
-        _check_op(self.profile, idx, str(func), "Replay")
-        row = self.layout.entries.get(idx)
-        site = self.sites.get(idx)
-        if row is None:
-            if site is not None:
-                self.stats.recomputed_sites += 1
-                self.stats.recomputed_flops += site.flops
-            return func(*args, **(kwargs or {}))
-        assert site is not None
-        self.stats.reused_sites += 1
-        self.stats.reused_flops += site.flops
-        leaves: list[object] = []
-        for entry, const in zip(row, site.consts):
-            if entry is None:
-                leaves.append(const)
-            elif entry.compressed:
-                t = dequantize(self.layout.view(self.slot, entry), entry.meta.shape, entry.meta.dtype)
-                if entry.meta.dense and t.stride() != entry.meta.stride:
-                    t = torch.empty_strided(entry.meta.shape, entry.meta.stride, dtype=t.dtype, device=t.device).copy_(
-                        t
-                    )
-                leaves.append(t)
-            else:
-                leaves.append(self.layout.view(self.slot, entry).detach())
-        return tree_unflatten(leaves, site.spec)
-
-
-def run_captured(
-    layer: nn.Module,
-    x: torch.Tensor,
-    profile: LayerProfile,
-    layout: SlotLayout,
-    slot: torch.Tensor,
-    *,
-    kv: KVCache | None = None,
-) -> torch.Tensor:
-    """Forward ``layer(x)`` with autograd on, saving ``x`` and the layout's sites into ``slot``; returns the
-    detached output. The layer reads its input from the slot (contiguous, as profiled and as replayed,
-    whatever the strides of ``x``, e.g. a sequence chunk of the residual stream)."""
-    saved = layout.view(slot, layout.input)
-    saved.copy_(x)
-    xin = saved.detach().requires_grad_(True)
-    with torch.enable_grad(), Capture(profile, layout, slot):
-        y = _run(layer, xin, kv)
-    return y.detach()
-
-
-def backward_replayed(
-    layer: nn.Module,
-    grad_out: torch.Tensor,
-    profile: LayerProfile,
-    layout: SlotLayout,
-    slot: torch.Tensor,
-    *,
-    stats: ReplayStats | None = None,
-    kv: KVCache | None = None,
-) -> torch.Tensor:
-    """Recompute ``layer`` from the input saved in ``slot`` (reusing the saved sites), backpropagate
-    ``grad_out`` (parameter grads accumulate into ``.grad``), and return the gradient of the input.
-    With ``kv`` the slot holds a sequence chunk: ``kv`` must hold the K/V of the whole sequence and its
-    gradient accumulators what the later chunks sent back (see :mod:`sysx.model.attention`)."""
-    x = layout.view(slot, layout.input).detach().requires_grad_(True)
-    with torch.enable_grad():
-        with Replay(profile, layout, slot, stats):
-            y = _run(layer, x, kv)
-        torch.autograd.backward(y, grad_out)
-    assert x.grad is not None
-    return x.grad
 
 
 # (sequences per chunk b, sequence-chunk length C) -> profile of one Block computing b x C tokens

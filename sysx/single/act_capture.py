@@ -1,0 +1,237 @@
+"""Saving chosen op outputs of a layer in the forward pass and reusing them when it is recomputed.
+
+Running a layer under :class:`Capture` copies the outputs of the selected sites (ops profiled by
+:mod:`sysx.single.op_profile`) into an activation slot: one contiguous byte buffer laid out by
+:class:`SlotLayout`, the layer input first. Recomputing the layer for backward under :class:`Replay`
+hands back those saved outputs instead of running the ops (like PyTorch's selective checkpointing,
+but the saved values live in our ring slot and travel to host memory and back): the skipped ops
+cost nothing, autograd still records their backward, and every op that was not saved is recomputed
+from the layer input. The result is bit-identical to a plain recompute.
+
+Both passes run with autograd enabled, so forward and recompute dispatch the very same op
+sequence; :class:`Replay` checks each op against the profile and names the first mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from sysx.model.attention import KVCache
+from sysx.single.act_policy import N_LEVELS
+from sysx.single.compress import dequantize, packed_nbytes, quantize_into
+from sysx.single.op_profile import LayerProfile, TensorMeta, run_layer
+
+ALIGN = 256  # byte alignment of every tensor inside a slot
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ----------------------------------------------------------------------------------- slot layout
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    """Where one saved tensor lives in a slot."""
+
+    offset: int
+    nbytes: int
+    meta: TensorMeta
+    compressed: bool
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Placement of the layer input and the saved sites' outputs in one activation slot."""
+
+    input: SlotEntry
+    entries: dict[int, tuple[SlotEntry | None, ...]]  # site index -> one entry per pytree leaf
+    nbytes: int
+    sites: frozenset[int]
+
+    @classmethod
+    def build(cls, profile: LayerProfile, sites: Iterable[int], *, compress: bool = False) -> SlotLayout:
+        """Lay out the input then every selected site (in op order), each tensor ``ALIGN``-aligned."""
+        chosen = frozenset(sites)
+        known = {s.index for s in profile.sites}
+        unknown = sorted(chosen - known)
+        if unknown:
+            raise ValueError(f"SlotLayout: site indices {unknown} are not cacheable sites of this layer")
+        off = 0
+        inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
+        off = _align(inp.nbytes)
+        entries: dict[int, tuple[SlotEntry | None, ...]] = {}
+        for site in profile.sites:
+            if site.index not in chosen:
+                continue
+            row: list[SlotEntry | None] = []
+            for k, meta in enumerate(site.outputs):
+                if meta is None:
+                    row.append(None)
+                    continue
+                packed = compress and site.compressible(k)
+                n = packed_nbytes(meta.shape) if packed else meta.nbytes
+                row.append(SlotEntry(off, n, meta, packed))
+                off += _align(n)
+            entries[site.index] = tuple(row)
+        return cls(inp, entries, off, chosen)
+
+    def view(self, slot: torch.Tensor, entry: SlotEntry) -> torch.Tensor:
+        """The tensor ``entry`` occupies in ``slot`` (uint8), with its dtype, shape and strides."""
+        raw = slot[entry.offset : entry.offset + entry.nbytes]
+        if entry.compressed:
+            return raw
+        flat = raw.view(entry.meta.dtype)
+        if entry.meta.dense:
+            return flat.as_strided(entry.meta.shape, entry.meta.stride)
+        return flat.view(entry.meta.shape)
+
+
+def level_layouts(profile: LayerProfile, *, compress: bool = False) -> list[SlotLayout]:
+    """The slot layout of every save level 0..N_LEVELS-1."""
+    return [SlotLayout.build(profile, profile.level_sites(level), compress=compress) for level in range(N_LEVELS)]
+
+
+# ---------------------------------------------------------------------------------- the two modes
+
+
+class ReplayMismatch(RuntimeError):
+    """The recompute dispatched a different op sequence from the profiled forward pass."""
+
+
+def _check_op(profile: LayerProfile, idx: int, name: str, where: str) -> None:
+    if idx >= len(profile.ops) or profile.ops[idx] != name:
+        expected = profile.ops[idx] if idx < len(profile.ops) else "<end of the profiled forward>"
+        raise ReplayMismatch(
+            f"{where}: op #{idx} is {name} but the profiled forward had {expected}; the layer's op sequence "
+            f"changed between passes (data-dependent control flow or a cache filled mid-run). Use save level 0 "
+            f"(single.save_level=input) for this model."
+        )
+
+
+class Capture(TorchDispatchMode):
+    """Forward pass: copy the outputs of ``layout.sites`` into ``slot`` as they are produced."""
+
+    def __init__(self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.profile, self.layout, self.slot = profile, layout, slot
+        self.idx = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        idx = self.idx
+        self.idx += 1
+        _check_op(self.profile, idx, str(func), "Capture")
+        row = self.layout.entries.get(idx)
+        if row is not None:
+            leaves = tree_flatten(out)[0]
+            for entry, leaf in zip(row, leaves):
+                if entry is None:
+                    continue
+                if entry.compressed:
+                    quantize_into(leaf, self.layout.view(self.slot, entry))
+                else:
+                    self.layout.view(self.slot, entry).copy_(leaf)
+        return out
+
+
+@dataclass
+class ReplayStats:
+    """What recomputes did: cacheable sites recomputed vs. reused from the slot, and their FLOPs."""
+
+    recomputed_sites: int = 0
+    reused_sites: int = 0
+    recomputed_flops: float = 0.0
+    reused_flops: float = 0.0
+
+
+class Replay(TorchDispatchMode):
+    """Recompute: return the saved outputs of ``layout.sites`` from ``slot``; run every other op."""
+
+    def __init__(
+        self, profile: LayerProfile, layout: SlotLayout, slot: torch.Tensor, stats: ReplayStats | None = None
+    ) -> None:
+        super().__init__()
+        self.profile, self.layout, self.slot = profile, layout, slot
+        self.sites = {s.index: s for s in profile.sites}
+        self.stats = stats if stats is not None else ReplayStats()
+        self.idx = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        idx = self.idx
+        self.idx += 1
+        _check_op(self.profile, idx, str(func), "Replay")
+        row = self.layout.entries.get(idx)
+        site = self.sites.get(idx)
+        if row is None:
+            if site is not None:
+                self.stats.recomputed_sites += 1
+                self.stats.recomputed_flops += site.flops
+            return func(*args, **(kwargs or {}))
+        assert site is not None
+        self.stats.reused_sites += 1
+        self.stats.reused_flops += site.flops
+        leaves: list[object] = []
+        for entry, const in zip(row, site.consts):
+            if entry is None:
+                leaves.append(const)
+            elif entry.compressed:
+                t = dequantize(self.layout.view(self.slot, entry), entry.meta.shape, entry.meta.dtype)
+                if entry.meta.dense and t.stride() != entry.meta.stride:
+                    t = torch.empty_strided(entry.meta.shape, entry.meta.stride, dtype=t.dtype, device=t.device).copy_(
+                        t
+                    )
+                leaves.append(t)
+            else:
+                leaves.append(self.layout.view(self.slot, entry).detach())
+        return tree_unflatten(leaves, site.spec)
+
+
+def run_captured(
+    layer: nn.Module,
+    x: torch.Tensor,
+    profile: LayerProfile,
+    layout: SlotLayout,
+    slot: torch.Tensor,
+    *,
+    kv: KVCache | None = None,
+) -> torch.Tensor:
+    """Forward ``layer(x)`` with autograd on, saving ``x`` and the layout's sites into ``slot``; returns the
+    detached output. The layer reads its input from the slot (contiguous, as profiled and as replayed,
+    whatever the strides of ``x``, e.g. a sequence chunk of the residual stream)."""
+    saved = layout.view(slot, layout.input)
+    saved.copy_(x)
+    xin = saved.detach().requires_grad_(True)
+    with torch.enable_grad(), Capture(profile, layout, slot):
+        y = run_layer(layer, xin, kv)
+    return y.detach()
+
+
+def backward_replayed(
+    layer: nn.Module,
+    grad_out: torch.Tensor,
+    profile: LayerProfile,
+    layout: SlotLayout,
+    slot: torch.Tensor,
+    *,
+    stats: ReplayStats | None = None,
+    kv: KVCache | None = None,
+) -> torch.Tensor:
+    """Recompute ``layer`` from the input saved in ``slot`` (reusing the saved sites), backpropagate
+    ``grad_out`` (parameter grads accumulate into ``.grad``), and return the gradient of the input.
+    With ``kv`` the slot holds a sequence chunk: ``kv`` must hold the K/V of the whole sequence and its
+    gradient accumulators what the later chunks sent back (see :mod:`sysx.model.attention`)."""
+    x = layout.view(slot, layout.input).detach().requires_grad_(True)
+    with torch.enable_grad():
+        with Replay(profile, layout, slot, stats):
+            y = run_layer(layer, x, kv)
+        torch.autograd.backward(y, grad_out)
+    assert x.grad is not None
+    return x.grad
