@@ -70,7 +70,6 @@ class ParamSlots:
             self.offsets.append(self.offsets[-1] + x)
         self.h2d = h2d
         self.compute = compute
-        self.bytes_loaded = 0
         self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
     def _find(self, unit: tuple[int, int]) -> Slot | None:
@@ -106,7 +105,6 @@ class ParamSlots:
             slot.ready = self.h2d.record_event(timing=rec is not None)
         slot.unit, slot.layers = unit, layers
         nbytes = numel * slot.buffer.element_size()
-        self.bytes_loaded += nbytes
         if rec is not None and begin is not None:
             rec.add(H2D, None, begin, slot.ready, nbytes)
 

@@ -143,9 +143,6 @@ class P2P:
             stream_ordered = dist.is_initialized() and dist.get_backend(group) == "nccl"
         self.stream_ordered = bool(stream_ordered)
         self.pacer = pacer or Pacer()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.messages = 0
         self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
     # ------------------------------------------------------------------------------------ posting
@@ -159,8 +156,6 @@ class P2P:
             header = spec.header(payload.device)
             works.append(posted(dist.isend(header, dst=peer, group=group), what))
         works.append(posted(dist.isend(payload, dst=peer, group=group), what))
-        self.bytes_sent += payload.numel() * payload.element_size()
-        self.messages += 1
         pending = Pending(spec, peer, what, works, payload, header, is_send=True, posted=self._posted())
         self.pacer.post(pending, group)
         return pending
@@ -174,8 +169,6 @@ class P2P:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             works.append(posted(dist.irecv(header, src=peer, group=group), what))
         works.append(posted(dist.irecv(buffer, src=peer, group=group), what))
-        self.bytes_received += buffer.numel() * buffer.element_size()
-        self.messages += 1
         pending = Pending(spec, peer, what, works, buffer, header, is_send=False, posted=self._posted())
         self.pacer.post(pending, group)
         return pending
@@ -244,11 +237,7 @@ class P2P:
     def completed(self, pending: Pending) -> bool:
         """For a send: True once every work of ``pending`` has finished, so its buffer may go
         (never blocks). Receives are completed by :meth:`wait`, which checks the header."""
-        if (
-            not pending.done
-            and pending.is_send
-            and all(w.is_completed() for w in [*pending.works, *pending.extra])
-        ):
+        if not pending.done and pending.is_send and all(w.is_completed() for w in [*pending.works, *pending.extra]):
             self._settle(pending, pending.what)
             pending.done = True
             self._record(pending)

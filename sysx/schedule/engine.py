@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sysx.schedule.costs import CostTable
 from sysx.schedule.ops import PARTNER, Message, Op, OpKind, Schedule, ScheduleError
 
-LANES = GPU, H2D, D2H, P2P, CPU = ("gpu", "h2d", "d2h", "p2p", "cpu")
+GPU, H2D, D2H, P2P, CPU = ("gpu", "h2d", "d2h", "p2p", "cpu")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
 PARAMS, GRADS, CKPTS, WORK = range(4)  # memory categories: params, grads, checkpoints, working activations
 

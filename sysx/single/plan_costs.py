@@ -57,7 +57,6 @@ class LevelTable:
     slot_bytes: tuple[int, ...]  # bytes a unit's slot holds at each option
     saved_s: tuple[float, ...]  # recompute time avoided per unit at each option
     forward_s: float  # forward time of one unit through one block
-    site_s: tuple[float, ...]  # time of each site (profile order)
     names: tuple[str, ...]
     layouts: tuple[SlotLayout, ...]
     workspace_bytes: int  # transient memory of a unit's backward (recompute + autograd) or of the head
@@ -126,7 +125,6 @@ def level_table(
         tuple(layout.nbytes for layout in layouts),
         tuple(saved),
         float(sum(times)),
-        tuple(times),
         tuple(names),
         tuple(layouts),
         int(max(ws_block, ws_head)),

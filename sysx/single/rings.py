@@ -113,7 +113,6 @@ class Ring:
         self.name = name
         self.slot_bytes = int(slot_bytes)
         self._slots = [_Slot(alias(region[i * stride : i * stride + slot_bytes])) for i in range(slots)]
-        self.fills = 0  # how many fills so far (tests and stats)
         self.log = log  # when a list: (ring, op, slot, key) of every fill/acquire/release, in issue order
 
     def __len__(self) -> int:
@@ -150,7 +149,6 @@ class Ring:
             write(s.raw)
         s.ready = stream.record_event()
         s.state, s.key = "ready", key
-        self.fills += 1
         self._note("fill", i, key)
 
     def acquire(self, i: int, key: Hashable, stream: dev.Stream) -> torch.Tensor:

@@ -12,7 +12,6 @@ test of resume exercises the job's own path.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -157,8 +156,3 @@ def export_hf(checkpoint: Path, out: Path, *, tokenizer_dir: Path | None) -> Pat
 
     model = build_model(open_pretrained(checkpoint), dtype=torch.float32)
     return export_hf_llama(model, out, tokenizer_dir=tokenizer_dir)
-
-
-def new_tag() -> str:
-    """A tag for the saves of a single-process run (pipelines use their job id, the same on every rank)."""
-    return uuid.uuid4().hex[:12]
