@@ -106,7 +106,7 @@ def tune(
         )
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
-    limits = Budget(**{k: float(given[k] if given.get(k) is not None else v) for k, v in found.items()})
+    limits = Budget(**{k: float(v if (g := given.get(k)) is None else g) for k, v in found.items()})
     result = search(job, limits, profile)
     return Tuning(profile, reused, result, advise(result, profile))
 

@@ -77,7 +77,14 @@ def load_or_measure_hardware(
         except (ValueError, TypeError) as err:  # an older or damaged file: measure again
             log.warning("ignoring the unreadable hardware profile %s (%s)", path, err)
         else:
-            return dataclasses.replace(cached, **memory_now(device)), True
+            now = memory_now(device)
+            return dataclasses.replace(
+                cached,
+                device_free_bytes=now["device_free_bytes"],
+                device_total_bytes=now["device_total_bytes"],
+                host_free_bytes=now["host_free_bytes"],
+                host_total_bytes=now["host_total_bytes"],
+            ), True
     found = measure_hardware(device, dtype, repeats=repeats)
     write_atomic(path, json.dumps(found.as_dict(), indent=1, sort_keys=True))
     return found, False
