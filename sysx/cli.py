@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "profile this machine, simulate every pipeline configuration, print the best that fit",
     ),
     "shm": ("sysx.memory.cli", "list / clean this user's sysx shared-memory segments (stale = creator dead)"),
-    "convert": ("sysx.model.convert", "convert model weights: sysx file <-> Hugging Face Llama directory"),
+    "convert": ("sysx.checkpoint.convert", "convert model weights: sysx file <-> Hugging Face Llama directory"),
     "data": ("sysx.data.prepare", "token files: prepare from text, info, build the default corpus"),
     "train": ("sysx.train", "the training job, same as `sysx-train` (key=value overrides, --help)"),
 }

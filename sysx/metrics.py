@@ -1,23 +1,16 @@
-"""Per-step logging: console lines, a tqdm progress bar, ``run_dir/metrics.jsonl`` and a summary.
+"""Per-step metrics: :class:`StepResult` (what one optimizer step did), and :class:`RunLogger`, which
+writes them to ``run_dir/metrics.jsonl``, prints log lines or a progress bar, and the run's summary.
 
-Every trainer hands one :class:`StepResult` per optimizer step to a :class:`RunLogger`. The logger
-(on rank 0 only; other ranks get a silent one) writes one JSON object per step to
-``metrics.jsonl`` and flushes it, so a crash loses nothing already logged; every ``log.every``
-steps (and on the first and last step) it prints loss, learning rate, tokens/s, step time, peak
-device memory and peak host RSS. On a terminal with ``log.progress=true`` a progress bar shows the
-same figures and the lines go above it; otherwise (CI, files) only the plain lines are printed.
-
-The ``step`` field is the 0-based index that also selects the step's data and learning rate.
-Non-finite floats (the gradient norm of a skipped fp16 step) are written as JSON ``null``.
+The logger runs on rank 0 (other ranks get a silent one) and flushes every line, so a crash loses
+nothing already logged. ``step`` is the 0-based index that also selects the step's data and
+learning rate; non-finite floats (the gradient norm of a skipped fp16 step) are written as ``null``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +19,9 @@ from typing import IO, Any
 import torch
 
 from sysx import device as dev
-from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
-from sysx.config.choices import EMULATED_DEVICE
+from sysx.memory.budget import fmt_bytes
 
 METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 
 
@@ -82,15 +73,6 @@ class RunSummary:
     stopped: str | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
 
 
-def fmt_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def fmt_count(n: float) -> str:
     """``1234567 -> '1.23M'``."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -101,64 +83,6 @@ def fmt_count(n: float) -> str:
 
 def _json_float(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
-
-
-def check_run_dir(run_dir: str | Path) -> None:
-    """Raise :class:`ConfigError` unless ``run_dir`` is, or can be made, a writable directory. Leaves
-    nothing behind: the job checks this before it allocates, and rank 0 creates the directory later."""
-    path = Path(run_dir).expanduser()
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent  # the deepest part that exists decides
-    if probe == path and not path.is_dir():
-        raise ConfigError(f"run_dir={run_dir} is an existing file, not a directory; set run_dir to a directory path")
-    if not probe.is_dir():
-        raise ConfigError(
-            f"run_dir={run_dir} is under {probe}, which is a file; set run_dir to a path under a directory"
-        )
-    try:  # a real write decides (os.access says yes to root on read-only or virtual file systems)
-        os.rmdir(tempfile.mkdtemp(prefix=".sysx-probe-", dir=probe))
-    except OSError as exc:
-        raise ConfigError(
-            f"run_dir={run_dir} cannot be written: {probe} is not writable ({exc.strerror or exc}); "
-            "set run_dir to a writable directory"
-        ) from None
-
-
-def prepare_run_dir(cfg: SysxConfig, *, is_main: bool) -> Path:
-    """Rank 0 creates ``cfg.run_dir`` and writes the resolved ``config.yaml``; other ranks only get the path.
-
-    ``cfg`` must be resolved (``run_dir`` without ``${now:...}``); with several processes, every rank
-    must use rank 0's ``run_dir``. An existing directory is reused and its metrics file replaced.
-    """
-    run_dir = Path(cfg.run_dir)
-    if is_main:
-        check_run_dir(run_dir)
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            header = f"# resolved sysx-train configuration; model {cfg.model.preset} = {model_config(cfg).to_json()}\n"
-            (run_dir / CONFIG_FILE).write_text(header + to_yaml(cfg))
-        except OSError as exc:
-            raise ConfigError(
-                f"run_dir={cfg.run_dir} cannot be written: {exc.strerror or exc}; set run_dir to a writable directory"
-            ) from None
-    return run_dir
-
-
-def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra: str = "") -> str:
-    """The configuration summary printed at start (model, batch, device, precision, run_dir)."""
-    t, o = cfg.train, cfg.optim
-    lines = [
-        f"sysx-train: schedule={cfg.schedule.name} model={cfg.model.init_from or cfg.model.preset} ({fmt_count(n_params)} parameters) "
-        f"device={cfg.device if cfg.device == EMULATED_DEVICE else device} precision={cfg.precision} seed={cfg.seed}",
-        f"  tokens/step {cfg.tokens_per_step} = {t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
-        f"{t.seq_len} tokens | steps {t.steps} | {o.name} lr {o.lr:g} (warmup {o.warmup_steps}, min {o.min_lr:g}) "
-        f"wd {o.weight_decay:g} clip {o.grad_clip:g}",
-        f"  run_dir {cfg.run_dir}",
-    ]
-    if extra:
-        lines.insert(2, f"  {extra}")
-    return "\n".join(lines)
 
 
 def _open_metrics(path: Path, first_step: int) -> IO[str]:
@@ -172,7 +96,7 @@ def _open_metrics(path: Path, first_step: int) -> IO[str]:
                     kept.append(line + "\n")
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by the crash that made the resume necessary
-    f = open(path, "w", buffering=1, encoding="utf-8")
+    f = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - the logger holds it open and closes it
     f.writelines(kept)
     return f
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from sysx.config import ConfigError, SysxConfig, model_config, refuse_ignored_keys
+from sysx.config import ConfigError, SysxConfig, refuse_ignored_keys
 
 
 def check_single(cfg: SysxConfig) -> str:
     """The sliding-window plan of ``schedule=single`` (hardware from ``single.hardware``); its summary line."""
+    from sysx.checkpoint.pretrained import job_model_config
     from sysx.single.hardware import machine_hardware
     from sysx.single.plan_request import PlanError, plan_request_from_config
     from sysx.single.planner import make_plan
@@ -26,7 +27,7 @@ def check_single(cfg: SysxConfig) -> str:
     dtype = DTYPES[resolve_precision(cfg, device).precision]
     hw = machine_hardware(cfg.single.hardware, device, dtype)
     try:
-        plan = make_plan(plan_request_from_config(cfg, cfg.single, model_config(cfg)), hw)
+        plan = make_plan(plan_request_from_config(cfg, cfg.single, job_model_config(cfg)), hw)
     except PlanError as err:
         raise ConfigError(f"schedule=single: {err}") from None
     return f"single: W={plan.window}/{plan.sizes.n_blocks} blocks, {plan.rounds} rounds x {plan.chunks} chunks"
@@ -34,6 +35,7 @@ def check_single(cfg: SysxConfig) -> str:
 
 def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     """The schedule of ``ranks`` processes on one node and its host memory plan, checked against this node."""
+    from sysx.checkpoint.pretrained import job_model_config
     from sysx.dist import DistInfo
     from sysx.optim.rollback_choice import choose_rollback
     from sysx.runtime.options import make_schedule, options_from_config
@@ -42,7 +44,7 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
 
     cfg = resolve_precision(cfg)
     opts = options_from_config(cfg)
-    model_cfg, t = model_config(cfg), cfg.train
+    model_cfg, t = job_model_config(cfg), cfg.train
     schedule = make_schedule(opts, model_cfg, n_ranks=ranks, n_micro=t.micro_batches, seq_len=t.seq_len)
     numels = [sum(_numel(shape) for _, shape in entries) for entries in layer_params(model_cfg)]
     info = DistInfo(rank=0, world_size=ranks, local_rank=0, local_world_size=ranks)
@@ -58,7 +60,8 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
 
 def preflight(cfg: SysxConfig, ranks: int) -> str:
     """Every check of a job of ``ranks`` processes that needs no allocation; one summary line when all pass."""
-    from sysx.metrics import check_run_dir
+    from sysx.checkpoint.pretrained import job_model_config
+    from sysx.run_dir import check_run_dir
     from sysx.trainers.base import check_model_vocab, open_dataset
 
     if ranks < 1:
@@ -75,7 +78,7 @@ def preflight(cfg: SysxConfig, ranks: int) -> str:
             "or launch one process"
         )
     dataset = open_dataset(cfg, announce=False)
-    check_model_vocab(dataset, model_config(cfg))
+    check_model_vocab(dataset, job_model_config(cfg))
     if name == "single":
         layout = check_single(cfg)
     elif name == "reference":

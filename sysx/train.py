@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(help_text(inv.overrides))
             return 0
         cfg = load_config(inv.overrides)
+        if cfg.model.init_from is not None:  # the weights' shape, checked before anything starts
+            from sysx.checkpoint.pretrained import job_model_config
+
+            job_model_config(cfg)
         trainer_for(cfg.schedule.name)
         if inv.show_cfg:
             if is_main:
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if inv.check:
             return check(inv, cfg)
-        from sysx.metrics import check_run_dir
+        from sysx.run_dir import check_run_dir
 
         check_run_dir(cfg.run_dir)  # before the trainer allocates anything
         return exit_status(run(cfg))

@@ -17,11 +17,11 @@ from sysx.autotune.advice import advise
 from sysx.autotune.apply import choice, job_from_config, tuned_job_config
 from sysx.autotune.cli import main as tune_main
 from sysx.autotune.costs import profiled_costs
-from sysx.autotune.hardware import HardwareProfile
 from sysx.autotune.profile import LayerTiming, MachineProfile
 from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
 from sysx.config import ConfigError, load_config, to_yaml
 from sysx.dist import DistInfo
+from sysx.machine.hardware import HardwareProfile
 from sysx.model import get_preset
 from sysx.runtime.options import PipelineOptions, make_schedule
 from sysx.schedule.costs import Costs

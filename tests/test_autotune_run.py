@@ -28,6 +28,8 @@ from sysx.autotune.search import Job, candidate_costs, search
 from sysx.config import load_config
 from sysx.dist import DistInfo
 from sysx.emulate import plan_emulation
+from sysx.machine import hardware_cache
+from sysx.machine.hardware_cache import machine_key
 from sysx.model import get_preset
 from sysx.runtime.options import make_schedule, options_from_config
 from sysx.schedule.simulate import simulate
@@ -169,7 +171,7 @@ def _slow_profile(cache: Path) -> None:
     profile = dataclasses.replace(
         profile,
         layers=layers,
-        machine=prof.machine_key(torch.device("cpu")),
+        machine=machine_key(torch.device("cpu")),
         shape=prof.shape_key(TINY, SEQ, torch.float32),
     )
     path = cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu"))
@@ -244,7 +246,7 @@ def test_schedule_tune_defaults_to_true_for_auto_with_several_processes(monkeypa
 def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatch, tmp_path) -> None:
     """The single-device planner and the autotune profile read one cached hardware profile; a new
     model shape re-profiles the layers but not the hardware; remeasure / refresh measure again."""
-    from sysx.autotune import hardware as hw_mod
+    from sysx.machine import hardware as hw_mod
     from sysx.single.hardware import machine_hardware
 
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
@@ -255,12 +257,12 @@ def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatc
         calls.append(str(dtype))
         return real(device, dtype, nbytes=1 << 20, repeats=1)
 
-    monkeypatch.setattr(cache_mod, "measure_hardware", counting)
+    monkeypatch.setattr(hardware_cache, "measure_hardware", counting)
     first = machine_hardware("measure", "cpu")
     assert len(calls) == 1 and first.measured
     again = machine_hardware("measure", "cpu")
     assert len(calls) == 1 and again.h2d_bytes_per_s == first.h2d_bytes_per_s  # the cached rates
-    assert cache_mod.hardware_path(torch.device("cpu"), torch.float32).exists()
+    assert hardware_cache.hardware_path(torch.device("cpu"), torch.float32).exists()
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
     seen: list[object] = []
     monkeypatch.setattr(
@@ -280,8 +282,8 @@ def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatc
 
 
 def test_sysx_tune_on_the_emulated_device_measures_nothing(monkeypatch, tmp_path, capsys) -> None:
-    from sysx.autotune import hardware as hw_mod
     from sysx.autotune.cli import main as tune_main
+    from sysx.machine import hardware as hw_mod
 
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prof, "measure_profile", lambda *a, **k: pytest.fail("the emulated device measured the CPU"))

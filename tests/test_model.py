@@ -341,7 +341,7 @@ def test_load_model_errors(tmp_path) -> None:
 def test_sysx_model_imports_without_transformers() -> None:
     code = (
         "import sys; sys.modules['transformers'] = None; "  # any transformers import now fails
-        "import sysx.model, sysx.model.convert, sysx.model.hf; "
+        "import sysx.model, sysx.checkpoint.convert, sysx.model.hf; "
         "m = sysx.model.build_model(sysx.model.get_preset('tiny')); print(m.config.dim)"
     )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

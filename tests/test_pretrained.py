@@ -149,19 +149,23 @@ def test_training_from_a_sharded_hf_llama_starts_at_transformers_loss(tmp_path: 
 
 
 def test_init_from_takes_the_shape_and_refuses_a_conflicting_field(tmp_path: Path) -> None:
+    """The job reads the weights' shape (config itself opens no files); a conflicting field, a
+    missing folder or a sequence over the weights' max_seq_len is one line."""
+    from sysx.checkpoint.pretrained import job_model_config
     from sysx.config import ConfigError, load_config
 
     _, hf = make_hf("gqa")
     hf.save_pretrained(tmp_path / "hf")
     cfg = load_config([f"model.init_from={tmp_path / 'hf'}", "train.seq_len=32"])
-    from sysx.config import model_config
-
-    assert model_config(cfg).n_kv_heads == hf.config.num_key_value_heads
+    assert job_model_config(cfg).n_kv_heads == hf.config.num_key_value_heads
     with pytest.raises(ConfigError) as err:
-        load_config([f"model.init_from={tmp_path / 'hf'}", "model.dim=128"])
+        job_model_config(load_config([f"model.init_from={tmp_path / 'hf'}", "model.dim=128"]))
     assert "model.dim=128" in str(err.value) and "dim=64" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model.init_from=.*nope.*does not exist"):
-        load_config([f"model.init_from={tmp_path / 'nope'}"])
+        job_model_config(load_config([f"model.init_from={tmp_path / 'nope'}"]))
+    too_long = hf.config.max_position_embeddings * 2
+    with pytest.raises(ConfigError, match=f"train.seq_len={too_long}.*max_seq_len"):
+        job_model_config(load_config([f"model.init_from={tmp_path / 'hf'}", f"train.seq_len={too_long}"]))
 
 
 def test_the_fine_tuning_path_of_the_readme(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from sysx.config import from_yaml, load_config
-from sysx.metrics import CONFIG_FILE, METRICS_FILE, RunLogger, StepResult
+from sysx.metrics import METRICS_FILE, RunLogger, StepResult
+from sysx.run_dir import CONFIG_FILE
 from sysx.train import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -88,7 +88,7 @@ def _seq_change(result: Result, profile: MachineProfile, space: Space, min_seq: 
 def advise(
     result: Result,
     profile: MachineProfile,
-    space: Space = Space(),
+    space: Space | None = None,
     *,
     rank_factors: tuple[int, ...] = (2, 4, 8),
     min_seq: int = 64,
@@ -96,6 +96,7 @@ def advise(
     """Changes that make some candidate fit (empty when one already does)."""
     if result.best is not None:
         return []
+    space = space or Space()
     changes = _memory_changes(result)
     for found in (_rank_change(result, profile, space, rank_factors), _seq_change(result, profile, space, min_seq)):
         if found is not None:

@@ -22,7 +22,8 @@ from sysx.autotune.p2p import P2PFigures, measure_p2p
 from sysx.autotune.profile import MachineProfile
 from sysx.autotune.report import why
 from sysx.autotune.search import Budget, Candidate, Job, Result, candidate_costs, divisors, search
-from sysx.config import ConfigError, SysxConfig, model_config
+from sysx.checkpoint.pretrained import job_model_config
+from sysx.config import ConfigError, SysxConfig
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate import cluster, emulated_model
 from sysx.schedule.costs import Costs
@@ -54,7 +55,7 @@ def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: int | None, de
         )
     precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
     return Job(
-        model=model_config(cfg),
+        model=job_model_config(cfg),
         seq_len=t.seq_len,
         global_batch=t.micro_batch_size * t.micro_batches,
         n_ranks=n_ranks,
@@ -105,7 +106,7 @@ def tune(
         )
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
-    limits = Budget(**{k: float(given[k] if given.get(k) is not None else v) for k, v in found.items()})
+    limits = Budget(**{k: float(v if (g := given.get(k)) is None else g) for k, v in found.items()})
     result = search(job, limits, profile)
     return Tuning(profile, reused, result, advise(result, profile))
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from sysx.autotune.hardware import HardwareProfile
 from sysx.autotune.p2p import P2PFigures
 from sysx.autotune.profile import LayerTiming, MachineProfile, shape_key
 from sysx.config import SysxConfig
 from sysx.emulate import cluster, emulated_costs, emulated_model
+from sysx.machine.hardware import HardwareProfile
 
 _KINDS = {"embedding": 0, "block": 1, "head": -1}  # a flat layer of each kind
 

@@ -3,8 +3,8 @@
 :func:`measure_profile` times the real layers of the job's model shape (one Embedding, one Block,
 the Head) on the job's device for each micro-batch size: the forward without autograd (how the
 pipeline runs forwards) and the backward with its recompute (forward with autograd + backward).
-It adds the hardware figures of :mod:`sysx.autotune.hardware` (the same profile the single-device
-planner uses), the CPU Adam throughput of one thread (:func:`sysx.optim.bench.adam_params_per_s`)
+It adds the hardware figures of :mod:`sysx.machine.hardware` (the same profile the single-device
+planner uses), the CPU Adam throughput of one thread (:func:`sysx.machine.adam_rate.adam_params_per_s`)
 and the free host memory and ``/dev/shm`` (:func:`sysx.memory.budget.probe_host`).
 
 Layer times are stored per token count (micro-batch size x sequence length) and interpolated
@@ -15,7 +15,6 @@ other micro-batch sizes and, for the memory questions of the search, shorter seq
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,12 +22,13 @@ from typing import Any
 import torch
 
 from sysx import device as dev
-from sysx.autotune.hardware import HardwareProfile, measure_hardware, time_op
 from sysx.autotune.p2p import P2PFigures
+from sysx.machine.adam_rate import adam_params_per_s
+from sysx.machine.hardware import HardwareProfile, measure_hardware, time_op
+from sysx.machine.hardware_cache import machine_key
 from sysx.memory.budget import probe_host
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
-from sysx.optim.bench import adam_params_per_s
 from sysx.optim.cores import usable_physical_cores
 
 LAYER_KINDS = ("embedding", "block", "head")
@@ -130,20 +130,6 @@ def _time_layer(
     bwd = time_op(backward, device, repeats, fastest=True)
     layer.zero_grad(set_to_none=True)
     return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
-
-
-def machine_key(device: torch.device) -> dict[str, str]:
-    """What identifies this machine for the profile cache: host, CPU model, GPU name, torch version."""
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:  # not Linux: platform's answer is the best there is
-        import platform
-
-        cpu = platform.processor()
-    gpu = torch.cuda.get_device_name(device) if dev.is_cuda(device) else "none"
-    return {"host": os.uname().nodename, "cpu": cpu, "gpu": gpu, "torch": torch.__version__}
 
 
 def measure_profile(

@@ -4,7 +4,9 @@
 * :mod:`~sysx.checkpoint.store` - the checkpoint folder: partial -> commit -> ``latest``, rotation;
 * :mod:`~sysx.checkpoint.layer_state` - one flat layer's weights, Adam moments and step, as safetensors;
 * :mod:`~sysx.checkpoint.saver` - snapshot in host memory, write on a thread, measure the stall;
-* :mod:`~sysx.checkpoint.reader` - open a checkpoint, read and verify what one rank needs.
+* :mod:`~sysx.checkpoint.reader` - open a checkpoint, read and verify what one rank needs;
+* :mod:`~sysx.checkpoint.pretrained` - ``model.init_from``: pretrained weights layer by layer, and the job's model shape;
+* :mod:`~sysx.checkpoint.convert` - ``sysx convert``: sysx model file or checkpoint <-> Hugging Face folder.
 """
 
 from sysx.checkpoint.layer_state import LayerState

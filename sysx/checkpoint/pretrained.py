@@ -1,4 +1,4 @@
-"""Pretrained weights, read one flat layer at a time (``model.init_from``).
+"""Pretrained weights, read one flat layer at a time (``model.init_from``), and the job's model shape.
 
 :func:`open_pretrained` takes a Hugging Face Llama folder (``config.json`` + ``model.safetensors``
 or shards with their index), a sysx model file, or a sysx checkpoint (folder or checkpoint dir),
@@ -19,6 +19,10 @@ from safetensors import safe_open
 from torch import nn
 
 from sysx.checkpoint.reader import find_resume
+from sysx.checkpoint.store import CheckpointError
+from sysx.config import ConfigError, SysxConfig
+from sysx.config.checks import first_line
+from sysx.config.schema import check_seq_len, model_config
 from sysx.model import llama
 from sysx.model.config import ModelConfig
 from sysx.model.hf import CONFIG_FILE, SafetensorsFiles, config_from_hf, hf_key_map, hf_weight_files
@@ -85,6 +89,23 @@ def open_pretrained(path: str | os.PathLike) -> PretrainedWeights:
         f"{path} does not exist; give a Hugging Face Llama folder "
         f"(config.json + *.safetensors), a sysx model file or a sysx checkpoint"
     )
+
+
+def job_model_config(cfg: SysxConfig) -> ModelConfig:
+    """The job's model shape: :func:`sysx.config.model_config`, with ``model.init_from`` the shape of
+    those weights (read here: config checks values, never files). A folder that cannot be read, a
+    field set to another value or a ``train.seq_len`` over the weights' ``max_seq_len`` is a
+    one-line :class:`~sysx.config.ConfigError`."""
+    init_from = cfg.model.init_from
+    if init_from is None:
+        return model_config(cfg)
+    try:
+        shape = open_pretrained(str(init_from)).config
+    except (OSError, ValueError, CheckpointError) as err:
+        raise ConfigError(f"model.init_from={init_from}: {first_line(err)}") from None
+    resolved = model_config(cfg, pretrained=shape)
+    check_seq_len(cfg, resolved)
+    return resolved
 
 
 def pretrained_init(weights: PretrainedWeights) -> LayerInit:

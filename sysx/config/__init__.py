@@ -1,18 +1,7 @@
-"""The configuration of a sysx job: typed schema, composition from ``conf/`` and validation.
-
-The YAML files in ``conf/`` (``config.yaml`` + groups ``model/``, ``schedule/``, ``optim/``,
-``data/``) are composed by Hydra on top of :class:`SysxConfig`, which is registered in Hydra's
-ConfigStore as ``sysx_schema`` and is the first entry of ``config.yaml``'s defaults list. The schema
-makes every node typed and closed: a value of the wrong type or a key that does not exist is
-rejected while composing. :func:`validate` then checks ranges and choices, once: each section
-checks its own fields (:mod:`~sysx.config.sections`), against the allowed values spelled in
-:mod:`~sysx.config.choices`, and a key the chosen schedule would ignore is refused
-(:mod:`~sysx.config.schedule_keys`). Every problem becomes a :class:`ConfigError` whose message is
-one line naming the key, the value and what is allowed.
-
-The dataclasses are also the programmatic API: ``SysxConfig(train=TrainSection(steps=5))`` is a
-complete configuration for library users and tests, with the same defaults as ``conf/``. Nothing
-here imports torch, so ``sysx-train --help`` stays fast.
+"""The configuration of a sysx job: the typed schema (:class:`SysxConfig`), its composition from
+``conf/`` by Hydra (:mod:`~sysx.config.compose`) and :func:`validate`, which checks every value
+once and turns a problem into a one-line :class:`ConfigError` naming the key, the value and what
+is allowed. The dataclasses are also the library API (``SysxConfig(train=TrainSection(steps=5))``).
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def _check_keys(node: Any, schema: Any, prefix: str = "") -> None:
         return
     names = [f.name for f in dataclasses.fields(schema)]
     hints = get_type_hints(schema)
-    for key in node.keys():
+    for key in node:
         if key not in names:
             raise ConfigError(_unknown_key(prefix + str(key)))
     for name in names:

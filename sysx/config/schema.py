@@ -91,12 +91,17 @@ def validate(cfg: SysxConfig) -> None:
     chunk = cfg.single.seq_chunk
     if chunk and cfg.train.seq_len % chunk:
         fail("single.seq_chunk", chunk, f"must divide train.seq_len={cfg.train.seq_len} (or 0 = automatic)")
-    max_seq_len = model_config(cfg).max_seq_len
-    if cfg.train.seq_len > max_seq_len:
+    if cfg.model.init_from is None:  # else the job checks it once it has read the weights' shape
+        check_seq_len(cfg, model_config(cfg))
+
+
+def check_seq_len(cfg: SysxConfig, model: ModelConfig) -> None:
+    """``train.seq_len`` fits the model's ``max_seq_len``."""
+    if cfg.train.seq_len > model.max_seq_len:
         fail(
             "train.seq_len",
             cfg.train.seq_len,
-            f"must be <= model.max_seq_len={max_seq_len} (or raise model.max_seq_len)",
+            f"must be <= model.max_seq_len={model.max_seq_len} (or raise model.max_seq_len)",
         )
 
 
@@ -149,10 +154,12 @@ def check_emulation(cfg: SysxConfig) -> None:
         )
 
 
-def model_config(cfg: SysxConfig) -> ModelConfig:
+def model_config(cfg: SysxConfig, pretrained: ModelConfig | None = None) -> ModelConfig:
     """The :class:`sysx.model.ModelConfig` of ``cfg.model``: the preset with the fields that are set.
-    With ``device=emulated`` an unset ``model.n_layers`` is the emulated preset's layer count."""
+    With ``device=emulated`` an unset ``model.n_layers`` is the emulated preset's layer count. With
+    ``model.init_from``, ``pretrained`` is the weights' shape: config reads no files, so the job
+    calls :func:`sysx.checkpoint.pretrained.job_model_config`, which reads it and comes here."""
     section = cfg.model
     if cfg.device == EMULATED_DEVICE and section.n_layers is None and section.init_from is None:
         section = dataclasses.replace(section, n_layers=cfg.emulate.preset_layers())
-    return section.resolve()
+    return section.resolve(pretrained)

@@ -77,13 +77,19 @@ class ModelSection:
     rope_original_max_len: int | None = None
     init_from: str | None = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
 
-    def resolve(self) -> ModelConfig:
+    def resolve(self, pretrained: ModelConfig | None = None) -> ModelConfig:
         """The :class:`sysx.model.ModelConfig`: the preset with the fields that are set, checked; with
-        ``init_from``, the shape of the pretrained weights (a field set to another value is refused)."""
+        ``init_from``, ``pretrained`` is the shape of those weights (read by the job through
+        :func:`sysx.checkpoint.pretrained.job_model_config`) and a field set to another value is refused."""
         from sysx.model import PRESETS, get_preset  # torch: only when a model is built, not for --help
 
         if self.init_from is not None:
-            return self._pretrained_shape()
+            if pretrained is None:
+                raise ValueError(
+                    f"model.init_from={self.init_from}: the shape comes from the weights; "
+                    "resolve it with sysx.checkpoint.pretrained.job_model_config"
+                )
+            return self._pretrained_shape(pretrained)
         check_choice("model.preset", self.preset, sorted(PRESETS))
         changes = {name: getattr(self, name) for name in MODEL_OVERRIDE_FIELDS if getattr(self, name) is not None}
         for name in _MODEL_COUNTS:
@@ -101,14 +107,8 @@ class ModelSection:
             set_ = " ".join(f"model.{k}={v}" for k, v in changes.items())
             raise ConfigError(f"model={self.preset} {set_} is not a valid model: {first_line(err)}") from None
 
-    def _pretrained_shape(self) -> ModelConfig:
-        from sysx.checkpoint import CheckpointError
-        from sysx.checkpoint.pretrained import open_pretrained
-
-        try:
-            shape = open_pretrained(str(self.init_from)).config
-        except (OSError, ValueError, CheckpointError) as err:
-            raise ConfigError(f"model.init_from={self.init_from}: {first_line(err)}") from None
+    def _pretrained_shape(self, shape: ModelConfig) -> ModelConfig:
+        """``shape`` (the pretrained weights'), refusing a field set to another value; ``max_seq_len`` may change."""
         for name in MODEL_OVERRIDE_FIELDS:
             value = getattr(self, name)
             if value is not None and name != "max_seq_len" and value != getattr(shape, name):

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -105,17 +106,6 @@ def _with_threads(n: int, fn: Callable[[], float]) -> float:
         torch.set_num_threads(saved)
 
 
-def adam_params_per_s(numel: int = 1 << 20, *, threads: int = 1, backend: str = "auto", repeat: int = 3) -> float:
-    """CPU Adam throughput (parameters stepped per second) of one optimizer with ``threads`` intra-op threads."""
-    p = torch.randn(numel) * 0.02
-    g = torch.randn(numel) * 1e-2
-    opt = CpuAdam(p, lr=1e-3, weight_decay=0.1, backend=backend)
-    try:
-        return numel / max(_with_threads(threads, lambda: _time(lambda: opt.step(g), repeat)), 1e-9)
-    finally:
-        opt.close()
-
-
 def bench_steps(sizes: list[int], threads: list[int], repeat: int) -> list[tuple[str, int, int, float]]:
     """``(backend, size, threads, seconds per step)`` rows."""
     rows = []
@@ -125,12 +115,12 @@ def bench_steps(sizes: list[int], threads: list[int], repeat: int) -> list[tuple
         for t in threads:
             for backend in ("deepspeed", "torch"):
                 opt = CpuAdam(p, lr=1e-3, weight_decay=0.1, backend=backend)
-                rows.append((backend, n, t, _with_threads(t, lambda: _time(lambda: opt.step(g), repeat))))
+                rows.append((backend, n, t, _with_threads(t, partial(_time, partial(opt.step, g), repeat))))
                 opt.close()
             q = torch.nn.Parameter(p.clone())
             q.grad = g.clone()
             ref = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.1, fused=True)
-            rows.append(("torch AdamW fused", n, t, _with_threads(t, lambda: _time(ref.step, repeat))))
+            rows.append(("torch AdamW fused", n, t, _with_threads(t, partial(_time, ref.step, repeat))))
     return rows
 
 
@@ -151,23 +141,22 @@ def _bench_rollback(sizes: list[int], repeat: int) -> list[tuple[str, int, float
         g = torch.randn(n) * 1e-2
         for backend in ("deepspeed", "torch"):
             opt = CpuAdam(p, lr=1e-3, weight_decay=0.1, backend=backend)
-            step_s = _time(lambda: opt.step(g), repeat)
-
-            def step_undo() -> None:
-                opt.step(g)
-                t0 = time.perf_counter()
-                opt.undo(g)
-                undo_times.append(time.perf_counter() - t0)
-
-            undo_times: list[float] = []
-            for _ in range(repeat):
-                step_undo()
+            step_s = _time(partial(opt.step, g), repeat)
+            undo_s = min(_step_then_undo(opt, g) for _ in range(repeat))
             opt.close()
             snap = CpuAdam(p, lr=1e-3, weight_decay=0.1, backend=backend, rollback="snapshot")
-            snap_s = _time(lambda: snap.step(g), repeat)
+            snap_s = _time(partial(snap.step, g), repeat)
             snap.close()
-            rows.append((backend, n, step_s, min(undo_times), snap_s))
+            rows.append((backend, n, step_s, undo_s, snap_s))
     return rows
+
+
+def _step_then_undo(opt: CpuAdam, g: torch.Tensor) -> float:
+    """One step, then the seconds of its undo."""
+    opt.step(g)
+    t0 = time.perf_counter()
+    opt.undo(g)
+    return time.perf_counter() - t0
 
 
 def bench_pipeline(

@@ -5,7 +5,7 @@
   (the end of its OFFLOAD_GRADS in the simulated timeline), the end of the rank's passes, and the
   emulated cluster's copy rates, GPU memory bandwidth and CPU Adam throughput per worker, and the
   GPU memory the rank's planned peak leaves free.
-* On a real device the rates are measured (:func:`sysx.autotune.hardware.measure_hardware` and one
+* On a real device the rates are measured (:func:`sysx.machine.hardware.measure_hardware` and one
   CPU Adam thread's throughput, as the autotune profile measures them) and, without a cost table,
   every unit is taken as ready at the end of the backward (the device idle then too): the model
   then weighs the CPU lane's queue after the backward against the device lane's copies and steps.
@@ -81,8 +81,8 @@ def emulated_placement(
 
 def measured_rates(device: torch.device, dtype: torch.dtype, *, workers: int, backend: str) -> LaneRates:
     """This machine's copy rates and device memory bandwidth, and one CPU Adam thread's throughput."""
-    from sysx.autotune.hardware import measure_hardware
-    from sysx.optim.bench import adam_params_per_s
+    from sysx.machine.adam_rate import adam_params_per_s
+    from sysx.machine.hardware import measure_hardware
 
     hw = measure_hardware(device, dtype)
     return LaneRates(

@@ -166,10 +166,11 @@ def _resolve(args: argparse.Namespace) -> None:
     args.model_cfg = None
     found: dict[str, Any] = {}
     if args.hydra is not None:
-        from sysx.config import load_config, model_config
+        from sysx.checkpoint.pretrained import job_model_config
+        from sysx.config import load_config
 
         job = load_config(args.hydra)
-        args.model_cfg = model_config(job)
+        args.model_cfg = job_model_config(job)
         args.model = args.model or job.model.preset
         found = {
             "seq_len": job.train.seq_len,

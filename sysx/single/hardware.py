@@ -1,13 +1,13 @@
 """The hardware numbers the single-GPU planner needs: measured on this machine by
-:mod:`sysx.autotune.hardware` once and cached per machine by :mod:`sysx.autotune.cache` (one
+:mod:`sysx.machine.hardware` once and cached per machine by :mod:`sysx.machine.hardware_cache` (one
 hardware profile per machine, shared with the autotuner), or assumed for planning elsewhere."""
 
 from __future__ import annotations
 
 import torch
 
-from sysx.autotune.hardware import GB, GiB, HardwareProfile, measure_hardware, measure_matmul
 from sysx.config.choices import ASSUMED_HARDWARE
+from sysx.machine.hardware import GB, GiB, HardwareProfile, measure_hardware, measure_matmul
 
 __all__ = ["GB", "GiB", "HardwareProfile", "assumed_hardware", "machine_hardware", "measure_hardware", "measure_matmul"]
 
@@ -17,7 +17,7 @@ def machine_hardware(
 ) -> HardwareProfile:
     """The figures ``single.hardware`` names: ``measure`` this machine's cached profile (measured on
     first use), ``remeasure`` measured again (and cached), else the assumed preset."""
-    from sysx.autotune.cache import load_or_measure_hardware
+    from sysx.machine.hardware_cache import load_or_measure_hardware
 
     if setting in ("measure", "remeasure"):
         return load_or_measure_hardware(device, dtype, refresh=setting == "remeasure")[0]

@@ -60,7 +60,7 @@ def window_rates(
     """The plan's copy and device-memory rates, the device memory the lane may use (the activation
     ring and what the working set leaves free), and the CPU Adam throughput per worker:
     ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
-    from sysx.optim.bench import adam_params_per_s
+    from sysx.machine.adam_rate import adam_params_per_s
 
     per_worker = cpu_params_per_s or adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
     return LaneRates(

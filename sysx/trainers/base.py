@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from sysx import stopping
 from sysx.checkpoint import Checkpoint
+from sysx.checkpoint.pretrained import job_model_config
 from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
-from sysx.config import ConfigError, SysxConfig, model_config, to_yaml
+from sysx.config import ConfigError, SysxConfig, to_yaml
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.launcher import env_rank
 from sysx.metrics import RunLogger, StepResult
@@ -122,7 +123,7 @@ class Trainer(ABC):
             raise TypeError(f"{type(self).__name__} needs a SysxConfig, got {type(cfg).__name__}")
         cfg = resolve_precision(cfg, device)
         self.cfg: SysxConfig = cfg
-        self.model_cfg = model_config(cfg)
+        self.model_cfg = job_model_config(cfg)
         self.dtype = DTYPES[cfg.precision]
         self.dataset = (
             dataset if dataset is not None else open_dataset(cfg, announce=env_rank() == 0)

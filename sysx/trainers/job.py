@@ -15,7 +15,8 @@ from __future__ import annotations
 import traceback
 
 from sysx import peers, stopping
-from sysx.metrics import SUMMARY_FILE, RunLogger, describe_run, prepare_run_dir
+from sysx.metrics import SUMMARY_FILE, RunLogger
+from sysx.run_dir import describe_run, prepare_run_dir
 from sysx.stopping import JobStopped
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import JobCheckpoints
@@ -27,7 +28,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
     checkpoints: JobCheckpoints | None = None
     logger: RunLogger | None = None
     try:
-        run_dir = prepare_run_dir(cfg, is_main=is_main)
+        run_dir = prepare_run_dir(cfg, trainer.model_cfg, is_main=is_main)
         checkpoints = JobCheckpoints(trainer)
         resumed = checkpoints.resume()
         if is_main:

@@ -1,19 +1,9 @@
-"""The machine's hardware figures, measured once per machine (the autotune profile and the single-GPU planner share them).
+"""This machine's hardware figures: copy rates, matmul rate, device-memory rate and free memory.
 
-AdaWS discovers "processor speed and bandwidths" at start (paper §3.2.2, appendix B). This module
-measures, on the device the job will use:
-
-- host -> device and device -> host copy rates from pinned memory, one direction at a time, and
-  each direction's rate while both run at once on two streams (one copy engine per direction on
-  server GPUs; consumer GPUs with one engine share it, PyAO §8.4);
-- the matmul rate ``P`` in the compute dtype (square ``n x n`` matmuls);
-- the device-memory copy rate (elementwise ops are bound by it);
-- free and total device and host memory.
-
-On a CPU-only machine the "device" is the host: the copy rates are ``memcpy`` rates (both ways at
-once = two threads copying), ``P`` is the CPU matmul rate, so the planner still runs and CI tests
-the same code. :func:`sysx.single.hardware.assumed_hardware` builds a profile from given numbers
-(or a named preset) to plan for a machine you are not on.
+Measured on the device the job will use (on a CPU-only machine the host stands in for the
+device, so the planners run the same code in CI). :mod:`sysx.machine.hardware_cache` keeps them
+per machine; :func:`sysx.single.hardware.assumed_hardware` builds a profile for a machine you are
+not on. The pipeline's optimizer placement, the single-GPU planner and the autotuner all read them.
 """
 
 from __future__ import annotations
@@ -163,11 +153,10 @@ def measure_hardware(
     return _measure_cpu(dtype, nbytes or 16 * 1024**2, repeats, host_free, host_total)
 
 
-def _measure_cuda(
-    device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, host_total: int
-) -> HardwareProfile:
+def _cuda_copy_rates(device: torch.device, buffers: HostBuffers, nbytes: int, repeats: int) -> tuple[float, ...]:
+    """``(h2d, d2h, both directions at once, device memory)`` bytes/s; the tensors die on return,
+    before the caller closes the pinned ``buffers``."""
     n = nbytes // 4
-    buffers = HostBuffers("copy-rate probe", pin=True)
     host_a = buffers.empty(n, torch.float32).fill_(1.0)
     host_b = buffers.empty(n, torch.float32)
     dev_a = torch.empty(n, dtype=torch.float32, device=device)
@@ -189,9 +178,16 @@ def _measure_cuda(
 
     bidir = nbytes / _time_cuda(both, device, repeats)
     d2d = 2 * nbytes / _time_cuda(lambda: dev_a.copy_(dev_b), device, repeats)  # read + write
+    return h2d, d2h, bidir, d2d
+
+
+def _measure_cuda(
+    device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, host_total: int
+) -> HardwareProfile:
+    buffers = HostBuffers("copy-rate probe", pin=True)
+    h2d, d2h, bidir, d2d = _cuda_copy_rates(device, buffers, nbytes, repeats)
     flops = measure_matmul(device, dtype, repeats=repeats)
     free, total = torch.cuda.mem_get_info(device)
-    del host_a, host_b, dev_a, dev_b, both
     buffers.close()
     return HardwareProfile(
         name=f"{device} ({torch.cuda.get_device_name(device)})",
