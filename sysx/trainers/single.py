@@ -9,12 +9,13 @@ with ``clip_grad_norm_`` semantics, AdamW at ``lr_at(step)`` with weight decay o
 
 Optimizer pipeline (beyond the paper, as SysX does it), through the pipeline's own protocol
 (:class:`~sysx.optim.step_protocol.StepProtocol` over one :class:`~sysx.optim.StageOptimizer` per
-group, run by :class:`~sysx.optim.OptimizerThreads`): in the last round, each block's gradients are handed to a
-CPU worker the moment their copy home completes; the worker converts and unscales them, takes their
-per-parameter norms and — when the step is *speculative* — applies that block's Adam step while
-the GPU is still working on earlier blocks. Clipping and fp16 overflow need the global norm, which
-is known only after the whole backward: :func:`~sysx.optim.post_step_validate` undoes a
-speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it (or skips).
+group, run by :class:`~sysx.optim.OptimizerThreads`): in the last round, each block's gradients are
+handed to a CPU worker the moment their copy home completes; the worker converts and unscales
+them, takes their per-parameter norms and — when the step is *speculative* — applies that block's
+Adam step while the GPU is still working on earlier blocks. Clipping and fp16 overflow need the
+global norm, which is known only after the whole backward: :func:`~sysx.optim.post_step_validate`
+undoes a speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it
+(or skips).
 Whether a step speculates is :class:`~sysx.optim.speculate.SpeculationPolicy`'s decision
 (``optim.speculate=auto|always|never``; ``single.optimizer_overlap=backward|forward`` is the same
 choice spelled for the window: always | never): ``auto`` speculates when no check can veto the step
