@@ -124,13 +124,17 @@ class ModelSection:
 
 
 @dataclass
-class ScheduleSection:
-    """``schedule=<name>``: how a training step is executed (``reference``: one process, plain loop;
-    ``single``: the one-device sliding window; ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``,
-    ``sysx``: one process per device, see :mod:`sysx.runtime`; ``auto``: sysx with several processes,
-    single with one). The other keys are read by the pipeline schedules only."""
+class _ScheduleName:
+    """``schedule.name``, a base of its own so it leads :class:`ScheduleSection` (in YAML and messages)."""
 
     name: str = "auto"
+
+
+@dataclass
+class PipelineKeys:
+    """The ``schedule.*`` keys the pipeline schedules read (which one reads which:
+    :mod:`sysx.config.schedule_keys`); :class:`sysx.runtime.PipelineOptions` holds them too."""
+
     stages_per_rank: int | None = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
     split: int | None = (
         None  # sysx: backward sub-stages per forward stage d (null: 3 when possible (2 with cfg=1), else 2, else 1)
@@ -142,15 +146,9 @@ class ScheduleSection:
         None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
     )
     timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
-    # choose stages/rank, split, cfg, buffers, micro-batch split, optim.workers by profile + simulation
-    # (null: true for schedule=auto with several processes unless stages_per_rank, split or
-    # stage_sizes are given; false otherwise)
-    tune: bool | None = None
 
     def validate(self) -> None:
-        """Ranges of the pipeline keys (which schedule reads which: :mod:`sysx.config.schedule_keys`)."""
-        if not self.name:
-            fail("schedule.name", repr(self.name), "give a schedule name")
+        """Ranges of the pipeline keys."""
         for key in ("stages_per_rank", "split"):
             if getattr(self, key) is not None:
                 check_int(f"schedule.{key}", getattr(self, key), 1)
@@ -168,6 +166,25 @@ class ScheduleSection:
                 "must be positive layer counts, one per forward stage, e.g. [3,3]",
             )
         check_positive("schedule.timeout_s", self.timeout_s, " seconds")
+
+
+@dataclass
+class ScheduleSection(PipelineKeys, _ScheduleName):
+    """``schedule=<name>``: how a training step is executed (``reference``: one process, plain loop;
+    ``single``: the one-device sliding window; ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``mobius``,
+    ``sysx``: one process per device, see :mod:`sysx.runtime`; ``auto``: sysx with several processes,
+    single with one). The other keys are read by the pipeline schedules only (:class:`PipelineKeys`)."""
+
+    # choose stages/rank, split, cfg, buffers, micro-batch split, optim.workers by profile + simulation
+    # (null: true for schedule=auto with several processes unless stages_per_rank, split or
+    # stage_sizes are given; false otherwise)
+    tune: bool | None = None
+
+    def validate(self) -> None:
+        """The name, the pipeline keys' ranges and ``tune``."""
+        if not self.name:
+            fail("schedule.name", repr(self.name), "give a schedule name")
+        super().validate()
         if self.tune is not None and not isinstance(self.tune, bool):
             fail(
                 "schedule.tune",

@@ -9,6 +9,8 @@
 * :func:`post_step_validate` (SysX) and :func:`sync_step` (baselines, in two parts:
   :func:`load_and_check` / :func:`check_reports` and :func:`apply_checked`) - overflow check,
   global-norm clipping and rollback across stages and ranks, for the pipeline and the window;
+* :class:`StepProtocol` - the one speculate-or-validate decision per step both trainers call (which
+  jobs step at once, the validation, the device lane's steps, the spare refresh);
 * :func:`plan_cores` / :func:`apply_plan` - thread counts per local rank;
 * :func:`lr_at`, :func:`make_scaler` and the loss scalers.
 
@@ -32,6 +34,7 @@ _LAZY = {
     "load_and_check": "sysx.optim.validation",
     "check_reports": "sysx.optim.validation",
     "apply_checked": "sysx.optim.validation",
+    "StepProtocol": "sysx.optim.step_protocol",
     "CorePlan": "sysx.optim.cores",
     "plan_cores": "sysx.optim.cores",
     "apply_plan": "sysx.optim.cores",

@@ -8,7 +8,8 @@ the node's ranks (``LOCAL_WORLD_SIZE`` / ``MPI_LOCALNRANKS``). Within a rank:
 * ``deepspeed`` backend: one worker thread using all the rank's cores (DeepSpeed's op holds the
   GIL while it runs, so two workers cannot step at the same time anyway);
 * ``torch`` backend: ``cores // 4`` workers (at least 1, at most one per stage) of
-  ``cores // workers`` intra-op threads each (ATen releases the GIL, so workers overlap).
+  ``cores // workers`` intra-op threads each (ATen releases the GIL, so workers overlap);
+* ``auto`` is planned as ``deepspeed``, which it prefers (:func:`thread_layout`).
 
 :func:`apply_plan` sets the main thread's torch/OpenMP threads and ``OMP_NUM_THREADS``, optionally
 pins the process to its slice of the affinity mask, and logs the plan.
@@ -22,6 +23,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import torch
@@ -104,14 +106,21 @@ def usable_physical_cores() -> tuple[int, list[int]]:
     return cores, affinity
 
 
+def thread_layout(backend: str) -> Literal["torch", "deepspeed"]:
+    """Whose thread layout a plan assumes for ``optim.backend``: torch's only when asked for
+    (``auto`` and ``deepspeed`` run DeepSpeed's op when it is there)."""
+    return "torch" if backend == "torch" else "deepspeed"
+
+
 def split_workers(cores: int, *, n_stages: int, backend: str, workers: int | None = None) -> tuple[int, int]:
     """``(optimizer workers, threads per worker)`` for a rank with ``cores`` cores (the module doc's rule;
-    ``workers`` pins the count)."""
+    ``backend``: ``optim.backend`` as given; ``workers`` pins the count)."""
+    torch_layout = thread_layout(backend) == "torch"
     if workers is None:
-        workers = 1 if backend != "torch" else min(n_stages, max(1, cores // TORCH_THREADS_PER_WORKER))
+        workers = min(n_stages, max(1, cores // TORCH_THREADS_PER_WORKER)) if torch_layout else 1
     if workers < 1:
         raise ValueError(f"plan_cores: workers={workers} must be >= 1")
-    return workers, cores if backend != "torch" else max(1, cores // workers)
+    return workers, max(1, cores // workers) if torch_layout else cores
 
 
 def plan_cores(

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import threading
 import warnings
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -146,6 +147,8 @@ class CpuAdam:
         self.step_count = 0
         self.rollback = rollback
         self._backend: Backend = make_backend(backend, self.hyper)
+        # an optimizer collected without close() releases its backend too (DeepSpeed's C++ optimizer)
+        self._forgotten = weakref.finalize(self, _close_quietly, self._backend)
         _log_backend_once(self._backend)
         self._exact: ExactState | None = None
         if rollback == "exact":
@@ -361,6 +364,7 @@ class CpuAdam:
 
     def close(self) -> None:
         """Release the backend (DeepSpeed's C++ optimizer); the tensors stay usable."""
+        self._forgotten.detach()
         self._backend.close()
 
     def __enter__(self) -> CpuAdam:
@@ -369,15 +373,15 @@ class CpuAdam:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        backend = getattr(self, "_backend", None)
-        if backend is not None:
-            with contextlib.suppress(Exception):  # interpreter shutdown: the op module may be gone already
-                backend.close()
-
     def __repr__(self) -> str:
         h = self.hyper
         return (
             f"CpuAdam(numel={self.numel}, backend={self.backend}, rollback={self.rollback}, lr={self.lr:g}, "
             f"betas=({h.beta1}, {h.beta2}), eps={h.eps:g}, weight_decay={h.weight_decay:g}, step={self.step_count})"
         )
+
+
+def _close_quietly(backend: Backend) -> None:
+    """Release a forgotten optimizer's backend (at exit the op module may be gone already)."""
+    with contextlib.suppress(Exception):
+        backend.close()

@@ -42,6 +42,7 @@ from sysx.config.choices import SPECULATE_AFTER
 from sysx.optim.cpu_adam import CpuAdam
 
 if TYPE_CHECKING:
+    from sysx.config.sections import OptimSection
     from sysx.optim.device_lane import DeviceLane
 
 CHUNK_ELEMS = 1 << 18
@@ -62,6 +63,25 @@ class OptimSettings:
     threads_per_worker: int | None = None
     speculate: str = "auto"  # auto | always | never (sysx.optim.speculate); asynchronous schedules only
     speculate_after: int = SPECULATE_AFTER
+
+    @classmethod
+    def from_config(
+        cls, section: OptimSection, *, backend: str, rollback: str, workers: int | None = None
+    ) -> OptimSettings:
+        """The settings of ``section`` (``optim.*``) with the run's CPU Adam ``backend``, its
+        resolved ``rollback`` (never ``auto``) and optimizer ``workers`` (None: the core plan's)."""
+        return cls(
+            lr=section.lr,
+            betas=(section.betas[0], section.betas[1]),
+            eps=section.eps,
+            weight_decay=section.weight_decay,
+            grad_clip=section.grad_clip,
+            backend=backend,
+            rollback=rollback,
+            workers=workers,
+            speculate=section.speculate,
+            speculate_after=section.speculate_after,
+        )
 
 
 @dataclass
@@ -130,8 +150,18 @@ class StageOptimizer:
         self.stepped = False
 
     @classmethod
-    def from_settings(cls, name: str, master: torch.Tensor, settings: OptimSettings, **kw: object) -> StageOptimizer:
-        """A stage with ``settings``' hyper-parameters, backend and rollback; ``kw`` as for the constructor."""
+    def from_settings(
+        cls,
+        name: str,
+        master: torch.Tensor,
+        settings: OptimSettings,
+        *,
+        target: torch.Tensor | None = None,
+        grad_buffer: torch.Tensor | None = None,
+        keep_grads: bool = True,
+        param_spans: Sequence[tuple[int, int]] | None = None,
+    ) -> StageOptimizer:
+        """A stage with ``settings``' hyper-parameters, backend and rollback; the rest as for the constructor."""
         return cls(
             name,
             master,
@@ -141,8 +171,11 @@ class StageOptimizer:
             weight_decay=settings.weight_decay,
             backend=settings.backend,
             rollback=settings.rollback,
-            **kw,
-        )  # type: ignore[arg-type]
+            target=target,
+            grad_buffer=grad_buffer,
+            keep_grads=keep_grads,
+            param_spans=param_spans,
+        )
 
     @property
     def master(self) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """What the multi-process runtime needs besides :class:`sysx.config.SysxConfig`, and the schedule it runs.
 
-:class:`PipelineOptions` gathers the ``schedule.*`` settings (which schedule, how many forward
-stages per rank, the SysX split ``d`` and ablation ``cfg``, GPU parameter buffers, a manual
-partition) and a few runtime knobs (CPU Adam backend, rollback mode, p2p verification, timeout).
+:class:`PipelineOptions` gathers the ``schedule.*`` settings (which schedule, and the keys the
+pipeline schedules read, :class:`sysx.config.sections.PipelineKeys`: stages per rank, the SysX
+split ``d`` and ablation ``cfg``, GPU parameter buffers, a manual partition, p2p verification,
+timeout) and a few runtime knobs (CPU Adam backend, rollback mode, workers, job id).
 :func:`options_from_config` reads them from ``cfg.schedule`` and ``cfg.optim``; built directly,
 they are the library API, checked by the same code as the config.
 
@@ -13,12 +14,14 @@ builds identically (pure data, no communication): the model's layers are cut by 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sysx.config import ConfigError, ScheduleSection, SysxConfig, refuse_ignored_keys
 from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
-from sysx.config.sections import check_host_adam
+from sysx.config.sections import PipelineKeys, check_host_adam
 from sysx.partition import PartitionError, partition_model
 from sysx.schedule import Schedule, build, validate
 
@@ -40,44 +43,25 @@ BALANCED_SPLIT = 3
 
 
 @dataclass
-class PipelineOptions:
-    """Settings of one pipeline run (``schedule.*`` keys of the config plus runtime knobs).
+class PipelineOptions(PipelineKeys):
+    """Settings of one pipeline run: the pipeline schedule, its ``schedule.*`` keys
+    (:class:`~sysx.config.sections.PipelineKeys`, with the config's defaults) and runtime knobs.
 
-    ``stages_per_rank``: forward stages each rank holds (``Nsf = stages_per_rank * Ng``; gpipe and
-    1f1b hold 1). ``split``: SysX backward sub-stages per forward stage ``d``. Left ``None``, they
-    are chosen: 2 stages per rank and ``d = 3`` (the paper's evaluated setting; ``d = 2`` for CFG1)
-    when the model has enough layers, else fewer (see :meth:`candidates` and :func:`make_schedule`).
-    ``cfg``: SysX ablation config 0-3 (paper Table 3). ``stage_sizes``: manual partition, layers
-    per forward stage (flat layers: Embedding + blocks + Head). ``verify_transfers``: send a small
-    header before every p2p payload so the receiver checks it against its plan (None: on with
-    gloo, off with NCCL). ``timeout_s``: how long any wait on a peer may take.
+    ``stages_per_rank`` and ``split`` left ``None`` are chosen: 2 stages per rank and ``d = 3`` (the
+    paper's evaluated setting; ``d = 2`` for CFG1) when the model has enough layers, else fewer (see
+    :meth:`candidates` and :func:`make_schedule`). ``optim_backend``, ``rollback``,
+    ``optimizer_workers``: the host CPU Adam's ``optim.backend``, ``optim.rollback``, ``optim.workers``.
     """
 
     schedule: str = "sysx"
-    stages_per_rank: int | None = None
-    split: int | None = None
-    cfg: int = 3
-    param_buffers: int = 2
-    stage_sizes: list[int] | None = None
     optim_backend: str = "auto"
     rollback: str = "undo"
     optimizer_workers: int | None = None
-    verify_transfers: bool | None = None
-    timeout_s: float = 300.0
     job_id: str | None = None
 
     def schedule_section(self) -> ScheduleSection:
         """The ``schedule.*`` section of the job config these options stand for."""
-        return ScheduleSection(
-            name=self.schedule,
-            stages_per_rank=self.stages_per_rank,
-            split=self.split,
-            cfg=self.cfg,
-            param_buffers=self.param_buffers,
-            stage_sizes=self.stage_sizes,
-            verify_transfers=self.verify_transfers,
-            timeout_s=self.timeout_s,
-        )
+        return ScheduleSection(name=self.schedule, **_keys(self))
 
     def check(self) -> None:
         """Raise :class:`RuntimeConfigError` naming the first bad option. The checks are the job
@@ -122,19 +106,17 @@ class PipelineOptions:
         return " ".join(parts)
 
 
-_SCHEDULE_KEYS = ("stages_per_rank", "split", "cfg", "param_buffers", "stage_sizes", "verify_transfers", "timeout_s")
+def _keys(keys: PipelineKeys) -> dict[str, Any]:
+    """The pipeline keys of ``keys`` (copies: the options and the config do not share a list)."""
+    return {f.name: copy.copy(getattr(keys, f.name)) for f in dataclasses.fields(PipelineKeys)}
 
 
 def options_from_config(cfg: SysxConfig, **overrides: Any) -> PipelineOptions:
-    """:class:`PipelineOptions` from ``cfg.schedule`` (``name`` and the option fields) and
+    """:class:`PipelineOptions` from ``cfg.schedule`` (``name`` and the pipeline keys) and
     ``cfg.optim`` (``backend``, ``rollback``, ``workers``), then ``overrides``. A schedule name
     ``auto`` means ``sysx`` here."""
     section = cfg.schedule
-    values: dict[str, Any] = {"schedule": "sysx" if section.name == "auto" else section.name}
-    for key in _SCHEDULE_KEYS:
-        value = getattr(section, key)
-        if value is not None:
-            values[key] = list(value) if key == "stage_sizes" else value
+    values: dict[str, Any] = {"schedule": "sysx" if section.name == "auto" else section.name, **_keys(section)}
     values.update(optim_backend=cfg.optim.backend, rollback=cfg.optim.rollback, optimizer_workers=cfg.optim.workers)
     values.update(overrides)
     opts = PipelineOptions(**values)

@@ -130,9 +130,7 @@ class PipelineTrainer(Trainer):
         """The emulated device's pacer (its plan refuses a GPU memory overflow), else none."""
         if self.cfg.device != EMULATED_DEVICE:
             return Pacer()
-        plan = plan_emulation(
-            self.cfg, self.schedule, backend="torch" if self.opts.optim_backend == "torch" else "deepspeed"
-        )
+        plan = plan_emulation(self.cfg, self.schedule, backend=self.opts.optim_backend)
         return EmulatedPacer(
             plan, self.schedule, self.rank, time_scale=self.cfg.emulate.time_scale, group=self.group, world=self.world
         )
@@ -172,18 +170,8 @@ class PipelineTrainer(Trainer):
             compute=compute,
         )
         self.grads = GradBuffers(self.dtype, self.device, compute=compute, d2h=d2h)
-        o = cfg.optim
-        settings = OptimSettings(
-            lr=o.lr,
-            betas=(o.betas[0], o.betas[1]),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            grad_clip=o.grad_clip,
-            backend=opts.optim_backend,
-            rollback=self.params.rollback,
-            workers=opts.optimizer_workers,
-            speculate=o.speculate,
-            speculate_after=o.speculate_after,
+        settings = OptimSettings.from_config(
+            cfg.optim, backend=opts.optim_backend, rollback=self.params.rollback, workers=opts.optimizer_workers
         )
         if isinstance(self.pacer, EmulatedPacer):  # the emulated workers; their real work is small: one thread each
             settings = dataclasses.replace(settings, workers=self.pacer.plan.optimizer_workers, threads_per_worker=1)
@@ -250,7 +238,7 @@ class PipelineTrainer(Trainer):
             device=self.device,
             dtype=self.dtype,
             workers=self.optimizer.threads.workers,
-            backend="torch" if self.opts.optim_backend == "torch" else "auto",
+            backend=self.opts.optim_backend,
             speculative=o.speculate != "never",
             plan=plan,
         )
@@ -292,8 +280,7 @@ class PipelineTrainer(Trainer):
             return self.lane_plan or (t.iteration, t.bubble_ratio)
         assert self._validate_first is not None
         if self._validate_first[1] is None:
-            backend = "torch" if self.opts.optim_backend == "torch" else "deepspeed"
-            t = plan_emulation(self.cfg, schedule, backend=backend).timeline
+            t = plan_emulation(self.cfg, schedule, backend=self.opts.optim_backend).timeline
             self._validate_first = (schedule, (t.iteration, t.bubble_ratio))
         return self._validate_first[1]
 
@@ -640,7 +627,7 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
             opts = options_from_config(cfg)
         plan = plan_cores(
             n_stages=1,
-            backend="torch" if opts.optim_backend == "torch" else "deepspeed",
+            backend=opts.optim_backend,
             local_rank=info.local_rank,
             local_world_size=info.local_world_size,
         )

@@ -8,13 +8,14 @@ the per-micro-batch losses, fp32 unscaled gradients, global L2 norm, loss-scaler
 with ``clip_grad_norm_`` semantics, AdamW at ``lr_at(step)`` with weight decay on every parameter.
 
 Optimizer pipeline (beyond the paper, as SysX does it), through the pipeline's own protocol
-(:mod:`sysx.optim`: one :class:`~sysx.optim.StageOptimizer` per group, run by
-:class:`~sysx.optim.OptimizerThreads`): in the last round, each block's gradients are handed to a
-CPU worker the moment their copy home completes; the worker converts and unscales them, takes their
-per-parameter norms and — when the step is *speculative* — applies that block's Adam step while
-the GPU is still working on earlier blocks. Clipping and fp16 overflow need the global norm, which
-is known only after the whole backward: :func:`~sysx.optim.post_step_validate` undoes a
-speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it (or skips).
+(:class:`~sysx.optim.step_protocol.StepProtocol` over one :class:`~sysx.optim.StageOptimizer` per
+group, run by :class:`~sysx.optim.OptimizerThreads`): in the last round, each block's gradients are
+handed to a CPU worker the moment their copy home completes; the worker converts and unscales
+them, takes their per-parameter norms and — when the step is *speculative* — applies that block's
+Adam step while the GPU is still working on earlier blocks. Clipping and fp16 overflow need the
+global norm, which is known only after the whole backward: :func:`~sysx.optim.post_step_validate`
+undoes a speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it
+(or skips).
 Whether a step speculates is :class:`~sysx.optim.speculate.SpeculationPolicy`'s decision
 (``optim.speculate=auto|always|never``; ``single.optimizer_overlap=backward|forward`` is the same
 choice spelled for the window: always | never): ``auto`` speculates when no check can veto the step
@@ -55,8 +56,9 @@ from sysx.optim.placement import LaneRates, Placement
 from sysx.optim.rollback_choice import choose_rollback
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.optim.stage import OptimSettings, StageReport
+from sysx.optim.step_protocol import UNTIMED, StepProtocol
 from sysx.optim.threads import OptimizerThreads
-from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
+from sysx.optim.validation import StepOutcome
 from sysx.single.executor import SlidingWindowExecutor
 from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
 from sysx.single.host import HostState
@@ -127,25 +129,22 @@ class SingleTrainer(Trainer):
     ) -> None:
         """The host state, the executor, the optimizer threads and the optimizer's placement."""
         o = cfg.optim
-        settings = OptimSettings(
-            lr=o.lr,
-            betas=(o.betas[0], o.betas[1]),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            grad_clip=o.grad_clip,
-            backend=optimizer_backend or o.backend,
-            rollback=self._choose_rollback(o.rollback),
-        )
-        self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
-        self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
-        self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
         try:
             mode = window_mode(self.settings.optimizer_overlap, o.speculate)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        self.policy = SpeculationPolicy(mode, o.speculate_after, can_veto=o.grad_clip > 0 or cfg.precision == "fp16")
-        self.on_device: tuple[str, ...] = ()  # groups the device lane steps, in forward order
-        self.lane: DeviceLane | None = None
+        settings = dataclasses.replace(
+            OptimSettings.from_config(
+                o, backend=optimizer_backend or o.backend, rollback=self._choose_rollback(o.rollback)
+            ),
+            speculate=mode,
+        )
+        self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
+        self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
+        self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
+        self.protocol = StepProtocol(
+            self.threads, self.scaler, settings, fp16=cfg.precision == "fp16", total_norm=self.host.grad_norm
+        )
         self.placement = self._place_optimizer(settings.backend, lane_rates)
         self.redone_steps = 0
         self.speculated_steps = 0
@@ -172,8 +171,8 @@ class SingleTrainer(Trainer):
             self.plan,
             [(g.name, g.layout.numel) for g in self.host.groups],
             separate_device=dev.is_cuda(self.device),
-            speculative=self.policy.mode != "never",
-            backend="torch" if backend == "torch" else "auto",
+            speculative=self.protocol.policy.mode != "never",
+            backend=backend,
             rates=rates,
         )
         if placement.device:
@@ -189,10 +188,19 @@ class SingleTrainer(Trainer):
         unknown = sorted(set(names) - set(forward))
         if unknown:
             raise ValueError(f"use_device_lane: no group named {', '.join(unknown)} (groups: {', '.join(forward)})")
-        if self.lane is not None:
-            self.lane.close()
-        self.on_device = tuple(n for n in forward if n in names)  # the next forward needs them in this order
-        self.lane = lane if lane is not None else DeviceLane(self.device, self.executor.idle_between_steps())
+        ordered = [n for n in forward if n in names]  # the next forward needs them in this order
+        lane = lane if lane is not None else DeviceLane(self.device, self.executor.idle_between_steps())
+        self.protocol.use_device_lane(dict.fromkeys(ordered, UNTIMED), lane)
+
+    @property
+    def on_device(self) -> tuple[str, ...]:
+        """The groups the device lane steps, in forward order."""
+        return tuple(self.protocol.on_device)
+
+    @property
+    def lane(self) -> DeviceLane | None:
+        """The device lane (None: every group steps on the CPU)."""
+        return self.protocol.lane
 
     # ------------------------------------------------------------------------------------ pieces
     @property
@@ -232,29 +240,22 @@ class SingleTrainer(Trainer):
         lr = self.lr_at(step)
         plan = self.plan
         batches = [self.batch(step, j, rows=plan.chunk) for j in range(plan.micro_batches)]
-        speculate = self.policy.speculate()
+        speculate = self.protocol.begin()
         groups = self.host.groups
         self.window.begin(step)
         self._waited = 0.0
 
         def on_grads(g: int, event: dev.Event) -> None:
-            group = groups[g]
-            if speculate and group.name not in self.on_device:  # the device lane steps after the decision
-                self.threads.submit_step(group.name, group.grad, event, scale=scale, lr=lr)
-            else:
-                self.threads.submit_load(group.name, group.grad, event, scale=scale)
+            self.protocol.submit(groups[g].name, groups[g].grad, event, scale=scale, lr=lr)
 
         try:
             losses = self.executor.run_step(batches, scale=scale, on_grads=on_grads, before_load=self._before_load)
             t_backward = time.perf_counter()
-            outcome = self._validate(self.threads.wait(), speculate, lr)
+            outcome = self._validate(self.threads.wait(), lr)
             self._waited += time.perf_counter() - t_backward
         finally:
             self.window.end()
-        clean = not outcome.overflow and outcome.clip_coef == 1.0
-        self.policy.record(clean=clean)
-        if self.policy.speculate():  # rollback=exact: the spares refresh behind the decided jobs, into the next forward
-            self.threads.refresh_spares([g.name for g in self.host.stages if g.name not in self.on_device])
+        clean = self.protocol.record(outcome)  # the spare refresh runs into the next forward
         if speculate:
             self.speculated_steps += 1
             self.redone_steps += not clean
@@ -313,32 +314,12 @@ class SingleTrainer(Trainer):
             out["prediction"] = self.prediction.section
         return out
 
-    def _validate(self, reports: list[StageReport], speculate: bool, lr: float) -> StepOutcome:
+    def _validate(self, reports: list[StageReport], lr: float) -> StepOutcome:
         """Decide this step from the groups' reports; the re-steps (speculation) or steps (validate
-        first) are queued in forward order, Embedding+Head first, and run into the next forward."""
+        first) are queued in forward order, Embedding+Head first, and run into the next forward; the
+        device lane steps on this thread meanwhile."""
         forward = {g.name: i for i, g in enumerate([self.host.static, *self.host.groups[:-1]])}
-        reports = sorted(reports, key=lambda r: forward[r.stage])
-        clip = self.cfg.optim.grad_clip
-        if speculate:
-            outcome = post_step_validate(
-                reports,
-                self.threads,
-                self.scaler,
-                lr=lr,
-                max_grad_norm=clip,
-                total_norm=self.host.grad_norm,
-                wait=False,
-            )
-        else:
-            outcome = check_reports(reports, self.scaler, max_grad_norm=clip, total_norm=self.host.grad_norm)
-            if not outcome.skipped:
-                for r in reports:
-                    if r.stage not in self.on_device:
-                        self.threads.submit(lambda stage: apply_checked(stage, outcome, lr), r.stage, "step")
-        by_name = {g.name: g.optimizer for g in self.host.groups}
-        for name in self.on_device:  # on the main thread, beside the workers' jobs on the other groups
-            apply_checked(by_name[name], outcome, lr, self.lane)
-        return outcome
+        return self.protocol.decide(sorted(reports, key=lambda r: forward[r.stage]), lr)
 
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over the reference's ``batches`` val micro-batches (the same sequences every time)."""
@@ -373,7 +354,7 @@ class SingleTrainer(Trainer):
 
     def speculation_policy(self) -> SpeculationPolicy:
         """The window's policy (saved and restored with the common state)."""
-        return self.policy
+        return self.protocol.policy
 
     def load_checkpoint(self, ckpt: Checkpoint) -> None:
         """The common state; a checkpoint from before the policy was saved has ``last_step_passed``
@@ -381,7 +362,7 @@ class SingleTrainer(Trainer):
         super().load_checkpoint(ckpt)
         state = ckpt.trainer_state()
         if "speculation" not in state and not state.get("last_step_passed", True):
-            self.policy.record(clean=False)
+            self.protocol.policy.record(clean=False)
 
     def restore_layers(self, ckpt: Checkpoint) -> None:
         """Every group's masters, moments and step count from ``ckpt``; working copies rewritten."""
@@ -397,8 +378,7 @@ class SingleTrainer(Trainer):
         finally:
             try:
                 self.threads.close()
-                if self.lane is not None:
-                    self.lane.close()
+                self.protocol.close()
                 self.executor.close()
                 self.host.close()
             finally:
