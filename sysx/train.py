@@ -43,7 +43,7 @@ from sysx.config import (
     to_yaml,
 )
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.launcher import env_rank
+from sysx.env_rank import env_rank
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo

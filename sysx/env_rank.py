@@ -1,4 +1,5 @@
-"""The launcher's rank, read from the environment before any process group exists."""
+"""This process's global rank, read from the launcher's environment before any process group
+exists (torch-free, so that ``sysx-train --help`` and config errors stay fast)."""
 
 from __future__ import annotations
 
