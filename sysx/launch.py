@@ -12,6 +12,7 @@ rank. ``launch/torchrun.sh`` and ``launch/two_nodes_localhost.sh`` use it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ PROG = "sysx.launch"
 # Statuses of a rank that stopped on a signal: it said so itself (or the agent stopped it because
 # another rank failed first, which that rank's line tells).
 STOP_STATUSES = frozenset(128 + s for s in (signal.SIGINT, signal.SIGTERM))
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 
 def status_of(exitcode: int) -> int:
@@ -51,15 +53,30 @@ def outcome(failures: Mapping[int, Any]) -> tuple[int, list[str]]:
     return failed[0][1] or 1, lines
 
 
+def quiet_agent() -> None:
+    """Silence torchrun's agent in this process: its Python loggers (they set their own levels, so
+    only disabling logging reaches them) and libtorch's C++ warnings (a multi-node agent whose
+    rendezvous host left first dumps a C++ stack while it shuts down). The C++ level is read when
+    libtorch loads; the ranks, started later from this process's environment, keep theirs."""
+    logging.disable(logging.ERROR)
+    own = os.environ.get(CPP_LOG_LEVEL)
+    os.environ[CPP_LOG_LEVEL] = "ERROR"
+    try:
+        import torch  # noqa: F401  (loads libtorch with the level above)
+    finally:
+        if own is None:
+            del os.environ[CPP_LOG_LEVEL]
+        else:
+            os.environ[CPP_LOG_LEVEL] = own
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the job's exit status."""
+    quiet_agent()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    # the agent's loggers set their own levels, so only disabling logging silences them (this
-    # process runs nothing but the agent; the ranks are processes of their own)
-    logging.disable(logging.ERROR)
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except SignalException as stop:
