@@ -17,6 +17,7 @@ rightly leaves an ignored signal alone.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -130,10 +131,8 @@ class Job:
 
     def kill(self) -> None:
         for pid, _ in self._marked():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
