@@ -17,9 +17,31 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_stop import JOB_ARGS, KILL_STOP_S, SIGNAL_STOP_S, check_launcher_report, check_stopped_summary, start_launcher
+
+from sysx.launch import outcome
+
+
+@pytest.mark.parametrize(
+    ("failures", "status", "lines"),
+    [
+        ([(1, -9), (0, 143)], 137, ["sysx.launch: rank 1 failed: killed by SIGKILL (exit status 137)"]),
+        ([(0, 2), (1, -15)], 2, ["sysx.launch: rank 0 failed: exit status 2"]),
+        (
+            [(1, 1), (0, 1)],
+            1,
+            ["sysx.launch: rank 0 failed: exit status 1", "sysx.launch: rank 1 failed: exit status 1"],
+        ),
+        ([(0, 130), (1, 130)], 130, []),  # Ctrl-C: the ranks said so
+        ([(1, 143), (0, -15)], 143, []),  # SIGTERM to rank 1; rank 0 stopped with it
+    ],
+)
+def test_the_job_status_and_one_line_per_failed_rank(failures: list, status: int, lines: list[str]) -> None:
+    assert outcome({rank: SimpleNamespace(exitcode=code) for rank, code in failures}) == (status, lines)
+
 
 LAUNCHERS = ["sysx.launch", "torchrun", "mpirun", "two_nodes"]
 FAULT_ARGS = [a for a in JOB_ARGS if not a.startswith("train.steps=")] + ["train.steps=4"]

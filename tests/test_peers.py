@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from sysx.peers import PeerWatch
@@ -89,3 +90,17 @@ def test_a_killed_store_host_is_named_once_its_process_is_seen_gone() -> None:
     found = watch.explain("RECV_GRAD s1.1 mb1 <-r0")
     assert isinstance(found, StoreLost) and "store is unreachable" in str(found)
     assert NEWS_WAIT_S <= time.monotonic() - t0 < NEWS_WAIT_S + 5.0
+
+
+def test_the_fault_hook_fires_where_its_rank_starts_its_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.faults import InjectedFault
+
+    host, other = _watches()
+    monkeypatch.setenv("SYSX_FAULT", "raise@1:step 2")
+    host.doing("step 2")  # another rank
+    other.doing("step 1")  # another label
+    with pytest.raises(InjectedFault, match="rank 1 at step 2"):
+        other.doing("step 2")
+    monkeypatch.setenv("SYSX_FAULT", "explode@1:step 2")
+    with pytest.raises(ValueError, match="KIND@RANK:LABEL"):
+        other.doing("step 3")
