@@ -5,19 +5,23 @@
 # forward but that a rank of the other "node" owns reach it through mirror segments, pushed by the
 # owner after every optimizer step: the multi-node path, without a second machine.
 #   NPROC=2 launch/two_nodes_localhost.sh schedule=sysx train.steps=20 device=cpu
-# Arguments are sysx-train overrides. PORT picks the rendezvous port (default 29533).
+# Arguments are sysx-train overrides. PORT picks the rendezvous port (default 29533). Each "node" runs
+# torchrun through sysx.launch (exits like the job, no agent log lines); the script exits with the
+# first non-zero status of the two.
 set -euo pipefail
 NPROC="${NPROC:-2}"
 PORT="${PORT:-29533}"
 RDZV_ID="${RDZV_ID:-sysx-2nodes-$$}"
-TORCHRUN="${TORCHRUN:-torchrun}"
+PYTHON="${PYTHON:-python}"
 common=(--nnodes=2 --nproc_per_node="${NPROC}" --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:${PORT}" --rdzv_id="${RDZV_ID}")
-"${TORCHRUN}" "${common[@]}" --node_rank=0 -m sysx.train "$@" &
+"${PYTHON}" -m sysx.launch "${common[@]}" --node_rank=0 -m sysx.train "$@" &
 node0=$!
-"${TORCHRUN}" "${common[@]}" --node_rank=1 -m sysx.train "$@" &
+"${PYTHON}" -m sysx.launch "${common[@]}" --node_rank=1 -m sysx.train "$@" &
 node1=$!
-trap 'kill "${node0}" "${node1}" 2>/dev/null || true' INT TERM
+# a signal to this script alone goes on to both "nodes" (Ctrl-C in a terminal reaches them directly)
+trap 'kill -INT "${node0}" "${node1}" 2>/dev/null || true' INT
+trap 'kill -TERM "${node0}" "${node1}" 2>/dev/null || true' TERM
 status=0
 wait "${node0}" || status=$?
-wait "${node1}" || status=$?
+wait "${node1}" || { second=$?; [ "${status}" -ne 0 ] || status="${second}"; }
 exit "${status}"

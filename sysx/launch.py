@@ -1,50 +1,95 @@
-"""``python -m sysx.launch [torchrun options] -m sysx.train ...``: torchrun, with its exit as a job's.
+"""``python -m sysx.launch [torchrun options] -m sysx.train ...``: torchrun, exiting like the job.
 
-torchrun's own entry point reports a stopped or failed job with a Python traceback of its agent
-(``SignalException`` for Ctrl-C / SIGTERM, ``ChildFailedError`` with a report box for a failed
-rank) and exits 1 whatever happened. The ranks have already said what happened, in one line each
-(:mod:`sysx.stopping`, :mod:`sysx.peers`), so this wrapper runs the same launcher
-(``torch.distributed.run``: same options, same agent, same signal forwarding to the workers) and
-exits like the job: 130 / 143 after SIGINT / SIGTERM, the failed rank's status otherwise, and prints
-at most one line of its own. ``launch/torchrun.sh`` uses it.
+torchrun's own entry point logs through its agent (the ``OMP_NUM_THREADS`` box, ``failed (exitcode:
+...)`` lines), reports a stopped or failed job with a traceback and a report box, and exits 1
+whatever happened. The ranks already say what happened, one line each (:mod:`sysx.stopping`,
+:mod:`sysx.peers`), so this wrapper runs the same launcher (``torch.distributed.run``: same options,
+same agent, same signal forwarding) with the agent's logging off, and exits like the job: 130 / 143
+after SIGINT / SIGTERM, else the status of the first rank that failed, with one line per failed
+rank. ``launch/torchrun.sh`` and ``launch/two_nodes_localhost.sh`` use it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
+from typing import Any
+
+PROG = "sysx.launch"
+# Statuses of a rank that stopped on a signal: it said so itself (or the agent stopped it because
+# another rank failed first, which that rank's line tells).
+STOP_STATUSES = frozenset(128 + s for s in (signal.SIGINT, signal.SIGTERM))
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 
-def exit_status(failures: dict) -> int:
-    """The status of the first failed rank (``128 + n`` when it died of signal ``n``)."""
-    for _, failure in sorted(failures.items()):
-        code = int(getattr(failure, "exitcode", 1))
-        return 128 - code if code < 0 else code or 1
-    return 1
+def status_of(exitcode: int) -> int:
+    """A process's exit code as a shell reports it: ``128 + n`` when signal ``n`` ended it."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def describe(status: int) -> str:
+    """``killed by SIGKILL (exit status 137)`` or ``exit status 2``."""
+    if status > 128:
+        try:
+            return f"killed by {signal.Signals(status - 128).name} (exit status {status})"
+        except ValueError:
+            pass
+    return f"exit status {status}"
+
+
+def outcome(failures: Mapping[int, Any]) -> tuple[int, list[str]]:
+    """The job's exit status and one line per failed rank, from torchrun's failures (global rank ->
+    ``ProcessFailure``, in the order the agent saw them end: first the ranks that failed, then
+    those it stopped). A rank that stopped on SIGINT/SIGTERM gets no line (it printed its own, or
+    was stopped because of a rank that has one); when every rank stopped so, the job was stopped."""
+    statuses = [(rank, status_of(int(failure.exitcode))) for rank, failure in failures.items()]
+    failed = [(rank, status) for rank, status in statuses if status not in STOP_STATUSES]
+    if not failed:
+        return (statuses[0][1] if statuses else 1), []
+    lines = [f"{PROG}: rank {rank} failed: {describe(status)}" for rank, status in sorted(failed)]
+    return failed[0][1] or 1, lines
+
+
+def quiet_agent() -> None:
+    """Silence torchrun's agent in this process: its Python loggers (they set their own levels, so
+    only disabling logging reaches them) and libtorch's C++ warnings (a multi-node agent whose
+    rendezvous host left first dumps a C++ stack while it shuts down). The C++ level is read when
+    libtorch loads; the ranks, started later from this process's environment, keep theirs."""
+    logging.disable(logging.ERROR)
+    own = os.environ.get(CPP_LOG_LEVEL)
+    os.environ[CPP_LOG_LEVEL] = "ERROR"
+    try:
+        import torch  # noqa: F401  (loads libtorch with the level above)
+    finally:
+        if own is None:
+            del os.environ[CPP_LOG_LEVEL]
+        else:
+            os.environ[CPP_LOG_LEVEL] = own
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the job's exit status."""
+    quiet_agent()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown chatter is not the job's
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except SignalException as stop:
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
-        status = exit_status(failed.failures)
-        if status not in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # a stop was reported by the ranks already
-            ranks = ", ".join(str(f.global_rank) for f in failed.failures.values())
-            print(
-                f"sysx.launch: rank(s) {ranks} failed (exit status {status}); their own lines above say why",
-                file=sys.stderr,
-                flush=True,
-            )
+        status, lines = outcome(failed.failures)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
         return status
+    except Exception as err:  # the agent's own failure (a rendezvous that timed out, a bad option)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"{PROG}: torchrun failed: {type(err).__name__}{': ' + first if first else ''}", file=sys.stderr)
+        return 1
     return 0
 
 

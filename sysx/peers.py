@@ -20,6 +20,7 @@ import socket
 import time
 from typing import Any
 
+from sysx import faults, stopping
 from sysx.memory import procinfo
 from sysx.stopping import JobStopped
 
@@ -68,16 +69,20 @@ class PeerWatch:
         self._who[self.rank] = (self.host, pid, started)
 
     def doing(self, what: str) -> None:
-        """Publish what this rank starts now (named if it dies)."""
+        """Publish what this rank starts now (named if it dies); the point where a fault asked for
+        by ``SYSX_FAULT`` happens (:mod:`sysx.faults`)."""
         with contextlib.suppress(RuntimeError):
             self.store.set(f"sysx/doing/{self.rank}", what)
+        faults.at(self.rank, what)
 
     def publish_stop(self, signum: int) -> None:
         """Tell the others to stop: this rank got ``signum``."""
         self._publish(STOP_KEY, f"{signum} {self.rank}")
 
     def publish_failure(self, failed_rank: int, line: str) -> None:
-        """Tell the others that ``failed_rank`` failed with ``line`` (the first report wins)."""
+        """Tell the others that ``failed_rank`` failed with ``line`` (the first report wins); this
+        rank is ending on it (:func:`sysx.stopping.ending`)."""
+        stopping.ending()
         self._publish(FAILED_KEY, f"{failed_rank}\t{line}")
 
     def linger(self, timeout: float = LINGER_S) -> None:
@@ -117,7 +122,7 @@ class PeerWatch:
         died (``/proc`` at every call, the store every 0.25 s)."""
         dead = self.dead_peer(what)
         if dead is not None:
-            raise dead
+            raise _ending(dead)
         now = time.monotonic()
         if now - self._store_at >= STORE_POLL_S:
             self._store_at = now
@@ -125,7 +130,7 @@ class PeerWatch:
             if isinstance(found, StoreLost):  # the store's host may be dying: name it once /proc shows it
                 found = self.explain(what) or found
             if found is not None:
-                raise found
+                raise _ending(found)
 
     def explain(self, what: str) -> BaseException | None:
         """After a transport error during ``what``: the stop or failure that explains it, if any.
@@ -140,12 +145,12 @@ class PeerWatch:
             if isinstance(news, StoreLost):
                 lost, news = lost or news, None
             if news is not None:
-                return news
+                return _ending(news)
             dead = self.dead_peer(what)
             if dead is not None:  # news published just before it exited, else its death
-                return (None if lost is not None else self._published_news(what)) or dead
+                return _ending((None if lost is not None else self._published_news(what)) or dead)
             if time.monotonic() - start >= NEWS_WAIT_S:
-                return lost
+                return _ending(lost) if lost is not None else None
             time.sleep(0.05)
 
     def _published_news(self, what: str) -> BaseException | None:
@@ -206,6 +211,13 @@ class PeerWatch:
             return self.store.get(key).decode() if self.store.check([key]) else ""
         except RuntimeError:
             return ""
+
+
+def _ending(news: BaseException) -> BaseException:
+    """``news``; a failure ends this rank (:func:`sysx.stopping.ending`), a stop is a stop."""
+    if isinstance(news, PeerFailed):
+        stopping.ending()
+    return news
 
 
 _watch: PeerWatch | None = None

@@ -12,6 +12,10 @@ Launchers forward the terminal's signal to ranks that already got it from the te
 mpiexec: Ctrl-C reaches the whole process group), so signals within :data:`REPEAT_GRACE_S` of the
 first are the same request and are absorbed; a signal after that raises again (the user insists).
 
+A rank that ends on a failure (its own or another rank's, :mod:`sysx.peers`) calls :func:`ending`:
+the SIGTERM a launcher then sends to every rank still running (torchrun does at once) is absorbed
+the same way, so that it does not cut the rank's own report and cleanup short.
+
 Handlers replace the shared-memory store's own (``sysx.memory.cleanup``), which are installed
 first so that a store created later does not install them above ours: a stop unwinds through
 ``trainer.close()`` (the store's release), and the store's ``atexit`` hook catches the rest.
@@ -63,6 +67,8 @@ class _State:
         self.origin: int | None = None
         self.first_at = 0.0
         self.defer = False
+        self.ending = False  # ending on a failure: a signal now is the launcher tearing the job down
+        self.absorbed_at: float | None = None
         self.installed: dict[int, object] = {}
 
 
@@ -71,6 +77,9 @@ _state = _State()
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     now = time.monotonic()
+    if _state.ending and (_state.absorbed_at is None or now - _state.absorbed_at < REPEAT_GRACE_S):
+        _state.absorbed_at = _state.absorbed_at or now
+        return  # the job is ending already; a signal after the grace raises (the user insists)
     if _state.signum is None:
         _state.signum, _state.first_at = signum, now
         if _state.defer:
@@ -110,6 +119,13 @@ def uninstall() -> None:
 def reset() -> None:
     """Forget a stop request (a test that runs several jobs in one process)."""
     _state.signum, _state.origin, _state.defer = None, None, False
+    _state.ending, _state.absorbed_at = False, None
+
+
+def ending() -> None:
+    """This process ends on a failure it has reported: a signal within :data:`REPEAT_GRACE_S` of
+    the first that follows (a launcher stopping the job's other ranks) no longer interrupts it."""
+    _state.ending = True
 
 
 def pending() -> JobStopped | None:

@@ -30,6 +30,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sysx.config import (
@@ -43,7 +44,7 @@ from sysx.config import (
     to_yaml,
 )
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.launcher import env_rank
+from sysx.rank_env import env_rank, env_world_size
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     is_main = env_rank() == 0
+    run_dir: str | None = None
     try:
         inv = parse_argv(args)
         if inv.help:
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             from sysx.checkpoint.pretrained import job_model_config
 
             job_model_config(cfg)
+        run_dir = cfg.run_dir
         trainer_for(cfg.schedule.name)
         if inv.show_cfg:
             if is_main:
@@ -240,6 +243,29 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:
             print(f"{PROG}: stopped by SIGINT", file=sys.stderr, flush=True)
         return 130
+    except Exception as err:
+        if env_world_size() == 1:
+            raise  # one process: its traceback is the report
+        return rank_failed(err, run_dir)
+
+
+def rank_failed(err: Exception, run_dir: str | None) -> int:
+    """A rank of a multi-process job failed with an unexpected error: one line (every rank's traceback
+    on one terminal would bury the cause), the traceback into ``run_dir`` when it exists. Returns 1."""
+    import traceback
+
+    rank, text = env_rank(), "".join(traceback.format_exception(err))
+    saved = Path(run_dir) / f"traceback-rank{rank}.txt" if run_dir is not None and Path(run_dir).is_dir() else None
+    try:
+        if saved is not None:
+            saved.write_text(text)
+    except OSError:
+        saved = None
+    where = f"traceback in {saved}" if saved is not None else "traceback below"
+    print(f"{PROG}: rank {rank}: error: {type(err).__name__}: {one_line(err)} ({where})", file=sys.stderr, flush=True)
+    if saved is None:
+        print(text, file=sys.stderr, end="", flush=True)
+    return exit_status(1)
 
 
 def exit_status(code: int) -> int:

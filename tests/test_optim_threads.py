@@ -37,9 +37,11 @@ class GateEvent(Event):
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
         self.gate = threading.Event()
+        self.waiting = threading.Event()  # a worker is blocked on this event
         self.released_at = 0.0
 
     def synchronize(self) -> None:
+        self.waiting.set()
         self.gate.wait(timeout=30)
 
     def release(self) -> None:
@@ -87,7 +89,7 @@ def test_worker_waits_for_the_event() -> None:
     event = GateEvent()
     with OptimizerThreads([stage]) as threads:
         threads.submit_step("s2.1", grads, event.record(), lr=1e-3)
-        time.sleep(0.1)
+        assert event.waiting.wait(timeout=30)  # the worker took the job and waits for the "copy"
         assert torch.equal(stage.master, master0)  # the "copy" is not done: nothing may be read yet
         event.release()
         (report,) = threads.wait()
@@ -96,24 +98,27 @@ def test_worker_waits_for_the_event() -> None:
 
 
 def test_async_steps_overlap_later_stages_being_fed() -> None:
-    """The optimizer of the first sub-stages finishes while later sub-stages are still in backward."""
+    """The optimizer of the first sub-stages finishes while later sub-stages are still in backward:
+    their steps complete (no ``wait()``, nothing of the later ones submitted as ready) while the
+    later sub-stages' gradient copies are still in flight."""
     names = [f"s{i}.0" for i in range(4)]
     stages = [_stage(name, 200_000, seed=10 + i) for i, name in enumerate(names)]
     grads = {name: (torch.randn(200_000) * 1e-2).bfloat16() for name in names}
-    submitted: dict[str, float] = {}
+    later = {name: GateEvent() for name in names[2:]}  # their backward (and gradient copy) still runs
     with OptimizerThreads(stages, workers=2) as threads:
-        for name in names:
-            time.sleep(0.08)  # this sub-stage's backward passes (GPU work, simulated)
-            event = Event(torch.device("cpu")).record()  # after the gradient D2H copy
-            threads.submit_step(name, grads[name], event, lr=1e-3)
-            submitted[name] = time.perf_counter()
+        first = [threads.submit_step(n, grads[n], Event(torch.device("cpu")).record(), lr=1e-3) for n in names[:2]]
+        early = [f.result(timeout=60) for f in first]  # done before the later sub-stages are ready
+        for name in names[2:]:
+            threads.submit_step(name, grads[name], later[name].record(), lr=1e-3)
+        for event in later.values():
+            event.release()
         reports = {r.stage: r for r in threads.wait()}
-    last_fed = submitted[names[-1]]
-    assert reports[names[0]].t_done < submitted[names[2]] < last_fed
-    assert reports[names[1]].t_done < last_fed
+    released = min(e.released_at for e in later.values())
+    assert all(r.stepped and r.t_done <= released for r in early)
     for name in names:
         r = reports[name]
         assert r.t_submit <= r.t_ready <= r.t_done and r.stepped
+    assert all(reports[n].t_ready >= later[n].released_at for n in names[2:])
 
 
 def test_job_errors_propagate_and_threads_are_joined() -> None:
@@ -136,10 +141,12 @@ def test_ctrl_c_inside_the_block_shuts_workers_down() -> None:
     with pytest.raises(KeyboardInterrupt), OptimizerThreads([stage, queued], workers=1) as threads:
         threads.submit_step("s0.0", torch.zeros(50_000), event, lr=1e-3)
         threads.submit_step("s0.1", torch.zeros(10), None, lr=1e-3)  # queued: cancelled on exit
-        threading.Timer(0.2, event.release).start()  # the running job finishes, then the pool joins
+        assert event.waiting.wait(timeout=30)  # s0.0's job runs (s0.1's is queued behind it)
+        releaser = threading.Timer(0.2, event.release)  # the running job finishes while the pool joins
+        releaser.start()
         raise KeyboardInterrupt
+    releaser.join()
     assert stage.optimizer.step_count == 1 and queued.optimizer.step_count == 0
-    time.sleep(0.05)  # let the Timer thread end
 
 
 def test_nvtx_ranges_are_harmless_without_gpu() -> None:

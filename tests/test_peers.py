@@ -6,14 +6,28 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from sysx.peers import PeerWatch
 from sysx.stopping import JobStopped
 
 
+class _PolledStore(dist.HashStore):
+    """A store that tells when someone asks whether a rank has heard the news (the host lingering)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        if any(k.startswith("sysx/heard/") for k in keys):
+            self.asked.set()
+        return super().check(keys)
+
+
 def _watches(world: int = 2) -> list[PeerWatch]:
-    store = dist.HashStore()
+    store = _PolledStore()
     return [PeerWatch(store, r, world) for r in range(world)]
 
 
@@ -21,19 +35,19 @@ def test_rank0_lingers_until_the_others_have_read_its_stop() -> None:
     host, other = _watches()
     host.store_on_rank0 = other.store_on_rank0 = True
     host.publish_stop(15)
+    read_at: list[float] = []
 
-    def read_later() -> None:
-        time.sleep(0.3)
-        other._store_at = -1.0  # poll the store now
-        assert isinstance(other._published_news("step 3"), JobStopped)
+    def read_once_rank0_waits() -> None:
+        assert host.store.asked.wait(timeout=30)  # rank 0 lingers: it is asking whether rank 1 has heard
+        read_at.append(time.monotonic())  # before rank 1 reads the news (and says so)
+        assert isinstance(other.explain("step 3"), JobStopped)
 
-    reader = threading.Thread(target=read_later)
-    t0 = time.monotonic()
+    reader = threading.Thread(target=read_once_rank0_waits)
     reader.start()
     host.linger(timeout=30.0)
-    waited = time.monotonic() - t0
+    left_at = time.monotonic()
     reader.join()
-    assert 0.25 <= waited < 30.0
+    assert read_at and read_at[0] <= left_at < read_at[0] + 30.0
 
 
 def test_rank0_does_not_wait_past_its_bound_nor_without_news() -> None:
@@ -76,3 +90,17 @@ def test_a_killed_store_host_is_named_once_its_process_is_seen_gone() -> None:
     found = watch.explain("RECV_GRAD s1.1 mb1 <-r0")
     assert isinstance(found, StoreLost) and "store is unreachable" in str(found)
     assert NEWS_WAIT_S <= time.monotonic() - t0 < NEWS_WAIT_S + 5.0
+
+
+def test_the_fault_hook_fires_where_its_rank_starts_its_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.faults import InjectedFault
+
+    host, other = _watches()
+    monkeypatch.setenv("SYSX_FAULT", "raise@1:step 2")
+    host.doing("step 2")  # another rank
+    other.doing("step 1")  # another label
+    with pytest.raises(InjectedFault, match="rank 1 at step 2"):
+        other.doing("step 2")
+    monkeypatch.setenv("SYSX_FAULT", "explode@1:step 2")
+    with pytest.raises(ValueError, match="KIND@RANK:LABEL"):
+        other.doing("step 3")

@@ -171,9 +171,9 @@ def test_exact_rollback_run_is_bit_identical_to_a_snapshot_run(
             outcomes = []
             validate_async = t.optimizer.validate_async
 
-            def spy(**kw: float):
-                outcome = validate_async(**kw)
-                outcomes.append(outcome)
+            def spy(_validate=validate_async, _outcomes=outcomes, **kw: float):
+                outcome = _validate(**kw)
+                _outcomes.append(outcome)
                 return outcome
 
             t.optimizer.validate_async = spy  # type: ignore[method-assign]
@@ -355,7 +355,7 @@ def test_schedule_config_keys_reach_the_runtime() -> None:
             load_config(["schedule=sysx", bad])
 
 
-def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_reference(
+def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_runs_the_sliding_window_with_its_losses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from sysx.train import main
@@ -374,7 +374,7 @@ def test_cli_runs_a_pipeline_schedule_in_one_process_and_auto_picks_the_referenc
     assert "pipeline: schedule=sysx" in out and "1 rank(s) on 1 node(s) | Nsf=2 d=3" in out and "done: 2 steps" in out
     assert main(["schedule=auto", *args, f"run_dir={tmp_path / 'b'}"]) == 0
     out = capsys.readouterr().out
-    assert "schedule=auto" in out and "pipeline:" not in out and "done: 2 steps" in out
+    assert "schedule=auto -> single (1 process)" in out and "pipeline:" not in out and "done: 2 steps" in out
     a = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     b = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     import json

@@ -155,7 +155,7 @@ def check_run(mode: str, results: list, state: dict[str, torch.Tensor], micro_ba
     for r, c in zip(results, clipped):
         assert (r.restepped > 0) == (r.speculated and c), (r, c)  # a re-step only after a vetoed speculation
         assert r.rolled_back == r.restepped  # no overflow here: every rollback is a clipping re-step
-        assert r.opt_exposed_s is not None and r.opt_exposed_s >= 0.0
+        assert r.opt_exposed_s is not None and 0.0 <= r.opt_exposed_s <= r.step_time_s  # waits inside the step
 
 
 @pytest.mark.parametrize("mode", ["auto", "always", "never"])

@@ -17,6 +17,7 @@ rightly leaves an ignored signal alone.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -130,10 +131,8 @@ class Job:
 
     def kill(self) -> None:
         for pid, _ in self._marked():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -161,23 +160,31 @@ def start_ranks(tmp_path: Path, world: int = 2, args: list[str] | None = None) -
     return Job(tmp_path, procs, job, mark)
 
 
-def start_launcher(tmp_path: Path, launcher: str) -> Job:
-    """2 ranks through ``launch/torchrun.sh`` or ``launch/mpirun.sh``, in a new session."""
+def start_launcher(tmp_path: Path, launcher: str, args: list[str] | None = None, **extra_env: str) -> Job:
+    """2 ranks through a launcher sysx ships, in a new session: ``sysx.launch`` (torchrun through
+    ``python -m sysx.launch``, no pre-flight), ``torchrun`` / ``mpirun`` (``launch/<name>.sh``) or
+    ``two_nodes`` (``launch/two_nodes_localhost.sh``, one rank per "node")."""
     job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SYSX_JOB_ID", "RANK", "WORLD_SIZE")}
     env.update(
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",
         PATH=f"{VENV_BIN}:{env.get('PATH', '')}",
-        NPROC="2",
+        NPROC="1" if launcher == "two_nodes" else "2",
         NP="2",
+        PORT=str(free_port()),
         PYTHON=sys.executable,
         SYSX_JOB_ID=job,
         SYSX_TEST_MARK=mark,
+        **extra_env,
     )
-    script = ROOT / "launch" / f"{launcher}.sh"
+    job_args = [*(JOB_ARGS if args is None else args), f"run_dir={tmp_path / 'run'}"]
+    if launcher == "sysx.launch":
+        argv = [sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", "-m", "sysx.train"]
+    else:
+        argv = ["bash", str(ROOT / "launch" / f"{'two_nodes_localhost' if launcher == 'two_nodes' else launcher}.sh")]
     proc = subprocess.Popen(
-        ["bash", str(script), *JOB_ARGS, f"run_dir={tmp_path / 'run'}"],
+        [*argv, *job_args],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -187,6 +194,27 @@ def start_launcher(tmp_path: Path, launcher: str) -> Job:
         start_new_session=True,
     )
     return Job(tmp_path, [proc], job, mark)
+
+
+AGENT_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")  # the glog-style lines of torchrun's agent
+GUARDIAN_LINE = "sysx shm guardian: "  # a killed rank's shared-memory guardian, one line per segment it removed
+
+
+def check_launcher_report(job: Job, world: int = 2) -> list[str]:
+    """What a launcher's stderr may hold: per rank at most its own ``sysx-train`` line and one
+    ``sysx.launch`` line naming it (plus a killed rank's guardian lines); no traceback, no line
+    of torchrun's agent. Returns the lines, guardian lines left out."""
+    text = "".join(job.stderr[0])
+    lines = [x for x in text.splitlines() if x.strip() and not x.startswith(GUARDIAN_LINE)]
+    assert "Traceback" not in text, text
+    assert not [x for x in lines if AGENT_LINE.match(x)], text
+    assert all(x.startswith(("sysx-train", "sysx.launch: ")) for x in lines), text
+    for rank in range(world):
+        assert len([x for x in lines if x.startswith(f"sysx.launch: rank {rank} ")]) <= 1, text
+        assert len([x for x in lines if x.startswith(f"sysx-train: rank {rank}: ")]) <= 1, text
+    assert len(lines) <= 2 * world, text
+    print(f"\n  stderr: {text.strip()}")
+    return lines
 
 
 def check_one_line_per_rank(job: Job, skip: int | None = None) -> None:
@@ -278,10 +306,9 @@ def test_launchers_stop_every_rank(tmp_path: Path, launcher: str, how: str, sign
         )
         assert elapsed < (KILL_STOP_S if signum == signal.SIGKILL else SIGNAL_STOP_S)
         assert rc != 0
+        # launch/torchrun.sh runs torchrun through sysx.launch: it exits like the job, without its agent's lines
+        check_launcher_report(job)
         if signum != signal.SIGKILL:
-            text = "".join(job.stderr[0])
-            # launch/torchrun.sh runs torchrun through sysx.launch: it exits like the job, without its agent's traceback
-            assert "sysx/" not in text and "Traceback" not in text, job.errors()
             assert launcher == "mpirun" or rc == 128 + signum, (rc, job.errors())
             check_stopped_summary(job, signal.Signals(signum).name)
         job.check_nothing_left()

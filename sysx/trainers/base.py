@@ -24,7 +24,7 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, to_yaml
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.launcher import env_rank
+from sysx.rank_env import env_rank
 from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
 

@@ -1,0 +1,119 @@
+"""Every launcher sysx ships x every way a job fails: the exit status, one line per failing rank,
+no traceback, no line of the launcher's agent.
+
+Launchers: ``python -m sysx.launch`` (no pre-flight), ``launch/torchrun.sh`` (pre-flight, then
+sysx.launch), ``launch/mpirun.sh``, ``launch/two_nodes_localhost.sh``. Failures: a key the
+ranks reject (the pre-flight of torchrun.sh / mpirun.sh catches it first, with the same line and
+status), a rank raising mid-step and a rank SIGKILLed mid-step (both through the ``SYSX_FAULT``
+fault-injection hook, :mod:`sysx.faults`: no waiting for output), Ctrl-C (SIGINT to the launcher's
+process group, as a terminal sends it). SIGINT and SIGKILL under torchrun.sh and mpirun.sh, started
+from outside, are :func:`test_stop.test_launchers_stop_every_rank`'s cases (with the same checks of
+the launcher's report); torchrun.sh is sysx.launch after its pre-flight, so the mid-step failures
+run under sysx.launch alone (the cases cost a job start each: the matrix is kept to what differs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_stop import JOB_ARGS, KILL_STOP_S, SIGNAL_STOP_S, check_launcher_report, check_stopped_summary, start_launcher
+
+from sysx.launch import outcome
+
+
+@pytest.mark.parametrize(
+    ("failures", "status", "lines"),
+    [
+        ([(1, -9), (0, 143)], 137, ["sysx.launch: rank 1 failed: killed by SIGKILL (exit status 137)"]),
+        ([(0, 2), (1, -15)], 2, ["sysx.launch: rank 0 failed: exit status 2"]),
+        (
+            [(1, 1), (0, 1)],
+            1,
+            ["sysx.launch: rank 0 failed: exit status 1", "sysx.launch: rank 1 failed: exit status 1"],
+        ),
+        ([(0, 130), (1, 130)], 130, []),  # Ctrl-C: the ranks said so
+        ([(1, 143), (0, -15)], 143, []),  # SIGTERM to rank 1; rank 0 stopped with it
+    ],
+)
+def test_the_job_status_and_one_line_per_failed_rank(failures: list, status: int, lines: list[str]) -> None:
+    assert outcome({rank: SimpleNamespace(exitcode=code) for rank, code in failures}) == (status, lines)
+
+
+LAUNCHERS = ["sysx.launch", "torchrun", "mpirun", "two_nodes"]
+FAULT_ARGS = [a for a in JOB_ARGS if not a.startswith("train.steps=")] + ["train.steps=4"]
+FAULT_STEP = "step 2"
+BAD_KEY = "parallel.replicas=2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_bad_key_is_one_line_and_status_2(tmp_path: Path, launcher: str) -> None:
+    job = start_launcher(tmp_path, launcher, [*FAULT_ARGS, BAD_KEY])
+    try:
+        job.wait_all(timeout=90)
+        assert job.procs[0].returncode == 2, job.errors()
+        lines = check_launcher_report(job)
+        assert len([x for x in lines if x.startswith("sysx-train: error: unknown key 'parallel'")]) == 1, lines
+        job.check_nothing_left()
+    finally:
+        job.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("launcher", ["sysx.launch", "mpirun", "two_nodes"])
+def test_a_rank_raising_mid_step_is_named_once(tmp_path: Path, launcher: str) -> None:
+    job = start_launcher(tmp_path, launcher, FAULT_ARGS, SYSX_FAULT=f"raise@1:{FAULT_STEP}")
+    try:
+        job.wait_all(timeout=150)
+        assert job.procs[0].returncode == 1, job.errors()
+        lines = check_launcher_report(job)
+        failed = [x for x in lines if x.startswith("sysx-train: rank 1: error: InjectedFault: ")]
+        assert len(failed) == 1, lines
+        assert (tmp_path / "run" / "traceback-rank1.txt").read_text().startswith("Traceback"), failed
+        assert any("stopped because rank 1 failed" in x for x in lines), lines  # rank 0 says why it stopped
+        job.check_nothing_left()
+    finally:
+        job.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_rank_on_two_nodes_is_named(tmp_path: Path) -> None:
+    job = start_launcher(tmp_path, "two_nodes", FAULT_ARGS, SYSX_FAULT=f"kill@1:{FAULT_STEP}")
+    try:
+        job.wait_for_step(1)
+        elapsed = job.wait_all(timeout=KILL_STOP_S + 60)  # from step 1: the kill, then every rank's exit
+        assert elapsed < KILL_STOP_S, job.errors()
+        assert job.procs[0].returncode not in (0, 130, 143), job.errors()
+        lines = check_launcher_report(job)
+        named = [
+            x for x in lines if "rank 1 died" in x or x.startswith("sysx.launch: rank 1 failed: killed by SIGKILL")
+        ]
+        assert named, lines
+        job.check_nothing_left()
+    finally:
+        job.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_two_nodes(tmp_path: Path) -> None:
+    job = start_launcher(tmp_path, "two_nodes")
+    try:
+        job.wait_for_step(2)
+        os.killpg(os.getpgid(job.procs[0].pid), signal.SIGINT)
+        elapsed = job.wait_all(timeout=60)
+        assert elapsed < SIGNAL_STOP_S, job.errors()
+        assert job.procs[0].returncode == 130, job.errors()
+        lines = check_launcher_report(job)
+        assert [x for x in lines if x.startswith("sysx-train: stopped by SIGINT at step ")], lines
+        check_stopped_summary(job, "SIGINT")
+        job.check_nothing_left()
+    finally:
+        job.kill()
