@@ -107,15 +107,6 @@ def install() -> None:
         signal.signal(signum, _on_signal)
 
 
-def uninstall() -> None:
-    """Put back the handlers :func:`install` replaced and forget any stop (tests, library use)."""
-    for signum, previous in list(_state.installed.items()):
-        if signal.getsignal(signum) is _on_signal:
-            signal.signal(signum, previous)  # type: ignore[arg-type]
-    _state.installed.clear()
-    reset()
-
-
 def reset() -> None:
     """Forget a stop request (a test that runs several jobs in one process)."""
     _state.signum, _state.origin, _state.defer = None, None, False

@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
+from sysx.machine.hardware import GiB, measure_hardware
 from sysx.model import get_preset
-from sysx.single.hardware import GiB, assumed_hardware, measure_hardware
+from sysx.single.hardware import assumed_hardware
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest
 from sysx.single.planner import make_plan, min_round_sequences
 from sysx.single.rings import align

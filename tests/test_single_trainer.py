@@ -12,7 +12,8 @@ import torch
 
 from sysx import device as dev
 from sysx.config import EvalSection, OptimSection, SingleSection, SysxConfig, TrainSection
-from sysx.single.hardware import GiB, assumed_hardware
+from sysx.machine.hardware import GiB
+from sysx.single.hardware import assumed_hardware
 from sysx.trainers.reference import ReferenceTrainer
 from sysx.trainers.single import SingleTrainer
 

@@ -64,7 +64,9 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
         lead = f"{gain:.1f}% faster than" if gain >= 0.1 else "within 0.1% of (a tie; less memory decided)"
         lines.append(f"{lead} the next slower, `{r.label()}` ({r.iteration:.4g} s, bubble {100 * r.bubble:.1f}%)")
     if isinstance(baseline, Candidate):
-        state = "fits" if baseline.fits else f"does not fit ({max(baseline.over, key=baseline.over.get)} budget)"
+        state = (
+            "fits" if baseline.fits else f"does not fit ({max(baseline.over, key=lambda k: baseline.over[k])} budget)"
+        )
         lines.append(
             f"the fixed layout rule with the config's micro-batches, `{baseline.label()}`, predicts "
             f"{baseline.iteration:.4g} s and {state}: the winner is {_pct(best.iteration, baseline.iteration):.1f}% faster"

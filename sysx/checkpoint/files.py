@@ -51,12 +51,3 @@ def replace_durable(path: Path, data: bytes) -> None:
     write_durable(tmp, data)
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 hex digest of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()

@@ -38,7 +38,7 @@ def flat_layer_states(
     step: Callable[[], int],
 ) -> dict[int, Callable[[], LayerState]]:
     """Per-layer sources of views into the flat buffers (read when the save happens)."""
-    sources = {}
+    sources: dict[int, Callable[[], LayerState]] = {}
     for index, entries in _entries_by_layer(layout, layer_indices).items():
 
         def source(index: int = index, entries: list = entries) -> LayerState:

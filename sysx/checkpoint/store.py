@@ -141,9 +141,9 @@ class CheckpointDir:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints (a manifest of this format), oldest first."""
-        found = []
+        found: list[tuple[int, Path]] = []
         if not self.root.is_dir():
-            return found
+            return []
         for path in self.root.iterdir():
             match = _FINAL.match(path.name)
             if match and path.is_dir() and _manifest_ok(path):

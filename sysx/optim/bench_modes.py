@@ -45,7 +45,7 @@ def parse_size(text: str) -> int:
 
 def machine() -> dict[str, Any]:
     """CPU model, AVX2 / AVX-512 flags, cores and the 1-minute load average."""
-    model, flags = "unknown", set()
+    model, flags = "unknown", set[str]()
     with contextlib.suppress(OSError):  # no /proc/cpuinfo (not Linux): the model stays unknown
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -114,7 +114,7 @@ def _builder() -> Any:
             "(see constraints.txt) or set optim.backend=torch"
         ) from exc
 
-    class _Builder(CPUAdamBuilder):  # type: ignore[misc, valid-type]
+    class _Builder(CPUAdamBuilder):
         def simd_width(self) -> str:
             return simd_flag() or super().simd_width()
 

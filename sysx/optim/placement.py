@@ -290,9 +290,10 @@ def summarize(ranks: Sequence[tuple[Placement, Sequence[Unit]]], noun: str = "un
     else the totals, each rank's count on the device and the ranges of the predicted times."""
     if len(ranks) == 1:
         return ranks[0][0].describe(ranks[0][1], noun)
-    recs = [record(p, u) for p, u in ranks]
-    n_on, n_all = sum(len(r["device"]) for r in recs), sum(r["units"] for r in recs)  # type: ignore[misc]
-    p_on, p_all = sum(r["device_params"] for r in recs), sum(r["params"] for r in recs)  # type: ignore[misc]
+    numel = [{u.name: u.numel for u in us} for _, us in ranks]
+    n_on, n_all = sum(len(p.device) for p, _ in ranks), sum(len(us) for _, us in ranks)
+    p_on = sum(sum(n[name] for name in p.device) for (p, _), n in zip(ranks, numel))
+    p_all = sum(sum(n.values()) for n in numel)
     ends = "is done as the next forward needs it" if any(x.due > 0 for _, us in ranks for x in us) else "ends"
     head = f"optimizer placement over {len(ranks)} ranks:"
     cpu = _range([p.cpu_finish for p, _ in ranks])
@@ -303,7 +304,7 @@ def summarize(ranks: Sequence[tuple[Placement, Sequence[Unit]]], noun: str = "un
             f"{head} all {_plural(n_all, noun)} on the CPU ({count(p_all)} parameters): {why} "
             f"(optimizer work {ends} {cpu} into the step)"
         )
-    per = [f"{len(r['device'])}/{r['units']}" for r in recs]  # type: ignore[arg-type]
+    per = [f"{len(p.device)}/{len(us)}" for p, us in ranks]
     each = f"{per[0]} on each rank" if len(set(per)) == 1 else "per rank " + ", ".join(per)
     return (
         f"{head} {n_on} of {_plural(n_all, noun)} on the device ({each}; {count(p_on)} of {count(p_all)} "

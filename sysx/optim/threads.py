@@ -36,7 +36,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -92,7 +92,7 @@ class OptimizerThreads:
             max_workers=self.workers, thread_name_prefix=name, initializer=self._init_worker
         )
         self._pending: list[Future[StageReport]] = []
-        self._last: dict[str, Future[object]] = {}  # each stage's latest job
+        self._last: dict[str, Future[Any]] = {}  # each stage's latest job
         self._lock = threading.Lock()
         self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
         log.info(
@@ -247,7 +247,7 @@ def _step_job(
             stage.new_iteration()
             found_inf, sq = stage.load_grads(grads, scale=scale)
             stepped = lr is not None and not found_inf
-            if stepped:
+            if lr is not None and stepped:
                 stage.apply(lr)
             else:
                 stage.drop_grads()

@@ -7,9 +7,7 @@ from __future__ import annotations
 import torch
 
 from sysx.config.choices import ASSUMED_HARDWARE
-from sysx.machine.hardware import GB, GiB, HardwareProfile, measure_hardware, measure_matmul
-
-__all__ = ["GB", "GiB", "HardwareProfile", "assumed_hardware", "machine_hardware", "measure_hardware", "measure_matmul"]
+from sysx.machine.hardware import GB, GiB, HardwareProfile
 
 
 def machine_hardware(

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sysx.machine.hardware import HardwareProfile
 from sysx.optim.placement import LaneRates, Placement, Unit, choose
-from sysx.single.hardware import HardwareProfile
 from sysx.single.plan_report import SinglePlan
 
 # the window's CPU Adam workers: one group's norms are taken while another steps (at most two fp32

@@ -62,8 +62,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     import torch
 
+    from sysx.machine.hardware import GiB
     from sysx.model import get_preset
-    from sysx.single.hardware import GiB, assumed_hardware, machine_hardware
+    from sysx.single.hardware import assumed_hardware, machine_hardware
     from sysx.single.plan_request import PlanError, PlanRequest
     from sysx.single.planner import make_plan
 

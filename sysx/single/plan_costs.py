@@ -10,11 +10,11 @@ from typing import TypedDict
 
 import torch
 
+from sysx.machine.hardware import HardwareProfile
 from sysx.model.config import ModelConfig
 from sysx.model.loss import loss_workspace_bytes
 from sysx.single.act_capture import SlotLayout
 from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, pyao_recompute_mask
-from sysx.single.hardware import HardwareProfile
 from sysx.single.op_profile import LayerProfile, Profiler, profile_cache, profile_layer
 from sysx.single.plan_request import ModelSizes, PlanRequest
 

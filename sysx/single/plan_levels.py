@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from sysx.machine.hardware import HardwareProfile
 from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, SaveProblem, simulate_forward, solve_save_levels
-from sysx.single.hardware import HardwareProfile
 from sysx.single.plan_costs import LevelTable
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib
 

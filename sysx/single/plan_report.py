@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sysx.single.hardware import HardwareProfile
+from sysx.machine.hardware import HardwareProfile
 from sysx.single.plan_costs import LevelTable, PolicyRow
 from sysx.single.plan_request import ModelSizes, PlanRequest, gib
 

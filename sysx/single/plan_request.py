@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sysx.machine.hardware import GiB
 from sysx.memory.budget import ram_available_bytes
 from sysx.model.config import ModelConfig
 from sysx.model.flops import block_matmul_params
 from sysx.single.act_policy import N_LEVELS, parse_level
-from sysx.single.hardware import GiB
 
 if TYPE_CHECKING:
     from sysx.config import SingleSection, SysxConfig

@@ -36,9 +36,9 @@ from typing import NoReturn
 
 import torch
 
+from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory.budget import training_state_bytes
 from sysx.model.config import ModelConfig
-from sysx.single.hardware import GiB, HardwareProfile
 from sysx.single.op_profile import Profiler
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
 from sysx.single.plan_levels import SaveChoice, choose_save_levels

@@ -24,9 +24,9 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, to_yaml
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.rank_env import env_rank
 from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
+from sysx.rank_env import env_rank
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset

@@ -48,6 +48,7 @@ from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
 from sysx.device_memory import MemoryCap
+from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory import plan_host_memory
 from sysx.metrics import StepResult
 from sysx.model.flops import param_count
@@ -60,7 +61,7 @@ from sysx.optim.step_protocol import UNTIMED, StepProtocol
 from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome
 from sysx.single.executor import SlidingWindowExecutor
-from sysx.single.hardware import GiB, HardwareProfile, machine_hardware
+from sysx.single.hardware import machine_hardware
 from sysx.single.host import HostState
 from sysx.single.lanes import WORKERS, window_placement
 from sysx.single.op_profile import device_profiler
