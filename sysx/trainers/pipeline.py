@@ -102,7 +102,6 @@ class PipelineTrainer(Trainer):
         )
         self.schedule, self.pacer = self.device_model.schedule, self.device_model.pacer
         self.ops = self.schedule.ops[self.rank]
-        self.last_op_seconds: dict[str, float] = {}
         broadcast = torch_broadcast(self.group) if self.world > 1 else None
         self.job_id = f"{self.opts.job_id or resolve_job_id(rank=self.rank, broadcast=broadcast)}.t{next(_instances)}"
         rss0 = dev.host_rss_bytes()  # before the training state exists: its growth is what the plan describes
@@ -212,7 +211,6 @@ class PipelineTrainer(Trainer):
         )
         if self.schedule.options.async_optimizer and not result.speculated:
             self.device_model.validated_first.add(step)
-        self.last_op_seconds = ctx.op_seconds
         self.observation.after_step(result)
         self.step_index += 1
         return result
