@@ -295,11 +295,13 @@ def worker(spec_path: str, out_path: str) -> int:
     try:
         for cell in spec["cells"]:
             t0 = time.perf_counter()
-            for attempt in range(1 + spec["args"]["retries"]):  # every rank sees the same report: all retry
+            attempts = 0
+            for _ in range(1 + spec["args"]["retries"]):  # every rank sees the same report: all retry
+                attempts += 1
                 row = _run_cell(info, dataset, cell["model"], cell["seq"], cell["schedule"], spec["args"])
                 if not (row.get("report") or {}).get("refused"):
                     break
-            row.update(wall_s=time.perf_counter() - t0, attempts=attempt + 1)
+            row.update(wall_s=time.perf_counter() - t0, attempts=attempts)
             if info.rank == 0:
                 with open(out_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
