@@ -34,7 +34,7 @@ from sysx import dist as sdist
 from sysx import peers
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
-from sysx.config import ConfigError, SysxConfig, resolve
+from sysx.config import SysxConfig, resolve
 from sysx.emulate.device_model import device_model
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
@@ -48,7 +48,7 @@ from sysx.runtime.p2p import TransferMismatch
 from sysx.runtime.rank import RankRuntime
 from sysx.schedule import Schedule, evaluation_schedule, validate
 from sysx.schedule.costs import Costs
-from sysx.trainers.base import Trainer
+from sysx.trainers.base import Trainer, job_device
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
 from sysx.trainers.observation import PipelineObservation
@@ -85,10 +85,7 @@ class PipelineTrainer(Trainer):
             raise RuntimeError(
                 f"rank {self.rank}: {self.world} processes but no process group; call sysx.dist.init() first"
             )
-        try:
-            self.device = dev.resolve_device(cfg.device) if device is None else torch.device(device)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        self.device = job_device(cfg, device)
         self.group = sdist.cpu_group() if self.world > 1 else None
         build = functools.partial(make_schedule, self.opts, n_ranks=self.world, n_micro=t.micro_batches)
         self.device_model = device_model(  # real or emulated: the trainer asks it, never the kind
