@@ -253,7 +253,7 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
         return {**row, "error": str(err)}
     with trainer:
         results = trainer.run(args["steps"])
-        report = trainer.emulation_report()
+        report = trainer.device_model.sections()["emulation"]
         row.update(
             report=report,
             losses=[r.loss for r in results],

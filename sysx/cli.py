@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "optimizer benchmark: `sysx bench optim --size 50M [--json]` (rollback modes), or backends, undo, async vs sync",
     ),
     "plan": (
-        "sysx.schedule.plan",
+        "sysx.plan_command",
         "build, validate and simulate a pipeline schedule; print the plan, draw the timeline",
     ),
     "plan-single": (

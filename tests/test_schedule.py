@@ -341,11 +341,10 @@ def test_validate_first_is_the_same_program_with_a_synchronous_optimizer() -> No
     """A step that validates before it steps runs SysX CFG3 as CFG2 (every sub-stage steps after
     VALIDATE): same partition and placement, a synchronous optimizer, and a longer plan when the
     optimizer takes time; a schedule already synchronous is its own."""
-    from types import SimpleNamespace
 
+    from sysx.emulate.device_model import DeviceModel
     from sysx.schedule import simulate, validate_first
     from sysx.schedule.costs import UnitCosts
-    from sysx.trainers.pipeline import PipelineTrainer
 
     s = build("sysx", 4, 8, n_stages=8, split=3)
     v = validate_first(s)
@@ -356,7 +355,8 @@ def test_validate_first_is_the_same_program_with_a_synchronous_optimizer() -> No
     mobius = build("mobius", 4, 8)
     assert validate_first(mobius) is mobius
     # the trainer plans a window with the program most of its steps ran
-    fake = SimpleNamespace(schedule=s, validated_first={2, 3}, _validate_first=None)
-    assert PipelineTrainer.plan_schedule(fake, [1]) is s  # type: ignore[arg-type]
-    assert PipelineTrainer.plan_schedule(fake, [1, 2, 3]).options.optimizer == "sync"  # type: ignore[arg-type]
-    assert PipelineTrainer.plan_schedule(fake, []) is s  # type: ignore[arg-type]
+    model = DeviceModel(s)
+    model.validated_first.update({2, 3})
+    assert model.plan_schedule([1]) is s
+    assert model.plan_schedule([1, 2, 3]).options.optimizer == "sync"
+    assert model.plan_schedule([]) is s

@@ -26,8 +26,9 @@ from sysx.config import (
 )
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.runtime import PipelineOptions
+from sysx.runtime.rank import exposed_seconds
 from sysx.single.hardware import assumed_hardware
-from sysx.trainers.pipeline import PipelineTrainer, exposed_seconds
+from sysx.trainers.pipeline import PipelineTrainer
 from sysx.trainers.reference import ReferenceTrainer
 from sysx.trainers.single import SingleTrainer
 

@@ -5,7 +5,9 @@ named profile would take for a model preset (DESIGN.md, "Devices without a GPU")
 * :mod:`~sysx.emulate.costs`: its costs, cost table and plan (``sysx plan``'s own functions);
 * :mod:`~sysx.emulate.streams`: emulated CUDA streams and events (modelled completion times);
 * :mod:`~sysx.emulate.pacer`: the hooks the executor, p2p and optimizer threads are paced by;
-* :mod:`~sysx.emulate.report`: real part versus modelled time, lateness, the measurement.
+* :mod:`~sysx.emulate.report`: real part versus modelled time, lateness, the measurement;
+* :mod:`~sysx.emulate.device_model`: what a run's time is planned with and compared against, real
+  device or emulated, decided once (the trainer asks it, never the kind).
 """
 
 from sysx.emulate.costs import EmulatedModel, EmulatedPlan, emulated_costs, emulated_model, plan_emulation

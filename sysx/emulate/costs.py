@@ -54,6 +54,13 @@ class EmulatedPlan:
     timeline: Timeline
     optimizer_workers: int  # concurrent CPU optimizer steps per rank (1 for a synchronous optimizer)
 
+    def describe(self) -> str:
+        """The cluster and the model whose costs the plan has."""
+        m = self.model
+        return (
+            f"{self.cluster.describe()}; costs of {m.name} at {m.micro_batch_size}x{m.seq_len} tokens per micro-batch"
+        )
+
 
 def emulated_model(cfg: SysxConfig) -> EmulatedModel:
     """``emulate.model`` at ``emulate.seq_len`` x ``emulate.micro_batch_size`` (null: ``train.*``)."""

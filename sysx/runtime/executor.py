@@ -248,6 +248,12 @@ class Executor:
         self.grads.active.clear()
         self._batches.clear()
 
+    def close(self) -> None:
+        """Drop every tensor and module shell the executor holds (idempotent)."""
+        self.reset()
+        self._modules.clear()
+        self._bindings.clear()
+
     # --------------------------------------------------------------------------------- helpers
     def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (self.ctx.step, self.ctx.split, mb)

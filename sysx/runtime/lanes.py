@@ -137,7 +137,7 @@ def gather_placements(mine: RankSplit, *, world: int, group: Any) -> list[RankSp
 def lane_times(schedule: Schedule, ranks: Sequence[RankSplit]) -> list[LaneTimes]:
     """Per rank, its device-lane sub-stages ``(s, k)`` with their modelled (in, step, out) seconds, in
     the lane's order (:func:`sysx.emulate.costs.device_lane_plan`'s input)."""
-    out = []
+    out: list[LaneTimes] = []
     for r, (placed, _) in enumerate(ranks):
         keys = {unit_label(s, k): (s, k) for s, k in schedule.placement.bwd_substages(r)}
         out.append({keys[n]: placed.device_times[n] for n in placed.device})

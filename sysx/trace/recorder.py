@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 
@@ -39,10 +39,10 @@ from sysx import device as dev
 from sysx.schedule.ops import COMMS, Op, OpKind
 
 COMPUTE, H2D, D2H, P2P, OPT = "compute", "h2d", "d2h", "p2p", "opt"
-Mark = Union[dev.Event, float]
+Mark = dev.Event | float
 # what a record is about: an op (of the rank's list), an optimizer job ``(label, stage name)``, or a
 # name alone (a copy no op stands for, e.g. the sliding window's activation copies)
-What = Union[Op, tuple[str, str], str]
+What = Op | tuple[str, str] | str
 
 
 def op_lane(op: Op) -> str:
@@ -108,7 +108,7 @@ class Recorder:
         self.on = False
         self.step = -1
         self.op: Op | None = None  # the op the executor runs: copies and messages are recorded under it
-        self.records: list[tuple[int, str, What, Mark, Mark, int]] = []
+        self.records: list[tuple[int, str, What | None, Mark, Mark, int]] = []
         self.starts: dict[int, float] = {}
         self.base: dev.TimeBase | None = None
 

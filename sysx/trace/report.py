@@ -8,11 +8,12 @@
   device passes the table it models time with);
 
 and returns the measured and planned numbers (:mod:`sysx.trace.summary`) with a one-line comparison.
+:class:`PipelineWindow` does it for a pipeline rank and keeps what rank 0 measured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from sysx.schedule.ops import Schedule
 from sysx.schedule.simulate import simulate
 from sysx.trace.chrome import write_chrome
 from sysx.trace.costs import measured_costs
-from sysx.trace.recorder import RankPart, Span
+from sysx.trace.recorder import RankPart, Recorder, Span
 from sysx.trace.summary import format_line, measured, planned
 from sysx.trace.timeline import merge, step_timelines, steps_of
 
@@ -110,3 +111,58 @@ def write_window(
     meas = measured(spans, n_ranks)
     line = format_line(steps_of(spans), meas, plan, plan_source)
     return WindowReport(meas, dict(plan or {}), line, None, list(spans), files)
+
+
+class PipelineWindow:
+    """A pipeline rank's recorded window once written: rank 0 keeps its numbers (``summary.json``'s
+    ``measured`` and ``plan``), the costs its plan was simulated with, and its measured iteration."""
+
+    def __init__(self, recorder: Recorder | None, *, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+        self.recorder, self.rank, self.world, self.group = recorder, rank, world, group
+        self.sections: dict[str, dict[str, float]] = {}
+        self.costs: CostTable | None = None  # the recorded window's own costs, once written
+
+    @property
+    def last_step(self) -> int | None:
+        """The window's last step (None: nothing is recorded)."""
+        return self.recorder.last if self.recorder is not None else None
+
+    def iteration(self) -> tuple[list[int], float] | None:
+        """Rank 0: the window's steps and measured seconds per iteration, once written (else None)."""
+        measured = self.sections.get("measured")
+        if not measured or self.recorder is None:
+            return None
+        return list(range(self.recorder.first, self.recorder.last + 1)), measured["iteration_s"]
+
+    def write(
+        self,
+        units: Mapping[str, tuple[int, int]],
+        schedule: Schedule,
+        run_dir: str | Path,
+        *,
+        modelled: Callable[[RankPart], RankPart],
+        plan_costs: CostTable | None,
+        plan_schedule: Callable[[Sequence[int]], Schedule],
+        param_bytes: float,
+    ) -> None:
+        """Gather every rank's records on rank 0, which writes them into ``run_dir`` beside the plan
+        (:func:`write_report`) and prints the comparison (collective: every rank calls it after the
+        window's last step). ``units``: sub-stage names to keys; ``modelled``: the device's view of
+        a part (:meth:`sysx.emulate.pacer.Pacer.modelled`)."""
+        rec = self.recorder
+        assert rec is not None
+        parts = gather_parts(modelled(rec.part(units)), rank=self.rank, world=self.world, group=self.group)
+        rec.clear()
+        if parts is None:
+            return
+        report = write_report(
+            parts,
+            schedule,
+            run_dir,
+            plan_costs=plan_costs,
+            param_bytes=param_bytes,
+            plan_schedule=plan_schedule(range(rec.first, rec.last + 1)),
+        )
+        print(report.line, flush=True)
+        self.sections = report.summary()
+        self.costs = report.costs

@@ -42,11 +42,8 @@ def pack_lanes(spans: Sequence[Span], family: str) -> list[Span]:
     ends: dict[int, list[float]] = {}
     for s in sorted((s for s in spans if s.lane == family), key=lambda s: (s.rank, s.start, s.end)):
         lanes = ends.setdefault(s.rank, [])
-        for i, end in enumerate(lanes):
-            if end <= s.start:
-                break
-        else:
-            i = len(lanes)
+        i = next((k for k, end in enumerate(lanes) if end <= s.start), len(lanes))
+        if i == len(lanes):
             lanes.append(0.0)
         lanes[i] = s.end
         out.append(s._replace(lane=family if i == 0 else f"{family}{i}"))

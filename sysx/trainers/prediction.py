@@ -10,89 +10,133 @@ ran, else the mean of the logged step times after the warm-up.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from sysx import device as dev
 from sysx.autotune.check import GPU, HOST, Prediction, check_step, compare, measured_window, predict
+from sysx.emulate.device_model import DeviceModel
 from sysx.metrics import StepResult
+from sysx.optim.threads import OptimizerThreads
+from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable
+from sysx.trace.report import PipelineWindow
+
+
+class AllReduce(Protocol):
+    """``values`` reduced over the ranks (waited for in slices: a stop or a dead peer interrupts it)."""
+
+    def __call__(self, values: list[float], what: str, op: dist.ReduceOp.RedOpType = ...) -> list[float]: ...
+
+
+class RunCosts:
+    """The costs a pipeline run's plans are simulated with, the first found: ``schedule.tune``'s
+    (rank 0), the device's model (``device=emulated``), this machine's cached profile
+    (:func:`sysx.autotune.apply.cached_costs`, looked up by ``lookup``), the recorded window's."""
+
+    def __init__(
+        self,
+        tuned: Costs | None,
+        modelled: CostTable | None,
+        *,
+        lookup: Callable[[], Costs | None],
+        window: PipelineWindow,
+    ) -> None:
+        self.tuned, self.modelled, self.lookup, self.window = tuned, modelled, lookup, window
+
+    def plan_table(self, schedule: Schedule) -> CostTable | None:
+        """The costs the plan beside a recorded timeline is simulated with; None: the window's own
+        profiled costs (:func:`sysx.trace.costs.measured_costs`)."""
+        return self.tuned.table(schedule) if self.tuned is not None else self.modelled
+
+    def costs(self) -> tuple[Costs | CostTable | None, str]:
+        """Rank 0: the costs the run used and their name (see :mod:`sysx.autotune.check`)."""
+        if self.tuned is not None:
+            return self.tuned, "tuned profile"
+        if self.modelled is not None:
+            return self.modelled, "emulated device"
+        cached = self.lookup()
+        if cached is not None:
+            return cached, "cached profile"
+        window = self.window.costs
+        return (window, "recorded window's costs") if window is not None else (None, "")
+
+
+def cached_profile(
+    cfg: Any, world: int, local_world_size: int, device: torch.device, threads: OptimizerThreads
+) -> Callable[[], Costs | None]:
+    """:func:`sysx.autotune.apply.cached_costs` of this run (with ``threads``' workers), looked up when called."""
+
+    def lookup() -> Costs | None:
+        from sysx.autotune.apply import cached_costs
+
+        return cached_costs(
+            cfg, world, local_world_size, device, workers=threads.workers, threads=threads.threads_per_worker or 1
+        )
+
+    return lookup
 
 
 class RunPrediction:
-    """The check of one rank's trainer (built once the trainer is, before its first step).
+    """The check of one rank of a pipeline run (built once the trainer is, before its first step):
+    ``costs`` says what it was predicted with, ``model`` the device's plans, ``window`` the recorded
+    window; ``all_reduce`` reduces the memory peaks over the ranks."""
 
-    ``trainer`` is a :class:`sysx.trainers.pipeline.PipelineTrainer` (not imported: it imports this)."""
-
-    def __init__(self, trainer: Any, tuned: Costs | None, *, rss0: int) -> None:
-        self.trainer = trainer
-        self.tuned = tuned
-        self.emulated = trainer.cfg.device == "emulated"
+    def __init__(
+        self,
+        costs: RunCosts,
+        model: DeviceModel,
+        window: PipelineWindow,
+        all_reduce: AllReduce,
+        *,
+        rank: int,
+        total_steps: int,
+        device: torch.device,
+        local_world_size: int,
+        rss0: int,
+    ) -> None:
+        self.costs, self.model, self.window, self.all_reduce = costs, model, window, all_reduce
+        self.rank, self.total_steps, self.device, self.local_world_size = rank, total_steps, device, local_world_size
         self.rss0 = rss0  # the RSS before the trainer built its state: the growth is what the plan describes
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None  # set at the first step this process runs (after a resume, too)
         self.section: dict[str, Any] = {}
 
     def _memory_kind(self) -> str:
-        if self.emulated:  # the emulated GPU's memory is modelled, its stand-in holds tiny tensors
+        if self.model.models_memory:
             return ""
-        return GPU if dev.is_cuda(self.trainer.device) else HOST
+        return GPU if dev.is_cuda(self.device) else HOST
 
     def _peak(self) -> float | None:
         """Collective: the fullest rank's GPU peak, or every rank's host growth summed (CPU)."""
-        t = self.trainer
         kind = self._memory_kind()
         if not kind:
             return None
         mine = (
-            float(dev.max_memory_allocated(t.device)) if kind == GPU else float(dev.host_peak_rss_bytes() - self.rss0)
+            float(dev.max_memory_allocated(self.device))
+            if kind == GPU
+            else float(dev.host_peak_rss_bytes() - self.rss0)
         )
         # through the trainer's sliced wait: a signal or a dead peer during the check stops it
-        (value,) = t._all_reduce(
+        (value,) = self.all_reduce(
             [mine], "prediction check (memory peaks)", op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM
         )
         return float(value)
-
-    def costs(self) -> tuple[Costs | CostTable | None, str]:
-        """Rank 0: the costs the run used and their name (see :mod:`sysx.autotune.check`)."""
-        t = self.trainer
-        if self.tuned is not None:
-            return self.tuned, "tuned profile"
-        plan = t.plan_costs()
-        if plan is not None:
-            return plan, "emulated device"
-        from sysx.autotune.apply import cached_costs
-
-        assert t.optimizer is not None
-        threads = t.optimizer.threads
-        cached = cached_costs(
-            t.cfg,
-            t.world,
-            t.info.local_world_size,
-            t.device,
-            workers=threads.workers,
-            threads=threads.threads_per_worker or 1,
-        )
-        if cached is not None:
-            return cached, "cached profile"
-        window = t.window_costs
-        return (window, "recorded window's costs") if window is not None else (None, "")
 
     def after_step(self, result: StepResult) -> None:
         """Note the step's time; at the check step, compare (collective at that step)."""
         self.step_times.append((result.step, result.step_time_s))
         if self.at is None:
-            rec = self.trainer.window.recorder
-            self.at = check_step(result.step, self.trainer.cfg.train.steps, rec.last if rec is not None else None)
+            self.at = check_step(result.step, self.total_steps, self.window.last_step)
         if result.step != self.at:
             return
-        t = self.trainer
         peak = self._peak()
-        if t.rank != 0:
+        if self.rank != 0:
             return
-        costs, source = self.costs()
+        costs, source = self.costs.costs()
         if costs is None:
             print(
                 "prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
@@ -100,20 +144,20 @@ class RunPrediction:
                 flush=True,
             )
             return
-        recorded = t.recorded_iteration()
+        recorded = self.window.iteration()
         if recorded is not None:
-            rec = t.window.recorder
-            steps, iteration, how = list(range(rec.first, rec.last + 1)), recorded, "timeline"
+            (steps, iteration), how = recorded, "timeline"
         else:
             steps, iteration = measured_window(self.step_times)
             how = "step times"
-        gpn = t.pacer.plan.cluster.gpus_per_node if self.emulated else t.info.local_world_size
-        schedule = t.plan_schedule(steps)  # validating first after a clipped step runs another program
-        if schedule is not t.schedule:
+        gpn = self.model.gpus_per_node(self.local_world_size)
+        schedule = self.model.plan_schedule(steps)  # validating first after a clipped step runs another program
+        if schedule is not self.model.schedule:
             source = f"{source}, validating first"
         pred: Prediction = predict(schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
-        if self.emulated and self.tuned is None and t.lane_plan is not None and schedule is t.schedule:
-            pred = dataclasses.replace(pred, iteration_s=t.lane_plan[0], source=f"{source}, device lane included")
+        lane = self.model.lane_plan
+        if self.costs.tuned is None and lane is not None and schedule is self.model.schedule:
+            pred = dataclasses.replace(pred, iteration_s=lane[0], source=f"{source}, device lane included")
         self.section, lines = compare(pred, iteration, peak, steps=steps, measured_by=how)
         for line in lines:
             print(line, flush=True)

@@ -7,24 +7,34 @@ Unit-cost mode (the paper's figures; the default)::
 Model mode (``--model PRESET``, or ``--hydra key=value ...``: the training job's Hydra config,
 composed from ``conf/`` with those overrides, gives the model, ``train.seq_len``,
 ``train.micro_batch_size``, ``train.micro_batches`` and, when its ``schedule`` section has them,
-the schedule name, ``ranks``, ``stages``, ``split`` and ``cfg``): the partition balances the
+the schedule name, ``stages_per_rank``, ``split``, ``cfg`` and ``param_buffers``): the partition balances the
 model's per-layer FLOPs and the costs come from the hardware flags (achieved GPU FLOP/s, p2p /
-host<->GPU bandwidths, CPU Adam throughput). Flags given explicitly win over the config. ``--compare [LIST]`` simulates several schedules (``all``, ``ablation`` or a comma
-list such as ``mobius,sysx:cfg0,sysx``) and draws them on one time axis. ``--json`` prints one
-JSON object. ``--config FILE.yaml`` reads the same options (keys like the flags, ``-`` or ``_``,
+host<->GPU bandwidths, CPU Adam throughput). Flags given explicitly win over the config. With
+``device=emulated`` in the Hydra overrides, the plan is the one the emulated run is timed against
+(:func:`sysx.emulate.device_model.emulated_schedule`: the emulated preset on the emulated cluster).
+Without ``--stages`` / ``--split`` the layout is the one ``sysx-train`` runs
+(:func:`runtime_layouts`). ``--compare [LIST]`` simulates several schedules (``all``, ``ablation``
+or a comma list such as ``mobius,sysx:cfg0,sysx``) and draws them on one time axis. ``--json``
+prints one JSON object. ``--config FILE.yaml`` reads the same options (keys like the flags, ``-`` or ``_``,
 at the top level or under ``plan:``); flags override it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from sysx.config.choices import PRECISIONS, SYSX_CFGS
+from sysx.config import ScheduleSection, SysxConfig
+from sysx.config.choices import EMULATED_DEVICE, PRECISIONS, SYSX_CFGS
+from sysx.emulate import emulated_model
+from sysx.emulate.device_model import emulated_schedule
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
+from sysx.runtime.options import make_schedule, options_from_config
 from sysx.schedule import ONE_STAGE_PER_RANK, SCHEDULES, build
 from sysx.schedule.costs import Costs, UnitCosts, costs_from_model
 from sysx.schedule.ops import Schedule, ScheduleError
@@ -44,8 +54,38 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="KEY=VALUE",
         default=None,
-        help="compose the training config (conf/) with these overrides and plan for it",
+        help="compose the training config (conf/) with these overrides and plan for it (device=emulated: "
+        "the emulated cluster's plan, as the run is timed against it)",
     )
+    _layout_arguments(p)
+    u = p.add_argument_group("unit-cost mode (no --model)")
+    u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
+    u.add_argument("--t-bwd", type=float, default=2.0, help="whole backward of one stage (recompute included)")
+    u.add_argument("--t-opt", type=float, default=0.0, help="CPU optimizer step of one forward stage")
+    _model_arguments(p.add_argument_group("model mode"))
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="ranks per node, for shared memory and --inter-gbps (default all)",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--compare",
+        nargs="?",
+        const="all",
+        default=None,
+        help="simulate several schedules: all | ablation | comma list (e.g. mobius,sysx:cfg0,sysx)",
+    )
+    o.add_argument("--ops", action="store_true", help="print every rank's op list")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    o.add_argument("--png", help="write the timeline picture here")
+    o.add_argument("--trace", help="write a Chrome trace JSON here (open in Perfetto)")
+    return p
+
+
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+    """Which schedule, on how many ranks, cut how (defaults: the layout ``sysx-train`` runs)."""
     p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default sysx")
     p.add_argument("--ranks", "-g", type=int, default=None, help="Ng: pipeline ranks (GPUs), default 4")
     p.add_argument("--microbatches", "-m", type=int, default=None, help="Nm: micro-batches per iteration, default 4")
@@ -53,23 +93,28 @@ def _parser() -> argparse.ArgumentParser:
         "--stages", "-s", type=int, default=None, help="Nsf: forward stages (default 2*Ng; Ng for gpipe/1f1b)"
     )
     p.add_argument(
-        "--split", "-d", type=int, default=None, help="d: backward sub-stages per forward stage (sysx), default 2"
+        "--split",
+        "-d",
+        type=int,
+        default=None,
+        help="d: backward sub-stages per forward stage (sysx), default sysx-train's (3; 2 for --cfg 1; 1 for --cfg 0)",
     )
     p.add_argument(
         "--cfg", type=int, default=None, choices=SYSX_CFGS, help="sysx ablation config (paper Table 3), default 3"
     )
-    p.add_argument("--param-buffers", type=int, default=2, help="GPU parameter buffers per rank (current + prefetch)")
+    p.add_argument(
+        "--param-buffers", type=int, default=None, help="GPU parameter buffers per rank (current + prefetch), default 2"
+    )
     p.add_argument(
         "--precision",
         default=None,
         choices=PRECISIONS,
         help="working-copy precision: bytes per parameter in GPU buffers and shared memory (default bf16)",
     )
-    u = p.add_argument_group("unit-cost mode (no --model)")
-    u.add_argument("--t-fwd", type=float, default=1.0, help="forward of one stage on one micro-batch")
-    u.add_argument("--t-bwd", type=float, default=2.0, help="whole backward of one stage (recompute included)")
-    u.add_argument("--t-opt", type=float, default=0.0, help="CPU optimizer step of one forward stage")
-    m = p.add_argument_group("model mode")
+
+
+def _model_arguments(m: argparse._ArgumentGroup) -> None:
+    """A model preset's costs on hardware given by its figures."""
     m.add_argument("--model", help="a sysx.model preset (tiny, llama2_7b, llama2_10b, ...)")
     m.add_argument("--seq-len", type=int, default=None, help="default 2048")
     m.add_argument("--micro-batch-size", type=int, default=None, help="default 1")
@@ -98,25 +143,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="sends are posted isends, the transfer runs once the receive is posted (the runtime's)",
     )
-    p.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=None,
-        help="ranks per node, for shared memory and --inter-gbps (default all)",
-    )
-    o = p.add_argument_group("output")
-    o.add_argument(
-        "--compare",
-        nargs="?",
-        const="all",
-        default=None,
-        help="simulate several schedules: all | ablation | comma list (e.g. mobius,sysx:cfg0,sysx)",
-    )
-    o.add_argument("--ops", action="store_true", help="print every rank's op list")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    o.add_argument("--png", help="write the timeline picture here")
-    o.add_argument("--trace", help="write a Chrome trace JSON here (open in Perfetto)")
-    return p
 
 
 def _config_defaults(path: str) -> dict[str, Any]:
@@ -148,12 +174,13 @@ def _entries(spec: str) -> list[tuple[str, int]]:
     return out
 
 
+_JOB = ScheduleSection()  # sysx-train's defaults
 DEFAULTS = {
     "schedule": "sysx",
     "ranks": 4,
     "microbatches": 4,
-    "split": 2,
-    "cfg": 3,
+    "cfg": _JOB.cfg,
+    "param_buffers": _JOB.param_buffers,
     "seq_len": 2048,
     "micro_batch_size": 1,
     "precision": "bf16",
@@ -162,14 +189,15 @@ _COUNTS = ("ranks", "microbatches", "stages", "split", "seq_len", "micro_batch_s
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """Fill unset options: flags (and --config) first, then the Hydra config, then DEFAULTS."""
-    args.model_cfg = None
+    """Fill unset options: flags (and --config) first, then the Hydra config, then DEFAULTS. The
+    layout (``--stages``, ``--split``) left unset is the one ``sysx-train`` runs (:func:`runtime_layout`)."""
+    args.model_cfg, args.job, args.emulated = None, None, ""
     found: dict[str, Any] = {}
     if args.hydra is not None:
         from sysx.checkpoint.pretrained import job_model_config
         from sysx.config import load_config
 
-        job = load_config(args.hydra)
+        job = args.job = load_config(args.hydra)
         args.model_cfg = job_model_config(job)
         args.model = args.model or job.model.preset
         found = {
@@ -177,12 +205,17 @@ def _resolve(args: argparse.Namespace) -> None:
             "micro_batch_size": job.train.micro_batch_size,
             "microbatches": job.train.micro_batches,
             "precision": "bf16" if job.precision == "auto" else job.precision,
+            "cfg": job.schedule.cfg,
+            "param_buffers": job.schedule.param_buffers,
         }  # a plan is for GPUs: auto is bf16 there
         if job.schedule.name in SCHEDULES:
             found["schedule"] = job.schedule.name
-        found["cfg"] = job.schedule.cfg
         if job.schedule.split is not None:
             found["split"] = job.schedule.split
+        if job.device == EMULATED_DEVICE:  # the emulated model's costs, at its shape
+            emulated = emulated_model(job)
+            args.model, args.model_cfg = emulated.name, emulated.config
+            found.update(seq_len=emulated.seq_len, micro_batch_size=emulated.micro_batch_size)
     elif args.model:
         from sysx.model import get_preset
 
@@ -196,7 +229,15 @@ def _resolve(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} {value} is not valid: must be an integer >= 1")
 
 
-def _partition_for(args: argparse.Namespace, name: str, n_stages: int, manual: bool) -> Partition | None:
+def runtime_layouts(name: str, cfg: int, n_ranks: int, *, stages_per_rank: int | None = None) -> list[tuple[int, int]]:
+    """``(Nsf, d)`` ``sysx-train`` tries for schedule ``name`` at ``n_ranks`` ranks, preferred first
+    (:meth:`sysx.runtime.options.PipelineOptions.candidates`: the first that fits the model runs)."""
+    per_rank = None if name in ONE_STAGE_PER_RANK else stages_per_rank
+    section = dataclasses.replace(_JOB, name=name, cfg=cfg, stages_per_rank=per_rank)
+    return options_from_config(SysxConfig(schedule=section)).candidates(n_ranks)
+
+
+def _partition_for(args: argparse.Namespace, name: str, n_stages: int, split: int, manual: bool) -> Partition | None:
     if args.model_cfg is None:
         return None
     cfg = args.model_cfg
@@ -210,7 +251,7 @@ def _partition_for(args: argparse.Namespace, name: str, n_stages: int, manual: b
         cfg,
         args.seq_len,
         n_stages,
-        split=args.split if name == "sysx" else 1,
+        split=split if name == "sysx" else 1,
         stage_sizes=sizes,
         n_ranks=args.ranks if name == "sysx" else None,
     )
@@ -246,7 +287,29 @@ def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
 
 def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tuple[Schedule, Timeline, str]:
     """Build, validate and simulate one schedule; ``fit`` lets gpipe/1f1b take Ng stages."""
-    nsf = args.stages if args.stages is not None else (args.ranks if name in ONE_STAGE_PER_RANK else 2 * args.ranks)
+    if args.job is not None and args.job.device == EMULATED_DEVICE:
+        return _plan_emulated(args, name, cfg)
+    per_rank = args.job.schedule.stages_per_rank if args.job is not None else None
+    layouts = runtime_layouts(name, cfg, args.ranks, stages_per_rank=per_rank)
+    # the flags fix what they give; the rest is the runtime's, the first that fits the model, as the run picks
+    tried = dict.fromkeys(
+        (args.stages if args.stages is not None else nsf, args.split if args.split is not None else d)
+        for nsf, d in layouts
+    )
+    first: PartitionError | None = None
+    for nsf, split in tried:
+        try:
+            return _plan_layout(args, name, cfg, nsf, split, fit=fit)
+        except PartitionError as err:
+            first = first or err
+    assert first is not None
+    raise first
+
+
+def _plan_layout(
+    args: argparse.Namespace, name: str, cfg: int, nsf: int, split: int, *, fit: bool
+) -> tuple[Schedule, Timeline, str]:
+    """One schedule at ``nsf`` forward stages of ``split`` sub-stages (see :func:`plan_one`)."""
     note, scale, manual = "", 1.0, True
     if fit and name in ONE_STAGE_PER_RANK and nsf != args.ranks:
         if args.model_cfg is None and nsf % args.ranks:
@@ -260,22 +323,43 @@ def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tup
             scale = nsf / args.ranks
             note = f"{args.ranks} stages of {nsf // args.ranks} unit stages each, costs x{scale:g}"
         nsf, manual = args.ranks, False
-    part = _partition_for(args, name, nsf, manual)
+    part = _partition_for(args, name, nsf, split, manual)
     if part is None and name == "sysx":
-        part = uniform_partition(nsf, args.split)
+        part = uniform_partition(nsf, split)
     sched = build(
         name,
         args.ranks,
         args.microbatches,
         part,
         n_stages=nsf,
-        split=args.split,
+        split=split,
         cfg=cfg,
         param_buffers=args.param_buffers,
     )
     validate(sched)
     tl = simulate(sched, _costs(args, scale), gpus_per_node=args.gpus_per_node)
     return sched, tl, note
+
+
+def _plan_emulated(args: argparse.Namespace, name: str, cfg: int) -> tuple[Schedule, Timeline, str]:
+    """``--hydra device=emulated ...``: the plan the emulated run is timed against, built as the run
+    builds it (:func:`sysx.emulate.device_model.emulated_schedule`: the schedule ``sysx-train``
+    makes for the emulated model, on the emulated cluster's costs); the layout flags are the job's
+    ``schedule.*`` keys (``--stages``: ``schedule.stages_per_rank`` times the ranks)."""
+    section: dict[str, Any] = {"name": name, "cfg": cfg, "param_buffers": args.param_buffers}
+    if args.split is not None and name == "sysx":
+        section["split"] = args.split
+    if args.stages is not None and name not in ONE_STAGE_PER_RANK:
+        if args.stages % args.ranks:
+            raise ValueError(f"--stages {args.stages} with device=emulated must be a multiple of --ranks {args.ranks}")
+        section["stages_per_rank"] = args.stages // args.ranks
+    if args.stage_sizes:
+        section["stage_sizes"] = [int(x) for x in str(args.stage_sizes).split(",")]
+    job = dataclasses.replace(args.job, schedule=dataclasses.replace(args.job.schedule, **section))
+    build = functools.partial(make_schedule, options_from_config(job), n_ranks=args.ranks, n_micro=args.microbatches)
+    sched, plan = emulated_schedule(job, build, backend=job.optim.backend)
+    args.emulated = f"emulated: {plan.describe()}"
+    return sched, plan.timeline, ""
 
 
 def _fmt_mem(x: float, unit: str) -> str:
@@ -379,9 +463,14 @@ def main(argv: list[str] | None = None) -> int:
 
         chrome_trace(timelines, args.trace)
     if args.json:
-        out = [dict(tl.summary(), cfg=s.options.cfg, note=note) for s, tl, note in runs]
-        print(json.dumps(out[0] if not args.compare else {"compare": out}))
+        out = [
+            dict(tl.summary(), cfg=s.options.cfg, stages=s.n_stages, split=s.split, note=note) for s, tl, note in runs
+        ]
+        extra = {"emulated": args.emulated} if args.emulated else {}
+        print(json.dumps({**out[0], **extra} if not args.compare else {"compare": out, **extra}))
         return 0
+    if args.emulated:
+        print(args.emulated)
     if args.compare:
         from sysx.schedule.draw import title_of
 
@@ -389,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'schedule':<34} {'iteration':>10} {'bubble':>8} {'after last bwd':>15}"
             + ("" if timelines[0].unit == "units" else f" {'GPU GiB':>8}")
         )
-        for s, tl, note in runs:
+        for _, tl, note in runs:
             label = title_of(tl).split("   ")[0]
             print(
                 f"{label:<34} {tl.iteration:>10.4g} {100 * tl.bubble_ratio:>7.1f}% "

@@ -1,0 +1,257 @@
+"""One pipeline rank's runtime, built around its schedule: the parameter store, the GPU parameter
+slots and gradient buffers, the rank optimizer, p2p and the executor, closed together; and the
+collectives of a step's end (one all-reduce, waited for in slices, of the losses, the optimizer's
+outcome, the passes' end times and a deferred stop).
+
+Built in one go: when a part fails to build, the parts built before it are closed (shared memory
+segments and optimizer threads never outlive a failed start)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sysx import dist as sdist
+from sysx import peers, stopping
+from sysx.data import TokenDataset, get_batch
+from sysx.emulate.pacer import Pacer
+from sysx.model import ModelConfig
+from sysx.model.llama import LayerInit
+from sysx.optim.loss_scaler import LossScaler
+from sysx.optim.stage import OptimSettings
+from sysx.runtime.buffers import GradBuffers, ParamSlots
+from sysx.runtime.executor import ExecutionError, Executor, StepContext
+from sysx.runtime.optimizer import RankOptimizer
+from sysx.runtime.options import PipelineOptions
+from sysx.runtime.p2p import P2P
+from sysx.runtime.stage_params import StageParams
+from sysx.schedule import Op, OpKind, Schedule
+from sysx.trace import Recorder
+
+
+class RankRuntime:
+    """The parts of rank ``info.rank`` (see the module doc). ``settings`` makes the optimizer's
+    settings from the resolved ``optim.rollback`` (``auto`` is resolved by the parameter store)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        info: sdist.DistInfo,
+        opts: PipelineOptions,
+        *,
+        model_cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        pacer: Pacer,
+        job: str,
+        seed: int,
+        init: LayerInit,
+        settings: Callable[[str], OptimSettings],
+        scaler: LossScaler,
+        micro_batch_size: int,
+        seq_len: int,
+        dataset: TokenDataset,
+    ) -> None:
+        self.rank, self.world, self.group, self.timeout_s = info.rank, info.world_size, group, opts.timeout_s
+        self.local_world_size = info.local_world_size
+        self.dataset, self.seed, self.micro_batch_size, self.seq_len = dataset, seed, micro_batch_size, seq_len
+        self.schedule, self.device, self.dtype = schedule, device, dtype
+        self._closed = False
+        with contextlib.ExitStack() as undo:
+            self.params = StageParams(
+                schedule,
+                model_cfg,
+                info,
+                dtype=dtype,
+                job=job,
+                group=group,
+                timeout_s=opts.timeout_s,
+                seed=seed,
+                init=init,
+                rollback=opts.rollback,
+            )
+            undo.callback(self.params.close)
+            compute, h2d, d2h = pacer.streams(device)
+            loads = [schedule.layers(op) for op in schedule.ops[self.rank] if op.kind == OpKind.LOAD_PARAMS]
+            loads += [schedule.partition.stage_layers(s) for s in schedule.placement.fwd_stages(self.rank)]
+            numels = self.params.numels
+            slot_numel = max(sum(numels[i] for i in r) for r in loads)
+            self.compute = compute
+            self.slots = ParamSlots(
+                schedule.options.param_buffers, slot_numel, dtype, device, layer_numels=numels, h2d=h2d, compute=compute
+            )
+            self.grads = GradBuffers(dtype, device, compute=compute, d2h=d2h)
+            self.optimizer = RankOptimizer(
+                self.params,
+                settings(self.params.rollback),
+                scaler,
+                group=group,
+                local_rank=info.local_rank,
+                local_world_size=info.local_world_size,
+                pace=pacer.optimizer_pace(),
+            )
+            undo.callback(self.optimizer.close)
+            self.p2p = self._p2p(opts, device, pacer)
+            self.executor = Executor(
+                schedule,
+                self.rank,
+                model_cfg=model_cfg,
+                device=device,
+                dtype=dtype,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                params=self.params,
+                slots=self.slots,
+                grads=self.grads,
+                optimizer=self.optimizer,
+                p2p=self.p2p,
+                batch=self._batch,
+                pacer=pacer,
+            )
+            undo.pop_all()  # built: close() releases them from now on
+
+    def _batch(self, step: int, mb: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``mb`` of ``step`` from ``split`` (the same on every rank)."""
+        return get_batch(
+            self.dataset,
+            seed=self.seed,
+            step=step,
+            micro_batch=mb,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            split=split,
+        )
+
+    def _p2p(self, opts: PipelineOptions, device: torch.device, pacer: Pacer) -> P2P | None:
+        """This rank's messages (none in a one-rank run)."""
+        if self.world == 1:
+            return None
+        verify = opts.verify_transfers if opts.verify_transfers is not None else dist.get_backend() != "nccl"
+        # checkpoints on a communicator of their own: they overlap activations and gradients on NCCL too
+        return P2P(
+            self.rank,
+            device=device,
+            timeout_s=opts.timeout_s,
+            verify=verify,
+            ckpt_group=sdist.checkpoint_group(),
+            pacer=pacer,
+        )
+
+    def record(self, recorder: Recorder) -> None:
+        """Every part records its ops into ``recorder`` (a window of recorded steps, :mod:`sysx.trace`)."""
+        for part in (self.executor, self.slots, self.grads, self.optimizer.threads, self.p2p):
+            if part is not None:
+                part.recorder = recorder
+
+    def run(self, ops: Sequence[Op], ctx: StepContext) -> None:
+        """Run ``ops``: a training step's owners then push updated parameters to mirror segments on
+        other nodes, a forward-only program waits for its sends (it has no VALIDATE). A failure drops
+        every tensor held between ops."""
+        try:
+            self.executor.run(ops, ctx)
+            if ctx.training:
+                self.params.push_mirrors()
+            else:
+                self.executor.wait_sends()
+        except BaseException:
+            self.executor.reset()
+            raise
+
+    def mean_loss(self, ctx: StepContext, what: str) -> float:
+        """The mean of every rank's losses of ``ctx`` (collective: ``what`` names the all-reduce)."""
+        local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
+        total, count = self.all_reduce([local, float(len(ctx.losses))], what)
+        return total / count
+
+    def all_reduce(
+        self, values: list[float], what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> list[float]:
+        """``values`` reduced over the ranks, waited for in slices (a stop or a dead peer interrupts it)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        try:
+            work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+        except RuntimeError as err:  # a peer that died before the collective was posted
+            watch = peers.current()
+            news = watch.explain(f"{what} could not start") if watch is not None else None
+            if news is not None:
+                raise news from err
+            raise sdist.PeerTimeout(f"rank {self.rank}: {what} could not start: {str(err).splitlines()[0]}") from err
+        sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.timeout_s, collective=True)
+        return t.tolist()
+
+    def end_step(self, ctx: StepContext, n_micro: int, *, one_clock: bool) -> StepEnd:
+        """The step's one all-reduce on every rank: losses, the optimizer's rollbacks and re-steps,
+        each rank's backward and VALIDATE ends, and a stop deferred to the end of the step
+        (``checkpoint.on_signal``), which travels with the loss so that every rank ends this step
+        knowing it and saves and stops at the same point. ``n_micro``: the losses expected."""
+        local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
+        stop = stopping.pending()
+        signals = [float(stop is not None and stop.signum == s) for s in stopping.STOP_SIGNALS]
+        outcome = self.optimizer.outcome
+        assert outcome is not None
+        times = [0.0] * (2 * self.world)  # this rank's slots only: the sum gathers every rank's
+        times[2 * self.rank : 2 * self.rank + 2] = [ctx.backward_end, ctx.validate_end]
+        counts = [float(len(ctx.losses)), float(outcome.undone + outcome.restepped), float(outcome.restepped)]
+        total, count, undone, restepped, *rest = self.all_reduce(
+            [local, *counts, *signals, *times], f"end of step {ctx.step} (loss all-reduce)"
+        )
+        stops, times = rest[: len(signals)], rest[len(signals) :]
+        for signum, seen in zip(stopping.STOP_SIGNALS, stops):
+            if seen > 0:
+                stopping.request(signum)
+                break
+        if int(count) != n_micro:
+            raise ExecutionError(
+                f"rank {self.rank}: step {ctx.step}: {int(count)} micro-batch losses were computed, expected {n_micro}"
+            )
+        exposed = exposed_seconds(times[0::2], times[1::2], one_clock=one_clock)
+        return StepEnd(total / count, int(undone), int(restepped), exposed)
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The full fp32 weights by parameter name; collective: every rank calls it and gets the same
+        dict (gathered over the CPU group, meant for tests and small models)."""
+        mine = self.params.master_state({key: stage.master for key, stage in self.optimizer.stages.items()})
+        if self.world == 1:
+            return mine
+        parts: list[dict[str, torch.Tensor] | None] = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part or {})
+        return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0])))
+
+    def close(self) -> None:
+        """Join optimizer threads, drop every view of shared memory and close the store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.close()
+        self.optimizer.close()
+        self.params.close()
+
+
+def exposed_seconds(backward_ends: list[float], validate_ends: list[float], *, one_clock: bool) -> float:
+    """The optimizer time of a step no compute hid: from the end of the last backward on any rank
+    to the end of the last VALIDATE (optimizer jobs, all-reduce, rollbacks, re-steps). Ranks on one
+    node share ``time.monotonic()``; across nodes the clocks differ, so the smallest per-rank span
+    is taken (every rank's VALIDATE ends after the all-reduce that waits for the last backward)."""
+    if one_clock:
+        return max(0.0, max(validate_ends) - max(backward_ends))
+    return max(0.0, min(v - b for b, v in zip(backward_ends, validate_ends)))
+
+
+@dataclass
+class StepEnd:
+    """What the ranks agreed on at the end of a step (:meth:`RankRuntime.end_step`)."""
+
+    loss: float  # mean over every micro-batch of every rank
+    undone: int  # the step's rollbacks (clipping re-steps included)
+    restepped: int  # its clipping re-steps
+    exposed_s: float  # optimizer time no compute hid (:func:`exposed_seconds`, wall seconds)
