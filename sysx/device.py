@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.placement import local_device
+from sysx.device_binding import local_device
 
 
 def cuda_available() -> bool:
@@ -46,7 +46,7 @@ def default_device(local_rank: int | None = None) -> torch.device:
     environment can disagree). Before that, or without a process group, the local rank comes from
     the argument or from ``LOCAL_RANK`` (torchrun) / ``MPI_LOCALRANKID`` (MPICH) /
     ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI), defaulting to 0; more local processes than GPUs is a
-    :class:`~sysx.placement.PlacementError`.
+    :class:`~sysx.device_binding.DeviceBindingError`.
     """
     if not cuda_available():
         return torch.device("cpu")

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from sysx import peers, stopping
+from sysx.device_binding import backend_for, local_device
 from sysx.peers import PeerFailed, PeerTimeout
-from sysx.placement import backend_for, local_device
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

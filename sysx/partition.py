@@ -8,9 +8,9 @@ into ``split`` contiguous backward sub-stages the same way. A manual cut is a li
 
 Placements map stages to ranks:
 
-- :func:`coupled_placement`: forward stage ``s`` and its backward on rank ``s % n_ranks``
+- :func:`coupled_assignment`: forward stage ``s`` and its backward on rank ``s % n_ranks``
   (GPipe, 1F1B, Megatron's interleaved chunks, Mobius);
-- :func:`sysx_placement`: SysX's decoupled placement (paper Fig. 8): forward stage ``s`` on rank
+- :func:`sysx_assignment`: SysX's decoupled assignment (paper Fig. 8): forward stage ``s`` on rank
   ``s % n_ranks``; backward sub-stages in execution order ``q = 0 .. n_stages*split - 1`` are
   ``(s, k) = (n_stages-1 - q // split, split-1 - q % split)`` on rank ``q % n_ranks``.
 """
@@ -30,7 +30,7 @@ def unit_label(stage: int, sub: int = -1) -> str:
 
 
 class PartitionError(ValueError):
-    """An impossible partition or placement request (the message names the values and the fix)."""
+    """An impossible partition or assignment request (the message names the values and the fix)."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def partition_layers(
     sub-stages are balanced by the same costs unless ``sub_sizes`` (per stage, layers per
     sub-stage) is given. With ``n_ranks``, each stage's sub-stage cut may be mirrored (e.g. 3
     layers as 1+2 instead of 2+1) so that the backward work per rank under
-    :func:`sysx_placement` stays even: SysX gives a fixed ``k`` to a fixed subset of ranks, so
+    :func:`sysx_assignment` stays even: SysX gives a fixed ``k`` to a fixed subset of ranks, so
     always putting the heavier half first would load those ranks more.
     """
     costs = tuple(float(c) for c in layer_costs)
@@ -318,7 +318,7 @@ def partition_model(
 
 
 @dataclass(frozen=True)
-class Placement:
+class RankAssignment:
     """Which rank runs each forward stage and each backward sub-stage.
 
     ``fwd_rank[s]``: rank of forward stage ``s``. ``bwd_rank[s][k]``: rank of backward sub-stage
@@ -355,15 +355,15 @@ def _check_ranks(n_stages: int, n_ranks: int, split: int) -> None:
         )
 
 
-def coupled_placement(n_stages: int, n_ranks: int) -> Placement:
+def coupled_assignment(n_stages: int, n_ranks: int) -> RankAssignment:
     """Forward and backward of stage ``s`` on rank ``s % n_ranks`` (whole stages, ``d = 1``)."""
     _check_ranks(n_stages, n_ranks, 1)
     fwd = tuple(s % n_ranks for s in range(n_stages))
-    return Placement(n_ranks, fwd, tuple((r,) for r in fwd), tuple((s, 0) for s in reversed(range(n_stages))))
+    return RankAssignment(n_ranks, fwd, tuple((r,) for r in fwd), tuple((s, 0) for s in reversed(range(n_stages))))
 
 
-def sysx_placement(n_stages: int, split: int, n_ranks: int) -> Placement:
-    """SysX's decoupled placement (paper Fig. 8, DESIGN.md)."""
+def sysx_assignment(n_stages: int, split: int, n_ranks: int) -> RankAssignment:
+    """SysX's decoupled assignment (paper Fig. 8, DESIGN.md)."""
     _check_ranks(n_stages, n_ranks, split)
     if not isinstance(split, int) or split < 1:
         raise PartitionError(f"split d={split!r} must be a positive int")
@@ -374,4 +374,4 @@ def sysx_placement(n_stages: int, split: int, n_ranks: int) -> Placement:
         s, k = n_stages - 1 - q // split, split - 1 - q % split
         bwd[s][k] = q % n_ranks
         order.append((s, k))
-    return Placement(n_ranks, fwd, tuple(tuple(row) for row in bwd), tuple(order))
+    return RankAssignment(n_ranks, fwd, tuple(tuple(row) for row in bwd), tuple(order))

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "sysx"
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 600
 # The job layer: the command lines, the trainers, the pre-flight and the run directory.
-JOB_LAYER = ("sysx.train", "sysx.trainers", "sysx.cli", "sysx.preflight", "sysx.run_dir")
+JOB_LAYER = ("sysx.train", "sysx.trainers", "sysx.cli", "sysx.preflight", "sysx.run_dir", "sysx.plan_command")
 # The planner sits above the engines it plans for.
 PLANNER = ("sysx.autotune",)
 # Everything a job is built from; none imports the job layer, and none but the planner imports the planner.
@@ -41,16 +41,17 @@ ENGINES = (
     "sysx.device",
     "sysx.device_memory",
     "sysx.dist",
-    "sysx.placement",
+    "sysx.device_binding",
     "sysx.peers",
     "sysx.stopping",
+    "sysx.faults",
     "sysx.cachedir",
     "sysx.metrics",
 )
 # What the configuration may import besides itself: the model presets and shapes.
 CONFIG_MAY_IMPORT = ("sysx.config", "sysx.model")
 # The launchers (torchrun / mpirun wrappers) stand beside the job: they start it and import little.
-LAUNCHERS = ("sysx.launch", "sysx.launcher")
+LAUNCHERS = ("sysx.launch", "sysx.rank_env")
 
 
 def module_name(path: Path) -> str:

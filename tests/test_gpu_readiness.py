@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from sysx import device as dev
+from sysx.device_binding import DeviceBindingError, backend_for, local_device
 from sysx.device_memory import DeviceUsage, MemoryCap, over_budget
 from sysx.model import get_preset
 from sysx.model.flat import FlatLayout
 from sysx.model.llama import init_layer, make_layer, make_shell
-from sysx.placement import PlacementError, backend_for, local_device
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = get_preset("tiny")
@@ -50,10 +50,10 @@ def test_the_backend_follows_the_resolved_device_not_the_presence_of_cuda(
 
 def test_more_processes_per_node_than_gpus_is_refused_in_one_line() -> None:
     assert [local_device(r, 4, 8) for r in range(4)] == [0, 1, 2, 3]
-    with pytest.raises(PlacementError) as err:
+    with pytest.raises(DeviceBindingError) as err:
         local_device(2, 4, 2)  # today's modulo would put ranks 0 and 2 on GPU 0
     assert "4 processes on this node but only 2 GPU(s)" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(PlacementError, match="no GPU"):
+    with pytest.raises(DeviceBindingError, match="no GPU"):
         local_device(0, 1, 0)
 
 
@@ -71,7 +71,7 @@ def test_default_device_uses_the_gpu_chosen_at_init_and_refuses_oversubscription
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert dev.default_device() == torch.device("cuda", 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(PlacementError):
+    with pytest.raises(DeviceBindingError):
         dev.default_device()
 
 

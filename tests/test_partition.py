@@ -1,4 +1,4 @@
-"""Partition of layers into forward stages / backward sub-stages and their placement on ranks."""
+"""Partition of layers into forward stages / backward sub-stages and their assignment on ranks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from sysx.partition import (
     Partition,
     PartitionError,
-    coupled_placement,
+    coupled_assignment,
     partition_layers,
     partition_model,
-    sysx_placement,
+    sysx_assignment,
     uniform_partition,
     unit_label,
 )
@@ -69,7 +69,7 @@ def test_sub_cuts_balance_the_backward_work_per_rank() -> None:
     assert blind.stage_bounds == aware.stage_bounds
 
     def loads(p: Partition) -> list[float]:
-        pl = sysx_placement(8, 2, 4)
+        pl = sysx_assignment(8, 2, 4)
         out = [0.0] * 4
         for s in range(8):
             for k in range(2):
@@ -113,7 +113,7 @@ def test_impossible_partitions_are_clear_errors(kwargs: dict, needle: str) -> No
 
 
 def test_sysx_placement_matches_figure_8() -> None:
-    pl = sysx_placement(8, 2, 4)
+    pl = sysx_assignment(8, 2, 4)
     assert pl.fwd_rank == (0, 1, 2, 3, 0, 1, 2, 3)
     # q = 0..15 -> (7,1) (7,0) (6,1) (6,0) ... on ranks 0 1 2 3 0 1 ...
     assert pl.bwd_order[:4] == ((7, 1), (7, 0), (6, 1), (6, 0))
@@ -126,12 +126,12 @@ def test_sysx_placement_matches_figure_8() -> None:
 
 
 def test_coupled_placement_and_rank_errors() -> None:
-    pl = coupled_placement(6, 3)
+    pl = coupled_assignment(6, 3)
     assert pl.coupled and pl.fwd_stages(1) == [1, 4] and pl.bwd_substages(1) == [(4, 0), (1, 0)]
     with pytest.raises(PartitionError, match="use at least 4 stages"):
-        sysx_placement(3, 1, 4)
+        sysx_assignment(3, 1, 4)
     with pytest.raises(PartitionError, match="Ng=0"):
-        coupled_placement(3, 0)
+        coupled_assignment(3, 0)
 
 
 def test_partition_model_uses_the_model_flops() -> None:

@@ -85,7 +85,7 @@ def test_op_strings_read_like_the_paper() -> None:
 
 def test_sysx_figure_8_structure_and_checkpoint_plan() -> None:
     s = build_sysx(4, 4, n_stages=8, split=2)
-    pl = s.placement
+    pl = s.assignment
     for r, ops in enumerate(s.ops):
         for op in ops:
             if op.kind == OpKind.FORWARD:
@@ -149,7 +149,7 @@ def test_ablation_switches() -> None:
 def test_baselines_are_coupled_with_a_synchronous_optimizer_after_validate() -> None:
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "mobius"):
         s = build(name, 4, 4)
-        assert s.placement.coupled and all(rt.mode == "local" for rt in s.ckpt_plan)
+        assert s.assignment.coupled and all(rt.mode == "local" for rt in s.ckpt_plan)
         for ops in s.ops:
             v = [i for i, op in enumerate(ops) if op.kind == OpKind.VALIDATE]
             opt = [i for i, op in enumerate(ops) if op.kind == OpKind.OPTIM_STEP]
@@ -349,7 +349,7 @@ def test_validate_first_is_the_same_program_with_a_synchronous_optimizer() -> No
     s = build("sysx", 4, 8, n_stages=8, split=3)
     v = validate_first(s)
     assert (s.options.optimizer, v.options.optimizer, v.options.cfg) == ("async", "sync", 2)
-    assert v.partition == s.partition and v.placement == s.placement and v.options.ckpt == s.options.ckpt
+    assert v.partition == s.partition and v.assignment == s.assignment and v.options.ckpt == s.options.ckpt
     costs = UnitCosts(t_opt=2.0)
     assert simulate(v, costs).iteration > simulate(s, costs).iteration
     mobius = build("mobius", 4, 8)

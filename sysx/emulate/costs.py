@@ -73,7 +73,7 @@ def optimizer_workers(hw: EmulatedCluster, schedule: Schedule, *, backend: str, 
     emulated threads (1 for a synchronous optimizer, which steps on the main thread)."""
     if not schedule.options.async_optimizer:
         return 1
-    owned = max(len(schedule.placement.bwd_substages(r)) for r in range(schedule.n_ranks))
+    owned = max(len(schedule.assignment.bwd_substages(r)) for r in range(schedule.n_ranks))
     return split_workers(hw.threads_per_rank, n_stages=owned, backend=backend, workers=workers)[0]
 
 

@@ -58,7 +58,7 @@ def emulated_units(plan: EmulatedPlan, schedule: Schedule, rank: int) -> tuple[l
     }
     units = [
         Unit(unit_label(s, k), int(sum(layer_params[i] for i in part.sub_layers(s, k))), ready.get((s, k), 0.0))
-        for s, k in schedule.placement.bwd_substages(rank)
+        for s, k in schedule.assignment.bwd_substages(rank)
     ]
     return units, plan.timeline.gpu_end[rank]
 
@@ -139,7 +139,7 @@ def lane_times(schedule: Schedule, ranks: Sequence[RankSplit]) -> list[LaneTimes
     the lane's order (:func:`sysx.emulate.costs.device_lane_plan`'s input)."""
     out: list[LaneTimes] = []
     for r, (placed, _) in enumerate(ranks):
-        keys = {unit_label(s, k): (s, k) for s, k in schedule.placement.bwd_substages(r)}
+        keys = {unit_label(s, k): (s, k) for s, k in schedule.assignment.bwd_substages(r)}
         out.append({keys[n]: placed.device_times[n] for n in placed.device})
     return out
 

@@ -78,7 +78,7 @@ class RankRuntime:
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)
             loads = [schedule.layers(op) for op in schedule.ops[self.rank] if op.kind == OpKind.LOAD_PARAMS]
-            loads += [schedule.partition.stage_layers(s) for s in schedule.placement.fwd_stages(self.rank)]
+            loads += [schedule.partition.stage_layers(s) for s in schedule.assignment.fwd_stages(self.rank)]
             numels = self.params.numels
             slot_numel = max(sum(numels[i] for i in r) for r in loads)
             self.compute = compute

@@ -80,7 +80,7 @@ class SubStage:
 
 def sub_stages(schedule: Schedule, numels: list[int], info: DistInfo) -> dict[tuple[int, int], SubStage]:
     """Every sub-stage of ``schedule`` with its owner, its forward rank and their nodes."""
-    part, place = schedule.partition, schedule.placement
+    part, place = schedule.partition, schedule.assignment
     out = {}
     for s in range(part.n_stages):
         for k in range(part.split):
@@ -116,7 +116,7 @@ class StageParams:
         self.dtype = dtype
         self.group = group
         self.timeout_s = timeout_s
-        self.order = list(schedule.placement.bwd_order)
+        self.order = list(schedule.assignment.bwd_order)
         self.params_of_layer = layer_params(model_cfg)
         self.numels = [sum(_numel(shape) for _, shape in entries) for entries in self.params_of_layer]
         self.units = sub_stages(schedule, self.numels, info)

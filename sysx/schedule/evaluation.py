@@ -15,9 +15,9 @@ from sysx.schedule.ops import F, Op, OpKind, Schedule
 
 
 def _rank_program(schedule: Schedule, rank: int, n_micro: int) -> tuple[Op, ...]:
-    fwd = schedule.placement.fwd_rank
+    fwd = schedule.assignment.fwd_rank
     ops: list[Op] = []
-    for s in schedule.placement.fwd_stages(rank):
+    for s in schedule.assignment.fwd_stages(rank):
         ops.append(Op(OpKind.LOAD_PARAMS, s, -1))
         if s > 0 and fwd[s - 1] != rank:
             ops += [Op(OpKind.RECV_ACT, s - 1, -1, j, fwd[s - 1]) for j in range(n_micro)]
@@ -29,7 +29,7 @@ def _rank_program(schedule: Schedule, rank: int, n_micro: int) -> tuple[Op, ...]
 
 
 def evaluation_schedule(schedule: Schedule, n_micro: int) -> Schedule:
-    """The forward passes of ``schedule``'s placement over ``n_micro`` micro-batches, no training ops."""
+    """The forward passes of ``schedule``'s assignment over ``n_micro`` micro-batches, no training ops."""
     check_counts(schedule.n_ranks, n_micro)
     ops = tuple(_rank_program(schedule, r, n_micro) for r in range(schedule.n_ranks))
     return replace(schedule, n_micro=n_micro, ops=ops, ckpt_plan=(), options=replace(schedule.options, training=False))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sysx.partition import Partition, PartitionError, coupled_placement
+from sysx.partition import Partition, PartitionError, coupled_assignment
 from sysx.schedule.common import afab_backwards, afab_forwards, check_counts, whole_stages
 from sysx.schedule.lower import lower
 from sysx.schedule.ops import Schedule
@@ -21,8 +21,8 @@ def build_gpipe(n_ranks: int, n_micro: int, partition: Partition | None = None, 
             f"gpipe places one stage per rank: Nsf={partition.n_stages} stages for Ng={n_ranks} ranks; "
             f"use {n_ranks} stages, or schedule 'mobius' (interleaved AFAB) for more stages than ranks"
         )
-    placement = coupled_placement(n_ranks, n_ranks)
+    assignment = coupled_assignment(n_ranks, n_ranks)
     orders = [afab_forwards([r], n_micro) + afab_backwards([(r, 0)], n_micro) for r in range(n_ranks)]
     return lower(
-        "gpipe", partition, placement, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
+        "gpipe", partition, assignment, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
     )

@@ -15,7 +15,7 @@ GPU buffers (current + prefetch by default).
 
 from __future__ import annotations
 
-from sysx.partition import Partition, PartitionError, coupled_placement
+from sysx.partition import Partition, PartitionError, coupled_assignment
 from sysx.schedule.common import check_counts, whole_stages
 from sysx.schedule.lower import lower
 from sysx.schedule.ops import Op, OpKind, Schedule
@@ -80,12 +80,12 @@ def build_interleaved_1f1b(
     if not isinstance(chunks, int) or chunks < 1:
         raise PartitionError(f"chunks (v)={chunks!r} must be a positive int")
     partition = whole_stages(partition, chunks * n_ranks, "interleaved_1f1b")
-    placement = coupled_placement(partition.n_stages, n_ranks)
+    assignment = coupled_assignment(partition.n_stages, n_ranks)
     orders = [interleaved_order(r, n_ranks, n_micro, chunks) for r in range(n_ranks)]
     return lower(
         "interleaved_1f1b",
         partition,
-        placement,
+        assignment,
         n_micro,
         orders,
         ckpt="local",

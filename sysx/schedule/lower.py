@@ -31,7 +31,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from sysx.partition import Partition, Placement
+from sysx.partition import Partition, RankAssignment
 from sysx.schedule.ops import (
     RECV_OF,
     SEND_OF,
@@ -341,7 +341,7 @@ def _add_optimizer_ops(ops: list[Op], optimizer: OptimizerMode) -> list[Op]:
 def lower(
     name: str,
     partition: Partition,
-    placement: Placement,
+    assignment: RankAssignment,
     n_micro: int,
     orders: Sequence[Sequence[Op]],
     *,
@@ -356,8 +356,8 @@ def lower(
     ``ckpt`` and ``optimizer`` are the :class:`ScheduleOptions` modes; ``cfg`` the sysx ablation.
     """
     options = ScheduleOptions(ckpt, optimizer, param_buffers, cfg)
-    if len(orders) != placement.n_ranks:
-        raise ScheduleError(f"{len(orders)} compute orders for {placement.n_ranks} ranks")
+    if len(orders) != assignment.n_ranks:
+        raise ScheduleError(f"{len(orders)} compute orders for {assignment.n_ranks} ranks")
     where, times = logical_times(orders, partition, n_micro)
     items, msgs, routes = _messages(orders, where, times, partition, ckpt)
     _add_messages(items, msgs, partition)
@@ -367,5 +367,5 @@ def lower(
         # parameter ops first: the offload of a sub-stage then lands right after its last backward
         lists.append(_add_optimizer_ops(_add_param_ops(merged, partition, param_buffers), optimizer))
     routes.sort(key=lambda rt: (rt.stage, rt.sub, rt.mb))
-    bare = Schedule(name, placement.n_ranks, n_micro, partition, placement, (), tuple(routes), options)
+    bare = Schedule(name, assignment.n_ranks, n_micro, partition, assignment, (), tuple(routes), options)
     return bare.with_ops(lists)

@@ -9,7 +9,7 @@ stage after another.
 
 from __future__ import annotations
 
-from sysx.partition import Partition, coupled_placement, uniform_partition
+from sysx.partition import Partition, coupled_assignment, uniform_partition
 from sysx.schedule.common import afab_backwards, afab_forwards, check_counts, whole_stages
 from sysx.schedule.lower import lower
 from sysx.schedule.ops import Schedule
@@ -28,11 +28,11 @@ def build_mobius(
     if partition is None:
         partition = uniform_partition(n_stages if n_stages is not None else 2 * n_ranks)
     partition = whole_stages(partition, partition.n_stages, "mobius")
-    placement = coupled_placement(partition.n_stages, n_ranks)
+    assignment = coupled_assignment(partition.n_stages, n_ranks)
     orders = []
     for r in range(n_ranks):
-        stages = placement.fwd_stages(r)
+        stages = assignment.fwd_stages(r)
         orders.append(afab_forwards(stages, n_micro) + afab_backwards([(s, 0) for s in reversed(stages)], n_micro))
     return lower(
-        "mobius", partition, placement, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
+        "mobius", partition, assignment, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
     )

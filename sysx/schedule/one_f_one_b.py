@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sysx.partition import Partition, PartitionError, coupled_placement
+from sysx.partition import Partition, PartitionError, coupled_assignment
 from sysx.schedule.common import check_counts, whole_stages
 from sysx.schedule.lower import lower
 from sysx.schedule.ops import Op, OpKind, Schedule
@@ -28,8 +28,8 @@ def build_1f1b(n_ranks: int, n_micro: int, partition: Partition | None = None, *
             f"1f1b places one stage per rank: Nsf={partition.n_stages} stages for Ng={n_ranks} ranks; "
             f"use {n_ranks} stages, or schedule 'interleaved_1f1b' for several stages per rank"
         )
-    placement = coupled_placement(n_ranks, n_ranks)
+    assignment = coupled_assignment(n_ranks, n_ranks)
     orders = [one_f_one_b_order(r, r, n_ranks, n_micro) for r in range(n_ranks)]
     return lower(
-        "1f1b", partition, placement, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
+        "1f1b", partition, assignment, n_micro, orders, ckpt="local", optimizer="sync", param_buffers=param_buffers
     )

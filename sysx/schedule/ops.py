@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from sysx.partition import Partition, Placement, unit_label
+from sysx.partition import Partition, RankAssignment, unit_label
 
 
 class ScheduleError(ValueError):
@@ -225,7 +225,7 @@ class Schedule:
     """Per-rank op lists plus everything the runtime needs to execute them.
 
     ``ops[r]``: rank ``r``'s list. ``partition``: layer ranges of every stage / sub-stage.
-    ``placement``: ranks of forward stages and backward sub-stages. ``ckpt_plan``: one route
+    ``assignment``: ranks of forward stages and backward sub-stages. ``ckpt_plan``: one route
     per ``(stage, sub, mb)`` checkpoint. ``options``: how it was built (:class:`ScheduleOptions`).
     """
 
@@ -233,7 +233,7 @@ class Schedule:
     n_ranks: int
     n_micro: int
     partition: Partition
-    placement: Placement
+    assignment: RankAssignment
     ops: tuple[tuple[Op, ...], ...]
     ckpt_plan: tuple[CkptRoute, ...]
     options: ScheduleOptions

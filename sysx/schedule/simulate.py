@@ -110,7 +110,7 @@ def _peaks(mem: tuple[list[tuple[float, float]], ...]) -> tuple[float, list[floa
 
 def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple[list[float], list[float]]:
     """Host bytes per rank (owned sub-stages' optimizer state) and shared bytes per node."""
-    p, pl = schedule.partition, schedule.placement
+    p, pl = schedule.partition, schedule.assignment
     d = p.split
     host = [0.0] * schedule.n_ranks
     n_nodes = (schedule.n_ranks + gpus_per_node - 1) // gpus_per_node

@@ -21,7 +21,7 @@ CFG3  CFG2 + asynchronous CPU optimizer (each sub-stage steps as soon as its gra
 
 from __future__ import annotations
 
-from sysx.partition import Partition, PartitionError, sysx_placement, uniform_partition
+from sysx.partition import Partition, PartitionError, sysx_assignment, uniform_partition
 from sysx.schedule.common import afab_backwards, afab_forwards, check_counts
 from sysx.schedule.lower import lower
 from sysx.schedule.ops import Schedule
@@ -56,16 +56,16 @@ def build_sysx(
     if cfg == 0 and partition.split != 1:
         partition = partition.with_split(1)
     d = partition.split
-    placement = sysx_placement(partition.n_stages, d, n_ranks)
+    assignment = sysx_assignment(partition.n_stages, d, n_ranks)
     orders = []
     for r in range(n_ranks):
         orders.append(
-            afab_forwards(placement.fwd_stages(r), n_micro) + afab_backwards(placement.bwd_substages(r), n_micro)
+            afab_forwards(assignment.fwd_stages(r), n_micro) + afab_backwards(assignment.bwd_substages(r), n_micro)
         )
     return lower(
         "sysx",
         partition,
-        placement,
+        assignment,
         n_micro,
         orders,
         ckpt="async" if cfg >= 2 else "sync",

@@ -259,7 +259,7 @@ class PipelineTrainer(Trainer):
 
     def describe(self) -> str:
         """The plan of this run: schedule and options, partition, and which rank runs what."""
-        sch, place = self.schedule, self.schedule.placement
+        sch, place = self.schedule, self.schedule.assignment
         fwd = " | ".join(f"r{r}: " + ",".join(map(unit_label, place.fwd_stages(r))) for r in range(self.world))
         bwd = " | ".join(
             f"r{r}: " + ",".join(unit_label(s, k) for s, k in place.bwd_substages(r)) for r in range(self.world)

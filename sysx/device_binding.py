@@ -14,7 +14,7 @@ import torch
 from sysx.config.choices import EMULATED_DEVICE
 
 
-class PlacementError(ValueError):
+class DeviceBindingError(ValueError):
     """The launcher started more processes on a node than it has GPUs (or no GPU at all)."""
 
 
@@ -35,11 +35,11 @@ def backend_for(device: torch.device | str) -> str:
 
 def local_device(local_rank: int, local_world_size: int, device_count: int) -> int:
     """The GPU index of local rank ``local_rank`` among ``local_world_size`` processes on a node with
-    ``device_count`` GPUs; raises :class:`PlacementError` (one line) when they do not fit one per GPU."""
+    ``device_count`` GPUs; raises :class:`DeviceBindingError` (one line) when they do not fit one per GPU."""
     if device_count < 1:
-        raise PlacementError("CUDA reports no GPU on this node; use device=cpu")
+        raise DeviceBindingError("CUDA reports no GPU on this node; use device=cpu")
     if local_world_size > device_count or not 0 <= local_rank < device_count:
-        raise PlacementError(
+        raise DeviceBindingError(
             f"{max(local_world_size, local_rank + 1)} processes on this node but only {device_count} GPU(s): start at "
             f"most {device_count} per node (torchrun --nproc_per_node={device_count}, mpiexec -ppn {device_count}) "
             f"or use device=cpu"
