@@ -335,6 +335,13 @@ class RankAssignment:
         """Forward stages of ``rank``, ascending."""
         return [s for s, r in enumerate(self.fwd_rank) if r == rank]
 
+    def describe(self) -> list[str]:
+        """Two lines: the forward stages and the backward sub-stages (their owners) of every rank."""
+        ranks = range(self.n_ranks)
+        fwd = " | ".join(f"r{r}: " + ",".join(map(unit_label, self.fwd_stages(r))) for r in ranks)
+        bwd = " | ".join(f"r{r}: " + ",".join(unit_label(s, k) for s, k in self.bwd_substages(r)) for r in ranks)
+        return [f"forward stages   {fwd}", f"backward (owner) {bwd}"]
+
     def bwd_substages(self, rank: int) -> list[tuple[int, int]]:
         """Backward sub-stages of ``rank`` in execution order."""
         return [(s, k) for (s, k) in self.bwd_order if self.bwd_rank[s][k] == rank]

@@ -162,3 +162,9 @@ def test_next_sub_walks_the_backward_pipeline_and_unit_label_names_units() -> No
         chain.append(nxt)
     assert chain == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert unit_label(3) == "s3" and unit_label(5, 1) == "s5.1" and unit_label(2, -1) == "s2"
+
+
+def test_rank_assignment_describes_each_ranks_passes() -> None:
+    fwd, bwd = sysx_assignment(8, 2, 4).describe()
+    assert fwd == "forward stages   r0: s0,s4 | r1: s1,s5 | r2: s2,s6 | r3: s3,s7"
+    assert bwd.startswith("backward (owner) r0: s7.1,s5.1,s3.1,s1.1 | r1: s7.0,s5.0,s3.0,s1.0")

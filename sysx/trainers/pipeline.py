@@ -39,7 +39,6 @@ from sysx.emulate.device_model import device_model
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.optim.speculate import SpeculationPolicy
-from sysx.partition import unit_label
 from sysx.runtime.executor import ExecutionError, StepContext
 from sysx.runtime.optimizer import OptimSettings
 from sysx.runtime.optimizer_placement import place_optimizer
@@ -259,18 +258,13 @@ class PipelineTrainer(Trainer):
 
     def describe(self) -> str:
         """The plan of this run: schedule and options, partition, and which rank runs what."""
-        sch, place = self.schedule, self.schedule.assignment
-        fwd = " | ".join(f"r{r}: " + ",".join(map(unit_label, place.fwd_stages(r))) for r in range(self.world))
-        bwd = " | ".join(
-            f"r{r}: " + ",".join(unit_label(s, k) for s, k in place.bwd_substages(r)) for r in range(self.world)
-        )
+        sch = self.schedule
         lines = [
             f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
             f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.ckpt} | "
             f"optimizer {sch.options.optimizer} | job {self.job_id}",
             *("  " + line for line in sch.partition.describe().splitlines()),
-            f"  forward stages   {fwd}",
-            f"  backward (owner) {bwd}",
+            *("  " + line for line in sch.assignment.describe()),
             *self.device_model.describe(),
         ]
         return "\n".join(lines)
