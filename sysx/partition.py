@@ -1,18 +1,9 @@
 """Layers -> forward stages -> backward sub-stages -> ranks (pure data, no torch).
 
-A model is a flat list of layers ``[Embedding, Block x L, Head]`` with a cost per layer (forward
-FLOPs from :func:`sysx.model.layer_flops`, or any list of numbers). :func:`partition_layers`
-cuts it into ``n_stages`` contiguous forward stages whose costs are as even as possible (the
-largest stage as small as possible, then the spread as small as possible), and each forward stage
-into ``split`` contiguous backward sub-stages the same way. A manual cut is a list of layer counts.
-
-Placements map stages to ranks:
-
-- :func:`coupled_assignment`: forward stage ``s`` and its backward on rank ``s % n_ranks``
-  (GPipe, 1F1B, Megatron's interleaved chunks, Mobius);
-- :func:`sysx_assignment`: SysX's decoupled assignment (paper Fig. 8): forward stage ``s`` on rank
-  ``s % n_ranks``; backward sub-stages in execution order ``q = 0 .. n_stages*split - 1`` are
-  ``(s, k) = (n_stages-1 - q // split, split-1 - q % split)`` on rank ``q % n_ranks``.
+:func:`partition_layers` cuts a model's flat layer list into contiguous forward stages of even cost
+and each of them into ``split`` backward sub-stages (a :class:`Partition`; a manual cut is a list of
+layer counts). A :class:`RankAssignment` says which rank runs each: :func:`coupled_assignment` (the
+baselines) or :func:`sysx_assignment` (SysX's decoupled one).
 """
 
 from __future__ import annotations

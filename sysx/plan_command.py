@@ -1,22 +1,10 @@
 """``sysx plan``: build, validate and simulate a schedule; print the plan; draw the timeline.
 
-Unit-cost mode (the paper's figures; the default)::
-
     sysx plan --schedule sysx --ranks 4 --microbatches 4 --stages 8 --split 2 --t-opt 6 --png fig8.png
 
-Model mode (``--model PRESET``, or ``--hydra key=value ...``: the training job's Hydra config,
-composed from ``conf/`` with those overrides, gives the model, ``train.seq_len``,
-``train.micro_batch_size``, ``train.micro_batches`` and, when its ``schedule`` section has them,
-the schedule name, ``stages_per_rank``, ``split``, ``cfg`` and ``param_buffers``): the partition balances the
-model's per-layer FLOPs and the costs come from the hardware flags (achieved GPU FLOP/s, p2p /
-host<->GPU bandwidths, CPU Adam throughput). Flags given explicitly win over the config. With
-``device=emulated`` in the Hydra overrides, the plan is the one the emulated run is timed against
-(:func:`sysx.emulate.device_model.emulated_schedule`: the emulated preset on the emulated cluster).
-Without ``--stages`` / ``--split`` the layout is the one ``sysx-train`` runs
-(:func:`runtime_layouts`). ``--compare [LIST]`` simulates several schedules (``all``, ``ablation``
-or a comma list such as ``mobius,sysx:cfg0,sysx``) and draws them on one time axis. ``--json``
-prints one JSON object. ``--config FILE.yaml`` reads the same options (keys like the flags, ``-`` or ``_``,
-at the top level or under ``plan:``); flags override it.
+Unit costs by default (the paper's figures); ``--model PRESET`` or ``--hydra key=value ...`` plans a
+model with costs from the hardware flags, ``--compare [LIST]`` draws several schedules on one time
+axis, ``--json`` prints one JSON object and ``--config FILE.yaml`` reads the same options.
 """
 
 from __future__ import annotations

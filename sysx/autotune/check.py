@@ -1,18 +1,9 @@
 """Prediction checked against measurement, every run (ProTrain's cost-model error, issue 14 item 4).
 
-After the first steps a pipeline run (and ``schedule=single``, with its planner's prediction) compares what the simulator predicted for its schedule with
-what it measured: the iteration time, and the peak memory (the GPU's on CUDA; on CPU, where the
-"device" is host memory, the growth of the ranks' resident memory against the planner's host
-state + shared memory + device buffers). The prediction is :func:`~sysx.schedule.simulate.simulate`
-fed with the costs the run used: the tuned profile's (``schedule.tune=true``), the emulated
-device's table, a cached profile of this machine and shape, or the recorded window's own costs
-(the plan beside a timeline), in that order. ``summary.json`` gets::
-
-    "prediction": {"source": ..., "steps": [1, 3],
-                   "iteration_s": {"predicted": p, "measured": m, "error_pct": 100 * (m / p - 1)},
-                   "peak_gpu_bytes" | "peak_host_bytes": {...}}
-
-and the log one line, plus one warning line when an error exceeds :data:`WARN_PCT`.
+After the first steps a pipeline run (and ``schedule=single``) compares the iteration time and the
+peak memory that :func:`~sysx.schedule.simulate.simulate` predicted for its schedule, fed with the
+costs the run used, with what it measured; ``summary.json`` gets a ``"prediction"`` entry and the
+log one line, plus a warning line when an error exceeds :data:`WARN_PCT`.
 """
 
 from __future__ import annotations

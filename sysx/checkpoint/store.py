@@ -1,27 +1,9 @@
 """The checkpoint directory: where each checkpoint lives, how one is committed, which is the latest.
 
-::
-
-    <checkpoint.dir>/
-      latest                              "step-00000200"; replaced atomically, last
-      step-00000200/                      a complete checkpoint (it has manifest.json)
-        manifest.json                     format, step, model shape, every file's size and sha256
-        trainer.json                      step, loss scaler, RNG states, resolved config
-        layer-00000.safetensors           one file per flat layer: weights, Adam m and v, step count
-        ...
-      step-00000300.partial-<tag>/        being written; ignored by readers, removed at the next commit
-
-Files are keyed by *layer*, never by rank, so a checkpoint written by any schedule and rank count
-loads under any other (each owner reads the layers it owns).
-
-Saving, on every rank: :meth:`CheckpointDir.begin` names the partial folder (the same on every
-rank: ``tag`` is the job id plus a save counter), each rank writes its layer files and then a
-``rank-<r>.done.json`` record of what it wrote (:meth:`PendingCheckpoint.finish_rank`). Rank 0
-alone commits (:meth:`PendingCheckpoint.commit`): it waits for every rank's record (through the
-file system, so the commit can run on a background thread with no collective), writes the
-manifest, fsyncs, renames the folder to its final name, replaces ``latest`` and drops checkpoints
-beyond the newest ``keep``. A kill at any moment leaves either the previous ``latest`` or the new
-one, both complete.
+A checkpoint is a ``step-NNNNNNNN/`` folder (``manifest.json``, ``trainer.json``, one safetensors
+file per flat layer) and ``latest`` names the newest. Every rank writes its files into the same
+partial folder (:meth:`CheckpointDir.begin`, :meth:`PendingCheckpoint.finish_rank`) and rank 0
+commits it (:meth:`PendingCheckpoint.commit`), so a kill at any moment leaves a complete ``latest``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Pacing: how the runtime takes modelled time on an emulated device.
 
 :class:`Pacer` is what a real device gets: its hooks return at once and change nothing.
-:class:`EmulatedPacer` follows the simulator's op semantics (:mod:`sysx.schedule.simulate`), with
-the durations of the plan's :class:`~sysx.schedule.costs.CostTable`, multiplied by the time scale:
-
-* the host thread is the rank's cursor, its compute stream: FORWARD/BACKWARD run their real small
-  computation, then the host sleeps until the modelled end ``max(cursor, events waited for) +
-  duration`` (an H2D copy the slot view waits on, a received message); a synchronous OPTIM_STEP
-  likewise, from the end of its sub-stage's offload;
-* LOAD_PARAMS / OFFLOAD_GRADS charge their duration to the H2D / D2H :class:`EmulatedStream`,
-  ordered by the same events as on CUDA (a slot's release, the compute stream's work so far); the
-  host does not wait for them;
-* every message carries its modelled post time (a float64 beside the payload) and the receiver
-  sends back its own, so both sides know the transfer starts once both have posted and lasts the
-  table's transfer time: a receive or WAIT_CKPT holds the receiver's cursor until arrival, a
-  posted send only delays VALIDATE, and a blocking send (:meth:`sysx.runtime.p2p.P2P.send`)
-  holds the sender's until the end of the transfer (rendezvous, as gloo and NCCL sends do);
-* an asynchronous OPTIM_STEP takes its duration on the worker thread that runs it, from
-  ``max(submitted, offload done, that worker's previous job)``; so do the validation's jobs: a
-  validate-first step, an undo (:data:`~sysx.emulate.costs.UNDO_STEPS` steps' time) and a
-  clipping re-step (an undo and a step);
-* VALIDATE first waits for the copies and sends, then its real all-reduce ends the barrier;
-  units placed on the device lane (``optim.placement``) then take their copies in, steps and
-  copies out on the H2D, compute and D2H streams (:meth:`EmulatedPacer.device_optimizer`).
-
-Real work that ends after its modelled end makes the host lag its cursor; the modelled times stay
-(as a GPU's queue hides a slow host while it has work), the real barriers (VALIDATE, the step's
-end) bring the cursor back to the clock, and the largest lag of each step is kept with every op's
-ratio real part / modelled duration (:mod:`sysx.emulate.report`).
+:class:`EmulatedPacer` makes every op of the real runtime take the duration of the plan's
+:class:`~sysx.schedule.costs.CostTable` (multiplied by the time scale), with the op semantics of
+:mod:`sysx.schedule.simulate`, and keeps each step's largest lag and every op's ratio of real to
+modelled time for :mod:`sysx.emulate.report`.
 """
 
 from __future__ import annotations

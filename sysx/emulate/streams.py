@@ -1,18 +1,10 @@
 """Emulated CUDA streams and events: work on a stream has a modelled start and end on the host's
 monotonic clock (shared by every process of the machine).
 
-Work of ``D`` seconds issued on a stream starts at ``max(issue time, the stream's end so far, the
-events it was told to wait for)`` and ends ``D`` later; an event recorded on a stream completes
-when the work issued on it so far ends. That is all that orders CUDA work as the host sees it, so
-no thread runs the streams: the real (small) copies happen at once on the issuing thread and only
-their completion times are modelled. A host thread that synchronizes sleeps until the modelled
-time; ``query`` compares it with the clock. Durations here are wall seconds (the pacer has already
-multiplied them by the time scale).
-
-Same interface as :class:`sysx.device.Stream` / :class:`sysx.device.Event` (and the same CUDA
-rule: waiting on an event never recorded does not wait), plus :meth:`EmulatedStream.charge` /
-:meth:`EmulatedStream.charge_next` to give issued work its duration and
-:meth:`EmulatedEvent.timestamp`, the modelled completion time.
+Same interface as :class:`sysx.device.Stream` / :class:`sysx.device.Event`, plus
+:meth:`EmulatedStream.charge` / :meth:`EmulatedStream.charge_next` to give issued work its duration
+and :meth:`EmulatedEvent.timestamp`, the modelled completion time. No thread runs the streams: the
+real (small) copies happen at once on the issuing thread, only their completion times are modelled.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Host memory budgets, checked before anything is allocated.
 
-Per node, sysx needs (formulas used by :func:`plan_host_memory`, N = parameters of a sub-stage):
-
-* shared memory (``/dev/shm``): the 16-bit working copy of every sub-stage owned on the node and
-  of every mirrored remote stage, as segments of ``header page + sum of per-dtype sections``;
-* host RAM beyond that, per owned sub-stage: fp32 master weights ``4N`` (none when the working
-  copy is already fp32: it is the master), Adam ``m`` and ``v`` ``8N``, fp32 gradients ``4N``
-  (:func:`training_state_bytes`, which the sliding window's planner and ``sysx plan`` count with too),
-  plus what ``optim.rollback`` keeps: ``12N`` for ``snapshot`` and ``exact`` (a second ``p, m, v``;
-  ``exact`` with an fp32 working copy also steps a private master, ``4N`` more);
-* pinned staging buffers (given in bytes).
-
-Shared memory lives in RAM too, so the RAM and cgroup checks compare the *total* with what is
-available. A shortage raises :class:`HostMemoryError` naming needed vs available and the fix.
+:func:`plan_host_memory` sizes what a node needs in shared memory (``/dev/shm``), in private RAM
+(master weights, Adam states, gradients and ``optim.rollback``'s buffers: :func:`training_state_bytes`)
+and in pinned staging; :meth:`HostMemoryPlan.check` compares it with the host (``/dev/shm``, RAM,
+cgroup) and a shortage raises :class:`HostMemoryError` naming needed vs available and the fix.
 """
 
 from __future__ import annotations

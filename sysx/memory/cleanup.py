@@ -1,19 +1,9 @@
 """Segments are unlinked on every exit path, and the ones nobody cleaned up are found.
 
-Exit paths of a process that owns segments:
-
-* ``close()`` / ``with``: the owner waits for attachers to detach, then unlinks (segment.py);
-* normal end and uncaught exceptions, including Ctrl-C (KeyboardInterrupt): ``atexit`` (and, in
-  a forked ``multiprocessing`` child, which leaves through ``os._exit``, a multiprocessing finalizer);
-* SIGTERM / SIGHUP: a handler releases the segments, then chains to the previous handler (or, if
-  that was the default action, re-raises the signal with the default action so the exit status
-  still says "killed by SIGTERM"); ignored signals stay ignored;
-* SIGKILL or death inside C code: the guardian process (guardian.py) unlinks after the fact;
-* everything else (the whole process group SIGKILLed, a power cut): the segment is *stale* - its
-  creator (pid + start time) is gone and no process holds its lock - and is removed by
-  :func:`sweep_stale` at the next start, or by ``sysx shm clean``.
-
-Forked children inherit nothing: they never unlink their parent's segments.
+:func:`install` hooks the release of a process's owned segments into ``atexit``, a multiprocessing
+finalizer and SIGTERM / SIGHUP; :func:`scan` / :func:`sweep_stale` find and remove *stale* segments
+(creator gone, lock free) at the next start or through ``sysx shm clean``. Forked children inherit
+nothing: they never unlink their parent's segments.
 """
 
 from __future__ import annotations

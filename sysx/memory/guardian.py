@@ -1,16 +1,8 @@
 """A tiny watcher process that unlinks a process's owned segments if that process dies abruptly.
 
-SIGKILL (the OOM killer, a launcher escalating after SIGTERM, a rank stuck in a C call when the
-SIGTERM came) runs no Python code, so neither atexit nor signal handlers can clean up. The
-guardian (``_watchdog.py``) is a stdlib-only ``python -I -S`` child in its own session (Ctrl-C in
-the terminal does not reach it) that reads ``+ name inode`` / ``- name`` lines on a pipe. The
-parent holds the only
-write end, so the guardian sees end-of-file exactly when the parent is gone, however it died. It
-then unlinks each segment still listed, but only if the name still points at the same inode and
-the header's creator is the dead parent (a restarted job may already have reused the name).
-
-This is not Python's multiprocessing resource tracker: attachers never register, and nothing is
-unlinked while its creator lives. Disable with ``SYSX_SHM_GUARDIAN=0``.
+SIGKILL runs no Python code, so neither atexit nor signal handlers can clean up; the guardian
+(``_watchdog.py``) is a child that notices when its parent is gone and unlinks the segments the
+parent still owned. Disable with ``SYSX_SHM_GUARDIAN=0``.
 """
 
 from __future__ import annotations

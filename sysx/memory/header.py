@@ -1,14 +1,5 @@
 """The header page of a sysx shared-memory segment: its byte layout, encoding and decoding.
 
-Header (little-endian, offset 0)::
-
-    magic 8s "SYSXSHM\\0" | layout_version u32 | header_bytes u32 | state u32 | meta_len u32
-    creator_pid i64 | creator_start u64 (ticks since boot) | data_bytes u64 | created_unix f64
-    meta: meta_len bytes of JSON (the store's per-dtype sections, role, ...)
-
-``state`` is CREATING until the owner has reserved the memory and written the header, then READY;
-the owner sets CLOSING before it unlinks, so a late attacher gets a clear error.
-
 Mapping a segment (segment.py), sizing one (budget.py) and inspecting one without mapping it
 (cleanup.py) all read this layout, so it lives here, below all three.
 """

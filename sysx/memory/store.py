@@ -1,16 +1,9 @@
 """SharedParamStore: the 16-bit working parameters of each sub-stage in POSIX shared memory.
 
-In SysX the forward and the backward of a stage run in different processes, so each node keeps
-one copy of a sub-stage's parameters that every local process maps (paper §4 "Offloading"). The
-process that owns a sub-stage (runs its backward and optimizer) creates its segment at the exact
-size; processes that run its forward attach. A segment holds one flat, contiguous tensor per dtype
-(``torch.frombuffer`` over the mapping: zero copies; contiguity matters because DeepSpeed's CPU
-Adam silently updates a temporary copy of a non-contiguous tensor).
-
-Multi-node: a node holds *owned* segments (sub-stages whose optimizer runs on one of its ranks)
-and *mirror* segments (remote-owned stages its ranks run forward). After an optimizer step the
-owner pushes the new parameters to the mirrors through a transport callable supplied by the
-runtime (:meth:`SharedParamStore.push_to_mirrors`).
+The process that owns a sub-stage creates its segment at the exact size; every local process that
+runs its forward attaches and maps it (one flat tensor per dtype, zero copies). On several nodes a
+node also holds *mirror* segments of remote-owned stages, which the owners refresh after every step
+(:meth:`SharedParamStore.push_to_mirrors`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Device-side buffers of one rank: parameter slots (current + prefetch) and gradient buffers.
 
-Streams (CUDA; on CPU the facade's streams and events are no-ops and every copy is done when it
-returns, so the same code runs):
-
-* **H2D** (:meth:`ParamSlots.load`): a unit's parameters are copied from the shared store into a
-  free slot on the H2D stream, after that slot's previous user is done (the event recorded by
-  :meth:`ParamSlots.free` on the compute stream), and an event marks the copy done; the compute
-  stream waits for it in :meth:`ParamSlots.view` right before the first op that uses the unit.
-  So the next unit loads while the current one computes, and a slot is overwritten only after its
-  consumer has finished.
-* **D2H** (:meth:`GradBuffers.offload`): after a sub-stage's last backward, its accumulated
-  gradients are copied to a host buffer on the D2H stream after the compute stream's work so far;
-  the returned event is what the CPU optimizer thread waits for. The device buffer goes back to
-  the pool and is reused only once that copy is done; until then a new sub-stage gets a new
-  buffer rather than waiting (as the plan's memory model counts it: until the offload ends).
-
-Slots are flat buffers of the largest unit this rank loads; a unit's layers are a contiguous
-range of the slot, so a backward sub-stage can also run from a loaded whole stage.
+:class:`ParamSlots` copies the next unit's parameters from the shared store on the H2D stream while
+the compute stream works on the current one; :class:`GradBuffers` copies a sub-stage's gradients
+to the host on the D2H stream for the CPU optimizer. On CPU the facade's streams and events are
+no-ops and every copy is done when it returns, so the same code runs.
 """
 
 from __future__ import annotations

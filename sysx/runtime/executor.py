@@ -1,33 +1,10 @@
 """The one interpreter of a rank's op list: a dispatch table from :class:`OpKind` to a handler.
 
-Every schedule (gpipe, 1f1b, interleaved_1f1b, mobius, sysx and its ablations) and the
-forward-only evaluation program (:func:`sysx.schedule.evaluation_schedule`) run through
-:meth:`Executor.run`; the op semantics are those of :mod:`sysx.schedule.ops`. An op kind without
-a handler is an error, and any failure is re-raised as :class:`ExecutionError`: its first line
-names the rank, the step, the op's index and the op, the lines after it show the ops around it
-in the rank's list (a :class:`~sysx.dist.PeerTimeout` or :class:`~sysx.runtime.p2p.TransferMismatch`
-passes unchanged: it already names the rank, the step, the op and the peer).
-
-What lives between ops (all keyed by stage / sub-stage / micro-batch, and all empty again at
-VALIDATE, which checks it):
-
-* ``acts[(s, j)]``: output of forward stage ``s`` (produced here or received), consumed by the
-  forward of ``s + 1`` or by ``SEND_ACT``;
-* ``ckpts[(s, k, j)]``: checkpoint of sub-stage ``(s, k)`` = input of its first layer, kept by
-  the forward (or received), consumed by the backward of ``(s, k)`` or by ``SEND_CKPT``;
-* ``igrads[(s, k, j)]``: gradient w.r.t. the input of ``(s, k)``, produced by its backward (or
-  received), consumed by the backward of the previous sub-stage or by ``SEND_GRAD``;
-* ``inflight[(s, k, j)]``: posted asynchronous checkpoint receives, completed by ``WAIT_CKPT``;
-* ``sends``: posted sends whose buffers must live until they complete (reaped after every op, all
-  waited for at ``VALIDATE`` and by :meth:`Executor.wait_sends`). Every send is posted (an
-  ``isend``): a blocking send would hold this rank until the receiver reaches its receive
-  (gloo and NCCL sends are rendezvous); the plan's ``posted_sends`` semantics.
-
-Forward runs under ``torch.no_grad()``. Backward recomputes its sub-stage from the checkpoint
-with the input requiring grad (plain autograd on a fresh graph: no reentrant checkpointing),
-backpropagates the received output gradient (or ``loss / n_micro * scale`` for the sub-stage
-holding the Head), accumulates parameter gradients into the sub-stage's flat gradient buffer
-(``FlatLayout.bind_grads``) and keeps the input gradient for the previous sub-stage.
+Every schedule (gpipe, 1f1b, interleaved_1f1b, mobius, sysx and its ablations) and the forward-only
+evaluation program (:func:`sysx.schedule.evaluation_schedule`) run through :meth:`Executor.run`,
+with the op semantics of :mod:`sysx.schedule.ops`. A failure is re-raised as
+:class:`ExecutionError`, naming the rank, the step and the op and showing the ops around it (a
+peer timeout or a transfer mismatch passes unchanged: it already names them).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The CPU-optimizer side of one rank: OFFLOAD_GRADS targets, OPTIM_STEP and VALIDATE.
 
-One :class:`sysx.optim.StageOptimizer` per backward sub-stage this rank owns (its master weights:
-the shared fp32 copy itself with ``precision=fp32``, a private fp32 copy otherwise, whose new
-values are written into the shared 16-bit copy after every change), run by
-:class:`sysx.optim.OptimizerThreads`. Host gradient buffers are page-locked on CUDA so the D2H
-copy is asynchronous; with fp32 they are the optimizer's own fp32 gradient buffers (no extra copy).
-
-* asynchronous (SysX, CFG3): ``OPTIM_STEP`` hands the sub-stage to the rank's
-  :class:`sysx.optim.step_protocol.StepProtocol` (a worker waits for the offload event, unscales,
-  checks, and steps at once when the step speculates, ``optim.speculate``); ``VALIDATE`` waits for
-  the workers, lets the protocol decide (post-step validation with one all-reduce, rollback or
-  clipping re-step; or validate first, then every sub-stage's step on the workers; the device
-  lane's sub-stages, ``optim.placement`` and :mod:`sysx.runtime.lanes`, step on the device beside
-  them) and waits for every (re-)step before the rank's next step; the ``optim.rollback=exact``
-  spare refresh it then queues runs, unwaited, during the next forward;
-* synchronous (baselines): ``VALIDATE`` loads and checks every offloaded sub-stage, all-reduces
-  the overflow count and squared norms and decides (:func:`sysx.optim.validation.load_and_check`,
-  the check part of :func:`sysx.optim.sync_step`); each ``OPTIM_STEP`` op then steps its own
-  sub-stage (:func:`sysx.optim.validation.apply_checked`, the apply part).
+One :class:`sysx.optim.StageOptimizer` per backward sub-stage this rank owns, run by
+:class:`sysx.optim.OptimizerThreads`. Asynchronous schedules (SysX) hand each sub-stage to the
+rank's :class:`sysx.optim.step_protocol.StepProtocol` at OPTIM_STEP and decide at VALIDATE;
+synchronous ones (the baselines) load and check at VALIDATE and step at each OPTIM_STEP.
 """
 
 from __future__ import annotations

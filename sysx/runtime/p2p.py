@@ -1,25 +1,9 @@
 """Point-to-point transfers between pipeline ranks: activations, input gradients, checkpoints.
 
-Every transfer has a :class:`TransferSpec` computed from the plan (message kind, stage,
-sub-stage, micro-batch, shape, dtype), identically on both ranks. The sender checks its tensor against the
-spec before it sends; the receiver allocates exactly the planned buffer. With ``verify`` a small
-int64 header (message kind, stage, sub, micro-batch, dtype, shape) travels before each payload and the
-receiver compares it with its own spec, so a plan disagreement between ranks is an error naming
-the stage, the micro-batch and the tensor on both sides instead of garbage or a hang.
-
-Synchronous operations are ``isend``/``irecv`` followed by a wait. On gloo (and wherever the host
-must have the data: WAIT_CKPT, VALIDATE) that wait is :func:`sysx.dist.wait_for`, so every wait on
-a peer is bounded and a stuck or dead peer becomes a :class:`sysx.dist.PeerTimeout` naming this
-rank, the op and the peer. On NCCL a synchronous send or receive only orders the compute stream
-after the transfer (``Work.wait()`` without a timeout): a timed wait would block the host until the
-kernel ends, and the host could never run ahead of the GPU. A stuck transfer then surfaces at the
-next host wait, well before NCCL's own watchdog (:func:`sysx.dist.process_group_timeout_s`).
-Asynchronous operations return a :class:`Pending` whose buffers stay referenced until
-:meth:`P2P.wait` (a send buffer must live until its ``isend`` completes).
-
-Checkpoint messages may travel on their own process group (``ckpt_group``): on NCCL one
-communicator runs its operations in order, and a checkpoint in flight would hold back the
-activation and gradient messages between the same two ranks.
+Both ranks compute every transfer's :class:`TransferSpec` from the plan, and a disagreement is an
+error (:class:`TransferMismatch`, optionally checked on the wire with ``verify``) rather than
+garbage or a hang; a stuck or dead peer becomes a :class:`sysx.dist.PeerTimeout`. Asynchronous
+operations return a :class:`Pending`, completed by :meth:`P2P.wait`.
 """
 
 from __future__ import annotations

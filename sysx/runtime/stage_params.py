@@ -1,29 +1,10 @@
 """Who owns which sub-stage's parameters, and where every rank finds them (paper §4 "Offloading").
 
-Ownership follows the schedule's placement: the rank that runs backward sub-stage ``(s, k)``
-owns it. The owner
-
-* creates the sub-stage's shared-memory segment on its node (``SharedParamStore.create``) with the
-  16-bit working copy of the parameters (fp32 when ``precision=fp32``) and fills it with the
-  model's deterministic initial values (:func:`sysx.model.build_layers`, per-layer seeds);
-* holds the fp32 master weights, Adam's ``m``/``v`` and the fp32 gradients on the host (with
-  fp32 the shared copy *is* the master: one copy, updated in place by the CPU optimizer);
-* after each step, pushes the new parameters to the mirror segment on the node of the rank that
-  runs forward stage ``s``, when that node is another one (multi-node; :meth:`StageParams.push_mirrors`).
-
-A rank that runs forward stage ``s`` needs every sub-stage ``(s, 0..d-1)``: it attaches the
-segments owned on its own node and creates (and receives into) mirrors of those owned elsewhere.
-A forward stage's flat parameters are the concatenation of its sub-stages' flat parameters (the
-sub-stages are contiguous layer ranges), so loading a stage is ``d`` host->device copies.
-
-Lifecycle: the first local rank of each node checks the node's host-memory plan
-(:func:`sysx.memory.plan_host_memory`: shared segments, masters, Adam states, gradients, the
-``optim.rollback`` buffers) against free ``/dev/shm`` and RAM before anything is allocated, and
-resolves ``optim.rollback=auto`` (:func:`sysx.optim.rollback_choice.choose_rollback`; ``exact``
-only when every node can hold it, agreed by one all-reduce: :attr:`StageParams.rollback`); then every rank creates its owned segments, then (barrier) attaches/creates the rest, then
-the owners push the initial values to the mirrors (barrier). :meth:`StageParams.close` drops
-every tensor view and closes the store (the creator unlinks once the attachers are gone); on any
-other exit path the store's atexit/signal hooks and the guardian process unlink.
+The rank that runs backward sub-stage ``(s, k)`` in the schedule's
+:class:`~sysx.partition.RankAssignment` owns it: it creates the sub-stage's shared-memory segment
+and holds its optimizer state. A rank that runs forward stage ``s`` attaches the segments of its
+node and mirrors those owned on other nodes. :class:`StageParams` checks the node's host memory,
+builds the segments, pushes to mirrors and closes them.
 """
 
 from __future__ import annotations

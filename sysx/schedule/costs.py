@@ -1,23 +1,8 @@
 """Costs for :func:`sysx.schedule.simulate.simulate`: unit costs (the paper's figures) and
 physical costs (per-layer times, bandwidths, CPU optimizer throughput, memory sizes).
 
-Both resolve, for one schedule, into a :class:`CostTable` of per-stage / per-sub-stage numbers,
-which is all the simulator reads.
-
-Memory model (bytes, per micro-batch where it says so):
-
-- GPU parameter buffer of a unit: ``param_bytes`` x its parameters, from its LOAD to its FREE;
-- gradient buffer of a backward sub-stage: ``grad_bytes`` x its parameters, from its first
-  backward to the end of its OFFLOAD_GRADS;
-- checkpoint of ``(s, k)`` (input of its first layer, per micro-batch): on the producer from the
-  end of the forward until the consumer's backward ends (local) or its send completes; on the
-  consumer from the receive (post) until the backward ends;
-- working memory: a forward keeps the largest layer's activations of its stage while it runs, a
-  backward all the activations of its sub-stage (recomputed from the checkpoint).
-
-Host memory of the owner of a backward sub-stage: ``host_bytes_per_param`` (fp32 master, Adam m
-and v, fp32 gradients: 16, :func:`sysx.memory.budget.training_state_bytes`) x its parameters. Shared memory of a node: ``param_bytes`` x the
-parameters of the sub-stages owned on the node plus the forward stages its ranks run.
+Both resolve, for one schedule, into a :class:`CostTable` of per-stage / per-sub-stage numbers
+(durations and the sizes of the memory model), which is all the simulator reads.
 """
 
 from __future__ import annotations

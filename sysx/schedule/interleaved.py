@@ -1,15 +1,8 @@
 """Megatron's interleaved 1F1B (Narayanan et al. 2021) with ``v`` model chunks per rank, offloaded.
 
-Rank ``r``'s chunk ``c`` is stage ``c * Ng + r``. The order follows megatron-core's
-``forward_backward_pipelining_with_interleaving``: micro-batches go through the chunks in
-groups of ``g`` (its ``microbatch_group_size_per_vp_stage``; the last group takes what is left);
-rank ``r`` runs ``min(2 (Ng - r - 1) + (v - 1) g, v Nm)`` warm-up forwards, then one forward and
-one backward at a time, then the remaining backwards; backwards visit the chunks in reverse.
-Megatron requires ``Ng <= g <= Nm`` and a last group of 0 or at least ``Ng`` micro-batches
-(otherwise the order deadlocks); :func:`group_size` picks the smallest such ``g`` (``Ng`` when
-``Nm % Ng == 0``, Megatron's default) and ``g = Nm`` when ``Nm < Ng``, which Megatron refuses
-and which runs here as one group.
-Every chunk switch needs its parameters: LOAD_PARAMS/FREE ops move them with ``param_buffers``
+Rank ``r``'s chunk ``c`` is stage ``c * Ng + r``; the order follows megatron-core's
+``forward_backward_pipelining_with_interleaving``, with micro-batch groups of :func:`group_size`.
+Every chunk switch loads its parameters: LOAD_PARAMS/FREE ops move them through ``param_buffers``
 GPU buffers (current + prefetch by default).
 """
 

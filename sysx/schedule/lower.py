@@ -1,28 +1,9 @@
 """Turn per-rank compute orders (FORWARD/BACKWARD only) into complete op lists.
 
-Every builder only decides, per rank, in which order its forward and backward passes run. This
-module adds everything else, the same way for every schedule:
-
-1. A logical timeline: the compute orders are executed with forward = ``d`` and backward
-   sub-stage = ``2`` time units (a stage's backward is twice its forward) and free communication.
-   An order that cannot run (a rank waits for a pass that comes later in its own list, or two
-   ranks wait for each other) is an error naming the stuck passes.
-2. Messages: an activation, input gradient or checkpoint crossing ranks gets a send/recv pair.
-   Each message has one global key: the logical time its data becomes ready (activations and
-   gradients: the end of the producing pass; async checkpoints: the end of the forward, on both
-   ranks, as in the paper's checkpoint communication schedule; sync checkpoints: the start of
-   the consuming backward), then a fixed tie-break. Both ranks place the message at that key,
-   so every rank posts its sends and receives in one global order: no cycle of blocking
-   sends/receives can form, and every pair of ranks posts its messages in the same order (NCCL
-   matches point-to-point messages of a pair in posting order, without tags).
-3. Parameter buffers: with ``param_buffers`` GPU buffers per rank, a unit (forward stage or
-   backward sub-stage) is loaded as soon as a buffer is free, the buffer of a unit not needed
-   any more is freed right after its last use, and when all buffers hold units needed later the
-   one needed last is evicted first (Belady), so the next unit is prefetched while the current
-   one computes.
-4. Gradients: ``OFFLOAD_GRADS`` right after a sub-stage's last backward; the asynchronous
-   optimizer posts its ``OPTIM_STEP`` right after; ``VALIDATE`` ends every list and the
-   synchronous optimizer steps the rank's sub-stages after it.
+Every builder only decides, per rank, in which order its forward and backward passes run; this
+module adds everything else, the same way for every schedule: send/recv pairs in one global order
+(no deadlock), parameter loads and frees over ``param_buffers`` GPU buffers, gradient offloads,
+optimizer steps and VALIDATE. An order that cannot run is an error naming the stuck passes.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Schedules as data: the :class:`Op` instruction, the checkpoint route and the :class:`Schedule`.
 
 A schedule is, for every rank, an ordered list of ops; the runtime interprets each rank's list
-unchanged, in order, and ``validate`` / ``simulate`` read the very same lists.
-
-Op semantics (what the interpreter does; ``s`` stage, ``k`` sub-stage, ``j`` micro-batch):
-
-- ``LOAD_PARAMS s`` / ``LOAD_PARAMS s.k``: start the host->GPU copy of the parameters of forward
-  stage ``s`` (``sub == -1``) or backward sub-stage ``(s, k)`` into a free stage buffer, on the
-  H2D stream, without waiting. A FORWARD/BACKWARD whose layers lie in a loaded unit waits for
-  that copy (an event) before it computes. ``FREE`` returns the buffer once the compute stream
-  is done with it.
-- ``FORWARD s j``: forward of stage ``s`` on micro-batch ``j`` without autograd; keeps the
-  checkpoints of the sub-stages of ``s`` that this rank's ``BACKWARD`` needs or that a later
-  ``SEND_CKPT`` sends (checkpoint of ``(s, k)`` = input of its first layer).
-- ``BACKWARD s.k j``: recompute sub-stage ``(s, k)`` from its checkpoint, backpropagate the
-  output gradient (the loss for the model's last sub-stage), accumulate parameter gradients.
-- ``SEND_ACT s j -> p`` / ``RECV_ACT s j <- p``: the output of forward stage ``s`` (input of
-  ``s + 1``); synchronous. ``SEND_GRAD s.k j`` / ``RECV_GRAD s.k j``: the gradient w.r.t. the
-  input of sub-stage ``(s, k)`` (the output gradient of the previous sub-stage); synchronous.
-- ``SEND_CKPT s.k j`` / ``RECV_CKPT s.k j``: the checkpoint of ``(s, k)``. ``is_async``: post
-  ``isend`` / ``irecv`` and go on; a ``WAIT_CKPT s.k j`` on the receiver waits for the handle
-  right before the backward needs it. The sender keeps the buffer until its handle completes
-  (poll it; wait for all of them at ``VALIDATE``). Synchronous when not ``is_async``.
-- ``OFFLOAD_GRADS s.k``: after the last micro-batch of ``(s, k)``: copy the accumulated
-  gradients GPU->host on the D2H stream (record an event); the gradient buffer is freed then.
-- ``OPTIM_STEP s.k``: CPU optimizer step of ``(s, k)``. ``is_async``: hand it to the sub-stage's
-  CPU thread, which waits for the offload event, checks for inf/nan and steps at once (SysX).
-  Synchronous: step now, after ``VALIDATE`` (baselines).
-- ``VALIDATE``: wait for this rank's offloads, async sends and optimizer threads, then one
-  all-reduce over all ranks of the overflow flags (and squared gradient norms); async
-  optimizers roll back when any rank overflowed.
-
+unchanged, in order, and ``validate`` / ``simulate`` read the very same lists. Op kinds, in short:
+LOAD_PARAMS / FREE (a unit's parameters into / out of a GPU buffer), FORWARD, BACKWARD (one
+sub-stage, recomputed from its checkpoint), SEND/RECV of activations, gradients and checkpoints
+(WAIT_CKPT for a posted one), OFFLOAD_GRADS, OPTIM_STEP and VALIDATE (one all-reduce).
 Ops are hashable frozen dataclasses whose ``str`` reads like ``F s3 mb2`` or ``B s5.1 mb0``.
 """
 

@@ -1,28 +1,9 @@
 """Execute a schedule's op lists on a model of the machine: timeline, bubble ratio, memory.
 
-Every rank runs its list in order on one cursor (its compute stream). An op starts when the
-cursor reaches it and its inputs are ready:
-
-- FORWARD/BACKWARD occupy the GPU for their cost; they wait for their unit's LOAD_PARAMS.
-- LOAD_PARAMS (H2D stream) and OFFLOAD_GRADS (D2H stream) run in list order on their own
-  copy stream, each starting when the cursor reaches it and the stream is free; they do not
-  hold the cursor.
-- synchronous SEND_*/RECV_*: the receiver waits for the data. A send costs its transfer time on
-  the sender; with ``rendezvous`` it also waits until the receiver has posted its receive
-  (NCCL/gloo blocking semantics), otherwise it is eager (buffered). With ``posted_sends`` (the
-  runtime's: every send is an isend) a send costs the sender nothing and the transfer runs once
-  the receive is posted too, like an asynchronous message.
-- asynchronous SEND_CKPT/RECV_CKPT: posting costs nothing; the transfer starts once both sides
-  have posted; WAIT_CKPT holds the receiver's cursor until the data has arrived.
-- OPTIM_STEP async: on one of ``optim_workers`` CPU workers of the rank (unlimited when None),
-  from the end of the sub-stage's offload. OPTIM_STEP sync: holds the cursor.
-- VALIDATE: a barrier over all ranks once each rank's offloads, async sends and optimizer steps
-  are done, plus the all-reduce latency.
-
-The iteration ends when the last op anywhere ends; bubble ratio = 1 - busy GPU time / iteration
-(per rank; overall: mean busy over ranks). With :class:`~sysx.schedule.costs.UnitCosts` this is
-exactly the unit-cost model of the issue/paper. The engine that executes the lists is
-:mod:`sysx.schedule.engine`; this module turns its output into a :class:`Timeline`.
+Every rank runs its list in order on one cursor (its compute stream), with copy streams, messages,
+CPU optimizer workers and the VALIDATE barrier modelled beside it; the engine that executes the
+lists is :mod:`sysx.schedule.engine`, and this module turns its output into a :class:`Timeline`.
+With :class:`~sysx.schedule.costs.UnitCosts` this is the unit-cost model of the paper.
 """
 
 from __future__ import annotations

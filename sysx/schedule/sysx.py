@@ -1,22 +1,10 @@
 """SysX (paper §3, Fig. 8): decoupled pass assignment, fine-grained backward sub-stages,
 asynchronous checkpoint communication and an asynchronous per-sub-stage CPU optimizer.
 
-Forward stage ``s`` runs on rank ``s % Ng``; backward sub-stages in execution order
-``q = 0 .. Nsf*d - 1`` are ``(s, k) = (Nsf-1 - q//d, d-1 - q%d)`` on rank ``q % Ng``, so the
-backward pipeline continues around the ring and starts without a bubble. Each rank runs its
-forward stages ascending and then its backward sub-stages in ``q`` order, all micro-batches of
-each in turn.
-
-The ablations of the paper's Table 3 are switches (``cfg``):
-
-====  ==================================================================================
-CFG0  decoupled pass assignment only: ``d = 1``, checkpoints sent synchronously right
-      before the backward that needs them, synchronous CPU optimizer after VALIDATE
-CFG1  CFG0 + fine-grained backward sub-stages (``d`` from the partition)
-CFG2  CFG1 + asynchronous checkpoint communication (isend/irecv posted when produced)
-CFG3  CFG2 + asynchronous CPU optimizer (each sub-stage steps as soon as its gradients are
-      offloaded; VALIDATE afterwards) — full SysX, the default
-====  ==================================================================================
+Each rank runs its forward stages ascending, then its backward sub-stages in execution order, all
+micro-batches of each in turn (:func:`sysx.partition.sysx_assignment`). The ablations of the paper's
+Table 3 are switches (``cfg``): CFG0 decoupled assignment only, CFG1 + sub-stages, CFG2 +
+asynchronous checkpoints, CFG3 + asynchronous CPU optimizer (full SysX, the default).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Prove a schedule executable before any process starts: :func:`validate`.
 
-Checks, each error naming the rank, the op index, the op and what is missing:
-
-1. every op's stage / sub-stage / micro-batch / peer is in range;
-2. every forward ``(stage, mb)`` and every backward ``(stage, sub, mb)`` runs exactly once (a
-   forward-only evaluation program: every forward, and nothing of training);
-3. every send has exactly one matching receive on its peer (same message, same sync/async
-   mode) and vice versa, and each pair of ranks posts its messages in the same order (NCCL
-   matches a pair's point-to-point messages in posting order, without tags);
-4. dependencies on each rank: a forward's input was computed here or received before; a
-   backward's checkpoint was produced here or received (and waited for, when asynchronous) and
-   its output gradient computed here or received; a send follows the pass that produces its
-   data; the parameters of every pass are loaded and not freed; OFFLOAD_GRADS follows all
-   micro-batches of its sub-stage on this rank; OPTIM_STEP follows the offload (asynchronous:
-   before VALIDATE; synchronous: after it); every sub-stage is offloaded and stepped once;
-   every rank validates once and frees every buffer it loaded;
-5. the ranks together cannot deadlock: all lists are executed at once with blocking
-   semantics (a synchronous send blocks until the matching receive is posted and the other way
-   round; WAIT_CKPT blocks until the isend is posted; VALIDATE is a barrier).
+Checks ranges, that every pass runs exactly once, that sends and receives pair up in the same order
+on both ranks, each rank's dependencies (data, parameters, offloads, optimizer steps, VALIDATE) and
+that the ranks together cannot deadlock; each error names the rank, the op index, the op and what
+is missing.
 """
 
 from __future__ import annotations

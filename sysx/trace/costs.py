@@ -3,23 +3,7 @@
 beside a measurement, and the autotuner's cost model).
 
 Every duration is the median over the window (all ranks, steps and micro-batches) of one
-(op kind, stage, sub-stage):
-
-* ``fwd[s]`` / ``bwd[s*d+k]``: FORWARD / BACKWARD spans on the compute lane;
-* ``load_stage[s]`` / ``load_sub[s*d+k]`` / ``offload[s*d+k]``: the copies on the h2d / d2h lanes;
-* ``opt[s*d+k]``: the sub-stage's optimizer step (a worker's step job, or a synchronous OPTIM_STEP
-  on the compute lane; the validation's jobs on the workers are not part of it);
-* ``act_xfer`` / ``grad_xfer`` / ``ckpt_xfer``: per message, both sides paired: from the later of
-  the two posts to the earlier of the two completions (what the simulator calls the transfer;
-  the waits of one side for the other are not part of it);
-* ``allreduce``: VALIDATE after this rank's last optimizer step, on the rank that waited least.
-
-Sends rendezvous (``rendezvous=True``): a blocking send of gloo or NCCL waits until the receiver has
-posted its receive, which the recorded windows show.
-
-An entry the window has no sample of (a unit never loaded, a message never sent) is 0, except
-FORWARD and BACKWARD, which every training step runs: a missing one is an error. Sizes come from
-the copies' and messages' bytes; working memory is not recorded and is 0.
+(op kind, stage, sub-stage); a FORWARD or BACKWARD without a sample is an error.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """The per-rank timeline recorder: start and end of every op on every lane, for a window of steps.
 
-Lanes of one rank:
-
-* ``compute``: the ops the executor runs on its own stream (FORWARD, BACKWARD, FREE, WAIT_CKPT,
-  VALIDATE, a synchronous OPTIM_STEP), between a pair of events on the compute stream;
-* ``h2d`` / ``d2h``: the parameter loads and gradient offloads, between a pair of events recorded
-  on the copy stream around the copy (the first after the stream's waits), so the span is the
-  copy itself and not the time it queued;
-* ``p2p``: a send or receive from its post to its completion as this rank saw it (an
-  asynchronous one completes when a later poll or wait notices);
-* ``opt0``, ``opt1``, ...: the jobs of each CPU optimizer worker thread (the step of an
-  asynchronous OPTIM_STEP, the loads/checks, undos and re-steps of the validation).
-
-Marks are :class:`sysx.device.Event` s recorded on the lane's stream (device lanes) or host
-``time.monotonic()`` seconds (host lanes). Nothing is read while the window runs: a record is one
-tuple appended to a list (``list.append`` is atomic, so worker threads append without a lock),
-and every event is placed on the host clock once, at the end (:meth:`Recorder.spans`), through
-:meth:`sysx.device.Event.timestamp` against a :class:`~sysx.device.TimeBase` taken when the
-window started. A device whose streams and events have their own notion of time (an emulated
-one) gives its own times through the same two calls, and the recorder needs no change.
-
-Off costs one attribute check per op: components hold ``recorder = None`` unless a window is
-configured, and test :attr:`Recorder.on` otherwise.
+Lanes of one rank: ``compute``, ``h2d`` / ``d2h``, ``p2p`` and one ``opt<i>`` per CPU optimizer
+worker. Recording appends one tuple per mark; the events are placed on the host clock once, at the
+end (:meth:`Recorder.spans`). Off costs one attribute check per op: components hold
+``recorder = None`` unless a window is configured, and test :attr:`Recorder.on` otherwise.
 """
 
 from __future__ import annotations
