@@ -2,23 +2,9 @@
 through the normal close paths (trainer, shared-memory store, process group) and ends the process
 with status 128 + signal (130, 143) and one line.
 
-When the signal is raised: at once in the main thread (as Python does for Ctrl-C), because every
-blocking wait of a multi-process job goes through :func:`sysx.dist.wait_for`, which waits in short
-slices so the handler runs within a fraction of a second. With ``checkpoint.on_signal=true`` the
-stop is *deferred* instead: the step in progress finishes, the ranks agree on the stop at the end
-of the step, save a checkpoint and stop (:func:`deferring`, :func:`pending`).
-
-Launchers forward the terminal's signal to ranks that already got it from the terminal (torchrun,
-mpiexec: Ctrl-C reaches the whole process group), so signals within :data:`REPEAT_GRACE_S` of the
-first are the same request and are absorbed; a signal after that raises again (the user insists).
-
-A rank that ends on a failure (its own or another rank's, :mod:`sysx.peers`) calls :func:`ending`:
-the SIGTERM a launcher then sends to every rank still running (torchrun does at once) is absorbed
-the same way, so that it does not cut the rank's own report and cleanup short.
-
-Handlers replace the shared-memory store's own (``sysx.memory.cleanup``), which are installed
-first so that a store created later does not install them above ours: a stop unwinds through
-``trainer.close()`` (the store's release), and the store's ``atexit`` hook catches the rest.
+With ``checkpoint.on_signal=true`` the stop waits for the end of the step (:func:`deferring`,
+:func:`pending`); a repeated signal within :data:`REPEAT_GRACE_S` is absorbed, and so is the
+launcher's SIGTERM to a rank that is :func:`ending` on a failure.
 """
 
 from __future__ import annotations

@@ -2,23 +2,8 @@
 
     sysx-train [key=value | group=option ...] [--cfg job] [--help]
 
-Overrides use Hydra's override grammar (``train.steps=50``, ``model=llama2_7b``,
-``optim.betas=[0.9,0.95]``, ``run_dir=/tmp/run``), composed on ``conf/config.yaml``.
-
-Why Hydra's compose API and not ``@hydra.main``: ``@hydra.main`` owns the process. It creates
-``outputs/<date>/<time>/`` and per-run logging unless five ``hydra.*`` settings are forced; it
-parses argv itself, which collides with launcher-added arguments (``--local-rank``) under
-torchrun; and on a bad value it prints a multi-line report with a hint about HYDRA_FULL_ERROR and
-exits with status 1 — we want one line naming key, value and allowed values, and status 2 (the
-usual "usage error" code). ``initialize_config_dir`` + ``compose`` never touches the file system
-or the working directory, so every rank of a torchrun/MPI job composes the same config in
-place, the override syntax is Hydra's own (the same parser), and every error passes through
-:mod:`sysx.config`, which turns it into one line. What we give up (``--multirun`` sweeps, tab
-completion, Hydra's launcher plugins) is replaced by torchrun/mpirun/Slurm in ``launch/``.
-
-Rank and world size come from the launcher's environment only (``RANK``/``WORLD_SIZE`` from
-torchrun, ``PMI_RANK``/``PMI_SIZE`` from MPI); rank 0 alone creates ``run_dir``, writes the resolved
-``config.yaml`` there and prints. The trainer for ``schedule.name`` is looked up in
+Overrides use Hydra's override grammar (``train.steps=50``, ``model=llama2_7b``), composed on
+``conf/config.yaml`` with Hydra's compose API. The trainer for ``schedule.name`` is looked up in
 :data:`TRAINERS`; a new schedule is one line there plus ``conf/schedule/<name>.yaml``.
 """
 

@@ -1,24 +1,8 @@
 """Attention pieces shared by the plain and the sequence-chunked paths of :class:`sysx.model.layers.Attention`.
 
-- **RoPE** (:func:`rope_cos_sin`): the tables of HF ``LlamaRotaryEmbedding``, with the Llama-3.1
-  ``llama3`` frequency scaling when the config asks for it.
-- **Causal SDPA** (:func:`attend`): queries ``[B, H, Tq, D]`` over grouped K/V heads ``[B, Hkv, Tk, D]``;
-  the queries are the *last* ``Tq`` positions of the ``Tk`` keys (lower-right causal alignment), which
-  for ``Tq == Tk`` is plain causal attention over the whole sequence.
-- **Sequence chunks**: a sequence too long for one pass is processed in chunks along the sequence.
-  Everything in a block except attention is position-wise, so a chunk needs only the keys and values
-  of the chunks before it. :class:`KVCache` holds the rotated K/V of the whole sequence on the device;
-  :func:`extend_cache` writes a chunk's own K/V at its offset and hands the attention the prefix plus
-  itself; :func:`chunk_attention` is :func:`attend` over them. Backward runs chunk by chunk in reverse:
-  the gradient a chunk's attention sends to the keys/values of earlier positions is added to the
-  cache's fp32 accumulators, and each chunk's own K/V gradient is its attention's part plus what the
-  later chunks accumulated there. Numerically this is the unchunked computation (fp32: equal to
-  rounding; the K/V gradients are summed per chunk instead of inside one kernel).
-
-:func:`chunk_attention` is a ``torch.library`` custom op so that a dispatch mode (the sliding window's
-capture and replay of saved activations, :mod:`sysx.single.act_capture`) sees one op of fixed output shape
-for every chunk, whatever the prefix length and however the kernel builds its mask. Its backward
-recomputes the chunk's attention forward under autograd (:func:`attend` again: one implementation).
+RoPE tables (:func:`rope_cos_sin`), causal SDPA over grouped K/V heads (:func:`attend`), and the
+sequence chunks of a sequence too long for one pass: :class:`KVCache`, :func:`extend_cache` and
+:func:`chunk_attention`, which compute what the unchunked attention computes.
 """
 
 from __future__ import annotations

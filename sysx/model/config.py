@@ -1,19 +1,8 @@
 """Model shapes: the ``ModelConfig`` dataclass and the named presets.
 
-Presets
-- ``tiny``: byte-level (vocab 256) model that trains at a few steps per second on 2 CPU cores.
-- ``llama2_7b``, ``llama3_8b`` and ``llama3_1_8b``: the published Meta shapes (Llama-3.1 is Llama-3 with
-  the ``llama3`` RoPE scaling: factor 8, low/high frequency factors 1 and 4, original context 8192,
-  128K positions).
-- ``llama2_10b`` ... ``llama2_110b``: the eight LLaMA-2 shapes of the SysX paper, Table 2
-  (layers ``l``, hidden size ``d``, ``d_FFN`` and the number of KV heads come from the table;
-  vocabulary 32000 as in LLaMA-2). The paper does not give the number of query heads. We take
-  the one :func:`choose_n_heads` returns: ``n_heads`` divides ``dim``, ``n_kv_heads`` divides
-  ``n_heads``, ``head_dim`` is a multiple of 8 (the fused SDPA kernels need it) and is as close
-  to 128 as possible (ties go to the smaller head_dim). With the table's GQA widths the counted
-  sizes land 11-17% below the paper's nominal sizes (e.g. llama2_10b: 8.39e9); the nominal sizes
-  match a count in which K and V are full width (``n_kv_heads == n_heads``) to within 2.5%, so
-  the paper seems to have counted K/V at full width (see tests/test_model.py).
+Presets: ``tiny`` (byte-level, a few steps per second on 2 CPU cores); ``llama2_7b``, ``llama3_8b``
+and ``llama3_1_8b`` (the published Meta shapes); ``llama2_10b`` ... ``llama2_110b`` (the SysX paper's
+Table 2, query heads from :func:`choose_n_heads`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """The Head's cross-entropy over chunks of tokens: the logits of all tokens never exist at once.
 
 ``chunked_cross_entropy(hidden, weight, labels, features=norm)`` equals
-``F.cross_entropy(F.linear(norm(hidden), weight).float(), labels, ignore_index=-100)`` (mean over the
-tokens whose label is not -100; fp32 softmax), forward and backward, but works on
-:func:`loss_chunk_tokens` tokens at a time:
-
-- forward: per chunk, the features (the final RMSNorm), the logits, their fp32 log-sum-exp and the
-  target logit; only the log-sum-exp of every token (4 bytes each) is kept for backward;
-- backward: per chunk again, the logits are recomputed (one more ``tokens x dim x vocab`` matmul, ~2%
-  of a Llama-3-8B step), their gradient ``(softmax - onehot) * grad / n_valid`` is formed in fp32 and
-  cast to the logits' dtype (as ``logits.float()``'s backward does), the weight gradient is
-  accumulated in place (``addmm_``: no per-chunk ``vocab x dim`` temporary) and the features'
-  gradient is backpropagated through the norm with autograd.
-
-With 16-bit weights the weight gradient is accumulated over chunks in the weight's dtype, one rounding
-per chunk, as the trainers accumulate 16-bit gradients over micro-batches.
-
-Peak memory of the loss, Llama-3 vocabulary (128256) at 8192 tokens (one 8K sequence), forward +
-backward, measured by ``profiling/head_memory.py`` (CPU, hidden width 256; the logits do not depend on
-it): the full-logits path (``F.cross_entropy(lm_head(norm(h)).float())``) peaks at 11.8 GiB (fp32 and
-bf16 weights alike: the fp32 logits, log-softmax and their gradients, ~12 bytes per logit); chunked,
-:func:`loss_chunk_tokens` = 130 tokens at a time, 0.40 GiB, of which 0.13 GiB are the weight and
-hidden-state gradients any path returns. The loss's own temporaries are bounded by
-:data:`LOSS_CHUNK_LOGITS` logits (about 16 bytes each: ~256 MiB) whatever the number of tokens.
+``F.cross_entropy(F.linear(norm(hidden), weight).float(), labels, ignore_index=-100)``, forward and
+backward, but works on :func:`loss_chunk_tokens` tokens at a time; its temporaries are bounded by
+:data:`LOSS_CHUNK_LOGITS` logits whatever the number of tokens.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Host-side optimizer: CPU Adam with exact undo, loss scaling, LR schedule, per-stage threads.
+"""Host-side optimizer: CPU Adam with rollback, per-stage threads, step validation, loss scaling, LR schedule.
 
-* :class:`CpuAdam` - AdamW over one flat fp32 buffer (DeepSpeed or torch backend), ``undo``;
-  rollback modes ``undo`` / ``snapshot`` / ``exact`` (:mod:`sysx.optim.exact`: two buffer sets, the
-  backend's in-place step on the spare, a background refresh); ``auto`` is resolved against the host budget
-  by :mod:`sysx.optim.rollback_choice`; ``sysx bench optim`` times them (:mod:`sysx.optim.bench_modes`);
-* :class:`StageOptimizer`, :class:`OptimizerThreads` - one sub-stage's optimizer and the
-  worker threads that step sub-stages as their gradients arrive;
-* :func:`post_step_validate` (SysX) and :func:`sync_step` (baselines, in two parts:
-  :func:`load_and_check` / :func:`check_reports` and :func:`apply_checked`) - overflow check,
-  global-norm clipping and rollback across stages and ranks, for the pipeline and the window;
-* :class:`StepProtocol` - the one speculate-or-validate decision per step both trainers call (which
-  jobs step at once, the validation, the device lane's steps, the spare refresh);
-* :func:`plan_cores` / :func:`apply_plan` - thread counts per local rank;
-* :func:`lr_at`, :func:`make_scaler` and the loss scalers.
-
+:class:`CpuAdam` (AdamW over one flat fp32 buffer), :class:`StageOptimizer` and :class:`OptimizerThreads`
+(one sub-stage's optimizer and the workers that step them), :func:`post_step_validate` / :func:`sync_step`
+(the two validation orders), :class:`StepProtocol` (the per-step speculate-or-validate decision),
+:func:`plan_cores` / :func:`apply_plan` (threads per local rank), :func:`lr_at`, :func:`make_scaler`.
 Submodules load on demand, so ``import sysx.optim`` stays cheap.
 """
 

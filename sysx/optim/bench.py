@@ -1,20 +1,9 @@
 """Optimizer benchmark: ``python -m sysx.optim.bench [--sizes 10M,50M,100M] [--threads 1,2]``.
 
+Prints four markdown tables: step throughput per backend, buffer size and thread count; rollback
+cost; undo error; and a simulated pipeline of sub-stages, synchronous vs asynchronous optimizer.
 ``sysx bench optim [--size 50M] [--json]`` is the short one: a step under each rollback mode
 (:mod:`sysx.optim.bench_modes`).
-
-Prints four tables (markdown):
-
-1. step throughput per backend (``deepspeed``, ``torch``, and ``torch.optim.AdamW(fused=True)``
-   for reference) x buffer size x intra-op threads: ms per step, elements/s and GB/s (an AdamW
-   step reads p, g, m, v and writes p, m, v: 28 bytes per element);
-2. rollback cost per backend and size: ``undo`` time and ``snapshot`` overhead per step;
-3. undo error after step + undo in several regimes (max abs, share bit-exact, max error in ulps of
-   ``max(|before|, |after|)``) for p, m, v;
-4. a simulated pipeline of sub-stages (backward of each sub-stage = a sleep; its gradients are
-   then handed to the optimizer): the time from the last gradient hand-over to the last optimizer
-   step done, synchronous (validate, then step every stage) vs asynchronous (per-stage workers +
-   post-step validation).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """How many CPU threads the optimizer of each local rank may use, so ranks do not fight.
 
-The physical cores available to the job on this node are ``psutil.cpu_count(logical=False)``
-reduced to this process's affinity mask (``os.sched_getaffinity``, counted in whole cores when the
-CPU has SMT) and to the cgroup CPU quota (``cpu.max``, containers). They are split evenly between
-the node's ranks (``LOCAL_WORLD_SIZE`` / ``MPI_LOCALNRANKS``). Within a rank:
-
-* ``deepspeed`` backend: one worker thread using all the rank's cores (DeepSpeed's op holds the
-  GIL while it runs, so two workers cannot step at the same time anyway);
-* ``torch`` backend: ``cores // 4`` workers (at least 1, at most one per stage) of
-  ``cores // workers`` intra-op threads each (ATen releases the GIL, so workers overlap);
-* ``auto`` is planned as ``deepspeed``, which it prefers (:func:`thread_layout`).
-
-:func:`apply_plan` sets the main thread's torch/OpenMP threads and ``OMP_NUM_THREADS``, optionally
-pins the process to its slice of the affinity mask, and logs the plan.
+:func:`plan_cores` splits the physical cores available to the job on this node evenly between its
+ranks and, within a rank, into workers and intra-op threads by the backend's thread layout
+(:func:`thread_layout`). :func:`apply_plan` sets the main thread's torch/OpenMP threads and
+``OMP_NUM_THREADS``, optionally pins the process to its slice of the affinity mask, and logs the plan.
 """
 
 from __future__ import annotations

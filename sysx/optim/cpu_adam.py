@@ -4,22 +4,9 @@
 >>> opt.step(flat_grads)            # p, m, v updated in place
 >>> opt.undo(flat_grads)            # back to the state before that step
 
-Backends (same formula, :mod:`sysx.optim.formula`): ``deepspeed`` (DeepSpeed's C++ op, built and
-cached on first use, see :mod:`sysx.optim.deepspeed_backend`) and ``torch`` (ATen ops,
-:mod:`sysx.optim.torch_backend`). ``auto`` tries DeepSpeed and falls back to torch with a warning.
-The backend and its SIMD width are logged when the first optimizer of a process is created.
-
-Rollback (:mod:`sysx.optim.undo`): ``undo`` inverts the step arithmetically (no memory; error of
-about one fp32 ulp, see that module), ``snapshot`` copies ``p, m, v`` before every step (12 bytes
-per parameter; bit-exact), ``exact`` (:mod:`sysx.optim.exact`) runs the backend's in-place step on
-a spare ``(p, m, v)`` set holding a copy of the current one and undoes by switching back (12 bytes
-per parameter; bit-exact; the time of a plain step, plus a copy after the decision that
-:meth:`CpuAdam.refresh` takes off the critical path). With ``exact``, :attr:`CpuAdam.param`,
-:attr:`~CpuAdam.exp_avg` and :attr:`~CpuAdam.exp_avg_sq` are the *current* set: after a step they
-may be other tensors than the ones given (read them through the optimizer; after writing them, call
-:meth:`CpuAdam.resume_at`, as a checkpoint restore does). Either way :meth:`CpuAdam.undo` also
-restores the step counter and the learning rate of the undone step. Only the last step can be
-undone, and not one taken with ``final=True`` (a step after its validation).
+Backends ``deepspeed``, ``torch`` or ``auto``; rollback ``undo``, ``snapshot`` or ``exact``. With
+``exact``, read the parameters and moments through the optimizer and call :meth:`CpuAdam.resume_at`
+after writing them.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """The DeepSpeed backend of :class:`sysx.optim.CpuAdam`: DeepSpeed's ``cpu_adam`` C++ op.
 
-The op is compiled on first use (ninja + g++, about a minute) by DeepSpeed's own
-``CPUAdamBuilder`` and cached per virtual environment:
-
-* ``TORCH_EXTENSIONS_DIR`` when set, else ``<venv>/var/sysx/torch_extensions`` when the venv is
-  writable, else ``<user cache>/sysx/torch_extensions/<hash of the venv path>-py<XY>-torch<V>``
-  (torch's build cache key includes include paths, so two venvs must not share a directory);
-* a ``lock`` file left behind by a killed build (torch would wait on it forever) is removed with a
-  warning once it is older than :data:`STALE_LOCK_S`;
-* ``DS_ACCELERATOR=cpu`` is set (when unset) on machines without CUDA, so DeepSpeed picks its CPU
-  accelerator quietly; never where CUDA is present (DeepSpeed fixes its accelerator once per
-  process, and later DeepSpeed users there, e.g. ZeRO-3, need the CUDA one);
-* the SIMD flag DeepSpeed would pick (``-D__AVX512__`` ...) is read from ``/proc/cpuinfo``
-  instead of ``py-cpuinfo`` (1.1 s per call, three calls per load), with the same result.
-
-After loading, :func:`load_op` runs a self-test (two steps on a small buffer checked against
-:func:`sysx.optim.formula.reference_step`) and logs the cache directory, load time and SIMD width.
-Any failure raises :class:`DeepSpeedUnavailable` with the cause and the fix; nothing falls back
-silently. Build ahead of time (CI, a cluster's login node) with
+:func:`load_op` builds the op on first use (about a minute), caches it per virtual environment and
+self-tests it; any failure raises :class:`DeepSpeedUnavailable` with the cause and the fix. Steps
+are issued in chunks of :data:`CHUNK_ELEMS`. Build ahead of time (CI, a cluster's login node) with
 ``python -m sysx.optim.deepspeed_backend``.
-
-Two properties of the op shape this backend: it calls ``.contiguous()`` on its inputs (a
-non-contiguous view would silently not be updated: :class:`sysx.optim.CpuAdam` only accepts
-contiguous fp32 buffers), and its pybind binding holds the GIL for the whole call, so steps are
-issued in chunks of :data:`CHUNK_ELEMS` to let other Python threads run in between.
 """
 
 from __future__ import annotations

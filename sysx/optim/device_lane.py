@@ -1,21 +1,10 @@
 """The device lane of the optimizer (Deep Optimizer States): a host :class:`~sysx.optim.CpuAdam`'s
 step taken on a device.
 
-The unit's fp32 gradients, master weights and Adam moments are copied to the device, the very ops
-of the torch backend (:meth:`sysx.optim.torch_backend.TorchBackend.step_chunk`, chunk by chunk at
-the same chunk size, with the same fp32 constants of :mod:`sysx.optim.formula`) step them there,
-and the new master weights and moments are copied back; the host optimizer's step count and beta
-powers advance as for a host step. So on the CPU device the device lane is bit-identical to a host
-step with the torch backend; on a GPU the elementwise ops round as CUDA's do (``sqrt`` and ``/``
-correctly rounded), within the torch backend's stated distance from DeepSpeed's kernel. A
-device-lane step is taken after the validation decided (clip coefficient applied to the gradients
-beforehand), so it is never rolled back: :meth:`CpuAdam.undo` refuses it.
-
-On an emulated device (``DeviceLane(None)``) the host optimizer itself takes the step (a final
-one: with ``optim.rollback=exact`` on the current set, no spare needed), so the numbers are the CPU
-lane's to the bit whichever backend it uses, and the pacer charges the copies and the step their
-modelled times (:meth:`sysx.emulate.pacer.Pacer.device_optimizer`). A real device's step writes
-the host state back in place and tells the optimizer so (:meth:`CpuAdam.state_written`).
+:class:`DeviceLane` copies a unit's fp32 gradients, master weights and Adam moments to the device,
+steps them with the torch backend's ops and copies them back. The step comes after the validation's
+decision, so it is never rolled back. On an emulated device (``DeviceLane(None)``) the host optimizer
+takes the step and the pacer charges its modelled time.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """``optim.rollback=exact``: two sets of ``(p, m, v)``; a step updates the spare in place, a rollback is not switching.
 
-:class:`ExactState` holds the caller's parameters with fresh ``m, v`` as one set and a spare
-``(p, m, v)`` as the other (12 bytes per parameter more, as ``rollback=snapshot``). When the spare
-holds a copy of the current set, a speculative step runs the backend's own *in-place* step
-(DeepSpeed's op, or the torch backend) on the spare and makes it current; the post-step
-validation then keeps it (commit) or switches back (rollback), and the set the step never touched
-is bit for bit the state before the step. So the exact mode's numbers are the backend's by
-construction, and its step costs what a plain in-place step costs (an out-of-place step writing
-the other set costs ~1.2x: read-for-ownership of three more streams, see profiling/RESULTS.md).
-
-The price is one copy of 12 bytes per parameter after every decision: whichever way it went, the
-spare now differs from the current set and must be *refreshed* (copied from it) before the next
-speculative step. :meth:`ExactState.refresh` does that off the critical path: the optimizer threads
-queue it right after the decision (:meth:`sysx.optim.OptimizerThreads.refresh_spares`), so it runs
-during the next iteration's forward, while the CPU optimizer waits for gradients. Correctness never
-depends on that timing: a step takes the state's lock (waiting for a refresh in progress) and, if
-the spare is still stale, copies it itself first; a refresh that comes after a newer undoable step
-does nothing (it would overwrite the state that step's rollback needs).
-
-A *final* step (validate-first, a clipping re-step: it will not be rolled back) updates the current
-set in place and needs no spare at all; it only leaves the spare stale.
+:class:`ExactState` holds the current set and a spare (12 bytes per parameter more). A speculative
+step runs the backend's in-place step on the spare, a copy of the current set, and makes it current;
+a rollback switches back. :meth:`ExactState.refresh` copies the current set into the spare after each
+decision, off the critical path. A *final* step updates the current set in place and needs no spare.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The AdamW formula of DeepSpeed's CPU Adam, with its fp32 constants, shared by both backends.
 
-DeepSpeed (``csrc/includes/cpu_adam.h``, AdamW mode, bias correction on) computes, per element::
-
-    m = fma(g, 1-b1, m*b1)
-    v = fma(g*g, 1-b2, v*b2)
-    d = fma(sqrt(v), bc2, eps)          bc2 = 1/sqrt(1 - b2^t)
-    p = fma(p, -lr*wd, p)               (decoupled weight decay, only when wd > 0)
-    p = fma(m/d, -lr/bc1, p)            bc1 = 1 - b1^t
-
-Every constant is an fp32 value. ``b1^t`` and ``b2^t`` are kept as running fp32 products
-(multiplied once per new step) and recomputed with a double ``pow`` when the step jumps;
-:class:`BetaPowers` mirrors that state machine so the torch backend and :mod:`sysx.optim.undo`
-use the very constants DeepSpeed used. This differs from ``torch.optim.AdamW`` only in where
-``eps`` goes (after the bias-corrected ``sqrt(v)``, which is the same thing) and in rounding.
+:class:`BetaPowers` mirrors DeepSpeed's running ``b1^t`` / ``b2^t``, so the torch backend and
+:mod:`sysx.optim.undo` use the very constants DeepSpeed used; :func:`reference_step` is the formula
+in numpy that the backends are checked against.
 """
 
 from __future__ import annotations

@@ -1,39 +1,9 @@
 """Where each unit's Adam update runs: the CPU lane or the device lane (Deep Optimizer States).
 
-Deep Optimizer States (seed ``004``) splits the optimizer work into subgroups and places each on
-the CPU or the GPU by a performance model weighing the data movement against the GPU's faster
-update and the time the GPU is idle. Here a *unit* is a backward sub-stage a rank owns (the
-pipeline) or a group of the sliding window (a block, or the Embedding+Head; :mod:`sysx.single.lanes`);
-its update runs on
-
-* the **CPU lane** (host states, as always): one of ``cpu_workers`` workers, from the moment its
-  gradients are home (``ready``), for ``numel / cpu_params_per_s`` seconds; or
-* the **device lane**: its fp32 gradients and states (p, m, v: 16 bytes per parameter) are copied
-  in, the same formula steps on the device, and p, m, v (12 bytes) are copied out, in order on
-  three engines (H2D, compute, D2H: a three-stage flow over the device units). The device lane
-  works after the validation's decision, so it never rolls back, and once the device's passes of
-  the step are over (``device_idle``: the end of this rank's backward, from the simulated
-  timeline).
-
-The device lane runs on the main thread, so the next passes (the pipeline's next step, the
-window's next forward) wait until it is done. A CPU-lane unit may end later than that by its
-``due`` seconds without holding anything up: the sliding window validating first steps its groups
-into the next forward, which loads block ``k`` only once block ``k - W`` ran (``due`` 0 for the
-pipeline and for speculative steps, which the decision waits for). The model's figure of merit
-(:attr:`Placement.finish`) is when the optimizer stops holding the next passes: the latest of the
-decision, the device lane's last unit and every CPU-lane unit's end less its ``due``.
-
-The decision comes when every unit's gradients are home and checked: with speculation the CPU
-lane's steps run from ``ready`` and the decision waits for them too (a worker reports a stage once
-its step is done); validating first, the decision comes at the last ``ready`` and the CPU lane
-steps after it.
-
-:func:`place` takes the best of "the ``k`` units ready last on the device" over every ``k``, then
-moves, one at a time, the unit whose move ends the optimizer work soonest while a move helps
-(greedy; a rank owns few units). Contention between the lanes for host memory bandwidth is not
-modelled (the paper's model has no such term either), nor are the CPU lane's rollbacks and
-re-steps after a vetoed speculation: the prediction is that of a clean step.
-
+A *unit* is a backward sub-stage a rank owns (the pipeline) or a group of the sliding window
+(:mod:`sysx.single.lanes`). :func:`place` puts on the device lane the units that make the optimizer
+stop holding the next passes soonest (:attr:`Placement.finish`), under a model of both lanes'
+copies and steps; :func:`choose` applies ``optim.placement`` (``cpu``, ``split``, ``auto``).
 Pure data and arithmetic: no torch, so the model is unit-tested alone and printed by the runtime.
 """
 

@@ -1,20 +1,9 @@
 """When a CPU optimizer step may run before its validation: ``optim.speculate=auto|always|never``.
 
-A speculative step (SysX's order) runs as soon as a stage's gradients are home and is validated
-afterwards; a step the validation vetoes costs a rollback (overflow) or a rollback and a re-step
-with the clip coefficient (gradient clipping), all of it after the last backward, where nothing
-hides it. Validating first costs the plain step after the last backward instead. Which is cheaper
-depends on how often steps are vetoed, and vetoed steps come in runs (the gradient norm moves
-slowly), so ``auto`` speculates while recent steps were clean and validates first after a vetoed
-one until ``after`` clean steps have passed (zero-bubble pipeline parallelism waits for 10 clean
-steps; ours is :data:`SPECULATE_AFTER` by default, ``optim.speculate_after``).
-
-A step is *clean* when nothing vetoed it: no overflow and a clip coefficient of 1. When nothing
-can veto a step (no clipping, no fp16 loss scaling), ``auto`` always speculates: a rollback can
-only follow an overflow, which fp32/bf16 training stops on anyway.
-
-Every rank of a pipeline holds its own :class:`SpeculationPolicy` and feeds it the same globally
-reduced outcome, so every rank decides the same for every step without a message.
+:class:`SpeculationPolicy` decides per step: ``auto`` speculates while recent steps were clean (no
+overflow, clip coefficient 1) and, after a vetoed one, validates first until ``optim.speculate_after``
+(:data:`SPECULATE_AFTER`) clean steps passed; when nothing can veto a step it always speculates.
+Every rank feeds it the same globally reduced outcome, so all decide alike without a message.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """One backward sub-stage's share of the host optimizer.
 
-A :class:`StageOptimizer` owns the sub-stage's flat fp32 master weights (through its
-:class:`~sysx.optim.CpuAdam`), an fp32 gradient buffer and, optionally, a *target* tensor that
-receives the new working copy of the parameters after every change (the 16-bit view into the
-shared parameter store; any dtype and any host tensor works). Its operations:
-
-* :meth:`load_grads` converts the (16-bit or fp32) gradients to fp32, divides by the loss scale
-  and returns the local overflow flag and squared L2 norm (accumulated in fp64, so finite fp32
-  gradients never read as overflow; with ``param_spans`` also one fp32 norm per parameter, as
-  ``torch.nn.utils.get_total_norm`` takes them, in :attr:`StageOptimizer.param_norms`);
-* :meth:`apply` steps (only called when the local gradients are finite) and writes the target;
-  ``final=True`` for a step taken after its validation (it is never undone);
-* :meth:`undo` rolls the step back and rewrites the target;
-* :meth:`restep` undoes and steps again with the gradients multiplied by a clip coefficient.
-
-With ``rollback="exact"`` the current master alternates between two buffer sets
-(:mod:`sysx.optim.exact`; after each decision the spare is refreshed in the background,
-:meth:`sysx.optim.OptimizerThreads.refresh_spares`), so a given tensor that others read as the
-master (no target: an fp32 working copy that *is* the master, e.g. the shared fp32 segment) cannot
-be one of them (a rollback needs the old values it would hold): the optimizer then steps a private
-copy and the given tensor becomes the target, rewritten after every change (4 more bytes per
-parameter, counted by :func:`sysx.memory.budget.training_state_bytes`).
-
-With ``keep_grads=False`` the fp32 gradients are a temporary: they live from :meth:`load_grads`
-until the next step, undo or :meth:`drop_grads`, and are made again from the loaded (16-bit)
-source when a later undo or re-step needs them (the same values: conversion is deterministic),
-so a stage costs no fp32 gradient buffer between its jobs.
+A :class:`StageOptimizer` owns the sub-stage's fp32 master weights (through its
+:class:`~sysx.optim.CpuAdam`), an fp32 gradient buffer and an optional *target* that receives the new
+working copy after every change (the 16-bit view into the shared parameter store). Its operations:
+:meth:`load_grads`, :meth:`apply`, :meth:`undo` and :meth:`restep`.
 """
 
 from __future__ import annotations

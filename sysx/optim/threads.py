@@ -1,32 +1,10 @@
 """Per-sub-stage CPU optimizer workers (paper §3.2 / §4 "CPU optimizer").
 
-The main thread hands a sub-stage to the workers as soon as that sub-stage's gradients are being
-copied to the host: :meth:`OptimizerThreads.submit_step` takes the stage, its host gradients and
-the :class:`sysx.device.Event` recorded after the device-to-host copy (record first, then submit:
-the event travels through the executor's queue). A worker then
-
-1. waits for the event (the copy is done),
-2. converts the gradients to fp32 and divides by the loss scale, computing the local inf/nan flag
-   and squared norm (:meth:`StageOptimizer.load_grads`),
-3. steps only if its own gradients are finite and writes the new parameters into the stage's
-   target (the 16-bit view into the shared store),
-4. returns a :class:`StageReport` with the flags, the squared norm and timestamps.
-
-Validation across stages and ranks happens afterwards (:mod:`sysx.optim.validation`), which can
-use :meth:`OptimizerThreads.run_all` to undo or re-step stages in parallel, or queue that work
-with :meth:`OptimizerThreads.submit` and let the caller wait per stage (:meth:`wait_stage`)
-right before it needs the stage's parameters again. :meth:`submit_load` is a step job that only
-loads and checks (the validate-first order steps after the decision). After the decision,
-:meth:`refresh_spares` queues the ``optim.rollback=exact`` stages' spare refresh (:mod:`sysx.optim.exact`)
-behind their decided jobs; nobody waits for it but that stage's next step, so it runs while the
-workers would idle (the next forward).
-
-Workers are ordinary (non-daemon) threads of a :class:`concurrent.futures.ThreadPoolExecutor`;
-:meth:`OptimizerThreads.close` (or leaving the ``with`` block, also on exceptions and Ctrl-C)
-cancels queued jobs, lets running ones finish and joins every thread. Each worker sets its own
-intra-op thread count (an OpenMP setting per thread, so the main thread keeps its own) and wraps
-its jobs in NVTX ranges ``OPT <stage>`` / ``OPT undo <stage>`` (see :mod:`sysx.trace`); with a
-:attr:`OptimizerThreads.recorder` recording, each job is a span of its worker's ``opt<i>`` lane.
+:class:`OptimizerThreads` steps each sub-stage on a worker as soon as its gradients are home
+(:meth:`OptimizerThreads.submit_step`, with the event recorded after their device-to-host copy) and
+returns a :class:`StageReport` per stage; rollbacks, re-steps, load-only jobs and the
+``optim.rollback=exact`` spare refresh run on the same workers. :meth:`OptimizerThreads.close` (or
+leaving the ``with`` block) cancels queued jobs and joins every thread.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Rolling back one AdamW step: the arithmetic inverse (``undo``) or a copy (``snapshot``).
 
-``undo`` inverts DeepSpeed's step (:mod:`sysx.optim.formula`) given the same gradients, with no
-extra memory. Order matters: the update ``u = m1 / (sqrt(v1) * bc2 + eps)`` is recomputed from the
-*updated* moments first (rounded exactly as the backend rounded it, so it is the update that was
-applied), then ``p0 = (p1 - step_size * u) / (1 - lr * wd)``, then ``v0 = (v1 - (1-b2) g^2) / b2``
-clamped at 0 and ``m0 = (m1 - (1-b1) g) / b1``. The inverse is evaluated in fp64 and rounded once,
-so its error is the information the fp32 step destroyed and no more.
-
-Costs, measured (``python -m sysx.optim.bench``, 1 thread, see ``profiling/RESULTS.md``):
-
-* ``undo``: no memory. Error at most 1 ulp of ``max(|before|, |after step|)`` for p and m (2 ulp
-  for v with the torch backend), 60-75% of p restored bit for bit; where ``|m0|`` is far below
-  ``(1-b1)|g|`` the *relative* error of ``m0`` is large although it is exact to fp32 rounding of
-  ``m1``. Time: about 4 ms per million elements (8x a DeepSpeed step, 2.5x a torch-backend step).
-* ``snapshot`` (:class:`Snapshot`): 12 bytes of host memory per parameter and one extra copy of
-  ``p, m, v`` per step (about 0.75 ms per million elements); bit-exact restore, as fast as a copy.
-  Prefer it when rollbacks are frequent (e.g. gradient clipping active on most steps: every
-  clipped step is undone and stepped again) and host memory allows.
+``undo`` (:func:`undo_chunk`) inverts DeepSpeed's step (:mod:`sysx.optim.formula`) given the same
+gradients, with no extra memory and an error of about one fp32 ulp; :class:`Snapshot` copies
+``p, m, v`` before the step (12 bytes per parameter) and restores them bit for bit.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Validation of one optimizer step across all stages and ranks, in two orders.
 
-**Post-step** (SysX, :func:`post_step_validate`): every stage has already stepped on its own
-(if its own gradients were finite). One ``all_reduce`` of ``[number of overflowed stages, sum of
-squared gradient norms]`` over ``group`` (gloo or NCCL; none when not distributed) then decides:
-
-* overflow anywhere: every stage that stepped undoes its step (exactly, see
-  :mod:`sysx.optim.undo`), the loss scaler backs off and the step counts as skipped (for
-  bf16/fp32 the scaler raises :class:`~sysx.optim.loss_scaler.NonFiniteGradients` *after* the
-  rollback, so the optimizer state stays that of the last good step);
-* global norm above ``max_grad_norm``: every stage undoes and steps again with its gradients
-  multiplied by ``max_grad_norm / (norm + 1e-6)``, so the result equals clip-then-step
-  (``torch.nn.utils.clip_grad_norm_`` semantics).
-
-**Validate first** (the baselines, :func:`sync_step`): convert, unscale and check every stage,
-reduce, then clip and step only if nothing overflowed. Same components, same numbers. Its two
-parts are separate for callers that step each stage on its own schedule: :func:`load_and_check`
-(or :func:`check_reports` when the loads ran as :meth:`OptimizerThreads.submit_load` jobs) decides,
-:func:`apply_checked` clips and steps one stage.
-
-Options both orders share: ``total_norm`` replaces the sum of the stages' squared norms with the
-caller's global norm (the sliding window stacks the stages' ``param_norms`` in its reference's
-parameter order, so its norm is that of ``torch.nn.utils.get_total_norm`` bit for bit; single
-process only); ``wait=False`` queues the rollback and re-step jobs on the threads instead of
-waiting for them (the caller waits per stage with :meth:`OptimizerThreads.wait_stage`).
+**Post-step** (SysX, :func:`post_step_validate`): every stage has already stepped; one all-reduce
+decides, an overflow rolls the step back, a global norm above ``max_grad_norm`` re-steps it clipped.
+**Validate first** (the baselines, :func:`sync_step`, or its parts :func:`load_and_check` /
+:func:`check_reports` and :func:`apply_checked`): check, reduce, then clip and step. Same numbers.
 """
 
 from __future__ import annotations

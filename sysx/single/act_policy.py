@@ -1,30 +1,9 @@
 """Which activations each layer saves: the AdaWS dynamic program and the PyAO throughput rule.
 
-Levels (AdaWS §3.2.4 uses O = 4 options; sysx has 5). A level is a set of *site categories*
-whose outputs are saved during the forward pass; everything else is recomputed from the layer
-input during backward, and a saved output is simply reused instead of recomputed:
-
-====  ===============  ==========================================================  ================
- id   name             saved besides the layer input                               avoids recompute
-====  ===============  ==========================================================  ================
- 0    ``input``        nothing (full recompute of the layer)                        nothing
- 1    ``attention``    attention kernel outputs (``out``, log-sum-exp)             the S^2 term
- 2    ``projections``  + matmul outputs no wider than ``dim`` (q, k, v, o, down)    + those matmuls
- 3    ``matmuls``      + the wide matmul outputs (gate, up)                         every matmul
- 4    ``everything``   + every other op output (norms, RoPE, SwiGLU, residual)      all of it
-====  ===============  ==========================================================  ================
-
-:func:`solve_save_levels` picks one level per layer to maximise the recompute time avoided subject
-to the activation ring: during the forward pass the outbound copies run one after another on one
-stream, and the ring slot written by (layer ``i``, chunk ``c``) is written again ``R_act`` units
-later, so its copy must have finished before that unit starts computing
-(``t_finishTransfer_i < t_startCompute_{i+W}``, AdaWS §3.2.4). An optional host-memory capacity
-bounds the bytes kept in host memory. The solver is exact (a Pareto-front DP over the outbound
-stream's finish time, the host bytes used and the value) unless the front grows past ``max_states``.
-
-:func:`pyao_recompute_mask` is PyAO's rule (§4.4): a site whose activation throughput (bytes
-produced per second of compute) is an upper interquartile-range outlier *and* exceeds the link
-bandwidth is recomputed instead of offloaded.
+A save *level* (0 ``input`` ... 4 ``everything``) is the set of op outputs a layer keeps from its
+forward pass; the rest is recomputed from the layer input during backward. :func:`solve_save_levels`
+picks one level per layer to maximise the recompute time avoided within the activation ring's copy
+constraint (and an optional host-memory cap); :func:`pyao_recompute_mask` is PyAO's rule (§4.4).
 """
 
 from __future__ import annotations

@@ -1,45 +1,10 @@
 """The sliding-window executor (AdaWS §3.1 and appendix A, algorithms 1 and 2).
 
-One step = ``rounds`` rounds; a round pushes ``chunks`` chunks of ``chunk`` sequences through
-every layer, layer by layer (all chunks of a layer, then the next layer):
-
-Forward: the Embedding fills the transition table ``T`` (one residual-stream entry per chunk);
-block ``k`` runs from weight slot ``k % R_param``, and as soon as it is done the inbound stream
-loads block ``k + R_param`` into that slot while later blocks compute; each (block, chunk) writes its layer input
-and its chosen saved activations (:mod:`sysx.single.act_capture`) into activation slot
-``(k * chunks + c) % R_act``, and the outbound stream copies that slot to pinned host memory —
-except for the last ``W`` blocks, whose slots stay on the device for the start of backward. A slot
-is rewritten only after its copy home finished (the ring-capacity constraint the DP planned for).
-
-Sequence chunks (``plan.seq_chunks > 1``, :mod:`sysx.single.plan_seq`): a chunk's sequences are cut
-into chunks of ``C`` tokens along the sequence, and the ring's *unit* is (chunk ``c``, sequence chunk
-``j``): unit ``v = c * seq_chunks + j`` of block ``k`` lives in slot ``(k * units + v) % R_act``. A
-block runs ``j = 0, 1, ...`` in order, each attending over the K/V its earlier chunks left in the
-device's K/V cache (:class:`~sysx.model.attention.KVCache`). Its backward first rebuilds that cache
-from the saved layer inputs of all of ``c``'s units (norm + K/V projections + RoPE only), then runs
-``j`` in reverse, the cache's fp32 accumulators carrying each chunk's gradient to the K/V of the
-chunks before it.
-
-Turnaround: the Head computes each chunk's loss and backpropagates at once; ``T`` now holds the
-gradient of the residual stream.
-
-Backward: blocks in reverse; each needs its weights (still resident for the last window, else
-prefetched), its gradient slot (zeros in the first round, else the accumulated gradients fetched
-from host) and its saved activations (on the device or fetched from host into the slot the block
-``W`` later just released). It recomputes what was not saved, backpropagates, sends the gradient
-slot home on the outbound stream and — in the last round — hands the block to the CPU optimizer
-(the GPU-CPU pipeline). The Embedding's backward closes the round.
-
-Streams: ``compute`` (the current stream), ``inbound`` (host -> device) and ``outbound``
-(device -> host), ordered only through the rings' per-slot events and a few explicit waits (the
-host copy of an activation or gradient must have landed before it is fetched back). On CPU the
-streams are no-ops and every call finishes before it returns, so the very same code runs in CI.
-
-With a :attr:`SlidingWindowExecutor.recorder` recording (:mod:`sysx.trace`), every piece of work is
-framed by two events on its stream: on ``compute`` the passes, named as ops of the flat layers
-(``F s3 mb1``: block 2's forward of chunk 1; ``B s0.0``: the embedding's backward; ``B s<L+1>.0``:
-the head's turnaround), on ``h2d`` the loads (``H2D s3``) and fetches of gradients and activations,
-on ``d2h`` the gradients (``D2H s3.0``) and activations sent home.
+:class:`SlidingWindowExecutor` runs a step as ``rounds`` rounds, each pushing ``chunks`` chunks through
+every layer: the forward loads blocks into the weight ring and sends activations home, the Head turns
+around, the backward fetches weights, gradients and activations back, recomputes, sends gradients
+home and, in the last round, hands each block to the CPU optimizer. Three streams (compute, inbound,
+outbound) are ordered through the rings' per-slot events; on CPU they are no-ops, so CI runs it too.
 """
 
 from __future__ import annotations

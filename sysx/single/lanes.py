@@ -1,18 +1,8 @@
 """``optim.placement`` for the sliding window: the inputs of :func:`sysx.optim.placement.choose`.
 
-The window's timeline, from its plan (:attr:`SinglePlan.times`): the last round's backward runs
-the blocks in reverse, one every ``bwd`` seconds (the round's time less its forward, per block),
-and each block's gradients are home ``t_grad`` after its pass; the Embedding+Head group is home
-when the backward ends, and so the device is idle from then until the next forward, which waits
-for the decision. Validating first, the groups step into the next forward, which needs the
-Embedding and the first ``W`` blocks at once and block ``k >= W`` only after block ``k - W``
-ran: that is each group's ``due``. Speculating, every step ends before the decision (``due`` 0).
-
-The rates are the plan's hardware profile's (copies, device memory bandwidth; measured on this
-machine or assumed) and this machine's CPU Adam throughput, shared by the window's workers. The
-device lane works in the activation ring, idle between steps, or in what the plan leaves free. On a
-CPU-only job the "device" is the host, so ``auto`` keeps the CPU lane without measuring; ``split``
-runs the model all the same (and the device lane's code path on the host).
+From the window's plan (:attr:`SinglePlan.times`, its hardware profile) and this machine's CPU Adam
+rate: each group's unit (when its gradients are home, its ``due`` into the next forward), when the
+device is idle, and both lanes' rates. On a CPU-only job ``auto`` keeps the CPU lane without measuring.
 """
 
 from __future__ import annotations

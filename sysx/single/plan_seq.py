@@ -1,17 +1,9 @@
 """The planner's sequence-chunk length ``C`` (``single.seq_chunk``) and the device bytes chunking adds.
 
-A block's transient workspace (recompute, autograd, attention) grows with the tokens it computes at
-once. When one sequence's is too large for the device, the sliding window processes each block on
-chunks of ``C`` tokens along the sequence (:mod:`sysx.model.attention`): a unit of the activation ring
-becomes (chunk of sequences, sequence chunk), so the workspace and a slot hold ``C`` tokens, and what
-still grows with the sequence is the residual stream (transition table), the activation slots of the
-window's blocks, and one block's K/V cache with its fp32 gradient accumulators, a few hidden widths
-per token instead of a whole block's activations. The Head's loss runs over chunks of tokens anyway
-(:mod:`sysx.model.loss`).
-
-``single.seq_chunk=0`` (auto): whole sequences when one sequence's workspace fits the workspace room
-(chunking costs a little: each chunk's attention runs again in backward and the K/V cache is rebuilt
-from the saved layer inputs), else the largest divisor of ``train.seq_len`` whose workspace fits.
+When one sequence's transient workspace is too large for the device, the sliding window runs each
+block on chunks of ``C`` tokens along the sequence (:mod:`sysx.model.attention`). ``single.seq_chunk=0``
+(auto) keeps whole sequences when they fit, else takes the largest divisor of ``train.seq_len`` whose
+workspace fits.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Automatic configuration of the sliding-window executor (AdaWS §3.2, appendix B) under hard budgets.
 
-Given the model, the sequence length, the global batch (fixed: only its split changes), the
-precision, the hardware figures and the device/host budgets, :func:`make_plan` decides:
-
-1. **Sequences per round** ``X`` (§3.2.2): a block's forward must outlast moving its weights in
-   and its gradients out, ``T_fwd >= (1 + |tau_grad| / |tau_param|) * T_param``, which gives
-   ``X >= (|tau_p| + |tau_g|) * psi_total * P / (2 * S * (psi_active + S * d_attn) * BW)``. ``X`` is
-   the smallest divisor of the global batch ``G`` at least that large (rounds per step ``G / X``),
-   capped so the window keeps ``W >= 2`` and the host can hold the layer inputs (footnote 4).
-2. **Chunk size** ``b`` (sequences computed at once): the largest divisor of ``X`` whose transient
-   workspace stays under a quarter of the budget left after the static buffers; and the **sequence
-   chunk** ``C`` (:mod:`sysx.single.plan_seq`): whole sequences unless one sequence's workspace is too
-   large, then the largest divisor of the sequence length that fits. A *unit* of the rings is a chunk
-   of ``b`` sequences, or one sequence chunk of it.
-3. **Window** ``W = (C_dev - B) / L_bytes`` (§3.2.3) blocks, where ``L_bytes`` is a block's weights,
-   gradients and activation slots for the round and ``B`` the static bytes (embedding and head
-   weights and gradients, the transition table, the K/V cache of sequence chunks, the workspace). Ring
-   sizes: ``R_param = R_grad = W``, ``R_act = W * units``.
-4. **Saved activations** (§3.2.4): :func:`sysx.single.act_policy.solve_save_levels` on the first
-   ``L - W`` blocks (the last ``W`` keep theirs on the device), or PyAO's rule, or a fixed level.
-5. **Optimizer overlap**: each block's CPU Adam runs as soon as its gradients are home when no
-   check can veto the step (no clipping, not fp16). Otherwise ``auto`` speculates while the previous
-   step passed the checks (a vetoed speculative step is undone with ``CpuAdam.undo``, which costs
-   no memory, and redone) and else steps after the norm, in forward order, overlapped with the next
-   step's forward; ``backward`` / ``forward`` force one behaviour.
-
-A plan that cannot fit raises :class:`PlanError` before anything is allocated, with the bytes needed.
+:func:`make_plan` decides, from the model, sequence length, global batch, precision, hardware figures
+and device/host budgets: the sequences per round, the chunk and sequence-chunk sizes, the window and
+ring sizes, the saved activations of each block and the optimizer overlap. A plan that cannot fit
+raises :class:`PlanError` before anything is allocated, with the bytes needed.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Ring buffers carved from one preallocated device buffer, with per-slot events (AdaWS §3.1, appendix A).
 
-:class:`DeviceArena` allocates the whole working set once (``torch.empty`` of the planned byte
-count) and hands out named regions: the weight ring (``R_param`` slots), the gradient ring
-(``R_grad``), the activation ring (``R_act``), the transition table (residual stream / its
-gradient, one entry per chunk) and the static buffers of the embedding and head. Nothing else of
-the working set is allocated during training, so the device budget is honoured by construction.
-
-:class:`Ring` enforces the slot protocol of the paper's ``produce``/``consume``:
-
-``free --fill(key) on a producer stream--> ready --acquire(key) on the consumer stream--> in use
---release() on the consumer stream--> free``
-
-A producer stream waits for the event recorded at the slot's last ``release`` (the slot is refilled
-only after its consumer finished); a consumer stream waits for the event recorded at ``fill``
-(data has landed). The state machine is checked on the host, so a schedule that would refill a
-slot too early or read the wrong layer fails loudly — on CPU as well, where the events themselves
-are no-ops (the CPU twin of the GPU ordering).
+:class:`DeviceArena` allocates the whole working set once and hands out named regions (the weight,
+gradient and activation rings, the transition table, the static buffers), so the device budget holds
+by construction. :class:`Ring` enforces the paper's ``produce``/``consume`` slot protocol with events
+between streams, its state machine checked on the host (on CPU too).
 """
 
 from __future__ import annotations

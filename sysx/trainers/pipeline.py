@@ -7,14 +7,7 @@ Library use mirrors :class:`sysx.trainers.reference.ReferenceTrainer`::
     weights = trainer.state_dict()         # collective: the full fp32 weights on every rank
     trainer.close()
 
-One step on one rank: the executor runs the rank's op list (parameters from the shared store,
-forward/backward with checkpoints, p2p, gradient offload, CPU optimizer, VALIDATE); then owners
-push updated parameters to mirror segments on other nodes; then one all-reduce of the loss
-ends the step on every rank, so no rank loads parameters of the next step before every
-optimizer (including rollbacks and clipping re-steps) of this one has finished.
-
-The job (``schedule=gpipe|1f1b|interleaved_1f1b|mobius|sysx`` under torchrun or mpirun) is
-:func:`train`.
+The job (``schedule=gpipe|1f1b|interleaved_1f1b|mobius|sysx`` under torchrun or mpirun) is :func:`train`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
-"""``schedule=reference``: a plain single-process PyTorch training loop.
+"""``schedule=reference``: a plain single-process PyTorch training loop, the correctness reference.
 
-This loop is the correctness reference for every other schedule, so it does nothing clever:
-
-for each step ``s``:
-  1. for each micro-batch ``j``: ``get_batch(dataset, seed, s, micro_batch=j)``, forward, and
-     ``backward(loss_j / micro_batches * scale)`` (gradients accumulate);
-  2. the gradients are turned into fp32 gradients of the fp32 weights (fp32: the parameters'
-     own; bf16/fp16: the 16-bit gradients are converted to fp32 master gradients and divided by the
-     loss scale), their global L2 norm is taken, and a non-finite norm means overflow;
-  3. the loss scaler decides (fp16: skip the step and back off on overflow; fp32/bf16: a
-     non-finite gradient is an error raised by the scaler);
-  4. if not skipped: clip to ``optim.grad_clip`` by global norm (``clip_grad_norm_`` semantics),
-     set ``lr_at(s)`` on the param groups, ``torch.optim.AdamW.step()``, and for 16-bit copy the
-     fp32 masters back into the model's parameters.
-
-Weight decay applies to every parameter (the pipeline runtimes step flat per-stage buffers, so
-they cannot single out norms or embeddings either). The learning rate follows the step index
-``s``, skipped or not, like the data. Master weights and Adam states live on the model's device.
-
-Use it as a library: ``ReferenceTrainer(cfg).run(steps)`` returns one :class:`StepResult` per
-step; :meth:`ReferenceTrainer.state_dict` gives the fp32 weights.
+Every other schedule is checked against it, so it does nothing clever: micro-batches, fp32 master
+gradients, global norm, loss scaler, clipping, ``torch.optim.AdamW``. Use it as a library:
+``ReferenceTrainer(cfg).run(steps)`` returns one :class:`StepResult` per step;
+:meth:`ReferenceTrainer.state_dict` gives the fp32 weights.
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """``schedule=single``: one process, one device, the AdaWS sliding window with per-block CPU Adam.
 
 Library use mirrors the reference trainer: ``SingleTrainer(cfg).run(steps)`` returns one
-:class:`sysx.metrics.StepResult` per step and :meth:`SingleTrainer.state_dict` the fp32 weights
-under the same names. A step computes exactly what the reference computes — the same global batch
-(``train.micro_batch_size * train.micro_batches`` sequences, cut into the plan's chunks), mean of
-the per-micro-batch losses, fp32 unscaled gradients, global L2 norm, loss-scaler decision, clipping
-with ``clip_grad_norm_`` semantics, AdamW at ``lr_at(step)`` with weight decay on every parameter.
-
-Optimizer pipeline (beyond the paper, as SysX does it), through the pipeline's own protocol
-(:class:`~sysx.optim.step_protocol.StepProtocol` over one :class:`~sysx.optim.StageOptimizer` per
-group, run by :class:`~sysx.optim.OptimizerThreads`): in the last round, each block's gradients are
-handed to a CPU worker the moment their copy home completes; the worker converts and unscales
-them, takes their per-parameter norms and — when the step is *speculative* — applies that block's
-Adam step while the GPU is still working on earlier blocks. Clipping and fp16 overflow need the
-global norm, which is known only after the whole backward: :func:`~sysx.optim.post_step_validate`
-undoes a speculative step that turns out to need clipping (or an fp16 overflow) and re-steps it
-(or skips).
-Whether a step speculates is :class:`~sysx.optim.speculate.SpeculationPolicy`'s decision
-(``optim.speculate=auto|always|never``; ``single.optimizer_overlap=backward|forward`` is the same
-choice spelled for the window: always | never): ``auto`` speculates when no check can veto the step
-or when the last ``optim.speculate_after`` steps passed the checks, and otherwise validates first
-(:func:`~sysx.optim.validation.check_reports`) and steps in forward order
-(:func:`~sysx.optim.validation.apply_checked`), overlapped with the next step's forward: the next
-forward waits per block for that block's work. Each step's :class:`~sysx.metrics.StepResult`
-says whether it speculated, how many groups were rolled back and re-stepped, and ``opt_exposed_s``:
-the time the main thread waited for optimizer work in that step (after its last backward, and
-before a block's load for the previous step's deferred steps and re-steps).
-
-Optimizer placement (``optim.placement``, Deep Optimizer States; :mod:`sysx.single.lanes`): the
-groups the model puts on the device lane (those home last and needed first by the next forward:
-the Embedding+Head, the first blocks) are only loaded and checked on the workers, and step on the
-device after the decision, on the main thread, in forward order (:mod:`sysx.optim.device_lane`);
-so they are never rolled back or re-stepped, as in the pipeline.
+:class:`sysx.metrics.StepResult` per step, computing what the reference computes, and
+:meth:`SingleTrainer.state_dict` the fp32 weights under the same names. The optimizer follows the
+pipeline's protocol (:class:`~sysx.optim.step_protocol.StepProtocol`, one
+:class:`~sysx.optim.StageOptimizer` per group) and lanes (:mod:`sysx.single.lanes`).
 """
 
 from __future__ import annotations
