@@ -45,7 +45,7 @@ def layer_filename(layer: int) -> str:
 
 @dataclass
 class PendingCheckpoint:
-    """A checkpoint being written into its partial folder (see the module doc)."""
+    """A checkpoint being written into its partial folder (see docs/architecture.md)."""
 
     root: Path
     step: int

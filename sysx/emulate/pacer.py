@@ -84,7 +84,7 @@ class Pacer:
 
 
 class EmulatedPacer(Pacer):
-    """Pacing of one rank of an emulated run (see the module doc)."""
+    """Pacing of one rank of an emulated run (see docs/architecture.md)."""
 
     active = True
 

@@ -29,7 +29,7 @@ def sleep_until(t: float) -> None:
 
 
 class EmulatedStream(dev.Stream):
-    """A stream whose work has modelled times (see the module doc).
+    """A stream whose work has modelled times (see docs/architecture.md).
 
     ``issue`` gives the time at which the host issues work (default: the clock): the copy streams of
     a rank take the host cursor, so that sleep overshoots of the host do not delay their work.

@@ -65,7 +65,7 @@ def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, 
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``F.linear(features(hidden), weight)`` (see the module docstring)."""
+    """Mean cross-entropy of ``F.linear(features(hidden), weight)`` (see docs/architecture.md)."""
 
     @staticmethod
     def forward(

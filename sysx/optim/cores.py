@@ -104,7 +104,7 @@ def thread_layout(backend: str) -> Literal["torch", "deepspeed"]:
 
 
 def split_workers(cores: int, *, n_stages: int, backend: str, workers: int | None = None) -> tuple[int, int]:
-    """``(optimizer workers, threads per worker)`` for a rank with ``cores`` cores (the module doc's rule;
+    """``(optimizer workers, threads per worker)`` for a rank with ``cores`` cores (docs/architecture.md's rule;
     ``backend``: ``optim.backend`` as given; ``workers`` pins the count)."""
     torch_layout = thread_layout(backend) == "torch"
     if workers is None:

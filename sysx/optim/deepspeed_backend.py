@@ -38,7 +38,7 @@ class DeepSpeedUnavailable(RuntimeError):
 
 
 def extensions_dir() -> Path:
-    """Where the compiled op is cached (see the module docstring for the order of choices)."""
+    """Where the compiled op is cached (see docs/architecture.md for the order of choices)."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         return Path(env)

@@ -16,7 +16,7 @@ from sysx.optim.torch_backend import CHUNK_ELEMS, TorchBackend
 
 
 class DeviceLane:
-    """Steps host optimizers on ``device`` (None: an emulated device, see the module doc), reusing
+    """Steps host optimizers on ``device`` (None: an emulated device, see docs/architecture.md), reusing
     one set of device buffers (grown on demand). ``lent``: device bytes (uint8) the lane may use
     instead, idle whenever it steps (the sliding window lends its activation ring); a unit larger
     than them gets buffers of its own."""

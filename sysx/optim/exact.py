@@ -17,7 +17,7 @@ Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class ExactState:
-    """Two ``(p, m, v)`` sets of one flat fp32 parameter buffer (see the module doc)."""
+    """Two ``(p, m, v)`` sets of one flat fp32 parameter buffer (see docs/architecture.md)."""
 
     def __init__(self, param: torch.Tensor) -> None:
         n = param.numel()

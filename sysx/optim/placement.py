@@ -46,7 +46,7 @@ class LaneRates:
 @dataclass(frozen=True)
 class Unit:
     """One unit's optimizer work: ``numel`` parameters whose gradients are home at ``ready`` (s),
-    needed ``due`` seconds after the next passes start (on the CPU lane; see the module doc)."""
+    needed ``due`` seconds after the next passes start (on the CPU lane; see docs/architecture.md)."""
 
     name: str
     numel: int
@@ -169,14 +169,14 @@ def device_flow(start: float, times: Sequence[tuple[float, float, float]]) -> li
 
 
 def holds_until(units: Sequence[Unit], ends: dict[str, float], on_device: Iterable[str]) -> float:
-    """When the optimizer stops holding the next passes (the module doc's figure of merit)."""
+    """When the optimizer stops holding the next passes (docs/architecture.md's figure of merit)."""
     on_device = set(on_device)
     late = [ends[u.name] if u.name in on_device else ends[u.name] - u.due for u in units]
     return max([max((u.ready for u in units), default=0.0), *late])
 
 
 def place(units: Sequence[Unit], rates: LaneRates, *, device_idle: float, speculative: bool = True) -> Placement:
-    """The split that ends the optimizer work soonest by the greedy rule of the module doc.
+    """The split that ends the optimizer work soonest by the greedy rule in docs/architecture.md.
 
     ``device_idle``: when the device has no more passes this step; ``speculative``: whether the
     CPU lane steps before the validation (``optim.speculate``).

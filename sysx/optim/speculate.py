@@ -21,7 +21,7 @@ __all__ = ["SPECULATE_AFTER", "SPECULATE_MODES", "SpeculationPolicy"]
 
 @dataclass
 class SpeculationPolicy:
-    """The speculation state machine (see the module doc); pure, no torch."""
+    """The speculation state machine (see docs/architecture.md); pure, no torch."""
 
     mode: str = "auto"
     after: int = SPECULATE_AFTER  # clean steps after a vetoed one before auto speculates again

@@ -98,7 +98,7 @@ class StageOptimizer:
     ) -> None:
         self.name = name
         if target is None and rollback == "exact":
-            target, master = master, master.detach().clone()  # see the module doc
+            target, master = master, master.detach().clone()  # see docs/architecture.md
         self.optimizer = CpuAdam(
             master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, backend=backend, rollback=rollback
         )

@@ -156,7 +156,7 @@ def post_step_validate(
     total_norm: Callable[[], float] | None = None,
     wait: bool = True,
 ) -> StepOutcome:
-    """SysX's post-step validation of an iteration whose stages already stepped (see module doc).
+    """SysX's post-step validation of an iteration whose stages already stepped (see docs/architecture.md).
 
     ``reports`` are this rank's :class:`StageReport` s (from :meth:`OptimizerThreads.wait`), in
     the order rollbacks should run; ``stages`` are the stages (an :class:`OptimizerThreads` runs

@@ -35,7 +35,7 @@ class Slot:
 
 
 class ParamSlots:
-    """``n`` device buffers holding the parameters of loaded units (see the module doc)."""
+    """``n`` device buffers holding the parameters of loaded units (see docs/architecture.md)."""
 
     def __init__(
         self,

@@ -58,7 +58,7 @@ class StepContext:
 
 
 class Executor:
-    """Runs one rank's ops (see the module doc)."""
+    """Runs one rank's ops (see docs/architecture.md)."""
 
     def __init__(
         self,

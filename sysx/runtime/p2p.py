@@ -100,7 +100,7 @@ class Pending:
 
 
 class P2P:
-    """Checked, time-bounded point-to-point messages of one rank (see the module doc)."""
+    """Checked, time-bounded point-to-point messages of one rank (see docs/architecture.md)."""
 
     def __init__(
         self,

@@ -74,7 +74,7 @@ def sub_stages(schedule: Schedule, numels: list[int], info: DistInfo) -> dict[tu
 
 
 class StageParams:
-    """This rank's view of the shared parameter store (see the module doc)."""
+    """This rank's view of the shared parameter store (see docs/architecture.md)."""
 
     def __init__(
         self,

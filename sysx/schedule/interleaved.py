@@ -24,7 +24,7 @@ def schedule_table(n_micro: int, chunks: int, group: int) -> list[tuple[int, int
 
 
 def group_size(n_ranks: int, n_micro: int) -> int:
-    """Smallest Megatron-legal micro-batch group size (see the module doc)."""
+    """Smallest Megatron-legal micro-batch group size (see docs/architecture.md)."""
     if n_micro < n_ranks:
         return n_micro
     for g in range(n_ranks, n_micro + 1):
@@ -35,7 +35,7 @@ def group_size(n_ranks: int, n_micro: int) -> int:
 
 
 def interleaved_order(rank: int, n_ranks: int, n_micro: int, chunks: int) -> list[Op]:
-    """Compute order of ``rank`` (see the module doc)."""
+    """Compute order of ``rank`` (see docs/architecture.md)."""
     group = group_size(n_ranks, n_micro)
     table = schedule_table(n_micro, chunks, group)
     total = len(table)

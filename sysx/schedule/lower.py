@@ -80,7 +80,7 @@ def _inputs(op: Op, partition: Partition) -> list[Op]:
 def logical_times(
     orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int
 ) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
-    """Rank of every pass, and its (start, end) on the logical timeline (see the module doc)."""
+    """Rank of every pass, and its (start, end) on the logical timeline (see docs/architecture.md)."""
     where = _check_orders(orders, partition, n_micro)
     duration = {OpKind.FORWARD: float(partition.split), OpKind.BACKWARD: 2.0}
     times: dict[Op, tuple[float, float]] = {}
@@ -114,7 +114,7 @@ def _unit_of(op: Op, partition: Partition) -> tuple[int, int]:
 
 
 def _param_actions(compute: list[Op], partition: Partition, slots: int) -> tuple[list[Op], list[list[Op]]]:
-    """LOAD/FREE ops to put before the first pass and after each pass (see the module doc)."""
+    """LOAD/FREE ops to put before the first pass and after each pass (see docs/architecture.md)."""
     units = [_unit_of(op, partition) for op in compute]
     uses: dict[tuple[int, int], list[int]] = {}
     for i, u in enumerate(units):
@@ -286,7 +286,7 @@ def _add_messages(items: list[Keyed], msgs: list[_Msg], partition: Partition) ->
 
 
 def _add_param_ops(ops: list[Op], partition: Partition, slots: int) -> list[Op]:
-    """LOAD_PARAMS / FREE around the passes of one rank's list (see the module doc)."""
+    """LOAD_PARAMS / FREE around the passes of one rank's list (see docs/architecture.md)."""
     compute = [op for op in ops if op.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
     before, after = _param_actions(compute, partition, slots)
     out = list(before)

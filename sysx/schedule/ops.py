@@ -23,7 +23,7 @@ class ScheduleError(ValueError):
 
 
 class OpKind(enum.IntEnum):
-    """What an op does (see the module docstring)."""
+    """What an op does (see docs/architecture.md)."""
 
     LOAD_PARAMS = 0
     FREE = 1

@@ -48,7 +48,7 @@ def _partner_str(op: Op, rank: int) -> str:
 
 
 def validate(schedule: Schedule, *, max_errors: int = 25) -> None:
-    """Raise :class:`ScheduleError` listing every problem found (see the module doc); else return."""
+    """Raise :class:`ScheduleError` listing every problem found (see docs/architecture.md); else return."""
     if len(schedule.ops) != schedule.n_ranks:
         raise ScheduleError(
             f"schedule {schedule.name!r} has {len(schedule.ops)} op lists for n_ranks={schedule.n_ranks}"

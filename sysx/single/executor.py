@@ -52,7 +52,7 @@ class TransferStats:
 
 
 class SlidingWindowExecutor:
-    """Runs training steps of ``plan`` on ``device`` with the state in ``host`` (see module docstring)."""
+    """Runs training steps of ``plan`` on ``device`` with the state in ``host`` (see docs/architecture.mdstring)."""
 
     STATIC = -1  # group id of the Embedding+Head in callbacks (host.groups[-1])
 

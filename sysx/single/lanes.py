@@ -22,7 +22,7 @@ WORKERS = 2
 
 def window_units(plan: SinglePlan, groups: Sequence[tuple[str, int]], *, speculative: bool) -> tuple[list[Unit], float]:
     """``groups``: ``(name, numel)`` of the blocks in order, then the Embedding+Head; returns the
-    units (ready times from the plan's step, see the module doc) and when the device falls idle."""
+    units (ready times from the plan's step, see docs/architecture.md) and when the device falls idle."""
     *blocks, (static, static_numel) = groups
     t = plan.times
     n, step = len(blocks), float(t["step_s"])

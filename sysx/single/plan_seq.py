@@ -32,7 +32,7 @@ def _divisors_below(n: int) -> list[int]:
 
 def choose_seq_chunk(req: PlanRequest, table: Table, room: float) -> tuple[int, str]:
     """``C`` and why: pinned by ``single.seq_chunk``, else whole sequences or the largest divisor of
-    ``train.seq_len`` whose one-sequence workspace fits ``room`` (see the module docstring)."""
+    ``train.seq_len`` whose one-sequence workspace fits ``room`` (see docs/architecture.md)."""
     S, b = req.seq_len, req.chunk or 1
     if req.seq_chunk:
         if S % req.seq_chunk:

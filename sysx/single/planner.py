@@ -123,7 +123,7 @@ def _overlap(req: PlanRequest) -> tuple[str, str]:
 
 
 def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | None = None) -> SinglePlan:
-    """Decide the configuration (see the module docstring) or raise :class:`PlanError` with the numbers."""
+    """Decide the configuration (see docs/architecture.md) or raise :class:`PlanError` with the numbers."""
     sizes = ModelSizes.of(req.model)
     cuda = hw.kind == "cuda"
     profiler = profiler or meta_profiler(req.model, req.seq_len, req.dtype)

@@ -81,7 +81,7 @@ class _Slot:
 
 
 class Ring:
-    """``slots`` equal byte slots of ``slot_bytes`` each, cut from ``region`` (see module docstring)."""
+    """``slots`` equal byte slots of ``slot_bytes`` each, cut from ``region`` (see docs/architecture.mdstring)."""
 
     def __init__(
         self,

@@ -57,7 +57,7 @@ def _allreduce(spans: Sequence[Span]) -> float:
 def measured_costs(
     spans: Sequence[Span], schedule: Schedule, *, param_bytes: float = 2.0, rendezvous: bool = True
 ) -> CostTable:
-    """The :class:`CostTable` of ``schedule`` profiled from ``spans`` (see the module doc);
+    """The :class:`CostTable` of ``schedule`` profiled from ``spans`` (see docs/architecture.md);
     ``param_bytes``: bytes per parameter of the copies (the model's dtype)."""
     p = schedule.partition
     nsf, d = p.n_stages, p.split

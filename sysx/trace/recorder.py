@@ -78,7 +78,7 @@ class RankPart:
 
 
 class Recorder:
-    """Collects one rank's records for the steps ``first..last`` (see the module doc)."""
+    """Collects one rank's records for the steps ``first..last`` (see docs/architecture.md)."""
 
     def __init__(
         self, rank: int, device: torch.device | str, *, steps: tuple[int, int], compute: dev.Stream | None = None

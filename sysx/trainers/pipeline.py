@@ -52,7 +52,7 @@ _instances = itertools.count()
 
 
 class PipelineTrainer(Trainer):
-    """One rank of a pipeline-parallel run (see the module doc). Every rank constructs it with the
+    """One rank of a pipeline-parallel run (see docs/architecture.md). Every rank constructs it with the
     same ``cfg`` and ``options``; without ``info`` the process group is joined from the
     launcher's environment (a single process needs none). ``tuned_costs``: what ``schedule.tune``
     predicted this run with (rank 0), the costs its prediction is checked with."""

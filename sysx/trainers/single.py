@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 
 class SingleTrainer(Trainer):
-    """The sliding-window trainer (see module docstring); ``single`` overrides ``cfg.single``."""
+    """The sliding-window trainer (see docs/architecture.mdstring); ``single`` overrides ``cfg.single``."""
 
     def __init__(
         self,
