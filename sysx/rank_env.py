@@ -20,3 +20,14 @@ def env_world_size() -> int:
         if key in os.environ:
             return int(os.environ[key])
     return 1
+
+
+def quiet_peer_warnings() -> None:
+    """In a rank of a multi-process job, keep libtorch's warnings off stderr unless the user set
+    ``TORCH_CPP_LOG_LEVEL``; call it before torch is imported (libtorch reads the level once).
+
+    A rank reports a failure, its own or a peer's, in one line (:mod:`sysx.peers`); c10d's warning
+    about the same event (the store's host died while this rank read from it, with a C++ stack)
+    would bury that line. Errors still print."""
+    if env_world_size() > 1:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -29,7 +29,7 @@ from sysx.config import (
     to_yaml,
 )
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.rank_env import env_rank, env_world_size
+from sysx.rank_env import env_rank, env_world_size, quiet_peer_warnings
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo
@@ -179,6 +179,7 @@ def check(inv: Invocation, cfg: SysxConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx-train``: parse, compose, validate, dispatch. Returns the exit status."""
+    quiet_peer_warnings()  # before torch is imported
     from sysx.data.errors import DataError
     from sysx.memory.budget import HostMemoryError
     from sysx.optim.loss_scaler import LossScaleTooSmall, NonFiniteGradients
