@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sysx import peers
 from sysx.checkpoint import Checkpoint, CheckpointSaver, SaveReport, find_resume
 from sysx.checkpoint.flat_state import flat_layer_states, load_flat
 from sysx.checkpoint.layer_state import LayerState
@@ -89,6 +90,9 @@ class JobCheckpoints:
     def save(self, *, background: bool = True) -> SaveReport:
         """Save the state after the last finished step; returns what it cost the training loop."""
         t = self.trainer
+        watch = peers.current()
+        if watch is not None:  # named if this rank dies during the save; where `SYSX_FAULT=kill@R:save N` fires
+            watch.doing(f"save {t.step_index}")
         t0 = time.perf_counter()
         t.finish_pending()  # the steps still running on optimizer threads belong to this state
         waited = time.perf_counter() - t0
