@@ -132,6 +132,18 @@ class PeerWatch:
             if found is not None:
                 raise _ending(found)
 
+    def raise_failure(self, what: str) -> None:
+        """Raise :class:`PeerFailed` if another rank died or published a failure; unlike :meth:`check`,
+        a stop is no reason (the ranks finish what they were writing before they stop). Any thread."""
+        found = self.dead_peer(what)
+        now = time.monotonic()
+        if found is None and now - self._store_at >= STORE_POLL_S:
+            self._store_at = now
+            news = self._published_news(what)
+            found = news if isinstance(news, PeerFailed) and not isinstance(news, StoreLost) else None
+        if found is not None:
+            raise _ending(found)
+
     def explain(self, what: str) -> BaseException | None:
         """After a transport error during ``what``: the stop or failure that explains it, if any.
         News first: a rank stopping on a signal may close its connections while it unwinds, before

@@ -72,7 +72,12 @@ class JobCheckpoints:
         self.dir = Path(cfg.checkpoint_dir)
         self.every = cfg.checkpoint.every
         self.saver = CheckpointSaver(
-            self.dir, rank=trainer.rank, world=trainer.world, keep=cfg.checkpoint.keep, tag=tag or trainer.job_tag
+            self.dir,
+            rank=trainer.rank,
+            world=trainer.world,
+            keep=cfg.checkpoint.keep,
+            tag=tag or trainer.job_tag,
+            peer_check=_peers_alive,
         )
         self.reports: list[SaveReport] = []
         self.saved_step: int | None = None
@@ -148,9 +153,17 @@ class JobCheckpoints:
             )
         return path
 
-    def close(self) -> None:
-        """Finish a save in flight and stop the writer thread."""
-        self.saver.close()
+    def close(self, *, failing: bool = False) -> None:
+        """Finish a save in flight and stop the writer thread (``failing``: see :meth:`CheckpointSaver.close`)."""
+        self.saver.close(failing=failing)
+
+
+def _peers_alive() -> None:
+    """Raise when another rank of the job died or failed: rank 0's commit waits for every rank's
+    layers, and those of a rank that is gone never come (it would wait ``commit_timeout_s``)."""
+    watch = peers.current()
+    if watch is not None:
+        watch.raise_failure("checkpoint commit")
 
 
 def export_hf(checkpoint: Path, out: Path, *, tokenizer_dir: Path | None) -> Path:
