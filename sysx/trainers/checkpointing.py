@@ -71,12 +71,16 @@ class JobCheckpoints:
         self.trainer = trainer
         self.dir = Path(cfg.checkpoint_dir)
         self.every = cfg.checkpoint.every
+        tag = tag or trainer.job_tag
+        watch = peers.current()
+        if watch is not None:  # a restarted job keeps its job id: its saves must not write into the failed one's
+            tag = f"{tag}-{watch.attempt_id()}"
         self.saver = CheckpointSaver(
             self.dir,
             rank=trainer.rank,
             world=trainer.world,
             keep=cfg.checkpoint.keep,
-            tag=tag or trainer.job_tag,
+            tag=tag,
             peer_check=_peers_alive,
         )
         self.reports: list[SaveReport] = []
