@@ -8,17 +8,22 @@
 # torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); Hydra creates no
 # directories and rank 0 alone writes run_dir. With NNODES > 1 every node runs this script with its
 # NODE_RANK and the same MASTER (host:port of node 0) and RDZV_ID (default: sysx-<MASTER>).
+# TORCHRUN_ARGS adds torchrun options, e.g. restarts after a failure (with train.resume=auto and
+# checkpoint.every, the restarted job resumes from the last complete checkpoint):
+#   TORCHRUN_ARGS="--max-restarts=2" NPROC=4 launch/torchrun.sh checkpoint.every=100
 set -euo pipefail
+read -r -a torchrun_args <<< "${TORCHRUN_ARGS:-}"
 if [ -z "${NPROC:-}" ]; then
   NPROC=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
 fi
 NNODES="${NNODES:-1}"
 if [ "${NNODES}" -eq 1 ]; then
   "${PYTHON:-python}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
-  exec "${PYTHON:-python}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
+  exec "${PYTHON:-python}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" ${torchrun_args[@]+"${torchrun_args[@]}"} \
+    -m sysx.train "$@"
 fi
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for this node}"
 : "${MASTER:?set MASTER=host:port of node 0 (the rendezvous endpoint)}"
 exec "${PYTHON:-python}" -m sysx.launch --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
   --rdzv_backend=c10d --rdzv_endpoint="${MASTER}" --rdzv_id="${RDZV_ID:-sysx-${MASTER}}" \
-  -m sysx.train "$@"
+  ${torchrun_args[@]+"${torchrun_args[@]}"} -m sysx.train "$@"

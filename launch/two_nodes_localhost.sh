@@ -5,7 +5,8 @@
 # forward but that a rank of the other "node" owns reach it through mirror segments, pushed by the
 # owner after every optimizer step: the multi-node path, without a second machine.
 #   NPROC=2 launch/two_nodes_localhost.sh schedule=sysx train.steps=20 device=cpu
-# Arguments are sysx-train overrides. PORT picks the rendezvous port (default 29533). Each "node" runs
+# Arguments are sysx-train overrides. PORT picks the rendezvous port (default 29533); TORCHRUN_ARGS adds
+# torchrun options to both "nodes" (e.g. TORCHRUN_ARGS="--max-restarts=2"). Each "node" runs
 # torchrun through sysx.launch (exits like the job, no agent log lines); the script exits with the
 # first non-zero status of the two.
 set -euo pipefail
@@ -13,7 +14,8 @@ NPROC="${NPROC:-2}"
 PORT="${PORT:-29533}"
 RDZV_ID="${RDZV_ID:-sysx-2nodes-$$}"
 PYTHON="${PYTHON:-python}"
-common=(--nnodes=2 --nproc_per_node="${NPROC}" --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:${PORT}" --rdzv_id="${RDZV_ID}")
+read -r -a torchrun_args <<< "${TORCHRUN_ARGS:-}"
+common=(${torchrun_args[@]+"${torchrun_args[@]}"} --nnodes=2 --nproc_per_node="${NPROC}" --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:${PORT}" --rdzv_id="${RDZV_ID}")
 "${PYTHON}" -m sysx.launch "${common[@]}" --node_rank=0 -m sysx.train "$@" &
 node0=$!
 "${PYTHON}" -m sysx.launch "${common[@]}" --node_rank=1 -m sysx.train "$@" &

@@ -168,15 +168,36 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device:
         backend = backend_for(device)  # from the job's device: a device=cpu job on a GPU machine talks gloo
     if backend == "nccl":
         torch.cuda.set_device(local_device(info.local_rank, info.local_world_size, torch.cuda.device_count()))
+    timeout = datetime.timedelta(seconds=process_group_timeout_s(timeout_s))
     dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=process_group_timeout_s(timeout_s)),
+        backend=backend, store=_job_store(info, timeout), rank=info.rank, world_size=info.world_size, timeout=timeout
     )
     peers.attach(dist.distributed_c10d._get_default_store(), info.rank, info.world_size)
     return info
+
+
+def store_namespace() -> str:
+    """The prefix of this attempt's keys in the job's store: ``default_pg`` (what torch uses), plus
+    ``/attempt<N>`` when the store is torchrun's agent store, which outlives a restart.
+
+    torchrun (c10d rendezvous, TCPStore sharing, the default since torch 2.4) hands the ranks of
+    every restart attempt the same store, with no prefix per attempt. The old attempt's keys are
+    still there: gloo's rendezvous of the new ranks reads the dead ranks' addresses (``Gloo
+    connectFullMesh failed ... Connection refused``, or a hang until the group timeout), and the
+    old failure news (``sysx/failed``) would stop the new ranks at once. ``TORCHELASTIC_RESTART_COUNT``
+    names the attempt; it is counted per node, so on several nodes it agrees only when every node's
+    agent saw the failure (sysx's ranks stop on a peer's failure within a fraction of a second, so
+    they do); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a fresh store instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return "default_pg"
+    return f"default_pg/attempt{int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)}"
+
+
+def _job_store(info: DistInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The job's store from the launcher's environment (``env://``), keys under :func:`store_namespace`."""
+    store, _, _ = next(dist.rendezvous("env://", rank=info.rank, world_size=info.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(store_namespace(), store)
 
 
 _cpu_group: dist.ProcessGroup | None = None

@@ -6,7 +6,8 @@ process group (torchrun's c10d TCPStore; under MPI the TCPStore rank 0 hosts for
   dead); the others stop with that line instead of waiting for ``schedule.timeout_s``;
 * ``sysx/who/<rank>``: ``<host> <pid> <start>``, so that a rank on the same host can tell a
   SIGKILLed peer (it cannot write anything) from a slow one, from ``/proc``;
-* ``sysx/doing/<rank>``: what the rank last started (``step 12``), named when it dies.
+* ``sysx/doing/<rank>``: what the rank last started (``step 12``), named when it dies;
+* ``sysx/attempt``: an id rank 0 draws for this attempt of the job (a torchrun restart is another).
 
 :func:`sysx.dist.wait_for` calls :meth:`PeerWatch.check` while it waits, and after a transport
 error asks :meth:`PeerWatch.explain` which peer the broken connection was.
@@ -18,13 +19,14 @@ import contextlib
 import os
 import socket
 import time
+import uuid
 from typing import Any
 
 from sysx import faults, stopping
 from sysx.memory import procinfo
 from sysx.stopping import JobStopped
 
-STOP_KEY, FAILED_KEY = "sysx/stop", "sysx/failed"
+STOP_KEY, FAILED_KEY, ATTEMPT_KEY = "sysx/stop", "sysx/failed", "sysx/attempt"
 STORE_POLL_S = 0.25
 NEWS_WAIT_S = 3.0  # how long a broken connection may precede the news (or the death) that explains it
 HEARD_KEY = "sysx/heard/{}"  # a rank read the stop or failure news
@@ -67,6 +69,18 @@ class PeerWatch:
         pid, started = procinfo.self_identity()
         self.store.set(f"sysx/who/{self.rank}", f"{self.host} {pid} {started}")
         self._who[self.rank] = (self.host, pid, started)
+        if self.rank == 0:
+            self.store.set(ATTEMPT_KEY, uuid.uuid4().hex[:8])
+
+    def attempt_id(self) -> str:
+        """This attempt's id, the same on every rank: it keeps what an attempt writes apart from
+        what a failed one left (a checkpoint's partial folder of the same step). Rank 0 publishes it
+        when it joins; the wait for it is a stop or a failure's, like every wait of the job."""
+        while not self.store.check([ATTEMPT_KEY]):
+            stopping.raise_if_requested()
+            self.check("reading the job's attempt id")
+            time.sleep(0.02)
+        return str(self.store.get(ATTEMPT_KEY).decode())
 
     def doing(self, what: str) -> None:
         """Publish what this rank starts now (named if it dies); the point where a fault asked for
@@ -131,6 +145,18 @@ class PeerWatch:
                 found = self.explain(what) or found
             if found is not None:
                 raise _ending(found)
+
+    def raise_failure(self, what: str) -> None:
+        """Raise :class:`PeerFailed` if another rank died or published a failure; unlike :meth:`check`,
+        a stop is no reason (the ranks finish what they were writing before they stop). Any thread."""
+        found = self.dead_peer(what)
+        now = time.monotonic()
+        if found is None and now - self._store_at >= STORE_POLL_S:
+            self._store_at = now
+            news = self._published_news(what)
+            found = news if isinstance(news, PeerFailed) and not isinstance(news, StoreLost) else None
+        if found is not None:
+            raise _ending(found)
 
     def explain(self, what: str) -> BaseException | None:
         """After a transport error during ``what``: the stop or failure that explains it, if any.

@@ -271,3 +271,23 @@ def test_rng_state_round_trip() -> None:
     set_rng_state(state)
     b = (torch.rand(3), pyrandom.random())
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def test_rank0_stops_waiting_for_a_rank_that_is_gone(tmp_path: Path) -> None:
+    """A rank that died before writing its layers never will: the commit stops at the peer check
+    (a dead rank, in a job), not after commit_timeout_s; the job ending on an error keeps its own."""
+
+    def rank1_is_gone() -> None:
+        raise RuntimeError("rank 1 died")
+
+    saver = CheckpointSaver(
+        tmp_path, rank=0, world=2, keep=2, tag="job", commit_timeout_s=600, peer_check=rank1_is_gone
+    )
+    t0 = time.monotonic()
+    saver.save(5, sources({0: layer(0)}), manifest={"model": {}}, trainer_state={})
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        saver.wait()
+    assert time.monotonic() - t0 < 60
+    assert find_resume("auto", tmp_path) is None  # nothing committed
+    saver.save(6, sources({0: layer(0)}), manifest={"model": {}}, trainer_state={})
+    saver.close(failing=True)  # the save's error does not replace the job's

@@ -104,3 +104,36 @@ def test_the_fault_hook_fires_where_its_rank_starts_its_label(monkeypatch: pytes
     monkeypatch.setenv("SYSX_FAULT", "explode@1:step 2")
     with pytest.raises(ValueError, match="KIND@RANK:LABEL"):
         other.doing("step 3")
+
+
+def test_a_fault_with_an_attempt_fires_in_that_restart_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.faults import Fault, InjectedFault, parse
+
+    assert parse("kill@1:step 4#0, raise@3:save 9") == [Fault("kill", 1, "step 4", 0), Fault("raise", 3, "save 9")]
+    _, other = _watches()
+    monkeypatch.setenv("SYSX_FAULT", "raise@1:step 2#1,raise@1:save 4#0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)  # the first attempt (0)
+    other.doing("step 2")
+    with pytest.raises(InjectedFault, match="rank 1 at save 4"):
+        other.doing("save 4")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    other.doing("save 4")
+    with pytest.raises(InjectedFault, match="rank 1 at step 2"):
+        other.doing("step 2")
+    monkeypatch.setenv("SYSX_FAULT", "raise@1:step 2#x")
+    with pytest.raises(ValueError, match=r"KIND@RANK:LABEL\[#ATTEMPT\]"):
+        other.doing("step 3")
+
+
+def test_each_restart_attempt_has_its_own_keys_in_torchruns_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent store outlives a failed attempt: the next one must not read its keys (gloo's
+    addresses of the dead ranks, the failure news). A store of the ranks' own is new every time."""
+    from sysx.dist import store_namespace
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = store_namespace()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert first != store_namespace() == "default_pg/attempt2"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert store_namespace() == "default_pg"

@@ -176,11 +176,13 @@ def start_launcher(tmp_path: Path, launcher: str, args: list[str] | None = None,
         PYTHON=sys.executable,
         SYSX_JOB_ID=job,
         SYSX_TEST_MARK=mark,
-        **extra_env,
     )
+    env.update(extra_env)  # may replace the defaults above (NPROC=2: 4 ranks under two_nodes)
     job_args = [*(JOB_ARGS if args is None else args), f"run_dir={tmp_path / 'run'}"]
     if launcher == "sysx.launch":
-        argv = [sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", "-m", "sysx.train"]
+        torchrun_args = env.get("TORCHRUN_ARGS", "").split()  # as the launch scripts take them
+        argv = [sys.executable, "-m", "sysx.launch", "--standalone", "--nproc_per_node=2", *torchrun_args]
+        argv += ["-m", "sysx.train"]
     else:
         argv = ["bash", str(ROOT / "launch" / f"{'two_nodes_localhost' if launcher == 'two_nodes' else launcher}.sh")]
     proc = subprocess.Popen(

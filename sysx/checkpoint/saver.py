@@ -58,10 +58,12 @@ class CheckpointSaver:
         tag: str,
         available_bytes: Callable[[], int] | None = None,
         commit_timeout_s: float = 600.0,
+        peer_check: Callable[[], None] | None = None,
     ) -> None:
         self.dir = CheckpointDir(root)
         self.rank, self.world, self.keep, self.tag = rank, world, keep, tag
         self.commit_timeout_s = commit_timeout_s
+        self.peer_check = peer_check  # raises when a rank failed or died (its layers will never come)
         self._available = available_bytes or ram_available_bytes
         self._pool: cf.ThreadPoolExecutor | None = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sysx-ckpt")
         self._inflight: cf.Future[Path | None] | None = None
@@ -109,10 +111,14 @@ class CheckpointSaver:
             self.last_path = inflight.result()
         return self.last_path
 
-    def close(self) -> None:
-        """Finish the save in flight and stop the thread (idempotent)."""
+    def close(self, *, failing: bool = False) -> None:
+        """Finish the save in flight and stop the thread (idempotent). ``failing``: the job is ending on
+        an error already, which a save that failed with it (a rank it waited for died) would only hide."""
         try:
             self.wait()
+        except Exception:
+            if not failing:
+                raise
         finally:
             pool, self._pool = self._pool, None
             if pool is not None:
@@ -150,5 +156,9 @@ class CheckpointSaver:
         if self.rank != 0:
             return None
         return pending.commit(
-            world=self.world, manifest=extra["manifest"], keep=self.keep, timeout_s=self.commit_timeout_s
+            world=self.world,
+            manifest=extra["manifest"],
+            keep=self.keep,
+            timeout_s=self.commit_timeout_s,
+            check=self.peer_check,
         )

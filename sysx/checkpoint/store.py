@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,11 +66,20 @@ class PendingCheckpoint:
         write_durable(tmp, record)
         os.replace(tmp, self.path / f"rank-{rank}.done.json")
 
-    def commit(self, *, world: int, manifest: Mapping[str, Any], keep: int, timeout_s: float = 600.0) -> Path:
-        """Rank 0: wait for every rank's record, write the manifest, publish, rotate. Returns the final path."""
+    def commit(
+        self,
+        *,
+        world: int,
+        manifest: Mapping[str, Any],
+        keep: int,
+        timeout_s: float = 600.0,
+        check: Callable[[], None] | None = None,
+    ) -> Path:
+        """Rank 0: wait for every rank's record, write the manifest, publish, rotate. Returns the final path.
+        ``check`` is called while waiting and may raise (a rank that died will never write its record)."""
         files: dict[str, dict[str, Any]] = {}
         for rank in range(world):
-            files.update(self._wait_record(rank, timeout_s))
+            files.update(self._wait_record(rank, timeout_s, check))
         body = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -95,10 +104,12 @@ class PendingCheckpoint:
         CheckpointDir(self.root).rotate(keep, upto_step=self.step)
         return final
 
-    def _wait_record(self, rank: int, timeout_s: float) -> dict[str, dict[str, Any]]:
+    def _wait_record(self, rank: int, timeout_s: float, check: Callable[[], None] | None) -> dict[str, dict[str, Any]]:
         record = self.path / f"rank-{rank}.done.json"
         deadline = time.monotonic() + timeout_s
         while not record.exists():
+            if check is not None:
+                check()
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"checkpoint {self.path}: rank {rank} did not finish writing its layers within "

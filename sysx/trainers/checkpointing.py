@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sysx import peers
 from sysx.checkpoint import Checkpoint, CheckpointSaver, SaveReport, find_resume
 from sysx.checkpoint.flat_state import flat_layer_states, load_flat
 from sysx.checkpoint.layer_state import LayerState
@@ -70,8 +71,17 @@ class JobCheckpoints:
         self.trainer = trainer
         self.dir = Path(cfg.checkpoint_dir)
         self.every = cfg.checkpoint.every
+        tag = tag or trainer.job_tag
+        watch = peers.current()
+        if watch is not None:  # a restarted job keeps its job id: its saves must not write into the failed one's
+            tag = f"{tag}-{watch.attempt_id()}"
         self.saver = CheckpointSaver(
-            self.dir, rank=trainer.rank, world=trainer.world, keep=cfg.checkpoint.keep, tag=tag or trainer.job_tag
+            self.dir,
+            rank=trainer.rank,
+            world=trainer.world,
+            keep=cfg.checkpoint.keep,
+            tag=tag,
+            peer_check=_peers_alive,
         )
         self.reports: list[SaveReport] = []
         self.saved_step: int | None = None
@@ -89,6 +99,9 @@ class JobCheckpoints:
     def save(self, *, background: bool = True) -> SaveReport:
         """Save the state after the last finished step; returns what it cost the training loop."""
         t = self.trainer
+        watch = peers.current()
+        if watch is not None:  # named if this rank dies during the save; where `SYSX_FAULT=kill@R:save N` fires
+            watch.doing(f"save {t.step_index}")
         t0 = time.perf_counter()
         t.finish_pending()  # the steps still running on optimizer threads belong to this state
         waited = time.perf_counter() - t0
@@ -144,9 +157,17 @@ class JobCheckpoints:
             )
         return path
 
-    def close(self) -> None:
-        """Finish a save in flight and stop the writer thread."""
-        self.saver.close()
+    def close(self, *, failing: bool = False) -> None:
+        """Finish a save in flight and stop the writer thread (``failing``: see :meth:`CheckpointSaver.close`)."""
+        self.saver.close(failing=failing)
+
+
+def _peers_alive() -> None:
+    """Raise when another rank of the job died or failed: rank 0's commit waits for every rank's
+    layers, and those of a rank that is gone never come (it would wait ``commit_timeout_s``)."""
+    watch = peers.current()
+    if watch is not None:
+        watch.raise_failure("checkpoint commit")
 
 
 def export_hf(checkpoint: Path, out: Path, *, tokenizer_dir: Path | None) -> Path:

@@ -27,6 +27,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
     cfg = trainer.cfg
     checkpoints: JobCheckpoints | None = None
     logger: RunLogger | None = None
+    finished = False
     try:
         run_dir = prepare_run_dir(cfg, trainer.model_cfg, is_main=is_main)
         checkpoints = JobCheckpoints(trainer)
@@ -62,6 +63,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
                 logger.section(key, value)
             checkpoints.finish(logger)
             logger.close()
+        finished = True
     except JobStopped as stop:
         traceback.clear_frames(stop.__traceback__)  # their locals hold views of shared memory that close() frees
         _stopped(trainer, logger, stop)
@@ -77,7 +79,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
     finally:
         try:
             if checkpoints is not None:
-                checkpoints.close()
+                checkpoints.close(failing=not finished)
         finally:
             trainer.close()
             watch = peers.current()
