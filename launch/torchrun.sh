@@ -9,16 +9,17 @@
 # directories and rank 0 alone writes run_dir. With NNODES > 1 every node runs this script with its
 # NODE_RANK and the same MASTER (host:port of node 0) and RDZV_ID (default: sysx-<MASTER>).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # PYTHON: the venv's interpreter, active or not
 if [ -z "${NPROC:-}" ]; then
-  NPROC=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
+  NPROC=$("${PYTHON}" -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
 fi
 NNODES="${NNODES:-1}"
 if [ "${NNODES}" -eq 1 ]; then
-  "${PYTHON:-python}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
-  exec "${PYTHON:-python}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
+  "${PYTHON}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
+  exec "${PYTHON}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" -m sysx.train "$@"
 fi
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for this node}"
 : "${MASTER:?set MASTER=host:port of node 0 (the rendezvous endpoint)}"
-exec "${PYTHON:-python}" -m sysx.launch --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
+exec "${PYTHON}" -m sysx.launch --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
   --rdzv_backend=c10d --rdzv_endpoint="${MASTER}" --rdzv_id="${RDZV_ID:-sysx-${MASTER}}" \
   -m sysx.train "$@"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sysx import peers, stopping
 from sysx.config import SysxConfig
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.metrics import SUMMARY_FILE, RunLogger
 from sysx.run_dir import describe_run, prepare_run_dir
 from sysx.stopping import JobStopped
@@ -56,6 +57,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             device=trainer.device,
             enabled=is_main,
             first_step=trainer.step_index,
+            time_scale=cfg.emulate.time_scale if cfg.device == EMULATED_DEVICE else None,
         ) as logger:
             with stopping.deferring(cfg.checkpoint.on_signal):
                 trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
