@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sysx.memory import budget, cleanup, pinned
+from sysx.memory.launcher_shm import sweep_launcher_leftovers
 from sysx.memory.names import SegmentName, current_user, sanitize, segment_name
 from sysx.memory.segment import Segment
 from sysx.memory.views import LiveViewsError, canonical_dtype, dtype_itemsize, torch_dtype
@@ -217,12 +218,13 @@ class SharedParamStore:
         self._stages: dict[str, StageBuffers] = {}
         budget.warn_remove_ipc_once()
         if sweep:
-            removed = cleanup.sweep_stale(user=self.user)
+            removed = [(info.name, info.size) for info in cleanup.sweep_stale(user=self.user)]
+            removed += [(left.path, left.size) for left in sweep_launcher_leftovers()]  # MPICH's, of killed jobs
             if removed:
-                total = sum(info.size for info in removed)
+                total = sum(size for _, size in removed)
                 warnings.warn(
                     f"sysx: removed {len(removed)} stale shared-memory segment(s) ({budget.fmt_bytes(total)}) left by "
-                    f"dead processes: {', '.join(info.name for info in removed)}",
+                    f"dead processes: {', '.join(name for name, _ in removed)}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
