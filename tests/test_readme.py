@@ -137,6 +137,7 @@ def user_files(cwd: Path) -> None:
     (cwd / "my_texts").mkdir()
     for i in range(3):
         (cwd / "my_texts" / f"{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 60}" for j in range(3000)))
+    (cwd / "llama-dir").mkdir()
     _word_tokenizer(cwd / "llama-dir" / "tokenizer.json", 60)
     config = transformers.LlamaConfig(
         vocab_size=64,
