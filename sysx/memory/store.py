@@ -218,13 +218,14 @@ class SharedParamStore:
         self._stages: dict[str, StageBuffers] = {}
         budget.warn_remove_ipc_once()
         if sweep:
-            removed = [(info.name, info.size) for info in cleanup.sweep_stale(user=self.user)]
-            removed += [(left.path, left.size) for left in sweep_launcher_leftovers()]  # MPICH's, of killed jobs
+            # a killed launcher's own leftovers (MPICH's) go without a word: nothing of sysx was lost
+            sweep_launcher_leftovers()
+            removed = cleanup.sweep_stale(user=self.user)
             if removed:
-                total = sum(size for _, size in removed)
+                total = sum(info.size for info in removed)
                 warnings.warn(
                     f"sysx: removed {len(removed)} stale shared-memory segment(s) ({budget.fmt_bytes(total)}) left by "
-                    f"dead processes: {', '.join(name for name, _ in removed)}",
+                    f"dead processes: {', '.join(info.name for info in removed)}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
