@@ -5,13 +5,17 @@
 # rendezvous address (MPI launchers set no MASTER_ADDR/MASTER_PORT).
 #   NP=4 launch/mpirun.sh schedule=sysx train.steps=20 device=cpu
 #   NP=16 HOSTS=node1:8,node2:8 launch/mpirun.sh schedule=sysx        # several nodes (MPICH host list)
-# Arguments are sysx-train overrides. MPIEXEC overrides the launcher (default: mpiexec on PATH).
+# Arguments are sysx-train overrides. MPIEXEC overrides the launcher (default: the venv's mpiexec, else
+# the one on PATH); PYTHON the interpreter (default: the active venv's, else this checkout's .venv).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # PYTHON: the venv's interpreter, active or not
 if [ -z "${NP:-}" ]; then
-  NP=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
+  NP=$("${PYTHON}" -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
 fi
-MPIEXEC="${MPIEXEC:-mpiexec}"
-PYTHON="${PYTHON:-python}"
+if [ -z "${MPIEXEC:-}" ]; then  # the venv's mpiexec (mpich wheel) beside its interpreter, else the one on PATH
+  MPIEXEC="$(dirname "${PYTHON}")/mpiexec"
+  [ -x "${MPIEXEC}" ] || MPIEXEC=mpiexec
+fi
 hosts=()
 if [ -n "${HOSTS:-}" ]; then
   hosts=(-hosts "${HOSTS}")

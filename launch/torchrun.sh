@@ -12,18 +12,19 @@
 # checkpoint.every, the restarted job resumes from the last complete checkpoint):
 #   TORCHRUN_ARGS="--max-restarts=2" NPROC=4 launch/torchrun.sh checkpoint.every=100
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # PYTHON: the venv's interpreter, active or not
 read -r -a torchrun_args <<< "${TORCHRUN_ARGS:-}"
 if [ -z "${NPROC:-}" ]; then
-  NPROC=$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
+  NPROC=$("${PYTHON}" -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1)
 fi
 NNODES="${NNODES:-1}"
 if [ "${NNODES}" -eq 1 ]; then
-  "${PYTHON:-python}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
-  exec "${PYTHON:-python}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" ${torchrun_args[@]+"${torchrun_args[@]}"} \
+  "${PYTHON}" -m sysx.train --check --ranks "${NPROC}" "$@"  # pre-flight: one line and exit 2 if the job would fail
+  exec "${PYTHON}" -m sysx.launch --standalone --nproc_per_node="${NPROC}" ${torchrun_args[@]+"${torchrun_args[@]}"} \
     -m sysx.train "$@"
 fi
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) for this node}"
 : "${MASTER:?set MASTER=host:port of node 0 (the rendezvous endpoint)}"
-exec "${PYTHON:-python}" -m sysx.launch --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
+exec "${PYTHON}" -m sysx.launch --nnodes="${NNODES}" --node_rank="${NODE_RANK}" --nproc_per_node="${NPROC}" \
   --rdzv_backend=c10d --rdzv_endpoint="${MASTER}" --rdzv_id="${RDZV_ID:-sysx-${MASTER}}" \
   ${torchrun_args[@]+"${torchrun_args[@]}"} -m sysx.train "$@"

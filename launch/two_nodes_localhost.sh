@@ -13,7 +13,7 @@ set -euo pipefail
 NPROC="${NPROC:-2}"
 PORT="${PORT:-29533}"
 RDZV_ID="${RDZV_ID:-sysx-2nodes-$$}"
-PYTHON="${PYTHON:-python}"
+source "$(dirname "${BASH_SOURCE[0]}")/_python.sh"  # PYTHON: the venv's interpreter, active or not
 read -r -a torchrun_args <<< "${TORCHRUN_ARGS:-}"
 common=(${torchrun_args[@]+"${torchrun_args[@]}"} --nnodes=2 --nproc_per_node="${NPROC}" --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:${PORT}" --rdzv_id="${RDZV_ID}")
 "${PYTHON}" -m sysx.launch "${common[@]}" --node_rank=0 -m sysx.train "$@" &

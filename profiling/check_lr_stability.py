@@ -54,7 +54,7 @@ def main() -> None:
     steps = args.steps or cfg.train.steps
     o = cfg.optim
     print(
-        f"lr {o.lr} warmup {o.warmup_steps} min_lr {o.min_lr} | {steps} of {cfg.train.steps} steps | "
+        f"lr {o.lr} warmup {o.warmup_steps} min_lr {o.final_lr} | {steps} of {cfg.train.steps} steps | "
         f"nudge: layer {args.layer} {args.param}[{args.index}] by 1 ulp | threads {torch.get_num_threads()}",
         flush=True,
     )

@@ -65,12 +65,14 @@ class RunSummary:
     skipped_steps: int
     tokens: int
     mean_tokens_per_s: float
-    train_time_s: float
-    total_time_s: float
+    train_time_s: float  # the steps' time, in ``clock`` seconds
+    total_time_s: float  # start to end of the run, in ``clock`` seconds
     peak_device_mem_bytes: int
     peak_host_rss_bytes: int
     extra: dict[str, Any] = field(default_factory=dict)
     stopped: str | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
+    clock: str = "wall"  # "modelled" on an emulated device: its step times are the modelled ones
+    wall_time_s: float | None = None  # start to end in wall seconds, when the clock is modelled
 
 
 def fmt_count(n: float) -> str:
@@ -115,8 +117,13 @@ class RunLogger:
         enabled: bool = True,
         stream: IO[str] | None = None,
         first_step: int = 0,
+        time_scale: float | None = None,
     ) -> None:
+        """``time_scale``: the step times are modelled seconds of an emulated device running this many
+        times slower than modelled (``emulate.time_scale``); the run's total is then reported in
+        modelled seconds too, so the closing line never adds up seconds of two kinds."""
         self.enabled = enabled
+        self.time_scale = time_scale
         self.total_steps = total_steps
         self.every = max(1, every)
         self.device = torch.device(device)
@@ -224,6 +231,7 @@ class RunLogger:
         """Numbers of the run so far."""
         rs = self.results
         train_time = sum(r.step_time_s for r in rs)
+        wall = time.perf_counter() - self._start
         tokens = sum(r.tokens for r in rs)
         vals = [r.val_loss for r in rs if r.val_loss is not None]
         losses = [r.loss for r in rs if math.isfinite(r.loss)]
@@ -237,10 +245,12 @@ class RunLogger:
             tokens=tokens,
             mean_tokens_per_s=tokens / train_time if train_time > 0 else 0.0,
             train_time_s=train_time,
-            total_time_s=time.perf_counter() - self._start,
+            total_time_s=wall if self.time_scale is None else wall / self.time_scale,
             peak_device_mem_bytes=dev.max_memory_allocated(self.device),
             peak_host_rss_bytes=dev.host_peak_rss_bytes(),
             extra=dict(self.notes),
+            clock="wall" if self.time_scale is None else "modelled",
+            wall_time_s=None if self.time_scale is None else wall,
         )
 
     def close(self, *, stopped: str | None = None) -> RunSummary:
@@ -270,9 +280,12 @@ class RunLogger:
         skipped = f" | {s.skipped_steps} skipped" if s.skipped_steps else ""
         mem = f" | peak dev mem {fmt_bytes(s.peak_device_mem_bytes)}" if dev.is_cuda(self.device) else ""
         where = f" | {self.run_dir / METRICS_FILE}" if self.run_dir is not None else ""
+        clock = ""
+        if s.clock != "wall":
+            clock = f" {s.clock} (emulated: wall / emulate.time_scale {self.time_scale:g}; wall {s.wall_time_s:.1f} s)"
         return (
             f"done: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f}{val} | "
-            f"mean {fmt_count(s.mean_tokens_per_s)} tok/s | train {s.train_time_s:.1f} s, total {s.total_time_s:.1f} s"
+            f"mean {fmt_count(s.mean_tokens_per_s)} tok/s | train {s.train_time_s:.1f} s, total {s.total_time_s:.1f} s{clock}"
             f"{skipped}{mem} | peak host rss {fmt_bytes(s.peak_host_rss_bytes)}{where}"
         )
 

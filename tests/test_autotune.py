@@ -270,6 +270,10 @@ def test_sysx_tune_json_keeps_the_batch_and_explains(monkeypatch, tmp_path, caps
     base = out["baseline"]  # the fixed rule: 2 stages/rank with d=2 cannot cut 6 layers, 1 stage/rank with d=2 can
     assert (base["micro_batch_size"], base["stages_per_rank"], base["split"]) == (2, 1, 2)
     assert out["why"][1].startswith("winner") and out["closest"] is None and not out["changes"]
+    # speed-ups are ratios of iteration times (0.431 s against 2.063 s is 4.79x, not "79.1% faster")
+    ratio = base["iteration_s"] / out["top"][0]["iteration_s"]
+    assert any(line.endswith(f"the winner is {ratio:.3g}x faster") for line in out["why"]), out["why"]
+    assert not any("% faster" in line for line in out["why"])
     assert not out["profile_reused"]
     assert _tune(monkeypatch, tmp_path, capsys)["profile_reused"]
 

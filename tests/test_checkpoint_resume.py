@@ -142,3 +142,38 @@ def test_the_job_resumes_where_it_stopped_and_keeps_the_earlier_metrics(tmp_path
     assert summary["steps"] == 2 and summary["extra"]["checkpoint"]["last"].endswith("step-00000006")
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir())
     assert saved == ["step-00000004", "step-00000006"]  # keep=2
+
+
+def test_a_rerun_of_a_finished_job_says_so_and_changes_no_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sysx.train import main
+
+    run = tmp_path / "run"
+    args = [
+        "schedule=reference",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.ffn_dim=64",
+        "train.seq_len=16",
+        "train.micro_batch_size=2",
+        "train.steps=3",
+        "eval.every=0",
+        "device=cpu",
+        "log.progress=false",
+        f"run_dir={run}",
+    ]
+    assert main(args) == 0
+    files = sorted(p for p in run.rglob("*") if p.is_file())
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+    capsys.readouterr()
+    time.sleep(0.01)  # a rewrite would get a later mtime
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "already finished" in out and str(run / "summary.json") in out and "step-00000003" in out
+    assert "done:" not in out and "nan" not in out
+    assert sorted(p for p in run.rglob("*") if p.is_file()) == files
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == before
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3

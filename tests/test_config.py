@@ -120,6 +120,8 @@ BAD = [
     (["device=tpu"], ["device=tpu", "cpu", "cuda"]),
     (["optim=sgd"], ["optim=sgd", "adamw"]),
     (["optim.min_lr=1.0"], ["optim.min_lr=1.0", "optim.lr"]),
+    (["optim.lr=2e-5", "optim.min_lr=1e-4"], ["optim.min_lr=0.0001", "optim.lr=2e-05"]),
+    (["optim.min_lr_ratio=2"], ["optim.min_lr_ratio=2", "between 0 and 1"]),
     (["optim.grad_clip=-1"], ["optim.grad_clip=-1", ">= 0"]),
     (["loss_scale.backoff=2"], ["loss_scale.backoff=2", "(0, 1)"]),
     (["log.every=0"], ["log.every=0", ">= 1"]),
@@ -148,6 +150,16 @@ def test_bad_value_gives_one_line_naming_key_value_and_allowed(
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert not run_dir.exists()
+
+
+def test_min_lr_follows_lr_unless_given() -> None:
+    """The README's fine-tune (``optim.lr=2e-5``) composes: the decay's floor is a ratio of lr by default."""
+    default = load_config([])
+    assert default.optim.min_lr is None and default.optim.final_lr == pytest.approx(1e-4)
+    fine_tune = load_config(["optim.lr=2e-5"])
+    assert fine_tune.optim.final_lr == pytest.approx(2e-6)
+    assert load_config(["optim.lr=2e-5", "optim.min_lr_ratio=0"]).optim.final_lr == 0.0
+    assert load_config(["optim.lr=2e-5", "optim.min_lr=1e-6"]).optim.final_lr == 1e-6
 
 
 def test_config_error_from_the_library_api() -> None:

@@ -352,3 +352,9 @@ def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> N
     placed = json.loads((tmp_path / "emulated" / "summary.json").read_text())["placement"]
     assert placed["mode"] == "auto" and len(placed["ranks"]) == 2 and all("saving_s" in r for r in placed["ranks"])
     assert "emulation" not in json.loads((tmp_path / "cpu" / "summary.json").read_text())
+    # the closing line and the summary count seconds of one kind: modelled (wall / emulate.time_scale)
+    summary = json.loads((tmp_path / "emulated" / "summary.json").read_text())
+    assert summary["clock"] == "modelled" and summary["total_time_s"] >= summary["train_time_s"]
+    assert summary["wall_time_s"] == pytest.approx(summary["total_time_s"] * 0.02)
+    done = emulated.stdout.strip().splitlines()[-1]
+    assert done.startswith("done: 3 steps") and " modelled (emulated: wall / emulate.time_scale 0.02" in done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -184,6 +185,8 @@ def test_the_fine_tuning_path_of_the_readme(tmp_path: Path) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        bos_token_id=3,
+        eos_token_id=0,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
     (tmp_path / "text.txt").write_text(" ".join(f"w{i % 60}" for i in range(3000)))
@@ -211,8 +214,40 @@ def test_the_fine_tuning_path_of_the_readme(tmp_path: Path) -> None:
     assert main([*args, "train.steps=4"]) == 0  # the same command again resumes and finishes
     export = tmp_path / "run" / "hf"
     assert (export / "tokenizer.json").is_file() and (export / "config.json").is_file()
+    exported = json.loads((export / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (3, 0)  # the source model's
+    converted = tmp_path / "converted"
+    assert sysx_main(["convert", "--to-hf", str(tmp_path / "run" / "checkpoints"), str(converted)]) == 0
+    assert json.loads((converted / "config.json").read_text())["bos_token_id"] == 3  # via the run's init_from
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)
     model = transformers.AutoModelForCausalLM.from_pretrained(export)
     ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 4)
+
+
+def test_an_export_without_a_source_model_takes_the_special_tokens_from_the_tokenizer(tmp_path: Path) -> None:
+    _, hf = make_hf("gqa")
+    save_model(load_hf_llama((hf.config, hf.state_dict())), tmp_path / "m.safetensors")
+    (tmp_path / "tok").mkdir()
+    _word_tokenizer(tmp_path / "tok" / "tokenizer.json", 20)  # <|endoftext|> is id 0
+    out = tmp_path / "out"
+    assert (
+        sysx_main(
+            ["convert", "--to-hf", str(tmp_path / "m.safetensors"), str(out), "--tokenizer", str(tmp_path / "tok")]
+        )
+        == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == 0 and "bos_token_id" not in config
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "w1", "eos_token": {"content": "w2"}})
+    )
+    assert (
+        sysx_main(
+            ["convert", "--to-hf", str(tmp_path / "m.safetensors"), str(out), "--tokenizer", str(tmp_path / "tok")]
+        )
+        == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (3, 4)

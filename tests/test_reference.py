@@ -64,7 +64,7 @@ def hand_written_loop(cfg: SysxConfig, dataset: TokenDataset, steps: int) -> tup
             step_loss += loss.item() / t.micro_batches
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps, min_lr=o.min_lr)
+            group["lr"] = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps, min_lr=o.final_lr)
         opt.step()
         losses.append(step_loss)
     return losses, norms, dict(model.named_parameters())
@@ -142,9 +142,9 @@ def test_lr_schedule_is_applied(dataset: TokenDataset) -> None:
     trainer.optimizer.step = spy  # type: ignore[method-assign]
     results = trainer.run()
     o = cfg.optim
-    expected = [lr_at(s, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=6, min_lr=o.min_lr) for s in range(6)]
+    expected = [lr_at(s, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=6, min_lr=o.final_lr) for s in range(6)]
     assert applied == expected == [r.lr for r in results]
-    assert expected[0] == o.lr / 2 and expected[1] == o.lr and expected[-1] > o.min_lr
+    assert expected[0] == o.lr / 2 and expected[1] == o.lr and expected[-1] > o.final_lr
 
 
 def test_bf16_runs_with_fp32_masters(dataset: TokenDataset) -> None:

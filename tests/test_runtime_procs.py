@@ -340,8 +340,10 @@ def test_two_torchrun_nodes_on_localhost_and_mpirun(tmp_path: Path) -> None:
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 rank(s) on 2 node(s)" in two.stdout and "done: 3 steps" in two.stdout, two.stdout
+    # a run_dir each rank resolves to another path (${now:...} at its own start): every rank takes rank 0's
+    per_rank = f"run_dir={tmp_path / 'mpi'}/" + "${now:%H%M%S-%f}"
     mpi = subprocess.run(
-        ["bash", str(ROOT / "launch" / "mpirun.sh"), "schedule=sysx", *LAUNCH_ARGS, f"run_dir={tmp_path / 'mpi'}"],
+        ["bash", str(ROOT / "launch" / "mpirun.sh"), "schedule=sysx", *LAUNCH_ARGS, per_rank],
         env={**env, "NP": "2", "PYTHON": sys.executable},
         cwd=tmp_path,
         capture_output=True,
@@ -351,4 +353,6 @@ def test_two_torchrun_nodes_on_localhost_and_mpirun(tmp_path: Path) -> None:
     assert mpi.returncode == 0, mpi.stderr[-3000:]
     assert "2 rank(s) on 1 node(s)" in mpi.stdout and "done: 3 steps" in mpi.stdout, mpi.stdout
     # the same job on 2 "nodes" (mirrors) and on 1 node (attached segments) computes the same losses
-    assert read_losses(tmp_path / "two") == pytest.approx(read_losses(tmp_path / "mpi"), rel=1e-6)
+    [mpi_run] = list((tmp_path / "mpi").iterdir())  # one run directory: checkpoints and metrics all in it
+    assert (mpi_run / "summary.json").is_file() and (mpi_run / "checkpoints" / "latest").exists()
+    assert read_losses(tmp_path / "two") == pytest.approx(read_losses(mpi_run), rel=1e-6)

@@ -614,3 +614,53 @@ def test_cli_clean_all_asks_on_a_terminal(
     assert shm_main(["clean", "--all", "--job", job]) == 0
     assert not _exists(seg.name)
     seg.close()
+
+
+def test_a_launchers_leftover_segment_goes_once_nobody_uses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MPICH's ``mpich_shm_*`` of a killed ``mpirun`` is removed by ``sysx shm clean`` (and a job's
+    start sweep); one a live process maps or holds open, a young one, and other files stay."""
+    from sysx.memory import launcher_shm
+
+    old = time.time() - 2 * launcher_shm.GRACE_S
+    for name in ("mpich_shm_dead_0", "mpich_shm_mapped_0", "mpich_shm_open_0", "mpich_shm_young_0", "other_old"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "mpich_shm_young_0":
+            os.utime(tmp_path / name, (old, old))
+    holder = subprocess.Popen(
+        [
+            "python3",
+            "-c",
+            "import mmap, sys, time\n"
+            f"g = open({str(tmp_path / 'mpich_shm_mapped_0')!r}, 'r+b')\n"
+            "m = mmap.mmap(g.fileno(), 4096)\ng.close()  # mapped, no longer open\n"
+            f"f = open({str(tmp_path / 'mpich_shm_open_0')!r}, 'rb')\n"
+            "print('ready', flush=True)\ntime.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        left = launcher_shm.launcher_leftovers(str(tmp_path))
+        assert [Path(x.path).name for x in left] == ["mpich_shm_dead_0"]
+        monkeypatch.setattr(launcher_shm, "SHM_DIR", str(tmp_path))
+        monkeypatch.setattr("sysx.memory.cli.scan", lambda job=None: [])  # leave other tests' sysx segments alone
+        assert shm_main(["list"]) == 0
+        assert "1 segment(s) a killed launcher left" in capsys.readouterr().out
+        assert shm_main(["clean"]) == 0
+        assert f"removed {tmp_path / 'mpich_shm_dead_0'}" in capsys.readouterr().out
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "mpich_shm_mapped_0",
+            "mpich_shm_open_0",
+            "mpich_shm_young_0",
+            "other_old",
+        ]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [Path(x.path).name for x in launcher_shm.sweep_launcher_leftovers(str(tmp_path))] == [
+        "mpich_shm_mapped_0",
+        "mpich_shm_open_0",
+    ]

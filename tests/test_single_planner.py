@@ -238,3 +238,19 @@ def test_plan_single_is_a_sysx_subcommand(capsys: pytest.CaptureFixture[str]) ->
         == 2
     )
     assert "sysx plan-single: refused:" in capsys.readouterr().err
+
+
+def test_plan_single_plans_the_precision_training_would_use(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--precision auto`` (the default) resolves as ``precision=auto`` of a job: fp32 on this CPU, bf16 on a GPU."""
+    from sysx import device as dev
+    from sysx.single.plan_cmd import main, plan_precision
+
+    here = dev.default_precision(dev.resolve_device("auto"))
+    assert plan_precision("auto", "measure") == here
+    assert plan_precision("auto", "rtx4090") == "bf16" and plan_precision("fp16", "measure") == "fp16"
+    args = ["--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--host-gb", "8"]
+    assert main([*args, "--hardware", "rtx4090", "--device-gb", "2"]) == 0
+    assert ", bf16; seq_len" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(args) == 0
+        assert ", fp32; seq_len" in capsys.readouterr().out

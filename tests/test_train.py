@@ -191,6 +191,25 @@ def test_logger_writes_each_step_flushed_and_prints_every_n(tmp_path: Path) -> N
     assert lines[-1].startswith("done: 5 steps | loss 5.5000 -> 2.0000") and "1 skipped" in lines[-1]
 
 
+def test_an_emulated_run_reports_every_second_in_modelled_time(tmp_path: Path) -> None:
+    """Step times of an emulated device are modelled (wall / emulate.time_scale): the total is too, and the line says so."""
+    out = io.StringIO()
+    logger = RunLogger(
+        tmp_path, total_steps=2, every=1, progress=False, device=torch.device("cpu"), stream=out, time_scale=0.001
+    )
+    for step in range(2):
+        logger.log(result(step))  # 0.5 s per step (modelled): 1 ms of wall each at this scale
+    summary = logger.close()
+    assert summary.clock == "modelled" and summary.wall_time_s is not None
+    assert summary.total_time_s == pytest.approx(summary.wall_time_s / 0.001)
+    line = out.getvalue().splitlines()[-1]
+    assert "train 1.0 s, total " in line and " modelled (emulated: wall / emulate.time_scale 0.001; wall " in line
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["clock"] == "modelled" and saved["total_time_s"] == pytest.approx(summary.total_time_s)
+    wall = RunLogger(None, total_steps=1, every=1, progress=False, device=torch.device("cpu"), stream=out)
+    assert wall.summary().clock == "wall" and wall.summary().wall_time_s is None
+
+
 def test_progress_bar_only_on_a_terminal_and_when_enabled(tmp_path: Path) -> None:
     tty = FakeTTY()
     with RunLogger(None, total_steps=3, every=10, progress=True, device=torch.device("cpu"), stream=tty) as logger:

@@ -14,6 +14,7 @@ import torch
 
 from sysx.checkpoint.pretrained import build_model, open_pretrained
 from sysx.checkpoint.store import CheckpointError
+from sysx.checkpoint.token_ids import export_token_ids
 from sysx.model.hf import export_hf_llama, load_hf_llama
 from sysx.model.io import save_model
 
@@ -60,7 +61,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.to_hf:
             model = build_model(open_pretrained(args.src), dtype=dtype)
-            out = export_hf_llama(model, args.dst, tokenizer_dir=args.tokenizer)
+            token_ids = export_token_ids(args.src, args.tokenizer)
+            out = export_hf_llama(model, args.dst, tokenizer_dir=args.tokenizer, token_ids=token_ids)
         else:
             model = load_hf_llama(args.src, dtype=dtype)
             out = save_model(model, args.dst)

@@ -203,7 +203,7 @@ def check_host_adam(backend: str, rollback: str, workers: int | None) -> None:
 
 @dataclass
 class OptimSection:
-    """``optim=adamw``: AdamW with linear warmup and cosine decay to ``min_lr`` over ``train.steps``."""
+    """``optim=adamw``: AdamW with linear warmup and cosine decay to :attr:`final_lr` over ``train.steps``."""
 
     name: str = "adamw"
     lr: float = 0.001
@@ -211,7 +211,8 @@ class OptimSection:
     eps: float = 1e-8
     weight_decay: float = 0.1
     warmup_steps: int = 50
-    min_lr: float = 0.0001
+    min_lr: float | None = None  # the floor of the cosine decay (null: lr * min_lr_ratio, so it follows lr)
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
     rollback: str = (
@@ -234,14 +235,25 @@ class OptimSection:
         if self.weight_decay < 0:
             fail("optim.weight_decay", self.weight_decay, "must be >= 0")
         check_int("optim.warmup_steps", self.warmup_steps, 0)
-        if not 0 <= self.min_lr <= self.lr:
-            fail("optim.min_lr", self.min_lr, f"must be between 0 and optim.lr={self.lr}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            fail(
+                "optim.min_lr",
+                self.min_lr,
+                f"must be between 0 and optim.lr={self.lr} (or null: lr * optim.min_lr_ratio)",
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            fail("optim.min_lr_ratio", self.min_lr_ratio, "must be between 0 and 1")
         if self.grad_clip < 0:
             fail("optim.grad_clip", self.grad_clip, "must be >= 0 (0 = no clipping)")
         check_host_adam(self.backend, self.rollback, self.workers)
         check_choice("optim.speculate", self.speculate, SPECULATE_MODES)
         check_int("optim.speculate_after", self.speculate_after, 0)
         check_choice("optim.placement", self.placement, PLACEMENTS)
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate the cosine decay ends at: ``min_lr``, or ``lr * min_lr_ratio`` when it is null."""
+        return self.lr * self.min_lr_ratio if self.min_lr is None else self.min_lr
 
 
 @dataclass

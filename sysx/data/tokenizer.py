@@ -15,6 +15,8 @@ from sysx.data.errors import DataError
 
 # Special tokens commonly used to end a document, tried in this order by ``HFTokenizer.eos_id``.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+# Likewise for the start of a document (``HFTokenizer.bos_id``).
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[CLS]")
 
 
 class Tokenizer(Protocol):
@@ -68,7 +70,8 @@ def file_sha256(path: Path) -> str:
 
 
 # What `transformers.AutoTokenizer.from_pretrained` reads from a model folder (those present are kept).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # names the special tokens (bos_token, eos_token, pad_token)
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "tokenizer.model")
 
 
 def kept_tokenizer_dir(tokens_path: str | Path) -> Path:
@@ -121,7 +124,14 @@ class HFTokenizer:
 
     def eos_id(self) -> int | None:
         """Id of the first end-of-document special token found (see ``EOS_CANDIDATES``), else None."""
-        for token in EOS_CANDIDATES:
+        return self._first_known(EOS_CANDIDATES)
+
+    def bos_id(self) -> int | None:
+        """Id of the first begin-of-document special token found (see ``BOS_CANDIDATES``), else None."""
+        return self._first_known(BOS_CANDIDATES)
+
+    def _first_known(self, tokens: tuple[str, ...]) -> int | None:
+        for token in tokens:
             found = self.token_to_id(token)
             if found is not None:
                 return found

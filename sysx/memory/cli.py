@@ -9,17 +9,21 @@
 * ``broken``   - no valid header and nobody maps it (creator died while creating it).
 
 ``clean`` removes the stale and broken ones; ``clean --all`` removes every sysx segment of this user
-(asking first on a terminal unless ``--yes``; never asking when stdin is not a terminal).
+(asking first on a terminal unless ``--yes``; never asking when stdin is not a terminal). Both also
+show and remove what a killed launcher left of its own (MPICH's ``mpich_shm_*``:
+:mod:`sysx.memory.launcher_shm`) once no process of this user uses it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from sysx.memory.budget import fmt_bytes, remove_ipc_warning
 from sysx.memory.cleanup import SegmentInfo, remove, scan
+from sysx.memory.launcher_shm import launcher_leftovers, remove_leftover
 
 
 def _age(info: SegmentInfo) -> str:
@@ -53,8 +57,22 @@ def format_table(infos: list[SegmentInfo]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows)
 
 
+def _launcher_note() -> str:
+    """One line on the launcher's leftovers, or "" without any."""
+    left = launcher_leftovers()
+    if not left:
+        return ""
+    return (
+        f"{len(left)} segment(s) a killed launcher left ({fmt_bytes(sum(x.size for x in left))}, "
+        f"e.g. {os.path.basename(left[0].path)}), unused: `sysx shm clean` removes them"
+    )
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     infos = scan(job=args.job)
+    launcher = "" if args.job else _launcher_note()
+    if launcher:
+        print(launcher)
     if not infos:
         print("no sysx shared-memory segments of this user" + (f" for job {args.job}" if args.job else ""))
         return 0
@@ -84,9 +102,23 @@ def _confirm(infos: list[SegmentInfo], assume_yes: bool) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
+def _clean_launcher_leftovers() -> int:
+    """Remove the launcher's unused leftovers (:mod:`sysx.memory.launcher_shm`); returns the bytes freed."""
+    freed = 0
+    for left in launcher_leftovers():
+        if remove_leftover(left):
+            freed += left.size
+            print(f"removed {left.path} ({fmt_bytes(left.size)}, left by a launcher, unused)")
+    return freed
+
+
 def _cmd_clean(args: argparse.Namespace) -> int:
     infos = scan(job=args.job)
     targets = infos if args.all else [i for i in infos if i.removable]
+    launcher_freed = 0 if args.job else _clean_launcher_leftovers()
+    if launcher_freed and not targets:
+        print(f"freed {fmt_bytes(launcher_freed)}")
+        return 0
     if not targets:
         print(
             "nothing to remove"
@@ -103,7 +135,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
             print(f"removed {info.name} ({fmt_bytes(info.size)}, {info.status}, creator pid {info.creator_pid})")
         else:
             print(f"skipped {info.name}: it changed or vanished meanwhile")
-    print(f"freed {fmt_bytes(freed)}")
+    print(f"freed {fmt_bytes(freed + launcher_freed)}")
     return 0
 
 

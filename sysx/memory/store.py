@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sysx.memory import budget, cleanup, pinned
+from sysx.memory.launcher_shm import sweep_launcher_leftovers
 from sysx.memory.names import SegmentName, current_user, sanitize, segment_name
 from sysx.memory.segment import Segment
 from sysx.memory.views import LiveViewsError, canonical_dtype, dtype_itemsize, torch_dtype
@@ -217,6 +218,8 @@ class SharedParamStore:
         self._stages: dict[str, StageBuffers] = {}
         budget.warn_remove_ipc_once()
         if sweep:
+            # a killed launcher's own leftovers (MPICH's) go without a word: nothing of sysx was lost
+            sweep_launcher_leftovers()
             removed = cleanup.sweep_stale(user=self.user)
             if removed:
                 total = sum(info.size for info in removed)

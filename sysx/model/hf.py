@@ -294,9 +294,11 @@ def export_hf_llama(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer_dir: str | os.PathLike | None = None,
+    token_ids: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` as an HF directory (``config.json`` + safetensors, sharded above 5 GiB), plus the
-    tokenizer files found in ``tokenizer_dir``; every file is readable by the user's group."""
+    tokenizer files found in ``tokenizer_dir``; every file is readable by the user's group.
+    ``token_ids`` (``bos_token_id``, ``eos_token_id``, ...) go into ``config.json``."""
     cfg = model.config
     dtype = dtype or model.embedding.weight.dtype
     if dtype not in _DTYPE_NAMES.values():
@@ -333,7 +335,7 @@ def export_hf_llama(
         (dst / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-    (dst / CONFIG_FILE).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+    (dst / CONFIG_FILE).write_text(json.dumps(config_to_hf(cfg, dtype) | dict(token_ids or {}), indent=2) + "\n")
     if tokenizer_dir is not None:
         for src in sorted(Path(tokenizer_dir).iterdir()):
             if src.is_file():

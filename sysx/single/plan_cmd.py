@@ -3,6 +3,8 @@
     sysx plan-single --model llama2_7b --seq-len 4096 --global-batch 64 --precision bf16 \\
         --hardware rtx4090 --device-gb 24 --host-gb 256
 
+``--precision auto`` (the default) is what ``sysx-train`` trains in: bf16 on a GPU, fp32 on CPU.
+
 ``--hardware measure`` uses this machine's figures (its GPU, or its CPU standing in for one),
 measured once per machine and cached with the autotune profile (``--refresh`` or ``--hardware
 remeasure`` measures again); a preset
@@ -16,7 +18,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISIONS
+from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISION_CHOICES
 
 if TYPE_CHECKING:
     from sysx.single.plan_report import SinglePlan
@@ -27,7 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="a preset of sysx.model.PRESETS (default tiny)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (kept as given)")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument(
+        "--precision",
+        choices=PRECISION_CHOICES,
+        default="auto",
+        help="auto (default): as sysx-train resolves it, bf16 on a GPU (or a GPU preset), fp32 on CPU",
+    )
     p.add_argument("--hardware", default="measure", choices=HARDWARE)
     p.add_argument("--refresh", action="store_true", help="measure this machine again instead of its cached figures")
     p.add_argument("--device-gb", type=float, default=0.0, help="device budget in GiB (0 = the device's free memory)")
@@ -57,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def plan_precision(precision: str, hardware: str) -> str:
+    """``--precision``, with ``auto`` resolved as a training job resolves ``precision=auto``
+    (:func:`sysx.device.default_precision`) for the device planned for: this machine's (``measure``),
+    or a GPU (every preset is one)."""
+    if precision != "auto":
+        return precision
+    from sysx import device as dev
+
+    planned = dev.resolve_device("auto") if hardware in ("measure", "remeasure") else "cuda"
+    return dev.default_precision(planned)
+
+
 def main(argv: list[str]) -> int:
     """Parse ``argv``, plan, print. Returns 0, or 2 when the plan is refused."""
     args = _parser().parse_args(argv)
@@ -68,7 +87,8 @@ def main(argv: list[str]) -> int:
     from sysx.single.plan_request import PlanError, PlanRequest
     from sysx.single.planner import make_plan
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    precision = plan_precision(args.precision, args.hardware)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     if args.hardware in ("measure", "remeasure"):
         hw = machine_hardware("remeasure" if args.refresh else args.hardware, dtype=dtype)
     else:
@@ -84,7 +104,7 @@ def main(argv: list[str]) -> int:
         model=model,
         seq_len=args.seq_len,
         global_batch=args.global_batch,
-        precision=args.precision,
+        precision=precision,
         device_budget_bytes=int(args.device_gb * GiB) or None,
         host_budget_bytes=int(args.host_gb * GiB) or None,
         chunk=args.micro_batch_size,

@@ -227,7 +227,7 @@ class Trainer(ABC):
         from sysx.optim.lr_schedule import lr_at
 
         o = self.cfg.optim
-        return lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=self.cfg.train.steps, min_lr=o.min_lr)
+        return lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=self.cfg.train.steps, min_lr=o.final_lr)
 
     @abstractmethod
     def train_step(self) -> StepResult:

@@ -135,7 +135,9 @@ class JobCheckpoints:
         cfg = self.trainer.cfg
         exported = None
         if cfg.checkpoint.export_hf and self.trainer.rank == 0 and path is not None:
-            exported = export_hf(path, Path(cfg.run_dir) / "hf", tokenizer_dir=self.trainer.tokenizer_dir())
+            exported = export_hf(
+                path, Path(cfg.run_dir) / "hf", tokenizer_dir=self.trainer.tokenizer_dir(), source=cfg.model.init_from
+            )
         if logger is not None:
             stalls = [r.stall_s for r in self.reports]
             logger.note(
@@ -170,10 +172,13 @@ def _peers_alive() -> None:
         watch.raise_failure("checkpoint commit")
 
 
-def export_hf(checkpoint: Path, out: Path, *, tokenizer_dir: Path | None) -> Path:
-    """Write a checkpoint's weights as a Hugging Face folder (with the tokenizer files, if any)."""
+def export_hf(checkpoint: Path, out: Path, *, tokenizer_dir: Path | None, source: str | None = None) -> Path:
+    """Write a checkpoint's weights as a Hugging Face folder (with the tokenizer files, if any, and
+    the special-token ids of ``source``, the model it started from, or of the tokenizer)."""
     from sysx.checkpoint.pretrained import build_model, open_pretrained
+    from sysx.checkpoint.token_ids import export_token_ids
     from sysx.model.hf import export_hf_llama
 
     model = build_model(open_pretrained(checkpoint), dtype=torch.float32)
-    return export_hf_llama(model, out, tokenizer_dir=tokenizer_dir)
+    token_ids = export_token_ids(source, tokenizer_dir)
+    return export_hf_llama(model, out, tokenizer_dir=tokenizer_dir, token_ids=token_ids)

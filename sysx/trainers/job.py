@@ -13,8 +13,11 @@ ranks before this rank starts closing, so they stop at once instead of after ``s
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 from sysx import peers, stopping
+from sysx.config import SysxConfig
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.metrics import SUMMARY_FILE, RunLogger
 from sysx.run_dir import describe_run, prepare_run_dir
 from sysx.stopping import JobStopped
@@ -29,9 +32,13 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
     logger: RunLogger | None = None
     finished = False
     try:
-        run_dir = prepare_run_dir(cfg, trainer.model_cfg, is_main=is_main)
         checkpoints = JobCheckpoints(trainer)
         resumed = checkpoints.resume()
+        if resumed is not None and trainer.step_index >= cfg.train.steps:
+            if is_main:  # a rerun of a finished job: every file stays as the finished run left it
+                print(already_finished(cfg, resumed.path, resumed.step), flush=True)
+            return 0
+        run_dir = prepare_run_dir(cfg, trainer.model_cfg, is_main=is_main)
         if is_main:
             data = f"data {cfg.data.name} ({len(trainer.dataset.split('train'))} train tokens, vocab {trainer.dataset.vocab_size})"
             lines = [data] + ([extra] if extra else [])
@@ -51,6 +58,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             device=trainer.device,
             enabled=is_main,
             first_step=trainer.step_index,
+            time_scale=cfg.emulate.time_scale if cfg.device == EMULATED_DEVICE else None,
         ) as logger:
             with stopping.deferring(cfg.checkpoint.on_signal):
                 trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
@@ -86,6 +94,16 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             if watch is not None:  # the store's host keeps its stop or failure news readable
                 watch.linger()
     return 0
+
+
+def already_finished(cfg: SysxConfig, checkpoint: Path, step: int) -> str:
+    """The one line a rerun of a finished job prints (it trains nothing and writes nothing)."""
+    summary = Path(cfg.run_dir) / SUMMARY_FILE
+    where = f"; its summary: {summary}" if summary.is_file() else ""
+    return (
+        f"sysx-train: already finished: {checkpoint} is step {step} of train.steps={cfg.train.steps}{where}; "
+        "nothing was changed (raise train.steps to train on, or give another run_dir to start again)"
+    )
 
 
 def _stopped(trainer: Trainer, logger: RunLogger | None, stop: JobStopped) -> None:

@@ -79,6 +79,10 @@ class PipelineTrainer(Trainer):
             )
         self.device = job_device(cfg, device)
         self.group = sdist.cpu_group() if self.world > 1 else None
+        if self.group is not None:  # each rank resolved run_dir's ${now:...} at its own start: rank 0's counts
+            run_dir = torch_broadcast(self.group)(cfg.run_dir)
+            if run_dir != cfg.run_dir:
+                self.cfg = cfg = dataclasses.replace(cfg, run_dir=run_dir)
         build = functools.partial(make_schedule, self.opts, n_ranks=self.world, n_micro=t.micro_batches)
         self.device_model = device_model(  # real or emulated: the trainer asks it, never the kind
             cfg,
