@@ -38,6 +38,14 @@ SKIPPED = {
     "python profiling/bench_pipeline.py --steps 4 --time-scale 0.5 --retries 3 --json bench.jsonl": (
         "the full benchmark (~2 h); tests/test_bench_pipeline.py checks its cells"
     ),
+    "python -m sysx.launch --standalone --nproc_per_node=4 --max-restarts=2 -m sysx.train \\": (
+        "three 4-rank jobs of 500 steps (the recipe for long runs); tests/test_elastic_restart.py runs "
+        "restarts through the wrapper (2 ranks) and TORCHRUN_ARGS through two_nodes_localhost.sh (4 ranks)"
+    ),
+    "SYSX_FAULT='kill@1:step 4#0,kill@3:save 9#1' python -m sysx.launch --standalone --nproc_per_node=4 \\": (
+        "4 ranks restarted twice (about a minute); tests/test_elastic_restart.py runs this fault schedule "
+        "on 4 ranks and compares the losses with an uninterrupted run's"
+    ),
 }
 # Lines skipped inside a block that otherwise runs: (the line's start, why).
 SKIPPED_LINES = {
@@ -48,6 +56,7 @@ SKIPPED_LINES = {
     "sysx-train model=llama2_7b data=file data.path=/data/owt/train.bin": "needs your own token file "
     "(/data/owt/train.bin) and ~110 GiB of host memory for the 7B model's states",
     "sbatch launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
+    "TORCHRUN_ARGS=\"--max-restarts=3\" sbatch launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
 }
 
 
