@@ -29,7 +29,7 @@ from sysx.config import (
     to_yaml,
 )
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.rank_env import env_rank, env_world_size
+from sysx.rank_env import env_rank, env_world_size, launcher_env_problem
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo
@@ -179,12 +179,18 @@ def check(inv: Invocation, cfg: SysxConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx-train``: parse, compose, validate, dispatch. Returns the exit status."""
+    from sysx.checkpoint.store import CheckpointError
     from sysx.data.errors import DataError
     from sysx.memory.budget import HostMemoryError
     from sysx.optim.loss_scaler import LossScaleTooSmall, NonFiniteGradients
+    from sysx.rendezvous import RendezvousTimeout
     from sysx.stopping import JobStopped
 
     args = list(sys.argv[1:] if argv is None else argv)
+    problem = launcher_env_problem()
+    if problem is not None:  # said by every process it concerns: its rank may not be 0
+        print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     is_main = env_rank() == 0
     run_dir: str | None = None
     try:
@@ -204,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 print(to_yaml(cfg), end="")
             return 0
+        from sysx.preflight import check_inputs
+
+        check_inputs(cfg, inv.ranks if inv.check else env_world_size())
         if inv.check:
             return check(inv, cfg)
         from sysx.run_dir import check_run_dir
@@ -214,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:  # every rank composes the same config and data: rank 0 speaks for all
             print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
-    except HostMemoryError as err:  # raised by the one rank per node that checks the node's plan
+    except (HostMemoryError, CheckpointError, RendezvousTimeout) as err:
+        # found by one rank: the node's planner, the reader of a damaged file, a rank whose peers never came
         print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
-        return 2
+        return exit_status(2)
     except (LossScaleTooSmall, NonFiniteGradients) as err:
         print(f"{PROG}: training stopped (rank {env_rank()}): {err}", file=sys.stderr, flush=True)
         return 1
@@ -255,10 +265,12 @@ def rank_failed(err: Exception, run_dir: str | None) -> int:
 
 def exit_status(code: int) -> int:
     """``code``, or the end of the process right here when a stopped or failed multi-process job
-    left a wait blocked inside gloo (interpreter teardown would abort under it): the exit
+    left a wait blocked inside gloo or the process group's creation (interpreter teardown would abort under it): the exit
     handlers (shared-memory cleanup) run first, then ``os._exit``."""
-    dist_module = sys.modules.get("sysx.dist")
-    if dist_module is not None and dist_module.abandoned_wait():
+    dist_module, rendezvous = sys.modules.get("sysx.dist"), sys.modules.get("sysx.rendezvous")
+    if (dist_module is not None and dist_module.abandoned_wait()) or (
+        rendezvous is not None and rendezvous.abandoned()
+    ):
         import atexit
 
         sys.stdout.flush()

@@ -43,6 +43,7 @@ ENGINES = (
     "sysx.dist",
     "sysx.device_binding",
     "sysx.peers",
+    "sysx.rendezvous",
     "sysx.stopping",
     "sysx.faults",
     "sysx.cachedir",
