@@ -181,6 +181,15 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
         ["profile.timeline_steps=[1, 2]", "schedule=reference", "pipeline schedule"],
     ),
     ("foo.bar=1", ["unknown key 'foo'", "valid keys"]),
+    # Hydra habits: its own settings are refused with what sysx uses instead; a sweep needs -m
+    ("hydra.run.dir=/tmp/elsewhere", ["hydra.run.dir=/tmp/elsewhere", "Hydra's own settings", "run_dir=<dir>"]),
+    ("hydra.job.chdir=true", ["hydra.job.chdir=true", "never changes the working directory"]),
+    ("hydra.verbose=true", ["hydra.verbose=true", "log.every=1"]),
+    ("hydra.foo=1", ["hydra.foo=1", "run_dir=<dir>", "-m (--multirun)"]),
+    ("hydra/launcher=joblib", ["hydra/launcher=joblib", "Hydra's own settings"]),
+    ("train.steps=1,2", ["train.steps", "needs -m (--multirun)"]),
+    ("-m optim.lr=0.1,-1", ["sweep point 1 (", "optim.lr=-1", "> 0"]),
+    ("-m model.init_from=a checkpoint.dir=/tmp/ck train.steps=1,2", ["checkpoint.dir=/tmp/ck", "shared", "remove it"]),
     ("train.steps", ["'train.steps'", "key=value"]),
     ("--bogus", ["'--bogus'", "key=value"]),
     ("--cfg bad", ["--cfg bad", "--cfg job"]),
@@ -326,6 +335,17 @@ def test_launcher_environment_without_a_launcher(
     rc, stderr = _call(main, [f"run_dir={tmp_path / 'run'}", "schedule=sysx", "device=cpu"])
     assert rc == 2, stderr
     _assert_one_line(stderr, "sysx-train: error: ", expect)
+    assert not (tmp_path / "run").exists()
+
+
+def test_sweep_under_a_launcher_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.train import main
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29598"}.items():
+        monkeypatch.setenv(key, value)
+    rc, stderr = _call(main, ["-m", "train.steps=1,2", f"run_dir={tmp_path / 'run'}"])
+    assert rc == 2, stderr
+    _assert_one_line(stderr, "sysx-train: error: ", ["-m (a sweep)", "WORLD_SIZE=2", "one launcher job per point"])
     assert not (tmp_path / "run").exists()
 
 
