@@ -80,7 +80,7 @@ def run_sweep(points: list[list[str]], flags: list[str]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     for n, (point, rc) in enumerate(results):
-        outcome = "ok" if rc == 0 else f"failed (exit {rc})"
+        outcome = "ok" if rc == 0 else f"{'stopped' if stopped and n == len(results) - 1 else 'failed'} (exit {rc})"
         print(f"{PROG}: sweep point {n}: {outcome}: {' '.join(o for o in point if o not in common)}", flush=True)
     if stopped:
         print(f"{PROG}: sweep stopped after {len(results)} of {len(planned)} points", file=sys.stderr, flush=True)
