@@ -199,6 +199,7 @@ CLI_CASES: list[tuple[str, list[str]]] = [
     ("plan --ranks 0", ["--ranks 0", ">= 1"]),
     ("plan --microbatches 0", ["--microbatches 0", ">= 1"]),
     ("plan --hydra model=nope", ["model=nope", "allowed"]),
+    ("plan --hydra hydra.run.dir=x", ["hydra.run.dir=x", "Hydra's own settings", "run_dir=<dir>"]),
     ("nope", ["unknown command 'nope'", "commands:"]),
 ]
 
