@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from sysx import peers, stopping
+from sysx import peers, rendezvous, stopping
 from sysx.device_binding import backend_for, local_device
 from sysx.peers import PeerFailed, PeerTimeout
 
@@ -169,8 +169,17 @@ def init(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device:
     if backend == "nccl":
         torch.cuda.set_device(local_device(info.local_rank, info.local_world_size, torch.cuda.device_count()))
     timeout = datetime.timedelta(seconds=process_group_timeout_s(timeout_s))
-    dist.init_process_group(
-        backend=backend, store=_job_store(info, timeout), rank=info.rank, world_size=info.world_size, timeout=timeout
+    rendezvous.join(  # interruptible, and bounded by timeout_s: a rank whose peers never come does not hang
+        lambda: dist.init_process_group(
+            backend=backend,
+            store=_job_store(info, timeout),
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+        ),
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout_s=timeout_s,
     )
     peers.attach(dist.distributed_c10d._get_default_store(), info.rank, info.world_size)
     return info

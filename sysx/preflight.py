@@ -13,6 +13,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from sysx.config import ConfigError, SysxConfig, refuse_ignored_keys
+from sysx.config.choices import EMULATED_DEVICE
 
 
 def check_single(cfg: SysxConfig) -> str:
@@ -24,8 +25,8 @@ def check_single(cfg: SysxConfig) -> str:
     from sysx.trainers.base import DTYPES, job_device, resolve_precision
 
     device = job_device(cfg)
-    dtype = DTYPES[resolve_precision(cfg, device).precision]
-    hw = machine_hardware(cfg.single.hardware, device, dtype)
+    cfg = resolve_precision(cfg, device)  # the plan is made for the precision the job will train in
+    hw = machine_hardware(cfg.single.hardware, device, DTYPES[cfg.precision])
     try:
         plan = make_plan(plan_request_from_config(cfg, cfg.single, job_model_config(cfg)), hw)
     except PlanError as err:
@@ -58,18 +59,61 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     )
 
 
+def check_inputs(cfg: SysxConfig, ranks: int) -> None:
+    """What every run checks before it starts (the job and ``--check``) and before it allocates: the
+    checkpoint ``train.resume`` names, and the host memory of the token ids sampled at once."""
+    from sysx.checkpoint.reader import RESUME_CHOICES, find_resume
+    from sysx.checkpoint.store import CheckpointError
+
+    if cfg.train.resume not in RESUME_CHOICES:
+        try:
+            find_resume(cfg.train.resume, cfg.checkpoint_dir)
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+    check_batch_fits(cfg, _schedule_name(cfg, ranks))
+
+
+def check_batch_fits(cfg: SysxConfig, schedule: str) -> None:
+    """The token ids a process samples at once (one micro-batch; the whole step for ``schedule=single``,
+    which cuts it into its own chunks) must fit in the host memory available now: the least a step
+    needs, whatever else it plans."""
+    from sysx.data.sampler import batch_host_bytes
+    from sysx.memory.budget import cgroup_memory, fmt_bytes, ram_available_bytes
+
+    t = cfg.train
+    at_once = t.micro_batches if schedule == "single" else 1  # micro-batches sampled together
+    need = batch_host_bytes(t.micro_batch_size * at_once, t.seq_len)
+    cgroup = cgroup_memory()
+    available = ram_available_bytes() if cgroup is None else min(ram_available_bytes(), cgroup.available)
+    if need <= available:
+        return
+    fits = available // batch_host_bytes(at_once, t.seq_len)
+    what = f"{t.micro_batch_size} x {t.micro_batches} micro-batches (schedule=single samples a whole step)"
+    raise ConfigError(
+        f"train.micro_batch_size={t.micro_batch_size} cannot fit: the token ids of "
+        f"{what if at_once > 1 else t.micro_batch_size} sequences of {t.seq_len} tokens need {fmt_bytes(need)} "
+        f"of host memory and this machine has {fmt_bytes(available)} available; set train.micro_batch_size <= {fits}"
+    )
+
+
+def _schedule_name(cfg: SysxConfig, ranks: int) -> str:
+    """``schedule.name`` with ``auto`` resolved for ``ranks`` processes (as :func:`sysx.train.train_auto` does)."""
+    if cfg.schedule.name != "auto":
+        return cfg.schedule.name
+    return "sysx" if ranks > 1 or cfg.device == EMULATED_DEVICE else "single"
+
+
 def preflight(cfg: SysxConfig, ranks: int) -> str:
     """Every check of a job of ``ranks`` processes that needs no allocation; one summary line when all pass."""
-    from sysx.checkpoint.pretrained import job_model_config
+    from sysx.checkpoint.pretrained import check_data_tokenizer, job_model_config
     from sysx.run_dir import check_run_dir
     from sysx.trainers.base import check_model_vocab, open_dataset
 
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks} is not valid: must be an integer >= 1 (the processes the launcher starts)")
     check_run_dir(cfg.run_dir)
-    name = cfg.schedule.name
-    if name == "auto":
-        name = "sysx" if ranks > 1 else "single"
+    name = _schedule_name(cfg, ranks)
+    if cfg.schedule.name == "auto":
         cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name=name))
         refuse_ignored_keys(name, cfg.schedule, cfg.single)
     if name in ("reference", "single") and ranks > 1:
@@ -79,6 +123,7 @@ def preflight(cfg: SysxConfig, ranks: int) -> str:
         )
     dataset = open_dataset(cfg, announce=False)
     check_model_vocab(dataset, job_model_config(cfg))
+    check_data_tokenizer(cfg, dataset)
     if name == "single":
         layout = check_single(cfg)
     elif name == "reference":

@@ -29,7 +29,7 @@ from sysx.config import (
     to_yaml,
 )
 from sysx.config.choices import EMULATED_DEVICE
-from sysx.rank_env import env_rank, env_world_size, quiet_peer_warnings
+from sysx.rank_env import env_rank, env_world_size, launcher_env_problem, quiet_peer_warnings
 
 if TYPE_CHECKING:
     from sysx.dist import DistInfo
@@ -62,6 +62,7 @@ class Invocation:
     show_cfg: bool = False
     check: bool = False  # --check: the pre-flight of the launch scripts (sysx.preflight)
     ranks: int = 1  # --ranks N: how many processes the pre-flight plans for
+    multirun: bool = False  # -m/--multirun: one job per point of the sweeps in the overrides (sysx.sweep)
 
 
 def parse_argv(argv: list[str]) -> Invocation:
@@ -81,6 +82,8 @@ def parse_argv(argv: list[str]) -> Invocation:
             inv.show_cfg = True
         elif arg == "--check":
             inv.check = True
+        elif arg in ("-m", "--multirun"):
+            inv.multirun = True
         elif arg == "--ranks" or arg.startswith("--ranks="):
             value = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else "")
             if not value.lstrip("-").isdigit():
@@ -93,7 +96,8 @@ def parse_argv(argv: list[str]) -> Invocation:
                 args.pop(0)
         elif arg.startswith("-") and not arg.startswith("~"):
             raise ConfigError(
-                f"unknown option {arg!r}; {PROG} takes key=value overrides, --cfg job, --check [--ranks N] and --help"
+                f"unknown option {arg!r}; {PROG} takes key=value overrides, -m (a sweep), --cfg job, --check [--ranks N] "
+                "and --help"
             )
         else:
             inv.overrides.append(arg)
@@ -102,26 +106,25 @@ def parse_argv(argv: list[str]) -> Invocation:
 
 def help_text(overrides: list[str]) -> str:
     """``--help``: usage, the config groups and their options, and the composed configuration."""
+    from omegaconf import OmegaConf
+
+    from sysx.config.describe import describe_keys
+
     groups = "\n".join(f"  {g:<9} {', '.join(group_options(g))}" for g in ("model", "schedule", "optim", "data"))
     cfg = compose_config(overrides)
     return (
-        f"usage: {PROG} [key=value | group=option ...] [--cfg job] [--check [--ranks N]] [--help]\n\n"
+        f"usage: {PROG} [-m] [key=value | group=option ...] [--cfg job] [--check [--ranks N]] [--help]\n\n"
         f"Train a Llama model. Configuration: {config_dir()}/config.yaml, overridden by Hydra-style arguments, e.g.\n"
         f"  {PROG} train.steps=50 precision=bf16 run_dir=/tmp/run\n"
         f"  {PROG} model=llama2_7b data=file data.path=/data/tokens.bin\n\n"
         f"config groups (group=option):\n{groups}\n\n"
-        f"flags:\n  --cfg job   print the composed configuration and exit\n"
+        f"flags:\n  -m          a sweep (--multirun): one job per point of a,b / range(...) values, in run_dir/<n>\n"
+        f"  --cfg job   print the composed configuration and exit\n"
         f"  --check     check the configuration, run_dir, data and memory plan for --ranks N processes "
         f"(default 1) without allocating; exit 2 with one line if the job would fail\n  --help      this text\n\n"
-        f"configuration (every key can be overridden):\n{to_yaml_dict(cfg)}"
+        f"configuration (key=value as composed now, and what it is; every key can be overridden):\n"
+        f"{describe_keys(OmegaConf.to_container(cfg))}"
     )
-
-
-def to_yaml_dict(cfg: object) -> str:
-    """YAML of a composed DictConfig, indented for the help text."""
-    from omegaconf import OmegaConf
-
-    return "\n".join("  " + line for line in OmegaConf.to_yaml(cfg).splitlines())
 
 
 def trainer_for(name: str) -> Callable[..., int]:
@@ -180,12 +183,18 @@ def check(inv: Invocation, cfg: SysxConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx-train``: parse, compose, validate, dispatch. Returns the exit status."""
     quiet_peer_warnings()  # before torch is imported
+    from sysx.checkpoint.store import CheckpointError
     from sysx.data.errors import DataError
     from sysx.memory.budget import HostMemoryError
     from sysx.optim.loss_scaler import LossScaleTooSmall, NonFiniteGradients
+    from sysx.rendezvous import RendezvousTimeout
     from sysx.stopping import JobStopped
 
     args = list(sys.argv[1:] if argv is None else argv)
+    problem = launcher_env_problem()
+    if problem is not None:  # said by every process it concerns: its rank may not be 0
+        print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     is_main = env_rank() == 0
     run_dir: str | None = None
     try:
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 print(help_text(inv.overrides))
             return 0
+        if inv.multirun:
+            return sweep(inv)
         cfg = load_config(inv.overrides)
         if cfg.model.init_from is not None:  # the weights' shape, checked before anything starts
             from sysx.checkpoint.pretrained import job_model_config
@@ -205,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 print(to_yaml(cfg), end="")
             return 0
+        from sysx.preflight import check_inputs
+
+        check_inputs(cfg, inv.ranks if inv.check else env_world_size())
         if inv.check:
             return check(inv, cfg)
         from sysx.run_dir import check_run_dir
@@ -215,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:  # every rank composes the same config and data: rank 0 speaks for all
             print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
-    except HostMemoryError as err:  # raised by the one rank per node that checks the node's plan
+    except (HostMemoryError, CheckpointError, RendezvousTimeout) as err:
+        # found by one rank: the node's planner, the reader of a damaged file, a rank whose peers never came
         print(f"{PROG}: error: {one_line(err)}", file=sys.stderr, flush=True)
-        return 2
+        return exit_status(2)
     except (LossScaleTooSmall, NonFiniteGradients) as err:
         print(f"{PROG}: training stopped (rank {env_rank()}): {err}", file=sys.stderr, flush=True)
         return 1
@@ -233,6 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         if env_world_size() == 1:
             raise  # one process: its traceback is the report
         return rank_failed(err, run_dir)
+
+
+def sweep(inv: Invocation) -> int:
+    """``-m``: every point of the overrides' sweeps as its own job (:mod:`sysx.sweep`), with the same flags."""
+    from sysx.config.overrides import sweep_points
+    from sysx.sweep import run_sweep
+
+    flags = (["--check", "--ranks", str(inv.ranks)] if inv.check else []) + (["--cfg", "job"] if inv.show_cfg else [])
+    return run_sweep(sweep_points(inv.overrides), flags)
 
 
 def rank_failed(err: Exception, run_dir: str | None) -> int:
@@ -256,10 +280,12 @@ def rank_failed(err: Exception, run_dir: str | None) -> int:
 
 def exit_status(code: int) -> int:
     """``code``, or the end of the process right here when a stopped or failed multi-process job
-    left a wait blocked inside gloo (interpreter teardown would abort under it): the exit
+    left a wait blocked inside gloo or the process group's creation (interpreter teardown would abort under it): the exit
     handlers (shared-memory cleanup) run first, then ``os._exit``."""
-    dist_module = sys.modules.get("sysx.dist")
-    if dist_module is not None and dist_module.abandoned_wait():
+    dist_module, rendezvous = sys.modules.get("sysx.dist"), sys.modules.get("sysx.rendezvous")
+    if (dist_module is not None and dist_module.abandoned_wait()) or (
+        rendezvous is not None and rendezvous.abandoned()
+    ):
         import atexit
 
         sys.stdout.flush()

@@ -90,6 +90,21 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ),
     ("schedule=reference model.vocab_size=100", ["model.vocab_size=100", "model.vocab_size=256"]),
     ("model.init_from={d}/nope", ["model.init_from=", "does not exist"]),
+    (
+        "model.init_from={d}/hf_truncated",
+        ["model.init_from=", "model.safetensors is not a complete safetensors file", "download or copy it again"],
+    ),
+    ("model.init_from={d}/hf_noconfig", ["model.init_from=", "has no config.json", "!train.resume"]),
+    (
+        "model.init_from={d}/hf_tokenizer",
+        ["model.init_from=", "data=default", "sysx data prepare", "--tokenizer", "data.path="],
+    ),
+    ("train.resume={d}/nope", ["train.resume=", "no such file or folder", "auto or none"]),
+    (
+        "train.micro_batch_size=100000000 schedule=reference",
+        ["train.micro_batch_size=100000000 cannot fit", "host memory", "set train.micro_batch_size <="],
+    ),
+    ("train.micro_batch_size=100000000", ["cannot fit", "schedule=single samples a whole step"]),
     # every section: a wrong type and an out-of-range value
     ("train.steps=abc", ["train.steps=abc", "integer"]),
     ("train.steps=0", ["train.steps=0", ">= 1"]),
@@ -166,6 +181,15 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
         ["profile.timeline_steps=[1, 2]", "schedule=reference", "pipeline schedule"],
     ),
     ("foo.bar=1", ["unknown key 'foo'", "valid keys"]),
+    # Hydra habits: its own settings are refused with what sysx uses instead; a sweep needs -m
+    ("hydra.run.dir=/tmp/elsewhere", ["hydra.run.dir=/tmp/elsewhere", "Hydra's own settings", "run_dir=<dir>"]),
+    ("hydra.job.chdir=true", ["hydra.job.chdir=true", "never changes the working directory"]),
+    ("hydra.verbose=true", ["hydra.verbose=true", "log.every=1"]),
+    ("hydra.foo=1", ["hydra.foo=1", "run_dir=<dir>", "-m (--multirun)"]),
+    ("hydra/launcher=joblib", ["hydra/launcher=joblib", "Hydra's own settings"]),
+    ("train.steps=1,2", ["train.steps", "needs -m (--multirun)"]),
+    ("-m optim.lr=0.1,-1", ["sweep point 1 (", "optim.lr=-1", "> 0"]),
+    ("-m model.init_from=a checkpoint.dir=/tmp/ck train.steps=1,2", ["checkpoint.dir=/tmp/ck", "shared", "remove it"]),
     ("train.steps", ["'train.steps'", "key=value"]),
     ("--bogus", ["'--bogus'", "key=value"]),
     ("--cfg bad", ["--cfg bad", "--cfg job"]),
@@ -175,6 +199,7 @@ CLI_CASES: list[tuple[str, list[str]]] = [
     ("plan --ranks 0", ["--ranks 0", ">= 1"]),
     ("plan --microbatches 0", ["--microbatches 0", ">= 1"]),
     ("plan --hydra model=nope", ["model=nope", "allowed"]),
+    ("plan --hydra hydra.run.dir=x", ["hydra.run.dir=x", "Hydra's own settings", "run_dir=<dir>"]),
     ("nope", ["unknown command 'nope'", "commands:"]),
 ]
 
@@ -201,6 +226,27 @@ def _write_files(d: Path) -> None:
     (d / "badmeta" / "tokens.meta.json").write_text("{not json")
     (ids.astype(np.uint32) * 1000).astype(np.uint16).tofile(d / "corrupt" / "tokens.bin")
     (d / "afile").write_text("not a directory\n")
+    _write_hf_folders(d)
+
+
+def _write_hf_folders(d: Path) -> None:
+    """Hugging Face folders as a download can leave them (weights are read only for their headers here)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sysx.model import get_preset
+    from sysx.model.hf import config_to_hf
+
+    config = json.dumps(config_to_hf(get_preset("tiny")))
+    for name in ("hf_truncated", "hf_noconfig", "hf_tokenizer"):
+        (d / name).mkdir()
+        save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(d / name / "model.safetensors"))
+        if name != "hf_noconfig":
+            (d / name / "config.json").write_text(config)
+    with open(d / "hf_truncated" / "model.safetensors", "r+b") as f:
+        f.truncate(40)
+    vocab = {f"w{i}": i for i in range(300)}
+    (d / "hf_tokenizer" / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +309,126 @@ def test_train_bad_input(
     assert _segments() <= before, "a shared-memory segment was left"
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
     assert not left, f"a process was left: {left}"
+
+
+@pytest.mark.parametrize(
+    "env,expect",
+    [
+        ({"WORLD_SIZE": "2", "RANK": "0"}, ["WORLD_SIZE=2 RANK=0 without MASTER_ADDR", "launcher", "unset"]),
+        (
+            {"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"},
+            ["RANK=5 is outside the job", "ranks 0..1"],
+        ),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, ["RANK=x", "integer"]),
+    ],
+    ids=["no-master-addr", "rank-outside-world", "rank-not-integer"],
+)
+def test_launcher_environment_without_a_launcher(
+    env: dict[str, str], expect: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Launcher variables set by hand: one line at once (a traceback or a 20-minute wait before)."""
+    from sysx.train import main
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    rc, stderr = _call(main, [f"run_dir={tmp_path / 'run'}", "schedule=sysx", "device=cpu"])
+    assert rc == 2, stderr
+    _assert_one_line(stderr, "sysx-train: error: ", expect)
+    assert not (tmp_path / "run").exists()
+
+
+def test_sweep_under_a_launcher_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sysx.train import main
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29598"}.items():
+        monkeypatch.setenv(key, value)
+    rc, stderr = _call(main, ["-m", "train.steps=1,2", f"run_dir={tmp_path / 'run'}"])
+    assert rc == 2, stderr
+    _assert_one_line(stderr, "sysx-train: error: ", ["-m (a sweep)", "WORLD_SIZE=2", "one launcher job per point"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_of_one_process_resolves_precision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sysx-train --check`` with the defaults (schedule=auto -> single, precision=auto): once a KeyError."""
+    from sysx.train import main
+
+    assert main(["--check", "device=cpu", f"run_dir={tmp_path / 'run'}"]) == 0
+    assert "sysx-train --check: ok (1 process; single: W=" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+
+
+def test_damaged_checkpoint_layer_is_one_line(tmp_path: Path) -> None:
+    """A resumed run whose checkpoint has a corrupted layer file: one line naming the file, no traceback."""
+    from sysx.train import main
+
+    args = ["schedule=reference", "device=cpu", "model.n_layers=1", "train.seq_len=16", "train.micro_batch_size=2"]
+    args += ["eval.every=0", "log.progress=false", f"run_dir={tmp_path / 'run'}"]
+    assert _call(main, [*args, "train.steps=1"])[0] == 0
+    layer = sorted((tmp_path / "run" / "checkpoints").glob("step-*/layer-*.safetensors"))[-1]
+    data = bytearray(layer.read_bytes())
+    data[-1] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    rc, stderr = _call(main, [*args, "train.steps=2"])
+    assert rc == 2, stderr
+    _assert_one_line(stderr, "sysx-train: error: ", [layer.name, "checksum differs", "damaged", "train.resume="])
+
+
+def _rendezvous_rank1(port: int, timeout_s: float, tmp_path: Path) -> subprocess.Popen[str]:
+    """Rank 1 of 2 whose rank 0 never comes: it reaches the store (held by the test) and waits there."""
+    env = {**_env(), "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    argv = ["schedule=sysx", "device=cpu", f"schedule.timeout_s={timeout_s}", f"run_dir={tmp_path / 'run'}"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "sysx.train", *argv], env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+
+
+def _store() -> tuple[object, int]:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+    return store, store.port
+
+
+def _wait_until_connected(proc: subprocess.Popen[str], port: int, limit_s: float = 240) -> None:
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        conns = psutil.Process(proc.pid).net_connections(kind="tcp")
+        if any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in conns):
+            return
+        time.sleep(0.2)
+    raise AssertionError("rank 1 never reached the store")
+
+
+@pytest.mark.timeout(300)
+def test_rendezvous_wait_is_bounded_by_timeout_s(tmp_path: Path) -> None:
+    store, port = _store()
+    proc = _rendezvous_rank1(port, 3, tmp_path)
+    _, stderr = proc.communicate(timeout=280)
+    assert proc.returncode == 2, stderr
+    _assert_one_line(stderr, "sysx-train: error: ", ["rank 1: joining the job's 2 ranks", "within 3 s", "timeout_s"])
+    del store
+
+
+@pytest.mark.timeout(300)
+def test_rendezvous_wait_ends_on_sigterm(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    store, port = _store()
+    proc = _rendezvous_rank1(port, 600, tmp_path)
+    _wait_until_connected(proc, port)
+    time.sleep(1)  # inside init_process_group, waiting for rank 0
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - sent < 30, stderr
+    assert "Traceback" not in stderr
+    del store
 
 
 def test_unwritable_cache_dir(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,15 @@ ROOT = Path(__file__).resolve().parents[1] / "sysx"
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 600
 # The job layer: the command lines, the trainers, the pre-flight and the run directory.
-JOB_LAYER = ("sysx.train", "sysx.trainers", "sysx.cli", "sysx.preflight", "sysx.run_dir", "sysx.plan_command")
+JOB_LAYER = (
+    "sysx.train",
+    "sysx.trainers",
+    "sysx.cli",
+    "sysx.preflight",
+    "sysx.run_dir",
+    "sysx.plan_command",
+    "sysx.sweep",
+)
 # The planner sits above the engines it plans for.
 PLANNER = ("sysx.autotune",)
 # Everything a job is built from; none imports the job layer, and none but the planner imports the planner.
@@ -43,6 +51,7 @@ ENGINES = (
     "sysx.dist",
     "sysx.device_binding",
     "sysx.peers",
+    "sysx.rendezvous",
     "sysx.stopping",
     "sysx.faults",
     "sysx.cachedir",

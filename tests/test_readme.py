@@ -56,7 +56,7 @@ SKIPPED_LINES = {
     "sysx-train model=llama2_7b data=file data.path=/data/owt/train.bin": "needs your own token file "
     "(/data/owt/train.bin) and ~110 GiB of host memory for the 7B model's states",
     "sbatch launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
-    "TORCHRUN_ARGS=\"--max-restarts=3\" sbatch launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
+    'TORCHRUN_ARGS="--max-restarts=3" sbatch launch/slurm.sbatch': "needs a Slurm cluster with GPUs",
 }
 
 

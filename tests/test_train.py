@@ -114,6 +114,8 @@ def test_python_dash_m_runs_without_creating_outputs(tmp_path: Path) -> None:
 def test_reference_refuses_several_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # torchrun's environment
+    monkeypatch.setenv("MASTER_PORT", "29597")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")

@@ -13,22 +13,27 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from sysx.checkpoint.reader import find_resume
-from sysx.checkpoint.store import CheckpointError
+from sysx.checkpoint.store import MANIFEST, CheckpointDir, CheckpointError
 from sysx.config import ConfigError, SysxConfig
 from sysx.config.checks import first_line
 from sysx.config.schema import check_seq_len, model_config
+from sysx.data.tokenizer import kept_tokenizer_dir, same_tokenizer
 from sysx.model import llama
 from sysx.model.config import ModelConfig
 from sysx.model.hf import CONFIG_FILE, SafetensorsFiles, config_from_hf, hf_key_map, hf_weight_files
 from sysx.model.io import read_model_config
 from sysx.model.layers import Head
 from sysx.model.llama import LayerInit, LlamaModel
+
+if TYPE_CHECKING:
+    from sysx.data.dataset import TokenDataset
 
 
 class PretrainedWeights:
@@ -73,8 +78,15 @@ def open_pretrained(path: str | os.PathLike) -> PretrainedWeights:
             str(root), cfg, _layers_of(str(root), SafetensorsFiles(hf_weight_files(root)), hf_key_map(cfg))
         )
     if root.is_dir():
+        if not (root / MANIFEST).is_file() and CheckpointDir(root).latest() is None:
+            found = sorted(p.name for p in root.iterdir())[:8]
+            raise FileNotFoundError(
+                f"{root} has no {CONFIG_FILE} (a Hugging Face Llama folder) and no complete sysx checkpoint "
+                f"(step-<N>/{MANIFEST}); found {found}; give a Hugging Face folder with {CONFIG_FILE}, "
+                f"a sysx model file or a sysx checkpoint"
+            )
         ckpt = find_resume(str(root), root)
-        assert ckpt is not None  # find_resume raises for a folder without a checkpoint
+        assert ckpt is not None  # a manifest or a latest checkpoint is there
         return PretrainedWeights(
             str(ckpt.path), ModelConfig.from_dict(ckpt.model), lambda index: ckpt.layer(index).weight
         )
@@ -106,6 +118,26 @@ def job_model_config(cfg: SysxConfig) -> ModelConfig:
     resolved = model_config(cfg, pretrained=shape)
     check_seq_len(cfg, resolved)
     return resolved
+
+
+def check_data_tokenizer(cfg: SysxConfig, dataset: TokenDataset) -> None:
+    """The data must be tokenized with ``model.init_from``'s tokenizer (``tokenizer.json`` beside the
+    weights) when both are known: otherwise every id means another token. A :class:`ConfigError` naming the fix."""
+    if cfg.model.init_from is None:
+        return
+    tokenizer_json = Path(cfg.model.init_from) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        return  # the weights name no tokenizer
+    kept = kept_tokenizer_dir(dataset.path) / "tokenizer.json"
+    if same_tokenizer(dataset.meta.get("tokenizer") or {}, tokenizer_json, kept) is not False:
+        return
+    data = "data=default (the byte-level corpus)" if cfg.data.name == "default" else f"data.path={cfg.data.path}"
+    raise ConfigError(
+        f"model.init_from={cfg.model.init_from} has its own tokenizer ({tokenizer_json}) but {data} was "
+        f"tokenized with another, so its ids mean other tokens; tokenize the text with the model's: "
+        f"sysx data prepare --input <texts> --output data/ft.bin --tokenizer {cfg.model.init_from}, then "
+        f"data=file data.path=data/ft.bin"
+    )
 
 
 def pretrained_init(weights: PretrainedWeights) -> LayerInit:

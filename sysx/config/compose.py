@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from sysx.config.checks import ConfigError, first_line
+from sysx.config.overrides import refuse_hydra_keys
 from sysx.config.schema import SysxConfig, validate
 
 SCHEMA_NAME = "sysx_schema"
@@ -60,6 +61,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
     register_schema()
     overrides = list(overrides)
+    refuse_hydra_keys(overrides)
     try:
         with initialize_config_dir(config_dir=str(config_dir()), job_name="sysx", version_base="1.3"):
             cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
@@ -195,7 +197,7 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
     if match:
         return _unknown_key(match.group(1))
     if "Ambiguous value" in str(err):
-        return f"{first_line(err)}: sweeps (a,b) are not supported, give one value"
+        return f"{first_line(err)}: a sweep (a,b) needs -m (--multirun), one job per point; or give one value"
     return f"{first_line(err)} (overrides: {' '.join(overrides)})"
 
 

@@ -45,10 +45,11 @@ class SysxConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     emulate: EmulateSection = field(default_factory=EmulateSection)
-    seed: int = 0
-    device: str = "auto"
-    precision: str = "auto"  # resolved by the trainer for its device (sysx.trainers.base.resolve_precision)
-    run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    seed: int = 0  # model init and data sampling
+    device: str = "auto"  # auto (cuda if present, else cpu) | cpu | cuda | cuda:<index> | emulated
+    # auto (bf16 on a GPU, fp32 on CPU; resolved by the trainer for its device) | fp32 | bf16 | fp16
+    precision: str = "auto"
+    run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"  # where rank 0 writes config.yaml, metrics.jsonl, summary.json
 
     @property
     def checkpoint_dir(self) -> str:

@@ -59,22 +59,22 @@ class ModelSection:
     """``model=<preset>``: a preset of :data:`sysx.model.PRESETS`; a field left ``None`` keeps the
     preset's value, a field that is set replaces it."""
 
-    preset: str = "tiny"
-    vocab_size: int | None = None
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    norm_eps: float | None = None
-    rope_theta: float | None = None
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None
+    preset: str = "tiny"  # a preset of sysx.model.PRESETS (model=<preset> picks it)
+    vocab_size: int | None = None  # token ids (null: the preset's)
+    dim: int | None = None  # model width
+    n_layers: int | None = None  # transformer blocks
+    n_heads: int | None = None  # attention heads (divides dim)
+    n_kv_heads: int | None = None  # key/value heads, grouped-query attention (divides n_heads)
+    ffn_dim: int | None = None  # hidden width of the SwiGLU feed-forward
+    norm_eps: float | None = None  # RMSNorm epsilon
+    rope_theta: float | None = None  # RoPE base
+    max_seq_len: int | None = None  # longest sequence (train.seq_len must fit)
+    tie_embeddings: bool | None = None  # the head shares the embedding's weight
     rope_type: str | None = None  # default | llama3 (Llama-3.1 scaling: the four rope_* fields below)
-    rope_factor: float | None = None
-    rope_low_freq_factor: float | None = None
-    rope_high_freq_factor: float | None = None
-    rope_original_max_len: int | None = None
+    rope_factor: float | None = None  # llama3 RoPE scaling factor
+    rope_low_freq_factor: float | None = None  # llama3 RoPE low-frequency factor
+    rope_high_freq_factor: float | None = None  # llama3 RoPE high-frequency factor
+    rope_original_max_len: int | None = None  # llama3 RoPE: the pre-scaling context length
     init_from: str | None = None  # pretrained weights: an HF Llama folder, a sysx model file or checkpoint
 
     def resolve(self, pretrained: ModelConfig | None = None) -> ModelConfig:
@@ -127,7 +127,9 @@ class ModelSection:
 class _ScheduleName:
     """``schedule.name``, a base of its own so it leads :class:`ScheduleSection` (in YAML and messages)."""
 
-    name: str = "auto"
+    name: str = (
+        "auto"  # auto (single with 1 process, sysx with several) | single | reference | sysx | gpipe | 1f1b | ...
+    )
 
 
 @dataclass
@@ -205,15 +207,15 @@ def check_host_adam(backend: str, rollback: str, workers: int | None) -> None:
 class OptimSection:
     """``optim=adamw``: AdamW with linear warmup and cosine decay to :attr:`final_lr` over ``train.steps``."""
 
-    name: str = "adamw"
-    lr: float = 0.001
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 50
-    min_lr: float | None = None  # the floor of the cosine decay (null: lr * min_lr_ratio, so it follows lr)
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    name: str = "adamw"  # the optimizer (optim=adamw)
+    lr: float = 0.001  # peak learning rate, after warmup
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
+    eps: float = 1e-8  # Adam's epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, on every parameter
+    warmup_steps: int = 50  # linear warmup steps
+    min_lr: float | None = None  # the cosine decay's floor (null: lr * min_lr_ratio, so it follows lr)
+    min_lr_ratio: float = 0.1  # the floor as a fraction of lr when min_lr is null
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
     backend: str = "auto"  # host CPU Adam (pipeline schedules): auto (DeepSpeed, else torch) | deepspeed | torch
     rollback: str = (
         "undo"  # undoing a step on overflow: undo | snapshot | exact | auto (exact if host memory allows, else undo)
@@ -260,10 +262,10 @@ class OptimSection:
 class DataSection:
     """``data=default`` (stdlib byte corpus) or ``data=file data.path=<tokens.bin>``."""
 
-    name: str = "default"
-    path: str | None = None
+    name: str = "default"  # default (byte-level stdlib corpus, no download) | file
+    path: str | None = None  # the token file (.bin) of data=file
     dtype: str | None = None  # uint16 | uint32, for a .bin without metadata (e.g. nanoGPT's GPT-2 files)
-    vocab_size: int | None = None  # likewise
+    vocab_size: int | None = None  # token ids of a .bin without metadata
 
     def validate(self) -> None:
         """The source, and the file's format when it has no metadata."""
@@ -289,10 +291,10 @@ class DataSection:
 class TrainSection:
     """Step count and batch shape: a step sees ``micro_batches * micro_batch_size * seq_len`` tokens."""
 
-    steps: int = 500
-    micro_batch_size: int = 8
-    micro_batches: int = 2
-    seq_len: int = 128
+    steps: int = 500  # optimizer steps
+    micro_batch_size: int = 8  # sequences per micro-batch
+    micro_batches: int = 2  # micro-batches per step (gradient accumulation)
+    seq_len: int = 128  # tokens per sequence
     resume: str = "auto"  # auto (the latest checkpoint in checkpoint.dir, if any) | none | <checkpoint path>
 
     def validate(self) -> None:
@@ -308,9 +310,9 @@ class CheckpointSection:
     """Saving training state: every ``every`` steps (0 = only at the end, which always saves) into
     ``dir`` (null: ``<run_dir>/checkpoints``), keeping the newest ``keep``."""
 
-    every: int = 0
-    dir: str | None = None
-    keep: int = 2
+    every: int = 0  # save every N steps (0 = only at the end, which always saves)
+    dir: str | None = None  # where checkpoints go (null: <run_dir>/checkpoints)
+    keep: int = 2  # newest checkpoints kept
     export_hf: bool = False  # also write the final weights as a Hugging Face folder (<run_dir>/hf)
     on_signal: bool = False  # on SIGINT/SIGTERM finish the step and save before stopping
 
@@ -326,11 +328,11 @@ class CheckpointSection:
 class LossScaleSection:
     """Dynamic loss scaling for ``precision=fp16``."""
 
-    init: float = 65536.0
-    growth_factor: float = 2.0
-    growth_interval: int = 1000
-    backoff: float = 0.5
-    min: float = 1.0
+    init: float = 65536.0  # starting scale (precision=fp16 only)
+    growth_factor: float = 2.0  # multiply the scale by this after growth_interval clean steps
+    growth_interval: int = 1000  # steps without overflow before the scale grows
+    backoff: float = 0.5  # multiply the scale by this on overflow (the step is skipped)
+    min: float = 1.0  # stop with an error if the scale would fall below this
 
     def validate(self) -> None:
         """A positive scale that grows, backs off and has a floor below its start."""
@@ -348,8 +350,8 @@ class LossScaleSection:
 class LogSection:
     """Console logging: a line every ``every`` steps; a progress bar on rank 0 when on a terminal."""
 
-    every: int = 50
-    progress: bool = True
+    every: int = 50  # print a line every N steps (metrics.jsonl gets every step)
+    progress: bool = True  # progress bar on rank 0 when stdout is a terminal
 
     def validate(self) -> None:
         """A line at least every step."""
@@ -360,8 +362,8 @@ class LogSection:
 class EvalSection:
     """Validation loss over ``batches`` micro-batches of the val split every ``every`` steps (0 = off)."""
 
-    every: int = 100
-    batches: int = 4
+    every: int = 100  # validation loss every N steps (0 = off)
+    batches: int = 4  # micro-batches per evaluation
 
     def validate(self) -> None:
         """``every`` may be 0 (off); at least one batch."""
@@ -456,15 +458,17 @@ class EmulateSection:
     refused when the real work made the emulated timeline late by more than ``max_late`` of it.
     """
 
-    gpu: str = "v100"
-    cpu: str = "epyc7452"
-    net: str = "pcie3_ib_hdr"
-    model: str = "llama2_10b"
-    seq_len: int | None = None
-    micro_batch_size: int | None = None
-    time_scale: float = 0.1
-    warmup_steps: int = 1
-    max_late: float = 0.05
+    gpu: str = "v100"  # GPU profile each rank acts as (ASSUMED_HARDWARE)
+    cpu: str = "epyc7452"  # host CPU profile (ASSUMED_CPUS)
+    net: str = "pcie3_ib_hdr"  # GPUs per node and links (ASSUMED_NETWORKS)
+    model: str = "llama2_10b"  # the preset whose costs are emulated
+    seq_len: int | None = None  # tokens per sequence of the emulated costs (null: train.seq_len)
+    micro_batch_size: int | None = (
+        None  # sequences per micro-batch of the emulated costs (null: train.micro_batch_size)
+    )
+    time_scale: float = 0.1  # wall seconds per modelled second (0.1: 10x slower)
+    warmup_steps: int = 1  # steps left out of the measurement
+    max_late: float = 0.05  # refuse the measurement when the timeline ran late by more than this fraction
 
     def validate(self) -> None:
         """Profiles and preset are known, counts >= 1, the scale > 0, the tolerance in (0, 1)."""

@@ -45,6 +45,12 @@ def sample_offsets(
     )
 
 
+def batch_host_bytes(rows: int, seq_len: int) -> int:
+    """Host bytes :func:`get_batch` holds at once for ``rows`` sequences: the int64 windows of
+    ``seq_len + 1`` ids and the inputs and labels copied out of them."""
+    return 8 * rows * (seq_len + 1) + 2 * 8 * rows * seq_len
+
+
 def _check_args(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):

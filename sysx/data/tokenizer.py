@@ -7,6 +7,7 @@ without it.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,6 +91,32 @@ def keep_tokenizer_files(tokenizer_json: Path, tokens_path: str | Path) -> Path:
         if src.is_file():
             shutil.copyfile(src, dst / name)
     return dst
+
+
+def same_tokenizer(desc: dict[str, Any], tokenizer_json: Path, kept: Path | None = None) -> bool | None:
+    """Whether ``tokenizer_json`` is the tokenizer a token file's metadata ``desc`` names: by content
+    hash, else by vocabulary (read from ``kept``, the copy kept beside the tokens, or ``desc``'s path),
+    else by vocabulary size. None when ``desc`` names no tokenizer (a file without metadata)."""
+    kind = desc.get("kind")
+    if kind is None:
+        return None
+    if kind != "hf":
+        return False  # byte or nanoGPT characters: never a tokenizer.json's ids
+    if desc.get("sha256") == file_sha256(tokenizer_json):
+        return True
+    theirs = _vocab(tokenizer_json)
+    for source in (kept, Path(desc.get("path", ""))):
+        if source is not None and source.is_file():
+            return _vocab(source) == theirs
+    return desc.get("vocab_size") == len(theirs)
+
+
+def _vocab(tokenizer_json: Path) -> dict[str, int]:
+    """Token -> id of a ``tokenizer.json``: the model's vocabulary and the added tokens."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab = dict((data.get("model") or {}).get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in data.get("added_tokens") or []})
+    return vocab
 
 
 class HFTokenizer:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from sysx.model.config import ModelConfig
@@ -193,9 +193,15 @@ def hf_weight_files(root: Path) -> dict[str, Path]:
     where: dict[str, Path] = {}
     for name in files:
         path = root / name
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safetensors' safe_open has no __iter__
-                where[key] = path
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safetensors' safe_open has no __iter__
+                    where[key] = path
+        except SafetensorError as err:  # a download cut short: the header promises more bytes than there are
+            raise ValueError(
+                f"{path} is not a complete safetensors file ({err}); it is truncated or damaged: "
+                f"download or copy it again"
+            ) from None
     return where
 
 

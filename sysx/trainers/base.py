@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sysx import stopping
 from sysx.checkpoint import Checkpoint
-from sysx.checkpoint.pretrained import job_model_config
+from sysx.checkpoint.pretrained import check_data_tokenizer, job_model_config
 from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, to_yaml
@@ -129,6 +129,7 @@ class Trainer(ABC):
             dataset if dataset is not None else open_dataset(cfg, announce=env_rank() == 0)
         )  # rank 0 prints the data notes
         check_model_vocab(self.dataset, self.model_cfg)
+        check_data_tokenizer(cfg, self.dataset)
         if cfg.eval.every > 0 and "val" not in self.dataset.splits:
             raise ConfigError(
                 f"eval.every={cfg.eval.every} needs a val split, but {cfg.data.path or 'the data'} has only "
