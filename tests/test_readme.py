@@ -56,6 +56,12 @@ SKIPPED_LINES = {
     "sysx-train model=llama2_7b data=file data.path=/data/owt/train.bin": "needs your own token file "
     "(/data/owt/train.bin) and ~110 GiB of host memory for the 7B model's states",
     "sbatch launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
+    "NP=2 launch/mpirun.sh schedule=sysx": "a 2-rank job's start costs ~30 s here, and "
+    "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs this launcher through a "
+    "whole job (test_stop.py and test_launch_failures.py its stops and failures)",
+    "NPROC=1 launch/two_nodes_localhost.sh schedule=sysx": "a 2-rank job's start costs ~30 s here, and "
+    "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs this launcher through a "
+    "whole job (test_stop.py and test_launch_failures.py its stops and failures)",
     'TORCHRUN_ARGS="--max-restarts=3" sbatch launch/slurm.sbatch': "needs a Slurm cluster with GPUs",
 }
 
