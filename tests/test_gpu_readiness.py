@@ -426,10 +426,12 @@ def test_the_process_group_timeout_is_a_multiple_of_the_per_wait_timeout(monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(sdist.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(sdist.dist, "init_process_group", lambda **kw: seen.update(kw))
+    store = object()  # the job's store (this attempt's namespace of the launcher's) is not what is tested here
+    monkeypatch.setattr(sdist, "_job_store", lambda info, timeout: store)
     monkeypatch.setattr(sdist.dist.distributed_c10d, "_get_default_store", lambda: None)
     monkeypatch.setattr(sdist.peers, "attach", lambda *a: None)
     sdist.init(timeout_s=120, device="cpu")
-    assert seen["backend"] == "gloo"
+    assert seen["backend"] == "gloo" and seen["store"] is store
     assert (
         seen["timeout"]
         == datetime.timedelta(seconds=sdist.process_group_timeout_s(120))
