@@ -32,11 +32,9 @@ def status_of(exitcode: int) -> int:
 
 def describe(status: int) -> str:
     """``killed by SIGKILL (exit status 137)`` or ``exit status 2``."""
-    if status > 128:
-        try:
-            return f"killed by {signal.Signals(status - 128).name} (exit status {status})"
-        except ValueError:
-            pass
+    names = {int(s): s.name for s in signal.Signals}
+    if status - 128 in names:
+        return f"killed by {names[status - 128]} (exit status {status})"
     return f"exit status {status}"
 
 
