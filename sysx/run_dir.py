@@ -66,10 +66,11 @@ def prepare_run_dir(cfg: SysxConfig, model: ModelConfig, *, is_main: bool) -> Pa
 def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra: str = "") -> str:
     """The configuration summary printed at start (model, batch, device, precision, run_dir)."""
     t, o = cfg.train, cfg.optim
+    replicas = f"{cfg.parallel.count} replicas x " if cfg.parallel.count > 1 else ""
     lines = [
         f"sysx-train: schedule={cfg.schedule.name} model={cfg.model.init_from or cfg.model.preset} ({fmt_count(n_params)} parameters) "
         f"device={cfg.device if cfg.device == EMULATED_DEVICE else device} precision={cfg.precision} seed={cfg.seed}",
-        f"  tokens/step {cfg.tokens_per_step} = {t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
+        f"  tokens/step {cfg.tokens_per_step} = {replicas}{t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
         f"{t.seq_len} tokens | steps {t.steps} | {o.name} lr {o.lr:g} (warmup {o.warmup_steps}, min {o.final_lr:g}) "
         f"wd {o.weight_decay:g} clip {o.grad_clip:g}",
         f"  run_dir {cfg.run_dir}",

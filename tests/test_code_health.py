@@ -46,6 +46,7 @@ ENGINES = (
     "sysx.config",
     "sysx.machine",
     "sysx.partition",
+    "sysx.replicas",
     "sysx.device",
     "sysx.device_memory",
     "sysx.dist",

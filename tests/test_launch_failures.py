@@ -46,7 +46,7 @@ def test_the_job_status_and_one_line_per_failed_rank(failures: list, status: int
 LAUNCHERS = ["sysx.launch", "torchrun", "mpirun", "two_nodes"]
 FAULT_ARGS = [a for a in JOB_ARGS if not a.startswith("train.steps=")] + ["train.steps=4"]
 FAULT_STEP = "step 2"
-BAD_KEY = "parallel.replicas=2"
+BAD_KEY = "parallel.pipelines=2"
 
 
 @pytest.mark.slow
@@ -58,7 +58,9 @@ def test_a_bad_key_is_one_line_and_status_2(tmp_path: Path, launcher: str) -> No
         job.wait_all(timeout=90)
         assert job.procs[0].returncode == 2, job.errors()
         lines = check_launcher_report(job)
-        assert len([x for x in lines if x.startswith("sysx-train: error: unknown key 'parallel'")]) == 1, lines
+        assert len([x for x in lines if x.startswith("sysx-train: error: unknown key 'parallel.pipelines'")]) == 1, (
+            lines
+        )
         job.check_nothing_left()
     finally:
         job.kill()

@@ -19,6 +19,7 @@ from sysx.config.sections import (
     LossScaleSection,
     ModelSection,
     OptimSection,
+    ParallelSection,
     ProfileSection,
     ScheduleSection,
     SingleSection,
@@ -38,6 +39,7 @@ class SysxConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     log: LogSection = field(default_factory=LogSection)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -58,8 +60,8 @@ class SysxConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens consumed by one optimizer step (all micro-batches)."""
-        return self.train.micro_batches * self.train.micro_batch_size * self.train.seq_len
+        """Tokens consumed by one optimizer step (all micro-batches of every replica)."""
+        return self.parallel.count * self.train.micro_batches * self.train.micro_batch_size * self.train.seq_len
 
 
 def validate(cfg: SysxConfig) -> None:
@@ -73,6 +75,7 @@ def validate(cfg: SysxConfig) -> None:
         fail("run_dir", repr(cfg.run_dir), "give a directory path")
     for section in (
         cfg.train,
+        cfg.parallel,
         cfg.optim,
         cfg.loss_scale,
         cfg.log,
@@ -87,6 +90,13 @@ def validate(cfg: SysxConfig) -> None:
         section.validate()
     check_profile_window(cfg)
     check_emulation(cfg)
+    if cfg.parallel.count > 1 and cfg.schedule.name in ("reference", "single"):
+        fail(
+            "parallel.replicas",
+            cfg.parallel.replicas,
+            f"schedule={cfg.schedule.name} runs in one process; replicas need a pipeline schedule "
+            "(sysx, gpipe, 1f1b, interleaved_1f1b, mobius) or parallel.replicas=1",
+        )
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
     chunk = cfg.single.seq_chunk

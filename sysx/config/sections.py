@@ -306,6 +306,25 @@ class TrainSection:
 
 
 @dataclass
+class ParallelSection:
+    """``parallel.*``: how the job's processes divide into data-parallel replicas of one pipeline
+    (:mod:`sysx.replicas`). ``world = replicas x pipeline ranks``; the global batch is ``replicas x
+    train.micro_batches x train.micro_batch_size`` sequences."""
+
+    replicas: int | None = None  # data-parallel pipelines (null: 1, or schedule.tune's choice); divides the world size
+
+    def validate(self) -> None:
+        """``replicas`` is null or an integer >= 1."""
+        if self.replicas is not None:
+            check_int("parallel.replicas", self.replicas, 1)
+
+    @property
+    def count(self) -> int:
+        """The replicas of the job (null counts as 1)."""
+        return 1 if self.replicas is None else self.replicas
+
+
+@dataclass
 class CheckpointSection:
     """Saving training state: every ``every`` steps (0 = only at the end, which always saves) into
     ``dir`` (null: ``<run_dir>/checkpoints``), keeping the newest ``keep``."""

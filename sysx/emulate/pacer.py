@@ -78,6 +78,17 @@ class Pacer:
         """A posted message completed (``wait`` waits for one more of its works, bounded)."""
         return None
 
+    def replica_reduce(self, name: str, ready: dev.Event | None) -> contextlib.AbstractContextManager[None]:
+        """The cross-replica reduction of unit ``name``'s gradients runs inside (on the rank's
+        reducer thread, units in backward order, after ``ready``: the unit's offload); the unit's
+        optimizer job starts after it. Here: nothing added."""
+        return contextlib.nullcontext()
+
+    def replica_gather(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
+        """The exchange of updated 16-bit shards between nodes (``nbytes`` received by this rank)
+        runs inside, after the step's validation. Here: nothing added."""
+        return contextlib.nullcontext()
+
     def modelled(self, part: RankPart) -> RankPart:
         """A recorded timeline window (:mod:`sysx.trace`) in the device's seconds (here: as recorded)."""
         return part
