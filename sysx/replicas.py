@@ -89,6 +89,29 @@ class ReplicaLayout:
         that node's shared memory and the updated shards need no network."""
         return len({self.node_of(r) for r in self.peers()}) == 1
 
+    @property
+    def reduction(self) -> str:
+        """How a sub-stage's gradients meet: ``none`` (one replica), ``node`` (every peer on this
+        node: through its shared memory) or ``network`` (one peer per node: collectives).
+        :class:`ValueError` in one line for a layout that mixes both (some peers share a node)."""
+        if self.replicas == 1:
+            return "none"
+        nodes = [self.node_of(r) for r in self.peers()]
+        if len(set(nodes)) == 1:
+            return "node"
+        if len(set(nodes)) == len(nodes):
+            return "network"
+        return self._mixed(nodes)
+
+    def _mixed(self, nodes: list[int]) -> str:
+        n_nodes = -(-self.world_size // self.local_world_size)
+        raise ValueError(
+            f"parallel.replicas={self.replicas} of {self.pipeline} pipeline ranks puts "
+            f"{nodes.count(nodes[0])} replicas on a node and the rest on other nodes, a layout sysx does not "
+            f"reduce gradients across; set parallel.replicas={n_nodes} (one replica per node) or run every "
+            f"replica on one node"
+        )
+
     def shard(self, numel: int) -> range:
         """The elements of a sub-stage of ``numel`` parameters this replica's optimizer owns."""
         return shard_range(numel, self.replicas, self.replica)

@@ -30,3 +30,11 @@ def test_a_world_size_not_a_multiple_is_one_line() -> None:
     with pytest.raises(ValueError, match=r"parallel.replicas=3 does not divide the 4 processes") as err:
         ReplicaLayout.of(3, 4)
     assert "\n" not in str(err.value)
+
+
+def test_reduction_path_of_each_layout() -> None:
+    assert ReplicaLayout.of(1, 4, local_world_size=4).reduction == "none"
+    assert ReplicaLayout.of(2, 4, local_world_size=4).reduction == "node"
+    assert ReplicaLayout.of(2, 8, local_world_size=4).reduction == "network"
+    with pytest.raises(ValueError, match=r"set parallel.replicas=2 \(one replica per node\)"):
+        _ = ReplicaLayout.of(4, 8, local_world_size=4).reduction

@@ -99,8 +99,11 @@ def run_parity(
     schedules: list[dict],
     steps: int = 3,
     optim: dict | None = None,
+    replicas: int = 1,
+    tol: float = TOL,
 ) -> dict:
     spec = {
+        "replicas": replicas,
         "model": model,
         "train": train,
         "steps": steps,
@@ -126,9 +129,9 @@ def run_parity(
         )
     assert len(result["rows"]) == len(schedules)
     for row in result["rows"]:
-        assert row["loss_rel"] <= TOL, row
-        assert row["param_rel"] <= TOL and row["param_rel_per_tensor"] <= TOL, row
-        assert row["grad_norm_rel"] <= TOL, row
+        assert row["loss_rel"] <= tol, row
+        assert row["param_rel"] <= tol and row["param_rel_per_tensor"] <= tol, row
+        assert row["grad_norm_rel"] <= tol, row
     return result
 
 

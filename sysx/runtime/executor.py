@@ -47,6 +47,7 @@ class StepContext:
     lr: float = 0.0
     scale: float = 1.0
     n_micro: int = 1
+    replicas: int = 1  # data-parallel replicas: a loss counts 1 / (n_micro x replicas) of the step's gradient
     split: str = "train"
     training: bool = True
     losses: list[torch.Tensor] = field(default_factory=list)
@@ -342,7 +343,7 @@ class Executor:
             x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
             out = self._run(mods, layers, x, j)
             if grad_out is None:
-                scaled = out / self.ctx.n_micro
+                scaled = out / (self.ctx.n_micro * self.ctx.replicas)
                 if self.ctx.scale != 1.0:
                     scaled = scaled * self.ctx.scale
                 scaled.backward()

@@ -4,6 +4,10 @@ One :class:`sysx.optim.StageOptimizer` per backward sub-stage this rank owns, ru
 :class:`sysx.optim.OptimizerThreads`. Asynchronous schedules (SysX) hand each sub-stage to the
 rank's :class:`sysx.optim.step_protocol.StepProtocol` at OPTIM_STEP and decide at VALIDATE;
 synchronous ones (the baselines) load and check at VALIDATE and step at each OPTIM_STEP.
+
+With replicas (:mod:`sysx.replicas`) each stage optimizer holds this replica's shard of its
+sub-stage, and a :class:`~sysx.runtime.replica_sync.GradReducer` sums the replicas' gradients of
+that shard between the offload and the optimizer job, which waits for the sum instead of the copy.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from sysx import device as dev
+from sysx.emulate.pacer import Pacer
 from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.device_lane import DeviceLane
@@ -21,6 +26,7 @@ from sysx.optim.stage import OptimSettings, StageOptimizer
 from sysx.optim.step_protocol import LanePacer, LaneSeconds, StepProtocol
 from sysx.optim.threads import OptimizerThreads, Pace
 from sysx.optim.validation import StepOutcome, apply_checked, load_and_check
+from sysx.runtime.replica_sync import GradReducer
 from sysx.runtime.stage_params import StageParams
 
 
@@ -37,7 +43,11 @@ class RankOptimizer:
         local_rank: int = 0,
         local_world_size: int = 1,
         pace: Pace | None = None,
+        replica_group: dist.ProcessGroup | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
+        """``replica_group``: this pipeline rank's replicas (gradient reductions; None: one
+        replica); ``pacer``: the emulated device's (charges the reductions)."""
         self.settings = settings
         self.scaler = scaler
         self.group = group
@@ -48,8 +58,13 @@ class RankOptimizer:
         self.events: dict[tuple[int, int], dev.Event] = {}
         self.outcome: StepOutcome | None = None
         self.step_seconds = 0.0
+        self.reduced: dict[tuple[int, int], torch.Tensor] = {}  # replicas: each unit's summed fp32 shard
+        self.reducer: GradReducer | None = None
         try:
             self._build_stages(params)
+            if params.replica_layout.replicas > 1:
+                assert replica_group is not None, "replicas need their process group"
+                self._build_reducer(params, replica_group, pacer)
             workers, threads = settings.workers, settings.threads_per_worker
             if workers is None or threads is None:
                 plan = plan_cores(
@@ -74,6 +89,9 @@ class RankOptimizer:
 
     def _build_stages(self, params: StageParams) -> None:
         """One optimizer and one host gradient buffer per owned sub-stage."""
+        if params.replica_layout.replicas > 1:
+            self._build_shards(params)
+            return
         fp32 = self.dtype == torch.float32
         for unit in params.owned():
             key = (unit.stage, unit.sub)
@@ -85,6 +103,43 @@ class RankOptimizer:
                 unit.key, params.masters[key], self.settings, target=target, grad_buffer=grad32
             )
             self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
+
+    def _build_shards(self, params: StageParams) -> None:
+        """One optimizer per owned sub-stage over this replica's shard (its fp32 gradients apart
+        from the full-size buffer the offload lands in, which the reducer reads)."""
+        for unit in params.owned():
+            key, cut = (unit.stage, unit.sub), params.replica_layout.shard(unit.numel)
+            target = None if self.dtype == torch.float32 else params.shared[key][cut.start : cut.stop]
+            self.stages[key] = StageOptimizer.from_settings(
+                unit.key, params.masters[key], self.settings, target=target, grad_buffer=torch.empty(len(cut))
+            )
+            self.reduced[key] = torch.empty(len(cut), dtype=torch.float32)
+
+    def _build_reducer(self, params: StageParams, group: dist.ProcessGroup, pacer: Pacer | None) -> None:
+        """The landing buffers (segments on the ``node`` path, which every replica reads) and the reducer."""
+        peers = None
+        if params.replica_layout.reduction == "node":
+            landing, peers = params.grad_landings()
+            self.host_grads.update(landing)
+        else:
+            for unit in params.owned():
+                self.host_grads[(unit.stage, unit.sub)] = self.buffers.empty(unit.numel, self.dtype)
+        self.reducer = GradReducer(
+            params.replica_layout,
+            self.host_grads,
+            self.reduced,
+            group=group,
+            timeout_s=params.timeout_s,
+            pacer=pacer,
+            peers_landing=peers,
+        )
+
+    def _grads(self, unit: tuple[int, int]) -> tuple[torch.Tensor, dev.Event | None]:
+        """What the optimizer job of ``unit`` loads and waits for: the offloaded gradients and their
+        copy's event, or with replicas the summed shard and its reduction."""
+        if self.reducer is None:
+            return self.host_grads[unit], self.events.get(unit)
+        return self.reduced[unit], self.reducer.done.get(unit)
 
     @property
     def policy(self) -> SpeculationPolicy:
@@ -106,17 +161,23 @@ class RankOptimizer:
         self.events.clear()
         self.outcome = None
         self.step_seconds = 0.0
+        if self.reducer is not None:
+            self.reducer.begin()
         self.protocol.begin()
 
     def offloaded(self, unit: tuple[int, int], event: dev.Event) -> None:
-        """Record that ``unit``'s gradients are on their way to :attr:`host_grads`."""
+        """Record that ``unit``'s gradients are on their way to :attr:`host_grads` (replicas: queue
+        their reduction behind the copy)."""
         self.events[unit] = event
+        if self.reducer is not None:
+            self.reducer.submit(unit, event)
 
     def submit(self, unit: tuple[int, int], *, lr: float, scale: float) -> None:
         """Asynchronous OPTIM_STEP: a worker waits for the offload, checks and steps (only checks
         when this step does not speculate)."""
         name = self._stage(unit).name
-        self.protocol.submit(name, self.host_grads[unit], self.events.get(unit), scale=scale, lr=lr)
+        grads, ready = self._grads(unit)
+        self.protocol.submit(name, grads, ready, scale=scale, lr=lr)
 
     def validate_async(self, *, lr: float) -> StepOutcome:
         """Wait for the workers, then SysX's post-step validation (rollback / clipping re-step), or,
@@ -130,13 +191,14 @@ class RankOptimizer:
     def validate_sync(self, *, scale: float) -> StepOutcome:
         """Validate first (baselines): load and check every offloaded sub-stage, reduce, decide."""
         names = {self.stages[u].name: u for u in self.events}
+        loads = {n: self._grads(u) for n, u in names.items()}
         self.outcome = load_and_check(
-            {n: self.host_grads[u] for n, u in names.items()},
+            {n: grads for n, (grads, _) in loads.items()},
             self.threads,
             self.scaler,
             max_grad_norm=self.settings.grad_clip,
             group=self.group,
-            events={n: self.events[u] for n, u in names.items()},
+            events={n: ready for n, (_, ready) in loads.items() if ready is not None},
             scale=scale,
         )
         return self.outcome
@@ -159,6 +221,8 @@ class RankOptimizer:
     # ------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Join the worker threads and release the optimizers (their views of shared memory too)."""
+        if self.reducer is not None:
+            self.reducer.close()
         self.threads.close()
         self.protocol.close()
         self._release()
@@ -169,5 +233,9 @@ class RankOptimizer:
             stage.close()
         self.stages.clear()
         self.host_grads.clear()
+        self.reduced.clear()
+        if self.reducer is not None:  # a failed start: the reducer thread was started
+            self.reducer.close()
+            self.reducer = None
         self.events = {}
         self.buffers.close()

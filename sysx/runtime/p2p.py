@@ -113,11 +113,15 @@ class P2P:
         ckpt_group: dist.ProcessGroup | None = None,
         stream_ordered: bool | None = None,
         pacer: Pacer | None = None,
+        peer_offset: int = 0,
     ) -> None:
         """``group``: activations and gradients (None: the default group); ``ckpt_group``:
         checkpoints (None: ``group``); ``stream_ordered``: synchronous transfers only order the
-        compute stream (default: when the backend is NCCL); ``pacer``: the emulated device's."""
+        compute stream (default: when the backend is NCCL); ``pacer``: the emulated device's;
+        ``peer_offset``: added to the schedule's peers (pipeline ranks) to make global ranks (the
+        first rank of this rank's replica, :mod:`sysx.replicas`). ``rank`` is the global rank."""
         self.rank = rank
+        self.peer_offset = peer_offset
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.verify = bool(verify)
@@ -131,8 +135,9 @@ class P2P:
 
     # ------------------------------------------------------------------------------------ posting
     def isend(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> Pending:
-        """Post the send of ``tensor`` (checked against ``spec``) to ``peer``; returns the handle."""
+        """Post the send of ``tensor`` (checked against ``spec``) to pipeline rank ``peer``; returns the handle."""
         spec.check(tensor, rank=self.rank, action=f"{what}: sending")
+        peer += self.peer_offset
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
         works: list[dist.Work] = []
         header, group = None, self._group(spec)
@@ -145,8 +150,9 @@ class P2P:
         return pending
 
     def irecv(self, spec: TransferSpec, peer: int, what: str) -> Pending:
-        """Post the receive of ``spec`` from ``peer`` into a fresh buffer; returns the handle."""
+        """Post the receive of ``spec`` from pipeline rank ``peer`` into a fresh buffer; returns the handle."""
         buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        peer += self.peer_offset
         works: list[dist.Work] = []
         header, group = None, self._group(spec)
         if self.verify:

@@ -4,7 +4,11 @@ collectives of a step's end (one all-reduce, waited for in slices, of the losses
 outcome, the passes' end times and a deferred stop).
 
 Built in one go: when a part fails to build, the parts built before it are closed (shared memory
-segments and optimizer threads never outlive a failed start)."""
+segments and optimizer threads never outlive a failed start).
+
+With replicas (:mod:`sysx.replicas`) the rank runs its replica's copy of the schedule (its pipeline
+rank's op list, messages to its replica's ranks, its own micro-batches), its optimizer steps a shard
+of each owned sub-stage after the gradient reduction, and a step ends with the shard exchange."""
 
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ from sysx.model import ModelConfig
 from sysx.model.llama import LayerInit
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import OptimSettings
+from sysx.replicas import ReplicaLayout
 from sysx.runtime.buffers import GradBuffers, ParamSlots
 from sysx.runtime.executor import ExecutionError, Executor, StepContext
 from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.options import PipelineOptions
 from sysx.runtime.p2p import P2P
+from sysx.runtime.replica_sync import ReplicaGroups, exchange_shards, gather_shards
 from sysx.runtime.stage_params import StageParams
 from sysx.schedule import Op, OpKind, Schedule
 from sysx.trace import Recorder
@@ -56,8 +62,13 @@ class RankRuntime:
         micro_batch_size: int,
         seq_len: int,
         dataset: TokenDataset,
+        layout: ReplicaLayout | None = None,
     ) -> None:
         self.rank, self.world, self.group, self.timeout_s = info.rank, info.world_size, group, opts.timeout_s
+        self.layout = layout or ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
+        self.stage_rank, self.pacer = self.layout.stage_rank, pacer
+        # every rank creates every pipeline rank's replica groups, before anything else (collective)
+        self.replica_groups = ReplicaGroups.build(self.layout) if self.layout.replicas > 1 else None
         self.local_world_size = info.local_world_size
         self.dataset, self.seed, self.micro_batch_size, self.seq_len = dataset, seed, micro_batch_size, seq_len
         self.schedule, self.device, self.dtype = schedule, device, dtype
@@ -74,11 +85,13 @@ class RankRuntime:
                 seed=seed,
                 init=init,
                 rollback=opts.rollback,
+                layout=self.layout,
             )
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)
-            loads = [schedule.layers(op) for op in schedule.ops[self.rank] if op.kind == OpKind.LOAD_PARAMS]
-            loads += [schedule.partition.stage_layers(s) for s in schedule.assignment.fwd_stages(self.rank)]
+            ops = schedule.ops[self.stage_rank]
+            loads = [schedule.layers(op) for op in ops if op.kind == OpKind.LOAD_PARAMS]
+            loads += [schedule.partition.stage_layers(s) for s in schedule.assignment.fwd_stages(self.stage_rank)]
             numels = self.params.numels
             slot_numel = max(sum(numels[i] for i in r) for r in loads)
             self.compute = compute
@@ -94,12 +107,14 @@ class RankRuntime:
                 local_rank=info.local_rank,
                 local_world_size=info.local_world_size,
                 pace=pacer.optimizer_pace(),
+                replica_group=self.replica_groups.reduce if self.replica_groups is not None else None,
+                pacer=pacer,
             )
             undo.callback(self.optimizer.close)
             self.p2p = self._p2p(opts, device, pacer)
             self.executor = Executor(
                 schedule,
-                self.rank,
+                self.stage_rank,
                 model_cfg=model_cfg,
                 device=device,
                 dtype=dtype,
@@ -116,7 +131,8 @@ class RankRuntime:
             undo.pop_all()  # built: close() releases them from now on
 
     def _batch(self, step: int, mb: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``mb`` of ``step`` from ``split`` (the same on every rank)."""
+        """Micro-batch ``mb`` of ``step`` from ``split`` (the same on every rank of a replica; each
+        replica its own rows: replica ``r``'s micro-batch ``mb`` is the one-replica run's ``mb*R+r``)."""
         return get_batch(
             self.dataset,
             seed=self.seed,
@@ -125,6 +141,8 @@ class RankRuntime:
             micro_batch_size=self.micro_batch_size,
             seq_len=self.seq_len,
             split=split,
+            dp_rank=self.layout.replica,
+            dp_size=self.layout.replicas,
         )
 
     def _p2p(self, opts: PipelineOptions, device: torch.device, pacer: Pacer) -> P2P | None:
@@ -140,6 +158,7 @@ class RankRuntime:
             verify=verify,
             ckpt_group=sdist.checkpoint_group(),
             pacer=pacer,
+            peer_offset=self.layout.global_rank(0),
         )
 
     def record(self, recorder: Recorder) -> None:
@@ -155,12 +174,34 @@ class RankRuntime:
         try:
             self.executor.run(ops, ctx)
             if ctx.training:
+                self.exchange_shards()
                 self.params.push_mirrors()
             else:
                 self.executor.wait_sends()
         except BaseException:
             self.executor.reset()
             raise
+
+    def exchange_shards(self) -> int:
+        """The replicas' updated shards into this node's working copy (replicas on other nodes;
+        collective over the replicas of this pipeline rank). Returns the bytes received."""
+        if self.replica_groups is None:
+            return 0
+        return exchange_shards(
+            self.layout,
+            self.params.shared,
+            [(u.stage, u.sub) for u in self.params.owned()],
+            group=self.replica_groups.exchange,
+            timeout_s=self.timeout_s,
+            pacer=self.pacer,
+        )
+
+    def gather_shards(self, shard: torch.Tensor, numel: int) -> torch.Tensor | None:
+        """A sub-stage's full flat ``shard``s (of ``numel``) on the first replica, None on the others
+        (collective over this pipeline rank's replicas; one replica: ``shard`` itself)."""
+        if self.replica_groups is None:
+            return shard
+        return gather_shards(self.layout, shard, numel, group=self.replica_groups.exchange, timeout_s=self.timeout_s)
 
     def mean_loss(self, ctx: StepContext, what: str) -> float:
         """The mean of every rank's losses of ``ctx`` (collective: ``what`` names the all-reduce)."""
@@ -217,7 +258,11 @@ class RankRuntime:
     def master_state(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name; collective: every rank calls it and gets the same
         dict (gathered over the CPU group, meant for tests and small models)."""
-        mine = self.params.master_state({key: stage.master for key, stage in self.optimizer.stages.items()})
+        current = {key: stage.master for key, stage in self.optimizer.stages.items()}
+        if self.replica_groups is not None:  # the first replica holds every shard: it answers for them
+            full = {key: self.gather_shards(t, self.params.units[key].numel) for key, t in current.items()}
+            current = {key: t for key, t in full.items() if t is not None}
+        mine = self.params.master_state(current) if current or self.replica_groups is None else {}
         if self.world == 1:
             return mine
         parts: list[dict[str, torch.Tensor] | None] = [None] * self.world

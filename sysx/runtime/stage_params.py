@@ -22,6 +22,7 @@ from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
 from sysx.optim.rollback_choice import choose_rollback
 from sysx.partition import unit_label
+from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
 
 
@@ -43,8 +44,8 @@ class SubStage:
     sub: int
     layers: range
     numel: int
-    owner: int  # rank running its backward and optimizer
-    fwd_rank: int  # rank running the forward of its stage
+    owner: int  # global rank running its backward and optimizer (in this rank's replica)
+    fwd_rank: int  # global rank running the forward of its stage (in this rank's replica)
     owner_node: int
     fwd_node: int
 
@@ -59,14 +60,18 @@ class SubStage:
         return self.fwd_node != self.owner_node
 
 
-def sub_stages(schedule: Schedule, numels: list[int], info: DistInfo) -> dict[tuple[int, int], SubStage]:
-    """Every sub-stage of ``schedule`` with its owner, its forward rank and their nodes."""
+def sub_stages(
+    schedule: Schedule, numels: list[int], info: DistInfo, layout: ReplicaLayout | None = None
+) -> dict[tuple[int, int], SubStage]:
+    """Every sub-stage of ``schedule`` with its owner, its forward rank (global ranks of ``layout``'s
+    replica; None: one replica) and their nodes."""
     part, place = schedule.partition, schedule.assignment
+    base = layout.global_rank(0) if layout is not None else 0
     out = {}
     for s in range(part.n_stages):
         for k in range(part.split):
             layers = part.sub_layers(s, k)
-            owner, fwd = place.bwd_rank[s][k], place.fwd_rank[s]
+            owner, fwd = base + place.bwd_rank[s][k], base + place.fwd_rank[s]
             out[(s, k)] = SubStage(
                 s, k, layers, sum(numels[i] for i in layers), owner, fwd, info.node_of(owner), info.node_of(fwd)
             )
@@ -90,8 +95,12 @@ class StageParams:
         pin: bool | None = None,
         init: LayerInit | None = None,
         rollback: str = "undo",
+        layout: ReplicaLayout | None = None,
     ) -> None:
         self.info = info
+        self.replica_layout = (
+            layout if layout is not None else ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
+        )
         self.model_cfg = model_cfg
         self.rank = info.rank
         self.dtype = dtype
@@ -100,9 +109,9 @@ class StageParams:
         self.order = list(schedule.assignment.bwd_order)
         self.params_of_layer = layer_params(model_cfg)
         self.numels = [sum(_numel(shape) for _, shape in entries) for entries in self.params_of_layer]
-        self.units = sub_stages(schedule, self.numels, info)
+        self.units = sub_stages(schedule, self.numels, info, self.replica_layout)
         self.store = SharedParamStore(job=job, node=info.node_rank, pin=pin, attach_timeout_s=timeout_s)
-        self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights
+        self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights of this replica's shard
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
         self.rollback = rollback  # optim.rollback, resolved by _open (auto -> exact or undo)
         try:
@@ -135,16 +144,25 @@ class StageParams:
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
         self._check_budget()
         self.barrier()
+        creates = self.creates_segments()
         for unit in self.owned():
-            buffers = self.store.create(self._spec(unit))
             layers = build_layers(model_cfg, unit.layers.start, unit.layers.stop, init=init)
             master = FlatLayout.from_modules(layers).flatten(layers)
             del layers
-            shared = buffers[self.dtype]
-            shared.copy_(master)
-            self.shared[(unit.stage, unit.sub)] = shared
-            self.masters[(unit.stage, unit.sub)] = shared if self.dtype == torch.float32 else master
+            key, cut = (unit.stage, unit.sub), self.replica_layout.shard(unit.numel)
+            if creates:
+                shared = self.store.create(self._spec(unit))[self.dtype]
+                shared.copy_(master)
+                self.shared[key] = shared
+            # every replica builds the same initial weights (one seed) and keeps its shard's masters
+            self.masters[key] = master[cut.start : cut.stop].clone() if self.dtype != torch.float32 else master
         self.barrier()
+        for unit in self.owned():
+            key, cut = (unit.stage, unit.sub), self.replica_layout.shard(unit.numel)
+            if not creates:  # another replica on this node made the one copy; attach after it wrote
+                self.shared[key] = self.store.attach(self._spec(unit))[self.dtype]
+            if self.dtype == torch.float32:  # fp32: the shared copy is the master (this replica's shard of it)
+                self.masters[key] = self.shared[key][cut.start : cut.stop]
         for unit in self.units.values():
             key = (unit.stage, unit.sub)
             if unit.fwd_rank != self.rank or key in self.shared:
@@ -155,6 +173,34 @@ class StageParams:
                 self.shared[key] = self.store.attach(self._spec(unit))[self.dtype]
         self.push_mirrors()
         self.barrier()
+
+    def grad_landings(self) -> tuple[dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], list[torch.Tensor]]]:
+        """The ``node`` reduction's gradient landing buffers (collective over the job): each owned
+        unit's own buffer, a segment the other replicas on the node read their shards from, and
+        every replica's buffer of each unit in replica order (:mod:`sysx.runtime.replica_sync`)."""
+        mine: dict[tuple[int, int], torch.Tensor] = {}
+        node = self.info.node_rank
+        for unit in self.owned():
+            spec = StageSpec.of(f"g{self.replica_layout.replica}.{unit.key}", {self.dtype: unit.numel}, owner_node=node)
+            mine[(unit.stage, unit.sub)] = self.store.create(spec)[self.dtype]
+        self.barrier("gradient landing set-up barrier")
+        every: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for unit in self.owned():
+            key = (unit.stage, unit.sub)
+            every[key] = [
+                mine[key]
+                if r == self.replica_layout.replica
+                else self.store.attach(StageSpec.of(f"g{r}.{unit.key}", {self.dtype: unit.numel}, owner_node=node))[
+                    self.dtype
+                ]
+                for r in range(self.replica_layout.replicas)
+            ]
+        return mine, every
+
+    def creates_segments(self) -> bool:
+        """Whether this rank creates its owned units' segments: always, except when replicas share
+        the node (``node`` reduction), where the first replica's owner makes the one copy."""
+        return self.replica_layout.reduction != "node" or self.replica_layout.replica == 0
 
     def _check_budget(self) -> None:
         """One host-memory check per node (its first local rank), before any rank of it allocates;

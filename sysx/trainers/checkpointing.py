@@ -47,13 +47,20 @@ def restore_stage(
     layers: Mapping[int, LayerState],
     *,
     what: str,
+    shard: range | None = None,
 ) -> None:
     """Fill one host optimizer's masters, moments and step count from checkpointed layers, then
-    rewrite its working copy (the 16-bit copy the device loads)."""
+    rewrite its working copy (the 16-bit copy the device loads). ``shard``: the optimizer holds
+    these elements of the layers' flat buffer (a replica's shard, :mod:`sysx.replicas`)."""
     adam = stage.optimizer
-    load_flat(layout, layer_indices, {i: s.weight for i, s in layers.items()}, adam.param, what=what)
-    load_flat(layout, layer_indices, {i: s.exp_avg for i, s in layers.items()}, adam.exp_avg, what=what)
-    load_flat(layout, layer_indices, {i: s.exp_avg_sq for i, s in layers.items()}, adam.exp_avg_sq, what=what)
+    for field, out in (("weight", adam.param), ("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
+        tensors = {i: getattr(s, field) for i, s in layers.items()}
+        if shard is None:
+            load_flat(layout, layer_indices, tensors, out, what=what)
+            continue
+        full = torch.empty(layout.numel, dtype=out.dtype)
+        load_flat(layout, layer_indices, tensors, full, what=what)
+        out.copy_(full[shard.start : shard.stop])
     steps = {layers[i].step for i in set(layer_indices)}
     if len(steps) != 1:
         raise ValueError(

@@ -26,12 +26,14 @@ from sysx import device as dev
 from sysx import dist as sdist
 from sysx import peers
 from sysx.checkpoint import Checkpoint
+from sysx.checkpoint.flat_state import flat_layer_states
 from sysx.checkpoint.saver import LayerSource
-from sysx.config import SysxConfig, resolve
+from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.emulate.device_model import device_model
 from sysx.memory import resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.optim.speculate import SpeculationPolicy
+from sysx.replicas import ReplicaLayout
 from sysx.runtime.executor import ExecutionError, StepContext
 from sysx.runtime.optimizer import OptimSettings
 from sysx.runtime.optimizer_placement import place_optimizer
@@ -83,7 +85,8 @@ class PipelineTrainer(Trainer):
             run_dir = torch_broadcast(self.group)(cfg.run_dir)
             if run_dir != cfg.run_dir:
                 self.cfg = cfg = dataclasses.replace(cfg, run_dir=run_dir)
-        build = functools.partial(make_schedule, self.opts, n_ranks=self.world, n_micro=t.micro_batches)
+        self.layout = replica_layout(cfg, self.info)
+        build = functools.partial(make_schedule, self.opts, n_ranks=self.layout.pipeline, n_micro=t.micro_batches)
         self.device_model = device_model(  # real or emulated: the trainer asks it, never the kind
             cfg,
             self.model_cfg,
@@ -94,7 +97,7 @@ class PipelineTrainer(Trainer):
             backend=self.opts.optim_backend,
         )
         self.schedule, self.pacer = self.device_model.schedule, self.device_model.pacer
-        self.ops = self.schedule.ops[self.rank]
+        self.ops = self.schedule.ops[self.layout.stage_rank]
         broadcast = torch_broadcast(self.group) if self.world > 1 else None
         self.job_id = f"{self.opts.job_id or resolve_job_id(rank=self.rank, broadcast=broadcast)}.t{next(_instances)}"
         rss0 = dev.host_rss_bytes()  # before the training state exists: its growth is what the plan describes
@@ -111,7 +114,9 @@ class PipelineTrainer(Trainer):
                 speculative=o.speculate != "never",
             )
             self.placement, self.placement_ranks = placed.placement, placed.section  # ranks: summary.json
-            self._eval = self._evaluation(cfg.eval.batches)
+            self._eval = self._evaluation(
+                max(1, len(range(self.layout.replica, cfg.eval.batches, self.layout.replicas)))
+            )
             self.observation = PipelineObservation(cfg, self.runtime, self.device_model, tuned=tuned_costs, rss0=rss0)
         except BaseException:
             self.close()
@@ -137,6 +142,7 @@ class PipelineTrainer(Trainer):
             micro_batch_size=self.cfg.train.micro_batch_size,
             seq_len=self.cfg.train.seq_len,
             dataset=self.dataset,
+            layout=self.layout,
         )
 
     def _optim_settings(self, rollback: str) -> OptimSettings:
@@ -172,13 +178,16 @@ class PipelineTrainer(Trainer):
         lr = self.lr_at(step)
         self.optimizer.begin()
         self.pacer.begin_step(step)
-        ctx = StepContext(step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches)
+        ctx = StepContext(
+            step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches, replicas=self.layout.replicas
+        )
         self.window.begin(step)
         try:
             self.runtime.run(self.ops, ctx)
         finally:
             self.window.end()
-        end = self.runtime.end_step(ctx, self.cfg.train.micro_batches, one_clock=self.info.num_nodes == 1)
+        n_micro = self.cfg.train.micro_batches * self.layout.replicas
+        end = self.runtime.end_step(ctx, n_micro, one_clock=self.info.num_nodes == 1)
         dev.synchronize(self.device)
         outcome = self.optimizer.outcome
         assert outcome is not None
@@ -214,12 +223,14 @@ class PipelineTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
-        """Mean loss over ``eval.batches`` micro-batches of the val split (forward-only program)."""
-        n = self.cfg.eval.batches if batches is None else batches
-        program = self._eval if n == self._eval.n_micro else self._evaluation(n)
+        """Mean loss over ``eval.batches`` micro-batches of the val split (forward-only program),
+        the replicas taking turns: replica ``r`` runs micro-batches ``r, r+R, ...`` of them."""
+        n = len(range(self.layout.replica, self.cfg.eval.batches if batches is None else batches, self.layout.replicas))
         ctx = StepContext(step=0, n_micro=n, split="val", training=False)
-        self.pacer.begin_step(self.step_index, record=False)
-        self.runtime.run(program.ops[self.rank], ctx)
+        if n:  # more replicas than micro-batches: this one adds nothing to the all-reduce
+            program = self._eval if n == self._eval.n_micro else self._evaluation(n)
+            self.pacer.begin_step(self.step_index, record=False)
+            self.runtime.run(program.ops[self.layout.stage_rank], ctx)
         return self.runtime.mean_loss(ctx, "evaluation (loss all-reduce)")
 
     @property
@@ -228,10 +239,32 @@ class PipelineTrainer(Trainer):
         return self.job_id
 
     def checkpoint_layers(self) -> dict[int, LayerSource]:
-        """The layers of the sub-stages this rank owns (their masters, moments and step counts)."""
+        """The layers of the sub-stages this rank owns (their masters, moments and step counts);
+        with replicas the first replica writes them, gathered from every replica's shards
+        (collective), so a checkpoint is keyed by layers whatever the replicas."""
         out: dict[int, LayerSource] = {}
         for key, stage in self.optimizer.stages.items():
-            out.update(stage_layer_sources(stage, self.params.layout(key), list(self.params.units[key].layers)))
+            layers = list(self.params.units[key].layers)
+            if self.layout.replicas == 1:
+                out.update(stage_layer_sources(stage, self.params.layout(key), layers))
+                continue
+            adam = stage.optimizer
+            full = [
+                self.runtime.gather_shards(t, self.params.units[key].numel)
+                for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)
+            ]
+            master, exp_avg, exp_avg_sq = full
+            if master is not None and exp_avg is not None and exp_avg_sq is not None:
+                out.update(
+                    flat_layer_states(
+                        self.params.layout(key),
+                        layers,
+                        master,
+                        exp_avg,
+                        exp_avg_sq,
+                        functools.partial(int, adam.step_count),
+                    )
+                )
         return out
 
     def restore_layers(self, ckpt: Checkpoint) -> None:
@@ -240,7 +273,9 @@ class PipelineTrainer(Trainer):
         for key, stage in self.optimizer.stages.items():
             indices = list(self.params.units[key].layers)
             layers = {i: ckpt.layer(i) for i in indices}
-            restore_stage(stage, self.params.layout(key), indices, layers, what=f"checkpoint {ckpt.path}")
+            shard = self.layout.shard(self.params.units[key].numel) if self.layout.replicas > 1 else None
+            restore_stage(stage, self.params.layout(key), indices, layers, what=f"checkpoint {ckpt.path}", shard=shard)
+        self.runtime.exchange_shards()
         self.params.push_mirrors()
         self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it
 
@@ -260,6 +295,11 @@ class PipelineTrainer(Trainer):
             f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
             f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.ckpt} | "
             f"optimizer {sch.options.optimizer} | job {self.job_id}",
+            *(
+                ["  " + self.layout.describe() + f", gradients reduced over the {self.layout.reduction}"]
+                if self.layout.replicas > 1
+                else []
+            ),
             *("  " + line for line in sch.partition.describe().splitlines()),
             *("  " + line for line in sch.assignment.describe()),
             *self.device_model.describe(),
@@ -270,6 +310,18 @@ class PipelineTrainer(Trainer):
         """Join optimizer threads, drop every view of shared memory and close the store (idempotent)."""
         self._closed = True
         self.runtime.close()
+
+
+def replica_layout(cfg: SysxConfig, info: sdist.DistInfo) -> ReplicaLayout:
+    """The job's ``parallel.replicas`` over its processes; a layout it cannot run is one line."""
+    try:
+        layout = ReplicaLayout.of(
+            cfg.parallel.count, info.world_size, rank=info.rank, local_world_size=info.local_world_size
+        )
+        _ = layout.reduction  # refuses a layout whose replicas both share and do not share nodes
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return layout
 
 
 # ----------------------------------------------------------------------------------------- jobs
