@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sysx import device as dev
 from sysx import dist as sdist
 from sysx import peers, stopping
 from sysx.data import TokenDataset, get_batch
@@ -89,15 +90,8 @@ class RankRuntime:
             )
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)
-            ops = schedule.ops[self.stage_rank]
-            loads = [schedule.layers(op) for op in ops if op.kind == OpKind.LOAD_PARAMS]
-            loads += [schedule.partition.stage_layers(s) for s in schedule.assignment.fwd_stages(self.stage_rank)]
-            numels = self.params.numels
-            slot_numel = max(sum(numels[i] for i in r) for r in loads)
             self.compute = compute
-            self.slots = ParamSlots(
-                schedule.options.param_buffers, slot_numel, dtype, device, layer_numels=numels, h2d=h2d, compute=compute
-            )
+            self.slots = self._slots(schedule, opts, dtype, device, h2d=h2d, compute=compute)
             self.grads = GradBuffers(dtype, device, compute=compute, d2h=d2h)
             self.optimizer = RankOptimizer(
                 self.params,
@@ -129,6 +123,26 @@ class RankRuntime:
                 pacer=pacer,
             )
             undo.pop_all()  # built: close() releases them from now on
+
+    def _slots(
+        self,
+        schedule: Schedule,
+        opts: PipelineOptions,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        h2d: dev.Stream,
+        compute: dev.Stream,
+    ) -> ParamSlots:
+        """The device parameter buffers, each as large as the largest unit this rank loads."""
+        ops = schedule.ops[self.stage_rank]
+        loads = [schedule.layers(op) for op in ops if op.kind == OpKind.LOAD_PARAMS]
+        loads += [schedule.partition.stage_layers(s) for s in schedule.assignment.fwd_stages(self.stage_rank)]
+        numels = self.params.numels
+        slot_numel = max(sum(numels[i] for i in r) for r in loads)
+        return ParamSlots(
+            schedule.options.param_buffers, slot_numel, dtype, device, layer_numels=numels, h2d=h2d, compute=compute
+        )
 
     def _batch(self, step: int, mb: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch ``mb`` of ``step`` from ``split`` (the same on every rank of a replica; each
