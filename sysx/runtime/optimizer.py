@@ -60,6 +60,7 @@ class RankOptimizer:
         self.step_seconds = 0.0
         self.reduced: dict[tuple[int, int], torch.Tensor] = {}  # replicas: each unit's summed fp32 shard
         self.reducer: GradReducer | None = None
+        self._peers_landing: dict[tuple[int, int], list[torch.Tensor]] | None = None
         try:
             self._build_stages(params)
             if params.replica_layout.replicas > 1:
@@ -105,25 +106,31 @@ class RankOptimizer:
             self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
 
     def _build_shards(self, params: StageParams) -> None:
-        """One optimizer per owned sub-stage over this replica's shard (its fp32 gradients apart
-        from the full-size buffer the offload lands in, which the reducer reads)."""
-        for unit in params.owned():
-            key, cut = (unit.stage, unit.sub), params.replica_layout.shard(unit.numel)
-            target = None if self.dtype == torch.float32 else params.shared[key][cut.start : cut.stop]
-            self.stages[key] = StageOptimizer.from_settings(
-                unit.key, params.masters[key], self.settings, target=target, grad_buffer=torch.empty(len(cut))
-            )
-            self.reduced[key] = torch.empty(len(cut), dtype=torch.float32)
-
-    def _build_reducer(self, params: StageParams, group: dist.ProcessGroup, pacer: Pacer | None) -> None:
-        """The landing buffers (segments on the ``node`` path, which every replica reads) and the reducer."""
+        """One optimizer per owned sub-stage over this replica's shard, and the full-size buffer
+        each unit's offload lands in (a segment the node's other replicas read on the ``node``
+        path). The reducer sums into the stage's fp32 gradient buffer: in fp32 runs that is the
+        shard's own slice of the landing buffer (summed in place), else an fp32 shard of its own."""
+        layout = params.replica_layout
+        landing: dict[tuple[int, int], torch.Tensor] = {}
         peers = None
-        if params.replica_layout.reduction == "node":
+        if layout.reduction == "node":
             landing, peers = params.grad_landings()
-            self.host_grads.update(landing)
         else:
             for unit in params.owned():
-                self.host_grads[(unit.stage, unit.sub)] = self.buffers.empty(unit.numel, self.dtype)
+                landing[(unit.stage, unit.sub)] = self.buffers.empty(unit.numel, self.dtype)
+        for unit in params.owned():
+            key, cut = (unit.stage, unit.sub), layout.shard(unit.numel)
+            fp32 = self.dtype == torch.float32
+            target = None if fp32 else params.shared[key][cut.start : cut.stop]
+            grad32 = landing[key][cut.start : cut.stop] if fp32 else torch.empty(len(cut), dtype=torch.float32)
+            self.stages[key] = StageOptimizer.from_settings(
+                unit.key, params.masters[key], self.settings, target=target, grad_buffer=grad32
+            )
+            self.reduced[key], self.host_grads[key] = grad32, landing[key]
+        self._peers_landing = peers
+
+    def _build_reducer(self, params: StageParams, group: dist.ProcessGroup, pacer: Pacer | None) -> None:
+        """The thread that sums the replicas' gradients of every owned unit."""
         self.reducer = GradReducer(
             params.replica_layout,
             self.host_grads,
@@ -131,8 +138,23 @@ class RankOptimizer:
             group=group,
             timeout_s=params.timeout_s,
             pacer=pacer,
-            peers_landing=peers,
+            peers_landing=self._peers_landing,
         )
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes this rank's optimizer holds: ``optimizer`` (fp32 masters apart from the shared
+        copy, Adam m and v, the fp32 gradients it steps with) and ``landing`` (the rest of the buffers
+        the offloads land in: 16-bit, or with replicas the other shards' part)."""
+        optimizer = landing = 0
+        for key, stage in self.stages.items():
+            adam = stage.optimizer
+            if self.dtype != torch.float32:
+                optimizer += adam.param.nbytes
+            optimizer += adam.exp_avg.nbytes + adam.exp_avg_sq.nbytes + 4 * stage.numel
+            full = self.host_grads[key]
+            if self.dtype != torch.float32 or full.numel() != stage.numel:
+                landing += full.nbytes - (4 * stage.numel if self.dtype == torch.float32 else 0)
+        return {"optimizer": optimizer, "landing": landing}
 
     def _grads(self, unit: tuple[int, int]) -> tuple[torch.Tensor, dev.Event | None]:
         """What the optimizer job of ``unit`` loads and waits for: the offloaded gradients and their
@@ -234,6 +256,7 @@ class RankOptimizer:
         self.stages.clear()
         self.host_grads.clear()
         self.reduced.clear()
+        self._peers_landing = None
         if self.reducer is not None:  # a failed start: the reducer thread was started
             self.reducer.close()
             self.reducer = None

@@ -210,6 +210,18 @@ class RankRuntime:
             pacer=self.pacer,
         )
 
+    def node_host_bytes(self) -> list[dict[str, int]]:
+        """Each node's host optimizer bytes (:meth:`RankOptimizer.host_bytes` summed over its ranks),
+        by node (collective: every rank calls it)."""
+        nodes = -(-self.world // self.local_world_size)
+        mine = self.optimizer.host_bytes()
+        keys = sorted(mine)
+        values = [0.0] * (len(keys) * nodes)
+        node = self.rank // self.local_world_size
+        values[node * len(keys) : (node + 1) * len(keys)] = [float(mine[k]) for k in keys]
+        total = self.all_reduce(values, "host memory of the optimizers (all-reduce)")
+        return [{k: int(total[n * len(keys) + i]) for i, k in enumerate(keys)} for n in range(nodes)]
+
     def gather_shards(self, shard: torch.Tensor, numel: int) -> torch.Tensor | None:
         """A sub-stage's full flat ``shard``s (of ``numel``) on the first replica, None on the others
         (collective over this pipeline rank's replicas; one replica: ``shard`` itself)."""

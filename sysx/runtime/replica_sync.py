@@ -5,8 +5,10 @@ reduced so that every replica holds the sum of its shard, and the updated 16-bit
 order (the same order on every replica, so collectives pair up), waits for each offload and reduces
 it: through the node's shared memory when every replica of this pipeline rank runs on the node (the
 landing buffers are segments; a barrier on the replica group says they are full, then each replica
-sums its shard of all of them), else with one ``reduce`` per shard over the replica group (a
-reduce-scatter whose shards may differ by one element). The sums are fp32 whatever the precision.
+adds the others' slices of its shard into its own), else with one ``reduce`` per shard over the
+replica group (a reduce-scatter whose shards may differ by one element). The sums are fp32
+whatever the precision, and land in the stage optimizer's own gradient buffer (in fp32 runs the
+shard's slice of the landing buffer itself), so replicas add no gradient copy.
 The unit's optimizer job waits on :class:`Reduced` instead of the offload's event, so the CPU Adam
 thread steps its shard as soon as the reduction is done, overlapped with the next sub-stage's
 backward, and the compute stream never waits for the network.
@@ -146,18 +148,20 @@ class GradReducer:
                 done.set()
 
     def _reduce(self, unit: Unit) -> None:
-        numel = self.landing[unit].numel()
-        mine = self.layout.shard(numel)
+        full = self.landing[unit]
+        numel, mine = full.numel(), self.layout.shard(full.numel())
         out = self.reduced[unit]
+        in_place = out.data_ptr() == full[mine.start : mine.stop].data_ptr()  # fp32: the shard's own slice
         what = f"gradient reduction of {unit_label(*unit)} across {self.layout.replicas} replicas"
         if self.path == "node":
             self._wait(dist.barrier(group=self.group, async_op=True), what)  # every replica's offload is in
             views = self.peers_landing[unit]
-            out.copy_(views[0][mine.start : mine.stop])
-            for view in views[1:]:
-                out.add_(view[mine.start : mine.stop])
+            if not in_place:
+                out.copy_(views[self.layout.replica][mine.start : mine.stop])
+            for j, view in enumerate(views):  # the others only read their own shards of this buffer
+                if j != self.layout.replica:
+                    out.add_(view[mine.start : mine.stop])
             return
-        full = self.landing[unit]
         if full.dtype != torch.float32:
             full = full.float()
         works = []
@@ -166,7 +170,8 @@ class GradReducer:
             works.append(dist.reduce(full[cut.start : cut.stop], dst=dst, group=self.group, async_op=True))
         for work in works:
             self._wait(work, what)
-        out.copy_(full[mine.start : mine.stop])
+        if not in_place:
+            out.copy_(full[mine.start : mine.stop])
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         assert work is not None

@@ -156,7 +156,7 @@ class PipelineWindow:
         if parts is None:
             return
         report = write_report(
-            parts,
+            parts[: schedule.n_ranks],  # replicas run the same schedule: the first replica's ranks show it
             schedule,
             run_dir,
             plan_costs=plan_costs,

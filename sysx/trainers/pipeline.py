@@ -216,10 +216,27 @@ class PipelineTrainer(Trainer):
         empty), the ``prediction`` and ``placement``; on an emulated device also its ``emulation``
         report (collective then: every rank calls it)."""
         out = self.observation.sections()
+        out["host_memory"] = self.host_memory()
         if self.placement_ranks:
             out["placement"] = self.placement_ranks
         out.update(self.device_model.sections())
         return out
+
+    def host_memory(self) -> dict[str, Any]:
+        """Host bytes of the optimizers on each node, measured (the buffers they hold) beside the
+        node plan of this rank's node (collective: every rank calls it)."""
+        plan = self.params.node_plan(self.params.rollback)
+        return {
+            "replicas": self.layout.replicas,
+            "measured_per_node": self.runtime.node_host_bytes(),
+            "plan_this_node": {
+                "master": plan.master,
+                "optimizer": plan.optimizer,
+                "grads": plan.grads,
+                "pinned": plan.pinned,
+                "shared": plan.shared,
+            },
+        }
 
     @torch.no_grad()
     def evaluate(self, batches: int | None = None) -> float:
