@@ -80,8 +80,8 @@ class Reduced(dev.Event):
     def synchronize(self) -> None:
         """Wait for the reduction; re-raise its failure in the waiting thread."""
         self._done.wait()
-        if self.error is not None:
-            raise RuntimeError(f"gradient reduction of {unit_label(*self.unit)} failed: {self.error}") from self.error
+        if self.error is not None:  # as raised (a stop, a peer's failure or timeout names itself)
+            raise self.error
 
 
 class GradReducer:
