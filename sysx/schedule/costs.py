@@ -14,6 +14,7 @@ from typing import Any
 from sysx.memory.budget import training_state_bytes
 from sysx.partition import Partition
 from sysx.schedule.ops import SENDS, Message, Schedule
+from sysx.schedule.replica_costs import ReplicaCosts
 
 HOST_BYTES_PER_PARAM = float(training_state_bytes("bfloat16").optimizer)  # its shared working copy is counted apart
 
@@ -51,6 +52,11 @@ class CostTable:
     optim_workers: int | None = None
     unit: str = "s"
     posted_sends: bool = False
+    # replicas (:mod:`sysx.schedule.replica_costs`): each unit's gradient reduction (by sub-stage; empty:
+    # one replica) and each rank's exchange of its updated shards after the step (by rank; empty: none)
+    reduce: list[float] = field(default_factory=list)
+    gather: list[float] = field(default_factory=list)
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,8 @@ class Costs:
     ``gpus_per_node``, messages between ranks of different nodes (rank // gpus_per_node) take
     ``inter_p2p_latency`` + bytes / ``inter_p2p_bandwidth`` instead of the ``p2p_*`` figures. Send
     semantics (:mod:`sysx.schedule.simulate`): eager by default, ``rendezvous`` or ``posted_sends``.
+    ``replica``: the data-parallel replicas of the pipeline (None: one), which divide the optimizer
+    time and add the reductions and the shard exchange (:class:`ReplicaCosts`).
     """
 
     layer_fwd_time: tuple[float, ...]
@@ -138,6 +146,7 @@ class Costs:
     gpus_per_node: int | None = None
     inter_p2p_bandwidth: float | None = None
     inter_p2p_latency: float | None = None
+    replica: ReplicaCosts | None = None
 
     def __post_init__(self) -> None:
         n = len(self.layer_fwd_time)
@@ -189,7 +198,7 @@ class Costs:
 
         params_stage = [tsum(pr, r) for r in stages]
         params_sub = [tsum(pr, r) for r in subs]
-        return CostTable(
+        table = CostTable(
             split=d,
             fwd=[tsum(ft, r) for r in stages],
             bwd=[bmul * tsum(ft, r) for r in subs],
@@ -216,6 +225,7 @@ class Costs:
             optim_workers=self.optim_workers,
             unit="s",
         )
+        return table if self.replica is None else self.replica.resolve(table, schedule)
 
     def _crossing(self, schedule: Schedule) -> set[tuple[Message, int]]:
         """Messages ``(family, cost index)`` whose sender and receiver are on different nodes."""

@@ -1,0 +1,84 @@
+"""Replicas in the plan: the cost table, the simulated reduce lane and exchange (pure data)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sysx.model import get_preset
+from sysx.partition import partition_model
+from sysx.schedule import build
+from sysx.schedule.costs import costs_from_model
+from sysx.schedule.replica_costs import ReplicaCosts
+from sysx.schedule.simulate import simulate
+
+LINK, LAT, MEM = 10e9, 1e-5, 4e9
+
+
+@pytest.fixture(scope="module")
+def setting():
+    cfg = dataclasses.replace(get_preset("tiny"), n_layers=10)
+    part = partition_model(cfg, 256, 4, split=2, n_ranks=2)
+    sched = build("sysx", 2, 4, part, n_stages=4, split=2)
+    costs = costs_from_model(cfg, 256, 1, gpu_flops=1e9, optim_params_per_s=2e5, optim_workers=2)
+    return sched, costs
+
+
+def _with(costs, replicas: int, share_node: bool):
+    return dataclasses.replace(costs, replica=ReplicaCosts(replicas, share_node, LINK, LAT, MEM))
+
+
+def test_one_replica_is_the_plain_table(setting):
+    sched, costs = setting
+    plain = costs.table(sched)
+    assert _with(costs, 1, False).table(sched) == plain
+    assert simulate(sched, _with(costs, 1, False)).iteration == simulate(sched, plain).iteration
+
+
+def test_between_nodes_reduce_scatter_sharded_optimizer_and_exchange(setting):
+    sched, costs = setting
+    plain, tab = costs.table(sched), _with(costs, 2, False).table(sched)
+    assert tab.opt == [x / 2 for x in plain.opt]
+    assert tab.reduce == pytest.approx([LAT + 0.5 * n * 4 / LINK for n in plain.params_sub])
+    for r in range(sched.n_ranks):
+        owned = sum(plain.params_sub[s * 2 + k] for s, k in sched.assignment.bwd_substages(r))
+        assert tab.gather[r] == pytest.approx(LAT + 0.5 * owned * 2 / LINK)
+
+
+def test_on_one_node_reduce_through_memory_no_exchange(setting):
+    sched, costs = setting
+    plain, tab = costs.table(sched), _with(costs, 4, True).table(sched)
+    assert tab.reduce == pytest.approx([n / 4 * 5 * 4 / MEM for n in plain.params_sub])
+    assert tab.gather == [0.0] * sched.n_ranks
+    assert tab.opt == [x / 4 for x in plain.opt]
+
+
+def test_reduce_lane_orders_offload_reduce_step_and_exchange(setting):
+    sched, costs = setting
+    tl = simulate(sched, _with(costs, 2, False))
+    plain = simulate(sched, costs)
+    assert tl.host == pytest.approx([h / 2 for h in plain.host])
+    d = sched.split
+    for r in range(sched.n_ranks):
+        ev = {lane: [e for e in tl.events if e.rank == r and e.lane == lane] for lane in ("d2h", "reduce", "cpu")}
+        reduces = [e for e in ev["reduce"] if e.op.kind.name == "OFFLOAD_GRADS"]
+        assert [e.op.stage * d + e.op.sub for e in reduces] == [e.op.stage * d + e.op.sub for e in ev["d2h"]]
+        for off, red in zip(ev["d2h"], reduces):
+            assert red.start >= off.end - 1e-12
+            step = next(e for e in ev["cpu"] if (e.op.stage, e.op.sub) == (red.op.stage, red.op.sub))
+            assert step.start >= red.end - 1e-12
+        for a, b in zip(reduces, reduces[1:]):  # one reducer thread: one unit at a time
+            assert b.start >= a.end - 1e-12
+        (gather,) = [e for e in ev["reduce"] if e.op.kind.name == "VALIDATE"]
+        assert gather.start >= max(e.end for e in ev["cpu"]) - 1e-12
+        assert gather.end <= tl.iteration + 1e-12
+    assert tl.iteration > max(e.end for e in tl.events if e.lane == "cpu")
+
+
+def test_slow_reduction_delays_the_validation(setting):
+    sched, costs = setting
+    slow = dataclasses.replace(costs, replica=ReplicaCosts(2, True, LINK, LAT, 1.0))  # 1 byte/s
+    tl = simulate(sched, slow)
+    last_reduce = max(e.end for e in tl.events if e.lane == "reduce")
+    assert tl.iteration >= last_reduce
