@@ -82,3 +82,70 @@ def test_slow_reduction_delays_the_validation(setting):
     tl = simulate(sched, slow)
     last_reduce = max(e.end for e in tl.events if e.lane == "reduce")
     assert tl.iteration >= last_reduce
+
+
+# --- the host memory of a node -----------------------------------------------------------------
+def _units(sched, numels):
+    from sysx.memory.node_plan import UnitPlace
+
+    p, place = sched.partition, sched.assignment
+    return [
+        UnitPlace(sum(numels[i] for i in p.sub_layers(s, k)), place.bwd_rank[s][k], place.fwd_rank[s])
+        for s in range(p.n_stages)
+        for k in range(p.split)
+    ]
+
+
+@pytest.mark.parametrize("dtype,rollback", [("bfloat16", "undo"), ("float32", "exact"), ("bfloat16", "snapshot")])
+def test_node_plan_of_one_replica_is_the_plain_plan(setting, dtype, rollback):
+    from sysx.memory.budget import plan_host_memory
+    from sysx.memory.node_plan import node_host_memory
+    from sysx.replicas import ReplicaLayout
+
+    sched, costs = setting
+    units = _units(sched, [int(x) for x in costs.layer_params])
+    layout = ReplicaLayout(1, 2, 0, local_world_size=1)  # two nodes of one rank: rank 1's forwards mirror
+    for node in (0, 1):
+        owned = [(u.numel, dtype) for u in units if u.owner == node]
+        mirrors = [(u.numel, dtype) for u in units if u.fwd == node and u.owner != node]
+        pinned = 0 if dtype == "float32" else 2 * sum(n for n, _ in owned)
+        expect = plan_host_memory(owned, mirrors=mirrors, pinned_bytes=pinned, rollback=rollback)
+        assert node_host_memory(units, layout, node, dtype, rollback=rollback) == expect
+
+
+def test_two_replicas_across_nodes_halve_the_optimizer_state(setting):
+    from sysx.memory.node_plan import node_host_memory, optimizer_bytes
+    from sysx.replicas import ReplicaLayout
+
+    sched, costs = setting
+    units = _units(sched, [int(x) for x in costs.layer_params])
+    one = node_host_memory(units, ReplicaLayout(1, 2, 0, local_world_size=2), 0, "bfloat16")
+    for node in (0, 1):  # R=2 x P=2 on two nodes of two GPUs: each node holds a whole pipeline
+        two = node_host_memory(units, ReplicaLayout(2, 2, 0, local_world_size=2), node, "bfloat16")
+        assert two.shared == one.shared and two.pinned == one.pinned
+        assert optimizer_bytes(two) <= 0.5 * optimizer_bytes(one) + 64
+        assert optimizer_bytes(two) <= 0.6 * optimizer_bytes(one)
+
+
+def test_replicas_on_one_node_share_the_working_copy(setting):
+    from sysx.memory.node_plan import node_host_memory, optimizer_bytes
+    from sysx.replicas import ReplicaLayout
+
+    sched, costs = setting
+    units = _units(sched, [int(x) for x in costs.layer_params])
+    one = node_host_memory(units, ReplicaLayout(1, 2, 0, local_world_size=2), 0, "float32")
+    two = node_host_memory(units, ReplicaLayout(2, 2, 0, local_world_size=4), 0, "float32")
+    assert two.shared == one.shared and two.segments == one.segments  # one segment per unit per node
+    assert optimizer_bytes(two) == optimizer_bytes(one)  # two ranks own one half each
+    assert two.pinned == 2 * 4 * sum(u.numel for u in units)  # a full fp32 landing buffer per owner rank
+
+
+def test_check_refuses_a_world_that_is_no_multiple_of_the_replicas(tmp_path, capsys):
+    from sysx.train import main
+
+    argv = ["--check", "--ranks", "3", "parallel.replicas=2", "schedule=sysx", "device=cpu", f"run_dir={tmp_path}/r"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "parallel.replicas=2 does not divide the 3 processes" in err
+    assert main(argv[:2] + ["4"] + argv[3:]) == 0
+    assert "stages on 2 replicas x 2 rank(s)" in capsys.readouterr().out
