@@ -474,16 +474,16 @@ class _Engine:
         if self.record:
             self.events.append((r, D2H, ins[2], st, en))
         if self.reduce is not None:
-            self._reduce(r, ins, en)
+            self._reduce(r, ins, en, self.reduce[g])
         return t
 
-    def _reduce(self, r: int, ins: tuple, offloaded: float) -> None:
+    def _reduce(self, r: int, ins: tuple, offloaded: float, seconds: float) -> None:
         """Replicas: the unit's gradients are reduced among its peers on the rank's reducer thread
         (units in offload order, each after its offload); its optimizer step waits for the end."""
         g = ins[1]
         free = self.red_free[r]
         st = offloaded if offloaded >= free else free
-        en = st + self.reduce[g]
+        en = st + seconds
         self.red_free[r] = self.offl_end[g] = en
         if self.record:
             self.events.append((r, REDUCE, ins[2], st, en))
