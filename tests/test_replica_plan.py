@@ -149,3 +149,95 @@ def test_check_refuses_a_world_that_is_no_multiple_of_the_replicas(tmp_path, cap
     assert "\n" not in err and "parallel.replicas=2 does not divide the 3 processes" in err
     assert main(argv[:2] + ["4"] + argv[3:]) == 0
     assert "stages on 2 replicas x 2 rank(s)" in capsys.readouterr().out
+
+
+# --- the emulated device's replica hooks ---------------------------------------------------------
+def _emulated(replicas: int, ranks: int, time_scale: float = 1e-6):
+    from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
+    from sysx.emulate import emulated_model, plan_emulation
+    from sysx.runtime import PipelineOptions
+    from sysx.runtime.options import make_schedule
+
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        device="emulated",
+        eval=EvalSection(every=0),
+        train=TrainSection(steps=3, micro_batch_size=1, micro_batches=2, seq_len=16),
+        emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=1, time_scale=time_scale),
+    )
+    validate(cfg)
+    model = emulated_model(cfg)
+    schedule = make_schedule(
+        PipelineOptions(schedule="sysx", optim_backend="torch"), model.config, n_ranks=ranks, n_micro=2, seq_len=2048
+    )
+    return plan_emulation(cfg, schedule, backend="torch", replicas=replicas), schedule
+
+
+def _event(at: float):
+    from sysx.emulate import EmulatedEvent
+
+    event = EmulatedEvent()
+    event.time = at
+    return event
+
+
+def test_emulated_plan_of_replicas_across_and_within_nodes():
+    one, _ = _emulated(1, 4)
+    across, sched = _emulated(2, 4)  # 4 GPUs per node: each replica's pipeline fills a node
+    within, _ = _emulated(2, 2)  # two 2-rank pipelines on one node
+    assert across.table.opt == pytest.approx([x / 2 for x in one.table.opt])
+    assert across.table.reduce and all(g > 0 for g in across.table.gather)
+    assert within.table.reduce and within.table.gather == [0.0, 0.0]
+    assert across.timeline.replicas == 2 and one.table.reduce == [] and one.table.gather == []
+    assert across.timeline.host == pytest.approx([h / 2 for h in one.timeline.host])
+
+
+def test_pacer_reduces_in_unit_order_then_steps_the_shard_then_gathers():
+    import time
+
+    from sysx.emulate import EmulatedPacer
+    from sysx.partition import unit_label
+
+    scale = 1e-6
+    plan, sched = _emulated(2, 4, scale)
+    rank = 1
+    pacer = EmulatedPacer(plan, sched, 4 + rank, time_scale=scale, stage_rank=rank)  # replica 1's pipeline rank 1
+    d, tab = sched.split, plan.table
+    units = sched.assignment.bwd_substages(rank)[:2]
+    names = [unit_label(s, k) for s, k in units]
+    pacer.begin_step(0)
+    now = time.monotonic()
+    offloaded = [now, now + 1e-9]  # the second offload ends before the first reduction: it queues
+    for name, at in zip(names, offloaded):
+        with pacer.replica_reduce(name, _event(at)):
+            pass
+    reduces = [sp for sp in pacer._stats.spans if sp[0] == "reduce"]
+    seconds = [tab.reduce[s * d + k] * scale for s, k in units]
+    assert reduces[0][2:] == pytest.approx((offloaded[0], offloaded[0] + seconds[0]), abs=1e-12)
+    assert reduces[1][2] == pytest.approx(reduces[0][3], abs=1e-12)  # one reducer thread
+    assert reduces[1][3] - reduces[1][2] == pytest.approx(seconds[1], abs=1e-12)
+    with pacer.optimizer_pace()(names[1], _event(offloaded[1])):
+        pass
+    (step,) = [sp for sp in pacer._stats.spans if sp[0] == "cpu"]
+    s1, k1 = units[1]
+    assert step[2] == pytest.approx(reduces[1][3], abs=1e-12)  # the shard's step waits for its reduction
+    assert step[3] - step[2] == pytest.approx(tab.opt[s1 * d + k1] * scale, abs=1e-12)
+    with pacer.replica_gather(12345):
+        pass
+    (gather,) = [sp for sp in pacer._stats.spans if sp[1] == "GATHER"]
+    assert gather[2] >= step[3] - 1e-12
+    assert gather[3] - gather[2] == pytest.approx(tab.gather[rank] * scale, abs=1e-12)
+    assert pacer.compute.free == gather[3]
+    pacer.end_step(1e-3)
+    assert pacer.steps[0].ratios["reduce"].n == 3  # two reductions and the exchange
+
+
+def test_one_replica_pacer_hooks_add_nothing():
+    from sysx.emulate import EmulatedPacer
+
+    plan, sched = _emulated(1, 2)
+    pacer = EmulatedPacer(plan, sched, 0, time_scale=1e-6)
+    pacer.begin_step(0)
+    with pacer.replica_reduce("s0.0", None), pacer.replica_gather(0):
+        pass
+    assert [sp[3] - sp[2] for sp in pacer._stats.spans] == [0.0, 0.0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("compute", "h2d", "d2h", "p2p", "optimizer")
+KINDS = ("compute", "h2d", "d2h", "p2p", "optimizer", "reduce")  # reduce: the replicas' reductions and exchange
 
 
 @dataclass
