@@ -183,7 +183,7 @@ def _event(at: float):
 
 def test_emulated_plan_of_replicas_across_and_within_nodes():
     one, _ = _emulated(1, 4)
-    across, sched = _emulated(2, 4)  # 4 GPUs per node: each replica's pipeline fills a node
+    across, _ = _emulated(2, 4)  # 4 GPUs per node: each replica's pipeline fills a node
     within, _ = _emulated(2, 2)  # two 2-rank pipelines on one node
     assert across.table.opt == pytest.approx([x / 2 for x in one.table.opt])
     assert across.table.reduce and all(g > 0 for g in across.table.gather)
