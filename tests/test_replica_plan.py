@@ -241,3 +241,54 @@ def test_one_replica_pacer_hooks_add_nothing():
     with pacer.replica_reduce("s0.0", None), pacer.replica_gather(0):
         pass
     assert [sp[3] - sp[2] for sp in pacer._stats.spans] == [0.0, 0.0]
+
+
+# --- sysx plan ---------------------------------------------------------------------------------
+EMULATED_10B = [
+    "device=emulated",
+    "model=tiny",
+    "emulate.model=llama2_10b",
+    "emulate.seq_len=2048",
+    "emulate.micro_batch_size=2",
+    "train.seq_len=16",
+    "precision=bf16",
+    "optim.backend=torch",
+]
+
+
+def _plan_json(capsys, *argv: str) -> dict:
+    import json
+
+    from sysx.plan_command import main
+
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_of_two_replicas_doubles_the_throughput_and_halves_the_optimizer_memory(capsys):
+    one = _plan_json(capsys, "--ranks", "4", "--hydra", *EMULATED_10B, "train.micro_batches=8")
+    two = _plan_json(capsys, "--ranks", "8", "--hydra", *EMULATED_10B, "train.micro_batches=8", "parallel.replicas=2")
+    assert "replica_plan" not in one and two["ranks"] == 4 and two["replicas"] == 2
+    rp = two["replica_plan"]
+    assert rp["replicas"] == 2 and rp["pipeline_ranks"] == 4 and not rp["peers_share_node"]
+    assert rp["tokens_per_step"] == 2 * 8 * 2 * 2048 and rp["reduce_exposed_s"] >= 0 and rp["gather_exposed_s"] > 0
+    assert rp["tokens_per_s"] >= 1.8 * (8 * 2 * 2048 / one["iteration"])
+    assert rp["optimizer_ratio"] <= 0.6
+
+
+def test_plan_refuses_replicas_that_do_not_divide_the_ranks(capsys):
+    from sysx.plan_command import main
+
+    assert main(["--ranks", "6", "--replicas", "4", "--model", "llama2_7b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "parallel.replicas=4 does not divide the 6 processes" in err
+
+
+def test_plan_of_model_replicas_on_one_node_prints_its_block(capsys):
+    from sysx.plan_command import main
+
+    assert main(["--ranks", "4", "--replicas", "2", "--model", "llama2_7b", "-m", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas: 2 x 2-rank pipeline (4 ranks; peers on one node" in out
+    # both replicas' shards on the node: its optimizer state is one pipeline's (each rank's is half)
+    assert "tokens per modelled second" in out and "1.00x" in out

@@ -25,7 +25,7 @@ from sysx.optim.placement import device_flow
 from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable, costs_from_model
-from sysx.schedule.replica_costs import ReplicaCosts
+from sysx.schedule.replica_costs import ADAM_BYTES_PER_PARAM, ReplicaCosts
 from sysx.schedule.simulate import Timeline, simulate
 
 # An undo's time in steps of the same stage, by optim.rollback (profiling/RESULTS.md "Rollback
@@ -33,9 +33,6 @@ from sysx.schedule.simulate import Timeline, simulate
 # by a copy like the one its step adds, +38.0 ms; exact rolls back by not switching its sets, and
 # refreshes its spare set in the background, which is not modelled)
 UNDO_STEPS = {"undo": 8.1, "snapshot": 1.4, "exact": 0.0}
-# host memory bytes a CPU Adam step moves per parameter (sysx.config.choices: ASSUMED_CPUS' rates
-# are a node's memory bandwidth over this); one reducer thread sums at one Adam thread's bandwidth
-ADAM_BYTES_PER_PARAM = 30.0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Both resolve, for one schedule, into a :class:`CostTable` of per-stage / per-sub
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,7 +226,7 @@ class Costs:
             optim_workers=self.optim_workers,
             unit="s",
         )
-        return table if self.replica is None else self.replica.resolve(table, schedule)
+        return table if self.replica is None else with_replicas(table, self.replica, schedule)
 
     def _crossing(self, schedule: Schedule) -> set[tuple[Message, int]]:
         """Messages ``(family, cost index)`` whose sender and receiver are on different nodes."""
@@ -240,6 +241,28 @@ class Costs:
                     family = op.message[0]
                     out.add((family, op.stage if family == Message.ACT else op.stage * d + op.sub))
         return out
+
+
+def with_replicas(table: CostTable, replica: ReplicaCosts, schedule: Schedule) -> CostTable:
+    """``table`` with ``replica``'s replicas: optimizer times / R, every unit's reduction, and every
+    rank's end-of-step exchange of the shards it owns (one exchange per step). R=1: ``table``."""
+    r = replica.replicas
+    if r == 1:
+        return table
+    d, place = table.split, schedule.assignment
+    gather = [
+        replica.gather_seconds(
+            sum(replica.gather_bytes(table.params_sub[s * d + k]) for s, k in place.bwd_substages(x))
+        )
+        for x in range(schedule.n_ranks)
+    ]
+    return dataclasses.replace(
+        table,
+        opt=[x / r for x in table.opt],
+        reduce=[replica.reduce_seconds(n) for n in table.params_sub],
+        gather=gather,
+        replicas=r,
+    )
 
 
 def model_layer_params(cfg: Any) -> list[int]:

@@ -107,19 +107,16 @@ def title_of(tl: Timeline) -> str:
     return f"{name}{extra}   iteration {tl.iteration:.4g}{unit}   bubble {100 * tl.bubble_ratio:.1f}%"
 
 
-def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
-    split = tl.schedule.split if tl.schedule is not None else 1
-    colors = _colors(tl)
-    R = tl.n_ranks
-    by: dict[tuple[int, str], list[Event]] = {}
-    for ev in tl.events:
-        by.setdefault((ev.rank, ev.lane), []).append(ev)
+def _rows(
+    by: dict[tuple[int, str], list[Event]], R: int
+) -> tuple[dict[tuple[int, str], tuple[float, float]], list[tuple[str, float, float]], float]:
+    """Where each rank's rows lie: ``(rank, lane) -> (y bottom, height)``, the labelled rows and the top."""
     rows: list[tuple[str, float, float]] = []  # (label, y bottom, height)
     y = 0.0
     gpu_h, cp_h, cpu_lane_h = 1.0, 0.42, 0.42
     layout: dict[tuple[int, str], tuple[float, float]] = {}
     for r in reversed(range(R)):
-        if (r, "reduce") in by:
+        if (r, "reduce") in by:  # replicas: the reducer thread and the shard exchange
             layout[(r, "reduce")] = (y, cp_h)
             rows.append((f"reduce{r}", y, cp_h))
             y += cp_h + 0.08
@@ -135,7 +132,17 @@ def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
         layout[(r, "gpu")] = (y, gpu_h)
         rows.append((f"GPU{r}", y, gpu_h))
         y += gpu_h + 0.35
-    top = y
+    return layout, rows, y
+
+
+def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
+    split = tl.schedule.split if tl.schedule is not None else 1
+    colors = _colors(tl)
+    R = tl.n_ranks
+    by: dict[tuple[int, str], list[Event]] = {}
+    for ev in tl.events:
+        by.setdefault((ev.rank, ev.lane), []).append(ev)
+    layout, rows, top = _rows(by, R)
 
     def box(x0: float, w: float, yb: float, h: float, color: str, text: str) -> None:
         ax.add_patch(_rect(x0, yb, w, h, color))
@@ -171,10 +178,8 @@ def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
                 box(ev.start, ev.end - ev.start, yy, hh, c, _label(ev, split))
             elif k in (OpKind.LOAD_PARAMS, OpKind.OFFLOAD_GRADS):
                 ax.plot([ev.start, ev.start], [yy, yy + hh], color=c, lw=1.6, solid_capstyle="butt")
-        if (r, "reduce") in layout:
-            yb, h = layout[(r, "reduce")]
-            for ev in by[(r, "reduce")]:
-                box(ev.start, ev.end - ev.start, yb, h, REDUCE_COLOR, "")
+        for ev in by.get((r, "reduce"), []):  # replicas: reductions and the shard exchange
+            box(ev.start, ev.end - ev.start, *layout[(r, "reduce")], REDUCE_COLOR, "")
         if (r, "cpu") in layout:
             yb, h = layout[(r, "cpu")]
             cpu = sorted(by.get((r, "cpu"), []), key=lambda e: e.start)

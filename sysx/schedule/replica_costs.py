@@ -13,13 +13,12 @@ bytes in the exchange.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sysx.schedule.costs import CostTable
-    from sysx.schedule.ops import Schedule
+# host memory bytes a CPU Adam step moves per parameter (sysx.config.choices: ASSUMED_CPUS' rates
+# are a node's memory bandwidth over this): a reducer thread is taken to sum at one Adam thread's
+# bandwidth, this times its parameters per second
+ADAM_BYTES_PER_PARAM = 30.0
 
 
 @dataclass(frozen=True)
@@ -63,22 +62,3 @@ class ReplicaCosts:
     def gather_seconds(self, nbytes: float) -> float:
         """One exchange of ``nbytes`` received by a rank (0 when nothing moves)."""
         return self.link_latency + nbytes / self.link_bandwidth if nbytes > 0 else 0.0
-
-    def resolve(self, table: CostTable, schedule: Schedule) -> CostTable:
-        """``table`` with the replicas: optimizer times / R, every unit's reduction, and every rank's
-        end-of-step exchange of the shards it owns (one exchange per step). R=1: ``table`` itself."""
-        r = self.replicas
-        if r == 1:
-            return table
-        d, place = table.split, schedule.assignment
-        gather = [
-            self.gather_seconds(sum(self.gather_bytes(table.params_sub[s * d + k]) for s, k in place.bwd_substages(x)))
-            for x in range(schedule.n_ranks)
-        ]
-        return dataclasses.replace(
-            table,
-            opt=[x / r for x in table.opt],
-            reduce=[self.reduce_seconds(n) for n in table.params_sub],
-            gather=gather,
-            replicas=r,
-        )
