@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sysx.memory.budget import HostMemoryPlan, fmt_bytes
-from sysx.memory.node_plan import UnitPlace, node_host_memory, optimizer_bytes
+from sysx.memory.node_plan import node_host_memory, optimizer_bytes
 from sysx.replicas import ReplicaLayout
 from sysx.schedule.costs import CostTable
 from sysx.schedule.ops import Schedule
+from sysx.schedule.replica_costs import schedule_units
 from sysx.schedule.simulate import Timeline, simulate
 
 
@@ -90,16 +91,6 @@ class ReplicaPlan:
                 f"{fmt_bytes(optimizer_bytes(self.node_one))} for one pipeline (R=1): {self.optimizer_ratio:.2f}x"
             )
         return lines
-
-
-def schedule_units(schedule: Schedule, layer_numels: Sequence[float]) -> list[UnitPlace]:
-    """Every backward sub-stage of ``schedule`` with its parameters and pipeline ranks."""
-    p, place = schedule.partition, schedule.assignment
-    return [
-        UnitPlace(int(sum(layer_numels[i] for i in p.sub_layers(s, k))), place.bwd_rank[s][k], place.fwd_rank[s])
-        for s in range(p.n_stages)
-        for k in range(p.split)
-    ]
 
 
 def replica_plan(

@@ -292,3 +292,61 @@ def test_plan_of_model_replicas_on_one_node_prints_its_block(capsys):
     assert "replicas: 2 x 2-rank pipeline (4 ranks; peers on one node" in out
     # both replicas' shards on the node: its optimizer state is one pipeline's (each rank's is half)
     assert "tokens per modelled second" in out and "1.00x" in out
+
+
+# --- the tuner -----------------------------------------------------------------------------------
+def _tuning_job(replicas: int | None):
+    import torch
+
+    from sysx.autotune.apply import job_from_config, job_profile
+    from sysx.config import EmulateSection, ModelSection, SysxConfig, TrainSection, validate
+    from sysx.config.sections import ParallelSection
+
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        device="emulated",
+        precision="bf16",
+        parallel=ParallelSection(replicas=replicas),
+        train=TrainSection(micro_batch_size=1, micro_batches=16 // (replicas or 1), seq_len=16),
+        emulate=EmulateSection(model="llama2_10b", seq_len=2048, micro_batch_size=2),
+    )
+    validate(cfg)
+    job = job_from_config(cfg, 8, 4, torch.device("cpu"))  # 2 emulated nodes of 4 V100
+    return job, job_profile(cfg, job)
+
+
+def _search(job, profile, host_gib: float):
+    from sysx.autotune.search import Budget, Space, search
+
+    space = Space(
+        stages_per_rank=(2,), splits=(3,), cfgs=(3,), param_buffers=(2,), micro_batch_sizes=(2,), optimizer_workers=(1,)
+    )
+    return search(job, Budget(32 * 2**30, host_gib * 2**30, 512 * 2**30), profile, space)
+
+
+def test_tuner_searches_replicas_and_keeps_the_global_batch():
+    from sysx.autotune.apply import choice
+
+    job, profile = _tuning_job(None)
+    assert job.replicas is None and job.global_batch == 32
+    result = _search(job, profile, 512)
+    assert {c.replicas for c in result.fitting} == {1, 2, 4, 8}
+    assert all(c.global_batch == 32 for c in result.fitting)
+    best = result.best
+    assert best is not None and best.replicas == 2 and "parallel.replicas=2" in best.label()
+    keys = choice(best, emulated=True)
+    assert keys["parallel.replicas"] == 2 and keys["train.micro_batches"] == 8
+
+
+def test_tuner_refuses_replicas_whose_node_memory_does_not_fit():
+    job, profile = _tuning_job(None)
+    result = _search(job, profile, 77)  # one 8-rank pipeline needs 75.6 GiB a node, replicas 78.1 (the working copy)
+    assert result.best is not None and result.best.replicas == 1
+    assert {c.replicas for c in result.rejected} == {2, 4, 8}
+    assert all(c.over["host"] > 1 for c in result.rejected)
+
+
+def test_tuner_with_fixed_replicas_searches_only_them():
+    job, profile = _tuning_job(2)
+    assert job.replicas == 2 and job.global_batch == 32
+    assert {c.replicas for c in _search(job, profile, 512).fitting} == {2}

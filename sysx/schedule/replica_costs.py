@@ -13,7 +13,14 @@ bytes in the exchange.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sysx.memory.node_plan import UnitPlace
+
+if TYPE_CHECKING:  # a type only: ops imports nothing of this package's costs
+    from sysx.schedule.ops import Schedule
 
 # host memory bytes a CPU Adam step moves per parameter (sysx.config.choices: ASSUMED_CPUS' rates
 # are a node's memory bandwidth over this): a reducer thread is taken to sum at one Adam thread's
@@ -62,3 +69,13 @@ class ReplicaCosts:
     def gather_seconds(self, nbytes: float) -> float:
         """One exchange of ``nbytes`` received by a rank (0 when nothing moves)."""
         return self.link_latency + nbytes / self.link_bandwidth if nbytes > 0 else 0.0
+
+
+def schedule_units(schedule: Schedule, layer_numels: Sequence[float]) -> list[UnitPlace]:
+    """Every backward sub-stage of ``schedule`` with its parameters and pipeline ranks."""
+    p, place = schedule.partition, schedule.assignment
+    return [
+        UnitPlace(int(sum(layer_numels[i] for i in p.sub_layers(s, k))), place.bwd_rank[s][k], place.fwd_rank[s])
+        for s in range(p.n_stages)
+        for k in range(p.split)
+    ]
