@@ -350,3 +350,45 @@ def test_tuner_with_fixed_replicas_searches_only_them():
     job, profile = _tuning_job(2)
     assert job.replicas == 2 and job.global_batch == 32
     assert {c.replicas for c in _search(job, profile, 512).fitting} == {2}
+
+
+# --- the benchmark's replica rows -----------------------------------------------------------------
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_pipeline", Path(__file__).parents[1] / "profiling" / "bench_pipeline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_row(ranks: int, it: float, replicas: int = 1) -> dict:
+    report = {
+        "plan": {"iteration_s": it, "bubble": 0.1},
+        "measured": {"iteration_s": it, "bubble": 0.1, "over_plan": 1.0},
+    }
+    row = {"model": "llama2_10b", "seq": 2048, "ranks": ranks, "schedule": "sysx:cfg3", "report": report}
+    return {**row, "replicas": replicas} if replicas > 1 else row
+
+
+def test_bench_replica_rows_run_beside_the_long_pipeline_and_compare_throughput():
+    bench = _bench()
+    cells = bench.replica_cells(["10b"], "2048", ["sysx:cfg3"], "2")
+    assert cells == {
+        8: [
+            {"model": "llama2_10b", "seq": 2048, "schedule": "sysx:cfg3", "replicas": 2},
+            {"model": "llama2_10b", "seq": 2048, "schedule": "sysx:cfg3"},
+        ]
+    }
+    cfg, _ = bench._cell_config(
+        "llama2_10b", 2048, 8, "sysx:cfg3", {"steps": 2, "optimizer_workers": 1, "time_scale": 0.1, "warmup": 1}, 2
+    )
+    assert cfg.parallel.replicas == 2 and cfg.train.micro_batches == 8  # each replica: one node's 16 sequences
+    rows = [_bench_row(4, 10.0), _bench_row(8, 11.0), _bench_row(8, 10.0, replicas=2)]
+    assert "| 2x4 |" in bench.table(rows)
+    (line,) = bench.replica_lines(rows).splitlines()
+    assert "6554 tokens/s measured (1.10x one 8-rank pipeline, 2.00x R=1)" in line
