@@ -19,7 +19,7 @@ from sysx.config import SysxConfig
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate.costs import EmulatedPlan, LaneTimes, device_lane_plan, emulated_model, plan_emulation
 from sysx.emulate.pacer import EmulatedPacer, Pacer
-from sysx.emulate.report import describe, merge_report
+from sysx.emulate.report import describe, merge_report, span_seconds
 from sysx.model import ModelConfig
 from sysx.replicas import ReplicaLayout
 from sysx.schedule import CostTable, Schedule, validate_first
@@ -165,6 +165,8 @@ class EmulatedDeviceModel(DeviceModel):
         )
         if self.lane_plan is not None:  # the plan above has the device lane; the CPU lane's alone beside it
             report["plan"]["cpu_lane_iteration_s"] = plan.timeline.iteration
+        if self.replicas > 1:
+            report["replicas"] = self._replica_report(steps, measured)
         report.update(
             cluster=plan.cluster.describe(),
             model=plan.model.name,
@@ -175,6 +177,22 @@ class EmulatedDeviceModel(DeviceModel):
         if self.rank == 0:
             print(describe(report), flush=True)
         return report
+
+    def _replica_report(self, steps: list[Any], measured: list[int]) -> dict[str, Any]:
+        """The replicas' reductions and shard exchange per step, modelled by the run (the busiest
+        rank's, over the measured steps) beside the plan's."""
+        t, scale = self.plan.table, self.cfg.emulate.time_scale
+        d, place = t.split, self.schedule.assignment
+        plan_reduce = max(
+            sum(t.reduce[s * d + k] for s, k in place.bwd_substages(r)) for r in range(self.schedule.n_ranks)
+        )
+        return {
+            "replicas": self.replicas,
+            "reduce_s": span_seconds(steps, measured, "RED ", scale),
+            "gather_s": span_seconds(steps, measured, "GATHER", scale),
+            "plan_reduce_s": plan_reduce if t.reduce else 0.0,
+            "plan_gather_s": max(t.gather, default=0.0),
+        }
 
     def describe(self) -> list[str]:
         """The run header's line: cluster, costs, time scale and the plan."""

@@ -142,6 +142,17 @@ def merge_report(
     return out
 
 
+def span_seconds(per_rank: list[list[StepStats]], steps: list[int], prefix: str, time_scale: float) -> float:
+    """Modelled seconds per step of the spans named ``prefix...`` (e.g. the replicas' ``RED`` and
+    ``GATHER``), the busiest rank's mean over ``steps`` (0 with none)."""
+    best = 0.0
+    for stats in per_rank:
+        rows = [s for s in stats if s.step in steps]
+        total = sum(end - start for s in rows for _, name, start, end in s.spans if name.startswith(prefix))
+        best = max(best, total / len(rows) / time_scale if rows else 0.0)
+    return best
+
+
 def describe(report: dict[str, Any]) -> str:
     """One line for the log."""
     plan = report["plan"]
