@@ -233,8 +233,8 @@ def test_pacer_reduces_in_unit_order_then_steps_the_shard_then_gathers():
     from sysx.emulate.report import span_seconds
 
     reduced = sum(tab.reduce[s * d + k] for s, k in units)
-    assert span_seconds([pacer.steps], [0], "RED ", scale) == pytest.approx(reduced, rel=1e-6)
-    assert span_seconds([pacer.steps], [0], "GATHER", scale) == pytest.approx(tab.gather[rank], rel=1e-6)
+    assert span_seconds([pacer.steps], [0], "RED ", scale) == pytest.approx(reduced, rel=1e-4)
+    assert span_seconds([pacer.steps], [0], "GATHER", scale) == pytest.approx(tab.gather[rank], rel=1e-4)
 
 
 def test_one_replica_pacer_hooks_add_nothing():
