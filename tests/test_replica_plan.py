@@ -246,6 +246,7 @@ def test_one_replica_pacer_hooks_add_nothing():
     with pacer.replica_reduce("s0.0", None), pacer.replica_gather(0):
         pass
     assert [sp[3] - sp[2] for sp in pacer._stats.spans] == [0.0, 0.0]
+    assert pacer._stats.late < 1.0  # no event: from when it was entered, not from the clock's zero
 
 
 # --- sysx plan ---------------------------------------------------------------------------------

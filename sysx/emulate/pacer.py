@@ -368,7 +368,8 @@ class EmulatedPacer(Pacer):
         t0 = time.monotonic()
         yield
         real = time.monotonic() - t0
-        ready_at = ready.timestamp() if isinstance(ready, EmulatedEvent) and ready.time is not None else 0.0
+        # no offload event (nothing copied): the reduction could start when it was entered
+        ready_at = ready.timestamp() if isinstance(ready, EmulatedEvent) and ready.time is not None else t0
         seconds = self.table.reduce[self._unit[name]] * self.time_scale if self.table.reduce else 0.0
         with self._lock:
             start = max(ready_at, self.reduce_free)
