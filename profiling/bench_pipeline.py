@@ -36,6 +36,14 @@ instead of the paper's V100::
         --schedules mobius,sysx:cfg3+cpu,sysx:cfg3+split --steps 4
 ``--best-layouts`` adds Mobius, Megatron and SysX CFG3 each at the layout its plan on the emulated
 cluster finds fastest, and compares SysX with the baselines run the same way.
+
+``--replicas 2`` adds replica rows (``parallel.replicas``): every schedule as R replicas of the
+model's pipeline (R x its ranks, each replica with the Fig. 9 batch of its nodes), beside the same
+schedule as one pipeline over all R x ranks at the same global batch; a line under the table gives
+their tokens per modelled second against both one-pipeline rows (the long pipeline, and the
+model's pipeline alone, R=1). The 10B table of the replicas (``--plan-only`` plans it)::
+
+    PYTHONPATH=. python profiling/bench_pipeline.py --models 10b --seq 2048 --schedules sysx:cfg3 --replicas 2
 """
 
 from __future__ import annotations
@@ -73,8 +81,11 @@ PLACEMENTS = ("auto", "cpu", "split")  # a SysX schedule's ``+<optim.placement>`
 
 
 # ------------------------------------------------------------------------------------------ worker
-def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> tuple[Any, Any]:
-    """The job config and pipeline options of one cell."""
+def _cell_config(
+    model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any], replicas: int = 1
+) -> tuple[Any, Any]:
+    """The job config and pipeline options of one cell of ``n_ranks`` processes, ``replicas`` pipelines
+    of ``n_ranks / replicas`` ranks (each replica the Fig. 9 batch of its own nodes)."""
     from sysx.config import (
         EmulateSection,
         EvalSection,
@@ -84,6 +95,7 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
         SysxConfig,
         TrainSection,
     )
+    from sysx.config.sections import ParallelSection
     from sysx.runtime import PipelineOptions
 
     base, layout = split_layout(schedule)
@@ -91,7 +103,7 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
     name, _, cfg = base.partition(":cfg")
     if base == "sysx:tuned":  # tuned by _tuned from this config (CFG3 is only the starting point)
         name, cfg = "sysx", "3"
-    nodes = max(1, n_ranks // GPUS_PER_NODE)
+    nodes = max(1, n_ranks // replicas // GPUS_PER_NODE)  # of one replica
     cfg_obj = SysxConfig(
         model=ModelSection(preset="tiny"),
         device="emulated",
@@ -105,6 +117,7 @@ def _cell_config(model: str, seq: int, n_ranks: int, schedule: str, args: dict[s
         ),
         eval=EvalSection(every=0),
         log=LogSection(every=1000, progress=False),
+        parallel=ParallelSection(replicas=replicas if replicas > 1 else None),
         emulate=EmulateSection(
             gpu=GPUS[args.get("gpu", "v100")],
             model=model,
@@ -175,24 +188,28 @@ def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
     return base, (int(m[1]), int(m[2]) if m[2] else None)
 
 
-def planned_iteration(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> float | None:
-    """The planned iteration (modelled seconds) of one cell, or None when it does not fit, cannot be
-    cut at its layout, or the runtime would fall back to another layout."""
+def planned_iteration(
+    model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any], replicas: int = 1
+) -> float | None:
+    """The planned iteration (modelled seconds) of one cell (``replicas`` pipelines of ``n_ranks /
+    replicas`` ranks), or None when it does not fit, cannot be cut at its layout, or the runtime
+    would fall back to another layout."""
     from sysx.config import ConfigError
     from sysx.emulate.costs import emulated_model, plan_emulation
     from sysx.partition import PartitionError
     from sysx.runtime.options import make_schedule
     from sysx.schedule.ops import ScheduleError
 
-    cfg, opts = _cell_config(model, seq, n_ranks, schedule, args)
+    cfg, opts = _cell_config(model, seq, n_ranks, schedule, args, replicas)
     em = emulated_model(cfg)
+    pipeline = n_ranks // replicas
     try:
-        sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
-        it = _lane_planned(cfg, sched, plan_emulation(cfg, sched, backend="torch"))
+        sched = make_schedule(opts, em.config, n_ranks=pipeline, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
+        it = _lane_planned(cfg, sched, plan_emulation(cfg, sched, backend="torch", replicas=replicas))
     except (ConfigError, PartitionError, ScheduleError, ValueError):
         return None
     spr = split_layout(schedule)[1][0]
-    return None if spr is not None and sched.n_stages != spr * n_ranks else it
+    return None if spr is not None and sched.n_stages != spr * pipeline else it
 
 
 def _lane_planned(cfg: Any, sched: Any, plan: Any) -> float:
@@ -223,19 +240,33 @@ def plan_table(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any]) 
     """``--plan-only``: one line per cell with its planned iteration, running nothing."""
     lines = []
     for c in cells:
-        it = planned_iteration(c["model"], c["seq"], n_ranks, c["schedule"], args)
+        r = c.get("replicas", 1)
+        it = planned_iteration(c["model"], c["seq"], n_ranks, c["schedule"], args, r)
+        tokens = f" {r * _tokens(c['model'], c['seq'], n_ranks // r) / it:.0f} |" if it else " |"
         lines.append(
-            f"| {c['model'].replace('llama2_', '').upper()} | {c['seq']} | {n_ranks} | {_label(c['schedule'])} | "
-            + (f"{it:.2f} |" if it is not None else "does not fit |")
+            f"| {c['model'].replace('llama2_', '').upper()} | {c['seq']} | {_ranks(n_ranks, r)} | "
+            f"{_label(c['schedule'])} | " + (f"{it:.2f} |" if it is not None else "does not fit |") + tokens
         )
     return lines
 
 
-def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args: dict[str, Any]) -> dict[str, Any]:
+def _ranks(n_ranks: int, replicas: int) -> str:
+    """The ranks column: ``8``, or ``2x4`` for two replicas of a 4-rank pipeline."""
+    return f"{replicas}x{n_ranks // replicas}" if replicas > 1 else str(n_ranks)
+
+
+def _tokens(model: str, seq: int, pipeline: int) -> int:
+    """Tokens per step of one replica of a ``pipeline``-rank pipeline (the Fig. 9 batch of its nodes)."""
+    return BATCH_PER_NODE * max(1, pipeline // GPUS_PER_NODE) * seq
+
+
+def _run_cell(
+    info: Any, dataset: Any, model: str, seq: int, schedule: str, args: dict[str, Any], replicas: int = 1
+) -> dict[str, Any]:
     from sysx.config import ConfigError, validate
     from sysx.trainers.pipeline import PipelineTrainer
 
-    cfg, opts = _cell_config(model, seq, info.world_size, schedule, args)
+    cfg, opts = _cell_config(model, seq, info.world_size, schedule, args, replicas)
     validate(cfg)
     row: dict[str, Any] = {
         "model": model,
@@ -243,6 +274,7 @@ def _run_cell(info: Any, dataset: Any, model: str, seq: int, schedule: str, args
         "ranks": info.world_size,
         "schedule": schedule,
         "gpu": args.get("gpu", "v100"),
+        **({"replicas": replicas} if replicas > 1 else {}),
     }
     costs = None
     try:
@@ -298,7 +330,9 @@ def worker(spec_path: str, out_path: str) -> int:
             attempts = 0
             for _ in range(1 + spec["args"]["retries"]):  # every rank sees the same report: all retry
                 attempts += 1
-                row = _run_cell(info, dataset, cell["model"], cell["seq"], cell["schedule"], spec["args"])
+                row = _run_cell(
+                    info, dataset, cell["model"], cell["seq"], cell["schedule"], spec["args"], cell.get("replicas", 1)
+                )
                 if not (row.get("report") or {}).get("refused"):
                     break
             row.update(wall_s=time.perf_counter() - t0, attempts=attempts)
@@ -408,8 +442,17 @@ def _family(schedule: str) -> tuple[str, bool]:
 
 
 def _key(r: dict[str, Any]) -> tuple[Any, ...]:
-    """A row's place among its siblings: (GPU, model, seq, schedule without layout, chosen layout?, placement)."""
-    return (r.get("gpu", "v100"), r["model"], r["seq"], *_family(r["schedule"]), _placement(r["schedule"]))
+    """A row's place among its siblings: (GPU, model, seq, schedule without layout, chosen layout?,
+    placement, ranks, replicas)."""
+    return (
+        r.get("gpu", "v100"),
+        r["model"],
+        r["seq"],
+        *_family(r["schedule"]),
+        _placement(r["schedule"]),
+        r.get("ranks"),
+        r.get("replicas", 1),
+    )
 
 
 def _iteration(r: dict[str, Any] | None) -> float | None:
@@ -487,7 +530,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         chosen = f" ({r['choice']})" if r.get("choice") else ""
         on = f" on {r.get('gpu', 'v100').upper()}" if gpus else ""
         head = (
-            f"| {r['model'].replace('llama2_', '').upper()}{on} | {r['seq']} | {r['ranks']} | "
+            f"| {r['model'].replace('llama2_', '').upper()}{on} | {r['seq']} | {_ranks(r['ranks'], r.get('replicas', 1))} | "
             f"{_label(r['schedule'], r)}{chosen}{again} |"
         )
         tail = f" {vs_cpu(r, rows)} |" if placed else ""
@@ -503,10 +546,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             cells = f" refused | | {_planned(plan)} | {100 * plan['bubble']:.1f}% | {rep['refused'][:80]} | | |"
         else:
             ratios = ["", ""]
-            gpu, model, seq, family, tuned, placement = _key(r)
+            gpu, model, seq, family, tuned, placement, ranks, replicas = _key(r)
             if family == "sysx:cfg3" and placement is None:  # against the baselines run the same way
                 for i, base in enumerate(("mobius", "interleaved_1f1b")):
-                    b = _iteration(by_key.get((gpu, model, seq, base, tuned, None)))
+                    b = _iteration(by_key.get((gpu, model, seq, base, tuned, None, ranks, replicas)))
                     ratios[i] = f"**{b / m['iteration_s']:.2f}x**" if b else "-"
             cells = (
                 f" {m['iteration_s']:.2f} | {100 * m['bubble']:.1f}% | {_planned(plan)} | "
@@ -516,11 +559,48 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _throughput(r: dict[str, Any] | None, which: str) -> float | None:
+    """Tokens per modelled second of a row, ``measured`` or ``plan`` (None: none)."""
+    rep = (r or {}).get("report") or {}
+    got = rep.get(which)
+    if r is None or not got:
+        return None
+    replicas = r.get("replicas", 1)
+    return replicas * _tokens(r["model"], r["seq"], r["ranks"] // replicas) / got["iteration_s"]
+
+
+def replica_lines(rows: list[dict[str, Any]]) -> str:
+    """Per replica row: its tokens per modelled second, measured and planned, against one pipeline over
+    all its ranks at the same global batch and against one replica's pipeline alone (R=1)."""
+    by = {(r["model"], r["seq"], r["schedule"], r["ranks"], r.get("replicas", 1)): r for r in rows}
+    out = []
+    for r in rows:
+        n = r.get("replicas", 1)
+        if n == 1:
+            continue
+        key = (r["model"], r["seq"], r["schedule"])
+        longer, alone = by.get((*key, r["ranks"], 1)), by.get((*key, r["ranks"] // n, 1))
+        parts = []
+        for which in ("measured", "plan"):
+            mine = _throughput(r, which)
+            if mine is None:
+                continue
+            vs = [
+                f"{mine / other:.2f}x {what}"
+                for what, x in ((f"one {r['ranks']}-rank pipeline", longer), ("R=1", alone))
+                if (other := _throughput(x, which))
+            ]
+            parts.append(f"{mine:.0f} tokens/s {which}" + (f" ({', '.join(vs)})" if vs else ""))
+        head = f"{r['model']} seq {r['seq']} {_label(r['schedule'])} {_ranks(r['ranks'], n)}: "
+        out.append(head + ("; ".join(parts) or r.get("error", "no report")[:90]))
+    return "\n".join(out)
+
+
 def averages(rows: list[dict[str, Any]]) -> str:
     """Mean SysX CFG3 speed-up over Mobius and over Megatron, across the rows measured for all three
     (default placement)."""
     got = {
-        _key(r)[:5]: r["report"]["measured"]["iteration_s"]
+        (*_key(r)[:5], _key(r)[6:]): r["report"]["measured"]["iteration_s"]
         for r in rows
         if (r.get("report") or {}).get("measured") and _placement(r["schedule"]) is None
     }
@@ -531,9 +611,9 @@ def averages(rows: list[dict[str, Any]]) -> str:
         for tuned in (False, True):
             for base, name in (("mobius", "Mobius"), ("interleaved_1f1b", "Megatron")):
                 ratios = [
-                    got[(g, m, q, base, tuned)] / t
-                    for (g, m, q, sch, tu), t in got.items()
-                    if g == gpu and sch == "sysx:cfg3" and tu == tuned and (g, m, q, base, tuned) in got
+                    got[(g, m, q, base, tuned, n)] / t
+                    for (g, m, q, sch, tu, n), t in got.items()
+                    if g == gpu and sch == "sysx:cfg3" and tu == tuned and (g, m, q, base, tuned, n) in got
                 ]
                 if ratios:
                     out.append(
@@ -568,9 +648,9 @@ def tuned_lines(rows: list[dict[str, Any]]) -> str:
 
 def _latest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per cell: a measured row over a refused one, else the later one; first-seen order."""
-    keep: dict[tuple[str, str, int, str], dict[str, Any]] = {}
+    keep: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        key = (r.get("gpu", "v100"), r["model"], r["seq"], r["schedule"])
+        key = (r.get("gpu", "v100"), r["model"], r["seq"], r["schedule"], r.get("ranks"), r.get("replicas", 1))
         old = keep.get(key)
         if old is None or (r.get("report") or {}).get("measured") or not (old.get("report") or {}).get("measured"):
             keep[key] = r
@@ -586,6 +666,24 @@ def parse_schedules(schedules: str, placements: str) -> list[str]:
             raise ValueError(f"unknown placement {placement!r} in --placements; allowed: {', '.join(PLACEMENTS)}")
         if f"sysx:cfg3+{placement}" not in out:
             out.append(f"sysx:cfg3+{placement}")
+    return out
+
+
+def replica_cells(models: list[str], seqs: str, schedules: list[str], replicas: str) -> dict[int, list[dict[str, Any]]]:
+    """``--replicas``: by rank count, each schedule as R replicas of each model's pipeline and as one
+    pipeline over the same R x ranks (the same global batch: 16 sequences a node)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in (int(x) for x in replicas.split(",") if x.strip()):
+        if r < 2:
+            raise ValueError(f"--replicas {r}: give replica counts >= 2 (one replica is the plain row)")
+        for m in models:
+            n = r * MODELS[m][1]
+            out.setdefault(n, []).extend(
+                {"model": MODELS[m][0], "seq": int(s), "schedule": sch, **({"replicas": r} if k else {})}
+                for s in seqs.split(",")
+                for sch in schedules
+                for k in (True, False)
+            )
     return out
 
 
@@ -631,6 +729,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each of Mobius, Megatron and SysX CFG3 at its fastest planned layout "
         "(forward stages per rank, SysX split d), the baselines' and SysX's alike",
     )
+    p.add_argument(
+        "--replicas",
+        default="",
+        help="comma list of replica counts R: adds every schedule as R replicas of the model's pipeline and "
+        "as one pipeline over R x its ranks at the same global batch (parallel.replicas)",
+    )
     p.add_argument("--plan-only", action="store_true", help="print every cell's planned iteration, running nothing")
     p.add_argument(
         "--report",
@@ -646,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = _latest(
             [json.loads(line) for path in args.report for line in path.read_text().splitlines() if line.strip()]
         )
-        print(f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}".rstrip())
+        print(f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}\n{replica_lines(rows)}".rstrip())
         return 0
     if args.quick:
         args.models, args.seq, args.schedules, args.steps = "10b", "2048", "mobius,interleaved_1f1b,sysx:cfg3", 3
@@ -674,14 +778,19 @@ def main(argv: list[str] | None = None) -> int:
     out_json.write_text("")
     t0 = time.perf_counter()
     plans: list[str] = []
-    for n_ranks in sorted({MODELS[m][1] for m in models}):
-        cells = [
-            {"model": MODELS[m][0], "seq": int(s), "schedule": sch}
-            for m in models
-            if MODELS[m][1] == n_ranks
-            for s in args.seq.split(",")
-            for sch in schedules
-        ]
+    by_ranks: dict[int, list[dict[str, Any]]] = {}
+    for m in models:
+        by_ranks.setdefault(MODELS[m][1], []).extend(
+            {"model": MODELS[m][0], "seq": int(s), "schedule": sch} for s in args.seq.split(",") for sch in schedules
+        )
+    try:
+        replica_rows = replica_cells(models, args.seq, schedules, args.replicas)
+    except ValueError as err:
+        p.error(str(err))
+    for n_ranks, extra in replica_rows.items():
+        by_ranks.setdefault(n_ranks, []).extend(extra)
+    for n_ranks in sorted(by_ranks):
+        cells = by_ranks[n_ranks]
         if args.best_layouts:
             cells += [
                 {
@@ -699,10 +808,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         launch(cells, n_ranks, shared, out_json)
     if args.plan_only:
-        print("| model | seq | ranks | schedule | planned s/it |\n|---|---|---|---|---|\n" + "\n".join(plans))
+        print(
+            "| model | seq | ranks | schedule | planned s/it | planned tokens/s |\n|---|---|---|---|---|---|\n"
+            + "\n".join(plans)
+        )
         return 0
     rows = [json.loads(line) for line in out_json.read_text().splitlines() if line.strip()]
-    text = f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}".rstrip()
+    text = f"{table(rows)}\n\n{averages(rows)}\n{tuned_lines(rows)}\n{replica_lines(rows)}".rstrip()
     print(text)
     print(
         f"\n{len(rows)} cells in {time.perf_counter() - t0:.0f} s; paper: SysX {PAPER['sysx_over_mobius']}x Mobius, "

@@ -22,10 +22,13 @@ from sysx.config.choices import EMULATED_DEVICE, PRECISIONS, SYSX_CFGS
 from sysx.emulate import emulated_model
 from sysx.emulate.device_model import emulated_schedule
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
+from sysx.plan_replicas import ReplicaPlan, replica_plan
+from sysx.replicas import ReplicaLayout
 from sysx.runtime.options import make_schedule, options_from_config
 from sysx.schedule import ONE_STAGE_PER_RANK, SCHEDULES, build
-from sysx.schedule.costs import Costs, UnitCosts, costs_from_model
+from sysx.schedule.costs import Costs, UnitCosts, costs_from_model, model_layer_params
 from sysx.schedule.ops import Schedule, ScheduleError
+from sysx.schedule.replica_costs import ADAM_BYTES_PER_PARAM, ReplicaCosts
 from sysx.schedule.simulate import Timeline, simulate
 from sysx.schedule.validate import validate
 
@@ -75,7 +78,13 @@ def _parser() -> argparse.ArgumentParser:
 def _layout_arguments(p: argparse.ArgumentParser) -> None:
     """Which schedule, on how many ranks, cut how (defaults: the layout ``sysx-train`` runs)."""
     p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default sysx")
-    p.add_argument("--ranks", "-g", type=int, default=None, help="Ng: pipeline ranks (GPUs), default 4")
+    p.add_argument("--ranks", "-g", type=int, default=None, help="Ng: ranks (GPUs) of the job, default 4")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="R: data-parallel replicas of a pipeline of Ng/R ranks (default parallel.replicas, else 1)",
+    )
     p.add_argument("--microbatches", "-m", type=int, default=None, help="Nm: micro-batches per iteration, default 4")
     p.add_argument(
         "--stages", "-s", type=int, default=None, help="Nsf: forward stages (default 2*Ng; Ng for gpipe/1f1b)"
@@ -173,13 +182,13 @@ DEFAULTS = {
     "micro_batch_size": 1,
     "precision": "bf16",
 }
-_COUNTS = ("ranks", "microbatches", "stages", "split", "seq_len", "micro_batch_size", "param_buffers")
+_COUNTS = ("ranks", "replicas", "microbatches", "stages", "split", "seq_len", "micro_batch_size", "param_buffers")
 
 
 def _resolve(args: argparse.Namespace) -> None:
     """Fill unset options: flags (and --config) first, then the Hydra config, then DEFAULTS. The
     layout (``--stages``, ``--split``) left unset is the one ``sysx-train`` runs (:func:`runtime_layout`)."""
-    args.model_cfg, args.job, args.emulated = None, None, ""
+    args.model_cfg, args.job, args.emulated, args.table = None, None, "", None
     found: dict[str, Any] = {}
     if args.hydra is not None:
         from sysx.checkpoint.pretrained import job_model_config
@@ -198,6 +207,8 @@ def _resolve(args: argparse.Namespace) -> None:
         }  # a plan is for GPUs: auto is bf16 there
         if job.schedule.name in SCHEDULES:
             found["schedule"] = job.schedule.name
+        if job.parallel.replicas is not None:
+            found["replicas"] = job.parallel.replicas
         if job.schedule.split is not None:
             found["split"] = job.schedule.split
         if job.device == EMULATED_DEVICE:  # the emulated model's costs, at its shape
@@ -215,6 +226,19 @@ def _resolve(args: argparse.Namespace) -> None:
         value = getattr(args, key, None)
         if value is not None and value < 1:
             raise ValueError(f"--{key.replace('_', '-')} {value} is not valid: must be an integer >= 1")
+    _resolve_replicas(args)
+
+
+def _resolve_replicas(args: argparse.Namespace) -> None:
+    """``--ranks`` is the job's ranks; with ``--replicas R`` (or ``parallel.replicas``) the plan is
+    of a pipeline of ``ranks / R`` ranks run by R replicas (``args.ranks`` becomes P)."""
+    args.show_replicas = args.replicas is not None
+    args.replicas = args.replicas or 1
+    args.world = args.ranks
+    if args.show_replicas:
+        args.ranks = ReplicaLayout.of(args.replicas, args.ranks).pipeline  # ValueError: one line
+        if args.replicas > 1 and args.model_cfg is None:
+            raise ValueError(f"--replicas {args.replicas} needs a model (--model or --hydra): unit costs have no links")
 
 
 def runtime_layouts(name: str, cfg: int, n_ranks: int, *, stages_per_rank: int | None = None) -> list[tuple[int, int]]:
@@ -270,6 +294,23 @@ def _costs(args: argparse.Namespace, scale: float) -> Costs | UnitCosts:
         gpus_per_node=args.gpus_per_node,
         inter_p2p_bandwidth=None if args.inter_gbps is None else args.inter_gbps * 1e9,
         inter_p2p_latency=None if args.inter_latency_us is None else args.inter_latency_us * 1e-6,
+        replica=_replica_costs(args),
+    )
+
+
+def _replica_costs(args: argparse.Namespace) -> ReplicaCosts | None:
+    """The replicas on the links of the flags (between nodes: ``--inter-gbps``, else ``--p2p-gbps``;
+    in a node's memory: one reducer thread at one optimizer worker's bandwidth)."""
+    if args.replicas == 1:
+        return None
+    layout = ReplicaLayout(args.replicas, args.ranks, 0, local_world_size=args.gpus_per_node or args.world)
+    return ReplicaCosts(
+        args.replicas,
+        layout.peers_share_node(),
+        link_bandwidth=(args.inter_gbps or args.p2p_gbps) * 1e9,
+        link_latency=(args.p2p_latency_us if args.inter_latency_us is None else args.inter_latency_us) * 1e-6,
+        memory_bandwidth=args.optim_gparams_per_s * 1e9 * ADAM_BYTES_PER_PARAM,
+        param_bytes=4.0 if args.precision == "fp32" else 2.0,
     )
 
 
@@ -325,7 +366,9 @@ def _plan_layout(
         param_buffers=args.param_buffers,
     )
     validate(sched)
-    tl = simulate(sched, _costs(args, scale), gpus_per_node=args.gpus_per_node)
+    costs = _costs(args, scale)
+    args.table = costs.table(sched) if isinstance(costs, Costs) else None
+    tl = simulate(sched, args.table or costs, gpus_per_node=args.gpus_per_node)
     return sched, tl, note
 
 
@@ -345,8 +388,12 @@ def _plan_emulated(args: argparse.Namespace, name: str, cfg: int) -> tuple[Sched
         section["stage_sizes"] = [int(x) for x in str(args.stage_sizes).split(",")]
     job = dataclasses.replace(args.job, schedule=dataclasses.replace(args.job.schedule, **section))
     build = functools.partial(make_schedule, options_from_config(job), n_ranks=args.ranks, n_micro=args.microbatches)
-    sched, plan = emulated_schedule(job, build, backend=job.optim.backend)
-    args.emulated = f"emulated: {plan.describe()}"
+    sched, plan = emulated_schedule(job, build, backend=job.optim.backend, replicas=args.replicas)
+    args.emulated, args.table, args.gpus_per_node = (
+        f"emulated: {plan.describe()}",
+        plan.table,
+        plan.cluster.gpus_per_node,
+    )
     return sched, plan.timeline, ""
 
 
@@ -412,6 +459,21 @@ def _report(sched: Schedule, tl: Timeline, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _replica_plan(args: argparse.Namespace, sched: Schedule, tl: Timeline) -> ReplicaPlan | None:
+    """The replicas' figures of the plan (None: unit costs, nothing to say about links)."""
+    if args.table is None:
+        return None
+    return replica_plan(
+        sched,
+        args.table,
+        tl,
+        gpus_per_node=args.gpus_per_node,
+        tokens_per_micro=args.seq_len * args.micro_batch_size,
+        layer_numels=model_layer_params(args.model_cfg),
+        dtype="float32" if args.precision == "fp32" else "bfloat16",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx plan``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -450,11 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         from sysx.schedule.draw import chrome_trace
 
         chrome_trace(timelines, args.trace)
+    replicas = _replica_plan(args, *runs[0][:2]) if args.show_replicas and not args.compare else None
     if args.json:
         out = [
             dict(tl.summary(), cfg=s.options.cfg, stages=s.n_stages, split=s.split, note=note) for s, tl, note in runs
         ]
         extra = {"emulated": args.emulated} if args.emulated else {}
+        extra.update({"replica_plan": replicas.summary()} if replicas else {})
         print(json.dumps({**out[0], **extra} if not args.compare else {"compare": out, **extra}))
         return 0
     if args.emulated:
@@ -480,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             print(sched.format_ops())
             print()
         print(_report(sched, tl, args))
+        for line in replicas.describe() if replicas else []:
+            print(line)
     for path in (args.png, args.trace):
         if path:
             print(f"wrote {Path(path)}")

@@ -149,6 +149,7 @@ SEQ = 32
 JOB = [
     "schedule=auto",
     "schedule.tune=true",
+    "parallel.replicas=1",  # the prediction of one 2-rank pipeline (null: the tuner may choose replicas)
     "model=tiny",
     "precision=fp32",
     "train.steps=4",

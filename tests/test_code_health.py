@@ -26,6 +26,7 @@ JOB_LAYER = (
     "sysx.preflight",
     "sysx.run_dir",
     "sysx.plan_command",
+    "sysx.plan_replicas",
     "sysx.sweep",
 )
 # The planner sits above the engines it plans for.

@@ -30,9 +30,11 @@ from sysx.schedule.costs import Costs
 
 
 def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: int | None, device: torch.device) -> Job:
-    """The :class:`Job` of ``cfg`` on ``n_ranks`` ranks (``schedule=auto`` means sysx here). On
-    ``device=emulated`` it is the emulated job: ``emulate.model`` at ``emulate.seq_len``, micro-batches
-    of ``emulate.micro_batch_size``, the emulated network's GPUs per node, 16-bit unless ``precision=fp32``."""
+    """The :class:`Job` of ``cfg`` on ``n_ranks`` ranks (``schedule=auto`` means sysx here), its global
+    batch every replica's sequences together and its replicas ``parallel.replicas`` (null: the search
+    picks them). On ``device=emulated`` it is the emulated job: ``emulate.model`` at
+    ``emulate.seq_len``, micro-batches of ``emulate.micro_batch_size``, the emulated network's GPUs
+    per node, 16-bit unless ``precision=fp32``."""
     name = "sysx" if cfg.schedule.name == "auto" else cfg.schedule.name
     if name in ("single", "reference"):
         raise ConfigError(
@@ -45,25 +47,27 @@ def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: int | None, de
         return Job(
             model=em.config,
             seq_len=em.seq_len,
-            global_batch=em.micro_batch_size * t.micro_batches,
+            global_batch=cfg.parallel.count * em.micro_batch_size * t.micro_batches,
             n_ranks=n_ranks,
             schedule=name,
             gpus_per_node=cluster(cfg.emulate).gpus_per_node,
             work_dtype="float32" if cfg.precision == "fp32" else "bfloat16",
             optim_backend=cfg.optim.backend,
             rollback=cfg.optim.rollback,
+            replicas=cfg.parallel.replicas,
         )
     precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
     return Job(
         model=job_model_config(cfg),
         seq_len=t.seq_len,
-        global_batch=t.micro_batch_size * t.micro_batches,
+        global_batch=cfg.parallel.count * t.micro_batch_size * t.micro_batches,
         n_ranks=n_ranks,
         schedule=name,
         gpus_per_node=gpus_per_node,
         work_dtype="float32" if precision == "fp32" else "bfloat16",
         optim_backend=cfg.optim.backend,
         rollback=cfg.optim.rollback,
+        replicas=cfg.parallel.replicas,
     )
 
 
@@ -121,7 +125,7 @@ def cached_costs(
 ) -> Costs | None:
     """The costs of ``cfg``'s job from this machine's cached profile (its micro-batch size, the run's
     optimizer workers and threads), or None when none is cached: nothing is measured here."""
-    job = job_from_config(cfg, n_ranks, ranks_per_node, device)
+    job = dataclasses.replace(job_from_config(cfg, n_ranks, ranks_per_node, device), replicas=cfg.parallel.count)
     dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
     profile = cached_profile(job.model, job.seq_len, dtype, device)
     if profile is None:
@@ -130,11 +134,12 @@ def cached_costs(
 
 
 def choice(cand: Candidate, *, emulated: bool = False) -> dict[str, Any]:
-    """The config keys a candidate sets (``section.key``: value). On the emulated device the micro-batch
-    size is the emulated one (``emulate.micro_batch_size``); the real tensors keep ``train.micro_batch_size``."""
+    """The config keys a candidate sets (``section.key``: value; ``parallel.replicas`` when it runs
+    several). On the emulated device the micro-batch size is the emulated one
+    (``emulate.micro_batch_size``); the real tensors keep ``train.micro_batch_size``."""
     o = cand.options
     mbs_key = "emulate.micro_batch_size" if emulated else "train.micro_batch_size"
-    return {
+    return ({"parallel.replicas": cand.replicas} if cand.replicas > 1 else {}) | {
         "schedule.stages_per_rank": o.stages_per_rank,
         "schedule.split": o.split,
         "schedule.cfg": o.cfg,

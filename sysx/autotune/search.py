@@ -11,12 +11,14 @@ When nothing fits, :mod:`sysx.autotune.advice` says what is closest and what cha
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.profile import MachineProfile
+from sysx.autotune.replicas import node_memory, replica_costs, replica_counts
 from sysx.config import ConfigError
 from sysx.config.choices import ONE_STAGE_PER_RANK
 from sysx.model import ModelConfig
@@ -52,11 +54,17 @@ class Job:
     work_dtype: str = "bfloat16"
     optim_backend: str = "auto"
     rollback: str = "undo"  # optim.rollback: snapshot and exact keep a second (p, m, v) set in host memory
+    replicas: int | None = 1  # data-parallel pipelines of n_ranks / replicas ranks (None: the search picks)
 
     @property
     def ranks_per_node(self) -> int:
         """Ranks sharing one node's host memory and CPU threads."""
         return min(self.gpus_per_node or self.n_ranks, self.n_ranks)
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks of each replica's pipeline (the schedule's)."""
+        return self.n_ranks // (self.replicas or 1)
 
 
 @dataclass(frozen=True)
@@ -86,11 +94,12 @@ class Candidate:
     host: float  # host bytes of the fullest node: optimizer state + shared working copy
     shm: float  # /dev/shm bytes of the fullest node
     over: dict[str, float] = field(default_factory=dict)  # need / budget per resource
+    replicas: int = 1  # data-parallel pipelines; micro_batches is each one's
 
     @property
     def global_batch(self) -> int:
-        """Sequences per iteration (what the search keeps fixed)."""
-        return self.micro_batch_size * self.micro_batches
+        """Sequences per iteration of every replica together (what the search keeps fixed)."""
+        return self.replicas * self.micro_batch_size * self.micro_batches
 
     @property
     def fits(self) -> bool:
@@ -105,7 +114,7 @@ class Candidate:
     def label(self) -> str:
         """The options in ``key=value`` form, as the config spells them."""
         o = self.options
-        parts = [f"schedule={o.schedule}"]
+        parts = [f"schedule={o.schedule}"] + ([f"parallel.replicas={self.replicas}"] if self.replicas > 1 else [])
         if o.schedule not in ONE_STAGE_PER_RANK:
             parts.append(f"stages_per_rank={o.stages_per_rank}")
         if o.schedule == "sysx":
@@ -189,9 +198,10 @@ def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, 
     """The options as built (the fixed rule's choices filled in) and the validated schedule; the
     optimizer workers do not change the schedule, so the search builds it once for all of them."""
     opts = PipelineOptions(**opts.__dict__)
-    sched = make_schedule(opts, job.model, n_ranks=job.n_ranks, n_micro=job.global_batch // mbs, seq_len=job.seq_len)
+    n_micro = job.global_batch // (job.replicas or 1) // mbs  # each replica's
+    sched = make_schedule(opts, job.model, n_ranks=job.pipeline_ranks, n_micro=n_micro, seq_len=job.seq_len)
     if opts.schedule not in ONE_STAGE_PER_RANK:  # the values the fixed rule chose, so the label says what runs
-        opts.stages_per_rank = sched.n_stages // job.n_ranks
+        opts.stages_per_rank = sched.n_stages // job.pipeline_ranks
     if opts.schedule == "sysx":
         opts.split = sched.split
     return opts, sched
@@ -211,7 +221,11 @@ def _simulated(
     tl = simulate(
         sched, candidate_costs(job, profile, mbs, workers, threads), record=False, gpus_per_node=job.ranks_per_node
     )
-    return _candidate(job, budget, opts, mbs, job.global_batch // mbs, threads, tl)
+    r = job.replicas or 1
+    nodes = None  # one replica: the timeline's host memory, as always
+    if r > 1:
+        nodes = node_memory(sched, job.model, r, job.ranks_per_node, work_dtype=job.work_dtype, rollback=job.rollback)
+    return _candidate(job, budget, opts, mbs, job.global_batch // r // mbs, threads, tl, nodes)
 
 
 def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, threads: int) -> Costs:
@@ -226,16 +240,27 @@ def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, t
         threads_per_worker=threads,
         gpus_per_node=job.ranks_per_node,
         rollback=job.rollback,
+        replica=replica_costs(
+            job.replicas or 1, job.pipeline_ranks, job.ranks_per_node, profile, work_dtype=job.work_dtype
+        ),
     )
 
 
 def _candidate(
-    job: Job, budget: Budget, opts: PipelineOptions, mbs: int, n_micro: int, threads: int, tl: Timeline
+    job: Job,
+    budget: Budget,
+    opts: PipelineOptions,
+    mbs: int,
+    n_micro: int,
+    threads: int,
+    tl: Timeline,
+    nodes: tuple[float, float] | None = None,
 ) -> Candidate:
+    """``nodes``: the fullest node's (host, shm) bytes with replicas (None: the timeline's)."""
     gpn = tl.gpus_per_node
     top = max(range(tl.n_ranks), key=lambda r: tl.peak_gpu[r])
     node_host = [sum(tl.host[i * gpn : (i + 1) * gpn]) + tl.shm[i] for i in range(len(tl.shm))]
-    host, shm = max(node_host), max(tl.shm)
+    host, shm = nodes or (max(node_host), max(tl.shm))
     parts = {
         "params": tl.peak_params[top],
         "grads": tl.peak_grads[top],
@@ -244,18 +269,51 @@ def _candidate(
     }
     over = {"gpu": tl.peak_gpu[top] / budget.gpu, "host": host / budget.host, "shm": shm / budget.shm}
     return Candidate(
-        opts, mbs, n_micro, threads, tl.iteration, tl.bubble_ratio, tl.peak_gpu[top], parts, host, shm, over
+        opts,
+        mbs,
+        n_micro,
+        threads,
+        tl.iteration,
+        tl.bubble_ratio,
+        tl.peak_gpu[top],
+        parts,
+        host,
+        shm,
+        over,
+        tl.replicas,
     )
 
 
 def search(job: Job, budget: Budget, profile: MachineProfile, space: Space = Space()) -> Result:
-    """Every candidate of ``space``: fitting ones ranked by predicted iteration time."""
+    """Every candidate of ``space`` (and, with ``job.replicas`` None, every replica count that divides
+    the ranks and the global batch): fitting ones ranked by predicted time per global batch."""
     fitting: list[Candidate] = []
     rejected: list[Candidate] = []
     invalid: list[str] = []
-    sizes = space.micro_batch_sizes or tuple(divisors(job.global_batch))
+    for r in replica_counts(job.n_ranks, job.global_batch, job.replicas):
+        one = job if job.replicas == r else dataclasses.replace(job, replicas=r)
+        if job.n_ranks % r or job.global_batch % r:
+            invalid.append(f"parallel.replicas={r} does not divide the {job.n_ranks} ranks and the global batch")
+            continue
+        _search_layouts(one, budget, profile, space, (fitting, rejected, invalid))
+    # equal times: the one needing less memory and fewer buffers and workers
+    fitting.sort(key=lambda c: (c.iteration, c.gpu, c.host, c.options.param_buffers, c.options.optimizer_workers or 0))
+    return Result(job, budget, fitting, rejected, invalid)
+
+
+def _search_layouts(
+    job: Job,
+    budget: Budget,
+    profile: MachineProfile,
+    space: Space,
+    out: tuple[list[Candidate], list[Candidate], list[str]],
+) -> None:
+    """The candidates of ``space`` at ``job``'s replica count into ``out`` (fitting, rejected, invalid)."""
+    fitting, rejected, invalid = out
+    per_replica = job.global_batch // (job.replicas or 1)
+    sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
     for mbs in sizes:
-        if job.global_batch % mbs:
+        if per_replica % mbs:
             invalid.append(f"micro_batch_size={mbs} does not divide the global batch {job.global_batch}")
             continue
         for opts in _options(job, space):
@@ -267,6 +325,3 @@ def search(job: Job, budget: Budget, profile: MachineProfile, space: Space = Spa
             for workers, threads in thread_options(job, profile, space):
                 cand = _simulated(job, budget, profile, built, sched, mbs, workers, threads)
                 (fitting if cand.fits else rejected).append(cand)
-    # equal times: the one needing less memory and fewer buffers and workers
-    fitting.sort(key=lambda c: (c.iteration, c.gpu, c.host, c.options.param_buffers, c.options.optimizer_workers or 0))
-    return Result(job, budget, fitting, rejected, invalid)

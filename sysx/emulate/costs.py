@@ -22,8 +22,10 @@ from sysx.memory.budget import training_state_bytes
 from sysx.model import ModelConfig, get_preset
 from sysx.optim.cores import split_workers
 from sysx.optim.placement import device_flow
+from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable, costs_from_model
+from sysx.schedule.replica_costs import ADAM_BYTES_PER_PARAM, ReplicaCosts
 from sysx.schedule.simulate import Timeline, simulate
 
 # An undo's time in steps of the same stage, by optim.rollback (profiling/RESULTS.md "Rollback
@@ -77,10 +79,34 @@ def optimizer_workers(hw: EmulatedCluster, schedule: Schedule, *, backend: str, 
     return split_workers(hw.threads_per_rank, n_stages=owned, backend=backend, workers=workers)[0]
 
 
+def replica_costs(hw: EmulatedCluster, replicas: int, pipeline: int, *, precision: str) -> ReplicaCosts | None:
+    """The replicas of a ``pipeline``-rank pipeline on ``hw`` (None for one): peers on one node
+    (:meth:`ReplicaLayout.peers_share_node` with the emulated nodes) reduce through its memory at one
+    reducer thread's bandwidth, others over the inter-node link (:mod:`sysx.schedule.replica_costs`)."""
+    if replicas == 1:
+        return None
+    layout = ReplicaLayout(replicas, pipeline, 0, local_world_size=hw.gpus_per_node)
+    return ReplicaCosts(
+        replicas,
+        layout.peers_share_node(),
+        link_bandwidth=hw.inter_bandwidth,
+        link_latency=hw.inter_latency,
+        memory_bandwidth=hw.adam_params_per_thread_s * ADAM_BYTES_PER_PARAM,
+        param_bytes=4.0 if precision == "fp32" else 2.0,
+    )
+
+
 def emulated_costs(
-    hw: EmulatedCluster, model: EmulatedModel, *, precision: str, workers: int, async_optimizer: bool
+    hw: EmulatedCluster,
+    model: EmulatedModel,
+    *,
+    precision: str,
+    workers: int,
+    async_optimizer: bool,
+    replica: ReplicaCosts | None = None,
 ) -> Costs:
-    """:func:`costs_from_model` of ``model`` on ``hw`` (see the module doc for sends and workers)."""
+    """:func:`costs_from_model` of ``model`` on ``hw`` (see the module doc for sends and workers),
+    with ``replica``'s data-parallel replicas."""
     work = "float32" if precision == "fp32" else "bfloat16"
     per_worker = hw.adam_params_per_thread_s * hw.threads_per_rank / (workers if async_optimizer else 1)
     return costs_from_model(
@@ -100,16 +126,26 @@ def emulated_costs(
         gpus_per_node=hw.gpus_per_node,
         inter_p2p_bandwidth=hw.inter_bandwidth,
         inter_p2p_latency=hw.inter_latency,
+        replica=replica,
     )
 
 
-def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str) -> EmulatedPlan:
-    """The emulated plan of ``schedule`` (built from :func:`emulated_model`'s layers). Raises
-    :class:`ConfigError` when a rank's planned GPU memory exceeds the emulated GPU's."""
+def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None) -> EmulatedPlan:
+    """The emulated plan of ``schedule`` (built from :func:`emulated_model`'s layers), run by
+    ``replicas`` pipelines (None: ``parallel.replicas``). Raises :class:`ConfigError` when a rank's
+    planned GPU memory exceeds the emulated GPU's."""
     hw, model = cluster(cfg.emulate), emulated_model(cfg)
     workers = optimizer_workers(hw, schedule, backend=backend, workers=cfg.optim.workers)
+    replica = replica_costs(
+        hw, cfg.parallel.count if replicas is None else replicas, schedule.n_ranks, precision=cfg.precision
+    )
     costs = emulated_costs(
-        hw, model, precision=cfg.precision, workers=workers, async_optimizer=schedule.options.async_optimizer
+        hw,
+        model,
+        precision=cfg.precision,
+        workers=workers,
+        async_optimizer=schedule.options.async_optimizer,
+        replica=replica,
     )
     table = costs.table(schedule)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)

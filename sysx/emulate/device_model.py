@@ -19,8 +19,9 @@ from sysx.config import SysxConfig
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate.costs import EmulatedPlan, LaneTimes, device_lane_plan, emulated_model, plan_emulation
 from sysx.emulate.pacer import EmulatedPacer, Pacer
-from sysx.emulate.report import describe, merge_report
+from sysx.emulate.report import describe, merge_report, span_seconds
 from sysx.model import ModelConfig
+from sysx.replicas import ReplicaLayout
 from sysx.schedule import CostTable, Schedule, validate_first
 
 
@@ -94,10 +95,15 @@ class EmulatedDeviceModel(DeviceModel):
         group: dist.ProcessGroup | None,
         world: int,
         backend: str,
+        layout: ReplicaLayout | None = None,
     ) -> None:
-        pacer = EmulatedPacer(plan, schedule, rank, time_scale=cfg.emulate.time_scale, group=group, world=world)
+        stage_rank = rank if layout is None else layout.stage_rank
+        pacer = EmulatedPacer(
+            plan, schedule, rank, time_scale=cfg.emulate.time_scale, group=group, world=world, stage_rank=stage_rank
+        )
         super().__init__(schedule, pacer)
         self.emulated_pacer = pacer
+        self.replicas = 1 if layout is None else layout.replicas
         self.cfg, self.rank, self.group, self.world, self.backend = cfg, rank, group, world, backend
         self.plan: EmulatedPlan = plan
         self.lane_plan: tuple[float, float] | None = None
@@ -131,7 +137,7 @@ class EmulatedDeviceModel(DeviceModel):
             t = self.plan.timeline
             return self.lane_plan or (t.iteration, t.bubble_ratio)
         if self._validate_first_plan is None:
-            t = plan_emulation(self.cfg, schedule, backend=self.backend).timeline
+            t = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas).timeline
             self._validate_first_plan = (t.iteration, t.bubble_ratio)
         return self._validate_first_plan
 
@@ -159,6 +165,8 @@ class EmulatedDeviceModel(DeviceModel):
         )
         if self.lane_plan is not None:  # the plan above has the device lane; the CPU lane's alone beside it
             report["plan"]["cpu_lane_iteration_s"] = plan.timeline.iteration
+        if self.replicas > 1:
+            report["replicas"] = self._replica_report(steps, measured)
         report.update(
             cluster=plan.cluster.describe(),
             model=plan.model.name,
@@ -170,6 +178,22 @@ class EmulatedDeviceModel(DeviceModel):
             print(describe(report), flush=True)
         return report
 
+    def _replica_report(self, steps: list[Any], measured: list[int]) -> dict[str, Any]:
+        """The replicas' reductions and shard exchange per step, modelled by the run (the busiest
+        rank's, over the measured steps) beside the plan's."""
+        t, scale = self.plan.table, self.cfg.emulate.time_scale
+        d, place = t.split, self.schedule.assignment
+        plan_reduce = max(
+            sum(t.reduce[s * d + k] for s, k in place.bwd_substages(r)) for r in range(self.schedule.n_ranks)
+        )
+        return {
+            "replicas": self.replicas,
+            "reduce_s": span_seconds(steps, measured, "RED ", scale),
+            "gather_s": span_seconds(steps, measured, "GATHER", scale),
+            "plan_reduce_s": plan_reduce if t.reduce else 0.0,
+            "plan_gather_s": max(t.gather, default=0.0),
+        }
+
     def describe(self) -> list[str]:
         """The run header's line: cluster, costs, time scale and the plan."""
         iteration, bubble = self.planned()
@@ -179,12 +203,15 @@ class EmulatedDeviceModel(DeviceModel):
         ]
 
 
-def emulated_schedule(cfg: SysxConfig, build: ScheduleBuilder, *, backend: str) -> tuple[Schedule, EmulatedPlan]:
+def emulated_schedule(
+    cfg: SysxConfig, build: ScheduleBuilder, *, backend: str, replicas: int | None = None
+) -> tuple[Schedule, EmulatedPlan]:
     """The schedule of an emulated run, cut like the model it emulates (same layer count, the
-    emulated sequence length), and the emulated plan of it (``sysx plan`` plans the same)."""
+    emulated sequence length), and the emulated plan of it run by ``replicas`` pipelines (None:
+    ``parallel.replicas``; ``sysx plan`` plans the same)."""
     emulated = emulated_model(cfg)
     schedule = build(emulated.config, seq_len=emulated.seq_len)
-    return schedule, plan_emulation(cfg, schedule, backend=backend)
+    return schedule, plan_emulation(cfg, schedule, backend=backend, replicas=replicas)
 
 
 def device_model(
@@ -196,11 +223,17 @@ def device_model(
     group: dist.ProcessGroup | None,
     world: int,
     backend: str,
+    layout: ReplicaLayout | None = None,
 ) -> DeviceModel:
     """The device model of ``cfg.device``, with the run's schedule made by ``build`` (see the module
     doc). ``backend``: the CPU Adam backend (``torch`` or ``deepspeed``), which sets the emulated
-    optimizer workers. An emulated plan that overflows the emulated GPU's memory is a ConfigError."""
+    optimizer workers. ``layout``: the job's replicas (None: one pipeline): ``build`` makes the
+    P-rank schedule every replica runs, ``rank`` is the global rank (its pipeline rank indexes the
+    plan's table; ``group`` and ``world`` span every replica, as the validation does) and the
+    emulated nodes hold the global ranks. An emulated plan that overflows the emulated GPU's memory
+    is a ConfigError."""
     if cfg.device != EMULATED_DEVICE:
         return DeviceModel(build(model_cfg, seq_len=cfg.train.seq_len))
-    schedule, plan = emulated_schedule(cfg, build, backend=backend)
-    return EmulatedDeviceModel(cfg, schedule, plan, rank, group=group, world=world, backend=backend)
+    replicas = None if layout is None else layout.replicas
+    schedule, plan = emulated_schedule(cfg, build, backend=backend, replicas=replicas)
+    return EmulatedDeviceModel(cfg, schedule, plan, rank, group=group, world=world, backend=backend, layout=layout)

@@ -109,8 +109,10 @@ class EmulatedPacer(Pacer):
         group: dist.ProcessGroup | None = None,
         world: int = 1,
         rollback: str = "undo",
+        stage_rank: int | None = None,
     ) -> None:
         self.plan, self.table, self.rank, self.time_scale = plan, plan.table, rank, float(time_scale)
+        self.stage_rank = rank if stage_rank is None else stage_rank  # its pipeline rank (replicas: of the table)
         self.rollback = rollback  # what an undo costs (UNDO_STEPS)
         self._device_jobs: list[tuple[str, tuple[float, float, float]]] = []  # device-lane steps not yet charged
         self.group, self.world = group, world  # VALIDATE's modelled end is the latest rank's arrival
@@ -126,7 +128,10 @@ class EmulatedPacer(Pacer):
         self._lock = threading.Lock()
         self._worker = threading.local()
         d = self.split
-        self._opt = {unit_label(s, k): self.table.opt[s * d + k] for s in range(len(self.table.fwd)) for k in range(d)}
+        self._unit = {unit_label(s, k): s * d + k for s in range(len(self.table.fwd)) for k in range(d)}
+        self._opt = {name: self.table.opt[g] for name, g in self._unit.items()}
+        self.reduce_free = 0.0  # replicas: the modelled end of the reducer thread's last reduction
+        self._reduced: dict[str, float] = {}  # this step's reduced units: their modelled ends
 
     # ---------------------------------------------------------------------------------- clock
     def cursor(self) -> float:
@@ -143,6 +148,8 @@ class EmulatedPacer(Pacer):
         self.compute.free = time.monotonic()
         self.asend_end = 0.0
         self.opt_end = 0.0
+        self.reduce_free = 0.0
+        self._reduced = {}
 
     def end_step(self, wall_s: float) -> float:
         """Keep the step's figures; the reported duration is the modelled one (wall / time scale)."""
@@ -275,7 +282,8 @@ class EmulatedPacer(Pacer):
             # work past that (a slow all-reduce, a worker descheduled by this machine) is lag like any other
             with self._lock:
                 arrival = torch.tensor(
-                    [max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end)], dtype=torch.float64
+                    [max(self.compute.free, self.d2h.free, self.asend_end, self.opt_end, self.reduce_free)],
+                    dtype=torch.float64,
                 )
             if self.world > 1:  # ranks on one host share the monotonic clock (as the emulated device requires)
                 dist.all_reduce(arrival, op=dist.ReduceOp.MAX, group=self.group)
@@ -307,10 +315,12 @@ class EmulatedPacer(Pacer):
         self, name: str, submitted: float, event: dev.Event | None, steps: float = 1.0
     ) -> Iterator[None]:
         ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
-        start = max(submitted, ready, getattr(self._worker, "free", 0.0))
         t0 = time.monotonic()
         yield
         real = time.monotonic() - t0
+        with self._lock:  # replicas: the job starts after the unit's reduction (known once the real one is)
+            ready = max(ready, self._reduced.get(name, 0.0))
+        start = max(submitted, ready, getattr(self._worker, "free", 0.0))
         seconds = self._opt[name] * steps * self.time_scale
         end = start + seconds
         self._ratio("optimizer", real, seconds, f"OPT {name}")
@@ -348,6 +358,43 @@ class EmulatedPacer(Pacer):
                 for (name, _), (begin, end) in zip(jobs, spans):
                     self._stats.spans.append((lane, f"OPT-dev {name}", begin, end))
         self._hold(self.d2h.free, "OPT-dev")
+
+    # ------------------------------------------------------------------------------- replicas
+    @contextlib.contextmanager
+    def replica_reduce(self, name: str, ready: dev.Event | None) -> Iterator[None]:
+        """The reduction of unit ``name`` on the reducer thread: the table's ``reduce`` time from the
+        later of its offload's end (``ready``) and the previous reduction's end; the unit's optimizer
+        job starts at its end."""
+        t0 = time.monotonic()
+        yield
+        real = time.monotonic() - t0
+        # no offload event (nothing copied): the reduction could start when it was entered
+        ready_at = ready.timestamp() if isinstance(ready, EmulatedEvent) and ready.time is not None else t0
+        seconds = self.table.reduce[self._unit[name]] * self.time_scale if self.table.reduce else 0.0
+        with self._lock:
+            start = max(ready_at, self.reduce_free)
+            end = self.reduce_free = start + seconds
+            self._reduced[name] = end
+            self._stats.spans.append(("reduce", f"RED {name}", start, end))
+        self._ratio("reduce", real, seconds, f"RED {name}")
+        self._hold(end, f"RED {name}")
+
+    @contextlib.contextmanager
+    def replica_gather(self, nbytes: int) -> Iterator[None]:
+        """The exchange of this rank's updated shards after the step's validation (and any re-step):
+        the table's ``gather`` time of the rank (the emulated model's bytes, not the ``nbytes`` of
+        the small real one) from the end of its steps and copies; the next step starts after it."""
+        t0 = time.monotonic()
+        yield
+        real = time.monotonic() - t0
+        seconds = self.table.gather[self.stage_rank] * self.time_scale if self.table.gather else 0.0
+        with self._lock:
+            start = max(self.compute.free, self.d2h.free, self.opt_end)
+            end = start + seconds
+            self._stats.spans.append(("reduce", "GATHER", start, end))
+        self.compute.free = end
+        self._ratio("reduce", real, seconds, "GATHER")
+        self._hold(end, "GATHER")
 
     # ------------------------------------------------------------------------------- messages
     def _xfer(self, spec: Any) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("compute", "h2d", "d2h", "p2p", "optimizer")
+KINDS = ("compute", "h2d", "d2h", "p2p", "optimizer", "reduce")  # reduce: the replicas' reductions and exchange
 
 
 @dataclass
@@ -140,6 +140,17 @@ def merge_report(
         "over_plan": it / plan_iteration if plan_iteration > 0 else None,
     }
     return out
+
+
+def span_seconds(per_rank: list[list[StepStats]], steps: list[int], prefix: str, time_scale: float) -> float:
+    """Modelled seconds per step of the spans named ``prefix...`` (e.g. the replicas' ``RED`` and
+    ``GATHER``), the busiest rank's mean over ``steps`` (0 with none)."""
+    best = 0.0
+    for stats in per_rank:
+        rows = [s for s in stats if s.step in steps]
+        total = sum(end - start for s in rows for _, name, start, end in s.spans if name.startswith(prefix))
+        best = max(best, total / len(rows) / time_scale if rows else 0.0)
+    return best
 
 
 def describe(report: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from sysx import device as dev
 from sysx.dist import DistInfo, posted, wait_for
-from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec, plan_host_memory
+from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec
+from sysx.memory.node_plan import UnitPlace, node_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
 from sysx.optim.rollback_choice import choose_rollback
@@ -81,6 +82,8 @@ def sub_stages(
 class StageParams:
     """This rank's view of the shared parameter store (see docs/architecture.md)."""
 
+    replica_layout: ReplicaLayout | None = None  # the job's replicas (None: one pipeline, world = its ranks)
+
     def __init__(
         self,
         schedule: Schedule,
@@ -130,16 +133,15 @@ class StageParams:
         return StageSpec.of(unit.key, {self.dtype: unit.numel}, owner_node=unit.owner_node, mirror_nodes=mirrors)
 
     def node_plan(self, rollback: str = "undo") -> HostMemoryPlan:
-        """Host memory this rank's node needs: the owned segments and mirrors of the node, fp32
-        masters (16-bit runs), Adam states, fp32 gradients and ``rollback``'s buffers of the node's
-        owners, and the 16-bit host gradient buffers (16-bit runs)."""
-        node = self.info.node_rank
-        owned = [(u.numel, self.dtype) for u in self.units.values() if u.owner_node == node]
-        mirrors = [(u.numel, self.dtype) for u in self.units.values() if u.mirrored and u.fwd_node == node]
-        pinned = 0  # the 16-bit host gradient buffers the D2H copies land in (page-locked on GPUs)
-        if self.dtype != torch.float32:
-            pinned = sum(n for n, _ in owned) * torch.tensor([], dtype=self.dtype).element_size()
-        return plan_host_memory(owned, mirrors=mirrors, pinned_bytes=pinned, rollback=rollback)
+        """Host memory this rank's node needs (:func:`~sysx.memory.node_plan.node_host_memory`): the
+        segments of the units the node's ranks own or run forward (once per node, replicas share
+        them), fp32 masters (16-bit runs), Adam states, fp32 gradients and ``rollback``'s buffers of
+        the shards its ranks own, and every owning rank's full-size host gradient landing buffer.
+        ``self.replica_layout`` (None: one replica) places the replicas; the units' ranks are pipeline ranks."""
+        info = self.info
+        layout = self.replica_layout or ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
+        units = [UnitPlace(u.numel, u.owner, u.fwd_rank) for u in self.units.values()]
+        return node_host_memory(units, layout, layout.node_of(layout.rank), self.dtype, rollback=rollback)
 
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
         self._check_budget()

@@ -7,6 +7,7 @@ Both resolve, for one schedule, into a :class:`CostTable` of per-stage / per-sub
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from sysx.memory.budget import training_state_bytes
 from sysx.partition import Partition
 from sysx.schedule.ops import SENDS, Message, Schedule
+from sysx.schedule.replica_costs import ReplicaCosts
 
 HOST_BYTES_PER_PARAM = float(training_state_bytes("bfloat16").optimizer)  # its shared working copy is counted apart
 
@@ -51,6 +53,11 @@ class CostTable:
     optim_workers: int | None = None
     unit: str = "s"
     posted_sends: bool = False
+    # replicas (:mod:`sysx.schedule.replica_costs`): each unit's gradient reduction (by sub-stage; empty:
+    # one replica) and each rank's exchange of its updated shards after the step (by rank; empty: none)
+    reduce: list[float] = field(default_factory=list)
+    gather: list[float] = field(default_factory=list)
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class Costs:
     ``gpus_per_node``, messages between ranks of different nodes (rank // gpus_per_node) take
     ``inter_p2p_latency`` + bytes / ``inter_p2p_bandwidth`` instead of the ``p2p_*`` figures. Send
     semantics (:mod:`sysx.schedule.simulate`): eager by default, ``rendezvous`` or ``posted_sends``.
+    ``replica``: the data-parallel replicas of the pipeline (None: one), which divide the optimizer
+    time and add the reductions and the shard exchange (:class:`ReplicaCosts`).
     """
 
     layer_fwd_time: tuple[float, ...]
@@ -138,6 +147,7 @@ class Costs:
     gpus_per_node: int | None = None
     inter_p2p_bandwidth: float | None = None
     inter_p2p_latency: float | None = None
+    replica: ReplicaCosts | None = None
 
     def __post_init__(self) -> None:
         n = len(self.layer_fwd_time)
@@ -189,7 +199,7 @@ class Costs:
 
         params_stage = [tsum(pr, r) for r in stages]
         params_sub = [tsum(pr, r) for r in subs]
-        return CostTable(
+        table = CostTable(
             split=d,
             fwd=[tsum(ft, r) for r in stages],
             bwd=[bmul * tsum(ft, r) for r in subs],
@@ -216,6 +226,7 @@ class Costs:
             optim_workers=self.optim_workers,
             unit="s",
         )
+        return table if self.replica is None else with_replicas(table, self.replica, schedule)
 
     def _crossing(self, schedule: Schedule) -> set[tuple[Message, int]]:
         """Messages ``(family, cost index)`` whose sender and receiver are on different nodes."""
@@ -230,6 +241,28 @@ class Costs:
                     family = op.message[0]
                     out.add((family, op.stage if family == Message.ACT else op.stage * d + op.sub))
         return out
+
+
+def with_replicas(table: CostTable, replica: ReplicaCosts, schedule: Schedule) -> CostTable:
+    """``table`` with ``replica``'s replicas: optimizer times / R, every unit's reduction, and every
+    rank's end-of-step exchange of the shards it owns (one exchange per step). R=1: ``table``."""
+    r = replica.replicas
+    if r == 1:
+        return table
+    d, place = table.split, schedule.assignment
+    gather = [
+        replica.gather_seconds(
+            sum(replica.gather_bytes(table.params_sub[s * d + k]) for s, k in place.bwd_substages(x))
+        )
+        for x in range(schedule.n_ranks)
+    ]
+    return dataclasses.replace(
+        table,
+        opt=[x / r for x in table.opt],
+        reduce=[replica.reduce_seconds(n) for n in table.params_sub],
+        gather=gather,
+        replicas=r,
+    )
 
 
 def model_layer_params(cfg: Any) -> list[int]:

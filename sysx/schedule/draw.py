@@ -3,7 +3,9 @@
 :func:`draw` writes a PNG: per rank one GPU row (forward passes in a blue series, backward passes
 in a yellow series, a shade per stage the rank runs), one copy row (parameter prefetch ``p`` in
 mint, gradient offload ``g`` in pink, checkpoint transfers ``c`` in grey; zero-cost copies as
-ticks) and one CPU row (optimizer steps ``o`` in green, overlapping steps in sub-lanes). Boxes
+ticks), one CPU row (optimizer steps ``o`` in green, overlapping steps in sub-lanes) and, with
+replicas, one reduce row (each unit's gradient reduction and the end-of-step shard exchange in
+orange). Boxes
 wide enough carry labels ``f_i^j``, ``b_{i,k}^j``, ``o_{i,k}``. :func:`draw_compare` stacks
 several timelines on one time axis. :func:`chrome_trace` writes JSON that opens in Perfetto.
 """
@@ -23,6 +25,7 @@ OPT_COLOR = "#3cab4b"
 LOAD_COLOR = "#8fe3c0"
 OFFLOAD_COLOR = "#f59ac8"
 P2P_COLOR = "#9e9e9e"
+REDUCE_COLOR = "#f39c12"
 DARK = {"#1f5fa8", "#2b8cbe", "#08306b", "#4f9fd6", "#9c5a2a", "#6b3a1a", "#3cab4b"}
 
 
@@ -104,18 +107,19 @@ def title_of(tl: Timeline) -> str:
     return f"{name}{extra}   iteration {tl.iteration:.4g}{unit}   bubble {100 * tl.bubble_ratio:.1f}%"
 
 
-def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
-    split = tl.schedule.split if tl.schedule is not None else 1
-    colors = _colors(tl)
-    R = tl.n_ranks
-    by: dict[tuple[int, str], list[Event]] = {}
-    for ev in tl.events:
-        by.setdefault((ev.rank, ev.lane), []).append(ev)
+def _rows(
+    by: dict[tuple[int, str], list[Event]], R: int
+) -> tuple[dict[tuple[int, str], tuple[float, float]], list[tuple[str, float, float]], float]:
+    """Where each rank's rows lie: ``(rank, lane) -> (y bottom, height)``, the labelled rows and the top."""
     rows: list[tuple[str, float, float]] = []  # (label, y bottom, height)
     y = 0.0
     gpu_h, cp_h, cpu_lane_h = 1.0, 0.42, 0.42
     layout: dict[tuple[int, str], tuple[float, float]] = {}
     for r in reversed(range(R)):
+        if (r, "reduce") in by:  # replicas: the reducer thread and the shard exchange
+            layout[(r, "reduce")] = (y, cp_h)
+            rows.append((f"reduce{r}", y, cp_h))
+            y += cp_h + 0.08
         cpu = sorted(by.get((r, "cpu"), []), key=lambda e: e.start)
         n_cpu = max(_sublanes(cpu), default=-1) + 1
         if n_cpu:
@@ -128,7 +132,17 @@ def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
         layout[(r, "gpu")] = (y, gpu_h)
         rows.append((f"GPU{r}", y, gpu_h))
         y += gpu_h + 0.35
-    top = y
+    return layout, rows, y
+
+
+def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
+    split = tl.schedule.split if tl.schedule is not None else 1
+    colors = _colors(tl)
+    R = tl.n_ranks
+    by: dict[tuple[int, str], list[Event]] = {}
+    for ev in tl.events:
+        by.setdefault((ev.rank, ev.lane), []).append(ev)
+    layout, rows, top = _rows(by, R)
 
     def box(x0: float, w: float, yb: float, h: float, color: str, text: str) -> None:
         ax.add_patch(_rect(x0, yb, w, h, color))
@@ -164,6 +178,8 @@ def _panel(ax, tl: Timeline, xmax: float, px_per_unit: float) -> None:
                 box(ev.start, ev.end - ev.start, yy, hh, c, _label(ev, split))
             elif k in (OpKind.LOAD_PARAMS, OpKind.OFFLOAD_GRADS):
                 ax.plot([ev.start, ev.start], [yy, yy + hh], color=c, lw=1.6, solid_capstyle="butt")
+        for ev in by.get((r, "reduce"), []):  # replicas: reductions and the shard exchange
+            box(ev.start, ev.end - ev.start, *layout[(r, "reduce")], REDUCE_COLOR, "")
         if (r, "cpu") in layout:
             yb, h = layout[(r, "cpu")]
             cpu = sorted(by.get((r, "cpu"), []), key=lambda e: e.start)
@@ -244,7 +260,7 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | Path) -> 
     One process per (timeline, rank), one thread per lane; unit-cost timelines use 1 unit = 1 ms.
     """
     tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)
-    lanes = ["gpu", "h2d", "d2h", "p2p", "cpu"]
+    lanes = ["gpu", "h2d", "d2h", "p2p", "cpu", "reduce"]
     processes: list[tuple[int, str, list[str]]] = []
     boxes: list[dict] = []
     for n, tl in enumerate(tls):

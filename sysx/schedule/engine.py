@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sysx.schedule.costs import CostTable
 from sysx.schedule.ops import PARTNER, Message, Op, OpKind, Schedule, ScheduleError
 
-GPU, H2D, D2H, P2P, CPU = ("gpu", "h2d", "d2h", "p2p", "cpu")
+GPU, H2D, D2H, P2P, CPU, REDUCE = ("gpu", "h2d", "d2h", "p2p", "cpu", "reduce")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
 PARAMS, GRADS, CKPTS, WORK = range(4)  # memory categories: params, grads, checkpoints, working activations
 
@@ -213,6 +213,8 @@ class _Engine:
         "queue",
         "record",
         "recv_post",
+        "red_free",
+        "reduce",
         "rendezvous",
         "send_post",
         "unit_ready",
@@ -234,6 +236,8 @@ class _Engine:
         self.fwd, self.bwd, self.opt, self.offload = tab.fwd, tab.bwd, tab.opt, tab.offload
         self.load = list(tab.load_stage) + list(tab.load_sub)
         self.workers, self.allreduce = tab.optim_workers, tab.allreduce
+        self.reduce = tab.reduce or None  # replicas: each unit's reduction on the rank's reducer thread
+        self.red_free = [0.0] * R
         self._memory_tables(prog, tab)
         self.pcs = [0] * R
         self.clock = [0.0] * R
@@ -469,7 +473,20 @@ class _Engine:
             self.mem[r][GRADS].append((en, -self.grad_mem[g]))
         if self.record:
             self.events.append((r, D2H, ins[2], st, en))
+        if self.reduce is not None:
+            self._reduce(r, ins, en, self.reduce[g])
         return t
+
+    def _reduce(self, r: int, ins: tuple, offloaded: float, seconds: float) -> None:
+        """Replicas: the unit's gradients are reduced among its peers on the rank's reducer thread
+        (units in offload order, each after its offload); its optimizer step waits for the end."""
+        g = ins[1]
+        free = self.red_free[r]
+        st = offloaded if offloaded >= free else free
+        en = st + seconds
+        self.red_free[r] = self.offl_end[g] = en
+        if self.record:
+            self.events.append((r, REDUCE, ins[2], st, en))
 
     def _optim_async(self, r: int, ins: tuple, t: float) -> float:
         """On one of the rank's ``optim_workers`` CPU workers, from the end of the offload."""
@@ -512,7 +529,9 @@ class _Engine:
                 self.val_wait.append(r)
                 self.blocked_on[r] = "validate"
                 return None
-            top = max(max(self.clock[x], self.d2h[x], self.cpu_end[x], self.asend_end[x]) for x in range(R))
+            top = max(
+                max(self.clock[x], self.d2h[x], self.cpu_end[x], self.asend_end[x], self.red_free[x]) for x in range(R)
+            )
             self.val_time = max(top, 0.0) + self.allreduce
             for x in self.val_wait:
                 if not self.inq[x]:
@@ -559,8 +578,8 @@ def run_program(
 ) -> dict:
     """Execute every rank's list together; returns iteration time, per-rank busy time, GPU end,
     memory deltas (per rank, per category: ``(time, delta)`` lists), events ``(rank, lane, op
-    index, start, end)`` (index ``~m`` for the async transfer of message ``m``) and clocks.
-    Raises :class:`Deadlock` when ranks wait for each other."""
+    index, start, end)`` (index ``~m`` for the async transfer of message ``m``), clocks and each
+    rank's end (its list, copies and optimizer steps done). Raises :class:`Deadlock` when ranks wait for each other."""
     prog = PROGRAMS.get(schedule)
     eng = _Engine(prog, tab, rendezvous=rendezvous, record=record, memory=memory, posted=posted)
     eng.run()
@@ -574,4 +593,5 @@ def run_program(
         "mem": eng.mem,
         "events": eng.events,
         "clock": eng.clock,
+        "rank_end": [max(eng.clock[r], eng.cpu_end[r], eng.d2h[r], eng.h2d[r]) for r in range(len(prog.code))],
     }

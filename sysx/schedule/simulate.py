@@ -13,7 +13,7 @@ from itertools import accumulate, chain
 from operator import itemgetter
 
 from sysx.schedule.costs import Costs, CostTable, UnitCosts
-from sysx.schedule.engine import CKPTS, GRADS, PARAMS, PROGRAMS, WORK, run_program
+from sysx.schedule.engine import CKPTS, GRADS, PARAMS, PROGRAMS, REDUCE, WORK, run_program
 from sysx.schedule.ops import Op, Schedule
 
 
@@ -53,6 +53,7 @@ class Timeline:
     unit: str
     events: list[Event] = field(default_factory=list)
     schedule: Schedule | None = None
+    replicas: int = 1  # data-parallel replicas of this pipeline (the timeline is each one's)
 
     def summary(self) -> dict:
         """JSON-ready numbers (no events)."""
@@ -74,6 +75,7 @@ class Timeline:
             "shm_per_node": self.shm,
             "gpus_per_node": self.gpus_per_node,
             "unit": self.unit,
+            "replicas": self.replicas,
         }
 
 
@@ -90,7 +92,8 @@ def _peaks(mem: tuple[list[tuple[float, float]], ...]) -> tuple[float, list[floa
 
 
 def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple[list[float], list[float]]:
-    """Host bytes per rank (owned sub-stages' optimizer state) and shared bytes per node."""
+    """Host bytes per rank (owned sub-stages' optimizer state: its 1/R shard with replicas) and
+    shared bytes per node."""
     p, pl = schedule.partition, schedule.assignment
     d = p.split
     host = [0.0] * schedule.n_ranks
@@ -100,7 +103,7 @@ def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple
         layers[pl.fwd_rank[s] // gpus_per_node].update(p.stage_layers(s))
         for k in range(d):
             r = pl.bwd_rank[s][k]
-            host[r] += tab.params_sub[s * d + k] * tab.host_bytes_per_param
+            host[r] += tab.params_sub[s * d + k] * tab.host_bytes_per_param / tab.replicas
             layers[r // gpus_per_node].update(p.sub_layers(s, k))
     # shared memory per node: the 16-bit copy of every layer a rank of the node owns or runs forward
     per_layer = [0.0] * p.n_layers
@@ -137,6 +140,13 @@ def simulate(
     out = run_program(schedule, tab, rendezvous=rv, record=record, memory=memory, posted=tab.posted_sends)
     R = schedule.n_ranks
     it = out["iteration"]
+    if tab.gather:  # replicas: each rank's exchange of its updated shards ends its step
+        it = max(it, *(end + g for end, g in zip(out["rank_end"], tab.gather)))
+        if record:
+            last = [len(ops) - 1 for ops in schedule.ops]
+            out["events"] += [
+                (r, REDUCE, last[r], e, e + g) for r, (e, g) in enumerate(zip(out["rank_end"], tab.gather)) if g > 0
+            ]
     busy = out["busy"]
     bubble = [(it - b) / it if it > 0 else 0.0 for b in busy]
     ratio = (it * R - sum(busy)) / (it * R) if it > 0 else 0.0
@@ -173,4 +183,5 @@ def simulate(
         tab.unit,
         events,
         schedule,
+        tab.replicas,
     )

@@ -1,0 +1,64 @@
+"""The host memory of one node of a job of R replicas of a P-rank pipeline (pure data).
+
+A node holds, once per unit (backward sub-stage) that one of its ranks owns or runs forward, the
+unit's 16-bit working-copy segment: replicas on one node map the same segment. The fp32 master,
+Adam m and v, the fp32 gradients and the rollback buffers exist only for the shards its ranks own
+(:func:`sysx.replicas.shard_range`: 1/R of each owned unit per owning rank). The full-size host
+gradient buffer the device-to-host copy lands in stays per owning rank: the 16-bit (pinned) buffer
+of 16-bit runs, and with replicas one fp32 buffer of the whole unit in fp32 runs (at R=1 that
+buffer is the optimizer's gradient buffer itself). At R=1 the plan is
+:func:`~sysx.memory.budget.plan_host_memory`'s, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sysx.memory.budget import HostMemoryPlan, segment_bytes, stage_data_bytes, training_state_bytes
+from sysx.memory.views import canonical_dtype, dtype_itemsize
+from sysx.replicas import ReplicaLayout, shard_range
+
+
+@dataclass(frozen=True)
+class UnitPlace:
+    """One backward sub-stage: its parameters and the pipeline ranks (0..P-1) that run it."""
+
+    numel: int
+    owner: int  # pipeline rank running its backward and optimizer
+    fwd: int  # pipeline rank running its stage's forward
+
+
+def node_host_memory(
+    units: Sequence[UnitPlace], layout: ReplicaLayout, node: int, dtype: Any, *, rollback: str = "undo"
+) -> HostMemoryPlan:
+    """Host bytes node ``node`` needs for ``units`` run by every replica of ``layout`` in the working
+    precision ``dtype`` (see the module doc); ``rollback``: ``optim.rollback``, resolved."""
+    r_count = layout.replicas
+    state = training_state_bytes(dtype, rollback=rollback)
+    landing = dtype_itemsize(dtype) if canonical_dtype(dtype) != "float32" or r_count > 1 else 0
+    shared = shards = owners = segments = 0
+    for unit in units:
+        local = [r for r in range(r_count) if layout.node_of(layout.global_rank(unit.owner, r)) == node]
+        forward_here = any(layout.node_of(layout.global_rank(unit.fwd, r)) == node for r in range(r_count))
+        if local or forward_here:  # its segment (owned or a mirror), once per node
+            shared += segment_bytes(stage_data_bytes([(dtype, unit.numel)]))
+            segments += 1
+        shards += sum(len(shard_range(unit.numel, r_count, r)) for r in local)
+        owners += len(local) * unit.numel
+    return HostMemoryPlan(
+        shared,
+        shards * state.master,
+        shards * state.adam,
+        shards * state.grads,
+        owners * landing,
+        segments,
+        rollback=shards * state.snapshot,
+    )
+
+
+def optimizer_bytes(plan: HostMemoryPlan) -> int:
+    """The optimizer part of a node's plan: fp32 masters, Adam m and v, fp32 gradients and rollback
+    buffers (what replicas shard; the working copy and the landing buffers they do not)."""
+    return plan.master + plan.optimizer + plan.grads + plan.rollback
