@@ -137,7 +137,8 @@ def test_replicas_on_one_node_share_the_working_copy(setting):
     two = node_host_memory(units, ReplicaLayout(2, 2, 0, local_world_size=4), 0, "float32")
     assert two.shared == one.shared and two.segments == one.segments  # one segment per unit per node
     assert optimizer_bytes(two) == optimizer_bytes(one)  # two ranks own one half each
-    assert two.pinned == 2 * 4 * sum(u.numel for u in units)  # a full fp32 landing buffer per owner rank
+    # a full fp32 landing buffer per owner rank, whose own shard's slice is the optimizer's gradients
+    assert two.pinned == (2 - 1) * 4 * sum(u.numel for u in units)
 
 
 def test_check_refuses_a_world_that_is_no_multiple_of_the_replicas(tmp_path, capsys):

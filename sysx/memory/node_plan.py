@@ -6,7 +6,8 @@ Adam m and v, the fp32 gradients and the rollback buffers exist only for the sha
 (:func:`sysx.replicas.shard_range`: 1/R of each owned unit per owning rank). The full-size host
 gradient buffer the device-to-host copy lands in stays per owning rank: the 16-bit (pinned) buffer
 of 16-bit runs, and with replicas one fp32 buffer of the whole unit in fp32 runs (at R=1 that
-buffer is the optimizer's gradient buffer itself). At R=1 the plan is
+buffer is the optimizer's gradient buffer itself, with replicas each shard's fp32 gradients are its
+slice of it, counted once). At R=1 the plan is
 :func:`~sysx.memory.budget.plan_host_memory`'s, byte for byte.
 """
 
@@ -47,12 +48,14 @@ def node_host_memory(
             segments += 1
         shards += sum(len(shard_range(unit.numel, r_count, r)) for r in local)
         owners += len(local) * unit.numel
+    # fp32 runs with replicas: the optimizer's gradients are its shard's slice of the landing buffer
+    landed = owners * landing - (shards * landing if canonical_dtype(dtype) == "float32" and r_count > 1 else 0)
     return HostMemoryPlan(
         shared,
         shards * state.master,
         shards * state.adam,
         shards * state.grads,
-        owners * landing,
+        landed,
         segments,
         rollback=shards * state.snapshot,
     )

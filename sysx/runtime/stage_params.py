@@ -82,8 +82,6 @@ def sub_stages(
 class StageParams:
     """This rank's view of the shared parameter store (see docs/architecture.md)."""
 
-    replica_layout: ReplicaLayout | None = None  # the job's replicas (None: one pipeline, world = its ranks)
-
     def __init__(
         self,
         schedule: Schedule,
@@ -101,7 +99,7 @@ class StageParams:
         layout: ReplicaLayout | None = None,
     ) -> None:
         self.info = info
-        self.replica_layout = (
+        self.replica_layout: ReplicaLayout = (  # the job's replicas (one: a pipeline over every rank)
             layout if layout is not None else ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
         )
         self.model_cfg = model_cfg
@@ -137,10 +135,10 @@ class StageParams:
         segments of the units the node's ranks own or run forward (once per node, replicas share
         them), fp32 masters (16-bit runs), Adam states, fp32 gradients and ``rollback``'s buffers of
         the shards its ranks own, and every owning rank's full-size host gradient landing buffer.
-        ``self.replica_layout`` (None: one replica) places the replicas; the units' ranks are pipeline ranks."""
-        info = self.info
-        layout = self.replica_layout or ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
-        units = [UnitPlace(u.numel, u.owner, u.fwd_rank) for u in self.units.values()]
+        ``self.replica_layout`` places the replicas."""
+        layout = self.replica_layout
+        base = layout.global_rank(0)  # the units' ranks are this replica's global ranks
+        units = [UnitPlace(u.numel, u.owner - base, u.fwd_rank - base) for u in self.units.values()]
         return node_host_memory(units, layout, layout.node_of(layout.rank), self.dtype, rollback=rollback)
 
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:

@@ -95,6 +95,7 @@ class PipelineTrainer(Trainer):
             group=self.group,
             world=self.world,
             backend=self.opts.optim_backend,
+            layout=self.layout,
         )
         self.schedule, self.pacer = self.device_model.schedule, self.device_model.pacer
         self.ops = self.schedule.ops[self.layout.stage_rank]
