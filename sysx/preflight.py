@@ -35,10 +35,12 @@ def check_single(cfg: SysxConfig) -> str:
 
 
 def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
-    """The schedule of ``ranks`` processes on one node and its host memory plan, checked against this node."""
+    """The schedule of ``ranks`` processes on one node (``parallel.replicas`` pipelines of ``ranks /
+    replicas`` ranks each) and its host memory plan, checked against this node."""
     from sysx.checkpoint.pretrained import job_model_config
     from sysx.dist import DistInfo
     from sysx.optim.rollback_choice import choose_rollback
+    from sysx.replicas import ReplicaLayout
     from sysx.runtime.options import make_schedule, options_from_config
     from sysx.runtime.stage_params import StageParams, _numel, layer_params, sub_stages
     from sysx.trainers.base import DTYPES, resolve_precision
@@ -46,16 +48,23 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     cfg = resolve_precision(cfg)
     opts = options_from_config(cfg)
     model_cfg, t = job_model_config(cfg), cfg.train
-    schedule = make_schedule(opts, model_cfg, n_ranks=ranks, n_micro=t.micro_batches, seq_len=t.seq_len)
-    numels = [sum(_numel(shape) for _, shape in entries) for entries in layer_params(model_cfg)]
     info = DistInfo(rank=0, world_size=ranks, local_rank=0, local_world_size=ranks)
+    try:  # one node: its replicas share it (the job refuses a world that is not replicas x pipeline ranks too)
+        layout = ReplicaLayout.of(cfg.parallel.count, ranks, local_world_size=ranks)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    pipeline = layout.pipeline
+    schedule = make_schedule(opts, model_cfg, n_ranks=pipeline, n_micro=t.micro_batches, seq_len=t.seq_len)
+    numels = [sum(_numel(shape) for _, shape in entries) for entries in layer_params(model_cfg)]
+    units = sub_stages(schedule, numels, info, layout)
     # StageParams.node_plan needs only these three fields: the plan every node leader checks at start
-    view = SimpleNamespace(info=info, units=sub_stages(schedule, numels, info), dtype=DTYPES[cfg.precision])
+    view = SimpleNamespace(info=info, units=units, dtype=DTYPES[cfg.precision])
     rollback, _ = choose_rollback(cfg.optim.rollback, lambda r: StageParams.node_plan(view, r))  # type: ignore[arg-type]
     plan = StageParams.node_plan(view, rollback)  # type: ignore[arg-type]
+    replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
     return (
-        f"{schedule.name}: {schedule.n_stages} stages on {ranks} rank(s), host memory {plan.total / 2**30:.2f} GiB, "
-        f"optim.rollback={rollback}"
+        f"{schedule.name}: {schedule.n_stages} stages on {pipeline} rank(s){replicas}, "
+        f"host memory {plan.total / 2**30:.2f} GiB, optim.rollback={rollback}"
     )
 
 
