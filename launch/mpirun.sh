@@ -5,6 +5,7 @@
 # rendezvous address (MPI launchers set no MASTER_ADDR/MASTER_PORT).
 #   NP=4 launch/mpirun.sh schedule=sysx train.steps=20 device=cpu
 #   NP=16 HOSTS=node1:8,node2:8 launch/mpirun.sh schedule=sysx        # several nodes (MPICH host list)
+#   NP=16 HOSTS=node1:8,node2:8 launch/mpirun.sh parallel.replicas=2 schedule=sysx   # a replica per node
 # Arguments are sysx-train overrides. MPIEXEC overrides the launcher (default: the venv's mpiexec, else
 # the one on PATH); PYTHON the interpreter (default: the active venv's, else this checkout's .venv).
 set -euo pipefail

@@ -3,6 +3,9 @@
 #   NPROC=4 launch/torchrun.sh schedule=sysx train.steps=100                    # this machine
 #   NNODES=2 NODE_RANK=0 MASTER=host0:29533 launch/torchrun.sh schedule=sysx    # on host0
 #   NNODES=2 NODE_RANK=1 MASTER=host0:29533 launch/torchrun.sh schedule=sysx    # on host1
+#   NPROC=4 launch/torchrun.sh parallel.replicas=2 schedule=sysx                # 2 replicas x 2 pipeline ranks
+# With parallel.replicas=R the processes (NPROC x NNODES) are R replicas of a pipeline of the rest;
+# the pre-flight plans that layout and refuses a process count R does not divide.
 # torchrun runs through sysx.launch, which exits like the job (130/143 after Ctrl-C/SIGTERM, no
 # traceback of torchrun's agent). Arguments are sysx-train overrides. Rank, world size and the node layout reach sysx through
 # torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); Hydra creates no

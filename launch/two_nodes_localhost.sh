@@ -5,6 +5,7 @@
 # forward but that a rank of the other "node" owns reach it through mirror segments, pushed by the
 # owner after every optimizer step: the multi-node path, without a second machine.
 #   NPROC=2 launch/two_nodes_localhost.sh schedule=sysx train.steps=20 device=cpu
+#   NPROC=2 launch/two_nodes_localhost.sh parallel.replicas=2 schedule=sysx device=cpu   # a replica per "node"
 # Arguments are sysx-train overrides. PORT picks the rendezvous port (default 29533); TORCHRUN_ARGS adds
 # torchrun options to both "nodes" (e.g. TORCHRUN_ARGS="--max-restarts=2"). Each "node" runs
 # torchrun through sysx.launch (exits like the job, no agent log lines); the script exits with the

@@ -57,14 +57,14 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     numels = [sum(_numel(shape) for _, shape in entries) for entries in layer_params(model_cfg)]
     info = DistInfo(rank=0, world_size=ranks, local_rank=0, local_world_size=ranks)
     # StageParams.node_plan needs only these four fields: the plan every node leader checks at start
-    units = sub_stages(schedule, numels, info)
+    units = sub_stages(schedule, numels, info, layout)
     view = SimpleNamespace(info=info, units=units, dtype=DTYPES[cfg.precision], replica_layout=layout)
     rollback, _ = choose_rollback(cfg.optim.rollback, lambda r: StageParams.node_plan(view, r))  # type: ignore[arg-type]
     plan = StageParams.node_plan(view, rollback)  # type: ignore[arg-type]
-    replicas = f"{layout.replicas} replicas x " if layout.replicas > 1 else ""
+    replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
     return (
-        f"{schedule.name}: {schedule.n_stages} stages on {replicas}{layout.pipeline} rank(s), host memory "
-        f"{plan.total / 2**30:.2f} GiB, optim.rollback={rollback}"
+        f"{schedule.name}: {schedule.n_stages} stages on {layout.pipeline} rank(s){replicas}, "
+        f"host memory {plan.total / 2**30:.2f} GiB, optim.rollback={rollback}"
     )
 
 

@@ -65,6 +65,10 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
         "--check --ranks 2 schedule=sysx model.n_layers=1 schedule.stages_per_rank=2",
         ["needs 4 forward stages", "lower schedule.stages_per_rank"],
     ),
+    (
+        "--check --ranks 3 schedule=sysx parallel.replicas=2",
+        ["parallel.replicas=2 does not divide the 3 processes", "a multiple of 2 processes"],
+    ),
     ("--check --ranks 0", ["--ranks 0", ">= 1"]),
     ("--ranks x --check", ["--ranks x", "integer"]),
     ("schedule=sysx model=llama2_110b device=cpu", ["host memory the job needs", "need", "Fix"]),

@@ -63,6 +63,14 @@ SKIPPED_LINES = {
     "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs this launcher through a "
     "whole job (test_stop.py and test_launch_failures.py its stops and failures)",
     'TORCHRUN_ARGS="--max-restarts=3" sbatch launch/slurm.sbatch': "needs a Slurm cluster with GPUs",
+    "NNODES=2 NODE_RANK=0 MASTER=node0:29533": "needs two machines with 4 GPUs each (node0 and node1)",
+    "NNODES=2 NODE_RANK=1 MASTER=node0:29533": "needs two machines with 4 GPUs each (node0 and node1)",
+    "sbatch --nodes=2 --gpus-per-node=4 launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
+    "NPROC=4 launch/torchrun.sh parallel.replicas=2": "a 4-rank job (about a minute on 2 busy cores); "
+    "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs 2 replicas x 2 ranks "
+    "through mpirun.sh on one node, tests/test_replicas_procs.py the same layout against the reference",
+    "NPROC=2 launch/two_nodes_localhost.sh parallel.replicas=2": "a 4-rank job (about a minute on 2 busy cores); "
+    "tests/test_replicas_procs.py runs 2 replicas x 2 ranks on two localhost nodes against the reference",
 }
 
 

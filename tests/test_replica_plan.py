@@ -149,7 +149,7 @@ def test_check_refuses_a_world_that_is_no_multiple_of_the_replicas(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "parallel.replicas=2 does not divide the 3 processes" in err
     assert main(argv[:2] + ["4"] + argv[3:]) == 0
-    assert "stages on 2 replicas x 2 rank(s)" in capsys.readouterr().out
+    assert "stages on 2 rank(s) x 2 replicas" in capsys.readouterr().out
 
 
 # --- the emulated device's replica hooks ---------------------------------------------------------

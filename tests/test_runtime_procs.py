@@ -333,6 +333,7 @@ def test_two_torchrun_nodes_on_localhost_and_mpirun(tmp_path: Path) -> None:
             str(ROOT / "launch" / "two_nodes_localhost.sh"),
             "schedule=sysx",
             *LAUNCH_ARGS,
+            "train.micro_batches=4",  # the union of the mpirun job's 2 replicas x 2 micro-batches
             f"run_dir={tmp_path / 'two'}",
         ],
         env={**env, "NPROC": "1", "PORT": str(free_port())},
@@ -345,17 +346,21 @@ def test_two_torchrun_nodes_on_localhost_and_mpirun(tmp_path: Path) -> None:
     assert "2 rank(s) on 2 node(s)" in two.stdout and "done: 3 steps" in two.stdout, two.stdout
     # a run_dir each rank resolves to another path (${now:...} at its own start): every rank takes rank 0's
     per_rank = f"run_dir={tmp_path / 'mpi'}/" + "${now:%H%M%S-%f}"
+    replicas = ["parallel.replicas=2", "train.micro_batches=2"]  # 2 replicas of the 2-rank pipeline above
     mpi = subprocess.run(
-        ["bash", str(ROOT / "launch" / "mpirun.sh"), "schedule=sysx", *LAUNCH_ARGS, per_rank],
-        env={**env, "NP": "2", "PYTHON": sys.executable},
+        ["bash", str(ROOT / "launch" / "mpirun.sh"), "schedule=sysx", *LAUNCH_ARGS, *replicas, per_rank],
+        env={**env, "NP": "4", "PYTHON": sys.executable},
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert mpi.returncode == 0, mpi.stderr[-3000:]
-    assert "2 rank(s) on 1 node(s)" in mpi.stdout and "done: 3 steps" in mpi.stdout, mpi.stdout
-    # the same job on 2 "nodes" (mirrors) and on 1 node (attached segments) computes the same losses
+    assert "on 2 rank(s) x 2 replicas" in mpi.stdout, mpi.stdout  # the pre-flight planned 2 pipelines
+    assert "4 rank(s) on 1 node(s)" in mpi.stdout and "done: 3 steps" in mpi.stdout, mpi.stdout
+    assert "2 replica(s) x 2 pipeline rank(s)" in mpi.stdout, mpi.stdout
+    # the same batches on 2 "nodes" (mirrors) and as 2 replicas on 1 node (attached segments, gradients
+    # summed in shared memory) compute the same losses
     [mpi_run] = list((tmp_path / "mpi").iterdir())  # one run directory: checkpoints and metrics all in it
     assert (mpi_run / "summary.json").is_file() and (mpi_run / "checkpoints" / "latest").exists()
     assert read_losses(tmp_path / "two") == pytest.approx(read_losses(mpi_run), rel=1e-6)

@@ -293,7 +293,7 @@ class TrainSection:
 
     steps: int = 500  # optimizer steps
     micro_batch_size: int = 8  # sequences per micro-batch
-    micro_batches: int = 2  # micro-batches per step (gradient accumulation)
+    micro_batches: int = 2  # micro-batches per step and replica (gradient accumulation)
     seq_len: int = 128  # tokens per sequence
     resume: str = "auto"  # auto (the latest checkpoint in checkpoint.dir, if any) | none | <checkpoint path>
 
@@ -311,7 +311,8 @@ class ParallelSection:
     (:mod:`sysx.replicas`). ``world = replicas x pipeline ranks``; the global batch is ``replicas x
     train.micro_batches x train.micro_batch_size`` sequences."""
 
-    replicas: int | None = None  # data-parallel pipelines (null: 1, or schedule.tune's choice); divides the world size
+    # data-parallel replicas of the pipeline, each on its own micro-batches, each stepping 1/replicas of the optimizer
+    replicas: int | None = None  # (null: 1, or schedule.tune's choice); world size = replicas x pipeline ranks
 
     def validate(self) -> None:
         """``replicas`` is null or an integer >= 1."""
