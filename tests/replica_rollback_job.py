@@ -3,8 +3,9 @@
     RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. LOCAL_WORLD_SIZE=.. ... python tests/replica_rollback_job.py SPEC.json OUT_DIR
 
 SPEC: ``{"cfg": {section: fields}, "steps": S, "bad": [step, global rank, element], "runs": [[name,
-{PipelineOptions fields}], ...]}``. For each run, in one process group, a fresh trainer trains S
-steps; at step ``bad`` the rank named writes inf into ``element`` of the landing buffer of its
+{PipelineOptions fields}, {section: fields} (optional: the run's config changes)], ...]}``. For each
+run, in one process group, a fresh trainer trains S steps (fp32 and bf16: up to the bad step, which
+raises NonFiniteGradients after the rollback); at step ``bad`` the rank named writes inf into ``element`` of the landing buffer of its
 first owned sub-stage (after the offload, before the reduction reads it: an overflow on one
 replica's gradients only). Every rank writes ``OUT_DIR/<run>-<rank>.json``: the step results, its
 optimizer's outcome of the bad step, and how its shards (fp32 master, Adam m and v, step count) and
@@ -81,9 +82,38 @@ def compare(before, after, trainer) -> dict:
     }
 
 
+def train(trainer, steps: int, bad_step: int) -> tuple[list, dict]:
+    """``steps`` steps of ``trainer``; the comparison of the bad step's state with before it. fp32
+    and bf16 raise NonFiniteGradients at the bad step (after the rollback): the run stops there."""
+    import torch.distributed as dist
+
+    from sysx.optim.loss_scaler import NonFiniteGradients
+    from sysx.runtime.executor import ExecutionError
+
+    results: list = []
+    row: dict = {}
+    for step in range(steps):
+        before = snapshot(trainer) if step == bad_step else None
+        try:
+            results.append(trainer.train_step())
+        except ExecutionError as err:
+            if before is None or not isinstance(err.__cause__, NonFiniteGradients):
+                raise
+            # no end-of-step all-reduce follows a raise: wait until every rank rolled its shards back
+            dist.barrier(group=trainer.group)
+            row = compare(before, snapshot(trainer), trainer)
+            row.update(raised=True, reduction=trainer.layout.reduction)
+            break
+        if before is not None:
+            outcome = trainer.optimizer.outcome
+            row = compare(before, snapshot(trainer), trainer)
+            row.update(overflow=outcome.overflow, undone=outcome.undone, reduction=trainer.layout.reduction)
+    return results, row
+
+
 def main(spec_path: str, out_dir: str) -> int:
     torch.set_num_threads(1)
-    from resume_job import make_config
+    from resume_job import make_config, phase_fields
 
     from sysx import dist as sdist
     from sysx.runtime import PipelineOptions
@@ -91,20 +121,14 @@ def main(spec_path: str, out_dir: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     info = sdist.init(timeout_s=60)
-    cfg = make_config(spec["cfg"], str(Path(out_dir) / "unused-checkpoints"))
     bad_step, bad_rank, element = spec["bad"]
-    for name, options in spec["runs"]:
+    for name, options, *override in spec["runs"]:
+        fields = phase_fields(spec["cfg"], override[0] if override else {})
+        cfg = make_config(fields, str(Path(out_dir) / "unused-checkpoints"))
         opts = PipelineOptions(**{"timeout_s": 60.0, "optim_backend": "torch", **options})
         with PipelineTrainer(cfg, opts, info=info) as trainer:
             inject(trainer, bad_step, bad_rank, element)
-            results = []
-            for step in range(spec["steps"]):
-                before = snapshot(trainer) if step == bad_step else None
-                results.append(trainer.train_step())
-                if before is not None:
-                    outcome = trainer.optimizer.outcome
-                    row = compare(before, snapshot(trainer), trainer)
-                    row.update(overflow=outcome.overflow, undone=outcome.undone, reduction=trainer.layout.reduction)
+            results, row = train(trainer, spec["steps"], bad_step)
         row.update(
             skipped=[r.skipped for r in results],
             scales=[r.scale for r in results],

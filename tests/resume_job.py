@@ -35,8 +35,8 @@ def make_config(fields: dict, checkpoint_dir: str):
 
 
 def phase_fields(fields: dict, override: dict) -> dict:
-    """``fields`` (section -> fields) with ``override``'s sections' fields replaced."""
-    return {**fields, **{k: {**fields.get(k, {}), **v} for k, v in override.items()}}
+    """``fields`` (section -> fields, or a top-level value) with ``override``'s fields and values replaced."""
+    return {**fields, **{k: {**fields.get(k, {}), **v} if isinstance(v, dict) else v for k, v in override.items()}}
 
 
 def layer_states(trainer) -> dict[int, dict]:
