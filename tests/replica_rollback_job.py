@@ -85,8 +85,6 @@ def compare(before, after, trainer) -> dict:
 def train(trainer, steps: int, bad_step: int) -> tuple[list, dict]:
     """``steps`` steps of ``trainer``; the comparison of the bad step's state with before it. fp32
     and bf16 raise NonFiniteGradients at the bad step (after the rollback): the run stops there."""
-    import torch.distributed as dist
-
     from sysx.optim.loss_scaler import NonFiniteGradients
     from sysx.runtime.executor import ExecutionError
 
@@ -99,8 +97,6 @@ def train(trainer, steps: int, bad_step: int) -> tuple[list, dict]:
         except ExecutionError as err:
             if before is None or not isinstance(err.__cause__, NonFiniteGradients):
                 raise
-            # no end-of-step all-reduce follows a raise: wait until every rank rolled its shards back
-            dist.barrier(group=trainer.group)
             row = compare(before, snapshot(trainer), trainer)
             row.update(raised=True, reduction=trainer.layout.reduction)
             break
