@@ -3,10 +3,12 @@
     RANK=.. WORLD_SIZE=.. ... python tests/resume_job.py SPEC.json OUT_DIR
 
 SPEC: ``{"cfg": {section: fields}, "schedules": [PipelineOptions fields, ...], "phases": [[name, steps,
-action], ...]}``. For each schedule, in one process group, each phase builds a fresh trainer,
-``resume``s from the phase's checkpoint dir when ``action`` says so, trains ``steps`` steps and
-``save``s; rank 0 writes ``OUT_DIR/<schedule index>-<phase>.pt`` with the step results and the
-full fp32 weights.
+ckpt_dir, action, {section: fields} (optional)], ...]}``. For each schedule, in one process group, each
+phase builds a fresh trainer (its config: ``cfg`` with the phase's sections' fields replaced, e.g.
+``{"parallel": {"replicas": 2}}``), ``resume``s from the phase's checkpoint dir when ``action`` says
+so, ``dump``s the layer states it loaded (every rank: ``OUT_DIR/<schedule index>-<phase>-layers-<rank>.pt``,
+the masters, moments and step counts it would save), trains ``steps`` steps and ``save``s; rank 0
+writes ``OUT_DIR/<schedule index>-<phase>.pt`` with the step results and the full fp32 weights.
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ def make_config(fields: dict, checkpoint_dir: str):
     return cfg
 
 
+def phase_fields(fields: dict, override: dict) -> dict:
+    """``fields`` (section -> fields, or a top-level value) with ``override``'s fields and values replaced."""
+    return {**fields, **{k: {**fields.get(k, {}), **v} if isinstance(v, dict) else v for k, v in override.items()}}
+
+
+def layer_states(trainer) -> dict[int, dict]:
+    """What this rank of ``trainer`` would save, read now: layer -> weight, exp_avg, exp_avg_sq, step."""
+    out = {}
+    for index, source in trainer.checkpoint_layers().items():
+        state = source()
+        out[index] = {k: getattr(state, k) for k in ("weight", "exp_avg", "exp_avg_sq", "step")}
+    return out
+
+
 def main(spec_path: str, out_dir: str) -> int:
     torch.set_num_threads(1)
     from sysx import dist as sdist
@@ -43,12 +59,14 @@ def main(spec_path: str, out_dir: str) -> int:
     info = sdist.init(timeout_s=60)
     for index, options in enumerate(spec["schedules"]):
         opts = PipelineOptions(**{"timeout_s": 60.0, **options})
-        for name, steps, ckpt_dir, action in spec["phases"]:
-            phase_cfg = make_config(spec["cfg"], f"{ckpt_dir}-{index}")
+        for name, steps, ckpt_dir, action, *override in spec["phases"]:
+            phase_cfg = make_config(phase_fields(spec["cfg"], override[0] if override else {}), f"{ckpt_dir}-{index}")
             with PipelineTrainer(phase_cfg, opts, info=info) as trainer:
                 ckpts = JobCheckpoints(trainer)
                 if "resume" in action:
                     assert ckpts.resume() is not None, f"phase {name}: nothing to resume in {ckpt_dir}-{index}"
+                if "dump" in action:
+                    torch.save(layer_states(trainer), Path(out_dir) / f"{index}-{name}-layers-{info.rank}.pt")
                 results = trainer.run(steps)
                 if "save" in action:
                     ckpts.save()

@@ -1,6 +1,7 @@
 """Resume of the multi-process pipelines: bit-identical at 2 ranks for sysx and mobius in fp32 and
-fp16, and a checkpoint carried across rank counts and schedules (sysx at 4 ranks -> sysx at 2 ->
-the single-device window) continues."""
+fp16, a checkpoint carried across rank counts and schedules (sysx at 4 ranks -> sysx at 2 -> the
+single-device window) continues, and one carried across data-parallel replica counts
+(:mod:`sysx.replicas`) loads bit for bit."""
 
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ FP16 = {"precision": "fp16", "loss_scale": {"init": 65536.0, "growth_interval": 
 pytestmark = pytest.mark.slow
 
 
-def run_job(tmp_path: Path, world: int, cfg: dict, schedules: list[dict], phases: list[list]) -> None:
+def run_job(
+    tmp_path: Path, world: int, cfg: dict, schedules: list[dict], phases: list[list], local_world: int | None = None
+) -> None:
+    """``phases`` as tests/resume_job.py reads them; ``local_world``: processes per node (default: one node)."""
     spec = tmp_path / f"spec-{world}.json"
     spec.write_text(json.dumps({"cfg": cfg, "schedules": schedules, "phases": phases}))
-    procs = launch([sys.executable, str(JOB), str(spec), str(tmp_path)], world, world, timeout=400)
+    procs = launch([sys.executable, str(JOB), str(spec), str(tmp_path)], world, local_world or world, timeout=400)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
 
@@ -89,3 +93,106 @@ def test_a_checkpoint_moves_from_4_ranks_to_2_ranks_to_the_window(tmp_path: Path
         ckpts.close()
     for got, want in zip(rest, straight["results"][4:]):
         assert got.step == want[0] and got.loss == pytest.approx(float(want[1]), rel=1e-5)
+
+
+REPLICAS = {
+    "model": {"preset": "tiny", "n_layers": 4},
+    "train": {"steps": 6, "micro_batch_size": 2, "micro_batches": 2, "seq_len": 16},
+    "optim": {"lr": 1e-3, "warmup_steps": 1, "grad_clip": 0.5},
+    "eval": {"every": 0},
+    "device": "cpu",
+}
+
+
+def replicas(r: int, micro_batches: int = 2) -> dict:
+    """A phase's config: ``r`` replicas of ``micro_batches`` each (R x M = 4: every phase's global batch)."""
+    return {"parallel": {"replicas": r}, "train": {"micro_batches": micro_batches}}
+
+
+def loaded_layers(tmp_path: Path, phase: str, world: int) -> dict[int, dict]:
+    """Every layer a phase's trainer held right after its resume (dumped by each of its ranks, once)."""
+    out: dict[int, dict] = {}
+    for rank in range(world):
+        part = torch.load(tmp_path / f"0-{phase}-layers-{rank}.pt")
+        assert not out.keys() & part.keys(), (phase, sorted(part))  # replica 0 answers for every shard
+        out.update(part)
+    return out
+
+
+def assert_loaded_bit_for_bit(loaded: dict[int, dict], ckpt_dir: Path, step: int) -> None:
+    """The masters, moments and step counts loaded equal the checkpoint's bit for bit."""
+    from sysx.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(ckpt_dir / f"step-{step:08d}")
+    assert sorted(loaded) == list(range(REPLICAS["model"]["n_layers"] + 2))
+    for index, got in loaded.items():
+        saved = ckpt.layer(index)
+        assert got["step"] == saved.step, index
+        for kind in ("weight", "exp_avg", "exp_avg_sq"):
+            want = getattr(saved, kind)
+            assert got[kind].keys() == want.keys(), (index, kind)
+            for name, t in want.items():
+                assert torch.equal(got[kind][name].view(torch.int32), t.view(torch.int32)), (index, kind, name)
+
+
+@pytest.mark.timeout(600)
+def test_a_checkpoint_moves_across_replica_counts(tmp_path: Path) -> None:
+    """R=2 x P=2 saves at step 2; R=2 resumes it and continues bit for bit the uninterrupted R=2 run;
+    R=4 x P=1, R=1 x P=2 and the window load it bit for bit and continue at the same global batch
+    (gradients summed in another order: close, not bit-identical); R=1 saves at step 4 and R=2 x P=1
+    (one replica per node: the restore's shard exchange over gloo) loads that bit for bit and continues."""
+    from resume_job import make_config, phase_fields
+
+    from sysx.trainers.checkpointing import JobCheckpoints
+    from sysx.trainers.single import SingleTrainer
+
+    ckpt, sysx = str(tmp_path / "A"), [{"schedule": "sysx", "split": 2, "stages_per_rank": 1}]
+    run_job(
+        tmp_path,
+        4,
+        REPLICAS,
+        sysx,
+        [
+            ["a", 2, ckpt, "save", replicas(2)],
+            ["r2", 2, ckpt, "resume dump", replicas(2)],
+            ["r4", 2, ckpt, "resume dump", replicas(4, 1)],
+            ["straight", 4, str(tmp_path / "straight"), "", replicas(2)],
+        ],
+    )
+    straight = load(tmp_path, 0, "straight")
+    a, r2, r4 = (load(tmp_path, 0, p) for p in ("a", "r2", "r4"))
+    assert a["results"] + r2["results"] == straight["results"]  # R=2 -> R=2: exact
+    assert all(torch.equal(r2["state"][k], v) for k, v in straight["state"].items())
+    for phase in ("r2", "r4"):
+        assert_loaded_bit_for_bit(loaded_layers(tmp_path, phase, 4), tmp_path / "A-0", 2)
+    with SingleTrainer(make_config(phase_fields(REPLICAS, replicas(1, 4)), ckpt + "-0")) as window:
+        ckpts = JobCheckpoints(window)
+        assert ckpts.resume() is not None and window.step_index == 2
+        loaded = {
+            i: {k: getattr(s(), k) for k in ("weight", "exp_avg", "exp_avg_sq", "step")}
+            for i, s in window.checkpoint_layers().items()
+        }
+        assert_loaded_bit_for_bit(loaded, tmp_path / "A-0", 2)
+        rest = window.run(2)
+        ckpts.close()
+    run_job(
+        tmp_path,
+        2,
+        REPLICAS,
+        sysx,
+        [
+            ["r1", 2, ckpt, "resume dump save", replicas(1, 4)],
+            ["r1b", 1, ckpt, "resume", replicas(1, 4)],
+            ["back", 1, ckpt, "resume dump", replicas(2)],
+        ],
+        local_world=1,
+    )
+    assert_loaded_bit_for_bit(loaded_layers(tmp_path, "r1", 2), tmp_path / "A-0", 2)
+    assert_loaded_bit_for_bit(loaded_layers(tmp_path, "back", 2), tmp_path / "A-0", 4)  # R=1 wrote it
+    # and R=2 continues it: every replica's working copy got the other replicas' restored shards
+    (got,), (want,) = load(tmp_path, 0, "back")["results"], load(tmp_path, 0, "r1b")["results"]
+    assert got[0] == want[0] == 4 and float(got[1]) == pytest.approx(float(want[1]), rel=1e-5), (got, want)
+    others = {"r4": r4["results"], "r1": load(tmp_path, 0, "r1")["results"], "window": [(r.step, r.loss) for r in rest]}
+    for phase, rows in others.items():
+        for got, want in zip(rows, straight["results"][2:], strict=True):
+            assert got[0] == want[0] and float(got[1]) == pytest.approx(float(want[1]), rel=1e-5), (phase, got, want)

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from sysx import device as dev
+from sysx.dist import wait_for
 from sysx.emulate.pacer import Pacer
 from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.device_lane import DeviceLane
-from sysx.optim.loss_scaler import LossScaler
+from sysx.optim.loss_scaler import LossScaler, NonFiniteGradients
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageOptimizer
 from sysx.optim.step_protocol import LanePacer, LaneSeconds, StepProtocol
@@ -51,6 +52,7 @@ class RankOptimizer:
         self.settings = settings
         self.scaler = scaler
         self.group = group
+        self.rank, self.timeout_s = params.rank, params.timeout_s
         self.dtype = params.dtype
         self.stages: dict[tuple[int, int], StageOptimizer] = {}
         self.host_grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -205,10 +207,24 @@ class RankOptimizer:
         """Wait for the workers, then SysX's post-step validation (rollback / clipping re-step), or,
         when the step did not speculate, the decision and then every sub-stage's step; the device
         lane steps beside the CPU lane's (re-)steps, and all of them are done on return."""
-        self.outcome = outcome = self.protocol.decide(self.threads.wait(), lr)
+        try:
+            self.outcome = outcome = self.protocol.decide(self.threads.wait(), lr)
+        except NonFiniteGradients:
+            self._rolled_back_everywhere()
+            raise
         self.threads.wait_stages()
         self.protocol.record(outcome)
         return outcome
+
+    def _rolled_back_everywhere(self) -> None:
+        """Every rank raises NonFiniteGradients (fp32/bf16) after its rollback and no end-of-step
+        all-reduce follows: wait until every rank's rollback is done, so that a caller going on
+        after the error never reads a working copy (or a replica's shard) still being restored."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return
+        work = dist.barrier(group=self.group, async_op=True)
+        what = "barrier after the rollback of a step with non-finite gradients"
+        wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.timeout_s, collective=True)
 
     def validate_sync(self, *, scale: float) -> StepOutcome:
         """Validate first (baselines): load and check every offloaded sub-stage, reduce, decide."""
