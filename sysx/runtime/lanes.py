@@ -49,15 +49,21 @@ def emulated_rates(plan: EmulatedPlan, rank: int) -> LaneRates:
 
 
 def emulated_units(plan: EmulatedPlan, schedule: Schedule, rank: int) -> tuple[list[Unit], float]:
-    """The rank's owned sub-stages (emulated parameters, modelled ready times) and when its passes end."""
+    """Pipeline rank ``rank``'s owned sub-stages (emulated parameters, a replica's shard of them;
+    modelled ready times) and when its passes end."""
     part, layer_params = schedule.partition, plan.costs.layer_params
     ready = {
         (ev.op.stage, ev.op.sub): ev.end
         for ev in plan.timeline.events
         if ev.rank == rank and ev.op.kind == OpKind.OFFLOAD_GRADS
     }
+    shards = plan.table.replicas  # with replicas a rank steps 1/R of each unit
     units = [
-        Unit(unit_label(s, k), int(sum(layer_params[i] for i in part.sub_layers(s, k))), ready.get((s, k), 0.0))
+        Unit(
+            unit_label(s, k),
+            int(sum(layer_params[i] for i in part.sub_layers(s, k))) // shards,
+            ready.get((s, k), 0.0),
+        )
         for s, k in schedule.assignment.bwd_substages(rank)
     ]
     return units, plan.timeline.gpu_end[rank]

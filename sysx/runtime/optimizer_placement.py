@@ -36,7 +36,7 @@ def place_optimizer(
     placement, units = rank_placement(
         mode,
         schedule,
-        rank.rank,
+        rank.stage_rank,
         {k: s.numel for k, s in optimizer.stages.items()},
         device=rank.device,
         dtype=rank.dtype,
@@ -52,7 +52,8 @@ def place_optimizer(
     modelled = plan is not None or dev.is_cuda(rank.device)  # auto on a CPU device: no second lane to model
     if mode == "cpu" or (mode == "auto" and not (schedule.options.async_optimizer and modelled)):
         return OptimizerPlacement(placement)  # nothing to say or to gather: every rank keeps the CPU lane
-    ranks = gather_placements((placement, units), world=rank.world, group=rank.group)
+    # every replica places alike (one plan, one schedule): the first replica's ranks are the pipeline's
+    ranks = gather_placements((placement, units), world=rank.world, group=rank.group)[: schedule.n_ranks]
     model.take_device_lane(lane_times(schedule, ranks))
     if rank.rank == 0 and any(p.device or p.cpu_finish > 0 for p, _ in ranks):
         more = "; per rank: summary.json (placement)" if rank.world > 1 else ""
