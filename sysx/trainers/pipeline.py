@@ -366,7 +366,20 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
         )
         apply_plan(plan)
         trainer = PipelineTrainer(resolve(cfg), opts, info=info, tuned_costs=tuned_costs)
-        return run_job(trainer, is_main=info.is_main, extra=trainer.describe())
+        status = run_job(trainer, is_main=info.is_main, extra=trainer.describe())
+        if status == 0 and info.world_size > 1:
+            # no rank tears its process groups down while another still talks to it (the replicas'
+            # last gather of the final save): gloo aborts a process whose peer vanished mid-operation
+            work = torch.distributed.barrier(group=sdist.cpu_group(), async_op=True)
+            sdist.wait_for(
+                work,
+                rank=info.rank,
+                what="end of the job (barrier)",
+                peer=None,
+                timeout_s=opts.timeout_s,
+                collective=True,
+            )
+        return status
     except (ExecutionError, sdist.PeerTimeout, TransferMismatch) as err:
         print(f"sysx-train: rank {info.rank}: error: {err}", file=sys.stderr, flush=True)
         return 1
