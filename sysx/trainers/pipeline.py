@@ -118,6 +118,7 @@ class PipelineTrainer(Trainer):
             self._eval = self._evaluation(
                 max(1, len(range(self.layout.replica, cfg.eval.batches, self.layout.replicas)))
             )
+            self.host_memory = self._host_memory()  # summary.json's host_memory
             self.observation = PipelineObservation(cfg, self.runtime, self.device_model, tuned=tuned_costs, rss0=rss0)
         except BaseException:
             self.close()
@@ -217,15 +218,15 @@ class PipelineTrainer(Trainer):
         empty), the ``prediction`` and ``placement``; on an emulated device also its ``emulation``
         report (collective then: every rank calls it)."""
         out = self.observation.sections()
-        out["host_memory"] = self.host_memory()
+        out["host_memory"] = self.host_memory
         if self.placement_ranks:
             out["placement"] = self.placement_ranks
         out.update(self.device_model.sections())
         return out
 
-    def host_memory(self) -> dict[str, Any]:
-        """Host bytes of the optimizers on each node, measured (the buffers they hold) beside the
-        node plan of this rank's node (collective: every rank calls it)."""
+    def _host_memory(self) -> dict[str, Any]:
+        """Host bytes of the optimizers on each node, measured (the buffers they hold, all made by
+        now) beside the node plan of this rank's node (collective: every rank calls it)."""
         plan = self.params.node_plan(self.params.rollback)
         return {
             "replicas": self.layout.replicas,
