@@ -270,6 +270,12 @@ def test_sysx_tune_json_keeps_the_batch_and_explains(monkeypatch, tmp_path, caps
     base = out["baseline"]  # the fixed rule: 2 stages/rank with d=2 cannot cut 6 layers, 1 stage/rank with d=2 can
     assert (base["micro_batch_size"], base["stages_per_rank"], base["split"]) == (2, 1, 2)
     assert out["why"][1].startswith("winner") and out["closest"] is None and not out["changes"]
+    # the job's global batch, and the winner's split when the search chose replicas (2 ranks: 1 or 2)
+    win = out["top"][0]
+    split = f" (the winner's: 2 replicas x {win['micro_batch_size'] * win['micro_batches']} sequences)"
+    assert out["why"][0].endswith(
+        "; global batch 8 sequences in every candidate" + (split if win["replicas"] == 2 else "")
+    )
     # speed-ups are ratios of iteration times (0.431 s against 2.063 s is 4.79x, not "79.1% faster")
     ratio = base["iteration_s"] / out["top"][0]["iteration_s"]
     assert any(line.endswith(f"the winner is {ratio:.3g}x faster") for line in out["why"]), out["why"]
@@ -357,6 +363,7 @@ def test_sysx_train_with_schedule_tune_runs_the_choice_and_records_it(monkeypatc
     out = capsys.readouterr().out
     best = search(Job(TINY, SEQ, 8, 1, work_dtype="float32"), ROOMY, synthetic_profile()).best
     assert best is not None and "schedule.tune (profile measured" in out and best.label() in out
+    assert "global batch 8 sequences in every candidate" in out
     saved = (run_dir / "config.yaml").read_text()
     assert f"stages_per_rank: {best.options.stages_per_rank}" in saved and f"split: {best.options.split}" in saved
     assert f"micro_batch_size: {best.micro_batch_size}" in saved and "tune: true" in saved

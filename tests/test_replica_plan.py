@@ -333,6 +333,7 @@ def _search(job, profile, host_gib: float):
 
 def test_tuner_searches_replicas_and_keeps_the_global_batch():
     from sysx.autotune.apply import choice
+    from sysx.autotune.report import global_batch_phrase
 
     job, profile = _tuning_job(None)
     assert job.replicas is None and job.global_batch == 32
@@ -343,6 +344,9 @@ def test_tuner_searches_replicas_and_keeps_the_global_batch():
     assert best is not None and best.replicas == 2 and "parallel.replicas=2" in best.label()
     keys = choice(best, emulated=True)
     assert keys["parallel.replicas"] == 2 and keys["train.micro_batches"] == 8
+    assert global_batch_phrase(result) == (
+        "global batch 32 sequences in every candidate (the winner's: 2 replicas x 16 sequences)"
+    )
 
 
 def test_tuner_refuses_replicas_whose_node_memory_does_not_fit():
@@ -354,9 +358,14 @@ def test_tuner_refuses_replicas_whose_node_memory_does_not_fit():
 
 
 def test_tuner_with_fixed_replicas_searches_only_them():
+    from sysx.autotune.report import why
+
     job, profile = _tuning_job(2)
     assert job.replicas == 2 and job.global_batch == 32
-    assert {c.replicas for c in _search(job, profile, 512).fitting} == {2}
+    result = _search(job, profile, 512)
+    assert {c.replicas for c in result.fitting} == {2}
+    # the job's global batch, not one replica's (what the schedule.tune line prints)
+    assert "global batch 32 sequences (2 replicas x 16 sequences) in every candidate" in why(result, None)[0]
 
 
 # --- the benchmark's replica rows -----------------------------------------------------------------

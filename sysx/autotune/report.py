@@ -37,6 +37,21 @@ def speedup(fast_s: float, slow_s: float) -> float:
     return slow_s / fast_s if fast_s > 0 else float("inf")
 
 
+def global_batch_phrase(result: Result) -> str:
+    """The job's global batch as every candidate keeps it, split into its replicas when there are
+    several: fixed (``parallel.replicas``) for every candidate, or the winner's when the search chose."""
+    n = result.job.global_batch
+    total = f"global batch {n} sequences"
+    fixed = result.job.replicas
+    if fixed is not None:
+        return total + (f" ({fixed} replicas x {n // fixed} sequences)" if fixed > 1 else "") + " in every candidate"
+    chosen = result.best or result.closest
+    if chosen is None or chosen.replicas == 1:
+        return total + " in every candidate"
+    what = "the winner's" if result.best is not None else "the closest's"
+    return f"{total} in every candidate ({what}: {chosen.replicas} replicas x {n // chosen.replicas} sequences)"
+
+
 def why(result: Result, baseline: Candidate | str | None) -> list[str]:
     """Sentences on why the winner won (or, when nothing fits, on what is closest)."""
     over = Counter(max(RESOURCES, key=lambda r: c.over[r]) for c in result.rejected)
@@ -44,7 +59,7 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
     lines = [
         f"{len(result.fitting)} of {len(result.fitting) + len(result.rejected)} buildable candidates fit "
         f"({rejected}); {len(result.invalid)} could not be built (too few layers for the stages, or too few "
-        f"micro-batches for the ranks); global batch {result.job.global_batch} sequences in every candidate"
+        f"micro-batches for the ranks); {global_batch_phrase(result)}"
     ]
     best = result.best
     if best is None:
@@ -89,6 +104,7 @@ def _cand_dict(c: Candidate) -> dict[str, Any]:
         "optimizer_workers": o.optimizer_workers,
         "threads_per_worker": c.threads_per_worker,
         "micro_batch_size": c.micro_batch_size,
+        "replicas": c.replicas,
         "micro_batches": c.micro_batches,
         "global_batch": c.global_batch,
         "iteration_s": c.iteration,
