@@ -23,6 +23,7 @@ from test_stop import AGENT_LINE, start_launcher
 RESTART_ARGS = [
     "model=tiny",
     "schedule=sysx",
+    "parallel.replicas=1",  # one pipeline of both ranks: the tuner would make them 2 replicas of the tiny model
     "train.steps=12",
     "checkpoint.every=3",
     "train.seq_len=16",

@@ -59,6 +59,9 @@ SKIPPED_LINES = {
     "NP=2 launch/mpirun.sh schedule=sysx": "a 2-rank job's start costs ~30 s here, and "
     "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs this launcher through a "
     "whole job (test_stop.py and test_launch_failures.py its stops and failures)",
+    "NPROC=2 launch/torchrun.sh schedule=sysx": "the 2-rank job of the line above after a pre-flight "
+    "(the suite's time budget); tests/test_stop.py runs launch/torchrun.sh, pre-flight included, through whole "
+    "jobs and their stops, and test_launch_failures.py through its failures",
     "NPROC=1 launch/two_nodes_localhost.sh schedule=sysx": "a 2-rank job's start costs ~30 s here, and "
     "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs this launcher through a "
     "whole job (test_stop.py and test_launch_failures.py its stops and failures)",

@@ -37,6 +37,7 @@ SIGNAL_STOP_S = 20.0
 KILL_STOP_S = 40.0
 JOB_ARGS = [
     "schedule=sysx",
+    "parallel.replicas=1",  # a pipeline over every rank (the tuner may choose replicas of the tiny model otherwise)
     "train.steps=100000",
     "train.seq_len=16",
     "train.micro_batch_size=2",
