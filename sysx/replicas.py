@@ -13,6 +13,7 @@ backward sub-stages and split each one's fp32 master and Adam state into R conti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 
 def shard_range(numel: int, shards: int, index: int) -> range:
@@ -103,7 +104,7 @@ class ReplicaLayout:
             return "network"
         return self._mixed(nodes)
 
-    def _mixed(self, nodes: list[int]) -> str:
+    def _mixed(self, nodes: list[int]) -> NoReturn:
         n_nodes = -(-self.world_size // self.local_world_size)
         raise ValueError(
             f"parallel.replicas={self.replicas} of {self.pipeline} pipeline ranks puts "
@@ -111,6 +112,10 @@ class ReplicaLayout:
             f"reduce gradients across; set parallel.replicas={n_nodes} (one replica per node) or run every "
             f"replica on one node"
         )
+
+    def turns(self, n: int) -> int:
+        """Of ``n`` micro-batches shared out in turns (replica ``r`` takes ``r, r+R, ...``), how many are this replica's."""
+        return len(range(self.replica, n, self.replicas))
 
     def shard(self, numel: int) -> range:
         """The elements of a sub-stage of ``numel`` parameters this replica's optimizer owns."""

@@ -24,6 +24,7 @@ def test_replicas_are_contiguous_pipelines() -> None:
     # one node of 4, P=2: both replicas on the node
     assert ReplicaLayout.of(2, 4, rank=3, local_world_size=4).peers_share_node()
     assert lay.shard(10) == range(5, 10)
+    assert [ReplicaLayout.of(2, 8, rank=r).turns(3) for r in (0, 4)] == [2, 1]  # micro-batches 0, 2 | 1
 
 
 def test_a_world_size_not_a_multiple_is_one_line() -> None:

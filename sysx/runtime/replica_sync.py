@@ -197,9 +197,7 @@ def exchange_shards(
     per shard over the replica ``group``. Nothing on the ``node`` path. Returns the bytes received."""
     if layout.reduction != "network":
         return 0
-    received = sum(
-        shared[u][0:0].element_size() * (shared[u].numel() - len(layout.shard(shared[u].numel()))) for u in units
-    )
+    received = sum(shared[u].element_size() * (shared[u].numel() - len(layout.shard(shared[u].numel()))) for u in units)
     with (pacer or Pacer()).replica_gather(received):
         works = []
         for unit in units:

@@ -115,9 +115,7 @@ class PipelineTrainer(Trainer):
                 speculative=o.speculate != "never",
             )
             self.placement, self.placement_ranks = placed.placement, placed.section  # ranks: summary.json
-            self._eval = self._evaluation(
-                max(1, len(range(self.layout.replica, cfg.eval.batches, self.layout.replicas)))
-            )
+            self._eval = self._evaluation(max(1, self.layout.turns(cfg.eval.batches)))
             self.host_memory = self._host_memory()  # summary.json's host_memory
             self.observation = PipelineObservation(cfg, self.runtime, self.device_model, tuned=tuned_costs, rss0=rss0)
         except BaseException:
@@ -244,7 +242,7 @@ class PipelineTrainer(Trainer):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``eval.batches`` micro-batches of the val split (forward-only program),
         the replicas taking turns: replica ``r`` runs micro-batches ``r, r+R, ...`` of them."""
-        n = len(range(self.layout.replica, self.cfg.eval.batches if batches is None else batches, self.layout.replicas))
+        n = self.layout.turns(self.cfg.eval.batches if batches is None else batches)
         ctx = StepContext(step=0, n_micro=n, split="val", training=False)
         if n:  # more replicas than micro-batches: this one adds nothing to the all-reduce
             program = self._eval if n == self._eval.n_micro else self._evaluation(n)
