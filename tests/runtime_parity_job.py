@@ -3,7 +3,7 @@
     RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. LOCAL_WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. \
         python tests/runtime_parity_job.py SPEC.json RESULT.json
 
-SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "optim": {...OptimSection
+SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "data": token file (optional), "optim": {...OptimSection
 fields, optional}, "replicas": R (optional), "schedules": [{PipelineOptions fields, optional "optim": {...}}, ...]}`` (``optim_backend``
 defaults to torch; an entry's "optim" overrides optim.* for it). Rank 0 trains the single-process reference in-process once; then every rank runs
 each schedule in turn in the same process group (a fresh PipelineTrainer each, same seed and
@@ -51,7 +51,7 @@ def main(spec_path: str, out_path: str) -> int:
         cfg, train=dataclasses.replace(cfg.train, micro_batches=replicas * cfg.train.micro_batches)
     )
     cfg = dataclasses.replace(cfg, parallel=ParallelSection(replicas=replicas))
-    dataset = TokenDataset(default_corpus_path())
+    dataset = TokenDataset(spec.get("data") or default_corpus_path())
     ref_losses: list[float] = []
     ref_norms: list[float] = []
     ref_state: dict[str, torch.Tensor] = {}

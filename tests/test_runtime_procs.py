@@ -101,8 +101,10 @@ def run_parity(
     optim: dict | None = None,
     replicas: int = 1,
     tol: float = TOL,
+    data: str | None = None,
 ) -> dict:
     spec = {
+        "data": data,
         "replicas": replicas,
         "model": model,
         "train": train,

@@ -86,7 +86,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += losses.sum()
         ctx.save_for_backward(hidden, weight, labels, lse, *feature_params)
         ctx.features, ctx.chunk = features, chunk  # type: ignore[attr-defined]
-        return total / (y != IGNORE_INDEX).sum()
+        return total / (y != IGNORE_INDEX).sum().clamp_min(1)  # no trained token: loss 0, not 0/0
 
     @staticmethod
     @once_differentiable
@@ -100,7 +100,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_p = ctx.needs_input_grad[5:]  # type: ignore[attr-defined]
         x = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
-        scale = grad_loss.float() / (y != IGNORE_INDEX).sum()
+        scale = grad_loss.float() / (y != IGNORE_INDEX).sum().clamp_min(1)
         grad_x = torch.empty_like(x) if need_x else None
         grad_w: torch.Tensor | None = None
         grad_p: list[torch.Tensor | None] = [None] * len(params)

@@ -19,6 +19,7 @@ from torch import nn
 
 from sysx import device as dev
 from sysx import trace
+from sysx.data.loss_weights import LossWeights
 from sysx.dist import PeerTimeout
 from sysx.emulate.pacer import Pacer
 from sysx.model import FlatLayout, ModelConfig, run_layers
@@ -48,14 +49,27 @@ class StepContext:
     scale: float = 1.0
     n_micro: int = 1
     replicas: int = 1  # data-parallel replicas: a loss counts 1 / (n_micro x replicas) of the step's gradient
+    # how the losses add up when the data has a loss mask (sysx.data.loss_weights); None: as ``replicas`` says
+    weights: LossWeights | None = None
     split: str = "train"
     training: bool = True
     losses: list[torch.Tensor] = field(default_factory=list)
+    loss_weights: list[float] = field(default_factory=list)  # the weight of each of ``losses``
     op_seconds: dict[str, float] = field(default_factory=dict)
     # host ``time.monotonic()`` (one clock for every process of a node) when this rank's last
     # BACKWARD and its VALIDATE returned: the optimizer time left exposed lies between them
     backward_end: float = 0.0
     validate_end: float = 0.0
+
+    def divisor(self, weight: float) -> float:
+        """What a micro-batch's mean loss of ``weight`` is divided by for the step's gradient."""
+        return self.n_micro * self.replicas if self.weights is None else self.weights.divisor(weight)
+
+    def loss_sums(self) -> list[float]:
+        """This rank's share of the step's loss: ``[sum of weight x loss, sum of weights]``."""
+        if self.weights is None or not self.weights.per_token:  # every loss weighs 1: the plain sum, as ever
+            return [float(torch.stack(self.losses).sum()) if self.losses else 0.0, float(len(self.losses))]
+        return [sum(float(v) * w for v, w in zip(self.losses, self.loss_weights)), sum(self.loss_weights)]
 
 
 class Executor:
@@ -115,7 +129,7 @@ class Executor:
         self.handlers = self.pacer.wrap(self.handlers, lambda unit: self.optimizer.events.get(unit))
         self._modules: dict[tuple[int, int], tuple[list[nn.Module], FlatLayout]] = {}
         self._bindings: dict[tuple[int, int], tuple[torch.device, int, int]] = {}  # layers -> slot region bound
-        self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]] = {}
         self.acts: dict[tuple[int, int], torch.Tensor] = {}
         self.ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.igrads: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -233,11 +247,17 @@ class Executor:
         self._bindings.clear()
 
     # --------------------------------------------------------------------------------- helpers
-    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Micro-batch ``mb``'s ids and labels on the device, and its loss weight (from the host labels)."""
         key = (self.ctx.step, self.ctx.split, mb)
         if key not in self._batches:
             ids, labels = self.batch_fn(self.ctx.step, mb, self.ctx.split)
-            self._batches[key] = (ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+            weight = 1.0 if self.ctx.weights is None else self.ctx.weights.weight(labels)
+            self._batches[key] = (
+                ids.to(self.device, non_blocking=True),
+                labels.to(self.device, non_blocking=True),
+                weight,
+            )
         return self._batches[key]
 
     def _layers_modules(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
@@ -324,6 +344,7 @@ class Executor:
                 h = self._run(mods[lo:hi], sub, h, j)
         if s == self.last_stage:
             self.ctx.losses.append(h.detach().float())
+            self.ctx.loss_weights.append(self._batch(j)[2])
         else:
             self.acts[(s, j)] = h
 
@@ -343,7 +364,7 @@ class Executor:
             x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
             out = self._run(mods, layers, x, j)
             if grad_out is None:
-                scaled = out / (self.ctx.n_micro * self.ctx.replicas)
+                scaled = out / self.ctx.divisor(self._batch(j)[2])
                 if self.ctx.scale != 1.0:
                     scaled = scaled * self.ctx.scale
                 scaled.backward()

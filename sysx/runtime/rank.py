@@ -23,6 +23,7 @@ from sysx import device as dev
 from sysx import dist as sdist
 from sysx import peers, stopping
 from sysx.data import TokenDataset, get_batch
+from sysx.data.loss_weights import LossWeights
 from sysx.emulate.pacer import Pacer
 from sysx.model import ModelConfig
 from sysx.model.llama import LayerInit
@@ -64,6 +65,7 @@ class RankRuntime:
         seq_len: int,
         dataset: TokenDataset,
         layout: ReplicaLayout | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.rank, self.world, self.group, self.timeout_s = info.rank, info.world_size, group, opts.timeout_s
         self.layout = layout or ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
@@ -72,6 +74,7 @@ class RankRuntime:
         self.replica_groups = ReplicaGroups.build(self.layout) if self.layout.replicas > 1 else None
         self.local_world_size = info.local_world_size
         self.dataset, self.seed, self.micro_batch_size, self.seq_len = dataset, seed, micro_batch_size, seq_len
+        self.rows_per_step = micro_batches * self.layout.replicas * micro_batch_size  # the global batch's rows
         self.schedule, self.device, self.dtype = schedule, device, dtype
         self._closed = False
         with contextlib.ExitStack() as undo:
@@ -157,6 +160,20 @@ class RankRuntime:
             split=split,
             dp_rank=self.layout.replica,
             dp_size=self.layout.replicas,
+            rows_per_step=self.rows_per_step,
+        )
+
+    def loss_weights(self, step: int, pieces: int, *, split: str = "train") -> LossWeights:
+        """How the ``pieces`` micro-batches of ``step`` (every replica's) add up to its loss."""
+        rows = self.rows_per_step if split == "train" else pieces * self.micro_batch_size
+        return LossWeights.of_step(
+            self.dataset,
+            pieces=pieces,
+            seed=self.seed,
+            step=step,
+            rows_per_step=rows,
+            seq_len=self.seq_len,
+            split=split,
         )
 
     def _p2p(self, opts: PipelineOptions, device: torch.device, pacer: Pacer) -> P2P | None:
@@ -230,10 +247,10 @@ class RankRuntime:
         return gather_shards(self.layout, shard, numel, group=self.replica_groups.exchange, timeout_s=self.timeout_s)
 
     def mean_loss(self, ctx: StepContext, what: str) -> float:
-        """The mean of every rank's losses of ``ctx`` (collective: ``what`` names the all-reduce)."""
-        local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
-        total, count = self.all_reduce([local, float(len(ctx.losses))], what)
-        return total / count
+        """The mean of every rank's losses of ``ctx``, weighted as ``ctx.weights`` says (collective:
+        ``what`` names the all-reduce)."""
+        total, weight = self.all_reduce(ctx.loss_sums(), what)
+        return total / weight
 
     def all_reduce(
         self, values: list[float], what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -258,7 +275,7 @@ class RankRuntime:
         each rank's backward and VALIDATE ends, and a stop deferred to the end of the step
         (``checkpoint.on_signal``), which travels with the loss so that every rank ends this step
         knowing it and saves and stops at the same point. ``n_micro``: the losses expected."""
-        local = float(torch.stack(ctx.losses).sum()) if ctx.losses else 0.0
+        local, weight = ctx.loss_sums()
         stop = stopping.pending()
         signals = [float(stop is not None and stop.signum == s) for s in stopping.STOP_SIGNALS]
         outcome = self.optimizer.outcome
@@ -266,8 +283,8 @@ class RankRuntime:
         times = [0.0] * (2 * self.world)  # this rank's slots only: the sum gathers every rank's
         times[2 * self.rank : 2 * self.rank + 2] = [ctx.backward_end, ctx.validate_end]
         counts = [float(len(ctx.losses)), float(outcome.undone + outcome.restepped), float(outcome.restepped)]
-        total, count, undone, restepped, *rest = self.all_reduce(
-            [local, *counts, *signals, *times], f"end of step {ctx.step} (loss all-reduce)"
+        total, weight, count, undone, restepped, *rest = self.all_reduce(
+            [local, weight, *counts, *signals, *times], f"end of step {ctx.step} (loss all-reduce)"
         )
         stops, times = rest[: len(signals)], rest[len(signals) :]
         for signum, seen in zip(stopping.STOP_SIGNALS, stops):
@@ -279,7 +296,7 @@ class RankRuntime:
                 f"rank {self.rank}: step {ctx.step}: {int(count)} micro-batch losses were computed, expected {n_micro}"
             )
         exposed = exposed_seconds(times[0::2], times[1::2], one_clock=one_clock)
-        return StepEnd(total / count, int(undone), int(restepped), exposed)
+        return StepEnd(total / weight, int(undone), int(restepped), exposed)
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name; collective: every rank calls it and gets the same

@@ -222,11 +222,13 @@ class SlidingWindowExecutor:
         scale: float,
         on_grads: Callable[[int, dev.Event], None],
         before_load: Callable[[int], None],
+        divisors: Sequence[float] | None = None,
     ) -> list[torch.Tensor]:
         """Forward and backward of every round of one step; returns each micro-batch's loss.
 
         ``batches``: ``rounds * chunks`` (input_ids, labels) pairs on the device, in micro-batch
-        order. ``on_grads(group, event)`` is called once per group when its final gradients are on
+        order; micro-batch ``i``'s loss counts ``1 / divisors[i]`` of the step's gradient (None: each
+        ``1 / len(batches)``, :mod:`sysx.data.loss_weights`). ``on_grads(group, event)`` is called once per group when its final gradients are on
         their way home (``event`` completes when they are in ``host.groups[group].grad``; the
         Embedding+Head group is ``-1``). ``before_load(group)`` must block until the group's host
         weights are current (its optimizer step finished).
@@ -246,11 +248,12 @@ class SlidingWindowExecutor:
         self._grad_home.clear()
         losses: list[torch.Tensor] = []
         rounds = self.plan.rounds
+        divisors = [float(n_micro)] * n_micro if divisors is None else list(divisors)
         for r in range(rounds):
             mbs = batches[r * self.n : (r + 1) * self.n]
             last = r == rounds - 1
             self._forward(r, ver, mbs, before_load)
-            losses += self._turnaround(mbs, scale, n_micro)
+            losses += self._turnaround(mbs, scale, divisors[r * self.n : (r + 1) * self.n])
             self._backward(r, ver, mbs, on_grads if last else None, before_load, last)
         self.outbound.wait_event(self.compute.record_event())
         nbytes = self.static_g.numel() * self.static_g.element_size()
@@ -384,15 +387,15 @@ class SlidingWindowExecutor:
                 for j in range(L - 1, max(-1, L - 1 - len(self.ring_g)), -1):
                     self._fill_g(j, r)
 
-    def _turnaround(self, mbs: Sequence[Batch], scale: float, n_micro: int) -> list[torch.Tensor]:
-        """Head forward + backward per chunk (``backward(loss / n_micro * scale)``); T becomes the gradient."""
+    def _turnaround(self, mbs: Sequence[Batch], scale: float, divisors: Sequence[float]) -> list[torch.Tensor]:
+        """Head forward + backward per chunk (``backward(loss / divisor * scale)``); T becomes the gradient."""
         losses = []
         with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, self.L + 1, 0)):
             for c, (_, labels) in enumerate(mbs):
                 x = self.T[c].detach().requires_grad_(True)
                 with torch.enable_grad():
                     loss = self.head(x, labels)
-                    scaled = loss / n_micro
+                    scaled = loss / divisors[c]
                     if scale != 1.0:
                         scaled = scaled * scale
                     scaled.backward()

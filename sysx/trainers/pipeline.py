@@ -143,6 +143,7 @@ class PipelineTrainer(Trainer):
             seq_len=self.cfg.train.seq_len,
             dataset=self.dataset,
             layout=self.layout,
+            micro_batches=self.cfg.train.micro_batches,
         )
 
     def _optim_settings(self, rollback: str) -> OptimSettings:
@@ -178,15 +179,20 @@ class PipelineTrainer(Trainer):
         lr = self.lr_at(step)
         self.optimizer.begin()
         self.pacer.begin_step(step)
+        n_micro = self.cfg.train.micro_batches * self.layout.replicas
         ctx = StepContext(
-            step=step, lr=lr, scale=scale, n_micro=self.cfg.train.micro_batches, replicas=self.layout.replicas
+            step=step,
+            lr=lr,
+            scale=scale,
+            n_micro=self.cfg.train.micro_batches,
+            replicas=self.layout.replicas,
+            weights=self.runtime.loss_weights(step, n_micro),
         )
         self.window.begin(step)
         try:
             self.runtime.run(self.ops, ctx)
         finally:
             self.window.end()
-        n_micro = self.cfg.train.micro_batches * self.layout.replicas
         end = self.runtime.end_step(ctx, n_micro, one_clock=self.info.num_nodes == 1)
         dev.synchronize(self.device)
         outcome = self.optimizer.outcome
@@ -243,7 +249,10 @@ class PipelineTrainer(Trainer):
         """Mean loss over ``eval.batches`` micro-batches of the val split (forward-only program),
         the replicas taking turns: replica ``r`` runs micro-batches ``r, r+R, ...`` of them."""
         n = self.layout.turns(self.cfg.eval.batches if batches is None else batches)
-        ctx = StepContext(step=0, n_micro=n, split="val", training=False)
+        total = self.cfg.eval.batches if batches is None else batches
+        ctx = StepContext(
+            step=0, n_micro=n, split="val", training=False, weights=self.runtime.loss_weights(0, total, split="val")
+        )
         if n:  # more replicas than micro-batches: this one adds nothing to the all-reduce
             program = self._eval if n == self._eval.n_micro else self._evaluation(n)
             self.pacer.begin_step(self.step_index, record=False)

@@ -20,6 +20,7 @@ from sysx import device as dev
 from sysx.checkpoint import Checkpoint, LayerState
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
+from sysx.data.loss_weights import LossWeights, weighted_mean
 from sysx.metrics import StepResult
 from sysx.trainers.base import Trainer, job_device, open_dataset
 from sysx.trainers.job import run_job
@@ -92,8 +93,23 @@ class ReferenceTrainer(Trainer):
             micro_batch_size=t.micro_batch_size,
             seq_len=t.seq_len,
             split=split,
+            rows_per_step=t.micro_batches * t.micro_batch_size,
         )
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def loss_weights(self, step: int, pieces: int, *, split: str = "train") -> LossWeights:
+        """How the ``pieces`` micro-batches of ``step`` add up to its loss (:mod:`sysx.data.loss_weights`)."""
+        t = self.cfg.train
+        rows = (t.micro_batches if split == "train" else pieces) * t.micro_batch_size
+        return LossWeights.of_step(
+            self.dataset,
+            pieces=pieces,
+            seed=self.cfg.seed,
+            step=step,
+            rows_per_step=rows,
+            seq_len=t.seq_len,
+            split=split,
+        )
 
     def _master_grads(self, scale: float) -> list[torch.Tensor]:
         """fp32, unscaled gradients attached to the master weights (fp32: the parameters' own)."""
@@ -120,12 +136,14 @@ class ReferenceTrainer(Trainer):
         scale = float(self.scaler.scale)
         for p in self.params:
             p.grad = None
-        losses = []
+        losses, weights = [], []
+        share = self.loss_weights(step, n_mb)
         for j in range(n_mb):
             x, y = self.batch(step, j)
             loss = self.model.loss(x, y)
             losses.append(loss.detach().float())
-            scaled = loss / n_mb
+            weights.append(share.weight(y))
+            scaled = loss / share.divisor(weights[-1])
             if scale != 1.0:
                 scaled = scaled * scale
             scaled.backward()
@@ -147,7 +165,9 @@ class ReferenceTrainer(Trainer):
                         p.copy_(m)
         for m in self.masters:
             m.grad = None
-        loss_value = float(torch.stack(losses).mean())
+        loss_value = (
+            weighted_mean([float(v) for v in losses], weights) if share.per_token else float(torch.stack(losses).mean())
+        )
         dev.synchronize(self.device)
         result = StepResult(
             step=step,
@@ -166,8 +186,10 @@ class ReferenceTrainer(Trainer):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` micro-batches of the val split (the same batches every time)."""
         n = self.cfg.eval.batches if batches is None else batches
-        losses = [float(self.model.loss(*self.batch(0, j, split="val"))) for j in range(n)]
-        return sum(losses) / len(losses)
+        share = self.loss_weights(0, n, split="val")
+        pieces = [self.batch(0, j, split="val") for j in range(n)]
+        losses = [float(self.model.loss(x, y)) for x, y in pieces]
+        return weighted_mean(losses, [share.weight(y) for _, y in pieces])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 weights (the masters for 16-bit runs), by parameter name, detached copies."""

@@ -20,6 +20,7 @@ from sysx import device as dev
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
+from sysx.data.loss_weights import LossWeights, weighted_mean
 from sysx.device_memory import MemoryCap
 from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory import plan_host_memory
@@ -182,22 +183,43 @@ class SingleTrainer(Trainer):
         """Number of (distinct) parameters."""
         return self.host.n_params
 
-    def batch(
+    def host_batch(
         self, step: int, micro_batch: int, *, rows: int, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``micro_batch`` of ``rows`` sequences, on the device (global rows as the reference's)."""
+        """Micro-batch ``micro_batch`` of ``rows`` sequences, in host memory (global rows as the reference's)."""
         from sysx.data import get_batch
 
-        x, y = get_batch(
+        t = self.cfg.train
+        return get_batch(
             self.dataset,
             seed=self.cfg.seed,
             step=step,
             micro_batch=micro_batch,
             micro_batch_size=rows,
-            seq_len=self.cfg.train.seq_len,
+            seq_len=t.seq_len,
+            split=split,
+            rows_per_step=t.micro_batches * t.micro_batch_size,
+        )
+
+    def batch(
+        self, step: int, micro_batch: int, *, rows: int, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`host_batch` on the device."""
+        x, y = self.host_batch(step, micro_batch, rows=rows, split=split)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def loss_weights(self, step: int, pieces: int, rows: int, *, split: str = "train") -> LossWeights:
+        """How ``pieces`` loss pieces over the first ``rows`` rows of ``step`` add up to its loss."""
+        t = self.cfg.train
+        return LossWeights.of_step(
+            self.dataset,
+            pieces=pieces,
+            seed=self.cfg.seed,
+            step=step,
+            rows_per_step=rows,
+            seq_len=t.seq_len,
             split=split,
         )
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _before_load(self, group: int) -> None:
         """Block until ``group``'s optimizer work is done (the executor names Embedding+Head ``-1``)."""
@@ -213,7 +235,11 @@ class SingleTrainer(Trainer):
         scale = float(self.scaler.scale)
         lr = self.lr_at(step)
         plan = self.plan
-        batches = [self.batch(step, j, rows=plan.chunk) for j in range(plan.micro_batches)]
+        t = self.cfg.train
+        share = self.loss_weights(step, plan.micro_batches, t.micro_batches * t.micro_batch_size)
+        host = [self.host_batch(step, j, rows=plan.chunk) for j in range(plan.micro_batches)]
+        weights = [share.weight(y) for _, y in host]
+        batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in host]
         speculate = self.protocol.begin()
         groups = self.host.groups
         self.window.begin(step)
@@ -223,7 +249,13 @@ class SingleTrainer(Trainer):
             self.protocol.submit(groups[g].name, groups[g].grad, event, scale=scale, lr=lr)
 
         try:
-            losses = self.executor.run_step(batches, scale=scale, on_grads=on_grads, before_load=self._before_load)
+            losses = self.executor.run_step(
+                batches,
+                scale=scale,
+                on_grads=on_grads,
+                before_load=self._before_load,
+                divisors=[share.divisor(w) for w in weights],
+            )
             t_backward = time.perf_counter()
             outcome = self._validate(self.threads.wait(), lr)
             self._waited += time.perf_counter() - t_backward
@@ -233,7 +265,9 @@ class SingleTrainer(Trainer):
         if speculate:
             self.speculated_steps += 1
             self.redone_steps += not clean
-        loss_value = float(torch.stack(losses).mean())
+        loss_value = (
+            weighted_mean([float(v) for v in losses], weights) if share.per_token else float(torch.stack(losses).mean())
+        )
         dev.synchronize(self.device)
         result = StepResult(
             step=step,
@@ -301,14 +335,18 @@ class SingleTrainer(Trainer):
         n = self.cfg.eval.batches if batches is None else batches
         mbs = self.cfg.train.micro_batch_size
         b = self.plan.chunk
-        means = []
+        share = self.loss_weights(0, n, n * mbs, split="val")
+        means, all_losses, all_weights = [], [], []
         for j in range(n):
-            x, y = self.batch(0, j, rows=mbs, split="val")
+            x, y = self.host_batch(0, j, rows=mbs, split="val")
+            all_weights += [share.weight(y[i : i + b]) for i in range(0, mbs, b)]
+            x, y = x.to(self.device), y.to(self.device)
             pieces = [(x[i : i + b], y[i : i + b]) for i in range(0, mbs, b)]
             losses = self.executor.evaluate(pieces, self._before_load)
+            all_losses += [float(v) for v in losses]
             rows = torch.tensor([p[0].shape[0] for p in pieces], dtype=torch.float32)
             means.append(float((torch.stack([v.cpu() for v in losses]) * rows).sum() / rows.sum()))
-        return sum(means) / len(means)
+        return weighted_mean(all_losses, all_weights) if share.per_token else sum(means) / len(means)
 
     def finish_pending(self) -> None:
         """Wait for the optimizer steps still running on the CPU threads."""
