@@ -20,6 +20,8 @@ import numpy as np
 
 from sysx.data.errors import DataError
 from sysx.data.format import check_dtype, meta_path_for, read_meta
+from sysx.data.sample_format import SAMPLES_KIND
+from sysx.data.sample_index import SampleIndex
 from sysx.data.sanity import check_ids
 from sysx.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
@@ -96,6 +98,12 @@ class TokenDataset:
                 "the file is truncated or does not belong to this metadata; rebuild it"
             )
         self._splits = self._find_splits()
+        own_meta = self.meta_source == meta_path_for(path)
+        self.samples: SampleIndex | None = (
+            SampleIndex(path, self.meta, len(self.tokens))
+            if own_meta and self.meta.get("kind") == SAMPLES_KIND
+            else None
+        )
         meta = str(self.meta_source) if self.meta_source is not None and vocab_size is None else None
         for name, ids in self._splits.items():
             check_ids(ids, split=name, vocab_size=self.vocab_size, dtype=self.dtype, source=str(path), meta=meta)
@@ -151,6 +159,11 @@ class TokenDataset:
         return splits
 
     @property
+    def has_loss_mask(self) -> bool:
+        """True for a sample file (unpacked samples with a loss mask), False for a flat token stream."""
+        return self.samples is not None
+
+    @property
     def splits(self) -> list[str]:
         """Names of the available splits."""
         return list(self._splits)
@@ -167,9 +180,16 @@ class TokenDataset:
     def carve_val(self, fraction: float, min_tokens: int) -> int:
         """Make a ``val`` split of the last ``fraction`` of ``train`` (at least ``min_tokens``) when the
         file has none, as nanoGPT files without ``val.bin`` need for evaluation; returns its token count
-        (0 when a val split exists)."""
+        (0 when a val split exists). A sample file carves whole samples (their token count is returned)."""
         if "val" in self._splits:
             return 0
+        if self.samples is not None:
+            self.samples.carve_val(fraction)
+            (first, cut), (_, end) = self.samples.ranges["train"], self.samples.ranges["val"]
+            offsets = self.samples.offsets
+            self._splits["train"] = self.tokens[int(offsets[first]) : int(offsets[cut])]
+            self._splits["val"] = self.tokens[int(offsets[cut]) : int(offsets[end])]
+            return len(self._splits["val"])
         train = self._splits["train"]
         n_val = max(int(len(train) * fraction), min_tokens)
         if 2 * n_val > len(train):

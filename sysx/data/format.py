@@ -145,7 +145,10 @@ class TokenWriter:
         if self.num_tokens == 0:
             self.abort()
             raise DataError(f"no tokens to write to {self.path}: the input corpus is empty")
-        splits = val_split(self.num_tokens, val_fraction)
+        return self._publish(val_split(self.num_tokens, val_fraction), source or {})
+
+    def _publish(self, splits: dict[str, list[int]], source: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """Close the tokens, publish them (companion files first) and then the metadata (``extra`` merged in)."""
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -158,12 +161,16 @@ class TokenWriter:
             "splits": splits,
             "sha256": self._sha.hexdigest(),
             "tokenizer": self.tokenizer,
-            "source": source or {},
-        }
+            "source": source,
+        } | extra
         meta_path_for(self.path).unlink(missing_ok=True)  # never pair a new .bin with stale metadata
+        self._publish_companions()
         os.replace(self._tmp, self.path)
         write_meta(self.path, meta)
         return meta
+
+    def _publish_companions(self) -> None:
+        """Files that belong with the tokens (a subclass's), moved into place before the tokens are."""
 
     def abort(self) -> None:
         """Drop the temp file; the destination is left as it was."""

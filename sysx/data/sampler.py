@@ -6,6 +6,8 @@ Every sequence of a step has a global row index
 (step, micro_batch, rank layout) gets the same tensors, a resumed run sees exactly the batches it
 would have seen, and a step's global batch is the same however it is cut into data-parallel ranks,
 micro-batches and rows (e.g. dp_size=2 x 2 micro-batches of 4 == dp_size=1 x 4 micro-batches of 4).
+A sample file (``dataset.has_loss_mask``) gives whole samples instead, one per row, in epochs of a
+seeded permutation (see :mod:`sysx.data.sample_batch`); it needs ``rows_per_step``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sysx.data.errors import DataError
+from sysx.data.sample_batch import check_samples_fit, sample_rows, step_samples
 
 if TYPE_CHECKING:
     import torch
@@ -76,8 +79,13 @@ def get_batch(
     dp_rank: int = 0,
     dp_size: int = 1,
     split: str = "train",
+    rows_per_step: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and labels (int64, ``[micro_batch_size, seq_len]``) of one micro-batch; labels = inputs shifted by one."""
+    """Inputs and labels (int64, ``[micro_batch_size, seq_len]``) of one micro-batch; labels = inputs shifted by one.
+
+    A sample file needs ``rows_per_step`` (rows of the step's global batch: micro_batch_size x micro-batches x
+    dp_size); its rows are whole samples, right-padded, with label -100 where nothing is trained. A token
+    stream ignores it."""
     import torch  # imported here so the data tools (`sysx data ...`) start without loading torch
 
     _check_args(
@@ -91,9 +99,44 @@ def get_batch(
     )
     tokens = dataset.split(split)
     first_row = (micro_batch * dp_size + dp_rank) * micro_batch_size
+    if dataset.has_loss_mask:
+        check_samples_fit(dataset, seq_len=seq_len, split=split)
+        samples = step_samples(
+            dataset,
+            seed=seed,
+            step=step,
+            first_row=first_row,
+            rows=micro_batch_size,
+            rows_per_step=rows_per_step,
+            split=split,
+            split_id=split_id(split),
+        )
+        inputs, labels = sample_rows(dataset, samples, seq_len)
+        return torch.from_numpy(inputs), torch.from_numpy(labels)
     offsets = sample_offsets(
         len(tokens), seed=seed, step=step, first_row=first_row, rows=micro_batch_size, seq_len=seq_len, split=split
     )
     windows = np.stack([np.asarray(tokens[o : o + seq_len + 1], dtype=np.int64) for o in offsets])
     data = torch.from_numpy(windows)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def step_trained_tokens(
+    dataset: TokenDataset, *, seed: int, step: int, rows_per_step: int, seq_len: int, split: str = "train"
+) -> int | None:
+    """Labels != -100 in ``step``'s whole global batch (rows ``0..rows_per_step-1``) of a sample file, from
+    its mask and offsets without building the rows; None for a token stream (there every label counts)."""
+    if dataset.samples is None:
+        return None
+    check_samples_fit(dataset, seq_len=seq_len, split=split)
+    samples = step_samples(
+        dataset,
+        seed=seed,
+        step=step,
+        first_row=0,
+        rows=rows_per_step,
+        rows_per_step=rows_per_step,
+        split=split,
+        split_id=split_id(split),
+    )
+    return int(dataset.samples.targets[samples].sum())
