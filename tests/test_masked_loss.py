@@ -53,7 +53,7 @@ def hf_loss(model_dir: Path, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
         return float(hf(input_ids=ids, labels=labels).loss)
 
 
-def _cfg(sft: dict[str, Path]):  # noqa: ANN202 - a SysxConfig
+def _cfg(sft: dict[str, Path]):  # -> SysxConfig (imported lazily)
     from sysx.config import DataSection, EvalSection, ModelSection, SysxConfig, TrainSection
 
     return SysxConfig(
@@ -89,7 +89,9 @@ def test_the_batches_are_masked_samples(sft: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("trainer", ["reference", "single", "single-chunked-loss"])
-def test_first_step_loss_equals_transformers(sft: dict[str, Path], trainer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_first_step_loss_equals_transformers(
+    sft: dict[str, Path], trainer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sysx.config import SingleSection
     from sysx.single.hardware import assumed_hardware
     from sysx.trainers.reference import ReferenceTrainer

@@ -74,8 +74,7 @@ class RankRuntime:
         self.replica_groups = ReplicaGroups.build(self.layout) if self.layout.replicas > 1 else None
         self.local_world_size = info.local_world_size
         self.dataset, self.seed, self.micro_batch_size, self.seq_len = dataset, seed, micro_batch_size, seq_len
-        self.rows_per_step = micro_batches * self.layout.replicas * micro_batch_size  # the global batch's rows
-        self.schedule, self.device, self.dtype = schedule, device, dtype
+        self.schedule, self.device, self.dtype, self.micro_batches = schedule, device, dtype, micro_batches
         self._closed = False
         with contextlib.ExitStack() as undo:
             self.params = StageParams(
@@ -146,6 +145,11 @@ class RankRuntime:
         return ParamSlots(
             schedule.options.param_buffers, slot_numel, dtype, device, layer_numels=numels, h2d=h2d, compute=compute
         )
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of a step's global batch (every replica's micro-batches)."""
+        return self.micro_batches * self.layout.replicas * self.micro_batch_size
 
     def _batch(self, step: int, mb: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch ``mb`` of ``step`` from ``split`` (the same on every rank of a replica; each

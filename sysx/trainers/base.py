@@ -49,7 +49,7 @@ VAL_CARVE_FRACTION = 0.01  # of a file without a val split, when eval.every > 0
 def open_dataset(cfg: SysxConfig, *, announce: bool = True) -> TokenDataset:
     """The token dataset of ``cfg.data``: the built-in stdlib corpus or ``data.path`` (ids checked on open).
     A file without a val split gets one carved from its end when ``eval.every > 0`` (``announce``: say so)."""
-    from sysx.data import TokenDataset, default_corpus_path
+    from sysx.data import TokenDataset, check_samples_fit, default_corpus_path
 
     if cfg.data.name == "default":
         return TokenDataset(default_corpus_path())
@@ -62,6 +62,9 @@ def open_dataset(cfg: SysxConfig, *, announce: bool = True) -> TokenDataset:
                 f"(eval.every={cfg.eval.every})",
                 flush=True,
             )
+    if dataset.has_loss_mask:  # samples are not packed or cut: every row must hold a whole one
+        for split in dataset.splits:
+            check_samples_fit(dataset, seq_len=cfg.train.seq_len, split=split)
     return dataset
 
 
