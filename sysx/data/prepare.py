@@ -1,6 +1,8 @@
 """``sysx data``: make token files from text (``prepare``), inspect them (``info``), build the default corpus.
 
 sysx data prepare --input FILES_OR_DIRS... --output out.bin [--tokenizer byte|tokenizer.json] [--val-fraction 0.01]
+sysx data prepare --input chats.jsonl|*.parquet|*.arrow|SAVED_DIR --output sft.bin --tokenizer HF_FOLDER
+    [--format auto|text|prompt-completion|chat] [--max-tokens N] [--seed 0]   (a sample file: see prepare_samples)
 sysx data info PATH [--dtype uint16 --vocab-size N] [--sample 200] [--check]
 sysx data default
 """
@@ -24,6 +26,10 @@ from sysx.data.corpus import ensure_default_corpus
 from sysx.data.dataset import TokenDataset
 from sysx.data.errors import DataError
 from sysx.data.format import TokenWriter, meta_path_for
+from sysx.data.packing import packing_line
+from sysx.data.prepare_samples import prepare_samples
+from sysx.data.row_samples import FORMATS, Fields
+from sysx.data.rows import is_row_input
 from sysx.data.tokenizer import ByteTokenizer, HFTokenizer, keep_tokenizer_files, load_tokenizer
 
 CHUNK_BYTES = 1 << 20  # text is read and tokenized in ~1 MiB pieces cut at line ends
@@ -203,11 +209,51 @@ def info(
                     f"{ds.path} does not match the sha256 in {ds.meta_source}: the file changed; rebuild it"
                 )
             lines.append("sha256:     ok")
+    if ds.has_loss_mask:
+        return "\n".join(lines + _sample_lines(ds, split, sample))
     ids = [int(i) for i in ds.split(split)[:sample]]
     tok = ds.tokenizer()
     body = tok.decode(ids) if tok is not None else f"(no tokenizer available; ids) {ids}"
     lines += [f"sample ({split}, first {len(ids)} tokens):", body]
     return "\n".join(lines)
+
+
+def _sample_lines(ds: TokenDataset, split: str, max_tokens: int) -> list[str]:
+    """A sample file's counts and its split's first sample decoded, the trained tokens between [[ ]]."""
+    index = ds.samples
+    assert index is not None
+    ds.split(split)  # the usual error for a missing split
+    first, end = index.split_range(split)
+    lengths = index.lengths
+    trained = int(ds.meta.get("trained_tokens", int(index.targets.sum())))
+    lines = [
+        f"samples:    {index.num_samples:,} ("
+        + ", ".join(f"{name} {b - a:,}" for name, (a, b) in index.ranges.items())
+        + f"); format {ds.meta.get('sample_format', '?')}, pad id {index.pad_id}",
+        f"trained:    {trained:,} of {len(ds):,} tokens ({trained / len(ds):.1%}) are loss targets",
+        f"length:     max {int(lengths.max()):,}, mean {float(lengths.mean()):.1f} tokens per sample",
+    ]
+    lines += [f"packing:    {packing_line(entry)}" for entry in ds.meta.get("packing", [])]
+    if first == end:
+        return [*lines, f"(split {split!r} has no samples)"]
+    start = int(index.offsets[first])
+    stop = min(int(index.offsets[first + 1]), start + max_tokens)
+    ids = [int(i) for i in ds.tokens[start:stop]]
+    bits = [int(b) for b in index.mask[start:stop]]
+    tok = ds.tokenizer()
+    if tok is None:
+        body = " ".join(f"[[{i}]]" if b else str(i) for i, b in zip(ids, bits, strict=True))
+    else:  # decode runs of equal mask bits, so the marks fall between tokens
+        runs, k = [], 0
+        while k < len(ids):
+            j = k
+            while j < len(ids) and bits[j] == bits[k]:
+                j += 1
+            text = tok.decode(ids[k:j])
+            runs.append(f"[[{text}]]" if bits[k] else text)
+            k = j
+        body = "".join(runs)
+    return [*lines, f"sample {first} ({split}, {stop - start} tokens; trained tokens between [[ ]]):", body]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -223,6 +269,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eos", default="auto", help="token appended after each file: auto | none | a token string")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    rows = p.add_argument_group("instruction data (JSONL, Parquet, Arrow, save_to_disk folders -> a sample file)")
+    rows.add_argument("--format", help=f"{' | '.join(FORMATS)} (default auto for those inputs)")
+    rows.add_argument("--text-field", default="text", help="column of a text row (every token trained)")
+    rows.add_argument("--prompt-field", default="prompt", help="column of a prompt (not trained)")
+    rows.add_argument("--completion-field", default="completion", help="column of a completion (trained)")
+    rows.add_argument("--messages-field", default="messages", help="column of chat messages [{role, content}]")
+    rows.add_argument("--max-tokens", type=int, help="samples longer than this are bad rows (over-long)")
+    rows.add_argument("--seed", type=int, default=0, help="seed of the shuffle deciding the val samples")
+    rows.add_argument(
+        "--seq-lens", help="comma list of seq_lens to measure packing at (default: the longest sample's, 2x, 4x)"
+    )
     i = sub.add_parser("info", help="print token count, dtype, vocab, splits and a decoded sample")
     i.add_argument("path", help="a .bin token file or a directory holding train.bin")
     i.add_argument("--dtype", choices=["uint16", "uint32"], help="for files without metadata")
@@ -234,6 +291,53 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seq_lens(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise DataError(f"--seq-lens {text!r} must be a comma list of positive ints, e.g. 512,1024,2048")
+    return values
+
+
+def _prepare_rows(args: argparse.Namespace) -> None:
+    """``sysx data prepare`` on instruction rows: the sample file, one line per bad-row kind, the summary."""
+    text_inputs = [i for i in args.input if not is_row_input(i)]
+    if text_inputs:
+        raise DataError(
+            f"--input {text_inputs[0]} is not JSONL, Parquet, Arrow or a save_to_disk folder; instruction data "
+            "(--format, .jsonl/.parquet/.arrow inputs) and text files are prepared by separate commands"
+        )
+    start = time.perf_counter()
+    fields = Fields(args.text_field, args.prompt_field, args.completion_field, args.messages_field)
+    meta, bad = prepare_samples(
+        args.input,
+        args.output,
+        tokenizer=args.tokenizer,
+        fmt=args.format or "auto",
+        fields=fields,
+        max_tokens=args.max_tokens,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        seq_lens=_seq_lens(args.seq_lens),
+        progress=not args.quiet,
+    )
+    for line in bad.lines():
+        print(f"sysx data: {line}", file=sys.stderr)
+    for entry in meta["packing"]:
+        print(f"packing at {packing_line(entry)}")
+    splits = ", ".join(f"{k} {b - a:,}" for k, (a, b) in meta["sample_splits"].items())
+    print(
+        f"wrote {args.output}: {meta['num_samples']:,} samples ({splits}), {meta['num_tokens']:,} tokens, "
+        f"{meta['trained_tokens']:,} trained ({meta['trained_tokens'] / meta['num_tokens']:.0%}; "
+        f"{meta['sample_format']}, longest {meta['max_sample_tokens']:,}) from {meta['source']['rows']:,} rows, "
+        f"{bad.total:,} bad, in {time.perf_counter() - start:.1f} s"
+    )
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``sysx data``."""
     try:
@@ -241,7 +345,9 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # argparse: --help or a usage error
         return int(exc.code or 0)
     try:
-        if args.cmd == "prepare":
+        if args.cmd == "prepare" and (args.format is not None or any(is_row_input(i) for i in args.input)):
+            _prepare_rows(args)
+        elif args.cmd == "prepare":
             start = time.perf_counter()
             meta = prepare(
                 args.input,

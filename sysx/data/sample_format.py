@@ -49,6 +49,9 @@ class SampleWriter(TokenWriter):
         self.trained_tokens = 0
         self.max_sample_tokens = 0
 
+    def __enter__(self) -> SampleWriter:
+        return self
+
     @property
     def num_samples(self) -> int:
         """Samples written so far."""
