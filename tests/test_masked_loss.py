@@ -1,7 +1,7 @@
 """The loss on instruction data (labels -100 outside the answers) is ``transformers``' loss, on every trainer.
 
 A chat set goes through ``sysx data prepare`` with the tiny HF model's chat template; the first step's
-loss of the reference, the single (sliding-window, rows cut into chunks of one) and a 2-rank pipeline
+loss of the reference, the single (sliding-window, rows cut into pieces of one) and a 2-rank pipeline
 equals ``LlamaForCausalLM(input_ids, labels=...)`` over the step's whole global batch: the mean over its
 trained tokens, not a mean of micro-batch means (:mod:`sysx.data.loss_weights`). The chunked loss is
 forced to several chunks per row too.
@@ -88,21 +88,22 @@ def test_the_batches_are_masked_samples(sft: dict[str, Path]) -> None:
         assert x.shape == y.shape == (MBS, SEQ)
 
 
-@pytest.mark.parametrize("trainer", ["reference", "single", "single-chunked-loss"])
+@pytest.mark.parametrize("trainer", ["reference", "single"])
 def test_first_step_loss_equals_transformers(
     sft: dict[str, Path], trainer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The reference computes the loss in one chunk per micro-batch; the single trainer in 7-token chunks
+    (~14 per row) over pieces of one row each, so neither the pieces nor the loss chunks are micro-batches."""
     from sysx.config import SingleSection
     from sysx.single.hardware import assumed_hardware
     from sysx.trainers.reference import ReferenceTrainer
     from sysx.trainers.single import SingleTrainer
 
-    if trainer == "single-chunked-loss":
-        monkeypatch.setattr("sysx.model.loss.LOSS_CHUNK_TOKENS", 7)  # ~14 chunks per row
     cfg = _cfg(sft)
     if trainer == "reference":
         t = ReferenceTrainer(cfg)
-    else:  # one row per chunk: the pieces are not the micro-batches
+    else:
+        monkeypatch.setattr("sysx.model.loss.LOSS_CHUNK_TOKENS", 7)
         t = SingleTrainer(
             cfg,
             single=SingleSection(window=1, micro_batch_size=1, print_plan=False),
