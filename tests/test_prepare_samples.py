@@ -100,16 +100,22 @@ def _expected_chat(tok: Any, messages: list[dict[str, str]]) -> tuple[list[int],
     return enc["input_ids"], mask
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow"])
 def test_chat_masks_are_the_assistant_tokens(sft_inputs: Path, tmp_path: Path, kind: str) -> None:
     from transformers import AutoTokenizer
 
     source = sft_inputs / "chat.jsonl"
-    if kind == "parquet":
+    if kind != "jsonl":
         import datasets
+        import pyarrow as pa
 
-        source = tmp_path / "chat.parquet"
-        datasets.load_dataset("json", data_files=str(sft_inputs / "chat.jsonl"), split="train").to_parquet(source)
+        rows = datasets.load_dataset("json", data_files=str(sft_inputs / "chat.jsonl"), split="train")
+        source = tmp_path / f"chat.{kind}"
+        if kind == "parquet":
+            rows.to_parquet(source)
+        else:
+            with pa.ipc.new_stream(str(source), rows.data.table.schema) as stream:
+                stream.write_table(rows.data.table)
     ds = _prepare(source, tmp_path / "sft.bin", sft_inputs / "tok", "--val-fraction", "0.1")
     tok = AutoTokenizer.from_pretrained(str(sft_inputs / "tok"))
     chats = [json.loads(line)["messages"] for line in (sft_inputs / "chat.jsonl").read_text().splitlines()]
@@ -247,6 +253,7 @@ BAD_INPUTS: list[tuple[str, list[Any] | None, list[str], list[str]]] = [
         ["no messages, prompt/completion or text column", "(body)", "--text-field"],
     ),
     ("missing file", None, [], ["input not found", "nope.jsonl"]),
+    ("broken JSON", [b'{"text": "a"}', b"{oops"], [], ["cannot read", "nope.jsonl with datasets: JSON parse error"]),
     ("answer first", [{"messages": [{"role": "assistant", "content": "hi"}]}], [], ["answer before any prompt"]),
     ("bad max-tokens", [{"text": "a"}], ["--max-tokens", "1"], ["--max-tokens must be >= 2", "got 1"]),
 ]
@@ -292,3 +299,29 @@ def test_seq_len_shorter_than_the_longest_sample_is_one_line(sft_inputs: Path, t
     check_samples_fit(ds, seq_len=longest - 1)
     x, _ = get_batch(ds, seed=0, step=0, micro_batch=0, micro_batch_size=1, seq_len=longest - 1, rows_per_step=1)
     assert x.dtype == torch.int64 and np.all(x.numpy() >= 0)
+
+
+STRICT_TEMPLATE = (  # ChatML that refuses unknown roles and, like reasoning templates, rewrites past answers
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\\n...<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_template_failures_are_bad_rows_of_their_own(sft_inputs: Path, tmp_path: Path) -> None:
+    shutil.copytree(sft_inputs / "tok", tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": STRICT_TEMPLATE}))
+    user, answer = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    chats = [[user, answer], [user, {"role": "tool", "content": "x"}, answer], [user, answer, user, answer]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    argv = ["prepare", "--input", str(tmp_path / "c.jsonl"), "--output", str(tmp_path / "o.bin"), "--quiet"]
+    rc, out, err = _run(*argv, "--tokenizer", str(tmp_path / "tok"))
+    assert rc == 0, err
+    assert err.splitlines() == [
+        "sysx data: 1 row skipped: template failure (first: row 2)",
+        "sysx data: 1 row skipped: template not prefix-stable (first: row 3)",
+    ]
+    assert "1 sample (train 1)" in out
