@@ -331,7 +331,7 @@ def _prepare_rows(args: argparse.Namespace) -> None:
         print(f"packing at {packing_line(entry)}")
     splits = ", ".join(f"{k} {b - a:,}" for k, (a, b) in meta["sample_splits"].items())
     print(
-        f"wrote {args.output}: {meta['num_samples']:,} samples ({splits}), {meta['num_tokens']:,} tokens, "
+        f"wrote {args.output}: {meta['num_samples']:,} sample{'s' * (meta['num_samples'] != 1)} ({splits}), {meta['num_tokens']:,} tokens, "
         f"{meta['trained_tokens']:,} trained ({meta['trained_tokens'] / meta['num_tokens']:.0%}; "
         f"{meta['sample_format']}, longest {meta['max_sample_tokens']:,}) from {meta['source']['rows']:,} rows, "
         f"{bad.total:,} bad, in {time.perf_counter() - start:.1f} s"

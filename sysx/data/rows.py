@@ -30,6 +30,9 @@ def is_row_input(path: str | Path) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first line of the innermost cause (datasets wraps pyarrow's "JSON parse error ... in row 1")."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -62,7 +65,7 @@ def load_rows(inputs: Sequence[str | Path]) -> Any:
     """One ``datasets.Dataset`` holding the rows of every input, in order."""
     datasets = import_finetune("datasets")
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach the user as our one line
     parts = [_load_one(Path(item).expanduser(), datasets) for item in inputs]
     if len(parts) == 1:
         return parts[0]
