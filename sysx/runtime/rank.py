@@ -146,6 +146,8 @@ class RankRuntime:
             schedule.options.param_buffers, slot_numel, dtype, device, layer_numels=numels, h2d=h2d, compute=compute
         )
 
+    eval_rows = 1  # rows of the evaluation in progress (set by loss_weights of the val split)
+
     @property
     def rows_per_step(self) -> int:
         """Rows of a step's global batch (every replica's micro-batches)."""
@@ -164,12 +166,15 @@ class RankRuntime:
             split=split,
             dp_rank=self.layout.replica,
             dp_size=self.layout.replicas,
-            rows_per_step=self.rows_per_step,
+            rows_per_step=self.rows_per_step if split == "train" else self.eval_rows,
         )
 
     def loss_weights(self, step: int, pieces: int, *, split: str = "train") -> LossWeights:
-        """How the ``pieces`` micro-batches of ``step`` (every replica's) add up to its loss."""
-        rows = self.rows_per_step if split == "train" else pieces * self.micro_batch_size
+        """How the ``pieces`` micro-batches of ``step`` (every replica's) add up to its loss; for the val
+        split ``pieces`` is the evaluation's micro-batches, whose rows its batches are cut from from now on."""
+        if split != "train":
+            self.eval_rows = pieces * self.micro_batch_size
+        rows = self.rows_per_step if split == "train" else self.eval_rows
         return LossWeights.of_step(
             self.dataset,
             pieces=pieces,

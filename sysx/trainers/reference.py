@@ -80,8 +80,11 @@ class ReferenceTrainer(Trainer):
         """Number of (distinct) parameters of the model."""
         return sum(p.numel() for p in self.params)
 
-    def batch(self, step: int, micro_batch: int, *, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of one micro-batch, on the trainer's device."""
+    def batch(
+        self, step: int, micro_batch: int, *, split: str = "train", rows_per_step: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of one micro-batch, on the trainer's device (``rows_per_step``: the rows the
+        micro-batches are cut from, by default a training step's)."""
         from sysx.data import get_batch
 
         t = self.cfg.train
@@ -93,7 +96,7 @@ class ReferenceTrainer(Trainer):
             micro_batch_size=t.micro_batch_size,
             seq_len=t.seq_len,
             split=split,
-            rows_per_step=t.micro_batches * t.micro_batch_size,
+            rows_per_step=rows_per_step or t.micro_batches * t.micro_batch_size,
         )
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -187,7 +190,8 @@ class ReferenceTrainer(Trainer):
         """Mean loss over ``batches`` micro-batches of the val split (the same batches every time)."""
         n = self.cfg.eval.batches if batches is None else batches
         share = self.loss_weights(0, n, split="val")
-        pieces = [self.batch(0, j, split="val") for j in range(n)]
+        rows = n * self.cfg.train.micro_batch_size
+        pieces = [self.batch(0, j, split="val", rows_per_step=rows) for j in range(n)]
         losses = [float(self.model.loss(x, y)) for x, y in pieces]
         return weighted_mean(losses, [share.weight(y) for _, y in pieces])
 

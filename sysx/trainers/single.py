@@ -184,9 +184,10 @@ class SingleTrainer(Trainer):
         return self.host.n_params
 
     def host_batch(
-        self, step: int, micro_batch: int, *, rows: int, split: str = "train"
+        self, step: int, micro_batch: int, *, rows: int, split: str = "train", rows_per_step: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``micro_batch`` of ``rows`` sequences, in host memory (global rows as the reference's)."""
+        """Micro-batch ``micro_batch`` of ``rows`` sequences, in host memory (global rows as the reference's;
+        ``rows_per_step``: the rows they are cut from, by default a training step's)."""
         from sysx.data import get_batch
 
         t = self.cfg.train
@@ -198,7 +199,7 @@ class SingleTrainer(Trainer):
             micro_batch_size=rows,
             seq_len=t.seq_len,
             split=split,
-            rows_per_step=t.micro_batches * t.micro_batch_size,
+            rows_per_step=rows_per_step or t.micro_batches * t.micro_batch_size,
         )
 
     def batch(
@@ -338,7 +339,7 @@ class SingleTrainer(Trainer):
         share = self.loss_weights(0, n, n * mbs, split="val")
         means, all_losses, all_weights = [], [], []
         for j in range(n):
-            x, y = self.host_batch(0, j, rows=mbs, split="val")
+            x, y = self.host_batch(0, j, rows=mbs, split="val", rows_per_step=n * mbs)
             all_weights += [share.weight(y[i : i + b]) for i in range(0, mbs, b)]
             x, y = x.to(self.device), y.to(self.device)
             pieces = [(x[i : i + b], y[i : i + b]) for i in range(0, mbs, b)]
