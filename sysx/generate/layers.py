@@ -47,14 +47,18 @@ def unit_shells(weights: PretrainedWeights, dtype: torch.dtype) -> HostLayers:
     return HostLayers(None, shells, [FlatLayout.from_modules([shell]) for shell in shells], [])
 
 
-def _unit_tensors(weights: PretrainedWeights, index: int) -> dict[str, torch.Tensor]:
-    """Flat layer ``index``'s tensors; the head of a tied model gets the embedding as its projection,
-    since a unit's buffer must hold all it computes with."""
-    tensors = dict(weights.layer(index))
+def _untied(weights: PretrainedWeights) -> PretrainedWeights:
+    """``weights`` whose head, in a tied model, carries the embedding as its own projection: a unit's
+    buffer must hold all the unit computes with."""
     cfg = weights.config
-    if cfg.tie_embeddings and index == cfg.n_layers + 1:
-        tensors[f"layers.{index}.lm_head.weight"] = weights.layer(0)["layers.0.weight"]
-    return tensors
+
+    def layer(index: int) -> dict[str, torch.Tensor]:
+        tensors = dict(weights.layer(index))
+        if cfg.tie_embeddings and index == cfg.n_layers + 1:
+            tensors[f"layers.{index}.lm_head.weight"] = weights.layer(0)["layers.0.weight"]
+        return tensors
+
+    return PretrainedWeights(weights.source, cfg, layer)
 
 
 def load_host_layers(weights: PretrainedWeights, host: HostLayers, buffers: HostBuffers) -> None:
@@ -64,10 +68,10 @@ def load_host_layers(weights: PretrainedWeights, host: HostLayers, buffers: Host
     pretrained_init(weights)(embedding, 0)
     assert isinstance(embedding, Embedding)  # flat layer 0
     host.embedding = embedding.requires_grad_(False)
+    init = pretrained_init(_untied(weights))
     for index, layout in enumerate(host.layouts, start=1):
-        layer = make_layer(weights.config, index, dtype=dtype)  # untied: a unit holds its own projection
-        tensors = _unit_tensors(weights, index)
-        pretrained_init(PretrainedWeights(weights.source, weights.config, lambda _, t=tensors: t))(layer, index)
+        layer = make_layer(weights.config, index, dtype=dtype)  # untied, as the shells are
+        init(layer, index)
         flat = buffers.empty(layout.numel, dtype)
         flat.copy_(layout.flatten([layer]))
         host.flats.append(flat)
@@ -124,7 +128,9 @@ class StreamedLayers:
         """Unit ``unit``'s module bound to its slot; it must be the next unit in pass order."""
         seq = self.used
         if seq % len(self.host.shells) != unit:
-            raise RuntimeError(f"StreamedLayers: unit {unit} asked for, the pass order says {seq % len(self.host.shells)}")
+            raise RuntimeError(
+                f"StreamedLayers: unit {unit} asked for, the pass order says {seq % len(self.host.shells)}"
+            )
         slot = self.ring.slot_of(seq)
         raw = self.ring.acquire(slot, seq, self.compute)
         layout, shell = self.host.layouts[unit], self.host.shells[unit]

@@ -69,7 +69,9 @@ def _auto_tokenizer(folder: Path) -> PromptTokenizer:
 def _sysx_tokenizer(path: Path) -> PromptTokenizer:
     tok = HFTokenizer(path)
     eos = tok.eos_id()
-    return PromptTokenizer(str(tok.path), tok.encode, lambda ids: tok.decode(list(ids)), None, () if eos is None else (eos,))
+    return PromptTokenizer(
+        str(tok.path), tok.encode, lambda ids: tok.decode(list(ids)), None, () if eos is None else (eos,)
+    )
 
 
 def load_prompt_tokenizer(spec: str) -> PromptTokenizer:
