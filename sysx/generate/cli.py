@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> list[int]:
     host, placement = plan(
         source.weights, dtype=req.dtype, prompt_len=len(req.prompt), positions=positions, budget=req.budget
     )
-    print(f"sysx generate: {source.where} on {req.device}, {req.dtype}: {placement.describe()}", file=sys.stderr)
+    dtype = str(req.dtype).removeprefix("torch.")
+    print(f"sysx generate: {source.where} on {req.device}, {dtype}: {placement.describe()}", file=sys.stderr)
     decoder = Decoder(source.weights, host, placement, device=req.device, positions=positions)
     sampler = Sampler(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     stream = TextStream(tok.decode)

@@ -28,6 +28,7 @@ from sysx.generate import GenerateError
 from sysx.model.hf import CONFIG_FILE
 from sysx.run_dir import CONFIG_FILE as RUN_CONFIG_FILE
 
+GENERATION_CONFIG_FILE = "generation_config.json"
 BYTE = "byte"  # the tokenizer spec of the byte-level default corpus
 
 
@@ -47,11 +48,14 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def _config_eos(folder: Path) -> tuple[int, ...]:
-    """``eos_token_id`` of a Hugging Face ``config.json`` (an int or a list), else none."""
-    eos = json.loads((folder / CONFIG_FILE).read_text()).get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    """``eos_token_id`` (an int or a list) of a Hugging Face folder's ``config.json`` and
+    ``generation_config.json`` (where instruct models name their end-of-turn tokens), else none."""
+    found: list[int] = []
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
+        if (folder / name).is_file():
+            eos = json.loads((folder / name).read_text()).get("eos_token_id")
+            found += [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+    return tuple(dict.fromkeys(found))
 
 
 def run_tokenizer(cfg: SysxConfig) -> str | None:
