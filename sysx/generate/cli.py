@@ -50,7 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="compute dtype (auto: as stored)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="compute dtype (auto: bf16 on a GPU, fp32 on CPU, as training's precision)",
+    )
     p.add_argument(
         "--device-memory-gb",
         type=float,
@@ -117,8 +122,7 @@ def _request(args: argparse.Namespace, tok: PromptTokenizer, source: ModelSource
         device = dev.resolve_device(args.device)
     except (ValueError, RuntimeError) as err:
         raise GenerateError(f"--device {args.device}: {err}") from None
-    stored = next(iter(source.weights.layer(0).values())).dtype
-    dtype = stored if args.dtype == "auto" else DTYPES[args.dtype]
+    dtype = DTYPES[dev.default_precision(device) if args.dtype == "auto" else args.dtype]
     budget = None if args.device_memory_gb is None else int(args.device_memory_gb * GiB)
     if budget is None and dev.is_cuda(device):
         budget = int(torch.cuda.mem_get_info(device)[0] * FREE_MEMORY_SHARE)
