@@ -202,6 +202,7 @@ BAD_INPUTS: list[tuple[str, list[str]]] = [
         "--model {tiny} --prompt x --device-memory-gb 0.0001",
         ["--device-memory-gb 0.0001", "KV cache", "give --device-memory-gb 0.000"],
     ),
+    ("--model {tiny} --prompt x --device nonsense", ["--device nonsense", "give auto, cpu, cuda or cuda:N"]),
     ("--model {tiny} --prompt x --device-memory-gb -2", ["--device-memory-gb -2.0", "> 0"]),
 ]
 

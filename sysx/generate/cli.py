@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sysx import device as dev
+from sysx.config.checks import first_line
 from sysx.generate import GenerateError
 from sysx.generate.decoder import Decoder, generate, plan
 from sysx.generate.placement import GiB
@@ -34,7 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sysx generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="sysx generate", description="sample from a model, streaming the reply to the terminal"
+    )
     p.add_argument(
         "--model", required=True, help="a Hugging Face Llama folder, a run directory, a checkpoint or a sysx model file"
     )
@@ -121,7 +124,7 @@ def _request(args: argparse.Namespace, tok: PromptTokenizer, source: ModelSource
     try:
         device = dev.resolve_device(args.device)
     except (ValueError, RuntimeError) as err:
-        raise GenerateError(f"--device {args.device}: {err}") from None
+        raise GenerateError(f"--device {args.device}: {first_line(err)}; give auto, cpu, cuda or cuda:N") from None
     dtype = DTYPES[dev.default_precision(device) if args.dtype == "auto" else args.dtype]
     budget = None if args.device_memory_gb is None else int(args.device_memory_gb * GiB)
     if budget is None and dev.is_cuda(device):
