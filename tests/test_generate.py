@@ -56,10 +56,10 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _generate(argv: list[str]) -> tuple[list[int], str, str]:
-    """New ids, stdout and stderr of ``sysx generate argv``."""
+    """New ids, stdout and stderr of ``sysx generate argv`` on the CPU in fp32 (as transformers runs here)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        ids = run(parse_args(argv))
+        ids = run(parse_args([*argv, "--device", "cpu", "--dtype", "fp32"]))
     return ids, out.getvalue(), err.getvalue()
 
 
