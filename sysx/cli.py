@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "shm": ("sysx.memory.cli", "list / clean this user's sysx shared-memory segments (stale = creator dead)"),
     "convert": ("sysx.checkpoint.convert", "convert model weights: sysx file <-> Hugging Face Llama directory"),
+    "generate": (
+        "sysx.generate.cli",
+        "sample from a checkpoint, run directory or Hugging Face folder: greedy/top-p, chat template, streamed",
+    ),
     "data": ("sysx.data.prepare", "token files: prepare from text, info, build the default corpus"),
     "train": ("sysx.train", "the training job, same as `sysx-train` (key=value overrides, --help)"),
 }

@@ -28,6 +28,7 @@ JOB_LAYER = (
     "sysx.plan_command",
     "sysx.plan_replicas",
     "sysx.sweep",
+    "sysx.generate",
 )
 # The planner sits above the engines it plans for.
 PLANNER = ("sysx.autotune",)
