@@ -72,7 +72,7 @@ def describe_run(cfg: SysxConfig, *, n_params: int, device: torch.device, extra:
         f"device={cfg.device if cfg.device == EMULATED_DEVICE else device} precision={cfg.precision} seed={cfg.seed}",
         f"  tokens/step {cfg.tokens_per_step} = {replicas}{t.micro_batches} micro-batches x {t.micro_batch_size} seqs x "
         f"{t.seq_len} tokens | steps {t.steps} | {o.name} lr {o.lr:g} (warmup {o.warmup_steps}, min {o.final_lr:g}) "
-        f"wd {o.weight_decay:g} clip {o.grad_clip:g}",
+        f"wd {o.weight_decay:g} ({'norms too' if o.decay_norms else 'not on norms'}) clip {o.grad_clip:g}",
         f"  run_dir {cfg.run_dir}",
     ]
     if extra:

@@ -120,6 +120,7 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("optim.betas=[2,0.9]", ["optim.betas=", "[0, 1)"]),
     ("optim.eps=0", ["optim.eps=0", "> 0"]),
     ("optim.weight_decay=-1", ["optim.weight_decay=-1", ">= 0"]),
+    ("optim.decay_norms=maybe", ["optim.decay_norms=maybe", "true or false"]),
     ("optim.warmup_steps=-1", ["optim.warmup_steps=-1", ">= 0"]),
     ("optim.min_lr=-1", ["optim.min_lr=-1", "between 0 and optim.lr"]),
     ("optim.grad_clip=-1", ["optim.grad_clip=-1", ">= 0"]),

@@ -47,10 +47,18 @@ def small_cfg(precision: str = "fp32", **train: int) -> SysxConfig:
 
 
 def hand_written_loop(cfg: SysxConfig, dataset: TokenDataset, steps: int) -> tuple[list[float], list[float], dict]:
-    """The plain torch loop the reference trainer must equal bit for bit in fp32."""
+    """The plain torch loop the reference trainer must equal bit for bit in fp32: AdamW with nanoGPT's
+    two parameter groups (matrices decayed, 1-D norm weights not; one group with optim.decay_norms)."""
     t, o = cfg.train, cfg.optim
     model = build_model(model_config(cfg), seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if o.decay_norms:
+        groups = [{"params": params, "weight_decay": o.weight_decay}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -84,6 +92,27 @@ def test_fp32_step_equals_a_hand_written_loop(dataset: TokenDataset) -> None:
     assert [r.step for r in results] == [0, 1, 2, 3]
     assert not any(r.skipped for r in results) and all(r.scale == 1.0 for r in results)
     assert all(r.tokens == cfg.tokens_per_step and r.step_time_s > 0 for r in results)
+
+
+def test_decay_norms_true_is_one_group_decaying_everything(dataset: TokenDataset) -> None:
+    """optim.decay_norms=true restores the old single AdamW group (the norm weights decayed too),
+    still equal to the hand-written loop; the default leaves the norm weights undecayed, so they differ."""
+    cfg = small_cfg()
+    cfg.optim.decay_norms = True
+    trainer = ReferenceTrainer(cfg, dataset=dataset)
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.1]
+    trainer.run(3)
+    _, _, params = hand_written_loop(cfg, dataset, 3)
+    state = trainer.state_dict()
+    for name, value in params.items():
+        assert torch.equal(state[name], value.detach()), name
+    default = ReferenceTrainer(small_cfg(), dataset=dataset)
+    no_decay = default.optimizer.param_groups[1]
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(no_decay["params"]) == 2 * cfg.model.n_layers + 1  # two RMSNorms per block, the head's
+    default.run(3)
+    norm = "layers.3.norm.weight"
+    assert not torch.equal(default.state_dict()[norm], state[norm])
 
 
 def test_gradient_clipping_matches_clip_grad_norm(dataset: TokenDataset) -> None:

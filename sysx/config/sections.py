@@ -211,7 +211,8 @@ class OptimSection:
     lr: float = 0.001  # peak learning rate, after warmup
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
     eps: float = 1e-8  # Adam's epsilon
-    weight_decay: float = 0.1  # decoupled weight decay, on every parameter
+    weight_decay: float = 0.1  # decoupled weight decay, on the weight matrices (optim.decay_norms for the 1-D ones)
+    decay_norms: bool = False  # true: decay the 1-D parameters (norm weights) too, sysx's old behaviour
     warmup_steps: int = 50  # linear warmup steps
     min_lr: float | None = None  # the cosine decay's floor (null: lr * min_lr_ratio, so it follows lr)
     min_lr_ratio: float = 0.1  # the floor as a fraction of lr when min_lr is null
@@ -236,6 +237,8 @@ class OptimSection:
         check_positive("optim.eps", self.eps)
         if self.weight_decay < 0:
             fail("optim.weight_decay", self.weight_decay, "must be >= 0")
+        if not isinstance(self.decay_norms, bool):
+            fail("optim.decay_norms", self.decay_norms, "must be true or false (true: decay the norm weights too)")
         check_int("optim.warmup_steps", self.warmup_steps, 0)
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             fail(

@@ -16,11 +16,13 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 from sysx.config.choices import OPTIM_BACKENDS, ROLLBACK_MODES
+from sysx.optim.decay import Ranges, check_ranges, decay_runs
 from sysx.optim.exact import ExactState
 from sysx.optim.formula import BetaPowers, Hyper, StepConstants, constants
 from sysx.optim.undo import Snapshot, UndoWorkspace, undo_chunk
@@ -105,7 +107,10 @@ def _check_flat(t: torch.Tensor, what: str, numel: int | None = None) -> None:
 
 
 class CpuAdam:
-    """AdamW (DeepSpeed's formula) over one flat contiguous fp32 host tensor, updated in place."""
+    """AdamW (DeepSpeed's formula) over one flat contiguous fp32 host tensor, updated in place.
+
+    ``no_decay``: sorted, disjoint ``(start, stop)`` element ranges stepped without weight decay
+    (the 1-D parameters, :mod:`sysx.optim.decay`); every other element is decayed."""
 
     def __init__(
         self,
@@ -117,8 +122,10 @@ class CpuAdam:
         weight_decay: float = 0.0,
         backend: str = "deepspeed",
         rollback: str = "undo",
+        no_decay: Sequence[tuple[int, int]] = (),
     ) -> None:
         _check_flat(param, "param")
+        self.no_decay: Ranges = check_ranges(no_decay, param.numel())
         if rollback not in ROLLBACK_MODES:
             raise ValueError(
                 f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACK_MODES)} (resolve "
@@ -147,6 +154,10 @@ class CpuAdam:
         self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
         self._snapshot = Snapshot(self.numel) if rollback == "snapshot" else None
         self._scratch = torch.empty(min(self._backend.chunk_elems, max(1, self.numel)), dtype=torch.float32)
+        # the backend's chunks cut at the no-decay edges, once: a step walks them, each with its own decay
+        self._runs = decay_runs(
+            self.numel, self._backend.chunk_elems, self.no_decay if self.hyper.weight_decay > 0 else ()
+        )
         self._stamp = 0  # counts step calls (any kind): tells a refresh whether a newer step came first
         self._undo_ws: UndoWorkspace | None = None  # allocated on the first undo
         self._last: tuple[StepConstants, float] | None = None  # constants of the last step, lr before it
@@ -216,15 +227,17 @@ class CpuAdam:
         else:
             lr_before = self.lr
         c = constants(self.step_count + 1, self.lr, self.hyper, self._powers)
+        plain = c.undecayed()
         g = grad.view(-1)
         save = self._snapshot if not final else None
 
         def in_place(state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
             p, m, v = state
-            for lo, hi in self._chunks():
+            for lo, hi, decays in self._runs:
                 if save is not None:
                     save.save(lo, hi, p[lo:hi], m[lo:hi], v[lo:hi])
-                self._backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._scratch[: hi - lo])
+                run_c = c if decays else plain
+                self._backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], run_c, self._scratch[: hi - lo])
 
         exact = self._exact
         if exact is None:
@@ -298,8 +311,10 @@ class CpuAdam:
             g = grad.view(-1)
             if self._undo_ws is None:
                 self._undo_ws = UndoWorkspace()
-            for lo, hi in self._chunks():
-                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, self._backend.direction_chunk, self._undo_ws)
+            plain = c.undecayed()
+            for lo, hi, decays in self._runs:
+                run_c = c if decays else plain
+                undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], run_c, self._backend.direction_chunk, self._undo_ws)
         self.step_count = c.step - 1
         self.lr = lr_before
         self._last = None
@@ -364,7 +379,8 @@ class CpuAdam:
         h = self.hyper
         return (
             f"CpuAdam(numel={self.numel}, backend={self.backend}, rollback={self.rollback}, lr={self.lr:g}, "
-            f"betas=({h.beta1}, {h.beta2}), eps={h.eps:g}, weight_decay={h.weight_decay:g}, step={self.step_count})"
+            f"betas=({h.beta1}, {h.beta2}), eps={h.eps:g}, weight_decay={h.weight_decay:g}, "
+            f"no_decay={len(self.no_decay)} ranges, step={self.step_count})"
         )
 
 

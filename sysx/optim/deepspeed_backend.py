@@ -255,9 +255,10 @@ class DeepSpeedBackend:
         c: StepConstants,
         scratch: torch.Tensor,
     ) -> None:
-        """One ``adam_update`` call on contiguous fp32 chunks (``scratch`` is unused)."""
+        """One ``adam_update`` call on contiguous fp32 chunks (``scratch`` is unused) with ``c``'s weight
+        decay: the op takes it per call, so a run of 1-D parameters passes 0 (:mod:`sysx.optim.decay`)."""
         h = self.hyper
-        self._op.adam_update(self._id, c.step, c.lr, h.beta1, h.beta2, h.eps, h.weight_decay, True, p, g, m, v)
+        self._op.adam_update(self._id, c.step, c.lr, h.beta1, h.beta2, h.eps, c.weight_decay, True, p, g, m, v)
 
     def direction_chunk(self, m: torch.Tensor, v: torch.Tensor, c: StepConstants, out: torch.Tensor) -> None:
         """``out = m / fma(sqrt(v), bc2, eps)`` rounded as the op's SIMD body rounds it: numpy's

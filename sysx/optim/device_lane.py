@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from sysx.optim.cpu_adam import CpuAdam
+from sysx.optim.decay import decay_runs
 from sysx.optim.torch_backend import CHUNK_ELEMS, TorchBackend
 
 
@@ -50,9 +51,11 @@ class DeviceLane:
         for dst, src in zip((g, p, m, v), host):
             dst.copy_(src, non_blocking=True)
         backend = TorchBackend(opt.hyper)
-        for lo in range(0, n, CHUNK_ELEMS):  # the host backend's chunks: the same rounding, element by element
-            hi = min(n, lo + CHUNK_ELEMS)
-            backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, scratch[lo:hi])
+        plain = c.undecayed()
+        # the torch backend's runs (its chunks cut at the no-decay edges): the same rounding, element by element
+        for lo, hi, decays in decay_runs(n, CHUNK_ELEMS, opt.no_decay):
+            run_c = c if decays else plain
+            backend.step_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], run_c, scratch[lo:hi])
         for dst, src in zip(host[1:], (p, m, v)):
             dst.copy_(src)  # blocking: the host state is current when this returns
         opt.state_written()  # rollback=exact: the spare set is stale now

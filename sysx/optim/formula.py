@@ -7,6 +7,7 @@ in numpy that the backends are checked against.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -54,6 +55,10 @@ class StepConstants:
     bias_correction2_inv: float  # 1 / sqrt(1 - b2^t)
     step_size: float  # -lr / (1 - b1^t)
     decay: float  # -lr * wd  (p <- p + decay * p)
+
+    def undecayed(self) -> StepConstants:
+        """The same step without weight decay (the runs of 1-D parameters, :mod:`sysx.optim.decay`)."""
+        return dataclasses.replace(self, weight_decay=0.0, decay=0.0)
 
 
 class BetaPowers:

@@ -41,6 +41,7 @@ class OptimSettings:
     threads_per_worker: int | None = None
     speculate: str = "auto"  # auto | always | never (sysx.optim.speculate); asynchronous schedules only
     speculate_after: int = SPECULATE_AFTER
+    decay_norms: bool = False  # True: weight decay on the 1-D parameters too (sysx.optim.decay)
 
     @classmethod
     def from_config(
@@ -59,6 +60,7 @@ class OptimSettings:
             workers=workers,
             speculate=section.speculate,
             speculate_after=section.speculate_after,
+            decay_norms=section.decay_norms,
         )
 
 
@@ -95,12 +97,20 @@ class StageOptimizer:
         grad_buffer: torch.Tensor | None = None,
         keep_grads: bool = True,
         param_spans: Sequence[tuple[int, int]] | None = None,
+        no_decay: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.name = name
         if target is None and rollback == "exact":
             target, master = master, master.detach().clone()  # see docs/architecture.md
         self.optimizer = CpuAdam(
-            master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, backend=backend, rollback=rollback
+            master,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            backend=backend,
+            rollback=rollback,
+            no_decay=no_decay,
         )
         n = self.optimizer.numel
         if target is not None and target.numel() != n:
@@ -138,8 +148,11 @@ class StageOptimizer:
         grad_buffer: torch.Tensor | None = None,
         keep_grads: bool = True,
         param_spans: Sequence[tuple[int, int]] | None = None,
+        no_decay: Sequence[tuple[int, int]] = (),
     ) -> StageOptimizer:
-        """A stage with ``settings``' hyper-parameters, backend and rollback; the rest as for the constructor."""
+        """A stage with ``settings``' hyper-parameters, backend and rollback; ``no_decay``: the ranges of
+        its 1-D parameters (:func:`sysx.optim.decay.no_decay_ranges`), decayed all the same when
+        ``settings.decay_norms``; the rest as for the constructor."""
         return cls(
             name,
             master,
@@ -153,6 +166,7 @@ class StageOptimizer:
             grad_buffer=grad_buffer,
             keep_grads=keep_grads,
             param_spans=param_spans,
+            no_decay=() if settings.decay_norms else no_decay,
         )
 
     @property

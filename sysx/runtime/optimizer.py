@@ -103,7 +103,12 @@ class RankOptimizer:
             )
             target = None if fp32 else params.shared[key]
             self.stages[key] = StageOptimizer.from_settings(
-                unit.key, params.masters[key], self.settings, target=target, grad_buffer=grad32
+                unit.key,
+                params.masters[key],
+                self.settings,
+                target=target,
+                grad_buffer=grad32,
+                no_decay=params.no_decay(unit),
             )
             self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
 
@@ -126,7 +131,12 @@ class RankOptimizer:
             target = None if fp32 else params.shared[key][cut.start : cut.stop]
             grad32 = landing[key][cut.start : cut.stop] if fp32 else torch.empty(len(cut), dtype=torch.float32)
             self.stages[key] = StageOptimizer.from_settings(
-                unit.key, params.masters[key], self.settings, target=target, grad_buffer=grad32
+                unit.key,
+                params.masters[key],
+                self.settings,
+                target=target,
+                grad_buffer=grad32,
+                no_decay=params.no_decay(unit),
             )
             self.reduced[key], self.host_grads[key] = grad32, landing[key]
         self._peers_landing = peers

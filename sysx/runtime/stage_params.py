@@ -21,6 +21,7 @@ from sysx.memory import HostMemoryPlan, SharedParamStore, StageSpec
 from sysx.memory.node_plan import UnitPlace, node_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
+from sysx.optim.decay import Ranges, no_decay_ranges, shard_ranges
 from sysx.optim.rollback_choice import choose_rollback
 from sysx.partition import unit_label
 from sysx.replicas import ReplicaLayout
@@ -125,6 +126,13 @@ class StageParams:
     def owned(self) -> list[SubStage]:
         """Sub-stages this rank owns, in backward execution order."""
         return [self.units[key] for key in self.order if self.units[key].owner == self.rank]
+
+    def no_decay(self, unit: SubStage) -> Ranges:
+        """The ranges of ``unit``'s 1-D parameters (norm weights) in this replica's shard of its flat
+        buffer: what its optimizer steps without weight decay (:mod:`sysx.optim.decay`)."""
+        shapes = [shape for i in unit.layers for _, shape in self.params_of_layer[i]]
+        cut = self.replica_layout.shard(unit.numel)
+        return shard_ranges(no_decay_ranges(shapes), cut.start, cut.stop)
 
     def _spec(self, unit: SubStage) -> StageSpec:
         mirrors = {unit.fwd_node} if unit.mirrored else set()

@@ -25,6 +25,7 @@ from sysx.memory.pinned import HostBuffers
 from sysx.model.config import ModelConfig
 from sysx.model.flat import FlatLayout
 from sysx.model.llama import LayerInit, LlamaModel, make_layer, seed_init, tie_embeddings
+from sysx.optim.decay import no_decay_ranges
 from sysx.optim.stage import OptimSettings, StageOptimizer
 
 
@@ -120,6 +121,7 @@ class HostState:
                 grad_buffer=grad if fp32 else None,
                 keep_grads=fp32,
                 param_spans=spans,
+                no_decay=no_decay_ranges(e.shape for e in layout.entries),
             )
             self.groups.append(HostGroup(name, indices, layout, work, grad, stage))
             del flat, modules

@@ -1,7 +1,8 @@
 """``schedule=reference``: a plain single-process PyTorch training loop, the correctness reference.
 
 Every other schedule is checked against it, so it does nothing clever: micro-batches, fp32 master
-gradients, global norm, loss scaler, clipping, ``torch.optim.AdamW``. Use it as a library:
+gradients, global norm, loss scaler, clipping, ``torch.optim.AdamW`` (two parameter groups:
+matrices decayed, 1-D parameters not, :mod:`sysx.optim.decay`). Use it as a library:
 ``ReferenceTrainer(cfg).run(steps)`` returns one :class:`StepResult` per step;
 :meth:`ReferenceTrainer.state_dict` gives the fp32 weights.
 """
@@ -22,6 +23,7 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.data.loss_weights import LossWeights, weighted_mean
 from sysx.metrics import StepResult
+from sysx.optim.decay import param_groups
 from sysx.trainers.base import Trainer, job_device, open_dataset
 from sysx.trainers.job import run_job
 
@@ -70,8 +72,12 @@ class ReferenceTrainer(Trainer):
         self._names = [name for name, _ in self.model.named_parameters()]
 
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.masters, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
+        self.optimizer = torch.optim.AdamW(  # matrices decayed, 1-D parameters not (optim.decay_norms)
+            param_groups(self.masters, o.weight_decay, o.decay_norms),
+            lr=o.lr,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
         )
 
     # ------------------------------------------------------------------------------------ pieces
