@@ -306,3 +306,22 @@ def test_a_gpus_peak_by_its_name(name: str, tflops: float | None) -> None:
 
 def test_the_wandb_env_fixture_keeps_wandb_out_of_home(wandb_env: None, tmp_path: Path) -> None:
     assert os.environ["WANDB_CONFIG_DIR"].startswith(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_only_rank_0_of_a_pipeline_writes_the_backends(tmp_path: Path) -> None:
+    from test_runtime_procs import LAUNCH_ARGS, launch
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "sysx.train", *LAUNCH_ARGS, "schedule=gpipe", f"run_dir={run}"]
+    argv += ["log.backends=[jsonl,tensorboard,wandb]", "log.wandb_mode=offline"]
+    home = tmp_path / "wandb-home"
+    done = launch(argv, 2, 2, timeout=100, WANDB_SILENT="true", WANDB_CONFIG_DIR=str(home), WANDB_CACHE_DIR=str(home))
+    assert [p.returncode for p in done] == [0, 0], done[1].stderr[-2000:]
+    assert len(list((run / "tensorboard").iterdir())) == 1  # one event file: rank 1 opened no writer
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 1
+    rows = read_metrics(run)
+    loss = read_tensorboard(run / "tensorboard")["train/loss"]
+    assert [s for s, _ in loss] == [r["step"] for r in rows] == [0, 1, 2]
+    assert [v for _, v in loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
