@@ -285,6 +285,18 @@ def test_compute_rate_on_an_emulated_gpu_uses_the_emulated_model_and_peak() -> N
     assert compute_rate(on_cpu, get_preset("tiny"), torch.device("cpu"), devices=1) is None
 
 
+def test_compute_rate_on_a_gpu_uses_the_job_model_and_the_gpus_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    cfg = load_config(["train.seq_len=64", "train.micro_batch_size=4", "train.micro_batches=3"])
+    model = get_preset("tiny")
+    rate = compute_rate(cfg, model, torch.device("cuda", 0), devices=1)
+    assert rate is not None and rate.peak_flops_per_s == 756e12
+    assert rate.flops_per_step == flops_per_token(model, 64) * 3 * 4 * 64
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU nobody listed")
+    unknown = compute_rate(cfg, model, torch.device("cuda", 0), devices=1)
+    assert unknown is not None and unknown.peak_flops_per_s is None  # TFLOP/s, but no MFU from a guess
+
+
 @pytest.mark.parametrize(
     "name,tflops",
     [
