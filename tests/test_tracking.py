@@ -218,6 +218,21 @@ def test_a_missing_package_is_one_line_naming_the_extra(
     assert not run.exists()  # refused before anything was written
 
 
+def test_wandb_online_without_a_login_is_one_line_naming_offline(
+    tmp_path: Path, wandb_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    args = [*TINY, f"run_dir={tmp_path / 'run'}", "train.steps=1", "log.backends=[wandb]", "log.wandb_mode=online"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sysx-train: error: log.backends contains wandb but wandb.init (online) failed: ")
+    assert "\n" not in err and err.endswith(
+        "set log.wandb_mode=offline to log without a network, or fix the W&B login (wandb login)"
+    )
+    assert not wandb_children()
+
+
 @pytest.mark.parametrize(
     "override,expect",
     [

@@ -86,8 +86,9 @@ class WandbBackend:
                 config=config,
             )
         except (wandb.errors.Error, OSError) as err:
+            wandb.teardown()  # the service it may have started
             raise ConfigError(
-                f"log.backends contains wandb but wandb.init ({self.mode}) failed: {first_line(err)}; "
+                f"log.backends contains wandb but wandb.init ({self.mode}) failed: {first_line(err).rstrip('.')}; "
                 "set log.wandb_mode=offline to log without a network, or fix the W&B login (wandb login)"
             ) from None
         (run_dir / RUN_ID_FILE).write_text(self._run.id + "\n", encoding="utf-8")
