@@ -1,9 +1,11 @@
 """Per-step metrics: :class:`StepResult` (what one optimizer step did), and :class:`RunLogger`, which
-writes them to ``run_dir/metrics.jsonl``, prints log lines or a progress bar, and the run's summary.
+turns each into one record and hands it to the metrics backends (:mod:`sysx.tracking`:
+``run_dir/metrics.jsonl`` by default, TensorBoard, W&B), prints log lines or a progress bar, and the
+run's summary.
 
-The logger runs on rank 0 (other ranks get a silent one) and flushes every line, so a crash loses
-nothing already logged. ``step`` is the 0-based index that also selects the step's data and
-learning rate; non-finite floats (the gradient norm of a skipped fp16 step) are written as ``null``.
+The logger runs on rank 0 (other ranks get a silent one) and every backend flushes each step, so a
+crash loses nothing already logged. ``step`` is the 0-based index that also selects the step's data
+and learning rate; non-finite floats (the gradient norm of a skipped fp16 step) are written as ``null``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -20,9 +23,10 @@ import torch
 
 from sysx import device as dev
 from sysx.memory.budget import fmt_bytes
+from sysx.tracking import METRICS_FILE, JsonlBackend, MetricsBackend
 
-METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+__all__ = ["METRICS_FILE", "SUMMARY_FILE", "ComputeRate", "RunLogger", "RunSummary", "StepResult", "fmt_count"]
 
 
 @dataclass
@@ -51,6 +55,20 @@ class StepResult:
     def tokens_per_s(self) -> float:
         """Training throughput of this step."""
         return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """What turns a step's time into TFLOP/s and MFU (PaLM's convention, :mod:`sysx.model.flops`:
+    recomputation is not counted). Given on a GPU and an emulated one only."""
+
+    flops_per_step: float  # training FLOPs of one optimizer step, all devices together
+    devices: int  # devices the step runs on (the TFLOP/s are per device)
+    peak_flops_per_s: float | None = None  # one device's dense 16-bit peak, when known (MFU's denominator)
+
+    def tflops(self, step_time_s: float) -> float:
+        """Achieved TFLOP/s of one device in a step of ``step_time_s``."""
+        return self.flops_per_step / step_time_s / self.devices / 1e12 if step_time_s > 0 else 0.0
 
 
 @dataclass
@@ -87,24 +105,10 @@ def _json_float(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _open_metrics(path: Path, first_step: int) -> IO[str]:
-    """``metrics.jsonl`` for appending: a fresh file, or for a run resumed at ``first_step`` the
-    earlier run's records of the steps before it (steps it did after its last checkpoint are redone)."""
-    kept: list[str] = []
-    if first_step > 0 and path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                if int(json.loads(line)["step"]) < first_step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by the crash that made the resume necessary
-    f = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - the logger holds it open and closes it
-    f.writelines(kept)
-    return f
-
-
 class RunLogger:
-    """Writes ``metrics.jsonl``, prints log lines / a progress bar, and the final summary (rank 0 only)."""
+    """Feeds each step's record to the metrics backends, prints log lines / a progress bar, and the
+    final summary (rank 0 only). It closes the backends on every way out: :meth:`close`, or leaving
+    its ``with`` block (then with ``failed=True`` when an exception, a stop included, goes through)."""
 
     def __init__(
         self,
@@ -118,10 +122,15 @@ class RunLogger:
         stream: IO[str] | None = None,
         first_step: int = 0,
         time_scale: float | None = None,
+        backends: Sequence[MetricsBackend] | None = None,
+        compute: ComputeRate | None = None,
     ) -> None:
         """``time_scale``: the step times are modelled seconds of an emulated device running this many
         times slower than modelled (``emulate.time_scale``); the run's total is then reported in
-        modelled seconds too, so the closing line never adds up seconds of two kinds."""
+        modelled seconds too, so the closing line never adds up seconds of two kinds.
+        ``backends``: open backends the logger writes and closes (:func:`sysx.tracking.open_backends`);
+        None: ``run_dir/metrics.jsonl`` alone (nothing without a ``run_dir``). ``compute``: adds
+        TFLOP/s and MFU to each record."""
         self.enabled = enabled
         self.time_scale = time_scale
         self.total_steps = total_steps
@@ -132,13 +141,17 @@ class RunLogger:
         self.notes: dict[str, Any] = {}
         self.sections: dict[str, Any] = {}
         self._start = time.perf_counter()
-        self._file: IO[str] | None = None
         self._bar: Any = None
+        self.compute = compute
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.backends: list[MetricsBackend] = list(backends) if backends is not None else []
+        self.places: list[str] = []
         if not enabled:
+            self._close_backends(failed=False)  # another rank's logger: it owns none
             return
-        if self.run_dir is not None:
-            self._file = _open_metrics(self.run_dir / METRICS_FILE, first_step)
+        if backends is None and self.run_dir is not None:
+            self.backends = [JsonlBackend(self.run_dir / METRICS_FILE, first_step)]
+        self.places = [backend.where for backend in self.backends]  # for the closing line
         if progress and self.stream.isatty():
             from tqdm import tqdm
 
@@ -156,20 +169,23 @@ class RunLogger:
         rec["peak_device_mem_bytes"] = dev.max_memory_allocated(self.device)
         rec["peak_host_rss_bytes"] = dev.host_peak_rss_bytes()
         rec["elapsed_s"] = time.perf_counter() - self._start
+        if self.compute is not None:
+            rec["tflops"] = self.compute.tflops(result.step_time_s)
+            if self.compute.peak_flops_per_s:
+                rec["mfu"] = rec["tflops"] * 1e12 / self.compute.peak_flops_per_s
         for optional in ("val_loss", "checkpoint_stall_s", "speculated", "rolled_back", "restepped", "opt_exposed_s"):
             if rec[optional] is None:
                 del rec[optional]
         return rec
 
     def log(self, result: StepResult) -> None:
-        """Log one step: a metrics.jsonl line, the progress bar, and a console line when due."""
+        """Log one step: its record to every backend, the progress bar, and a console line when due."""
         self.results.append(result)
         if not self.enabled:
             return
         rec = self.record(result)
-        if self._file is not None:
-            self._file.write(json.dumps(rec) + "\n")
-            self._file.flush()
+        for backend in self.backends:
+            backend.write(rec)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(f"loss {result.loss:.4f} {fmt_count(result.tokens_per_s)} tok/s", refresh=False)
@@ -196,6 +212,9 @@ class RunLogger:
             f"{fmt_count(rec['tokens_per_s'])} tok/s",
             f"{rec['step_time_s'] * 1000:.0f} ms/step",
         ]
+        if "tflops" in rec:
+            mfu = f" (MFU {rec['mfu']:.1%})" if "mfu" in rec else ""
+            parts.append(f"{rec['tflops']:.3g} TFLOP/s{mfu}")
         if dev.is_cuda(self.device):
             parts.append(f"dev mem {fmt_bytes(rec['peak_device_mem_bytes'])}")
         parts.append(f"host rss {fmt_bytes(rec['peak_host_rss_bytes'])}")
@@ -263,9 +282,7 @@ class RunLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_backends(failed=stopped is not None)
         if self.run_dir is not None:
             data = {k: _json_float(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
             data.update(self.sections)
@@ -279,7 +296,7 @@ class RunLogger:
         val = f" | val {s.last_val_loss:.4f}" if s.last_val_loss is not None else ""
         skipped = f" | {s.skipped_steps} skipped" if s.skipped_steps else ""
         mem = f" | peak dev mem {fmt_bytes(s.peak_device_mem_bytes)}" if dev.is_cuda(self.device) else ""
-        where = f" | {self.run_dir / METRICS_FILE}" if self.run_dir is not None else ""
+        where = "".join(f" | {place}" for place in self.places)
         clock = ""
         if s.clock != "wall":
             clock = f" {s.clock} (emulated: wall / emulate.time_scale {self.time_scale:g}; wall {s.wall_time_s:.1f} s)"
@@ -292,10 +309,20 @@ class RunLogger:
     def __enter__(self) -> RunLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _close_backends(self, *, failed: bool) -> None:
+        """Close every backend, each even if another fails (the first error goes up)."""
+        backends, self.backends = self.backends, []
+        errors = []
+        for backend in backends:
+            try:
+                backend.close(failed=failed)
+            except Exception as err:  # the others must close too
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_backends(failed=exc_type is not None)

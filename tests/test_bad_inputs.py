@@ -198,6 +198,10 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
     ("train.steps", ["'train.steps'", "key=value"]),
     ("--bogus", ["'--bogus'", "key=value"]),
     ("--cfg bad", ["--cfg bad", "--cfg job"]),
+    # metrics backends (a missing package: tests/test_tracking.py, which hides it)
+    ("log.backends=[jsonl,tb]", ["log.backends=[jsonl,tb]", "tb is unknown", "allowed: jsonl, tensorboard, wandb"]),
+    ("log.wandb_mode=cloud", ["log.wandb_mode=cloud", "allowed: auto, offline, online"]),
+    ("log.backends=tensorboard", ["log.backends=tensorboard", "a list of strings, e.g. [tensorboard]"]),
 ]
 
 CLI_CASES: list[tuple[str, list[str]]] = [

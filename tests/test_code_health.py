@@ -59,6 +59,7 @@ ENGINES = (
     "sysx.faults",
     "sysx.cachedir",
     "sysx.metrics",
+    "sysx.tracking",
 )
 # What the configuration may import besides itself: the model presets and shapes.
 CONFIG_MAY_IMPORT = ("sysx.config", "sysx.model")

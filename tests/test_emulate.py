@@ -358,3 +358,12 @@ def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> N
     assert summary["wall_time_s"] == pytest.approx(summary["total_time_s"] * 0.02)
     done = emulated.stdout.strip().splitlines()[-1]
     assert done.startswith("done: 3 steps") and " modelled (emulated: wall / emulate.time_scale 0.02" in done
+    # TFLOP/s per emulated GPU: llama2_7b's FLOPs of the step's 128 tokens over the modelled time and 2 GPUs;
+    # MFU against the emulated V100's 112 TFLOP/s peak (the CPU run has neither)
+    from sysx.model.flops import flops_per_token
+
+    step_flops = flops_per_token(get_preset("llama2_7b"), 16) * 4 * 2 * 16
+    for row in [json.loads(x) for x in (tmp_path / "emulated" / "metrics.jsonl").read_text().splitlines()]:
+        assert row["tflops"] == pytest.approx(step_flops / row["step_time_s"] / 2 / 1e12)
+        assert row["mfu"] == pytest.approx(row["tflops"] / 112)
+    assert "tflops" not in json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()[0])

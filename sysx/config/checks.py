@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,10 +16,23 @@ def fail(key: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"{key}={value} is not valid: {allowed}")
 
 
-def check_choice(key: str, value: Any, choices: Sequence[Any]) -> None:
-    """``value`` must be one of ``choices``."""
-    if value not in choices:
+def check_choice(key: str, value: Any, choices: Sequence[Any], *, item: Any = None) -> None:
+    """``value`` must be one of ``choices`` (``item``: check this element of a list ``value`` instead)."""
+    if item is not None and item not in choices:
+        fail(key, value, f"{item} is unknown; allowed: {', '.join(str(c) for c in choices)}")
+    if item is None and value not in choices:
         fail(key, value, f"allowed: {', '.join(str(c) for c in choices)}")
+
+
+def check_installed(what: str, module: str, extra: str) -> None:
+    """``module`` can be imported, else one line: ``{what} but the {module} package is not installed;
+    pip install 'sysx[{extra}]'``. Looks the module up without importing it (fast, no side effects)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or sys.modules[module] set to None
+        found = False
+    if not found:
+        raise ConfigError(f"{what} but the {module} package is not installed; pip install 'sysx[{extra}]'")
 
 
 def check_int(key: str, value: int, minimum: int) -> None:

@@ -20,6 +20,13 @@ ROLLBACKS = (*ROLLBACK_MODES, "auto")  # auto: exact when the host memory budget
 SPECULATE_MODES = ("auto", "always", "never")  # optim.speculate (sysx.optim.speculate)
 SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a vetoed one (sysx.optim.speculate)
 PLACEMENTS = ("auto", "cpu", "split")  # optim.placement: where Adam updates run (sysx.optim.placement)
+# log.backends (sysx.tracking): name -> (the module it imports, the pip extra that installs it); jsonl needs none
+LOG_BACKENDS: dict[str, tuple[str, str] | None] = {
+    "jsonl": None,
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+}
+WANDB_MODES = ("auto", "offline", "online")  # log.wandb_mode: auto = WANDB_MODE, else online with an API key
 
 # Schedules run by the multi-process runtime; gpipe and 1f1b place exactly one (whole) stage per rank.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "mobius", "sysx")
@@ -34,14 +41,15 @@ OVERLAPS = ("auto", "backward", "forward")  # single.optimizer_overlap
 # single.hardware presets: assumed figures for planning on machines we are not on, practical (not
 # peak) rates. PCIe 4.0 x16 ~ 25 GB/s per direction in practice, PCIe 5.0 x16 ~ 50 GB/s (AdaWS §4.1
 # measures ~64 on H100 with large pinned copies); matmul at ~60-70% of the dense bf16 peak.
+# peak_tflops: the datasheet's dense 16-bit tensor peak (fp32 accumulate), the MFU denominator of an emulated GPU.
 ASSUMED_HARDWARE: dict[str, dict[str, float]] = {
-    "rtx4090": dict(memory_gib=24, link_gbps=25, bidir_gbps=22, tflops=110, mem_gbps=900),
-    "rtx5090": dict(memory_gib=32, link_gbps=50, bidir_gbps=45, tflops=140, mem_gbps=1500),
-    "a100_80g": dict(memory_gib=80, link_gbps=25, bidir_gbps=22, tflops=200, mem_gbps=1600),
-    "h100": dict(memory_gib=80, link_gbps=50, bidir_gbps=45, tflops=600, mem_gbps=2800),
+    "rtx4090": dict(memory_gib=24, link_gbps=25, bidir_gbps=22, tflops=110, mem_gbps=900, peak_tflops=165),
+    "rtx5090": dict(memory_gib=32, link_gbps=50, bidir_gbps=45, tflops=140, mem_gbps=1500, peak_tflops=209.5),
+    "a100_80g": dict(memory_gib=80, link_gbps=25, bidir_gbps=22, tflops=200, mem_gbps=1600, peak_tflops=312),
+    "h100": dict(memory_gib=80, link_gbps=50, bidir_gbps=45, tflops=600, mem_gbps=2800, peak_tflops=989),
     # SysX paper's cluster (Table 1): V100 32 GB on PCIe Gen3 x16 (~12 GB/s each way in practice);
     # fp16 tensor cores, ~58% of the PCIe card's 112 TFLOP/s peak (no fused attention on Volta)
-    "v100": dict(memory_gib=32, link_gbps=12, bidir_gbps=10, tflops=65, mem_gbps=800),
+    "v100": dict(memory_gib=32, link_gbps=12, bidir_gbps=10, tflops=65, mem_gbps=800, peak_tflops=112),
 }
 # single.hardware: this machine (measured once and cached per machine; remeasure: measure it again), or a preset
 HARDWARE = ("measure", "remeasure", *ASSUMED_HARDWARE)

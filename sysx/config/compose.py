@@ -151,15 +151,18 @@ def _keys_of(path: str) -> list[str]:
     return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
 
 
-def _describe_type(path: str) -> str:
-    """What a key accepts, in words (``an integer``, ``a list of numbers``, ``a section: a, b``)."""
+def _describe_type(path: str, value: str = "") -> str:
+    """What a key accepts, in words (``an integer``, ``a list of numbers``, ``a section: a, b``);
+    a list of strings given one plain ``value`` gets that value in brackets as the example."""
     node = _schema_node(path)
     if dataclasses.is_dataclass(node):
         return f"a section with keys {', '.join(_keys_of(path))} (set them one by one, e.g. {path}.{_keys_of(path)[0]}=...)"
     words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     origin, args = get_origin(node), [a for a in get_args(node) if a is not type(None)]
     if origin is list and args:
-        return f"a list of {words.get(args[0], str(args[0])).split(' ', 1)[-1]}s, e.g. [0.9,0.95]"
+        plain = args[0] is str and value and not value.startswith("[")
+        example = f"[{value}]" if plain else "[0.9,0.95]"
+        return f"a list of {words.get(args[0], str(args[0])).split(' ', 1)[-1]}s, e.g. {example}"
     if origin is not None and len(args) == 1:  # Optional[X]
         return f"{words.get(args[0], str(args[0]))} or null"
     return words.get(node, "a valid value")
@@ -190,7 +193,7 @@ def _explain(err: BaseException, overrides: list[str]) -> str:
             return _unknown_key(key)
         if isinstance(cause, ValidationError):
             shown = re.sub(r"\[\d+\]$", "", key)
-            return f"{shown}={value} is not valid: expected {_describe_type(key)}"
+            return f"{shown}={value} is not valid: expected {_describe_type(key, str(value))}"
         return f"{key}={value}: {first_line(cause)}"
 
     match = re.search(r"Could not (?:override|append to config)[^']*'([^']+)'", str(err))

@@ -11,13 +11,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sysx.config.checks import ConfigError, check_choice, check_int, check_positive, fail, first_line
+from sysx.config.checks import (
+    ConfigError,
+    check_choice,
+    check_installed,
+    check_int,
+    check_positive,
+    fail,
+    first_line,
+)
 from sysx.config.choices import (
     ASSUMED_CPUS,
     ASSUMED_HARDWARE,
     ASSUMED_NETWORKS,
     DATA_SOURCES,
     HARDWARE,
+    LOG_BACKENDS,
     OPTIM_BACKENDS,
     OPTIMIZERS,
     OVERLAPS,
@@ -29,6 +38,7 @@ from sysx.config.choices import (
     SPECULATE_MODES,
     SYSX_CFGS,
     TOKEN_DTYPES,
+    WANDB_MODES,
 )
 
 if TYPE_CHECKING:
@@ -371,14 +381,31 @@ class LossScaleSection:
 
 @dataclass
 class LogSection:
-    """Console logging: a line every ``every`` steps; a progress bar on rank 0 when on a terminal."""
+    """Console logging: a line every ``every`` steps; a progress bar on rank 0 when on a terminal.
+    Every step's metrics go to each of ``backends`` (:mod:`sysx.tracking`), written by rank 0."""
 
-    every: int = 50  # print a line every N steps (metrics.jsonl gets every step)
+    every: int = 50  # print a line every N steps (the backends get every step)
     progress: bool = True  # progress bar on rank 0 when stdout is a terminal
+    # where each step's metrics go: jsonl (run_dir/metrics.jsonl), tensorboard (run_dir/tensorboard), wandb (run_dir/wandb)
+    backends: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "sysx"  # W&B project
+    wandb_name: str | None = None  # W&B run name (null: the run_dir's name)
+    wandb_mode: str = "auto"  # offline | online | auto (WANDB_MODE if set, else online with an API key, else offline)
 
     def validate(self) -> None:
-        """A line at least every step."""
+        """A line at least every step; known backends, each once, whose packages are installed."""
         check_int("log.every", self.every, 1)
+        shown = "[" + ",".join(self.backends) + "]"
+        for name in self.backends:
+            check_choice("log.backends", shown, list(LOG_BACKENDS), item=name)
+            if self.backends.count(name) > 1:
+                fail("log.backends", shown, f"{name} is given twice; name each backend once")
+            package = LOG_BACKENDS[name]
+            if package is not None:
+                check_installed(f"log.backends contains {name}", *package)
+        check_choice("log.wandb_mode", self.wandb_mode, WANDB_MODES)
+        if not self.wandb_project.strip():
+            fail("log.wandb_project", repr(self.wandb_project), "give a W&B project name")
 
 
 @dataclass

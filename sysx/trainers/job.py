@@ -12,6 +12,7 @@ ranks before this rank starts closing, so they stop at once instead of after ``s
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from sysx.config.choices import EMULATED_DEVICE
 from sysx.metrics import SUMMARY_FILE, RunLogger
 from sysx.run_dir import describe_run, prepare_run_dir
 from sysx.stopping import JobStopped
+from sysx.tracking import open_backends
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import JobCheckpoints
+from sysx.trainers.throughput import compute_rate
 
 
 def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
@@ -50,6 +53,12 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
                 describe_run(cfg, n_params=trainer.n_params, device=trainer.device, extra="\n  ".join(lines)),
                 flush=True,
             )
+        rate = compute_rate(cfg, trainer.model_cfg, trainer.device, devices=trainer.world)
+        backends = (  # last before the `with`, whose exit closes them
+            open_backends(cfg.log, run_dir, first_step=trainer.step_index, config=dataclasses.asdict(cfg))
+            if is_main
+            else []
+        )
         with RunLogger(
             run_dir if is_main else None,
             total_steps=cfg.train.steps,
@@ -59,6 +68,8 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             enabled=is_main,
             first_step=trainer.step_index,
             time_scale=cfg.emulate.time_scale if cfg.device == EMULATED_DEVICE else None,
+            backends=backends,
+            compute=rate,
         ) as logger:
             with stopping.deferring(cfg.checkpoint.on_signal):
                 trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
