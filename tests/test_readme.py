@@ -1,9 +1,8 @@
 """The README's commands run as a user types them (issue 24): every ```bash block is run as written,
 in a fresh folder, with the venv active (the README says later commands assume it), on this
 machine's CPU. A block that cannot run here is listed in SKIPPED with the reason, never dropped
-silently; the inputs a block names as the user's own (``my_texts/``, ``llama-dir/``) are made here,
-tiny. ``sysx-train`` and ``sysx`` lines run in this process (their ``main``, as the console scripts
-call it); launchers, scripts and ``python`` lines run as their own processes. The ``python`` block of
+silently; the inputs a block names as the user's own (``my_texts/``) are made here, tiny.
+``sysx-train`` and ``sysx`` lines run in this process (their ``main``, as the console scripts call it); launchers, scripts and ``python`` lines run as their own processes. The ``python`` block of
 the fine-tune section runs too. Launch scripts find the project's interpreter without an active venv.
 """
 
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_data import _word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -69,6 +67,8 @@ SKIPPED_LINES = {
     "NNODES=2 NODE_RANK=0 MASTER=node0:29533": "needs two machines with 4 GPUs each (node0 and node1)",
     "NNODES=2 NODE_RANK=1 MASTER=node0:29533": "needs two machines with 4 GPUs each (node0 and node1)",
     "sbatch --nodes=2 --gpus-per-node=4 launch/slurm.sbatch": "needs a Slurm cluster with GPUs",
+    "tensorboard --logdir runs/chat/tensorboard": "a server (it serves until Ctrl-C); "
+    "tests/test_tracking.py reads the event files back with TensorBoard's own reader",
     "NPROC=4 launch/torchrun.sh parallel.replicas=2": "a 4-rank job (about a minute on 2 busy cores); "
     "tests/test_runtime_procs.py::test_two_torchrun_nodes_on_localhost_and_mpirun runs 2 replicas x 2 ranks "
     "through mpirun.sh on one node, tests/test_replicas_procs.py the same layout against the reference",
@@ -160,25 +160,10 @@ def run_command(command: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]
 
 
 def user_files(cwd: Path) -> None:
-    """What the fine-tune section asks the user to bring: text, and a (here tiny) Llama folder."""
-    transformers = pytest.importorskip("transformers")
+    """What the Tools section asks the user to bring: text (the fine-tune section makes its own stand-ins)."""
     (cwd / "my_texts").mkdir()
     for i in range(3):
         (cwd / "my_texts" / f"{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 60}" for j in range(10_000)))
-    (cwd / "llama-dir").mkdir()
-    _word_tokenizer(cwd / "llama-dir" / "tokenizer.json", 60)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=0,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(cwd / "llama-dir")
 
 
 def test_every_block_is_run_or_skipped_with_a_reason() -> None:
@@ -195,7 +180,7 @@ def test_every_block_is_run_or_skipped_with_a_reason() -> None:
 def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
     cwd = tmp_path / "work"
     cwd.mkdir()
-    for tree in ("launch", "profiling"):  # the README runs them from the checkout's root
+    for tree in ("launch", "profiling", "examples"):  # the README runs them from the checkout's root
         (cwd / tree).symlink_to(ROOT / tree)
     user_files(cwd)
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE")}
@@ -214,7 +199,7 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
             timings.append(f"{time.perf_counter() - t0:6.1f} s  {command[:100]}")
             print(f"README test: {timings[-1]}", file=sys.stderr, flush=True)
             assert status == 0, f"README line {block.line}: `{command}` exited {status}\n{output}"
-    for block in blocks("python"):  # the fine-tune's generation, in its own process as a user runs it
+    for block in blocks("python"):  # the fine-tune's export in transformers, in its own process as a user runs it
         proc = subprocess.run(
             [sys.executable, "-c", block.text], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
         )
