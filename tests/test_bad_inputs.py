@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
-from sysx.data import TokenWriter
+from sysx.data import SampleWriter, TokenWriter
 
 SHM = Path("/dev/shm")
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,10 @@ TRAIN_CASES: list[tuple[str, list[str]]] = [
         ["data.dtype=uint32", "set data.dtype=uint16"],
     ),
     ("data.path={d}/raw/train.bin", ["data.path=", "add data=file"]),
+    (
+        "data=file data.path={d}/samples/chat.bin train.seq_len=16",
+        ["40 tokens", "train.seq_len=16", "set train.seq_len>=39", "--max-tokens 17"],
+    ),
     (
         "data=file data.path={d}/raw/train.bin data.dtype=uint16 data.vocab_size=100",
         ["data.vocab_size=100", "ids reach 240", "data.vocab_size=241"],
@@ -226,6 +230,10 @@ def _write_files(d: Path) -> None:
     ids.astype(np.uint32).tofile(d / "u32" / "train.bin")
     (d / "empty" / "train.bin").write_bytes(b"")
     ids[:101].tofile(d / "tiny" / "train.bin")  # 202 bytes: not a whole number of uint32 ids
+    with SampleWriter(d / "samples" / "chat.bin", vocab_size=256, tokenizer={"kind": "byte"}) as w:
+        for n in (12, 40, 9, 15):  # instruction samples; the longest (40 tokens) needs train.seq_len >= 39
+            w.write_sample(ids[:n], [0] * (n // 2) + [1] * (n - n // 2))
+        w.finish(val_fraction=0.25)
     for name in ("trunc", "badmeta", "corrupt"):
         with TokenWriter(d / name / "tokens.bin", vocab_size=256, tokenizer={"kind": "byte"}) as w:
             w.write(ids)
