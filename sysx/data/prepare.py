@@ -259,10 +259,22 @@ def _sample_lines(ds: TokenDataset, split: str, max_tokens: int) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sysx data", description="Token files: prepare, inspect, default corpus.")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{prepare,info,default}")
-    p = sub.add_parser("prepare", help="tokenize text files into a .bin token file (+ .meta.json)")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text files and/or directories")
+    p = sub.add_parser(
+        "prepare", help="tokenize text files, or instruction rows with a loss mask, into a .bin (+ .meta.json)"
+    )
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="text files and/or directories of them, or instruction rows: JSONL, Parquet, Arrow files, save_to_disk folders",
+    )
     p.add_argument("--output", required=True, metavar="OUT.bin", help="token file to write")
-    p.add_argument("--tokenizer", default="byte", help="`byte` (default) or a local tokenizer.json (or its directory)")
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="`byte` (default), a local tokenizer.json, or a model folder (its chat template renders chats)",
+    )
     p.add_argument("--val-fraction", type=float, default=0.01, help="last fraction of tokens kept as the val split")
     p.add_argument(
         "--glob", action="append", default=[], metavar="PATTERN", help="only files matching (repeatable), e.g. '*.txt'"
