@@ -34,7 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "sysx.generate.cli",
         "sample from a checkpoint, run directory or Hugging Face folder: greedy/top-p, chat template, streamed",
     ),
-    "data": ("sysx.data.prepare", "token files: prepare from text, info, build the default corpus"),
+    "data": (
+        "sysx.data.prepare",
+        "token files: prepare from text or instruction rows (loss mask), info, build the default corpus",
+    ),
     "train": ("sysx.train", "the training job, same as `sysx-train` (key=value overrides, --help)"),
 }
 
