@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sysx.data.sampler import step_trained_tokens
 from sysx.model.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -43,8 +44,6 @@ class LossWeights:
         split: str = "train",
     ) -> LossWeights:
         """The weights of ``step``'s ``pieces`` loss pieces (every replica's); reads only the data's loss mask."""
-        from sysx.data.sampler import step_trained_tokens
-
         trained = step_trained_tokens(
             dataset, seed=seed, step=step, rows_per_step=rows_per_step, seq_len=seq_len, split=split
         )

@@ -24,6 +24,7 @@ from sysx.checkpoint.saver import LayerSource
 from sysx.checkpoint.trainer_state import rng_state, set_rng_state
 from sysx.config import ConfigError, SysxConfig, to_yaml
 from sysx.config.choices import EMULATED_DEVICE
+from sysx.data.loss_weights import LossWeights
 from sysx.metrics import RunLogger, StepResult
 from sysx.model.llama import LayerInit, seed_init
 from sysx.rank_env import env_rank
@@ -232,6 +233,19 @@ class Trainer(ABC):
 
         o = self.cfg.optim
         return lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=self.cfg.train.steps, min_lr=o.final_lr)
+
+    def loss_weights(self, step: int, pieces: int, rows: int, *, split: str = "train") -> LossWeights:
+        """How ``pieces`` loss pieces over the first ``rows`` rows of ``step`` add up to its loss
+        (:mod:`sysx.data.loss_weights`)."""
+        return LossWeights.of_step(
+            self.dataset,
+            pieces=pieces,
+            seed=self.cfg.seed,
+            step=step,
+            rows_per_step=rows,
+            seq_len=self.cfg.train.seq_len,
+            split=split,
+        )
 
     @abstractmethod
     def train_step(self) -> StepResult:

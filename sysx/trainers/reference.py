@@ -21,7 +21,7 @@ from sysx import device as dev
 from sysx.checkpoint import Checkpoint, LayerState
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
-from sysx.data.loss_weights import LossWeights, weighted_mean
+from sysx.data.loss_weights import weighted_mean
 from sysx.metrics import StepResult
 from sysx.optim.decay import param_groups
 from sysx.trainers.base import Trainer, job_device, open_dataset
@@ -106,20 +106,6 @@ class ReferenceTrainer(Trainer):
         )
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def loss_weights(self, step: int, pieces: int, *, split: str = "train") -> LossWeights:
-        """How the ``pieces`` micro-batches of ``step`` add up to its loss (:mod:`sysx.data.loss_weights`)."""
-        t = self.cfg.train
-        rows = (t.micro_batches if split == "train" else pieces) * t.micro_batch_size
-        return LossWeights.of_step(
-            self.dataset,
-            pieces=pieces,
-            seed=self.cfg.seed,
-            step=step,
-            rows_per_step=rows,
-            seq_len=t.seq_len,
-            split=split,
-        )
-
     def _master_grads(self, scale: float) -> list[torch.Tensor]:
         """fp32, unscaled gradients attached to the master weights (fp32: the parameters' own)."""
         if self.masters is self.params:
@@ -146,7 +132,7 @@ class ReferenceTrainer(Trainer):
         for p in self.params:
             p.grad = None
         losses, weights = [], []
-        share = self.loss_weights(step, n_mb)
+        share = self.loss_weights(step, n_mb, n_mb * self.cfg.train.micro_batch_size)
         for j in range(n_mb):
             x, y = self.batch(step, j)
             loss = self.model.loss(x, y)
@@ -195,7 +181,7 @@ class ReferenceTrainer(Trainer):
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` micro-batches of the val split (the same batches every time)."""
         n = self.cfg.eval.batches if batches is None else batches
-        share = self.loss_weights(0, n, split="val")
+        share = self.loss_weights(0, n, n * self.cfg.train.micro_batch_size, split="val")
         rows = n * self.cfg.train.micro_batch_size
         pieces = [self.batch(0, j, split="val", rows_per_step=rows) for j in range(n)]
         losses = [float(self.model.loss(x, y)) for x, y in pieces]

@@ -20,7 +20,7 @@ from sysx import device as dev
 from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SingleSection, SysxConfig
-from sysx.data.loss_weights import LossWeights, weighted_mean
+from sysx.data.loss_weights import weighted_mean
 from sysx.device_memory import MemoryCap
 from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory import plan_host_memory
@@ -208,19 +208,6 @@ class SingleTrainer(Trainer):
         """:meth:`host_batch` on the device."""
         x, y = self.host_batch(step, micro_batch, rows=rows, split=split)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-    def loss_weights(self, step: int, pieces: int, rows: int, *, split: str = "train") -> LossWeights:
-        """How ``pieces`` loss pieces over the first ``rows`` rows of ``step`` add up to its loss."""
-        t = self.cfg.train
-        return LossWeights.of_step(
-            self.dataset,
-            pieces=pieces,
-            seed=self.cfg.seed,
-            step=step,
-            rows_per_step=rows,
-            seq_len=t.seq_len,
-            split=split,
-        )
 
     def _before_load(self, group: int) -> None:
         """Block until ``group``'s optimizer work is done (the executor names Embedding+Head ``-1``)."""
