@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sysx.data.errors import DataError
+from sysx.data.sample_tokenizer import load_sample_tokenizer
 from sysx.data.tokenizer import ByteTokenizer, HFTokenizer
 from sysx.generate import GenerateError
 from sysx.generate.source import BYTE
@@ -48,21 +49,19 @@ class PromptTokenizer:
 
 
 def _auto_tokenizer(folder: Path) -> PromptTokenizer:
-    from transformers import AutoTokenizer
-
-    tok: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    """The folder through ``transformers``, rendered exactly as ``sysx data prepare`` renders training chats."""
+    tok = load_sample_tokenizer(folder)
+    hf: Any = tok.hf  # a folder, never "byte": a transformers tokenizer
 
     def chat(messages: list[dict[str, str]]) -> list[int]:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tok(text, add_special_tokens=False)["input_ids"])  # the template wrote the special tokens
+        return tok.render_chat(list(messages), add_generation_prompt=True)
 
-    eos = tok.eos_token_id
     return PromptTokenizer(
         name=str(folder),
-        encode=lambda text: list(tok(text)["input_ids"]),
-        decode=lambda ids: str(tok.decode(list(ids), skip_special_tokens=True)),
-        chat=chat if getattr(tok, "chat_template", None) else None,
-        eos_ids=() if eos is None else (int(eos),),
+        encode=lambda text: tok.encode(text, first=True),
+        decode=lambda ids: str(hf.decode(list(ids), skip_special_tokens=True)),
+        chat=chat if tok.has_chat_template else None,
+        eos_ids=() if tok.eos_id is None else (int(tok.eos_id),),
     )
 
 
