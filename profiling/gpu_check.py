@@ -21,6 +21,7 @@ import torch
 GiB = 1 << 30
 SCHEDULES = ("sysx", "gpipe", "single")
 ONE_B = [
+    "model.max_seq_len=2048",
     "model.dim=2048",
     "model.n_layers=16",
     "model.n_heads=16",
@@ -85,7 +86,10 @@ def check_losses(cuda: bool) -> None:
                 timeout=240,
             )
             if proc.returncode != 0:
-                print(f"FAIL losses {device} {schedule}: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+                # the sanitizer's report comes first; an error while closing can end the output
+                lines = proc.stderr.strip().splitlines()
+                first = [ln for ln in lines if "CSAN detected" in ln][:1]
+                print(f"FAIL losses {device} {schedule}: {first + lines[-1:]}", flush=True)
                 continue
             runs[device] = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"losses {device} {schedule}: {runs[device]}", flush=True)

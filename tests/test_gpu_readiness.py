@@ -301,6 +301,25 @@ def test_optimizer_workers_set_the_cuda_device_in_their_initialiser(monkeypatch:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert worker_device(None) == torch.device("cuda", 3)
+    # "cuda" without an index (device=cuda handed straight to a trainer): torch.cuda.set_device
+    # refuses it in the worker's initialiser, which broke every optimizer job on the first GPU run
+    assert worker_device("cuda") == torch.device("cuda", 3)
+
+
+def test_a_closed_stage_optimizer_lets_its_page_locked_buffers_go() -> None:
+    """CPU twin of the first GPU run's gpipe failure: the pipeline's host gradient buffers are
+    mapped (page-locked) only with CUDA, and a stage optimizer still held by a worker pool's table
+    after close() kept a view of one, so unmapping raised LiveViewsError."""
+    from sysx.memory.pinned import PinnedStaging
+    from sysx.optim.stage import StageOptimizer
+
+    staging = PinnedStaging(8 * 4, label="grad buffer", pin=False)  # the same mapping, unpinned
+    stage = StageOptimizer("s0", torch.zeros(8), lr=1e-3, backend="torch", grad_buffer=staging.view(torch.float32, 8))
+    still_held = {"s0": stage}
+    stage.load_grads(torch.ones(8), scale=1.0)
+    stage.close()
+    staging.close()  # raised LiveViewsError before close() dropped the views
+    assert staging.closed and still_held
 
 
 # ---------------------------------------------------------------------------------- item 12
@@ -494,3 +513,22 @@ def test_gpu_check_runs_reduced_on_cpu_and_says_what_it_skipped(tmp_path: Path) 
     log = (tmp_path / "gpu_check.log").read_text()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SKIP (no CUDA)" in log and "losses cpu" in log and "gpu_check: done" in log
+
+
+def test_parameter_slots_are_ordered_before_their_first_load() -> None:
+    """CPU twin of the CUDA sanitizer's report on the first GPU run (gpipe on an H200): the slots are
+    allocated on the current stream and first written by the h2d stream, which must wait for it."""
+    from sysx import device as dev
+    from sysx.runtime.buffers import ParamSlots
+
+    waited: list[dev.Stream] = []
+
+    class Recording(dev.Stream):
+        def wait_stream(self, other: dev.Stream) -> None:
+            waited.append(other)
+
+    h2d = Recording(torch.device("cpu"))
+    ParamSlots(
+        2, 8, torch.float32, torch.device("cpu"), layer_numels=[8], h2d=h2d, compute=dev.Stream(torch.device("cpu"))
+    )
+    assert len(waited) == 1

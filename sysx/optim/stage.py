@@ -283,8 +283,12 @@ class StageOptimizer:
         self.stepped = False
 
     def close(self) -> None:
-        """Release the optimizer backend."""
+        """Release the optimizer backend and let go of the gradient and target views, so the
+        buffers they view (page-locked or shared memory) can be unmapped even while something
+        still holds this object (a worker pool's or a protocol's stage table)."""
         self.optimizer.close()
+        self._buffer = self.grad32 = self._source = self.target = None
+        self.param_norms = []
 
 
 def now() -> float:

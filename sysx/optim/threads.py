@@ -35,7 +35,10 @@ def worker_device(device: torch.device | str | None) -> torch.device | None:
     touch CUDA, so a GPU machine's CPU job creates no context)."""
     if device is not None:
         device = torch.device(device)
-        return device if device.type == "cuda" else None
+        if device.type != "cuda":
+            return None
+        # "cuda" names no index: torch.cuda.set_device refuses it, so take the creating thread's
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return None

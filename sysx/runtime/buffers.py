@@ -52,6 +52,9 @@ class ParamSlots:
             raise ValueError(f"ParamSlots: n={n} must be >= 1")
         self.device = torch.device(device)
         self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device)) for i in range(n)]
+        # allocated on the current stream, first written by h2d: order the two once (the CUDA
+        # sanitizer flagged the first load of a gpipe run on an H200 without it)
+        h2d.wait_stream(dev.current_stream(self.device))
         self.offsets = [0]
         for x in layer_numels:
             self.offsets.append(self.offsets[-1] + x)

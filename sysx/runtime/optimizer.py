@@ -282,6 +282,7 @@ class RankOptimizer:
         self.stages.clear()
         self.host_grads.clear()
         self.reduced.clear()
+        self.outcome = None  # a synchronous step's outcome holds the loaded gradients
         self._peers_landing = None
         if self.reducer is not None:  # a failed start: the reducer thread was started
             self.reducer.close()

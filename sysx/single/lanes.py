@@ -52,7 +52,13 @@ def window_rates(
     ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
     from sysx.machine.adam_rate import adam_params_per_s
 
-    per_worker = cpu_params_per_s or adam_params_per_s(threads=torch.get_num_threads(), backend=backend) / workers
+    per_worker = cpu_params_per_s
+    if per_worker is None:
+        # timed on a block-sized tensor (up to 16M elements): on 1M elements 16 OpenMP threads spend
+        # the step starting up, which measured 0.13 G params/s on an H200 host that steps a block at
+        # 3.9 G/s and sent every group to the device lane there (profiling/RESULTS.md, first GPU run)
+        numel = min(max(plan.sizes.block_params, 1 << 20), 1 << 24)
+        per_worker = adam_params_per_s(numel, threads=torch.get_num_threads(), backend=backend) / workers
     return LaneRates(
         cpu_params_per_s=per_worker,
         cpu_workers=workers,
