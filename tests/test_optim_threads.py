@@ -192,3 +192,30 @@ def test_core_plan_reads_launcher_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("LOCAL_RANK", "1")
     plan = plan_cores(n_stages=3)
     assert (plan.local_rank, plan.local_world_size) == (1, 2)
+
+
+def test_per_job_gradients_reuse_the_scratch_pool() -> None:
+    """16-bit groups convert per job (keep_grads=False) into a shared pool, not a fresh block-sized
+    tensor each time (a fresh mmap page-faults in again: 8x slower to fill on the CPU machine);
+    the steps are the same as with fresh tensors, and a pool lent out falls back to temporaries."""
+    from sysx.optim.scratch import ScratchPool
+
+    n, steps = 1000, 3
+    pool = ScratchPool(n, 2)
+    pooled = [_stage(f"s{i}", n - i, seed=i, keep_grads=False, scratch=pool) for i in range(4)]
+    plain = [_stage(f"s{i}", n - i, seed=i, keep_grads=False) for i in range(4)]
+    grads = [torch.randn(n - i, generator=torch.Generator().manual_seed(10 + i)).bfloat16() for i in range(4)]
+    for stages in (pooled, plain):
+        with OptimizerThreads(stages, workers=2, threads_per_worker=1) as threads:
+            for _ in range(steps):
+                for s, g in zip(stages, grads):
+                    threads.submit_step(s.name, g, Event(torch.device("cpu")).record(), scale=1.0, lr=1e-3)
+                threads.wait()
+    assert all(torch.equal(a.master, b.master) and torch.equal(a.target, b.target) for a, b in zip(pooled, plain))
+    assert pool.lent == 0 and pool._made <= 2  # every job gave its buffer back; never more than the pool holds
+    held = [pool.take(n), pool.take(n)]
+    extra = pool.take(n)  # all lent: a temporary, not a third pooled buffer
+    pool.give(extra)
+    assert pool._made == 2 and pool.lent == 2 and extra.data_ptr() not in {t.data_ptr() for t in held}
+    for s in pooled + plain:
+        s.close()

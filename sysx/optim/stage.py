@@ -18,6 +18,7 @@ import torch
 
 from sysx.config.choices import SPECULATE_AFTER
 from sysx.optim.cpu_adam import CpuAdam
+from sysx.optim.scratch import ScratchPool
 
 if TYPE_CHECKING:
     from sysx.config.sections import OptimSection
@@ -98,6 +99,7 @@ class StageOptimizer:
         keep_grads: bool = True,
         param_spans: Sequence[tuple[int, int]] | None = None,
         no_decay: Sequence[tuple[int, int]] = (),
+        scratch: ScratchPool | None = None,
     ) -> None:
         self.name = name
         if target is None and rollback == "exact":
@@ -129,6 +131,7 @@ class StageOptimizer:
         ):
             raise ValueError(f"stage {name}: grad_buffer must be a contiguous fp32 tensor of {n} elements")
         self._buffer = grad_buffer.view(-1) if grad_buffer is not None else None
+        self._scratch = scratch  # where the per-job fp32 gradients come from (None: fresh tensors)
         self.grad32: torch.Tensor | None = self._buffer  # the fp32 unscaled gradients while they exist
         self.param_spans = tuple(param_spans) if param_spans is not None else None
         self.param_norms: list[torch.Tensor] = []  # fp32 norm per span, from the last load_grads
@@ -149,6 +152,7 @@ class StageOptimizer:
         keep_grads: bool = True,
         param_spans: Sequence[tuple[int, int]] | None = None,
         no_decay: Sequence[tuple[int, int]] = (),
+        scratch: ScratchPool | None = None,
     ) -> StageOptimizer:
         """A stage with ``settings``' hyper-parameters, backend and rollback; ``no_decay``: the ranges of
         its 1-D parameters (:func:`sysx.optim.decay.no_decay_ranges`), decayed all the same when
@@ -167,6 +171,7 @@ class StageOptimizer:
             keep_grads=keep_grads,
             param_spans=param_spans,
             no_decay=() if settings.decay_norms else no_decay,
+            scratch=scratch,
         )
 
     @property
@@ -193,7 +198,10 @@ class StageOptimizer:
         if grads.device.type != "cpu":
             raise ValueError(f"stage {self.name}: gradients are on {grads.device}; copy them to the host first")
         self._source, self._scale, self._coef = grads.reshape(-1), scale, 1.0
-        self.grad32 = self._buffer if self._buffer is not None else torch.empty(self.numel, dtype=torch.float32)
+        if self._buffer is not None:
+            self.grad32 = self._buffer
+        elif self.grad32 is None:
+            self.grad32 = self._temporary()
         sq = self._convert(self.grad32, fp64_norm=self.param_spans is None)
         if self.param_spans is not None:
             self.param_norms = [torch.linalg.vector_norm(self.grad32[lo : lo + n]) for lo, n in self.param_spans]
@@ -222,13 +230,21 @@ class StageOptimizer:
     def _grads(self) -> torch.Tensor:
         """The fp32 gradients of this iteration, converted again when they were dropped."""
         if self.grad32 is None:
-            self.grad32 = torch.empty(self.numel, dtype=torch.float32)
+            self.grad32 = self._temporary()
             self._convert(self.grad32, fp64_norm=False)
         return self.grad32
 
+    def _temporary(self) -> torch.Tensor:
+        """Room for this job's fp32 gradients (``keep_grads=False``): lent by the scratch pool."""
+        if self._scratch is not None:
+            return self._scratch.take(self.numel)
+        return torch.empty(self.numel, dtype=torch.float32)
+
     def drop_grads(self) -> None:
         """Free the fp32 gradients when they are a temporary (``keep_grads=False``)."""
-        if self._buffer is None:
+        if self._buffer is None and self.grad32 is not None:
+            if self._scratch is not None:
+                self._scratch.give(self.grad32)
             self.grad32 = None
 
     def apply(self, lr: float, *, final: bool = False) -> None:

@@ -8,7 +8,7 @@ sends gradients home into. Buffers the device copies to or from are page-locked 
 size when CUDA is present (:class:`sysx.memory.pinned.HostBuffers`).
 
 The optimizer keeps no fp32 gradient buffer for 16-bit groups (``keep_grads=False``: converted
-per job) and takes one fp32 norm per parameter (``param_spans``), so :meth:`HostState.grad_norm`
+per job into buffers of a :class:`sysx.optim.scratch.ScratchPool` the groups share) and takes one fp32 norm per parameter (``param_spans``), so :meth:`HostState.grad_norm`
 stacks them in the reference trainer's ``model.parameters()`` order.
 """
 
@@ -26,7 +26,10 @@ from sysx.model.config import ModelConfig
 from sysx.model.flat import FlatLayout
 from sysx.model.llama import LayerInit, LlamaModel, make_layer, seed_init, tie_embeddings
 from sysx.optim.decay import no_decay_ranges
+from sysx.optim.scratch import ScratchPool
 from sysx.optim.stage import OptimSettings, StageOptimizer
+from sysx.single.plan_request import ModelSizes
+from sysx.single.planner import GRAD_SCRATCH_BUFFERS
 
 
 @dataclass
@@ -103,6 +106,13 @@ class HostState:
         ]
         members.append(("embedding+head", (0, cfg.n_layers + 1), lambda: _static_layers(cfg, init, model)))
         fp32 = dtype == torch.float32
+        self.scratch: ScratchPool | None = None
+        if not fp32:
+            sizes = ModelSizes.of(cfg)
+            largest = max(sizes.block_params, sizes.static_params)
+            self.scratch = ScratchPool(
+                largest, GRAD_SCRATCH_BUFFERS, alloc=lambda n: self.buffers.empty(n, torch.float32)
+            )
         for name, indices, build in members:
             modules = build()
             layout = FlatLayout.from_modules(modules)
@@ -122,6 +132,7 @@ class HostState:
                 keep_grads=fp32,
                 param_spans=spans,
                 no_decay=no_decay_ranges(e.shape for e in layout.entries),
+                scratch=self.scratch,
             )
             self.groups.append(HostGroup(name, indices, layout, work, grad, stage))
             del flat, modules

@@ -84,11 +84,16 @@ def _fit(
     return _Fit(round_seqs, table.chunk, int(window), table, static, per_block, slot_level)
 
 
+# 16-bit groups convert their gradients to fp32 per optimizer job into buffers of the largest group,
+# one per job in flight: the two optimizer workers and the trainer's thread (the device lane)
+GRAD_SCRATCH_BUFFERS = 3
+
+
 def _host_fixed(req: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
     n = sizes.total_params
     out = {name: per * n for name, per in training_state_bytes(req.dtype, grad_dtype=req.dtype).rows().items()}
     if req.precision != "fp32":
-        out["fp32 grad scratch"] = 4 * max(sizes.block_params, sizes.static_params) * 2
+        out["fp32 grad scratch"] = 4 * max(sizes.block_params, sizes.static_params) * GRAD_SCRATCH_BUFFERS
     return out
 
 
