@@ -42,8 +42,11 @@ def predict(
     tl = simulate(schedule, table, record=False, gpus_per_node=gpus_per_node)
     if memory == GPU:
         peak = max(tl.peak_gpu)
-    elif memory == HOST:  # device buffers are host memory too when the device is the CPU
-        peak = sum(tl.host) + sum(tl.shm) + sum(tl.peak_gpu)
+    elif memory == HOST:
+        # every replica's ranks hold their own device buffers (host memory on a CPU "device") and
+        # processes; the host state is sharded over the replicas (tl.host is one replica's share)
+        # and the node's shared working copy counted once, as the check measures it (RunPrediction)
+        peak = tl.replicas * (sum(tl.host) + sum(tl.peak_gpu)) + sum(tl.shm)
     else:
         peak = 0.0
     return Prediction(tl.iteration, peak, memory, source)

@@ -9,7 +9,9 @@ throughput with the machine's; p2p bandwidth and latency between ranks (in a nod
 nodes) are the profile's when it holds them (:mod:`sysx.autotune.p2p`, measured at tune time), else
 :class:`Costs`' defaults. Sends are posted, as the runtime's isends are (the emulated device's
 costs say the same: :mod:`sysx.emulate.costs`). On a CPU "device" with more ranks per node than
-physical cores, the layer times grow by that ratio (:func:`cpu_share`).
+physical cores, the layer times grow by that ratio (:func:`cpu_share`), and so does the executor's
+fixed host cost per instruction (``op_host``, :mod:`sysx.machine.host_cost`); every rank's host
+memory holds the machine's fixed per-process bytes besides its state (``process_bytes``).
 """
 
 from __future__ import annotations
@@ -86,5 +88,7 @@ def profiled_costs(
         recompute=True,
         posted_sends=True,
         gpus_per_node=gpus_per_node,
+        op_host=hw.op_host_s * share,
+        process_bytes=float(hw.process_bytes),
         **{**links, **hardware},
     )

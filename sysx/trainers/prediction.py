@@ -26,6 +26,31 @@ from sysx.schedule.costs import Costs, CostTable
 from sysx.trace.report import PipelineWindow
 
 
+def _kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    """Bytes of the ``name: N kB`` lines of a /proc file (missing: 0; not Linux: all 0)."""
+    found = dict.fromkeys(names, 0)
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in found:
+                    found[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+
+
+def host_growth(rss0: int) -> float:
+    """This process's peak RSS growth past ``rss0`` with its shared-memory pages counted by their
+    proportional share (PSS) instead of in full: summed over the ranks, a page of the node's shared
+    working copy that several ranks map counts once, as the physical memory the node gives it (and
+    the host plan's ``shm`` counts it). The job's segments stay mapped from the state's build to the
+    end, so their residency now is their residency at the peak."""
+    rss_shm = _kib_fields("/proc/self/status", ("RssShmem",))["RssShmem"]
+    pss_shm = _kib_fields("/proc/self/smaps_rollup", ("Pss_Shmem",))["Pss_Shmem"]
+    return float(dev.host_peak_rss_bytes() - rss0 - rss_shm + pss_shm)
+
+
 class AllReduce(Protocol):
     """``values`` reduced over the ranks (waited for in slices: a stop or a dead peer interrupts it)."""
 
@@ -115,11 +140,7 @@ class RunPrediction:
         kind = self._memory_kind()
         if not kind:
             return None
-        mine = (
-            float(dev.max_memory_allocated(self.device))
-            if kind == GPU
-            else float(dev.host_peak_rss_bytes() - self.rss0)
-        )
+        mine = float(dev.max_memory_allocated(self.device)) if kind == GPU else host_growth(self.rss0)
         # through the trainer's sliced wait: a signal or a dead peer during the check stops it
         (value,) = self.all_reduce(
             [mine], "prediction check (memory peaks)", op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM
