@@ -60,6 +60,16 @@ def hardware_path(device: torch.device, dtype: torch.dtype) -> Path:
     return cache_root() / "autotune" / name
 
 
+def cached_op_host_s(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """The per-instruction host cost of this machine's cached hardware profile; 0.0 when none is
+    cached (nothing is measured: every rank of a job reads the same file and gets the same figure)."""
+    path = hardware_path(torch.device(device), dtype)
+    try:
+        return float(json.loads(path.read_text(encoding="utf-8")).get("op_host_s", 0.0))
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+
+
 def load_or_measure_hardware(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
