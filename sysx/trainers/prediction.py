@@ -46,9 +46,12 @@ def host_growth(rss0: int) -> float:
     working copy that several ranks map counts once, as the physical memory the node gives it (and
     the host plan's ``shm`` counts it). The job's segments stay mapped from the state's build to the
     end, so their residency now is their residency at the peak."""
-    rss_shm = _kib_fields("/proc/self/status", ("RssShmem",))["RssShmem"]
+    status = _kib_fields("/proc/self/status", ("RssShmem", "VmHWM"))
     pss_shm = _kib_fields("/proc/self/smaps_rollup", ("Pss_Shmem",))["Pss_Shmem"]
-    return float(dev.host_peak_rss_bytes() - rss0 - rss_shm + pss_shm)
+    # VmHWM is this process's own peak; ru_maxrss (the fallback off Linux) survives an exec and
+    # can be the launching process's
+    peak = status["VmHWM"] or dev.host_peak_rss_bytes()
+    return float(peak - rss0 - status["RssShmem"] + pss_shm)
 
 
 class AllReduce(Protocol):
