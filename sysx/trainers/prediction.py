@@ -40,6 +40,18 @@ def _kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
+def start_host_peak() -> int:
+    """The RSS now, with this process's peak (VmHWM) reset to it (Linux >= 4.0, ``clear_refs`` 5):
+    the peak :func:`host_growth` reads is then the state's, not an earlier one's (rank 0's tuning
+    measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak since the start stands
+        pass
+    return dev.host_rss_bytes()
+
+
 def host_growth(rss0: int) -> float:
     """This process's peak RSS growth past ``rss0`` with its shared-memory pages counted by their
     proportional share (PSS) instead of in full: summed over the ranks, a page of the node's shared
@@ -193,7 +205,7 @@ class SinglePrediction:
 
     def __init__(self, plan: Any, device: torch.device) -> None:
         self.plan, self.device = plan, device
-        self.rss0 = dev.host_rss_bytes()
+        self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None
         self.section: dict[str, Any] = {}
@@ -210,7 +222,7 @@ class SinglePrediction:
         dev_total = float(self.plan.device_bytes["total"])
         # on CPU the planner's device buffers are host memory too
         peak_plan = dev_total if cuda else dev_total + float(self.plan.host_bytes["total"])
-        peak = float(dev.max_memory_allocated(self.device)) if cuda else float(dev.host_peak_rss_bytes() - self.rss0)
+        peak = float(dev.max_memory_allocated(self.device)) if cuda else host_growth(self.rss0)
         pred = Prediction(self.plan.times["step_s"], peak_plan, GPU if cuda else HOST, "single-device planner")
         if recorded is not None:
             steps, iteration, how = list(range(recorded[0], recorded[1] + 1)), recorded[2], "timeline"
