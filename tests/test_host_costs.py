@@ -79,3 +79,22 @@ def test_host_costs_are_cached_with_the_hardware_and_old_caches_measured_again(m
     # a profile written without the new fields reads with no host cost (assumed profiles do too)
     fields = {k: v for k, v in first.as_dict().items() if k not in ("op_host_s", "process_bytes")}
     assert HardwareProfile(**fields).op_host_s == 0.0
+
+
+def test_the_host_growth_starts_at_the_reset_peak_and_counts_shared_pages_once() -> None:
+    from multiprocessing import shared_memory
+
+    from sysx.trainers.prediction import host_growth, start_host_peak
+
+    spike = torch.ones(48 << 18)  # 48 MiB touched, then freed: a peak before the state existed
+    del spike
+    rss0 = start_host_peak()
+    assert host_growth(rss0) < 24 << 20  # the earlier spike is not the state's peak
+    seg = shared_memory.SharedMemory(create=True, size=16 << 20)
+    try:
+        seg.buf[::4096] = b"\1" * len(seg.buf[::4096])  # one mapper: its PSS is its RSS
+        grown = host_growth(rss0)
+        assert 14 << 20 < grown < 40 << 20
+    finally:
+        seg.close()
+        seg.unlink()
