@@ -82,7 +82,10 @@ from sysx.model.llama import init_layer, make_layer
 torch.set_num_threads(1)
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-rss0 = psutil.Process().memory_info().rss  # where a rank's plan starts counting
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+rss0 = status("VmRSS")  # where a rank's plan starts counting
 cfg = ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=64)
 block = make_layer(cfg, 1)
 init_layer(block, 1)
@@ -95,7 +98,7 @@ worker.start(); worker.join()
 t = torch.ones(8); dist.all_reduce(t)
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a child of a large process
 # would report its parent's peak
-peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+peak = status("VmHWM")
 print(json.dumps({"process_bytes": max(0, peak - rss0)}))
 dist.destroy_process_group()
 """
