@@ -98,3 +98,22 @@ def test_the_host_growth_starts_at_the_reset_peak_and_counts_shared_pages_once()
     finally:
         seg.close()
         seg.unlink()
+
+
+def test_the_check_counts_the_replicas_landing_buffers() -> None:
+    """fp32 with 2 replicas on one node: every owned unit's gradients land in a buffer per replica,
+    one of which doubles as the owner's shard gradients: one extra fp32 copy of the model."""
+    from sysx.autotune.replicas import landing_bytes
+    from sysx.model import get_preset
+    from sysx.partition import partition_layers
+    from sysx.schedule.costs import costs_from_model
+
+    cfg = get_preset("tiny")
+    sched = build_gpipe(2, 2, partition_layers([1.0] * (cfg.n_layers + 2), 2))
+    costs = costs_from_model(cfg, 16, 1, dtype_bytes=4)
+    model_bytes = 4 * sum(costs.layer_params)
+    assert landing_bytes(sched, costs.layer_params, 2, 4, work_dtype="float32") == pytest.approx(model_bytes)
+    assert landing_bytes(sched, costs.layer_params, 1, 2, work_dtype="float32") == 0.0
+    one = predict(sched, costs, memory=HOST, source="t", gpus_per_node=2).peak_bytes
+    table_only = predict(sched, costs.table(sched), memory=HOST, source="t", gpus_per_node=2).peak_bytes
+    assert one == pytest.approx(table_only)  # one replica: no landing buffer in fp32
