@@ -117,3 +117,10 @@ def test_the_check_counts_the_replicas_landing_buffers() -> None:
     one = predict(sched, costs, memory=HOST, source="t", gpus_per_node=2).peak_bytes
     table_only = predict(sched, costs.table(sched), memory=HOST, source="t", gpus_per_node=2).peak_bytes
     assert one == pytest.approx(table_only)  # one replica: no landing buffer in fp32
+
+
+def test_the_step_allreduces_cost_the_measured_latency_per_ring_hop() -> None:
+    from sysx.autotune.costs import ALLREDUCES_PER_STEP, step_allreduces
+
+    assert step_allreduces(1, 1e-4) == 0.0
+    assert step_allreduces(4, 1e-4) == pytest.approx(ALLREDUCES_PER_STEP * 2 * 3 * 1e-4)
