@@ -94,7 +94,7 @@ def profiled_costs(
     # the measured total backward over the measured total forward
     ratio = sum(bwd) / sum(fwd) - 1.0
     links: dict[str, float] = profile.p2p.costs_fields() if profile.p2p is not None else {}
-    if world is not None and profile.p2p is not None:
+    if world is not None and profile.p2p is not None and profile.hardware.measured:  # the emulated plan keeps its own
         links["allreduce_latency"] = step_allreduces(world, profile.p2p.intra_latency)
     return dataclasses.replace(
         base,
