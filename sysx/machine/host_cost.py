@@ -7,8 +7,10 @@ a dict entry kept and popped (the executor's stores). The layer compute of a pas
 profile's layer times, which include the module's own Python overhead; this is what is left.
 :func:`measure_process_bytes` starts one fresh process that imports torch and sysx, opens a
 one-rank gloo group, then runs one small Block forward and backward, one Adam step and one worker
-thread, and reports how much its RSS grew past the point where a rank's plan starts counting:
-autograd's and the allocator's caches, lazily loaded kernels, thread stacks and arenas.
+thread, and reports how much its anonymous memory grew past the point where a rank's plan starts
+counting (autograd's and the allocator's caches, thread stacks and arenas), as the prediction
+check counts a rank's memory (:func:`sysx.trainers.prediction.host_growth`: file pages, such as
+the kernels loaded lazily, are page cache and left out on both sides).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
 open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
-rss0 = status("VmRSS")  # where a rank's plan starts counting
+rss0 = status("RssAnon")  # where a rank's plan starts counting: anonymous memory, as the check counts
 cfg = ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=64)
 block = make_layer(cfg, 1)
 init_layer(block, 1)
@@ -98,7 +100,7 @@ worker.start(); worker.join()
 t = torch.ones(8); dist.all_reduce(t)
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a child of a large process
 # would report its parent's peak
-peak = status("VmHWM")
+peak = status("VmHWM") - status("RssFile") - status("RssShmem")  # the anonymous peak (files stay mapped)
 print(json.dumps({"process_bytes": max(0, peak - rss0)}))
 dist.destroy_process_group()
 """

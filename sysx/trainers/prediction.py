@@ -40,37 +40,42 @@ def _kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
-def _shared_excess() -> int:
-    """RSS minus PSS now: what counting this process's shared pages in full adds to their share."""
-    found = _kib_fields("/proc/self/smaps_rollup", ("Rss", "Pss"))
-    return max(0, found["Rss"] - found["Pss"])
+def _file_and_shared_excess() -> int:
+    """What RSS counts beyond anonymous memory and this process's share of its shared memory:
+    file pages (libraries, memory-mapped data: page cache any process may share and the kernel
+    may drop) and shared-memory pages beyond their proportional share (PSS)."""
+    status = _kib_fields("/proc/self/status", ("RssFile", "RssShmem"))
+    pss_shm = _kib_fields("/proc/self/smaps_rollup", ("Pss_Shmem",))["Pss_Shmem"]
+    return status["RssFile"] + status["RssShmem"] - pss_shm
 
 
 def start_host_peak() -> int:
-    """The baseline of :func:`host_growth`: this process's PSS now (its RSS off Linux), with its
-    peak (VmHWM) reset to its RSS (Linux >= 4.0, ``clear_refs`` 5), so the peak read later is the
-    state's, not an earlier one's (rank 0's tuning measures copy rates with 64 MiB of buffers and
-    searches thousands of candidates first)."""
+    """The baseline of :func:`host_growth`: this process's anonymous memory plus its share of its
+    shared memory (its RSS off Linux), with its peak (VmHWM) reset to its RSS (Linux >= 4.0,
+    ``clear_refs`` 5), so the peak read later is the state's, not an earlier one's (rank 0's
+    tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")
     except OSError:  # not Linux, or not allowed: the peak since the start stands
         pass
-    return dev.host_rss_bytes() - _shared_excess()
+    return dev.host_rss_bytes() - _file_and_shared_excess()
 
 
 def host_growth(base: int) -> float:
-    """This process's peak memory growth past ``base`` (:func:`start_host_peak`) with its shared
-    pages counted by their proportional share (PSS), not in full: summed over the ranks, a page of
-    the node's shared working copy, or of a library every rank loaded, counts once, as the physical
-    memory the node gives it (the host plan's ``shm`` counts the working copy once too). The peak is
-    VmHWM less the shared excess now: the job's segments and libraries stay mapped from the state's
-    build to the end, so their residency now is their residency at the peak."""
+    """This process's peak memory growth past ``base`` (:func:`start_host_peak`), counting its
+    anonymous memory in full and its shared memory by its proportional share (PSS): summed over the
+    ranks, a page of the node's shared working copy that several ranks map counts once, as the
+    physical memory the node gives it and as the host plan's ``shm`` counts it. File pages
+    (libraries, the memory-mapped dataset) are left out: page cache shared with every process that
+    maps the same files, which the kernel may drop, and whose share would depend on unrelated
+    processes. The peak is VmHWM less those pages now: they stay mapped from the state's build to
+    the end of the run, so their residency now is their residency at the peak."""
     hwm = _kib_fields("/proc/self/status", ("VmHWM",))["VmHWM"]
     # VmHWM is this process's own peak; ru_maxrss (the fallback off Linux) survives an exec and
     # can be the launching process's
     peak = hwm or dev.host_peak_rss_bytes()
-    return float(peak - _shared_excess() - base)
+    return float(peak - _file_and_shared_excess() - base)
 
 
 class AllReduce(Protocol):
