@@ -21,6 +21,7 @@ from sysx.autotune.profile import LayerTiming, MachineProfile
 from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
 from sysx.config import ConfigError, load_config, to_yaml
 from sysx.dist import DistInfo
+from sysx.machine import hardware_cache
 from sysx.machine.hardware import HardwareProfile
 from sysx.model import get_preset
 from sysx.runtime.options import PipelineOptions, make_schedule
@@ -214,6 +215,7 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
         return real(cfg, seq_len, sizes, repeats=1, adam_backend="torch", **kw)
 
     monkeypatch.setattr(prof, "measure_profile", counting)
+    monkeypatch.setattr(hardware_cache, "measure_process_bytes", lambda: 1 << 20)  # a fresh interpreter: seconds
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
     first, reused = cache_mod.load_or_measure(small, 16, [1, 2], device="cpu")
     assert not reused and len(calls) == 1

@@ -259,6 +259,7 @@ def test_the_hardware_profile_is_measured_once_per_machine_and_shared(monkeypatc
         return real(device, dtype, nbytes=1 << 20, repeats=1)
 
     monkeypatch.setattr(hardware_cache, "measure_hardware", counting)
+    monkeypatch.setattr(hardware_cache, "measure_process_bytes", lambda: 1 << 20)  # a fresh interpreter each time
     first = machine_hardware("measure", "cpu")
     assert len(calls) == 1 and first.measured
     again = machine_hardware("measure", "cpu")

@@ -225,8 +225,11 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
         best = tuning.result.best
         box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)
         if best is not None:
+            # the winner's replicas (the job's may be None: the search picked them), so the run's
+            # prediction is of what runs: every replica's memory, the reductions and the exchange
+            won = dataclasses.replace(job, replicas=best.replicas)
             costs = candidate_costs(
-                job, tuning.profile, best.micro_batch_size, best.options.optimizer_workers or 1, best.threads_per_worker
+                won, tuning.profile, best.micro_batch_size, best.options.optimizer_workers or 1, best.threads_per_worker
             )
         how = (
             "the emulated device's"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any
 
+from sysx.autotune.replicas import landing_bytes
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable
 from sysx.schedule.simulate import simulate
@@ -42,8 +43,15 @@ def predict(
     tl = simulate(schedule, table, record=False, gpus_per_node=gpus_per_node)
     if memory == GPU:
         peak = max(tl.peak_gpu)
-    elif memory == HOST:  # device buffers are host memory too when the device is the CPU
-        peak = sum(tl.host) + sum(tl.shm) + sum(tl.peak_gpu)
+    elif memory == HOST:
+        # every replica's ranks hold their own device buffers (host memory on a CPU "device") and
+        # processes; the host state is sharded over the replicas (tl.host is one replica's share)
+        # and the node's shared working copy counted once, as the check measures it (RunPrediction)
+        peak = tl.replicas * (sum(tl.host) + sum(tl.peak_gpu)) + sum(tl.shm)
+        if isinstance(costs, Costs):  # the landing buffers of the gradients (the node plan's "pinned")
+            work = "float32" if costs.param_bytes == 4 else "bfloat16"
+            ranks = schedule.n_ranks * tl.replicas
+            peak += landing_bytes(schedule, costs.layer_params, tl.replicas, gpus_per_node or ranks, work_dtype=work)
     else:
         peak = 0.0
     return Prediction(tl.iteration, peak, memory, source)

@@ -9,7 +9,9 @@ throughput with the machine's; p2p bandwidth and latency between ranks (in a nod
 nodes) are the profile's when it holds them (:mod:`sysx.autotune.p2p`, measured at tune time), else
 :class:`Costs`' defaults. Sends are posted, as the runtime's isends are (the emulated device's
 costs say the same: :mod:`sysx.emulate.costs`). On a CPU "device" with more ranks per node than
-physical cores, the layer times grow by that ratio (:func:`cpu_share`).
+physical cores, the layer times grow by that ratio (:func:`cpu_share`), and so does the executor's
+fixed host cost per instruction (``op_host``, :mod:`sysx.machine.host_cost`); every rank's host
+memory holds the machine's fixed per-process bytes besides its state (``process_bytes``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
     return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
 
 
+ALLREDUCES_PER_STEP = 2  # VALIDATE's (gradient norm, overflow) and the step end's (losses, outcome)
+
+
+def step_allreduces(world: int, latency: float) -> float:
+    """Seconds of a step's small all-reduces over ``world`` processes: gloo's ring passes a message
+    ``2 (world - 1)`` times one after another (reduce-scatter, then all-gather), each paying the
+    per-message latency; :data:`ALLREDUCES_PER_STEP` of them, charged at the VALIDATE barrier."""
+    return ALLREDUCES_PER_STEP * 2 * max(0, world - 1) * latency
+
+
 def profiled_costs(
     profile: MachineProfile,
     cfg: ModelConfig,
@@ -49,6 +61,7 @@ def profiled_costs(
     threads_per_worker: int = 1,
     gpus_per_node: int | None = None,
     rollback: str = "undo",
+    world: int | None = None,
     **hardware: Any,
 ) -> Costs:
     """:class:`Costs` of ``cfg`` at ``seq_len`` x ``micro_batch_size`` on the profiled machine.
@@ -57,6 +70,8 @@ def profiled_costs(
     and in shared memory, and the host optimizer state. ``threads_per_worker``: CPU threads each
     optimizer worker steps with. ``gpus_per_node``: ranks per node (which messages cross nodes).
     ``rollback``: ``optim.rollback``, whose second (p, m, v) set (snapshot, exact) the host budget counts.
+    ``world``: every process of the job (all replicas), whose step-end all-reduces cost
+    :func:`step_allreduces` of the measured per-message latency (None: :class:`Costs`' default).
     ``hardware`` overrides any :class:`Costs` field.
     """
     fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
@@ -78,7 +93,9 @@ def profiled_costs(
     # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,
     # the measured total backward over the measured total forward
     ratio = sum(bwd) / sum(fwd) - 1.0
-    links = profile.p2p.costs_fields() if profile.p2p is not None else {}
+    links: dict[str, float] = profile.p2p.costs_fields() if profile.p2p is not None else {}
+    if world is not None and profile.p2p is not None and profile.hardware.measured:  # the emulated plan keeps its own
+        links["allreduce_latency"] = step_allreduces(world, profile.p2p.intra_latency)
     return dataclasses.replace(
         base,
         layer_fwd_time=tuple(fwd),
@@ -86,5 +103,7 @@ def profiled_costs(
         recompute=True,
         posted_sends=True,
         gpus_per_node=gpus_per_node,
+        op_host=hw.op_host_s * share,
+        process_bytes=float(hw.process_bytes),
         **{**links, **hardware},
     )

@@ -17,6 +17,7 @@ from sysx.autotune.p2p import P2PFigures
 from sysx.autotune.profile import LayerTiming, MachineProfile, shape_key
 from sysx.config import SysxConfig
 from sysx.emulate import cluster, emulated_costs, emulated_model
+from sysx.emulate.costs import op_host_seconds
 from sysx.machine.hardware import HardwareProfile
 
 _KINDS = {"embedding": 0, "block": 1, "head": -1}  # a flat layer of each kind
@@ -53,6 +54,7 @@ def emulated_profile(cfg: SysxConfig, micro_batch_sizes: list[int]) -> MachinePr
         host_free_bytes=host,
         host_total_bytes=host,
         measured=False,
+        op_host_s=op_host_seconds(cfg),  # the real host work, in the emulated cluster's seconds
     )
     p2p = P2PFigures(
         ranks=0,

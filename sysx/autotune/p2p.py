@@ -3,8 +3,9 @@
 Rank 0 plays ping-pong with one peer on its own node (intra-node) and, when the job spans nodes,
 with the first rank of the next node (inter-node), over the job's process group and on its device
 (the links and backend the pipeline's messages take). A message of ``n`` bytes is taken to cost
-``latency + n / bandwidth`` one way; both are the least-squares line through the one-way times
-(half the fastest round trip) of a few sizes. The other ranks wait at the barrier that ends it.
+``latency + n / bandwidth`` one way: the latency is the one-way time (half the fastest round
+trip) of a message of a few bytes, the bandwidth the slope of the least-squares line through the
+one-way times of a few large sizes. The other ranks wait at the barrier that ends it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as tdist
 
-SIZES = (4 << 10, 1 << 20, 4 << 20)  # bytes: the small one pins the latency, the large ones the bandwidth
+SIZES = (4 << 10, 1 << 20, 4 << 20)  # bytes: the line through them gives the bandwidth
+TINY = 16  # bytes: a message this small costs the per-message latency alone
 ROUNDS = 3
 
 
@@ -49,21 +51,26 @@ class P2PFigures:
         return line
 
 
-def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+def fit_line(sizes: list[float], seconds: list[float], tiny: float | None = None) -> tuple[float, float]:
     """``(bandwidth, latency)`` of the least-squares line ``seconds = latency + size / bandwidth``
-    (latency clamped at 0; a flat or falling line, pure noise, gives an infinite-looking bandwidth of 1e15)."""
+    (latency clamped at 0; a flat or falling line, pure noise, gives an infinite-looking bandwidth of 1e15).
+    With ``tiny`` (the one-way seconds of a message of a few bytes) the latency is that time, the
+    per-message cost a fine layout pays thousands of times a step, and the bandwidth the slope of
+    the sizes alone: a line through large messages says little about its intercept."""
     n = len(sizes)
     mx, my = sum(sizes) / n, sum(seconds) / n
     sxx = sum((x - mx) ** 2 for x in sizes)
     slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx if sxx > 0 else 0.0
-    latency = max(0.0, my - slope * mx)
+    latency = max(0.0, my - slope * mx) if tiny is None else tiny
     return (1.0 / slope if slope > 0 else 1e15), latency
 
 
-def _ping_pong(peer: int, first: bool, device: torch.device, group: tdist.ProcessGroup | None) -> list[float]:
+def _ping_pong(
+    peer: int, first: bool, device: torch.device, group: tdist.ProcessGroup | None, sizes: tuple[int, ...] = SIZES
+) -> list[float]:
     """One-way seconds per size (half the fastest round trip); ``first`` sends first."""
     out = []
-    for size in SIZES:
+    for size in sizes:
         buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
         best = float("inf")
         for i in range(ROUNDS + 1):  # the first round trip connects the pair: not timed
@@ -98,9 +105,10 @@ def measure_p2p(
     found: dict[str, tuple[float, float]] = {}
     for peer, kind in pairs:
         if rank == 0:
-            found[kind] = fit_line([float(s) for s in SIZES], _ping_pong(peer, True, device, group))
+            times = _ping_pong(peer, True, device, group, (TINY, *SIZES))
+            found[kind] = fit_line([float(s) for s in SIZES], times[1:], tiny=times[0])
         elif rank == peer:
-            _ping_pong(0, False, device, group)
+            _ping_pong(0, False, device, group, (TINY, *SIZES))
     tdist.barrier(group=group)
     if rank != 0:
         return None

@@ -10,6 +10,8 @@ budget must hold.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sysx.autotune.profile import MachineProfile
 from sysx.memory.node_plan import node_host_memory
 from sysx.model import ModelConfig
@@ -63,3 +65,15 @@ def node_memory(
     nodes = -(-layout.world_size // gpus_per_node)
     plans = [node_host_memory(units, layout, n, work_dtype, rollback=rollback) for n in range(nodes)]
     return max(p.total - p.pinned for p in plans), max(p.shared for p in plans)
+
+
+def landing_bytes(
+    schedule: Schedule, layer_params: Sequence[float], replicas: int, gpus_per_node: int, *, work_dtype: str
+) -> float:
+    """Bytes of the landing buffers of all nodes of ``replicas`` pipelines running ``schedule`` (the
+    pinned part of :func:`~sysx.memory.node_plan.node_host_memory`, which the search's host budget
+    leaves out and the prediction check, comparing with the processes' memory, counts)."""
+    layout = ReplicaLayout(replicas, schedule.n_ranks, 0, local_world_size=gpus_per_node)
+    units = schedule_units(schedule, [int(x) for x in layer_params])
+    nodes = -(-layout.world_size // gpus_per_node)
+    return float(sum(node_host_memory(units, layout, n, work_dtype).pinned for n in range(nodes)))

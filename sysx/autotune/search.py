@@ -240,6 +240,7 @@ def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, t
         threads_per_worker=threads,
         gpus_per_node=job.ranks_per_node,
         rollback=job.rollback,
+        world=job.n_ranks,
         replica=replica_costs(
             job.replicas or 1, job.pipeline_ranks, job.ranks_per_node, profile, work_dtype=job.work_dtype
         ),

@@ -506,6 +506,9 @@ class EmulateSection:
     layer count. Every modelled duration is multiplied by ``time_scale`` on the wall clock (and
     reported divided by it). The first ``warmup_steps`` steps are not measured; a measurement is
     refused when the real work made the emulated timeline late by more than ``max_late`` of it.
+    ``op_host_us``: the real host time of one executor instruction (null: the figure cached with
+    this machine's hardware profile, 0 when none is); the plan and the pacer add it, divided by
+    ``time_scale``, so a layout of thousands of messages is not refused for its own Python work.
     """
 
     gpu: str = "v100"  # GPU profile each rank acts as (ASSUMED_HARDWARE)
@@ -519,6 +522,9 @@ class EmulateSection:
     time_scale: float = 0.1  # wall seconds per modelled second (0.1: 10x slower)
     warmup_steps: int = 1  # steps left out of the measurement
     max_late: float = 0.05  # refuse the measurement when the timeline ran late by more than this fraction
+    op_host_us: float | None = (
+        None  # real host us per executor instruction the plan adds (null: this machine's cached figure)
+    )
 
     def validate(self) -> None:
         """Profiles and preset are known, counts >= 1, the scale > 0, the tolerance in (0, 1)."""
@@ -537,6 +543,8 @@ class EmulateSection:
         check_int("emulate.warmup_steps", self.warmup_steps, 0)
         if not 0 < self.max_late < 1:
             fail("emulate.max_late", self.max_late, "must be in (0, 1), e.g. 0.05 (5% of the iteration)")
+        if self.op_host_us is not None and not self.op_host_us >= 0:
+            fail("emulate.op_host_us", self.op_host_us, "must be >= 0 microseconds, or null for this machine's figure")
 
     def preset_layers(self) -> int:
         """Transformer blocks of the emulated preset (the job's model gets as many)."""

@@ -7,7 +7,9 @@ Two choices follow the runtime rather than ``sysx plan``'s defaults: sends are p
 executor's sends are isends; the transfer runs once the receive is posted), and the CPU optimizer
 has a finite number of workers that share the rank's threads (``optim.workers``, else the rule of
 :func:`sysx.optim.cores.split_workers` for the emulated threads): a synchronous optimizer steps with
-all of the rank's threads, each of ``W`` asynchronous workers with ``1/W`` of them.
+all of the rank's threads, each of ``W`` asynchronous workers with ``1/W`` of them. The real host
+work of every executor instruction (:func:`op_host_seconds`) is planned too, in modelled seconds,
+and the pacer charges it on the rank's cursor as the simulator does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from sysx.config import ConfigError, SysxConfig
 from sysx.emulate.profiles import GIB, EmulatedCluster, cluster
+from sysx.machine.hardware_cache import cached_op_host_s
 from sysx.memory.budget import training_state_bytes
 from sysx.model import ModelConfig, get_preset
 from sysx.optim.cores import split_workers
@@ -96,6 +99,15 @@ def replica_costs(hw: EmulatedCluster, replicas: int, pipeline: int, *, precisio
     )
 
 
+def op_host_seconds(cfg: SysxConfig) -> float:
+    """Modelled seconds of the real host work of one executor instruction: ``emulate.op_host_us``
+    (null: this machine's cached figure, :func:`~sysx.machine.hardware_cache.cached_op_host_s`)
+    divided by the time scale (the host works in wall time; a modelled second lasts ``time_scale``)."""
+    e = cfg.emulate
+    wall = cached_op_host_s() if e.op_host_us is None else e.op_host_us * 1e-6
+    return wall / e.time_scale
+
+
 def emulated_costs(
     hw: EmulatedCluster,
     model: EmulatedModel,
@@ -104,9 +116,10 @@ def emulated_costs(
     workers: int,
     async_optimizer: bool,
     replica: ReplicaCosts | None = None,
+    op_host: float = 0.0,
 ) -> Costs:
     """:func:`costs_from_model` of ``model`` on ``hw`` (see the module doc for sends and workers),
-    with ``replica``'s data-parallel replicas."""
+    with ``replica``'s data-parallel replicas and ``op_host`` modelled seconds per instruction."""
     work = "float32" if precision == "fp32" else "bfloat16"
     per_worker = hw.adam_params_per_thread_s * hw.threads_per_rank / (workers if async_optimizer else 1)
     return costs_from_model(
@@ -127,6 +140,7 @@ def emulated_costs(
         inter_p2p_bandwidth=hw.inter_bandwidth,
         inter_p2p_latency=hw.inter_latency,
         replica=replica,
+        op_host=op_host,
     )
 
 
@@ -146,6 +160,7 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replica
         workers=workers,
         async_optimizer=schedule.options.async_optimizer,
         replica=replica,
+        op_host=op_host_seconds(cfg),
     )
     table = costs.table(schedule)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)

@@ -228,6 +228,19 @@ class EmulatedPacer(Pacer):
         paced[OpKind.OFFLOAD_GRADS] = self._copying(handlers[OpKind.OFFLOAD_GRADS], self.d2h, "d2h")
         paced[OpKind.OPTIM_STEP] = self._stepping(handlers[OpKind.OPTIM_STEP], offload_event)
         paced[OpKind.VALIDATE] = self._validating(handlers[OpKind.VALIDATE])
+        if self.table.op_host > 0:
+            paced = {kind: self._hosting(h) for kind, h in paced.items()}
+        return paced
+
+    def _hosting(self, handler: Handler) -> Handler:
+        """Every instruction first takes the plan's host time on the cursor (the simulator charges
+        it before the op): the real Python work of the op runs inside it, not as lag."""
+        host = self.table.op_host * self.time_scale
+
+        def paced(op: Op) -> None:
+            self.compute.free += host
+            handler(op)
+
         return paced
 
     def _computing(self, handler: Handler) -> Handler:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from sysx import device as dev
+from sysx.machine.host_cost import measure_op_host_s
 from sysx.memory.pinned import HostBuffers
 
 GiB = 1024**3
@@ -38,6 +39,9 @@ class HardwareProfile:
     host_free_bytes: int
     host_total_bytes: int
     measured: bool = True
+    # host work the layer times leave out (:mod:`sysx.machine.host_cost`); 0 in assumed profiles
+    op_host_s: float = 0.0  # seconds of one executor instruction's fixed Python cost
+    process_bytes: int = 0  # resident bytes a training process adds besides its training state
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -51,7 +55,8 @@ class HardwareProfile:
             f"{self.name} ({how}): h2d {self.h2d_bytes_per_s / GB:.1f} GB/s, d2h {self.d2h_bytes_per_s / GB:.1f} GB/s, "
             f"both at once {self.bidir_bytes_per_s / GB:.1f} GB/s each way, matmul {self.matmul_flops_per_s / 1e12:.2f} TFLOP/s, "
             f"device memory {self.device_mem_bytes_per_s / GB:.0f} GB/s, device free {self.device_free_bytes / GiB:.1f} of "
-            f"{self.device_total_bytes / GiB:.1f} GiB, host free {self.host_free_bytes / GiB:.1f} of {self.host_total_bytes / GiB:.1f} GiB"
+            f"{self.device_total_bytes / GiB:.1f} GiB, host free {self.host_free_bytes / GiB:.1f} of {self.host_total_bytes / GiB:.1f} GiB, "
+            f"{self.op_host_s * 1e6:.1f} us host per op, {self.process_bytes / 2**20:.0f} MiB per process"
         )
 
     def as_dict(self) -> dict[str, float | int | str | bool]:
@@ -201,6 +206,7 @@ def _measure_cuda(
         device_total_bytes=int(total),
         host_free_bytes=host_free,
         host_total_bytes=host_total,
+        op_host_s=measure_op_host_s(repeats),
     )
 
 
@@ -232,4 +238,5 @@ def _measure_cpu(dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, 
         device_total_bytes=host_total,
         host_free_bytes=host_free,
         host_total_bytes=host_total,
+        op_host_s=measure_op_host_s(repeats),
     )

@@ -16,12 +16,13 @@ import torch
 from sysx import device as dev
 from sysx.cachedir import cache_root
 from sysx.machine.hardware import HardwareProfile, measure_hardware, memory_now
+from sysx.machine.host_cost import measure_process_bytes
 
 log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so figures of an older version are measured again;
 # the file keeps the numbering and folder of the autotune profiles it was born with (caches stay valid)
-HARDWARE_VERSION = 3
+HARDWARE_VERSION = 4  # 4: op_host_s and process_bytes (issue 27); older files are measured again
 
 
 def digest(data: dict[str, Any]) -> str:
@@ -59,6 +60,16 @@ def hardware_path(device: torch.device, dtype: torch.dtype) -> Path:
     return cache_root() / "autotune" / name
 
 
+def cached_op_host_s(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """The per-instruction host cost of this machine's cached hardware profile; 0.0 when none is
+    cached (nothing is measured: every rank of a job reads the same file and gets the same figure)."""
+    path = hardware_path(torch.device(device), dtype)
+    try:
+        return float(json.loads(path.read_text(encoding="utf-8")).get("op_host_s", 0.0))
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+
+
 def load_or_measure_hardware(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
@@ -85,6 +96,8 @@ def load_or_measure_hardware(
                 host_free_bytes=now["host_free_bytes"],
                 host_total_bytes=now["host_total_bytes"],
             ), True
-    found = measure_hardware(device, dtype, repeats=repeats)
+    # the process figure costs a fresh interpreter (seconds): measured here, once per machine, not
+    # by every measure_hardware (the runtime's lanes call that at start)
+    found = dataclasses.replace(measure_hardware(device, dtype, repeats=repeats), process_bytes=measure_process_bytes())
     write_atomic(path, json.dumps(found.as_dict(), indent=1, sort_keys=True))
     return found, False

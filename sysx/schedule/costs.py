@@ -58,6 +58,8 @@ class CostTable:
     reduce: list[float] = field(default_factory=list)
     gather: list[float] = field(default_factory=list)
     replicas: int = 1
+    op_host: float = 0.0  # the executor's fixed host cost of every instruction, on the rank's cursor
+    process_bytes: float = 0.0  # host bytes every rank's process holds besides its training state
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,10 @@ class Costs:
     ``inter_p2p_latency`` + bytes / ``inter_p2p_bandwidth`` instead of the ``p2p_*`` figures. Send
     semantics (:mod:`sysx.schedule.simulate`): eager by default, ``rendezvous`` or ``posted_sends``.
     ``replica``: the data-parallel replicas of the pipeline (None: one), which divide the optimizer
-    time and add the reductions and the shard exchange (:class:`ReplicaCosts`).
+    time and add the reductions and the shard exchange (:class:`ReplicaCosts`). ``op_host``: the
+    executor's fixed host seconds per instruction, charged on the rank's cursor before every op
+    (the per-message cost is the latency part of ``p2p_latency``). ``process_bytes``: host memory
+    every rank's process holds besides its training state (its host plan adds it).
     """
 
     layer_fwd_time: tuple[float, ...]
@@ -148,6 +153,8 @@ class Costs:
     inter_p2p_bandwidth: float | None = None
     inter_p2p_latency: float | None = None
     replica: ReplicaCosts | None = None
+    op_host: float = 0.0
+    process_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.layer_fwd_time)
@@ -159,6 +166,8 @@ class Costs:
             raise ValueError(
                 f"Costs: {len(self.layer_act_bytes)} layer_act_bytes for {n} layers; give one per layer or none"
             )
+        if not self.op_host >= 0:
+            raise ValueError(f"Costs.op_host={self.op_host!r} must be >= 0 (seconds per instruction)")
         for name in ("p2p_bandwidth", "h2d_bandwidth", "d2h_bandwidth", "optim_params_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Costs.{name}={getattr(self, name)!r} must be > 0")
@@ -225,6 +234,8 @@ class Costs:
             posted_sends=self.posted_sends,
             optim_workers=self.optim_workers,
             unit="s",
+            op_host=self.op_host,
+            process_bytes=self.process_bytes,
         )
         return table if self.replica is None else with_replicas(table, self.replica, schedule)
 

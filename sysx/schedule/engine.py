@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sysx.schedule.costs import CostTable
@@ -206,6 +207,7 @@ class _Engine:
         "msg_src",
         "offl_end",
         "offload",
+        "op_host",
         "opt",
         "param_mem",
         "pcs",
@@ -236,6 +238,7 @@ class _Engine:
         self.fwd, self.bwd, self.opt, self.offload = tab.fwd, tab.bwd, tab.opt, tab.offload
         self.load = list(tab.load_stage) + list(tab.load_sub)
         self.workers, self.allreduce = tab.optim_workers, tab.allreduce
+        self.op_host = tab.op_host
         self.reduce = tab.reduce or None  # replicas: each unit's reduction on the rank's reducer thread
         self.red_free = [0.0] * R
         self._memory_tables(prog, tab)
@@ -281,21 +284,10 @@ class _Engine:
         # by opcode; each returns the rank's new time, or None when the instruction blocks. Bound
         # here, not in __init__: kept on the engine, they would make it a reference cycle that only
         # the garbage collector frees (and all its lists with it)
-        handlers = (
-            self._load,
-            self._free,
-            self._forward,
-            self._backward,
-            self._send,
-            self._recv,
-            self._isend,
-            self._irecv,
-            self._wait,
-            self._offload,
-            self._optim_async,
-            self._optim_sync,
-            self._validate,
-        )
+        handlers: tuple[Callable[[int, tuple, float], float | None], ...] = (self._load, self._free, self._forward)
+        handlers += (self._backward, self._send, self._recv, self._isend, self._irecv, self._wait, self._offload)
+        handlers += (self._optim_async, self._optim_sync, self._validate)
+        host = self.op_host
         while queue:
             r = queue.popleft()
             inq[r] = False
@@ -304,7 +296,8 @@ class _Engine:
             pc, t = pcs[r], clock[r]
             while pc < n:
                 ins = ops[pc]
-                nt = handlers[ins[0]](r, ins, t)
+                # the executor's cost per instruction precedes it (a blocked one, retried, pays it again from the same clock)
+                nt = handlers[ins[0]](r, ins, t + host)
                 if nt is None:
                     break
                 t = nt

@@ -92,11 +92,11 @@ def _peaks(mem: tuple[list[tuple[float, float]], ...]) -> tuple[float, list[floa
 
 
 def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple[list[float], list[float]]:
-    """Host bytes per rank (owned sub-stages' optimizer state: its 1/R shard with replicas) and
-    shared bytes per node."""
+    """Host bytes per rank (owned sub-stages' optimizer state: its 1/R shard with replicas; and the
+    process's fixed bytes, ``tab.process_bytes``) and shared bytes per node."""
     p, pl = schedule.partition, schedule.assignment
     d = p.split
-    host = [0.0] * schedule.n_ranks
+    host = [tab.process_bytes] * schedule.n_ranks
     n_nodes = (schedule.n_ranks + gpus_per_node - 1) // gpus_per_node
     layers: list[set[int]] = [set() for _ in range(n_nodes)]
     for s in range(p.n_stages):

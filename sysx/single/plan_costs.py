@@ -156,6 +156,7 @@ def predict_step(
     t_grad = sizes.block_params * tau / hw.d2h_bytes_per_s
     fwd = table.forward_s * units
     n_tr = L - W
+    host = round_host_s(hw, L, units)
 
     def step_time(opts: Sequence[int]) -> tuple[float, float, float, float]:
         recompute = sum(units * (table.forward_s - table.saved_s[o]) for o in opts)
@@ -175,7 +176,7 @@ def predict_step(
             t_grad=t_grad,
             fetch_grads=rounds > 1,
         )
-        return rounds * round_s, recompute * rounds, offload * rounds, stall * rounds
+        return rounds * (round_s + host), recompute * rounds, offload * rounds, stall * rounds
 
     step, recompute, offload, stall = step_time(levels)
     tokens = req.global_batch * req.seq_len
@@ -188,6 +189,7 @@ def predict_step(
         "recompute_s": recompute,
         "offload_bytes": offload,
         "stall_s": stall,
+        "host_ops_s": rounds * host,
     }
     if not with_rows:
         return times, []
@@ -200,6 +202,13 @@ def predict_step(
             ),
         )
     return times, rows
+
+
+def round_host_s(hw: HardwareProfile, n_blocks: int, units: int) -> float:
+    """The executor's fixed host cost of one round (``hw.op_host_s`` per step it takes): every
+    block's forward and backward of each unit, and its weight load, gradient fetch and gradient
+    send, each a Python step the layer times leave out; on the compute stream's path, so serial."""
+    return hw.op_host_s * n_blocks * (2 * units + 3)
 
 
 def _policy_rows(

@@ -46,6 +46,7 @@ from sysx.trainers.base import Trainer, job_device
 from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
 from sysx.trainers.job import run_job
 from sysx.trainers.observation import PipelineObservation
+from sysx.trainers.prediction import start_host_peak
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -101,7 +102,7 @@ class PipelineTrainer(Trainer):
         self.ops = self.schedule.ops[self.layout.stage_rank]
         broadcast = torch_broadcast(self.group) if self.world > 1 else None
         self.job_id = f"{self.opts.job_id or resolve_job_id(rank=self.rank, broadcast=broadcast)}.t{next(_instances)}"
-        rss0 = dev.host_rss_bytes()  # before the training state exists: its growth is what the plan describes
+        rss0 = start_host_peak()  # before the training state exists: its growth is what the plan describes
         self.runtime = self._rank_runtime()
         self.params, self.optimizer, self.executor = self.runtime.params, self.runtime.optimizer, self.runtime.executor
         self._closed = False

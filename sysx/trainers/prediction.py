@@ -26,6 +26,58 @@ from sysx.schedule.costs import Costs, CostTable
 from sysx.trace.report import PipelineWindow
 
 
+def _kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    """Bytes of the ``name: N kB`` lines of a /proc file (missing: 0; not Linux: all 0)."""
+    found = dict.fromkeys(names, 0)
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in found:
+                    found[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+
+
+def _file_and_shared_excess() -> int:
+    """What RSS counts beyond anonymous memory and this process's share of its shared memory:
+    file pages (libraries, memory-mapped data: page cache any process may share and the kernel
+    may drop) and shared-memory pages beyond their proportional share (PSS)."""
+    status = _kib_fields("/proc/self/status", ("RssFile", "RssShmem"))
+    pss_shm = _kib_fields("/proc/self/smaps_rollup", ("Pss_Shmem",))["Pss_Shmem"]
+    return status["RssFile"] + status["RssShmem"] - pss_shm
+
+
+def start_host_peak() -> int:
+    """The baseline of :func:`host_growth`: this process's anonymous memory plus its share of its
+    shared memory (its RSS off Linux), with its peak (VmHWM) reset to its RSS (Linux >= 4.0,
+    ``clear_refs`` 5), so the peak read later is the state's, not an earlier one's (rank 0's
+    tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak since the start stands
+        pass
+    return dev.host_rss_bytes() - _file_and_shared_excess()
+
+
+def host_growth(base: int) -> float:
+    """This process's peak memory growth past ``base`` (:func:`start_host_peak`), counting its
+    anonymous memory in full and its shared memory by its proportional share (PSS): summed over the
+    ranks, a page of the node's shared working copy that several ranks map counts once, as the
+    physical memory the node gives it and as the host plan's ``shm`` counts it. File pages
+    (libraries, the memory-mapped dataset) are left out: page cache shared with every process that
+    maps the same files, which the kernel may drop, and whose share would depend on unrelated
+    processes. The peak is VmHWM less those pages now: they stay mapped from the state's build to
+    the end of the run, so their residency now is their residency at the peak."""
+    hwm = _kib_fields("/proc/self/status", ("VmHWM",))["VmHWM"]
+    # VmHWM is this process's own peak; ru_maxrss (the fallback off Linux) survives an exec and
+    # can be the launching process's
+    peak = hwm or dev.host_peak_rss_bytes()
+    return float(peak - _file_and_shared_excess() - base)
+
+
 class AllReduce(Protocol):
     """``values`` reduced over the ranks (waited for in slices: a stop or a dead peer interrupts it)."""
 
@@ -115,11 +167,7 @@ class RunPrediction:
         kind = self._memory_kind()
         if not kind:
             return None
-        mine = (
-            float(dev.max_memory_allocated(self.device))
-            if kind == GPU
-            else float(dev.host_peak_rss_bytes() - self.rss0)
-        )
+        mine = float(dev.max_memory_allocated(self.device)) if kind == GPU else host_growth(self.rss0)
         # through the trainer's sliced wait: a signal or a dead peer during the check stops it
         (value,) = self.all_reduce(
             [mine], "prediction check (memory peaks)", op=dist.ReduceOp.MAX if kind == GPU else dist.ReduceOp.SUM
@@ -169,7 +217,7 @@ class SinglePrediction:
 
     def __init__(self, plan: Any, device: torch.device) -> None:
         self.plan, self.device = plan, device
-        self.rss0 = dev.host_rss_bytes()
+        self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None
         self.section: dict[str, Any] = {}
@@ -186,7 +234,7 @@ class SinglePrediction:
         dev_total = float(self.plan.device_bytes["total"])
         # on CPU the planner's device buffers are host memory too
         peak_plan = dev_total if cuda else dev_total + float(self.plan.host_bytes["total"])
-        peak = float(dev.max_memory_allocated(self.device)) if cuda else float(dev.host_peak_rss_bytes() - self.rss0)
+        peak = float(dev.max_memory_allocated(self.device)) if cuda else host_growth(self.rss0)
         pred = Prediction(self.plan.times["step_s"], peak_plan, GPU if cuda else HOST, "single-device planner")
         if recorded is not None:
             steps, iteration, how = list(range(recorded[0], recorded[1] + 1)), recorded[2], "timeline"

@@ -1,0 +1,118 @@
+"""Host costs no layer time contains: the fixed Python cost of one executor instruction, and the
+resident memory a training process adds besides its training state (issue 27, point 3).
+
+:func:`measure_op_host_s` times what every instruction of an op list pays whatever it does: a
+handler looked up and called, a small tensor made and copied, a clock read for the op's record,
+a dict entry kept and popped (the executor's stores). The layer compute of a pass is priced by the
+profile's layer times, which include the module's own Python overhead; this is what is left.
+:func:`measure_process_bytes` starts one fresh process that imports torch and sysx, opens a
+one-rank gloo group, then runs one small Block forward and backward, one Adam step and one worker
+thread, and reports how much its anonymous memory grew past the point where a rank's plan starts
+counting (autograd's and the allocator's caches, thread stacks and arenas), as the prediction
+check counts a rank's memory (:func:`sysx.trainers.prediction.host_growth`: file pages, such as
+the kernels loaded lazily, are page cache and left out on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from sysx import device as dev
+from sysx.schedule.ops import Op, OpKind
+
+OPS_PER_ROUND = 200  # instructions per timed round: enough to amortise the loop's own cost
+PROCESS_TIMEOUT_S = 120.0
+
+
+def _instruction_round(n: int) -> Callable[[], None]:
+    """One round of ``n`` minimal instructions, shaped like the executor's dispatch loop: the op
+    timer, a handler per op kind, the op's label, a no-grad context, a small tensor made, copied,
+    kept and popped."""
+    src = torch.zeros(4)
+    store: dict[tuple[int, int], torch.Tensor] = {}
+    ops = [Op(kind, stage=i % 3, sub=i % 2, mb=i % 4, peer=1) for i, kind in enumerate(OpKind)]
+
+    def handler(op: Op) -> None:
+        label = str(op)
+        with torch.no_grad():
+            out = torch.empty_like(src)
+            out.copy_(src)
+        store[(op.stage, op.mb)] = out
+        store.pop((op.stage, op.mb))
+        if not label:
+            raise AssertionError("an op without a label")
+
+    handlers = {op.kind: handler for op in ops}
+
+    def run() -> None:
+        timer = dev.OpTimer("cpu")
+        for i in range(n):
+            op = ops[i % len(ops)]
+            started = timer.start()
+            handlers[op.kind](op)
+            timer.stop(op.kind.name, started)
+        timer.seconds()
+
+    return run
+
+
+def measure_op_host_s(repeats: int = 5) -> float:
+    """Seconds of host work one executor instruction pays beyond its compute (the fastest of
+    ``repeats`` rounds: on a shared CPU the slow rounds are other processes' time slices)."""
+    run = _instruction_round(OPS_PER_ROUND)
+    run()  # warm up: first calls allocate
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best / OPS_PER_ROUND
+
+
+_CHILD = r"""
+import json, os, threading, tempfile
+import psutil, torch, torch.distributed as dist
+import sysx.train  # everything a rank imports
+from sysx.model import ModelConfig
+from sysx.model.llama import init_layer, make_layer
+torch.set_num_threads(1)
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+rss0 = status("RssAnon")  # where a rank's plan starts counting: anonymous memory, as the check counts
+cfg = ModelConfig(vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=64)
+block = make_layer(cfg, 1)
+init_layer(block, 1)
+x = torch.randn(2, 32, cfg.dim, requires_grad=True)
+block(x).sum().backward()
+opt = torch.optim.Adam(block.parameters())
+opt.step()
+worker = threading.Thread(target=lambda: torch.ones(64).add_(1))
+worker.start(); worker.join()
+t = torch.ones(8); dist.all_reduce(t)
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a child of a large process
+# would report its parent's peak
+peak = status("VmHWM") - status("RssFile") - status("RssShmem")  # the anonymous peak (files stay mapped)
+print(json.dumps({"process_bytes": max(0, peak - rss0)}))
+dist.destroy_process_group()
+"""
+
+
+def measure_process_bytes(timeout_s: float = PROCESS_TIMEOUT_S) -> int:
+    """Bytes of resident memory a training process adds besides its training state, measured in
+    a fresh process (a few seconds: it imports torch); 0 when that process fails."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=timeout_s, check=True
+        )
+        return int(json.loads(done.stdout.strip().splitlines()[-1])["process_bytes"])
+    except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError):
+        return 0
