@@ -10,7 +10,7 @@ Spawns 2 gloo ranks on this CPU (one thread each) and measures, on rank 0:
    rank 0's list, and the median us of one op per kind.
 3. **Steps**: the same tiny Llama (``model=tiny``, sysx's own layers, cut where sysx's schedule cuts
    them, the same seeded initial weights and the same batches) through sysx's ``gpipe``, ``1f1b``
-   and ``sysx`` (``PipelineTrainer``, device=cpu, fp32) and through torch.distributed.pipelining's
+   and ``sysx`` (``PipelineTrainer``, device=cpu, fp32; ``+keep``: ``schedule.keep_activations``) and through torch.distributed.pipelining's
    ``ScheduleGPipe`` and ``Schedule1F1B`` (``PipelineStage`` over sysx's blocks), each without and
    with activation checkpointing (``torch.utils.checkpoint`` around each block). Both sides step
    AdamW on the host with global-norm clipping (sysx: its CPU Adam, torch backend; torch:
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSX_VARIANTS = ("sysx:gpipe", "sysx:1f1b", "sysx:sysx")
+SYSX_VARIANTS = ("sysx:gpipe", "sysx:1f1b", "sysx:gpipe+keep", "sysx:1f1b+keep", "sysx:sysx")
 TORCH_VARIANTS = ("torch:gpipe", "torch:1f1b", "torch:gpipe+ckpt", "torch:1f1b+ckpt")
 VARIANTS = SYSX_VARIANTS + TORCH_VARIANTS
 PARTS = ("messages", "ops", "steps")
@@ -119,7 +119,9 @@ class TorchPipeline:
         else:
             self.schedule.step(target=torch.cat([labels for _, labels in mbs]), losses=losses)
         sq = torch.stack([p.grad.pow(2).sum() for p in self.params if p.grad is not None]).sum().double()
-        total = torch.stack([sq, torch.tensor(float(sum(x.detach() for x in losses)) if losses else 0.0, dtype=torch.float64)])
+        total = torch.stack(
+            [sq, torch.tensor(float(sum(x.detach() for x in losses)) if losses else 0.0, dtype=torch.float64)]
+        )
         dist.all_reduce(total)
         norm = float(total[0].sqrt())
         if self.clip > 0 and norm > self.clip:
@@ -132,7 +134,9 @@ class TorchPipeline:
         return float(total[1])
 
 
-def _sysx_trainer(schedule: str, args: argparse.Namespace, info: Any, *, probe: bool = False) -> Any:
+def _sysx_trainer(
+    schedule: str, args: argparse.Namespace, info: Any, *, probe: bool = False, keep_activations: bool = False
+) -> Any:
     from sysx.config import ModelSection
     from sysx.runtime import PipelineOptions
     from sysx.runtime.host_bench import probe_config, probe_model
@@ -145,7 +149,8 @@ def _sysx_trainer(schedule: str, args: argparse.Namespace, info: Any, *, probe: 
         cfg = probe_config(
             model, micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len
         )
-    return PipelineTrainer(cfg, PipelineOptions(schedule=schedule, optim_backend="torch"), info=info)
+    opts = PipelineOptions(schedule=schedule, optim_backend="torch", keep_activations=keep_activations)
+    return PipelineTrainer(cfg, opts, info=info)
 
 
 def _slowest(seconds: float) -> float:
@@ -167,7 +172,8 @@ def _steps(args: argparse.Namespace, info: Any) -> dict[str, Any]:
     trainers = [base]
     for v in variants:
         if v.startswith("sysx:"):
-            t = base if v == "sysx:gpipe" else _sysx_trainer(v.split(":")[1], args, info)
+            name, _, extra = v.split(":")[1].partition("+")
+            t = base if v == "sysx:gpipe" else _sysx_trainer(name, args, info, keep_activations=extra == "keep")
             trainers += [t] if t is not base else []
             runners[v] = lambda t=t: t.train_step().loss
         else:
@@ -299,9 +305,7 @@ def report(result: dict[str, Any]) -> str:
             kind = v.split(":")[1].split("+")[0]
             kind = kind if kind in ("gpipe", "1f1b") else "gpipe"
             plain, ckpt = f"torch:{kind}", f"torch:{kind}+ckpt"
-            lines.append(
-                f"| {v} | {ms[v]:.1f} | {_ratio(ms, v, plain)} | {_ratio(ms, v, ckpt)} | {first[v]:.6f} |"
-            )
+            lines.append(f"| {v} | {ms[v]:.1f} | {_ratio(ms, v, plain)} | {_ratio(ms, v, ckpt)} | {first[v]:.6f} |")
         if "profile" in result["steps"]:
             lines += ["", "```", result["steps"]["profile"], "```"]
     return "\n".join(lines)

@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 
 from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection
-from sysx.schedule import Op, OpKind
+from sysx.dist import posted
+from sysx.runtime.p2p import P2P, TransferSpec
+from sysx.schedule import Message, Op, OpKind
 
 if TYPE_CHECKING:
     from sysx.runtime.executor import Executor
 
-MESSAGE_MODES = ("pingpong", "stream", "batched")
+MESSAGE_MODES = ("pingpong", "stream", "batched", "p2p", "p2p+verify")
 
 
 def probe_model() -> ModelSection:
@@ -108,16 +110,25 @@ def _exchange(mode: str, rank: int, peer: int, n: int, numel: int) -> None:
     if mode == "pingpong":
         for b in bufs:  # one message each way in turn: the wait is the latency
             first, second = (dist.isend, dist.irecv) if sender else (dist.irecv, dist.isend)
-            first(b, peer).wait()
-            second(b, peer).wait()
+            posted(first(b, peer), mode).wait()
+            posted(second(b, peer), mode).wait()
     elif mode == "stream":
         post = dist.isend if sender else dist.irecv
-        for work in [post(b, peer) for b in bufs]:
+        for work in [posted(post(b, peer), mode) for b in bufs]:
             work.wait()
-    else:
+    elif mode == "batched":
         kind = dist.isend if sender else dist.irecv
         for work in dist.batch_isend_irecv([dist.P2POp(kind, b, peer) for b in bufs]):
             work.wait()
+    else:  # sysx's own messages, as the executor uses them: sends posted, receives waited for one by one
+        p2p = P2P(rank, device=torch.device("cpu"), timeout_s=60.0, verify=mode == "p2p+verify")
+        specs = [TransferSpec(Message.ACT, 0, -1, j, (numel,), torch.float32) for j in range(n)]
+        if sender:
+            for pending in [p2p.isend(b, spec, peer, mode) for b, spec in zip(bufs, specs)]:
+                p2p.wait(pending)
+        else:
+            for spec in specs:
+                p2p.recv(spec, peer, mode)
 
 
 def measure_message_us(
@@ -126,7 +137,9 @@ def measure_message_us(
     """Microseconds per tiny message (``numel`` fp32 values) between this rank and ``peer``, per mode.
 
     ``pingpong``: half a round trip (one message in flight); ``stream``: ``n`` posted ``isend`` /
-    ``irecv`` then waited for, per message; ``batched``: the same ``n`` as one ``batch_isend_irecv``.
+    ``irecv`` then waited for, per message; ``batched``: the same ``n`` as one ``batch_isend_irecv``;
+    ``p2p`` / ``p2p+verify``: the same stream through sysx's :class:`P2P` (bounded waits, without /
+    with the header of ``schedule.verify_transfers``), received one by one as the executor does.
     Medians of ``rounds`` rounds after one warm-up; ``peer`` calls it with this rank as its peer.
     """
     unknown = [m for m in modes if m not in MESSAGE_MODES]
