@@ -218,7 +218,8 @@ def worker(args: argparse.Namespace) -> int:
 
     info = sdist.init(timeout_s=120.0)
     parts = args.only.split(",")
-    result: dict[str, Any] = {"load": os.getloadavg()[0], "args": vars(args)}
+    args_row = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result: dict[str, Any] = {"load": os.getloadavg()[0], "args": args_row}
     if "messages" in parts:
         result["messages_us"] = measure_message_us(1 - info.rank)
     if "ops" in parts:

@@ -124,8 +124,7 @@ def _exchange(mode: str, rank: int, peer: int, n: int, numel: int) -> None:
         p2p = P2P(rank, device=torch.device("cpu"), timeout_s=60.0, verify=mode == "p2p+verify")
         specs = [TransferSpec(Message.ACT, 0, -1, j, (numel,), torch.float32) for j in range(n)]
         if sender:
-            for pending in [p2p.isend(b, spec, peer, mode) for b, spec in zip(bufs, specs)]:
-                p2p.wait(pending)
+            p2p.wait_sends([p2p.isend(b, spec, peer, mode) for b, spec in zip(bufs, specs)], mode)
         else:
             for spec in specs:
                 p2p.recv(spec, peer, mode)
@@ -139,7 +138,9 @@ def measure_message_us(
     ``pingpong``: half a round trip (one message in flight); ``stream``: ``n`` posted ``isend`` /
     ``irecv`` then waited for, per message; ``batched``: the same ``n`` as one ``batch_isend_irecv``;
     ``p2p`` / ``p2p+verify``: the same stream through sysx's :class:`P2P` (bounded waits, without /
-    with the header of ``schedule.verify_transfers``), received one by one as the executor does.
+    with the header of ``schedule.verify_transfers``), received one by one and the sends waited for
+    together, as the executor does; each round is a fresh :class:`P2P`, so with verify every message
+    of the round is a first one and carries a header.
     Medians of ``rounds`` rounds after one warm-up; ``peer`` calls it with this rank as its peer.
     """
     unknown = [m for m in modes if m not in MESSAGE_MODES]
