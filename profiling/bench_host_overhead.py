@@ -275,38 +275,53 @@ def _ratio(ms: dict[str, float], v: str, ref: str) -> str:
     return f"{ms[v] / ms[ref]:.2f}x" if v in ms and ref in ms else "-"
 
 
+def _steps_table(steps: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    """Median and best ms/step of every variant, each beside torch's plain and checkpointed schedule
+    of its kind (sysx's own schedule beside GPipe's)."""
+    ms, first = steps["ms"], steps["first_loss"]
+    best = {v: min(x) for v, x in steps["all_ms"].items()}
+    lines = [
+        f"| tiny, 2 ranks, {a['micro_batches']} x {a['micro_batch_size']} x {a['seq_len']} tokens, "
+        f"{a['rounds']} rounds | median ms/step | / torch plain | / torch ckpt | best ms/step | / torch plain "
+        "| / torch ckpt | first loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in ms:
+        kind = v.split(":")[1].split("+")[0]
+        kind = kind if kind in ("gpipe", "1f1b") else "gpipe"
+        plain, ckpt = f"torch:{kind}", f"torch:{kind}+ckpt"
+        lines.append(
+            f"| {v} | {ms[v]:.1f} | {_ratio(ms, v, plain)} | {_ratio(ms, v, ckpt)} | {best[v]:.1f} | "
+            f"{_ratio(best, v, plain)} | {_ratio(best, v, ckpt)} | {first[v]:.6f} |"
+        )
+    return lines
+
+
 def report(result: dict[str, Any]) -> str:
     """Markdown tables of one run."""
     lines = [f"load average at start {result['load']:.2f}, at end {result['load_end']:.2f}", ""]
     if "messages_us" in result:
-        lines += ["| message (8 fp32, gloo) | us per message |", "|---|---:|"]
-        lines += [f"| {mode} | {us:.1f} |" for mode, us in result["messages_us"].items()]
+        us = result["messages_us"]
+        lines += ["| message (8 fp32, gloo) | median us per message | best round |", "|---|---:|---:|"]
+        lines += [f"| {m} | {us[m]:.1f} | {us.get(m + ' best', float('nan')):.1f} |" for m in us if " " not in m]
         lines.append("")
     if "ops_us" in result:
-        kinds = sorted({k for row in result["ops_us"].values() for k in row} - {"op", "step_ms", "ops"})
+        kinds = sorted({k for row in result["ops_us"].values() for k in row} - {"op", "op best", "step_ms", "ops"})
         lines += [
-            "| probe schedule (dim 8, 8 x 1 x 4 tokens) | ops (rank 0) | ms/step | us/op | "
+            "| probe schedule (dim 8, 8 x 1 x 4 tokens) | ops (rank 0) | ms/step | us/op | best us/op | "
             + " | ".join(f"{k} us" for k in kinds)
             + " |",
-            "|---|---:|---:|---:|" + "---:|" * len(kinds),
+            "|---|---:|---:|---:|---:|" + "---:|" * len(kinds),
         ]
         for name, row in result["ops_us"].items():
             cells = " | ".join(f"{row[k]:.0f}" if k in row else "-" for k in kinds)
-            lines.append(f"| {name} | {row['ops']:.0f} | {row['step_ms']:.2f} | {row['op']:.0f} | {cells} |")
+            best = row.get("op best", float("nan"))
+            lines.append(
+                f"| {name} | {row['ops']:.0f} | {row['step_ms']:.2f} | {row['op']:.0f} | {best:.0f} | {cells} |"
+            )
         lines.append("")
     if "steps" in result:
-        ms, first = result["steps"]["ms"], result["steps"]["first_loss"]
-        a = result["args"]
-        lines += [
-            f"| tiny, 2 ranks, {a['micro_batches']} x {a['micro_batch_size']} x {a['seq_len']} tokens, "
-            f"{a['rounds']} rounds | ms/step | / torch plain | / torch ckpt | first loss |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for v in ms:
-            kind = v.split(":")[1].split("+")[0]
-            kind = kind if kind in ("gpipe", "1f1b") else "gpipe"
-            plain, ckpt = f"torch:{kind}", f"torch:{kind}+ckpt"
-            lines.append(f"| {v} | {ms[v]:.1f} | {_ratio(ms, v, plain)} | {_ratio(ms, v, ckpt)} | {first[v]:.6f} |")
+        lines += _steps_table(result["steps"], result["args"])
         if "profile" in result["steps"]:
             lines += ["", "```", result["steps"]["profile"], "```"]
     return "\n".join(lines)
