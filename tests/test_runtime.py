@@ -463,3 +463,14 @@ def test_an_execution_error_shows_the_ops_around_the_failing_one(trainer: Pipeli
     assert rows[0] == "  ..." and rows[-1] == f"  ... ({len(ops) - at - 4} more)"
     assert [line.split()[0] for line in rows[1:-1]] == [str(i) for i in range(at - 3, at + 4)]
     assert f"  {at - 1:>3}  {ops[at - 1]}" in rows
+
+
+def test_host_bench_measures_every_op_kind_of_a_one_rank_list() -> None:
+    from sysx.runtime.host_bench import measure_op_us, probe_config, probe_model
+
+    cfg = probe_config(probe_model(), micro_batches=2, micro_batch_size=1, seq_len=4)
+    with PipelineTrainer(cfg, PipelineOptions(schedule="gpipe", optim_backend="torch")) as trainer:
+        costs = measure_op_us(trainer, steps=2, warmup=1)
+        kinds = {op.kind.name for op in trainer.ops}
+    assert costs["ops"] == len(trainer.ops) and kinds <= set(costs), (kinds, costs)
+    assert 0 < costs["op best"] <= costs["op"] and costs["step_ms"] == pytest.approx(costs["op"] * costs["ops"] / 1e3)
