@@ -1,14 +1,15 @@
 """The runtime's host cost on this machine: microseconds per executor op and per p2p message.
 
 Both measure with tiny tensors, so what is left is the host's own work: the interpreter's
-dispatch, the handlers' Python, the checks, the waits on the peer. :func:`measure_op_us` runs a
-schedule of a probe model (``dim`` 8, :func:`probe_model`) through a real :class:`PipelineTrainer`
-over the current process group (or one process) and divides the step's wall time by the ops of
-the rank's list; it also times every op kind on its own. :func:`measure_message_us` times tiny
-gloo messages between this rank and ``peer``: a ping-pong (one message in flight, the latency),
-a stream of posted ``isend``/``irecv`` waited for at the end, and the same stream as one
-``batch_isend_irecv``. ``profiling/bench_host_overhead.py`` is the command line over them; the
-profiler may charge the figures as per-op and per-message host costs.
+dispatch, the handlers' Python, the checks, the waits on the peer. :func:`measure_op_us` runs
+steps of a pipeline trainer the caller built (on :func:`probe_config` of :func:`probe_model`, a
+``dim``-8 Llama; this layer may not import the trainers) and divides the step's wall time by the
+ops of the rank's list; it also times every op kind on its own. :func:`measure_message_us` times
+tiny gloo messages between this rank and ``peer``: a ping-pong (one message in flight, the
+latency), a stream of posted ``isend``/``irecv`` waited for at the end, the same stream as one
+``batch_isend_irecv``, and sysx's own :class:`P2P` with and without its header.
+``profiling/bench_host_overhead.py`` is the command line over them; the profiler may charge the
+figures as per-op and per-message host costs.
 """
 
 from __future__ import annotations
