@@ -19,7 +19,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -252,9 +254,9 @@ def cpu_group() -> dist.ProcessGroup | None:
 
 @dataclass
 class _Wait:
-    """One ``Work.wait`` handed to the waiter thread."""
+    """``Work.wait`` of one or more works, handed to the waiter thread together (one hand-over)."""
 
-    work: dist.Work | None
+    works: list[dist.Work]
     timeout_s: float
     done: threading.Event = field(default_factory=threading.Event)
     completed: bool | None = None
@@ -272,13 +274,13 @@ class _Waiter:
         self._pid = 0
         self.in_flight = 0  # waits handed over and not finished (a stop abandons the one it interrupts)
 
-    def submit(self, work: dist.Work, timeout_s: float) -> _Wait:
-        """Start waiting for ``work`` on the thread; returns the handle to poll."""
+    def submit(self, works: list[dist.Work], timeout_s: float) -> _Wait:
+        """Start waiting for ``works`` (in order, ``timeout_s`` for all) on the thread; returns the handle to poll."""
         if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
             self._queue, self._pid = queue.SimpleQueue(), os.getpid()
             self._thread = threading.Thread(target=self._loop, name="sysx-wait", daemon=True)
             self._thread.start()
-        job = _Wait(work, timeout_s)
+        job = _Wait(works, timeout_s)
         self.in_flight += 1
         self._queue.put(job)
         return job
@@ -297,16 +299,18 @@ class _Waiter:
             job = self._queue.get()
             if job is None:
                 return
-            work = job.work
+            # a Work holds its tensor (a receive into a shared-memory segment, say): no reference may stay
+            # with this idle thread, or the store could not close; each is popped as it is waited for
+            works, deadline, job.works = job.works, time.monotonic() + job.timeout_s, []
             try:
-                if work is not None:  # submit always hands one over; only this loop clears it
-                    job.completed = work.wait(datetime.timedelta(seconds=job.timeout_s))
+                job.completed = True
+                while works and job.completed:
+                    left = max(deadline - time.monotonic(), 1e-3)
+                    job.completed = works.pop(0).wait(datetime.timedelta(seconds=left))
             except RuntimeError as err:
                 job.error = err
             finally:
-                # the Work holds its tensor (a receive into a shared-memory segment, say): a reference
-                # kept by this idle thread would stop the store from closing
-                work = job.work = None
+                works.clear()
                 self.in_flight -= 1
                 job.done.set()
 
@@ -316,8 +320,11 @@ _waiter = _Waiter()
 
 def _poll_collective(work: dist.Work, timeout_s: float, watch: peers.PeerWatch | None, what: str) -> _Wait:
     """Wait for a collective by polling ``is_completed`` (it works for collectives, not for gloo's
-    point-to-point works), backing off from 50 us to 10 ms: no helper thread, little latency."""
-    job, pause, deadline, next_look = _Wait(work, timeout_s), 5e-5, time.monotonic() + timeout_s, 0.0
+    point-to-point works), backing off from 50 us to 1 ms for the first second and to 10 ms after it:
+    no helper thread, little latency (a step's collectives wait for the slowest rank, often for tens
+    of milliseconds: a 10 ms pause there overslept ~5 ms a collective, two a step)."""
+    started = time.monotonic()
+    job, pause, deadline, next_look = _Wait([work], timeout_s), 5e-5, started + timeout_s, 0.0
     while not work.is_completed():
         now = time.monotonic()
         if now >= deadline:
@@ -329,7 +336,7 @@ def _poll_collective(work: dist.Work, timeout_s: float, watch: peers.PeerWatch |
             if watch is not None:
                 watch.check(what)
         time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+        pause = min(pause * 2, 1e-3 if now - started < 1.0 else 0.01)
     try:
         job.completed = work.wait()
     except RuntimeError as err:
@@ -345,9 +352,16 @@ def posted(work: dist.Work | None, what: str) -> dist.Work:
 
 
 def wait_for(
-    work: dist.Work, *, rank: int, what: str, peer: int | None, timeout_s: float, collective: bool = False
+    work: dist.Work | Sequence[dist.Work],
+    *,
+    rank: int,
+    what: str,
+    peer: int | None,
+    timeout_s: float,
+    collective: bool = False,
 ) -> None:
-    """Wait for an async operation; on timeout raise :class:`PeerTimeout` naming rank, op and peer.
+    """Wait for an async operation (or several point-to-point ones, in order, with one hand-over to
+    the waiter thread); on timeout raise :class:`PeerTimeout` naming rank, op and peer.
 
     While it waits, a signal raises :class:`sysx.stopping.JobStopped`, and another rank's stop,
     failure or death (:mod:`sysx.peers`) raises ``JobStopped`` or :class:`PeerFailed`. A
@@ -357,10 +371,11 @@ def wait_for(
     started = time.monotonic()
     stopping.raise_if_requested()
     watch = peers.current()
+    works: list[dist.Work] = list(work) if isinstance(work, (list, tuple)) else [cast(dist.Work, work)]
     if collective:
-        job = _poll_collective(work, timeout_s, watch, what)
+        job = _poll_collective(works[0], timeout_s, watch, what)
     else:
-        job = _waiter.submit(work, timeout_s)
+        job = _waiter.submit(works, timeout_s)
         while not job.done.wait(WAIT_SLICE_S):
             stopping.raise_if_requested()
             if watch is not None:

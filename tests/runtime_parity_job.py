@@ -103,6 +103,7 @@ def main(spec_path: str, out_path: str) -> int:
                 "n_stages": sched.n_stages,
                 "split": sched.split,
                 "ckpt": sched.options.ckpt,
+                "keep_activations": sched.options.keep_activations,
                 "optimizer": sched.options.optimizer,
                 "messages_per_step": n_messages,
                 "mirrored_units": mirrored,

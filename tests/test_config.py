@@ -290,6 +290,9 @@ def test_pipeline_options_refuse_what_their_schedule_ignores() -> None:
     ):
         PipelineOptions(rollback="no").check()
     PipelineOptions(schedule="sysx", split=2, cfg=1).check()
+    with pytest.raises(RuntimeConfigError, match=r"^schedule.keep_activations=True is not valid for sysx: .*gpipe"):
+        PipelineOptions(schedule="sysx", keep_activations=True).check()
+    PipelineOptions(schedule="1f1b", keep_activations=True).check()
 
 
 def test_single_section_checks_itself() -> None:

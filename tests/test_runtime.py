@@ -271,6 +271,13 @@ def test_transfer_checks_name_stage_micro_batch_and_tensor() -> None:
         r"this rank expects act s2 mb1.*disagree about the plan",
     ):
         p2p._check_header(pending)
+    # the plan repeats every step: a header goes with the first message of each spec to each peer only
+    sent = p2p._sent_headers
+    assert p2p._first(sent, 0, spec) and not p2p._first(sent, 0, spec)
+    assert p2p._first(sent, 2, spec) and p2p._first(sent, 0, other) and not p2p._first(p2p._sent_headers, 2, spec)
+    assert p2p._first(p2p._received_headers, 0, spec)  # each direction on its own
+    quiet = P2P(1, device=torch.device("cpu"), timeout_s=1.0, verify=False)
+    assert not quiet._first(quiet._sent_headers, 0, spec)
 
 
 class FakeWork:
@@ -282,7 +289,7 @@ class FakeWork:
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234\nmore")
         if self.behaviour == "timeout-error":
             raise RuntimeError("Timed out waiting 100ms for recv operation to complete")
-        return False
+        return self.behaviour == "ok"
 
 
 def test_wait_for_names_rank_op_and_peer_and_tells_a_lost_peer_from_a_timeout() -> None:
@@ -296,6 +303,10 @@ def test_wait_for_names_rank_op_and_peer_and_tells_a_lost_peer_from_a_timeout() 
         wait_for(FakeWork("never"), rank=2, what="VALIDATE", peer=None, timeout_s=0.1)
     with pytest.raises(PeerTimeout, match=r"did not complete within 0 s \(Timed out"):
         wait_for(FakeWork("timeout-error"), rank=0, what="x", peer=1, timeout_s=0.0)
+    # several works: one hand-over to the waiter thread, in order, one timeout for all
+    wait_for([FakeWork("ok"), FakeWork("ok")], rank=0, what="sends", peer=None, timeout_s=1.0)
+    with pytest.raises(PeerTimeout, match=r"rank 0: sends did not complete within 0.1 s"):
+        wait_for([FakeWork("ok"), FakeWork("never")], rank=0, what="sends", peer=None, timeout_s=0.1)
 
 
 def test_schedule_choice_follows_the_model_and_explains_refusals() -> None:
@@ -452,3 +463,14 @@ def test_an_execution_error_shows_the_ops_around_the_failing_one(trainer: Pipeli
     assert rows[0] == "  ..." and rows[-1] == f"  ... ({len(ops) - at - 4} more)"
     assert [line.split()[0] for line in rows[1:-1]] == [str(i) for i in range(at - 3, at + 4)]
     assert f"  {at - 1:>3}  {ops[at - 1]}" in rows
+
+
+def test_host_bench_measures_every_op_kind_of_a_one_rank_list() -> None:
+    from sysx.runtime.host_bench import measure_op_us, probe_config, probe_model
+
+    cfg = probe_config(probe_model(), micro_batches=2, micro_batch_size=1, seq_len=4)
+    with PipelineTrainer(cfg, PipelineOptions(schedule="gpipe", optim_backend="torch")) as trainer:
+        costs = measure_op_us(trainer, steps=2, warmup=1)
+        kinds = {op.kind.name for op in trainer.ops}
+    assert costs["ops"] == len(trainer.ops) and kinds <= set(costs), (kinds, costs)
+    assert 0 < costs["op best"] <= costs["op"] and costs["step_ms"] == pytest.approx(costs["op"] * costs["ops"] / 1e3)

@@ -151,6 +151,11 @@ EVERY_SCHEDULE_2 = [
     {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "snapshot"},
     {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "exact"},
     {"schedule": "sysx", "cfg": 3, "split": 2, "stages_per_rank": 1, "rollback": "auto"},
+    # the forward's graph kept for the backward (no recompute); interleaved and mobius swap stages through the buffers
+    {"schedule": "gpipe", "keep_activations": True},
+    {"schedule": "1f1b", "keep_activations": True},
+    {"schedule": "interleaved_1f1b", "keep_activations": True},
+    {"schedule": "mobius", "keep_activations": True},
 ]
 
 
@@ -171,6 +176,7 @@ def test_every_schedule_matches_the_reference_on_2_ranks(tmp_path: Path) -> None
     assert {r["ckpt"] for r in rows[:4]} == {"local"} and rows[7]["ckpt"] == "sync" and rows[9]["ckpt"] == "async"
     assert rows[9]["optimizer"] == "sync" and rows[10]["optimizer"] == "async"
     assert all(r["mirrored_units"] == 0 for r in rows)  # one node: every rank attaches the node's segments
+    assert [r["keep_activations"] for r in rows] == [False] * 13 + [True] * 4
 
 
 EVERY_SCHEDULE_4 = [

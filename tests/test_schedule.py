@@ -337,6 +337,27 @@ def test_schedule_options_are_typed_fields() -> None:
     assert build("gpipe", 2, 2) == build("gpipe", 2, 2) and build("gpipe", 2, 2) is not build("gpipe", 2, 2)
 
 
+def test_kept_activations_are_an_option_the_cost_table_charges() -> None:
+    from sysx.model import get_preset
+    from sysx.schedule import costs_from_model
+
+    plain, kept = build("gpipe", 2, 4), build("gpipe", 2, 4, keep_activations=True)
+    assert kept.ops == plain.ops and kept.options == dataclasses.replace(plain.options, keep_activations=True)
+    with pytest.raises(ScheduleError, match="keep_activations: sysx"):
+        build("sysx", 2, 4, keep_activations=True)
+    with pytest.raises(ScheduleError, match="keep_activations needs .* not ckpt='async'"):
+        ScheduleOptions(ckpt="async", optimizer="sync", keep_activations=True)
+    cfg = get_preset("tiny")
+    costs = costs_from_model(cfg, 16, 2)
+    layers = len(costs.layer_fwd_time)
+    plain = build("gpipe", 2, 4, uniform_partition(2, 1, layers_per_sub=layers // 2))
+    kept = build("gpipe", 2, 4, plain.partition, keep_activations=True)
+    a, b = costs.table(plain), costs.table(kept)
+    # no recompute: a backward is bwd_ratio forwards, and a micro-batch holds every layer's activations until it
+    assert b.bwd == pytest.approx([x * costs.bwd_ratio / (costs.bwd_ratio + 1) for x in a.bwd])
+    assert b.ckpt_mem == pytest.approx(b.bwd_work) and b.ckpt_mem[1] > a.ckpt_mem[1]
+
+
 def test_validate_first_is_the_same_program_with_a_synchronous_optimizer() -> None:
     """A step that validates before it steps runs SysX CFG3 as CFG2 (every sub-stage steps after
     VALIDATE): same partition and placement, a synchronous optimizer, and a longer plan when the

@@ -75,6 +75,14 @@ def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: SingleS
                 f"only sysx reads schedule.{key}",
                 "remove it or use schedule=sysx",
             )
+    elif values.get("keep_activations"):
+        _refuse(
+            "schedule.keep_activations",
+            True,
+            schedule,
+            "its backward sub-stages run on other ranks than their forwards, from sent checkpoints",
+            f"remove it or use one of {', '.join(s for s in PIPELINE_SCHEDULES if s != 'sysx')}",
+        )
     elif section.cfg == 0 and values.get("split", 1) != 1:
         _refuse(
             "schedule.split",

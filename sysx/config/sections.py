@@ -158,9 +158,14 @@ class PipelineKeys:
         None  # a header checked before every p2p message (null: on with gloo, off with NCCL)
     )
     timeout_s: float = 300.0  # longest wait on a peer before an error naming the rank, the op and the peer
+    # keep each micro-batch's activations from its forward to its backward instead of recomputing the
+    # stage (gpipe, 1f1b, interleaved_1f1b, mobius: their checkpoints stay on the rank); ~1/4 less compute
+    keep_activations: bool = False
 
     def validate(self) -> None:
         """Ranges of the pipeline keys."""
+        if not isinstance(self.keep_activations, bool):
+            fail("schedule.keep_activations", self.keep_activations, "must be true or false")
         for key in ("stages_per_rank", "split"):
             if getattr(self, key) is not None:
                 check_int(f"schedule.{key}", getattr(self, key), 1)

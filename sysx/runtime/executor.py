@@ -132,6 +132,8 @@ class Executor:
         self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]] = {}
         self.acts: dict[tuple[int, int], torch.Tensor] = {}
         self.ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
+        # keep_activations: a forward's input (leaf) and output, its autograd graph, until the backward
+        self.kept: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.igrads: dict[tuple[int, int, int], torch.Tensor] = {}
         self.inflight: dict[tuple[int, int, int], Pending] = {}
         self.sends: list[Pending] = []
@@ -225,6 +227,7 @@ class Executor:
         """Tensors still held between ops (empty after a complete op list)."""
         out = [f"act {unit_label(s)} mb{j}" for s, j in self.acts]
         out += [f"checkpoint {unit_label(s, k)} mb{j}" for s, k, j in self.ckpts]
+        out += [f"kept activations of {unit_label(s, k)} mb{j}" for s, k, j in self.kept]
         out += [f"input gradient {unit_label(s, k)} mb{j}" for s, k, j in self.igrads]
         out += [f"posted receive of checkpoint {unit_label(s, k)} mb{j}" for s, k, j in self.inflight]
         out += [f"gradients of {unit_label(s, k)} not offloaded" for s, k in self.grads.active]
@@ -234,6 +237,7 @@ class Executor:
         """Drop every tensor held between ops (after an error, or before closing)."""
         self.acts.clear()
         self.ckpts.clear()
+        self.kept.clear()
         self.igrads.clear()
         self.inflight.clear()
         self.sends.clear()
@@ -306,8 +310,15 @@ class Executor:
             ) from None
 
     def _reap_sends(self) -> None:
-        p2p = self._need_p2p()
-        self.sends = [p for p in self.sends if not p2p.completed(p)]
+        # oldest first, up to the first still in flight: sends complete about in posting order, and
+        # polling every pending send after every op cost O(ops x sends) on gloo, whose sends never
+        # complete before they are waited for
+        p2p, sends = self._need_p2p(), self.sends
+        done = 0
+        while done < len(sends) and p2p.completed(sends[done]):
+            done += 1
+        if done:
+            del sends[:done]
 
     def _post_send(self, tensor: torch.Tensor, spec: TransferSpec, peer: int) -> None:
         self.sends.append(self._need_p2p().isend(tensor, spec, peer, self._where))
@@ -315,9 +326,7 @@ class Executor:
     def wait_sends(self) -> None:
         """Wait for every posted send (their receivers have received them once the program ran)."""
         if self.sends:
-            p2p = self._need_p2p()
-            for pending in self.sends:
-                p2p.wait(pending)
+            self._need_p2p().wait_sends(self.sends, self._where)
             self.sends.clear()
 
     # -------------------------------------------------------------------------------- handlers
@@ -334,14 +343,22 @@ class Executor:
         layers = part.stage_layers(s)
         mods, _ = self._bound(layers)
         x = self._batch(j)[0] if s == 0 else self._pop(self.acts, (s - 1, j), f"the input of {op} (act s{s - 1} mb{j})")
-        with torch.no_grad():
-            h = x
-            for k in range(part.split):
-                sub = part.sub_layers(s, k)
-                if self.ctx.training:
-                    self.ckpts[(s, k, j)] = h
-                lo, hi = sub.start - layers.start, sub.stop - layers.start
-                h = self._run(mods[lo:hi], sub, h, j)
+        if self.ctx.training and self.schedule.options.keep_activations:
+            # the graph lives until this rank's backward of the stage (d = 1), which backpropagates it
+            with torch.enable_grad():
+                leaf = x.detach().requires_grad_(True) if x.is_floating_point() else x
+                out = self._run(mods, layers, leaf, j)
+            self.kept[(s, 0, j)] = (leaf, out)
+            h = out.detach()
+        else:
+            with torch.no_grad():
+                h = x
+                for k in range(part.split):
+                    sub = part.sub_layers(s, k)
+                    if self.ctx.training:
+                        self.ckpts[(s, k, j)] = h
+                    lo, hi = sub.start - layers.start, sub.stop - layers.start
+                    h = self._run(mods[lo:hi], sub, h, j)
         if s == self.last_stage:
             self.ctx.losses.append(h.detach().float())
             self.ctx.loss_weights.append(self._batch(j)[2])
@@ -353,7 +370,9 @@ class Executor:
         layers = self.schedule.partition.sub_layers(s, k)
         mods, layout = self._bound(layers)
         layout.bind_grads(mods, self.grads.get((s, k), layout.numel))
-        x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of {op}")
+        kept = self.kept.pop((s, k, j), None)
+        if kept is None:
+            x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of {op}")
         nxt = self.schedule.partition.next_sub(s, k)
         grad_out = (
             None
@@ -361,8 +380,11 @@ class Executor:
             else self._pop(self.igrads, (nxt[0], nxt[1], j), f"the output gradient of {op} (from B {unit_label(*nxt)})")
         )
         with torch.enable_grad():
-            x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
-            out = self._run(mods, layers, x, j)
+            if kept is not None:  # the forward's own graph: no recompute
+                x, out = kept
+            else:
+                x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
+                out = self._run(mods, layers, x, j)
             if grad_out is None:
                 scaled = out / self.ctx.divisor(self._batch(j)[2])
                 if self.ctx.scale != 1.0:

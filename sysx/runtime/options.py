@@ -165,6 +165,7 @@ def make_schedule(
                     split=split,
                     cfg=opts.cfg,
                     param_buffers=opts.param_buffers,
+                    keep_activations=opts.keep_activations,
                 )
                 validate(schedule)
                 return schedule

@@ -132,6 +132,18 @@ class P2P:
         self.stream_ordered = bool(stream_ordered)
         self.pacer = pacer or Pacer()
         self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
+        # with verify: the (peer, spec) pairs whose header went (or came) once. Both ranks compute
+        # the same specs in the same order, and the plan repeats every step, so a disagreement
+        # shows at its first message, which carries a header on both sides
+        self._sent_headers: set[tuple[int, TransferSpec]] = set()
+        self._received_headers: set[tuple[int, TransferSpec]] = set()
+
+    def _first(self, seen: set[tuple[int, TransferSpec]], peer: int, spec: TransferSpec) -> bool:
+        """True (and remembered) the first time ``spec`` travels to or from ``peer`` with verify on."""
+        if not self.verify or (peer, spec) in seen:
+            return False
+        seen.add((peer, spec))
+        return True
 
     # ------------------------------------------------------------------------------------ posting
     def isend(self, tensor: torch.Tensor, spec: TransferSpec, peer: int, what: str) -> Pending:
@@ -141,7 +153,7 @@ class P2P:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
         works: list[dist.Work] = []
         header, group = None, self._group(spec)
-        if self.verify:
+        if self._first(self._sent_headers, peer, spec):
             header = spec.header(payload.device)
             works.append(posted(dist.isend(header, dst=peer, group=group), what))
         works.append(posted(dist.isend(payload, dst=peer, group=group), what))
@@ -155,7 +167,7 @@ class P2P:
         peer += self.peer_offset
         works: list[dist.Work] = []
         header, group = None, self._group(spec)
-        if self.verify:
+        if self._first(self._received_headers, peer, spec):
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             works.append(posted(dist.irecv(header, src=peer, group=group), what))
         works.append(posted(dist.irecv(buffer, src=peer, group=group), what))
@@ -198,15 +210,37 @@ class P2P:
             return pending.buffer
         direction = "to" if pending.is_send else "from"
         what = f"{pending.what} ({'send' if pending.is_send else 'receive'} {pending.spec.label} {direction} rank {pending.peer})"
-        if pending.header is not None:
-            wait_for(pending.works[0], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
-            if not pending.is_send:
-                self._check_header(pending)
-        wait_for(pending.works[-1], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+        works = pending.works
+        if pending.header is not None and not pending.is_send:  # the header is checked before the payload lands
+            wait_for(works[0], rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
+            self._check_header(pending)
+            works = works[1:]
+        wait_for(works, rank=self.rank, what=what, peer=pending.peer, timeout_s=self.timeout_s)
         self._settle(pending, what)
         pending.done = True
         self._record(pending)
         return pending.buffer
+
+    def wait_sends(self, pendings: list[Pending], what: str) -> None:
+        """Wait for posted sends all at once (one hand-over to the waiter thread, not one per send);
+        ``what`` names the waiting op, the error names the sends and their peers."""
+        left = [p for p in pendings if not p.done]
+        if left:
+            peers = sorted({p.peer for p in left})
+            names = ", ".join(f"{p.spec.label} to rank {p.peer}" for p in left[:4])
+            more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+            wait_for(
+                [w for p in left for w in p.works],
+                rank=self.rank,
+                what=f"{what} (posted sends {names}{more})",
+                peer=peers[0] if len(peers) == 1 else None,
+                timeout_s=self.timeout_s,
+            )
+        for pending in pendings:
+            if not pending.done:
+                self._settle(pending, pending.what)
+                pending.done = True
+                self._record(pending)
 
     def _settle(self, pending: Pending, what: str) -> None:
         self.pacer.settle(

@@ -8,6 +8,7 @@ costs into a :class:`Timeline`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
@@ -36,9 +37,11 @@ def build(
     split: int = 1,
     cfg: int = 3,
     param_buffers: int = 2,
+    keep_activations: bool = False,
 ) -> Schedule:
     """Build schedule ``name``. Without ``partition``, a uniform one with ``n_stages`` stages
     (default: ``Ng`` for gpipe/1f1b, ``2 Ng`` otherwise) and ``split`` (sysx only).
+    ``keep_activations``: see :class:`ScheduleOptions` (not for sysx).
 
     Every call builds a new schedule (milliseconds even for thousands of ops; a caller that
     builds the same one repeatedly keeps it).
@@ -54,14 +57,22 @@ def build(
         partition = partition.with_split(1)
     kw: dict[str, Any] = {"param_buffers": param_buffers}
     if name == "gpipe":
-        return build_gpipe(n_ranks, n_micro, partition, **kw)
-    if name == "1f1b":
-        return build_1f1b(n_ranks, n_micro, partition, **kw)
-    if name == "interleaved_1f1b":
-        return build_interleaved_1f1b(n_ranks, n_micro, partition, **kw)
-    if name == "mobius":
-        return build_mobius(n_ranks, n_micro, partition, **kw)
-    return build_sysx(n_ranks, n_micro, partition, cfg=cfg, **kw)
+        built = build_gpipe(n_ranks, n_micro, partition, **kw)
+    elif name == "1f1b":
+        built = build_1f1b(n_ranks, n_micro, partition, **kw)
+    elif name == "interleaved_1f1b":
+        built = build_interleaved_1f1b(n_ranks, n_micro, partition, **kw)
+    elif name == "mobius":
+        built = build_mobius(n_ranks, n_micro, partition, **kw)
+    else:
+        built = build_sysx(n_ranks, n_micro, partition, cfg=cfg, **kw)
+    if not keep_activations:
+        return built
+    if name == "sysx":
+        raise ScheduleError(
+            "keep_activations: sysx runs backward sub-stages from sent checkpoints; use another schedule"
+        )
+    return dataclasses.replace(built, options=dataclasses.replace(built.options, keep_activations=True))
 
 
 def validate_first(schedule: Schedule) -> Schedule:

@@ -189,7 +189,10 @@ class Costs:
         nsf, d = p.n_stages, p.split
         ft, pr = self.layer_fwd_time, self.layer_params
         act = self.layer_act_bytes or (0.0,) * p.n_layers
-        bmul = self.bwd_ratio + (1.0 if self.recompute else 0.0)
+        # a schedule that keeps its activations backpropagates the forward's graph: no recompute, and
+        # what a micro-batch holds from its forward to its backward is every layer's activations
+        keep = schedule.options.keep_activations
+        bmul = self.bwd_ratio + (1.0 if self.recompute and not keep else 0.0)
 
         def tsum(arr: Sequence[float], rng: range) -> float:
             return float(sum(arr[i] for i in rng))
@@ -223,7 +226,7 @@ class Costs:
             param_stage=[x * self.param_bytes for x in params_stage],
             param_sub=[x * self.param_bytes for x in params_sub],
             grad_mem=[x * self.grad_bytes for x in params_sub],
-            ckpt_mem=ckpt_b,
+            ckpt_mem=[tsum(act, r) for r in subs] if keep else ckpt_b,
             fwd_work=[max((act[i] for i in r), default=0.0) for r in stages],
             bwd_work=[tsum(act, r) for r in subs],
             host_bytes_per_param=self.host_bytes_per_param,

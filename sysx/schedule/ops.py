@@ -171,7 +171,9 @@ class ScheduleOptions:
     ``optimizer``: ``"sync"`` (step after VALIDATE) or ``"async"`` (step when offloaded, roll back
     at VALIDATE). ``param_buffers``: GPU stage buffers per rank. ``cfg``: the sysx ablation
     (paper Table 3), ``None`` for other schedules. ``training``: False for a forward-only
-    evaluation program (no backward, no optimizer, no VALIDATE).
+    evaluation program (no backward, no optimizer, no VALIDATE). ``keep_activations``: the forward
+    keeps its autograd graph for the rank's own backward, which then backpropagates it instead of
+    recomputing from the checkpoint (local checkpoints and whole-stage backwards only).
     """
 
     ckpt: CkptMode
@@ -179,6 +181,7 @@ class ScheduleOptions:
     param_buffers: int = 2
     cfg: int | None = None
     training: bool = True
+    keep_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.ckpt not in CKPT_MODES:
@@ -187,6 +190,10 @@ class ScheduleOptions:
             raise ScheduleError(f"optimizer mode {self.optimizer!r} must be 'sync' or 'async'")
         if not isinstance(self.param_buffers, int) or self.param_buffers < 1:
             raise ScheduleError(f"param_buffers={self.param_buffers!r} must be an int >= 1 (2 = current + prefetch)")
+        if self.keep_activations and self.ckpt != "local":
+            raise ScheduleError(
+                f"keep_activations needs every backward on its forward's rank (local checkpoints), not ckpt={self.ckpt!r}"
+            )
 
     @property
     def async_optimizer(self) -> bool:
