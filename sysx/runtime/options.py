@@ -43,11 +43,10 @@ BALANCED_SPLIT = 3
 
 # Forward stages per rank SysX (CFG2, CFG3) tries first when neither stages_per_rank nor split is
 # set: the pipeline fill and the drain of the last backward round each take Ng - 1 passes of one
-# unit, so halving the units (4 stages per rank instead of the paper's 2) halves both, and the
-# Head's sub-stage, which paces the first backward round, is smaller too. Every unit is still
-# loaded once per pass over it (the same host-to-device bytes), in smaller GPU buffers; what grows
-# is the number of checkpoints a rank holds (one per owned sub-stage and micro-batch: twice as
-# many, each as large) and of messages. Emulated V100 cluster, 10B-40B: 1-4% shorter iterations
+# unit, so halving the units (4 stages per rank instead of the paper's 2) halves both. Every unit
+# is still loaded once per pass over it (the same host-to-device bytes), in smaller GPU buffers;
+# what grows is the number of checkpoints a rank holds (one per owned sub-stage and micro-batch:
+# twice as many, each as large; the parameter buffers halve) and of messages. Emulated V100 cluster, 10B-40B: 1-4% shorter iterations
 # (docs/notes-h1.md); a model with too few layers for 12 sub-stages per rank gets 2 stages per rank.
 FINE_STAGES_PER_RANK = 4
 
