@@ -400,8 +400,9 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
 
 def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
     """The schedule's name in the table; a SysX row at the default layout names its split ``d`` (the
-    default changed from 2 to 3, and older rows are kept), a row at a placement names it and how
-    many sub-stages went to the device."""
+    default changed from 2 to 3, and older rows are kept) and its forward stages per rank when they
+    are not 2 (the default of CFG2-3 became 4 where the model has the layers), a row at a placement
+    names it and how many sub-stages went to the device."""
     base, layout = split_layout(schedule)
     name = {
         "interleaved_1f1b": "Megatron (interleaved 1F1B)",
@@ -412,7 +413,9 @@ def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
     }.get(base, base.replace("sysx:cfg", "SysX CFG"))
     if layout[0] is None:
         if row and base.startswith("sysx:cfg") and base != "sysx:cfg0" and row.get("split"):
-            name = f"{name} (d={row['split']})"
+            pipeline = row.get("ranks", 0) // row.get("replicas", 1)
+            per_rank = row.get("nsf", 0) // pipeline if pipeline else 2
+            name = f"{name} ({f'{per_rank} stages/rank, ' if per_rank not in (0, 2) else ''}d={row['split']})"
     else:
         name = f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
     return name + _placement_label(split_placement(schedule)[1], row)

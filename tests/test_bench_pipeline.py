@@ -56,6 +56,14 @@ def test_sysx_is_compared_with_the_baselines_run_the_same_way() -> None:
     assert "SysX/Mobius (best layouts) 1.10x" in bench.averages(rows)
 
 
+def test_a_default_sysx_row_names_its_split_and_stages_per_rank_unless_two() -> None:
+    assert bench._label("sysx:cfg3", {**_row("sysx:cfg3", 10.0), "nsf": 16, "split": 3}) == (
+        "SysX CFG3 (4 stages/rank, d=3)"
+    )
+    assert bench._label("sysx:cfg3", {**_row("sysx:cfg3", 10.0), "nsf": 8, "split": 3}) == "SysX CFG3 (d=3)"
+    assert bench._label("sysx:cfg3", {**_row("sysx:cfg3", 10.0), "split": 3}) == "SysX CFG3 (d=3)"  # older rows
+
+
 def test_a_cell_measured_again_keeps_its_measured_row() -> None:
     first, again = _row("mobius", None), _row("mobius", 12.0)
     assert bench._latest([first, again]) == [again] and bench._latest([again, first]) == [again]

@@ -323,13 +323,15 @@ COMMON = [
 def test_an_emulated_run_computes_the_losses_of_the_cpu_run(tmp_path: Path) -> None:
     from sysx.model import get_preset
     from sysx.partition import partition_model
+    from sysx.runtime.options import FINE_STAGES_PER_RANK
 
     emulated = _launch(
         [*COMMON, "device=emulated", "emulate.model=llama2_7b", "emulate.time_scale=0.02"], tmp_path / "emulated"
     )
     assert emulated.returncode == 0, emulated.stderr[-3000:]
-    # the emulated run is cut like llama2_7b (32 blocks at seq 16); the CPU run gets the same cut
-    cut = partition_model(get_preset("llama2_7b"), 16, 4, split=2)
+    # the emulated run is cut like llama2_7b (32 blocks at seq 16) at the default layout (2 ranks x
+    # FINE_STAGES_PER_RANK stages of d = 3); the CPU run gets the same cut
+    cut = partition_model(get_preset("llama2_7b"), 16, 2 * FINE_STAGES_PER_RANK, split=3)
     sizes = [len(cut.stage_layers(s)) for s in range(cut.n_stages)]
     cpu = _launch(
         [*COMMON, "device=cpu", "model.n_layers=32", f"schedule.stage_sizes=[{','.join(map(str, sizes))}]"],

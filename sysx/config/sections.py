@@ -147,7 +147,8 @@ class PipelineKeys:
     """The ``schedule.*`` keys the pipeline schedules read (which one reads which:
     :mod:`sysx.config.schedule_keys`); :class:`sysx.runtime.PipelineOptions` holds them too."""
 
-    stages_per_rank: int | None = None  # forward stages per rank (null: 2 when the model has enough layers, else 1)
+    # forward stages per rank (null: sysx cfg 2-3 4 when the model has enough layers, else 2, else 1)
+    stages_per_rank: int | None = None
     split: int | None = (
         None  # sysx: backward sub-stages per forward stage d (null: 3 when possible (2 with cfg=1), else 2, else 1)
     )

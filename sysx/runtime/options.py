@@ -41,15 +41,24 @@ class RuntimeConfigError(ConfigError):
 # timelines together (emulated 10B, 2048 tokens: 19.6 s per iteration against 13.5 s at d = 2).
 BALANCED_SPLIT = 3
 
+# Forward stages per rank SysX (CFG2, CFG3) tries first when neither stages_per_rank nor split is
+# set: the pipeline fill and the drain of the last backward round each take Ng - 1 passes of one
+# unit, so halving the units (4 stages per rank instead of the paper's 2) halves both. Every unit
+# is still loaded once per pass over it (the same host-to-device bytes), in smaller GPU buffers;
+# what grows is the number of checkpoints a rank holds (one per owned sub-stage and micro-batch:
+# twice as many, each as large; the parameter buffers halve) and of messages. Emulated V100 cluster, 10B-40B: 1-4% shorter iterations
+# (docs/notes-h1.md); a model with too few layers for 12 sub-stages per rank gets 2 stages per rank.
+FINE_STAGES_PER_RANK = 4
+
 
 @dataclass
 class PipelineOptions(PipelineKeys):
     """Settings of one pipeline run: the pipeline schedule, its ``schedule.*`` keys
     (:class:`~sysx.config.sections.PipelineKeys`, with the config's defaults) and runtime knobs.
 
-    ``stages_per_rank`` and ``split`` left ``None`` are chosen: 2 stages per rank and ``d = 3`` (the
-    paper's evaluated setting; ``d = 2`` for CFG1) when the model has enough layers, else fewer (see
-    :meth:`candidates` and :func:`make_schedule`). ``optim_backend``, ``rollback``,
+    ``stages_per_rank`` and ``split`` left ``None`` are chosen: 4 stages per rank and ``d = 3`` for
+    CFG2-3 when the model has enough layers, else 2 stages per rank (the paper's evaluated setting;
+    ``d = 2`` for CFG1), else fewer (see :meth:`candidates` and :func:`make_schedule`). ``optim_backend``, ``rollback``,
     ``optimizer_workers``: the host CPU Adam's ``optim.backend``, ``optim.rollback``, ``optim.workers``.
     """
 
@@ -79,9 +88,9 @@ class PipelineOptions(PipelineKeys):
             raise RuntimeConfigError(str(err)) from None
 
     def candidates(self, n_ranks: int) -> list[tuple[int, int]]:
-        """``(Nsf, d)`` to try, preferred first: the given values, else 2 stages per rank with
-        ``d = BALANCED_SPLIT`` (CFG2-3), then 2 then 1 stage(s) per rank with ``d`` 2 then 1 (sysx
-        CFG1-3 only; other schedules and CFG0 run whole-stage backwards)."""
+        """``(Nsf, d)`` to try, preferred first: the given values, else (CFG2-3) ``FINE_STAGES_PER_RANK``
+        then 2 stages per rank with ``d = BALANCED_SPLIT``, then 2 then 1 stage(s) per rank with ``d`` 2
+        then 1 (sysx CFG1-3 only; other schedules and CFG0 run whole-stage backwards)."""
         if self.schedule in ONE_STAGE_PER_RANK:
             per_rank = [1]
         else:
@@ -93,6 +102,8 @@ class PipelineOptions(PipelineKeys):
         found = [(p * n_ranks, d) for d in splits for p in per_rank]
         if self.schedule == "sysx" and self.cfg >= 2 and self.split is None:
             found.insert(0, (per_rank[0] * n_ranks, BALANCED_SPLIT))
+            if self.stages_per_rank is None:
+                found.insert(0, (FINE_STAGES_PER_RANK * n_ranks, BALANCED_SPLIT))
         return found
 
     def describe(self) -> str:
