@@ -47,7 +47,7 @@ BALANCED_SPLIT = 3
 # is still loaded once per pass over it (the same host-to-device bytes), in smaller GPU buffers;
 # what grows is the number of checkpoints a rank holds (one per owned sub-stage and micro-batch:
 # twice as many, each as large; the parameter buffers halve) and of messages. Emulated V100 cluster, 10B-40B: 1-4% shorter iterations
-# (docs/notes-h1.md); a model with too few layers for 12 sub-stages per rank gets 2 stages per rank.
+# (docs/architecture.md, sysx/runtime/options.py); a model with too few layers for 12 sub-stages per rank gets 2 stages per rank.
 FINE_STAGES_PER_RANK = 4
 
 
