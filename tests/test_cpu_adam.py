@@ -285,6 +285,14 @@ def test_the_op_is_built_by_the_environments_ninja_whatever_path_says(
     assert seen == [os.path.join(ninja.BIN_DIR, "ninja")] * 2
 
 
+def test_the_op_is_built_optimised_without_debug_info() -> None:
+    """-g does not change GCC's code but makes the build ~25% longer and the objects 18 MiB each."""
+    from sysx.optim.deepspeed_backend import _builder
+
+    args = _builder().cxx_args()
+    assert "-O3" in args and "-g" not in args, args
+
+
 def test_stale_build_lock_is_removed(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     from sysx.optim.deepspeed_backend import STALE_LOCK_S, _clear_stale_lock
 

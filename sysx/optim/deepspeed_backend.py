@@ -97,6 +97,10 @@ def _builder() -> Any:
         ) from exc
 
     class _Builder(CPUAdamBuilder):
+        def cxx_args(self) -> list[str]:
+            # without -g: GCC's code is the same, the build ~25% shorter and the objects 0.5 MiB instead of 18
+            return [arg for arg in super().cxx_args() if arg != "-g"]
+
         def simd_width(self) -> str:
             return simd_flag() or super().simd_width()
 
