@@ -65,6 +65,21 @@ ENGINES = (
 CONFIG_MAY_IMPORT = ("sysx.config", "sysx.model")
 # The launchers (torchrun / mpirun wrappers) stand beside the job: they start it and import little.
 LAUNCHERS = ("sysx.launch", "sysx.rank_env")
+# Imported inside the functions that use them, never when a sysx module is imported: each costs 0.3-3 s
+# at the start of every process (every rank, pre-flight and command), used or not.
+# torch.nn.attention.bias imports torch._dynamo: 0.8 s of each launch script's pre-flight.
+IMPORTED_WHERE_USED = (
+    "torch._dynamo",
+    "torch.nn.attention",
+    "torch.distributed.pipelining",
+    "torch.utils.tensorboard",
+    "deepspeed",
+    "transformers",
+    "datasets",
+    "matplotlib",
+    "tensorboard",
+    "wandb",
+)
 
 
 def module_name(path: Path) -> str:
@@ -232,6 +247,35 @@ def test_config_imports_only_the_model_presets() -> None:
     assert not bad, "config imports beyond the model presets: " + ", ".join(bad)
 
 
+def module_level_imports(tree: ast.Module) -> list[str]:
+    """The absolute names a module imports when it is imported: its statements outside functions
+    (class bodies, ``if`` and ``try`` blocks included), ``if TYPE_CHECKING:`` blocks left out."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.extend([node.module] if node.module and not node.level else [])
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_heavy_libraries_are_imported_where_used() -> None:
+    bad = [
+        f"{name} imports {imported}"
+        for name, path in modules().items()
+        for imported in module_level_imports(ast.parse(path.read_text()))
+        if _in(imported, IMPORTED_WHERE_USED)
+    ]
+    assert not bad, "import these inside the functions that use them: " + ", ".join(bad)
+
+
 def long_functions() -> list[tuple[int, str]]:
     found = []
     for name, path in modules().items():
@@ -280,6 +324,16 @@ def test_function_level_and_importlib_imports_are_seen(tmp_path: Path) -> None:
     src = "def f():\n    from sysx.memory import budget\n    import importlib\n    importlib.import_module('sysx.train')\n"
     names = set(_imported_names(ast.parse(src), "sysx.x", False))
     assert {"sysx.memory", "sysx.memory.budget", "sysx.train"} <= names
+
+
+def test_module_level_imports_are_told_from_function_level_ones() -> None:
+    src = (
+        "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import wandb\n"
+        "try:\n    from torch.nn.attention.bias import causal_lower_right\nexcept ImportError:\n    pass\n"
+        "class A:\n    import matplotlib\n    def f(self):\n        import transformers\n"
+        "def g():\n    import datasets\n"
+    )
+    assert module_level_imports(ast.parse(src)) == ["os", "typing", "torch.nn.attention.bias", "matplotlib"]
 
 
 @pytest.mark.parametrize("level,module,expected", [(1, "ops", "sysx.schedule.ops"), (2, "device", "sysx.device")])

@@ -252,6 +252,47 @@ def test_extensions_dir_choice(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Non
     assert "torch_extensions" in str(d) and f"py{ds.sys.version_info.major}{ds.sys.version_info.minor}" in d.name
 
 
+def test_the_op_is_built_by_the_environments_ninja_whatever_path_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A process without the venv's ``bin`` on PATH builds with the same ninja as one with it: two
+    ninja versions hash the same command differently and rebuilt each other's op (~1 min each)."""
+    import shutil
+
+    import ninja
+    import torch.utils.cpp_extension as cpp_extension
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from sysx.optim import deepspeed_backend as ds
+
+    seen: list[str | None] = []
+
+    def no_build(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        seen.append(shutil.which("ninja"))  # what torch's `ninja -v` runs
+        raise RuntimeError("stopped before building")
+
+    monkeypatch.setattr(cpp_extension, "_run_ninja_build", no_build)
+    monkeypatch.setattr(ds, "_op", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for path in ("/usr/bin:/bin", f"{ninja.BIN_DIR}:/usr/bin:/bin"):
+        # as in a new process: DeepSpeed and torch skip the build of an op this process has loaded
+        monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+        monkeypatch.setattr(cpp_extension, "JIT_EXTENSION_VERSIONER", type(cpp_extension.JIT_EXTENSION_VERSIONER)())
+        monkeypatch.setenv("PATH", path)
+        with pytest.raises(ds.DeepSpeedUnavailable, match="stopped before building"):
+            ds.load_op()
+        assert os.environ["PATH"] == path  # restored after the build
+    assert seen == [os.path.join(ninja.BIN_DIR, "ninja")] * 2
+
+
+def test_the_op_is_built_optimised_without_debug_info() -> None:
+    """-g does not change GCC's code but makes the build ~25% longer and the objects 18 MiB each."""
+    from sysx.optim.deepspeed_backend import _builder
+
+    args = _builder().cxx_args()
+    assert "-O3" in args and "-g" not in args, args
+
+
 def test_stale_build_lock_is_removed(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     from sysx.optim.deepspeed_backend import STALE_LOCK_S, _clear_stale_lock
 

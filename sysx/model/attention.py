@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from sysx.model.config import ModelConfig
 
@@ -93,7 +92,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -
         v = v[:, :, None].expand(bsz, n_kv, n_rep, tk, v.shape[-1]).reshape(bsz, n_heads, tk, v.shape[-1])
     if tq == tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
-    # lower-right causal: flash attention aligns it natively on CUDA; elsewhere the mask is materialised
+    # lower-right causal: flash attention aligns it natively on CUDA; elsewhere the mask is materialised.
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, which the pre-flight of every
+    # launch script (sysx-train --check) would pay (0.8 s of its 3.5 s) while only sequence chunks
+    # and generation reach this line.
+    from torch.nn.attention.bias import causal_lower_right
+
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(tq, tk), scale=scale, **gqa)
 
 
