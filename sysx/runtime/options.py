@@ -102,7 +102,7 @@ class PipelineOptions(PipelineKeys):
         found = [(p * n_ranks, d) for d in splits for p in per_rank]
         if self.schedule == "sysx" and self.cfg >= 2 and self.split is None:
             found.insert(0, (per_rank[0] * n_ranks, BALANCED_SPLIT))
-            if self.stages_per_rank is None:
+            if self.stages_per_rank is None and self.stage_sizes is None:  # stage_sizes names the stages
                 found.insert(0, (FINE_STAGES_PER_RANK * n_ranks, BALANCED_SPLIT))
         return found
 
