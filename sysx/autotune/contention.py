@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -30,10 +31,15 @@ REPEATS = 7  # after one warm-up; the median, so one descheduled run neither hid
 
 
 def time_block_together(
-    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, *, repeats: int = REPEATS, barrier: object = None
+    cfg: ModelConfig,
+    seq_len: int,
+    dtype: torch.dtype,
+    *,
+    repeats: int = REPEATS,
+    barrier: Callable[[], object] | None = None,
 ) -> float:
     """Median seconds of one Block's no-grad forward plus its recompute-and-backward on one sequence,
-    on the CPU; ``barrier`` (a callable) is called after the warm-up so every rank times at once."""
+    on the CPU; ``barrier`` is called after the warm-up so every rank times at once."""
     layer = make_layer(cfg, 1, dtype=dtype, device=torch.device("cpu"))
     init_layer(layer, 1)  # uninitialised memory can hold denormals, which time differently
     x = torch.randn(1, seq_len, cfg.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -46,7 +52,7 @@ def time_block_together(
         out.backward(torch.ones_like(out))
 
     step()
-    if callable(barrier):
+    if barrier is not None:
         barrier()
     times = []
     for _ in range(repeats):
