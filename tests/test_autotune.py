@@ -11,11 +11,13 @@ import json
 import pytest
 import torch
 
+from sysx.autotune import apply as apply_mod
 from sysx.autotune import cache as cache_mod
 from sysx.autotune import profile as prof
 from sysx.autotune.advice import advise
 from sysx.autotune.apply import choice, job_from_config, tuned_job_config
 from sysx.autotune.cli import main as tune_main
+from sysx.autotune.contention import slowdown
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.profile import LayerTiming, MachineProfile
 from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
@@ -80,6 +82,22 @@ def test_profile_json_round_trip_and_interpolation() -> None:
     assert f1 == pytest.approx(1e-3) and b1 == pytest.approx(3e-3)
     assert f3 == pytest.approx(3e-3)
     assert p.layer_time("head", 1024)[0] == pytest.approx(2 * p.layer_time("head", 512)[0])  # beyond: proportional
+
+
+def test_slowdown_measured_together_scales_layer_and_host_costs() -> None:
+    """The ranks' Block time measured together over the profile's is the factor every layer and the
+    per-op host cost are charged; never below 1 (the profile is the fastest the layer ran)."""
+    p = synthetic_profile()  # block: 1 ms forward + 3 ms backward at 64 tokens
+    assert slowdown(p, SEQ, [8e-3, 16e-3]) == pytest.approx(3.0)
+    assert slowdown(p, SEQ, [1e-3]) == 1.0
+    with pytest.raises(ValueError):
+        slowdown(p, SEQ, [])
+    alone = profiled_costs(p, TINY, SEQ, 2, gpus_per_node=2)
+    hw = dataclasses.replace(p.hardware, op_host_s=5e-6)
+    shared = profiled_costs(dataclasses.replace(p, hardware=hw, slowdown=3.0), TINY, SEQ, 2, gpus_per_node=2)
+    assert shared.layer_fwd_time == pytest.approx(tuple(3 * t for t in alone.layer_fwd_time))
+    assert shared.op_host == pytest.approx(15e-6)
+    assert MachineProfile.from_json(dataclasses.replace(p, slowdown=3.0).to_json()).slowdown == 3.0
 
 
 def test_profiled_costs_are_what_simulate_gets() -> None:
@@ -311,11 +329,13 @@ def _job_config(*extra: str):
 def test_schedule_tune_at_job_start_writes_the_choice_into_the_config(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
+    # the Block timed with every rank computing: 3x the profile's 1 + 3 ms (no speed of this machine enters)
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: 12e-3)
     cfg = _job_config()
     tuned = tuned_job_config(cfg, DistInfo(), torch.device("cpu"))
     assert tuned.train.micro_batch_size * tuned.train.micro_batches == 8  # the global batch is the config's
     job = job_from_config(cfg, 1, None, torch.device("cpu"))
-    best = search(job, ROOMY, synthetic_profile()).best
+    best = search(job, ROOMY, dataclasses.replace(synthetic_profile(), slowdown=3.0)).best
     assert best is not None
     for key, value in choice(best).items():
         section, name = key.split(".")

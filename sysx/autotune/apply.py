@@ -17,6 +17,7 @@ from sysx import device as dev
 from sysx import dist as sdist
 from sysx.autotune.advice import Change, advise
 from sysx.autotune.cache import cached_profile, load_or_measure, profile_path
+from sysx.autotune.contention import slowdown, time_block_together
 from sysx.autotune.emulated import emulated_profile
 from sysx.autotune.p2p import P2PFigures, measure_p2p
 from sysx.autotune.profile import MachineProfile
@@ -90,11 +91,14 @@ def tune(
     budget: dict[str, float | None] | None = None,
     profile: MachineProfile | None = None,
     p2p: P2PFigures | None = None,
+    together_s: list[float] | None = None,
 ) -> Tuning:
     """Profile (cached), search, advise. ``budget`` bytes override what the profile found free
     (keys ``gpu``, ``host``, ``shm``; None keeps the profile's figure). ``profile``: use this one
     (the emulated device's) instead of the cache. ``p2p``: figures just measured between the job's
-    ranks, kept in the cached profile; without them the cached profile's are used if it has some."""
+    ranks, kept in the cached profile; without them the cached profile's are used if it has some.
+    ``together_s``: each rank's time of the Block measured together (:mod:`sysx.autotune.contention`):
+    the search charges the profile's layer times their slowdown (not kept in the cache: it is this job's)."""
     reused = profile is not None
     if profile is None:
         dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
@@ -108,6 +112,8 @@ def tune(
             adam_backend=adam_backend,
             p2p=p2p,
         )
+    if together_s:
+        profile = dataclasses.replace(profile, slowdown=slowdown(profile, job.seq_len, together_s))
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
     limits = Budget(**{k: float(v if (g := given.get(k)) is None else g) for k, v in found.items()})
@@ -201,6 +207,24 @@ def _wants_p2p(cfg: SysxConfig, job: Job, device: torch.device) -> bool:
     return p is None or (p.ranks, p.ranks_per_node) != (job.n_ranks, job.ranks_per_node)
 
 
+def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, group: Any) -> list[float] | None:
+    """Every rank's time of the job's Block, all timing at once (:mod:`sysx.autotune.contention`), on
+    rank 0; None where the ranks do not share the compute (a GPU, the emulated device)."""
+    if cfg.device == EMULATED_DEVICE or dev.is_cuda(device):
+        return None
+    dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
+    many = info.world_size > 1
+    mine = time_block_together(
+        job.model, job.seq_len, dtype, barrier=(lambda: tdist.barrier(group=group)) if many else None
+    )
+    every: list[Any] = [None] * info.world_size
+    if many:
+        tdist.all_gather_object(every, mine, group=group)
+    else:
+        every = [mine]
+    return [float(t) for t in every]
+
+
 def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
     """``schedule.tune=true`` at job start: every rank measures p2p together when the cached profile
     lacks it, then rank 0 profiles and searches, and every rank takes its choice (all ranks must
@@ -218,10 +242,13 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
     if flag[0]:  # over the job's main group and device: the links its messages take
         on = device if dev.is_cuda(device) else torch.device("cpu")
         p2p = measure_p2p(info.rank, info.world_size, job.ranks_per_node, on, None)
+    together = _time_together(cfg, job, device, info, group)
     box: list[Any] = [None]
     costs = None
     if info.is_main:
-        tuning = tune(job, device, adam_backend=cfg.optim.backend, profile=job_profile(cfg, job), p2p=p2p)
+        tuning = tune(
+            job, device, adam_backend=cfg.optim.backend, profile=job_profile(cfg, job), p2p=p2p, together_s=together
+        )
         best = tuning.result.best
         box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)
         if best is not None:
@@ -239,6 +266,8 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
             else f"measured in {tuning.profile.seconds:.1f} s"
         )
         links = f"; {tuning.profile.p2p.describe()}" if tuning.profile.p2p is not None else ""
+        if tuning.profile.slowdown is not None:
+            links += f"; layers {tuning.profile.slowdown:.2f}x the profile's with every rank computing"
         print("schedule.tune (profile " + how + links + "):\n  " + "\n  ".join(why(tuning.result, None)), flush=True)
     if info.world_size > 1:
         tdist.broadcast_object_list(box, src=0, group=group)

@@ -9,7 +9,8 @@ throughput with the machine's; p2p bandwidth and latency between ranks (in a nod
 nodes) are the profile's when it holds them (:mod:`sysx.autotune.p2p`, measured at tune time), else
 :class:`Costs`' defaults. Sends are posted, as the runtime's isends are (the emulated device's
 costs say the same: :mod:`sysx.emulate.costs`). On a CPU "device" with more ranks per node than
-physical cores, the layer times grow by that ratio (:func:`cpu_share`), and so does the executor's
+physical cores, the layer times grow by that ratio, or by the slowdown the job's ranks measured
+together at tune time (:func:`cpu_share`), and so does the executor's
 fixed host cost per instruction (``op_host``, :mod:`sysx.machine.host_cost`); every rank's host
 memory holds the machine's fixed per-process bytes besides its state (``process_bytes``).
 """
@@ -33,9 +34,15 @@ def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tup
 
 
 def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
-    """How much slower a layer runs in the job than in the profile: on a CPU "device" the ranks of a
-    node share its physical cores, so more ranks than cores time-slice them (1.0 on a GPU)."""
-    if profile.hardware.kind != "cpu" or not ranks_per_node:
+    """How much slower a layer runs in the job than in the profile: the slowdown the job's ranks
+    measured together at tune time when the profile holds one (:mod:`sysx.autotune.contention`);
+    else, on a CPU "device", the ranks of a node over its physical cores (more ranks than cores
+    time-slice them); 1.0 on a GPU."""
+    if profile.hardware.kind != "cpu":
+        return 1.0
+    if profile.slowdown is not None:
+        return profile.slowdown
+    if not ranks_per_node:
         return 1.0
     return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
 

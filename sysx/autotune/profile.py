@@ -64,6 +64,8 @@ class MachineProfile:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     p2p: P2PFigures | None = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
+    # the job's layers over the profile's, its ranks measured together at tune time (:mod:`sysx.autotune.contention`)
+    slowdown: float | None = None
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
