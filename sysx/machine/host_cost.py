@@ -79,6 +79,9 @@ _CHILD = r"""
 import json, os, threading, tempfile
 import psutil, torch, torch.distributed as dist
 import sysx.train  # everything a rank imports
+# a rank has imported dynamo before its baseline (building the model, its optimizer); sysx imports it
+# lazily, and here the first backward and Adam step would pull in its ~70 MiB after the baseline
+import torch._dynamo
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
 torch.set_num_threads(1)
