@@ -93,8 +93,12 @@ class PipelineOptions(PipelineKeys):
         then 1 (sysx CFG1-3 only; other schedules and CFG0 run whole-stage backwards)."""
         if self.schedule in ONE_STAGE_PER_RANK:
             per_rank = [1]
+        elif self.stages_per_rank is not None:
+            per_rank = [self.stages_per_rank]
+        elif self.stage_sizes is not None and len(self.stage_sizes) % n_ranks == 0:
+            per_rank = [len(self.stage_sizes) // n_ranks]  # stage_sizes names the stages
         else:
-            per_rank = [self.stages_per_rank] if self.stages_per_rank is not None else [2, 1]
+            per_rank = [2, 1]
         if self.schedule == "sysx" and self.cfg > 0:
             splits = [self.split] if self.split is not None else [2, 1]
         else:
