@@ -34,7 +34,6 @@ import io
 import json
 import os
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
@@ -237,15 +236,11 @@ def worker(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(argv: list[str], result: Path) -> None:
     """Start the 2 ranks (torchrun's environment) on ``argv``; wait for them."""
-    port, procs = _free_port(), []
+    from sysx.dist import free_port
+
+    port, procs = free_port(), []
     try:
         for r in range(2):
             env = {k: v for k, v in os.environ.items() if k != "SYSX_JOB_ID"}

@@ -52,7 +52,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -348,18 +347,14 @@ def worker(spec_path: str, out_path: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ parent
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_path: Path) -> None:
     """Start ``n_ranks`` worker processes (torchrun's environment) on ``cells``; wait for them."""
+    from sysx.dist import free_port
+
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"cells": cells, "args": args}, f)
         spec = f.name
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for r in range(n_ranks):

@@ -124,7 +124,8 @@ def detect() -> DistInfo:
     return DistInfo()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous started right after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
@@ -139,7 +140,7 @@ def _mpi_rendezvous() -> None:
     if comm.Get_rank() == 0:
         address = (
             os.environ.get("MASTER_ADDR") or socket.gethostname(),
-            int(os.environ.get("MASTER_PORT") or _free_port()),
+            int(os.environ.get("MASTER_PORT") or free_port()),
         )
     address = comm.bcast(address, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address[0], str(address[1])

@@ -9,6 +9,7 @@ ran, else the mean of the logged step times after the warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -29,14 +30,11 @@ from sysx.trace.report import PipelineWindow
 def _kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
     """Bytes of the ``name: N kB`` lines of a /proc file (missing: 0; not Linux: all 0)."""
     found = dict.fromkeys(names, 0)
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in found:
-                    found[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path, encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in found:
+                found[key] = int(rest.split()[0]) * 1024
     return found
 
 
@@ -54,11 +52,9 @@ def start_host_peak() -> int:
     shared memory (its RSS off Linux), with its peak (VmHWM) reset to its RSS (Linux >= 4.0,
     ``clear_refs`` 5), so the peak read later is the state's, not an earlier one's (rank 0's
     tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:  # not Linux, or not allowed: the peak since the start stands
-        pass
+    # not Linux, or not allowed: the peak since the start stands
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
     return dev.host_rss_bytes() - _file_and_shared_excess()
 
 
