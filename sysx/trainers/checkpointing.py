@@ -37,7 +37,11 @@ def stage_layer_sources(
 ) -> dict[int, LayerSource]:
     """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources."""
     adam = stage.optimizer
-    return flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
+    out: dict[int, LayerSource] = {}
+    out.update(
+        flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
+    )
+    return out
 
 
 def restore_stage(
