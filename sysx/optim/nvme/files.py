@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from sysx.memory import cleanup, guardian, procinfo
 from sysx.memory.budget import fmt_bytes
 from sysx.memory.names import SegmentName, segment_name, user_entries
-from sysx.optim.nvme.io import aligned_nbytes
+from sysx.optim.nvme.io import aligned_nbytes, unusable_directory
 
 MARKER = "owner.json"
 WHAT_PREFIX = "nvme.r"
@@ -82,6 +82,8 @@ class StateDir:
         sweep_state_dirs(self.root, user=self.name.user)
         try:
             os.mkdir(self.path, 0o700)
+        except PermissionError as exc:
+            raise unusable_directory(self.root, exc) from None
         except FileExistsError:
             info = inspect_state_dir(self.path)
             raise FileExistsError(
