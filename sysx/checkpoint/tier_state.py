@@ -1,8 +1,8 @@
 """Between the NVMe tier's flat state files and layer-keyed checkpoint files, in bounded memory.
 
 A host optimizer's state is three flat fp32 buffers (master, ``exp_avg``, ``exp_avg_sq``) laid out
-by a :class:`sysx.model.FlatLayout`; with the NVMe tier some of them are state files instead (the
-element ``i`` at byte ``4 i``). :func:`tier_layer_sources` turns them into per-layer
+by a :class:`sysx.model.FlatLayout`; with the NVMe tier some of them are regions of state files
+instead (:class:`FileRegion`). :func:`tier_layer_sources` turns them into per-layer
 :class:`StreamedLayer` sources for :class:`sysx.checkpoint.CheckpointSaver`: each tensor's bytes
 come out of its state file through a :class:`SpanIO` (the tier's one staging buffer), so a save
 never holds a layer, let alone a stage, in RAM. :func:`restore_flat` does the reverse: each target
@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -30,8 +31,22 @@ from sysx.model.flat import FlatLayout
 FP32 = torch.float32
 CHUNK_BYTES = 8 << 20
 
-#: A flat fp32 state buffer in host memory, or the path of a state file holding one.
-FlatSource = torch.Tensor | str
+
+@dataclass(frozen=True)
+class FileRegion:
+    """A flat fp32 buffer stored in a state file from byte ``offset`` (a multiple of the I/O
+    alignment): element ``i`` at byte ``offset + 4 i``."""
+
+    path: str
+    offset: int = 0
+
+
+#: A flat fp32 state buffer in host memory, or where a state file holds one (a path: from byte 0).
+FlatSource = torch.Tensor | FileRegion | str
+
+
+def _region(src: FileRegion | str) -> FileRegion:
+    return src if isinstance(src, FileRegion) else FileRegion(src)
 
 
 class SpanIO(Protocol):
@@ -39,7 +54,9 @@ class SpanIO(Protocol):
 
     def read_span(self, path: str, offset: int, nbytes: int) -> Iterator[memoryview]: ...
 
-    def write_file(self, path: str, nbytes: int, fill: Callable[[int, memoryview], None]) -> None: ...
+    def write_file(
+        self, path: str, nbytes: int, fill: Callable[[int, memoryview], None], *, offset: int = 0
+    ) -> None: ...
 
 
 def _check_kinds(kinds: Mapping[str, FlatSource]) -> None:
@@ -74,7 +91,13 @@ def tier_layer_sources(
                         tensors.append(memory_stream(key, src[sl].view(shape), chunk_bytes))
                         continue
 
-                    def chunks(path: str = src, at: int = sl.start * 4, n: int = (sl.stop - sl.start) * 4):
+                    region = _region(src)
+
+                    def chunks(
+                        path: str = region.path,
+                        at: int = region.offset + sl.start * 4,
+                        n: int = sl.stop * 4 - sl.start * 4,
+                    ):
                         return io.read_span(path, at, n)
 
                     tensors.append(TensorStream(key, FP32, tuple(shape), chunks))
@@ -170,7 +193,8 @@ def restore_flat(
             if isinstance(target, torch.Tensor):
                 segments.fill(fds, 0, target[: layout.numel].view(torch.uint8).numpy().data)
             else:
-                io.write_file(target, nbytes, functools.partial(segments.fill, fds))
+                region = _region(target)
+                io.write_file(region.path, nbytes, functools.partial(segments.fill, fds), offset=region.offset)
     finally:
         for fd in fds.values():
             with contextlib.suppress(OSError):

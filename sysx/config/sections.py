@@ -40,6 +40,7 @@ from sysx.config.choices import (
     TOKEN_DTYPES,
     WANDB_MODES,
 )
+from sysx.config.offload import check_offload
 
 if TYPE_CHECKING:
     from sysx.model import ModelConfig
@@ -243,6 +244,9 @@ class OptimSection:
     placement: str = (
         "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
     )
+    offload: str = "host"  # where the fp32 master, m and v live: host (RAM) | nvme (files in nvme_dir, sysx.optim.nvme)
+    nvme_dir: str | None = None  # optim.offload=nvme: a directory on a local NVMe for the state files
+    nvme_engine: str = "auto"  # the state files' I/O: auto (aio if DeepSpeed's op builds, else threads) | aio | threads
 
     def validate(self) -> None:
         """Choices and ranges of ``optim.*``."""
@@ -270,6 +274,7 @@ class OptimSection:
         check_choice("optim.speculate", self.speculate, SPECULATE_MODES)
         check_int("optim.speculate_after", self.speculate_after, 0)
         check_choice("optim.placement", self.placement, PLACEMENTS)
+        check_offload(self.offload, self.nvme_dir, self.nvme_engine)
 
     @property
     def final_lr(self) -> float:

@@ -22,26 +22,75 @@ import torch
 from sysx import peers
 from sysx.checkpoint import Checkpoint, CheckpointSaver, SaveReport, find_resume
 from sysx.checkpoint.flat_state import flat_layer_states, load_flat
-from sysx.checkpoint.layer_state import LayerState
+from sysx.checkpoint.layer_state import KINDS, LayerState
 from sysx.checkpoint.saver import LayerSource
+from sysx.checkpoint.streamed import StreamedLayer
+from sysx.checkpoint.tier_state import FileRegion, FlatSource, restore_flat, tier_layer_sources
 from sysx.model.flat import FlatLayout
 from sysx.optim.stage import StageOptimizer
 
 if TYPE_CHECKING:
     from sysx.metrics import RunLogger, StepResult
+    from sysx.optim.nvme.tier import TieredState
     from sysx.trainers.base import Trainer
+
+
+def _tier_kinds(store: TieredState) -> dict[str, FlatSource]:
+    """Where a tiered stage's master, m and v lie once its tier is flushed."""
+    store.tier.flush()  # write-behind done: the files hold the state the save must see
+    return {
+        kind: loc if isinstance(loc, torch.Tensor) else FileRegion(*loc) for kind, loc in zip(KINDS, store.locations())
+    }
 
 
 def stage_layer_sources(
     stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequence[int]
 ) -> dict[int, LayerSource]:
-    """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources."""
+    """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources;
+    with the NVMe tier each layer's tensors are streamed out of the stage's state file when the save
+    takes them, through the tier's bounded checkpoint stream (never a stage or a layer in RAM)."""
     adam = stage.optimizer
     out: dict[int, LayerSource] = {}
-    out.update(
-        flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
-    )
+    store = adam.store
+    if store is None:
+        out.update(
+            flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
+        )
+        return out
+    stream = store.tier.checkpoint_stream()
+    step = lambda: adam.step_count  # noqa: E731
+    for index in dict.fromkeys(layer_indices):
+
+        def source(index: int = index) -> StreamedLayer:
+            # built when the save takes it: the current slot then, after the tier's write-behind
+            return tier_layer_sources(layout, layer_indices, _tier_kinds(store), step, stream)[index]()
+
+        out[index] = source
     return out
+
+
+def restore_stage_from(
+    stage: StageOptimizer,
+    layout: FlatLayout,
+    layer_indices: Sequence[int],
+    ckpt: Checkpoint,
+    *,
+    shard: range | None = None,
+) -> None:
+    """:func:`restore_stage` from ``ckpt``; a stage in the NVMe tier (not sharded) is written into
+    its state file straight from the layer files, through the tier's bounded checkpoint stream."""
+    what = f"checkpoint {ckpt.path}"
+    store = stage.optimizer.store
+    if store is None or shard is not None:
+        layers = {i: ckpt.layer(i) for i in dict.fromkeys(layer_indices)}
+        restore_stage(stage, layout, layer_indices, layers, what=what, shard=shard)
+        return
+    kinds = _tier_kinds(store)  # flushed: no earlier write lands on the restored files
+    step = restore_flat(ckpt, layout, layer_indices, kinds, store.tier.checkpoint_stream(), what=what)
+    store.tier.forget(store.name)  # cached or read-ahead copies hold the state from before
+    with stage.resident():
+        stage.optimizer.resume_at(step)
+        stage.write_target()
 
 
 def restore_stage(
@@ -57,21 +106,22 @@ def restore_stage(
     rewrite its working copy (the 16-bit copy the device loads). ``shard``: the optimizer holds
     these elements of the layers' flat buffer (a replica's shard, :mod:`sysx.replicas`)."""
     adam = stage.optimizer
-    for field, out in (("weight", adam.param), ("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
-        tensors = {i: getattr(s, field) for i, s in layers.items()}
-        if shard is None:
-            load_flat(layout, layer_indices, tensors, out, what=what)
-            continue
-        full = torch.empty(layout.numel, dtype=out.dtype)
-        load_flat(layout, layer_indices, tensors, full, what=what)
-        out.copy_(full[shard.start : shard.stop])
     steps = {layers[i].step for i in set(layer_indices)}
     if len(steps) != 1:
         raise ValueError(
             f"{what}: layers {sorted(set(layer_indices))} were saved at different Adam step counts {steps}"
         )
-    adam.resume_at(steps.pop())
-    stage.write_target()
+    with stage.resident():  # the NVMe tier writes the restored state to the stage's file on leaving
+        for field, out in (("weight", adam.param), ("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
+            tensors = {i: getattr(s, field) for i, s in layers.items()}
+            if shard is None:
+                load_flat(layout, layer_indices, tensors, out, what=what)
+                continue
+            full = torch.empty(layout.numel, dtype=out.dtype)
+            load_flat(layout, layer_indices, tensors, full, what=what)
+            out.copy_(full[shard.start : shard.stop])
+        adam.resume_at(steps.pop())
+        stage.write_target()
 
 
 class JobCheckpoints:

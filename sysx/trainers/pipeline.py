@@ -43,7 +43,7 @@ from sysx.runtime.rank import RankRuntime
 from sysx.schedule import Schedule, evaluation_schedule, validate
 from sysx.schedule.costs import Costs
 from sysx.trainers.base import Trainer, job_device
-from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
+from sysx.trainers.checkpointing import restore_stage_from, stage_layer_sources
 from sysx.trainers.job import run_job
 from sysx.trainers.observation import PipelineObservation
 from sysx.trainers.prediction import start_host_peak
@@ -276,10 +276,11 @@ class PipelineTrainer(Trainer):
                 out.update(stage_layer_sources(stage, self.params.layout(key), layers))
                 continue
             adam = stage.optimizer
-            full = [
-                self.runtime.gather_shards(t, self.params.units[key].numel)
-                for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)
-            ]
+            with stage.resident():  # the NVMe tier: the shard's state read while it is gathered
+                full = [
+                    self.runtime.gather_shards(t, self.params.units[key].numel)
+                    for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)
+                ]
             master, exp_avg, exp_avg_sq = full
             if master is not None and exp_avg is not None and exp_avg_sq is not None:
                 out.update(
@@ -299,9 +300,8 @@ class PipelineTrainer(Trainer):
         owners push the new values to mirrors on other nodes (every rank calls this)."""
         for key, stage in self.optimizer.stages.items():
             indices = list(self.params.units[key].layers)
-            layers = {i: ckpt.layer(i) for i in indices}
             shard = self.layout.shard(self.params.units[key].numel) if self.layout.replicas > 1 else None
-            restore_stage(stage, self.params.layout(key), indices, layers, what=f"checkpoint {ckpt.path}", shard=shard)
+            restore_stage_from(stage, self.params.layout(key), indices, ckpt, shard=shard)
         self.runtime.exchange_shards()
         self.params.push_mirrors()
         self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it

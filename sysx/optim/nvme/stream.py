@@ -68,9 +68,10 @@ class StateStream:
                 with contextlib.suppress(Exception):
                     pending.result()
 
-    def write_file(self, path: str, nbytes: int, fill: Fill) -> None:
-        """Write bytes ``0 .. aligned_nbytes(nbytes)`` of ``path`` chunk by chunk, each filled by
-        ``fill``; the bytes from ``nbytes`` to the aligned end are zero."""
+    def write_file(self, path: str, nbytes: int, fill: Fill, *, offset: int = 0) -> None:
+        """Write ``aligned_nbytes(nbytes)`` bytes of ``path`` from ``offset`` (a multiple of ``ALIGN``)
+        chunk by chunk, each filled by ``fill(start, view)`` with ``start`` counted from ``offset``; the
+        bytes from ``nbytes`` to the aligned end are zero."""
         total = aligned_nbytes(nbytes)
         writes: list[Future[None] | None] = [None, None]
         try:
@@ -85,7 +86,7 @@ class StateStream:
                     chunk[data:].zero_()
                 if data:
                     fill(start, chunk.numpy().data[:data])
-                writes[i % 2] = self.engine.write(path, chunk, offset=start)
+                writes[i % 2] = self.engine.write(path, chunk, offset=offset + start)
         finally:
             for slot in writes:
                 if slot is not None:
