@@ -106,6 +106,35 @@ def test_enospc_from_fallocate_is_the_same_line(tmp_path: Path, job: str, monkey
         state.close()
 
 
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 64 KiB file system (a tmpfs; mounting needs root, which CI may not have)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({made.stderr.decode().strip()}); the monkeypatched tests cover it"
+        )
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_real_full_disk(small_fs: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by the free-space check, and, with that check fooled, by posix_fallocate's own ENOSPC."""
+    state = StateDir(str(small_fs), job=job, node=0, rank=0)
+    try:
+        with pytest.raises(DiskFull, match=rf"optim.nvme_dir={small_fs}: .* need 1.0 MiB but the file system has"):
+            state.reserve({"m": 1 << 20})
+        monkeypatch.setattr(files_mod, "free_bytes", lambda directory: 1 << 40)
+        with pytest.raises(DiskFull, match=r"need 1.0 MiB but the file system has .* free; fix: ") as err:
+            state.reserve({"m": 1 << 20})  # the check passes: the allocation itself meets the full disk
+        assert err.value.errno == errno.ENOSPC
+        assert os.listdir(state.path) == ["owner.json"]
+    finally:
+        state.close()
+
+
 def test_dead_jobs_leftovers_are_swept_by_the_next_job_and_the_command(
     tmp_path: Path, job: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
