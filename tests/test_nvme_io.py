@@ -172,6 +172,7 @@ def test_no_o_direct_falls_back_to_buffered_with_one_warning(
 def test_auto_without_aio_warns_once_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aio_mod, "unavailable_reason", lambda: "no libaio")
     monkeypatch.setattr(engine_mod, "probe_direct", lambda directory: True)  # only the libaio warning here
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: True)  # a GPU host, where auto wants aio
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = open_engine("auto", str(tmp_path))
@@ -179,6 +180,18 @@ def test_auto_without_aio_warns_once_with_the_fix(tmp_path: Path, monkeypatch: p
     assert engine.name == "threads"
     assert len(caught) == 1 and "no libaio" in str(caught[0].message)
     assert "apt install libaio-dev" in str(caught[0].message)
+
+
+def test_auto_without_cuda_takes_threads_silently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA no buffer is pinned for the aio op, which would copy every request through a
+    bounce buffer of its size: auto takes threads, and asks nothing of the aio op."""
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: False)
+    monkeypatch.setattr(aio_mod, "unavailable_reason", lambda: pytest.fail("the aio op was consulted"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = open_engine("auto", str(tmp_path))
+    engine.close()
+    assert engine.name == "threads"
 
 
 def test_bad_engine_and_directory(tmp_path: Path) -> None:
