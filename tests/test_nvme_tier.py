@@ -87,13 +87,12 @@ def test_two_slots_roll_back_bit_for_bit_like_the_exact_rollback_in_ram(tmp_path
     try:
         for i, action in enumerate(["step", "step", "undo", "final", "step", "undo", "step"]):
             g = torch.randn(n)
-            for opt in (ram, disk):
-                with st.resident():
+            with st.resident():  # compared in the same residency: what rewrites the working copy
+                for opt in (ram, disk):
                     if action == "undo":
                         opt.undo()
                     else:
                         opt.step(g, final=action == "final")
-            with st.resident():
                 for a, b in zip((ram.param, ram.exp_avg, ram.exp_avg_sq), (disk.param, disk.exp_avg, disk.exp_avg_sq)):
                     assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (i, action)
                 del a, b  # views of the staging buffer
