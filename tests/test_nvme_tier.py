@@ -222,7 +222,8 @@ def run_pipeline(cfg: SysxConfig, rollback: str, dataset) -> tuple:
         return [r.loss for r in results], [r.skipped for r in results], t.state_dict()
 
 
-def run_window(cfg: SysxConfig, rollback: str) -> tuple:
+def run_window(cfg: SysxConfig, rollback: str, *, steps: int = STEPS, lane: tuple[str, ...] = ()) -> tuple:
+    """``lane``: groups stepped on the device lane (this CPU, after each decision)."""
     import dataclasses
 
     from sysx.single.hardware import assumed_hardware
@@ -232,10 +233,12 @@ def run_window(cfg: SysxConfig, rollback: str) -> tuple:
     hardware = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8)
     trainer = SingleTrainer(cfg, hardware=hardware, optimizer_backend="torch", device="cpu")
     try:
-        results = trainer.run(STEPS)
+        if lane:
+            trainer.use_device_lane(lane)
+        results = trainer.run(steps)
         tier = trainer.host.tier
         if tier is not None:
-            assert tier.stats.reads > 0 and tier.stats.writes > STEPS
+            assert tier.stats.reads > 0 and tier.stats.writes > steps
         return [r.loss for r in results], [r.skipped for r in results], trainer.state_dict()
     finally:
         trainer.close()
@@ -277,3 +280,13 @@ def test_window_states_on_nvme_are_bit_identical_to_host_memory(precision: str, 
     """50 steps of the sliding window (3 groups, 2 staging buffers)."""
     skipped = compare(run_window, precision, tmp_path)
     assert all(s > 0 for s in skipped) == (precision == "fp16")
+
+
+@pytest.mark.usefixtures("few_buffers", "one_thread")
+def test_the_device_lane_steps_states_of_the_tier(tmp_path: Path) -> None:
+    """optim.placement=split with the tier: the device lane steps the resident state in place (a
+    final step), written back to its slot; bit-identical to the lane over host-memory states."""
+    lane = ("embedding+head", "block0")
+    host, nvme = (config("bf16", o, tmp_path, "threads") for o in ("host", "nvme"))
+    expected = run_window(host, "exact", steps=6, lane=lane)
+    assert_same(run_window(nvme, "exact", steps=6, lane=lane), expected)
