@@ -62,6 +62,8 @@ def main(spec_path: str, out_dir: str) -> int:
         for name, steps, ckpt_dir, action, *override in spec["phases"]:
             phase_cfg = make_config(phase_fields(spec["cfg"], override[0] if override else {}), f"{ckpt_dir}-{index}")
             with PipelineTrainer(phase_cfg, opts, info=info) as trainer:
+                if phase_cfg.optim.offload == "nvme":  # the phase really runs on the tier's state files
+                    assert all(s.store is not None for s in trainer.optimizer.stages.values()), name
                 ckpts = JobCheckpoints(trainer)
                 if "resume" in action:
                     assert ckpts.resume() is not None, f"phase {name}: nothing to resume in {ckpt_dir}-{index}"

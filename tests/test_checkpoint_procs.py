@@ -44,20 +44,23 @@ def load(tmp_path: Path, index: int, phase: str) -> dict:
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_sysx_and_mobius_resume_bit_identically_on_2_ranks(tmp_path: Path, precision: str) -> None:
+    """fp32 also saves from and resumes into the NVMe tier's state files (streamed checkpoints),
+    against the same uninterrupted host-memory run."""
     cfg = {**BASE, **(FP16 if precision == "fp16" else {})}
     schedules = [{"schedule": "sysx"}, {"schedule": "mobius"}]
     ckpt = str(tmp_path / "ckpt")
-    run_job(
-        tmp_path,
-        2,
-        cfg,
-        schedules,
-        [["straight", 6, ckpt + "-straight", ""], ["first", 3, ckpt, "save"], ["second", 3, ckpt, "resume"]],
-    )
+    phases = [["straight", 6, ckpt + "-straight", ""], ["first", 3, ckpt, "save"], ["second", 3, ckpt, "resume"]]
+    if precision == "fp32":
+        (tmp_path / "nvme").mkdir()
+        nvme = {"optim": {"offload": "nvme", "nvme_dir": str(tmp_path / "nvme"), "nvme_engine": "threads"}}
+        phases += [["first-nvme", 3, ckpt + "-nvme", "save", nvme], ["second-nvme", 3, ckpt + "-nvme", "resume", nvme]]
+    run_job(tmp_path, 2, cfg, schedules, phases)
     for index in range(len(schedules)):
-        straight, first, second = (load(tmp_path, index, p) for p in ("straight", "first", "second"))
-        assert first["results"] + second["results"] == straight["results"], schedules[index]
-        assert all(torch.equal(second["state"][k], v) for k, v in straight["state"].items()), schedules[index]
+        straight = load(tmp_path, index, "straight")
+        for suffix in ("", "-nvme") if precision == "fp32" else ("",):
+            first, second = (load(tmp_path, index, p + suffix) for p in ("first", "second"))
+            assert first["results"] + second["results"] == straight["results"], (schedules[index], suffix)
+            assert all(torch.equal(second["state"][k], v) for k, v in straight["state"].items()), schedules[index]
         if precision == "fp16":
             assert any(skipped for _, _, _, skipped, _ in straight["results"])
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sysx.checkpoint import Checkpoint
 from sysx.config import (
     CheckpointSection,
     ConfigError,
@@ -25,6 +26,7 @@ from sysx.config import (
     TrainSection,
 )
 from sysx.single.hardware import assumed_hardware
+from sysx.trainers import checkpointing
 from sysx.trainers.checkpointing import JobCheckpoints
 from sysx.trainers.reference import ReferenceTrainer
 from sysx.trainers.single import SingleTrainer
@@ -60,10 +62,14 @@ def make_trainer(kind: str, cfg: SysxConfig):
     return SingleTrainer(cfg, single=single, hardware=HW)
 
 
-def straight_and_resumed(kind: str, cfg: SysxConfig, resume_kind: str | None = None):
+def straight_and_resumed(
+    kind: str, cfg: SysxConfig, resume_kind: str | None = None, split_cfg: SysxConfig | None = None
+):
+    """``split_cfg``: the split run's configuration, when it differs (the NVMe tier against host memory)."""
     with make_trainer(kind, cfg) as t:
         straight = t.run(STEPS)
         straight_state = t.state_dict()
+    cfg = split_cfg or cfg
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=cfg.checkpoint.dir + "-split"))
     with make_trainer(kind, cfg) as t:
         first = t.run(STEPS // 2)
@@ -94,6 +100,39 @@ def test_resume_is_bit_identical(tmp_path: Path, kind: str, precision: str) -> N
         assert any(r.skipped for r in straight) and len({r.scale for r in straight}) > 1  # the scaler did move
     assert state.keys() == straight_state.keys()
     assert all(torch.equal(state[k], straight_state[k]) for k in state)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_with_the_nvme_tier_is_bit_identical_to_host_memory(
+    tmp_path: Path, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved from the tier's state files (streamed) and restored into them: the run equals the
+    host-memory run bit for bit, and its checkpoint holds the host run's tensors bit for bit."""
+    calls: list[str] = []
+    for name in ("tier_layer_sources", "restore_flat"):
+        real = getattr(checkpointing, name)
+        monkeypatch.setattr(checkpointing, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    host = make_cfg(tmp_path, precision)
+    (tmp_path / "nvme").mkdir()
+    optim = dataclasses.replace(host.optim, offload="nvme", nvme_dir=str(tmp_path / "nvme"), nvme_engine="threads")
+    tier = dataclasses.replace(host, optim=optim)
+    straight, straight_state, resumed, state = straight_and_resumed("single", host, split_cfg=tier)
+    assert [repr(r.loss) for r in resumed] == [repr(r.loss) for r in straight]
+    assert [repr(r.grad_norm) for r in resumed] == [repr(r.grad_norm) for r in straight]
+    assert [(r.skipped, r.scale) for r in resumed] == [(r.skipped, r.scale) for r in straight]
+    assert all(torch.equal(state[k], straight_state[k]) for k in straight_state)
+    with make_trainer("single", dataclasses.replace(host, checkpoint=CheckpointSection(dir=str(tmp_path / "h")))) as t:
+        t.run(STEPS // 2)
+        JobCheckpoints(t).save(background=False)
+    saved_host, saved_tier = (Checkpoint(tmp_path / d / f"step-{STEPS // 2:08d}") for d in ("h", "ckpt-split"))
+    for i in range(host.model.n_layers + 2):
+        a, b = saved_host.layer(i), saved_tier.layer(i)
+        assert a.step == b.step
+        for kind in ("weight", "exp_avg", "exp_avg_sq"):
+            x, y = getattr(a, kind), getattr(b, kind)
+            assert x.keys() == y.keys() and all(torch.equal(x[n].view(torch.int32), y[n].view(torch.int32)) for n in x)
+    assert list((tmp_path / "nvme").iterdir()) == []  # every trainer removed its state files
+    assert {"tier_layer_sources", "restore_flat"} <= set(calls)  # the streamed paths, not a resident copy
 
 
 def test_a_window_checkpoint_continues_in_the_reference_loop(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -141,16 +142,33 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_signals(tmp_path: Path, job: str, sig: signal.Signals) -> None:
-    """SIGTERM and Ctrl-C remove the directory at once; SIGKILL leaves it stale for the next sweep."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), job], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    path = proc.stdout.readline().strip()
-    assert os.path.isdir(path)
-    proc.send_signal(sig)
-    proc.wait(30)
-    if sig == signal.SIGKILL:
-        assert [i.status for i in scan_state_dirs(str(tmp_path))] == ["stale"]
-        assert [i.path for i in sweep_state_dirs(str(tmp_path))] == [path]
-    assert not os.path.exists(path)
+def test_signals(tmp_path: Path, job: str) -> None:
+    """SIGTERM and Ctrl-C remove the directory at once, SIGKILL through the guardian process; with the
+    guardian off (or killed too) SIGKILL leaves it stale for the next sweep. The four children start
+    together (one interpreter start-up of waiting, not four)."""
+    cases = [(signal.SIGTERM, True), (signal.SIGINT, True), (signal.SIGKILL, True), (signal.SIGKILL, False)]
+    procs = []
+    for i, (_, guardian) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        env = {**os.environ, "SYSX_SHM_GUARDIAN": "1" if guardian else "0"}
+        cmd = [sys.executable, "-c", CHILD, str(tmp_path / str(i)), job]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    paths = []
+    for proc in procs:
+        assert proc.stdout is not None
+        paths.append(proc.stdout.readline().strip())
+        assert os.path.isdir(paths[-1])
+    for proc, (sig, _) in zip(procs, cases):
+        proc.send_signal(sig)
+    for proc, path, (sig, guardian) in zip(procs, paths, cases):
+        proc.wait(30)
+        root = os.path.dirname(path)
+        if sig == signal.SIGKILL and not guardian:
+            assert [i.status for i in scan_state_dirs(root)] == ["stale"]
+            assert [i.path for i in sweep_state_dirs(root)] == [path]
+        elif sig == signal.SIGKILL:
+            deadline = time.monotonic() + 10
+            while os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.stderr is not None and "removed its scratch directory" in proc.stderr.read()
+        assert not os.path.exists(path), (sig, guardian)

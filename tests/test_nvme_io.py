@@ -188,6 +188,15 @@ def test_bad_engine_and_directory(tmp_path: Path) -> None:
         open_engine("threads", str(tmp_path / "nope"))
 
 
+def test_a_directory_without_write_access_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied(*args: object) -> int:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(io_mod.os, "open", denied)  # root ignores modes: the refusal is simulated
+    with pytest.raises(OSError, match=rf"optim.nvme_dir={tmp_path} cannot hold state files \(Permission denied, "):
+        open_engine("threads", str(tmp_path))
+
+
 def test_measure_disk_is_a_short_pure_probe(tmp_path: Path) -> None:
     profile = measure_disk(str(tmp_path), 4 << 20, engine="threads", request_bytes=1 << 20)
     assert profile.engine == "threads" and profile.direct == io_mod.probe_direct(str(tmp_path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 FILE_MODE = 0o640  # readable by the user's group: checkpoints and exports are shared work
@@ -32,17 +33,29 @@ def make_dir(path: Path) -> None:
 
 def write_durable(path: Path, data: bytes | memoryview) -> str:
     """Write ``data`` to a new file ``path`` and fsync it; returns the sha256 hex digest of ``data``."""
+    return write_durable_chunks(path, [data])[1]
+
+
+def write_durable_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+    """Write the concatenation of ``chunks`` to a new file ``path`` and fsync it, holding one chunk
+    at a time (a chunk may be reused by the producer once the next is asked for); returns the bytes
+    written and their sha256 hex digest."""
+    digest = hashlib.sha256()
+    total = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            digest.update(view)
+            total += len(view)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
         os.fsync(fd)
     finally:
         os.close(fd)
     os.chmod(path, FILE_MODE)  # O_CREAT's mode is filtered by the umask
-    return hashlib.sha256(data).hexdigest()
+    return total, digest.hexdigest()
 
 
 def replace_durable(path: Path, data: bytes) -> None:

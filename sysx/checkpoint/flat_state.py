@@ -18,7 +18,7 @@ from sysx.checkpoint.layer_state import LayerState
 from sysx.model.flat import FlatLayout
 
 
-def _entries_by_layer(
+def entries_by_layer(
     layout: FlatLayout, layer_indices: Sequence[int]
 ) -> dict[int, list[tuple[str, slice, tuple[int, ...]]]]:
     out: dict[int, list[tuple[str, slice, tuple[int, ...]]]] = {}
@@ -39,7 +39,7 @@ def flat_layer_states(
 ) -> dict[int, Callable[[], LayerState]]:
     """Per-layer sources of views into the flat buffers (read when the save happens)."""
     sources: dict[int, Callable[[], LayerState]] = {}
-    for index, entries in _entries_by_layer(layout, layer_indices).items():
+    for index, entries in entries_by_layer(layout, layer_indices).items():
 
         def source(index: int = index, entries: list = entries) -> LayerState:
             views = [{name: t[sl].view(shape) for name, sl, shape in entries} for t in (master, exp_avg, exp_avg_sq)]
@@ -59,7 +59,7 @@ def load_flat(
 ) -> None:
     """Copy per-layer tensors (``layer -> name -> tensor``) into the flat buffer ``out`` (casting);
     every parameter of the layout must be there with its shape (``what`` names the source in errors)."""
-    for index, entries in _entries_by_layer(layout, layer_indices).items():
+    for index, entries in entries_by_layer(layout, layer_indices).items():
         layer = tensors[index]
         for name, sl, shape in entries:
             if name not in layer:

@@ -63,23 +63,48 @@ class Checkpoint:
                 return f"the checkpoint's model has {key}={saved.get(key)}, this configuration has {key}={current.get(key)}"
         return None
 
-    def read(self, name: str) -> bytes:
-        """The bytes of one file, checked against the manifest."""
+    def _info(self, name: str) -> dict[str, Any]:
         info = self.manifest["files"].get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: the manifest lists no file {name}")
+        return dict(info)
+
+    def _damaged(self, name: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.path / name}: size or checksum differs from the manifest; the checkpoint is "
+            f"damaged (resume from an older one: train.resume=<path>)"
+        )
+
+    def _unreadable(self, name: str, err: OSError) -> CheckpointError:
+        return CheckpointError(f"{self.path / name}: cannot read ({err.strerror}); the checkpoint is damaged")
+
+    def read(self, name: str) -> bytes:
+        """The bytes of one file, checked against the manifest."""
+        info = self._info(name)
         try:
             data = (self.path / name).read_bytes()
         except OSError as err:
-            raise CheckpointError(
-                f"{self.path / name}: cannot read ({err.strerror}); the checkpoint is damaged"
-            ) from None
+            raise self._unreadable(name, err) from None
         if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
-            raise CheckpointError(
-                f"{self.path / name}: size or checksum differs from the manifest; the checkpoint is "
-                f"damaged (resume from an older one: train.resume=<path>)"
-            )
+            raise self._damaged(name)
         return data
+
+    def verify(self, name: str, *, chunk_bytes: int = 8 << 20) -> Path:
+        """Check one file against the manifest reading ``chunk_bytes`` at a time (never the whole
+        file in memory); returns its path."""
+        info = self._info(name)
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with open(self.path / name, "rb", buffering=0) as f:
+                while chunk := f.read(chunk_bytes):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as err:
+            raise self._unreadable(name, err) from None
+        if size != info["bytes"] or digest.hexdigest() != info["sha256"]:
+            raise self._damaged(name)
+        return self.path / name
 
     def layer(self, index: int) -> LayerState:
         """Flat layer ``index``'s weights, Adam moments and step count."""

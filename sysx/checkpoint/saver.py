@@ -4,7 +4,9 @@ The training state already lives in host memory, so a save costs the GPUs nothin
 takes to copy the owned layers into a snapshot (a memory copy). A background thread then encodes
 and writes the layer files, and rank 0 commits (:mod:`sysx.checkpoint.store`). When the snapshot
 would not fit in the host memory that is available, the layers are written synchronously, one at a
-time (the extra memory is one layer), with a progress line. Either way the *stall* — how long the
+time (the extra memory is one layer), with a progress line. State that lives in files (the NVMe
+tier: :class:`sysx.checkpoint.streamed.StreamedLayer`) is written synchronously too, streamed in
+bounded pieces (the extra memory is the tier's staging buffer). Either way the *stall* — how long the
 training loop waited for the save — is measured and returned, so it can be logged per save.
 
 One save is in flight at a time: a new save, :meth:`CheckpointSaver.wait` and
@@ -26,6 +28,7 @@ from tqdm import tqdm
 
 from sysx.checkpoint.layer_state import LayerState, encode_layer
 from sysx.checkpoint.store import TRAINER_STATE, CheckpointDir, PendingCheckpoint, layer_filename
+from sysx.checkpoint.streamed import StreamedLayer, layer_chunks
 from sysx.memory.budget import ram_available_bytes
 
 # Keep this much host memory free beyond a snapshot before choosing the background path.
@@ -42,7 +45,9 @@ class SaveReport:
     nbytes: int  # bytes of layer state this rank saved
 
 
-LayerSource = Callable[[], LayerState]  # returns views of the live state; the saver copies or writes them
+# returns views of the live state, which the saver copies or writes; or, for state in files (the NVMe
+# tier), streams of it, which the saver writes piece by piece before training goes on
+LayerSource = Callable[[], LayerState | StreamedLayer]
 
 
 class CheckpointSaver:
@@ -89,12 +94,13 @@ class CheckpointSaver:
         states = [layers[i]() for i in sorted(layers)]
         nbytes = sum(s.nbytes for s in states)
         extra = {"manifest": dict(manifest or {}), "trainer": dict(trainer_state or {})}
-        if background and nbytes + HOST_MARGIN_BYTES <= self._available():
-            snapshot = [s.snapshot(into=self._snapshots.get(s.layer)) for s in states]
+        in_memory = [s for s in states if isinstance(s, LayerState)]
+        if background and len(in_memory) == len(states) and nbytes + HOST_MARGIN_BYTES <= self._available():
+            snapshot = [s.snapshot(into=self._snapshots.get(s.layer)) for s in in_memory]
             self._snapshots = {s.layer: s for s in snapshot}
             self._inflight = self._executor().submit(self._write, pending, snapshot, extra, False)
             return SaveReport(step, "background", time.perf_counter() - t0, nbytes)
-        if background and self.rank == 0:
+        if background and self.rank == 0 and len(in_memory) == len(states):
             print(
                 f"checkpoint step {step}: {nbytes / 2**30:.2f} GiB do not fit beside training in the host memory "
                 f"available ({self._available() / 2**30:.2f} GiB); writing them before training goes on",
@@ -133,7 +139,7 @@ class CheckpointSaver:
     def _write(
         self,
         pending: PendingCheckpoint,
-        states: Sequence[LayerState],
+        states: Sequence[LayerState | StreamedLayer],
         extra: dict[str, dict[str, Any]],
         show_progress: bool,
     ) -> Path | None:
@@ -148,7 +154,11 @@ class CheckpointSaver:
         )
         with bar:
             for state in states:
-                pending.write_file(layer_filename(state.layer), encode_layer(state), layer=state.layer, rank=self.rank)
+                name = layer_filename(state.layer)
+                if isinstance(state, StreamedLayer):
+                    pending.write_stream(name, layer_chunks(state), layer=state.layer, rank=self.rank)
+                else:
+                    pending.write_file(name, encode_layer(state), layer=state.layer, rank=self.rank)
                 bar.update(1)
         if self.rank == 0:
             pending.write_file(TRAINER_STATE, json.dumps(extra["trainer"], indent=1, sort_keys=True).encode())

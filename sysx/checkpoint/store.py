@@ -13,12 +13,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sysx.checkpoint.files import fsync_dir, make_dir, replace_durable, write_durable
+from sysx.checkpoint.files import fsync_dir, make_dir, replace_durable, write_durable, write_durable_chunks
 
 FORMAT = "sysx.checkpoint"
 FORMAT_VERSION = 1
@@ -57,6 +57,13 @@ class PendingCheckpoint:
         make_dir(self.path)
         digest = write_durable(self.path / name, data)
         self.written[name] = {"bytes": len(data), "sha256": digest, **info}
+
+    def write_stream(self, name: str, chunks: Iterable[bytes | memoryview], **info: Any) -> int:
+        """:meth:`write_file` from a stream of chunks (one held at a time); returns the bytes written."""
+        make_dir(self.path)
+        nbytes, digest = write_durable_chunks(self.path / name, chunks)
+        self.written[name] = {"bytes": nbytes, "sha256": digest, **info}
+        return nbytes
 
     def finish_rank(self, rank: int) -> None:
         """Publish this rank's record of what it wrote (the commit waits for one per rank)."""

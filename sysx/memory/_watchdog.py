@@ -1,15 +1,33 @@
 """The guardian process body (see guardian.py). Stdlib only: it runs as ``python -I -S <this file>``.
 
 Arguments: parent pid, parent start time (ticks), shm directory. Reads ``+ name inode`` and
-``- name`` lines on stdin until end-of-file (the parent is gone), then unlinks each segment still
-listed whose name still points at that inode and whose header names the parent as creator.
+``- name`` lines (segments) and ``d+ path inode`` and ``d- path`` lines (scratch directories such as
+the NVMe tier's state directories) on stdin until end-of-file (the parent is gone), then unlinks each
+segment still listed whose name still points at that inode and whose header names the parent as
+creator, and removes each directory still listed whose path still points at that inode and whose
+``owner.json`` names the parent.
 """
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import struct
 import sys
+
+
+def _remove_dirs(dirs: dict, parent: tuple) -> None:
+    for path, ino in dirs.items():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if os.stat(path).st_ino != ino:
+                continue
+            with open(os.path.join(path, "owner.json")) as f:
+                owner = json.load(f)
+            if (int(owner["pid"]), int(owner["start"])) != parent:
+                continue
+            shutil.rmtree(path)
+            sys.stderr.write(f"sysx guardian: pid {parent[0]} died; removed its scratch directory {path}\n")
 
 
 def main(argv: list[str]) -> int:
@@ -19,13 +37,15 @@ def main(argv: list[str]) -> int:
     parent = (int(argv[0]), int(argv[1]))
     shm_dir = argv[2]
     names: dict[str, int] = {}
+    dirs: dict[str, int] = {}
     for line in sys.stdin:
-        op, _, rest = line.strip().partition(" ")
-        if op == "+":
+        op, _, rest = line.rstrip("\n").partition(" ")
+        if op in ("+", "d+"):
             name, ino = rest.rsplit(" ", 1)
-            names[name] = int(ino)
-        elif op == "-":
-            names.pop(rest, None)
+            (names if op == "+" else dirs)[name] = int(ino)
+        elif op in ("-", "d-"):
+            (names if op == "-" else dirs).pop(rest, None)
+    _remove_dirs(dirs, parent)
     for name, ino in names.items():
         path = os.path.join(shm_dir, name.lstrip("/"))
         with contextlib.suppress(OSError, struct.error):

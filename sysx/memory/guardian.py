@@ -1,4 +1,5 @@
-"""A tiny watcher process that unlinks a process's owned segments if that process dies abruptly.
+"""A tiny watcher process that unlinks a process's owned segments (and removes its scratch
+directories, e.g. the NVMe tier's state directories) if that process dies abruptly.
 
 SIGKILL runs no Python code, so neither atexit nor signal handlers can clean up; the guardian
 (``_watchdog.py``) is a child that notices when its parent is gone and unlinks the segments the
@@ -73,6 +74,16 @@ class Guardian:
         """This process released ``name`` itself: forget it."""
         if self._proc is not None and self._pid == os.getpid():
             self._send(f"- {name}")
+
+    def track_dir(self, path: str, inode: int) -> None:
+        """Remove directory ``path`` (if still inode ``inode`` and its ``owner.json`` names this
+        process) should this process die."""
+        self._send(f"d+ {path} {inode}")
+
+    def untrack_dir(self, path: str) -> None:
+        """This process removed ``path`` itself: forget it."""
+        if self._proc is not None and self._pid == os.getpid():
+            self._send(f"d- {path}")
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the inherited handle (the child owns nothing)."""

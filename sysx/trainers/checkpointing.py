@@ -22,39 +22,75 @@ import torch
 from sysx import peers
 from sysx.checkpoint import Checkpoint, CheckpointSaver, SaveReport, find_resume
 from sysx.checkpoint.flat_state import flat_layer_states, load_flat
-from sysx.checkpoint.layer_state import LayerState
+from sysx.checkpoint.layer_state import KINDS, LayerState
 from sysx.checkpoint.saver import LayerSource
+from sysx.checkpoint.streamed import StreamedLayer
+from sysx.checkpoint.tier_state import FileRegion, FlatSource, restore_flat, tier_layer_sources
 from sysx.model.flat import FlatLayout
 from sysx.optim.stage import StageOptimizer
 
 if TYPE_CHECKING:
     from sysx.metrics import RunLogger, StepResult
+    from sysx.optim.nvme.tier import TieredState
     from sysx.trainers.base import Trainer
+
+
+def _tier_kinds(store: TieredState) -> dict[str, FlatSource]:
+    """Where a tiered stage's master, m and v lie once its tier is flushed."""
+    store.tier.flush()  # write-behind done: the files hold the state the save must see
+    return {
+        kind: loc if isinstance(loc, torch.Tensor) else FileRegion(*loc) for kind, loc in zip(KINDS, store.locations())
+    }
 
 
 def stage_layer_sources(
     stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequence[int]
 ) -> dict[int, LayerSource]:
     """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources;
-    with the NVMe tier each source reads the stage's state when the save takes it and copies out
-    its layer (the staging buffer is the tier's)."""
+    with the NVMe tier each layer's tensors are streamed out of the stage's state file when the save
+    takes them, through the tier's bounded checkpoint stream (never a stage or a layer in RAM)."""
     adam = stage.optimizer
-    if adam.store is None:
-        return flat_layer_states(
-            layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count
+    out: dict[int, LayerSource] = {}
+    store = adam.store
+    if store is None:
+        out.update(
+            flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
         )
-    sources: dict[int, LayerSource] = {}
+        return out
+    stream = store.tier.checkpoint_stream()
+    step = lambda: adam.step_count  # noqa: E731
     for index in dict.fromkeys(layer_indices):
 
-        def source(index: int = index) -> LayerState:
-            with stage.resident():
-                views = flat_layer_states(
-                    layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count
-                )
-                return views[index]().snapshot()
+        def source(index: int = index) -> StreamedLayer:
+            # built when the save takes it: the current slot then, after the tier's write-behind
+            return tier_layer_sources(layout, layer_indices, _tier_kinds(store), step, stream)[index]()
 
-        sources[index] = source
-    return sources
+        out[index] = source
+    return out
+
+
+def restore_stage_from(
+    stage: StageOptimizer,
+    layout: FlatLayout,
+    layer_indices: Sequence[int],
+    ckpt: Checkpoint,
+    *,
+    shard: range | None = None,
+) -> None:
+    """:func:`restore_stage` from ``ckpt``; a stage in the NVMe tier (not sharded) is written into
+    its state file straight from the layer files, through the tier's bounded checkpoint stream."""
+    what = f"checkpoint {ckpt.path}"
+    store = stage.optimizer.store
+    if store is None or shard is not None:
+        layers = {i: ckpt.layer(i) for i in dict.fromkeys(layer_indices)}
+        restore_stage(stage, layout, layer_indices, layers, what=what, shard=shard)
+        return
+    kinds = _tier_kinds(store)  # flushed: no earlier write lands on the restored files
+    step = restore_flat(ckpt, layout, layer_indices, kinds, store.tier.checkpoint_stream(), what=what)
+    store.tier.forget(store.name)  # cached or read-ahead copies hold the state from before
+    with stage.resident():
+        stage.optimizer.resume_at(step)
+        stage.write_target()
 
 
 def restore_stage(

@@ -43,7 +43,7 @@ from sysx.runtime.rank import RankRuntime
 from sysx.schedule import Schedule, evaluation_schedule, validate
 from sysx.schedule.costs import Costs
 from sysx.trainers.base import Trainer, job_device
-from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
+from sysx.trainers.checkpointing import restore_stage_from, stage_layer_sources
 from sysx.trainers.job import run_job
 from sysx.trainers.observation import PipelineObservation
 from sysx.trainers.prediction import start_host_peak
@@ -300,9 +300,8 @@ class PipelineTrainer(Trainer):
         owners push the new values to mirrors on other nodes (every rank calls this)."""
         for key, stage in self.optimizer.stages.items():
             indices = list(self.params.units[key].layers)
-            layers = {i: ckpt.layer(i) for i in indices}
             shard = self.layout.shard(self.params.units[key].numel) if self.layout.replicas > 1 else None
-            restore_stage(stage, self.params.layout(key), indices, layers, what=f"checkpoint {ckpt.path}", shard=shard)
+            restore_stage_from(stage, self.params.layout(key), indices, ckpt, shard=shard)
         self.runtime.exchange_shards()
         self.params.push_mirrors()
         self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it

@@ -46,7 +46,7 @@ from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
 from sysx.trace.timeline import merge
 from sysx.trace.window import StepWindow
 from sysx.trainers.base import Trainer, job_device
-from sysx.trainers.checkpointing import restore_stage, stage_layer_sources
+from sysx.trainers.checkpointing import restore_stage_from, stage_layer_sources
 from sysx.trainers.job import run_job
 from sysx.trainers.prediction import SinglePrediction
 
@@ -370,8 +370,7 @@ class SingleTrainer(Trainer):
         """Every group's masters, moments and step count from ``ckpt``; working copies rewritten."""
         self.threads.wait_stages()
         for g in self.host.groups:
-            layers = {i: ckpt.layer(i) for i in g.layer_indices}
-            restore_stage(g.optimizer, g.layout, g.layer_indices, layers, what=f"checkpoint {ckpt.path}")
+            restore_stage_from(g.optimizer, g.layout, g.layer_indices, ckpt)
 
     def close(self) -> None:
         """Finish pending optimizer work, stop the threads and free the host state."""

@@ -43,8 +43,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print(format_table(infos))
     removable = [i for i in infos if i.removable]
     print(
-        f"\n{len(infos)} director(ies), {fmt_bytes(sum(i.size for i in infos))}; {len(removable)} stale"
-        + (f": `sysx nvme clean {args.dir}` removes them" if removable else "")
+        f"\n{len(infos)} state director{'y' if len(infos) == 1 else 'ies'}, {fmt_bytes(sum(i.size for i in infos))}; "
+        f"{len(removable)} stale" + (f": `sysx nvme clean {args.dir}` removes them" if removable else "")
     )
     return 0
 

@@ -8,8 +8,9 @@ the liveness test are those of the segments (:func:`sysx.memory.cleanup.classify
 
 The files are scratch: removed by :meth:`StateDir.close`, on exceptions that unwind through a
 ``with``, on normal exit, Ctrl-C and SIGTERM/SIGHUP (the segments' exit hooks,
-:func:`sysx.memory.cleanup.register_exit_hook`), and otherwise (SIGKILL, a crashed node) by the next
-job's start in the same directory or ``sysx nvme clean <dir>``. :meth:`StateDir.reserve` allocates
+:func:`sysx.memory.cleanup.register_exit_hook`), on SIGKILL by the segments' guardian process
+(:mod:`sysx.memory.guardian`, off with ``SYSX_SHM_GUARDIAN=0``), and otherwise (guardian killed too,
+a crashed node) by the next job's start in the same directory or ``sysx nvme clean <dir>``. :meth:`StateDir.reserve` allocates
 every file before training (``posix_fallocate``), so a full disk is one :class:`DiskFull` line then,
 not an I/O error mid-step.
 """
@@ -27,10 +28,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sysx.memory import cleanup, procinfo
+from sysx.memory import cleanup, guardian, procinfo
 from sysx.memory.budget import fmt_bytes
 from sysx.memory.names import SegmentName, segment_name, user_entries
-from sysx.optim.nvme.io import aligned_nbytes
+from sysx.optim.nvme.io import aligned_nbytes, unusable_directory
 
 MARKER = "owner.json"
 WHAT_PREFIX = "nvme.r"
@@ -81,6 +82,8 @@ class StateDir:
         sweep_state_dirs(self.root, user=self.name.user)
         try:
             os.mkdir(self.path, 0o700)
+        except PermissionError as exc:
+            raise unusable_directory(self.root, exc) from None
         except FileExistsError:
             info = inspect_state_dir(self.path)
             raise FileExistsError(
@@ -95,6 +98,9 @@ class StateDir:
         os.replace(tmp, os.path.join(self.path, MARKER))
         self._closed = False
         cleanup.register_exit_hook(self.close)
+        self._guarded = guardian.enabled()
+        if self._guarded:  # SIGKILL (the OOM killer) runs no Python: the watcher removes it then
+            guardian.GUARDIAN.track_dir(self.path, os.stat(self.path).st_ino)
 
     def file(self, name: str) -> str:
         """The path of state file ``name`` (``[A-Za-z0-9_.]+``)."""
@@ -145,6 +151,8 @@ class StateDir:
         self._closed = True
         cleanup.unregister_exit_hook(self.close)
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._guarded:
+            guardian.GUARDIAN.untrack_dir(self.path)
 
     @property
     def closed(self) -> bool:

@@ -91,29 +91,42 @@ def _memory(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
+def unusable_directory(directory: str, exc: OSError) -> OSError:
+    """One line for a directory the tier cannot write into."""
+    code = exc.errno or errno.EIO
+    return OSError(
+        code,
+        f"optim.nvme_dir={directory} cannot hold state files ({os.strerror(code)}, errno {code}); fix: make it "
+        "writable by this user, or point optim.nvme_dir at another directory",
+    )
+
+
 def probe_direct(directory: str) -> bool:
-    """True when ``directory``'s file system accepts an ``O_DIRECT`` open, write and read."""
+    """True when ``directory``'s file system accepts an ``O_DIRECT`` open, write and read; raises
+    :func:`unusable_directory`'s error when it accepts no file at all."""
     path = os.path.join(directory, f".sysx-direct-probe-{os.getpid()}-{threading.get_ident()}")
     page = mmap.mmap(-1, ALIGN)  # page aligned
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    try:
-        with memoryview(page) as view:
-            os.pwritev(fd, [view], 0)
-            os.preadv(fd, [view], 0)
-        return True
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise unusable_directory(directory, exc) from None
+        try:
+            with memoryview(page) as view:
+                os.pwritev(fd, [view], 0)
+                os.preadv(fd, [view], 0)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise unusable_directory(directory, exc) from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
         page.close()
 
 

@@ -3,8 +3,9 @@
 :func:`measure_disk` writes and reads back a few hundred MB in ``optim.nvme_dir`` with the engine
 the tier would use, several requests in flight as the tier keeps them, and returns a small
 :class:`DiskProfile`; caching it with the hardware profile is the caller's job. With buffered I/O
-(``direct`` False) the read figure is the page cache's, not the disk's: planning should treat it
-as an upper bound.
+(``direct`` False) the written pages are dropped from the page cache before the read, so the read
+figure is the disk's too (where the file system honours ``POSIX_FADV_DONTNEED``; tmpfs does not:
+there it is memory's, which is what such a directory gives).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class DiskProfile:
 
     read_Bps: float
     write_Bps: float
-    direct: bool  # O_DIRECT in use (False: buffered, the read figure is the page cache's)
+    direct: bool  # O_DIRECT in use (False: buffered I/O; pages are dropped before the read is timed)
     engine: str  # "aio" | "threads"
     free_bytes: int
 
@@ -77,6 +78,7 @@ def measure_disk(
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)  # buffered I/O: the write figure includes reaching the disk
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # ... and the read figure comes from it
         finally:
             os.close(fd)
         write_s = max(time.perf_counter() - t0, 1e-9)

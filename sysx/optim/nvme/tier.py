@@ -30,6 +30,7 @@ import torch
 from sysx.memory.pinned import PinnedStaging
 from sysx.memory.views import LiveViewsError
 from sysx.optim.nvme.io import IoEngine, aligned_nbytes
+from sysx.optim.nvme.stream import StateStream
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Pace = Callable[[str, int], None]  # ("read" | "write", bytes) after each transfer: the emulated disk's time
@@ -194,6 +195,17 @@ class TieredState:
         assert buf is not None
         self.tier.release(self, buf, write=ok and dirty, keep=ok)
 
+    def locations(self) -> tuple[torch.Tensor | tuple[str, int], tuple[str, int], tuple[str, int]]:
+        """Where the current slot's ``(p, m, v)`` lie: ``(path, byte offset)`` of each in the slot's
+        file (``p``: the RAM master when it is not on disk). Current once :meth:`NvmeTier.flush`
+        returns and while no job holds the stage (checkpoints read and write them there)."""
+        path = self.tier._path(self.name, self.current)
+        regions = [(path, i * self.spec.region) for i in range(3 if self.spec.with_param else 2)]
+        if self.spec.with_param:
+            return regions[0], regions[1], regions[2]
+        assert self._param is not None, f"stage {self.name}: fill() first"
+        return self._param, regions[0], regions[1]
+
     # ---------------------------------------------------------------- CpuAdam's state protocol
     def mark_stale(self) -> None:
         """The resident state was changed (a step in place, the device lane, a restore): it is
@@ -265,6 +277,7 @@ class NvmeTier:
         self._unfilled = set(names)  # no read-ahead before every stage has its initial state on disk
         self._errors: dict[str, BaseException] = {}  # failed writes: the stage's files are stale
         self._closers = list(closers)
+        self._stream: StateStream | None = None
         self._closed = False
         self._pool: list[_Buffer] = []
         try:
@@ -292,6 +305,27 @@ class NvmeTier:
             return self.stages[name]
         except KeyError:
             raise KeyError(f"NvmeTier: no stage {name!r}; stages: {list(self.stages)}") from None
+
+    def checkpoint_stream(self) -> StateStream:
+        """The bounded stream checkpoints read and write the state files through (its two staging
+        slots are made on first use and freed at :meth:`close`)."""
+        with self._cond:
+            self._check_open()
+            if self._stream is None:
+                self._stream = StateStream(self.engine)
+                self._closers.insert(0, self._stream.close)
+            return self._stream
+
+    def forget(self, name: str) -> None:
+        """Drop every cached copy of stage ``name`` (its files were rewritten behind the tier, by a
+        checkpoint restore); waits for the transfers in flight first."""
+        self.flush()
+        with self._cond:
+            if name in self._in_use:
+                raise RuntimeError(f"NvmeTier: stage {name} is resident; its files cannot be replaced now")
+            for buf in self._pool:
+                if buf.key is not None and buf.key[0] == name:
+                    buf.key = None
 
     # -------------------------------------------------------------------------- residency
     def acquire(self, st: TieredState, *, read: bool) -> _Buffer:
