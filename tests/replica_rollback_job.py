@@ -46,7 +46,8 @@ def snapshot(trainer) -> tuple[dict[Unit, list], dict[Unit, torch.Tensor]]:
     shards = {}
     for key, stage in trainer.optimizer.stages.items():
         adam = stage.optimizer
-        shards[key] = [adam.param.clone(), adam.exp_avg.clone(), adam.exp_avg_sq.clone(), adam.step_count]
+        with stage.resident():  # optim.offload=nvme: read from the tier's files
+            shards[key] = [adam.param.clone(), adam.exp_avg.clone(), adam.exp_avg_sq.clone(), adam.step_count]
     return shards, {key: t.clone() for key, t in trainer.params.shared.items()}
 
 
@@ -65,7 +66,7 @@ def compare(before, after, trainer) -> dict:
     stale = 0
     for key, stage in trainer.optimizer.stages.items():
         cut = trainer.layout.shard(trainer.params.units[key].numel)
-        stale += int((shared1[key][cut.start : cut.stop] != stage.master.to(shared1[key].dtype)).sum())
+        stale += int((shared1[key][cut.start : cut.stop] != stage.master_copy().to(shared1[key].dtype)).sum())
     return {
         "steps": sorted({s for *_, s in shards1.values()}),
         "bit_equal": bit_equal,

@@ -37,12 +37,14 @@ CFG = {
 }
 SYSX = {"schedule": "sysx", "split": 2, "stages_per_rank": 1}
 FP32 = {"precision": "fp32"}  # no loss scale: NonFiniteGradients after the rollback
+NVME = {"optim": {"offload": "nvme", "nvme_dir": "TMP", "nvme_engine": "threads"}}  # TMP: the test's directory
 LAYOUTS = {  # processes per node -> the runs: [name, PipelineOptions fields, config changes]
     4: [
         ["exact", {**SYSX, "rollback": "exact"}],
         ["undo", {**SYSX, "rollback": "undo"}],
         ["gpipe", {"schedule": "gpipe"}],
         ["fp32-exact", {**SYSX, "rollback": "exact"}, FP32],
+        ["nvme-exact", {**SYSX, "rollback": "exact"}, NVME],  # the shards' states in the NVMe tier's slots
     ],
     2: [
         ["exact", {**SYSX, "rollback": "exact"}],
@@ -55,13 +57,14 @@ LAYOUTS = {  # processes per node -> the runs: [name, PipelineOptions fields, co
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("local_world", sorted(LAYOUTS))
 def test_an_overflow_on_one_replica_skips_the_step_on_every_shard(tmp_path: Path, local_world: int) -> None:
-    runs = LAYOUTS[local_world]
+    runs = json.loads(json.dumps(LAYOUTS[local_world]).replace('"TMP"', json.dumps(str(tmp_path))))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"cfg": CFG, "steps": STEPS, "bad": [BAD_STEP, BAD_RANK, ELEMENT], "runs": runs}))
     procs = launch([sys.executable, str(JOB), str(spec), str(tmp_path)], 4, local_world, timeout=360)
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    for name, options, *fp32 in runs:
+    for name, options, *changes in runs:
+        fp32 = changes and changes[0].get("precision") == "fp32"
         rows = [json.loads((tmp_path / f"{name}-{r}.json").read_text()) for r in range(4)]
         for rank, row in enumerate(rows):
             where = (local_world, name, rank)

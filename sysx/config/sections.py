@@ -244,9 +244,9 @@ class OptimSection:
     placement: str = (
         "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
     )
-    offload: str = "host"  # where the fp32 master, m and v live: host (RAM) | nvme (files in nvme_dir, sysx.optim.nvme)
-    nvme_dir: str | None = None  # optim.offload=nvme: a directory on a local NVMe for the state files
-    nvme_engine: str = "auto"  # the state files' I/O: auto (aio if DeepSpeed's op builds, else threads) | aio | threads
+    offload: str = "host"  # where the fp32 master, m and v live between steps: host | nvme (files under nvme_dir)
+    nvme_dir: str | None = None  # a directory on a local NVMe drive (required with offload=nvme)
+    nvme_engine: str = "auto"  # the state files' I/O: auto | aio | threads
 
     def validate(self) -> None:
         """Choices and ranges of ``optim.*``."""

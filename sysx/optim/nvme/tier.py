@@ -18,6 +18,7 @@ so CpuAdam runs its exact rollback on it unchanged). See docs/architecture.md, "
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sysx.memory.pinned import PinnedStaging
+from sysx.memory.views import LiveViewsError
 from sysx.optim.nvme.io import IoEngine, aligned_nbytes
 from sysx.optim.nvme.stream import StateStream
 
@@ -272,6 +274,7 @@ class NvmeTier:
         self._cond = threading.Condition()
         self._recent = list(names)  # least recently used first: the read-ahead order
         self._in_use: set[str] = set()
+        self._unfilled = set(names)  # no read-ahead before every stage has its initial state on disk
         self._errors: dict[str, BaseException] = {}  # failed writes: the stage's files are stale
         self._closers = list(closers)
         self._stream: StateStream | None = None
@@ -371,6 +374,8 @@ class NvmeTier:
             buf.user = None
             key = (st.name, st.current)
             if write:
+                self._unfilled.discard(st.name)
+            if write:
                 for other in self._pool:
                     if other is not buf and other.key == key:
                         other.key = None  # an older copy of the slot
@@ -416,7 +421,7 @@ class NvmeTier:
     def _read_ahead(self) -> None:
         """Start reading the next stages (least recently used first, up to :attr:`depth`) into idle
         buffers that hold none of them. Holds the lock."""
-        if self._closed:
+        if self._closed or self._unfilled:
             return
         targets = [n for n in self._recent if n not in self._in_use][: self.depth]
         for name in targets:
@@ -499,7 +504,14 @@ class NvmeTier:
         pool, self._pool = self._pool, []
         for buf in pool:
             buf.io = None
-            buf.staging.close()
+            try:
+                buf.staging.close()
+            except LiveViewsError:
+                gc.collect()  # views held only by a reference cycle (an exception's traceback)
+                try:
+                    buf.staging.close()
+                except LiveViewsError as exc:
+                    error = error or exc
         closers, self._closers = self._closers, []
         for close in closers:
             try:
