@@ -30,12 +30,15 @@ def job() -> str:
 
 
 def _forge_dead_owner(state: StateDir) -> None:
-    """Make ``state`` look left behind by a dead process: our pid with another start time (a reused pid)."""
+    """Make ``state`` look left behind by a dead process: our pid with another start time (a reused
+    pid), and its lock dropped as the kernel drops a dead process's."""
     marker = Path(state.path) / files_mod.MARKER
     owner = json.loads(marker.read_text())
     owner["start"] += 1
     marker.write_text(json.dumps(owner))
     cleanup.unregister_exit_hook(state.close)
+    os.close(state._lock_fd)
+    state._closed = True  # its process is "dead": nothing of it may run later (the fd number is reused)
 
 
 def test_name_marker_reserve_and_close(tmp_path: Path, job: str) -> None:
@@ -62,10 +65,11 @@ def test_name_marker_reserve_and_close(tmp_path: Path, job: str) -> None:
 
 
 def test_removed_on_exceptions_and_exit_paths(tmp_path: Path, job: str) -> None:
+    hooks = len(cleanup._exit_hooks)
     with pytest.raises(RuntimeError, match="boom"), StateDir(str(tmp_path), job=job, node=0, rank=0) as state:
         state.reserve({"a": ALIGN})
         raise RuntimeError("boom")
-    assert not os.path.exists(state.path)
+    assert not os.path.exists(state.path) and len(cleanup._exit_hooks) == hooks  # its hook went with it
     state = StateDir(str(tmp_path), job=job, node=0, rank=1)
     cleanup.release_all(timeout_s=1.0)  # what atexit, SIGTERM/SIGHUP and Ctrl-C (via atexit) run
     assert not os.path.exists(state.path) and state.closed
@@ -140,6 +144,10 @@ def test_dead_jobs_leftovers_are_swept_by_the_next_job_and_the_command(
 ) -> None:
     first = StateDir(str(tmp_path), job=job, node=0, rank=0)
     first.reserve({"m": ALIGN})
+    marker = Path(first.path) / files_mod.MARKER
+    marker.write_text(marker.read_text().replace(f'"pid": {os.getpid()}', '"pid": 1'))
+    # a creator whose pid means nothing here (another pid namespace) but that holds the lock: in use
+    assert [i.status for i in scan_state_dirs(str(tmp_path))] == ["orphaned"] and not sweep_state_dirs(str(tmp_path))
     _forge_dead_owner(first)
     assert [i.status for i in scan_state_dirs(str(tmp_path))] == ["stale"]
     assert nvme_cli.main(["list", str(tmp_path)]) == 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -96,6 +97,10 @@ class StateDir:
         with open(tmp, "w") as f:
             json.dump(owner, f)
         os.replace(tmp, os.path.join(self.path, MARKER))
+        # held for the directory's life, as a segment's users hold theirs: a sweep from another pid
+        # namespace (a container on the same disk), where the creator's pid means nothing, sees it in use
+        self._lock_fd = os.open(os.path.join(self.path, MARKER), os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
         self._closed = False
         cleanup.register_exit_hook(self.close)
         self._guarded = guardian.enabled()
@@ -150,6 +155,8 @@ class StateDir:
             return
         self._closed = True
         cleanup.unregister_exit_hook(self.close)
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
         shutil.rmtree(self.path, ignore_errors=True)
         if self._guarded:
             guardian.GUARDIAN.untrack_dir(self.path)
@@ -179,7 +186,7 @@ class StateDirInfo:
     owner: Owner | None
     size: int
     ino: int
-    status: str  # alive | stale | creating | broken | elsewhere (created on another host)
+    status: str  # alive | orphaned (creator's pid dead, its lock held) | stale | creating | broken | elsewhere
 
     @property
     def removable(self) -> bool:
@@ -213,6 +220,18 @@ def read_owner(path: str) -> tuple[Owner | None, str | None]:
         return None, f"unreadable {MARKER}: {exc}"
 
 
+def _marker_users(path: str) -> list[int]:
+    """Pids holding the owner record's lock (the creator while it runs, wherever its pid lives)."""
+    try:
+        fd = os.open(os.path.join(path, MARKER), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        return procinfo.lock_users(fd)
+    finally:
+        os.close(fd)
+
+
 def inspect_state_dir(path: str) -> StateDirInfo | None:
     """What ``path`` is, or None when it is not a sysx state directory of this user."""
     parsed = SegmentName.parse(os.path.basename(path))
@@ -230,7 +249,7 @@ def inspect_state_dir(path: str) -> StateDirInfo | None:
         status = "elsewhere"  # a shared file system: its creator's liveness cannot be seen from here
     else:
         alive = owner is not None and owner.alive
-        status = cleanup.classify(owner, alive, [], time.time() - st.st_mtime, error)
+        status = cleanup.classify(owner, alive, _marker_users(path), time.time() - st.st_mtime, error)
     return StateDirInfo(path, parsed, owner, size, st.st_ino, status)
 
 
