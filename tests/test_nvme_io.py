@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def test_write_then_read_is_bit_exact(tmp_path: Path, kind: str, dtype: torch.dt
         engine.read(path, part, offset=2 * ALIGN).result()
         assert torch.equal(part, src.view(torch.uint8, src.nbytes)[2 * ALIGN : 3 * ALIGN])
     finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_buffer_is_free_once_its_future_is_done(tmp_path: Path, kind: str) -> None:
+    """The owner may free a buffer the moment its request completes: no engine thread still holds a
+    view of it then (PinnedStaging.close raises LiveViewsError while one does)."""
+    engine = open_engine(kind, str(tmp_path))
+    path = str(tmp_path / "f")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches everywhere: a worker caught holding a view shows up
+    try:
+        for i in range(60):
+            staging = PinnedStaging(ALIGN, label="short-lived")
+            view = staging.view(torch.uint8, ALIGN)
+            future = engine.write(path, view) if i % 2 == 0 else engine.read(path, view)
+            del view
+            future.result()
+            staging.close()
+    finally:
+        sys.setswitchinterval(interval)
         engine.close()
 
 
