@@ -505,13 +505,9 @@ class NvmeTier:
         for buf in pool:
             buf.io = None
             try:
-                buf.staging.close()
-            except LiveViewsError:
-                gc.collect()  # views held only by a reference cycle (an exception's traceback)
-                try:
-                    buf.staging.close()
-                except LiveViewsError as exc:
-                    error = error or exc
+                _close_staging(buf.staging)
+            except LiveViewsError as exc:
+                error = error or exc
         closers, self._closers = self._closers, []
         for close in closers:
             try:
@@ -520,3 +516,17 @@ class NvmeTier:
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _close_staging(staging: PinnedStaging, *, tries: int = 100) -> None:
+    """Free a staging buffer once the views of finished transfers are gone: an engine's worker may
+    still hold its request's view for a moment after the transfer's future completed, and an
+    exception's traceback may hold one in a reference cycle."""
+    for _ in range(tries - 1):
+        try:
+            staging.close()
+            return
+        except LiveViewsError:
+            gc.collect()
+            time.sleep(0.01)
+    staging.close()
