@@ -139,6 +139,16 @@ def test_a_real_full_disk(small_fs: Path, job: str, monkeypatch: pytest.MonkeyPa
         state.close()
 
 
+def test_a_disk_too_full_for_the_owner_record(tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(self: StateDir, started: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(StateDir, "_write_owner", no_space)
+    with pytest.raises(DiskFull, match=rf"optim.nvme_dir={tmp_path}: .* need 4.0 KiB .*; fix: "):
+        StateDir(str(tmp_path), job=job, node=0, rank=0)
+    assert os.listdir(tmp_path) == []  # the half-made directory is gone
+
+
 def test_dead_jobs_leftovers_are_swept_by_the_next_job_and_the_command(
     tmp_path: Path, job: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

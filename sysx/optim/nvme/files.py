@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from sysx.memory import cleanup, guardian, procinfo
 from sysx.memory.budget import fmt_bytes
 from sysx.memory.names import SegmentName, segment_name, user_entries
-from sysx.optim.nvme.io import aligned_nbytes, unusable_directory
+from sysx.optim.nvme.io import ALIGN, aligned_nbytes, unusable_directory
 
 MARKER = "owner.json"
 WHAT_PREFIX = "nvme.r"
@@ -92,20 +92,31 @@ class StateDir:
                 f"{rank} already runs here; give this job another job id (SYSX_JOB_ID) or stop the other one"
             ) from None
         self._pid, started = procinfo.self_identity()
-        owner = {"pid": self._pid, "start": started, "host": socket.gethostname(), "created": time.time()}
-        tmp = os.path.join(self.path, MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(owner, f)
-        os.replace(tmp, os.path.join(self.path, MARKER))
-        # held for the directory's life, as a segment's users hold theirs: a sweep from another pid
-        # namespace (a container on the same disk), where the creator's pid means nothing, sees it in use
-        self._lock_fd = os.open(os.path.join(self.path, MARKER), os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        try:
+            self._lock_fd = self._write_owner(started)
+        except OSError as exc:
+            shutil.rmtree(self.path, ignore_errors=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # not even the owner record fits
+                raise disk_full(self.root, ALIGN, free_bytes(self.root)) from None
+            raise
         self._closed = False
         cleanup.register_exit_hook(self.close)
         self._guarded = guardian.enabled()
         if self._guarded:  # SIGKILL (the OOM killer) runs no Python: the watcher removes it then
             guardian.GUARDIAN.track_dir(self.path, os.stat(self.path).st_ino)
+
+    def _write_owner(self, started: int) -> int:
+        """Write ``owner.json`` atomically; returns a descriptor holding a shared lock on it for the
+        directory's life, as a segment's users hold theirs: a sweep from another pid namespace (a
+        container on the same disk), where the creator's pid means nothing, sees it in use."""
+        owner = {"pid": self._pid, "start": started, "host": socket.gethostname(), "created": time.time()}
+        tmp = os.path.join(self.path, MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(owner, f)
+        os.replace(tmp, os.path.join(self.path, MARKER))
+        fd = os.open(os.path.join(self.path, MARKER), os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
 
     def file(self, name: str) -> str:
         """The path of state file ``name`` (``[A-Za-z0-9_.]+``)."""
