@@ -91,3 +91,26 @@ def test_disk_shortage_is_one_line_with_the_numbers() -> None:
     line = disk_shortage(3 * GiB, GiB, "/nvme")
     assert line is not None and "\n" not in line
     assert "optim.nvme_dir=/nvme has 1.0 GiB free" in line and "need 3.0 GiB" in line
+
+
+def test_disk_profile_is_measured_once_per_drive_and_cached(tmp_path, monkeypatch) -> None:
+    from sysx.machine.disk_cache import disk_path, load_or_measure_disk
+
+    monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[str] = []
+
+    def probe(directory: str, engine: str) -> dict:  # stands in for sysx.optim.nvme.probe.measure_disk
+        calls.append(directory)
+        return {"read_Bps": 3e9, "write_Bps": 2e9, "direct": True, "engine": "threads", "free_bytes": 1}
+
+    first, reused = load_or_measure_disk(str(tmp_path), measure=probe)
+    assert not reused and (first.read_bytes_per_s, first.write_bytes_per_s) == (3e9, 2e9)
+    assert first.free_bytes is not None and first.free_bytes > 1  # read now, not the probe's figure
+    (tmp_path / "other").mkdir()
+    again, reused = load_or_measure_disk(str(tmp_path / "other"), measure=probe)  # same drive: cached
+    assert reused and again.read_bytes_per_s == 3e9 and calls == [str(tmp_path)]
+    load_or_measure_disk(str(tmp_path), measure=probe, refresh=True)
+    assert len(calls) == 2
+    assert disk_path(str(tmp_path)) != disk_path(str(tmp_path), "aio")
+    with pytest.raises(FileNotFoundError, match="optim.nvme_dir="):
+        load_or_measure_disk(str(tmp_path / "missing"), measure=probe)

@@ -42,6 +42,8 @@ class DiskRates:
 
     read_bytes_per_s: float
     write_bytes_per_s: float
+    free_bytes: int | None = None  # free in the directory when read (None: not known)
+    how: str = "assumed"  # "measured (aio, O_DIRECT)" and the like
 
     def io_seconds(self, read_bytes: float, write_bytes: float) -> float:
         """Seconds the drives are busy for ``read_bytes`` and ``write_bytes`` (one queue)."""
@@ -49,7 +51,11 @@ class DiskRates:
 
     def describe(self) -> str:
         """``read 3.2 GB/s, write 2.1 GB/s``."""
-        return f"read {self.read_bytes_per_s / GB:.2f} GB/s, write {self.write_bytes_per_s / GB:.2f} GB/s"
+        free = "" if self.free_bytes is None else f", {fmt_bytes(self.free_bytes)} free"
+        return (
+            f"read {self.read_bytes_per_s / GB:.2f} GB/s, write {self.write_bytes_per_s / GB:.2f} GB/s "
+            f"({self.how}){free}"
+        )
 
 
 @dataclass(frozen=True)
