@@ -114,3 +114,38 @@ def test_disk_profile_is_measured_once_per_drive_and_cached(tmp_path, monkeypatc
     assert disk_path(str(tmp_path)) != disk_path(str(tmp_path), "aio")
     with pytest.raises(FileNotFoundError, match="optim.nvme_dir="):
         load_or_measure_disk(str(tmp_path / "missing"), measure=probe)
+
+
+def _job(*overrides: str):
+    from sysx.config import load_config
+
+    return load_config(["schedule=sysx", "device=cpu", *overrides])
+
+
+def test_preflight_counts_the_state_files_and_refuses_a_full_disk(tmp_path, monkeypatch) -> None:
+    from sysx import preflight
+    from sysx.config import ConfigError
+    from sysx.machine import disk_cache
+
+    cfg = _job("optim.offload=nvme", f"optim.nvme_dir={tmp_path}")
+    line = preflight.check_pipeline(cfg, 2)
+    assert "state files" in line and f"free in {tmp_path}" in line
+    monkeypatch.setattr(disk_cache, "free_disk_bytes", lambda directory: 4096)
+    with pytest.raises(ConfigError, match=f"optim.nvme_dir={tmp_path} has 4.0 KiB free") as err:
+        preflight.check_pipeline(cfg, 2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        preflight.check_pipeline(_job("optim.offload=nvme", f"optim.nvme_dir={tmp_path}/none"), 2)
+
+
+def test_preflight_host_refusal_names_what_the_tier_would_need(monkeypatch) -> None:
+    from sysx import preflight
+    from sysx.memory.budget import HostCapacity, HostMemoryError
+    from sysx.optim import rollback_choice
+
+    monkeypatch.setattr(rollback_choice, "probe_host", lambda: HostCapacity(1 << 40, 1 << 40, 1 << 20, None))
+    with pytest.raises(HostMemoryError) as err:
+        preflight.check_pipeline(_job(), 2)
+    text = str(err.value)
+    assert "host RAM: need" in text and "optim.offload=nvme optim.nvme_dir=" in text
+    assert text.index("optim.offload=nvme") < text.index("\n\nPlan:")
