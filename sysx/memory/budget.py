@@ -214,8 +214,7 @@ class StateBytes:
 
     def rows(self) -> dict[str, int]:
         """Non-zero components by name."""
-        # fp32 runs have no separate master (with the tier the files then hold only m and v: 8 bytes)
-        working = "working copy" if self.master or self.step_io > 8 else "fp32 masters (= working copy)"
+        working = "working copy" if self.working < 4 else "fp32 masters (= working copy)"  # fp32: no other master
         names = {
             "fp32 masters": self.master,
             "Adam m+v": self.adam,
@@ -233,27 +232,33 @@ def training_state_bytes(
     gradients in ``grad_dtype``, fp32 masters unless the working copy is fp32, Adam m and v, and
     the rollback buffers of ``rollback="snapshot"`` or ``"exact"`` (``auto`` counts as ``undo``: it
     picks ``exact`` only where that fits, :mod:`sysx.optim.rollback_choice`). ``offload="nvme"``
-    (``optim.offload``) moves the master, m, v and the rollback set to the state files (``disk``);
+    (``optim.offload``) keeps the fp32 state in files (``disk``): one slot of (p, m, v) per parameter
+    (m and v only in fp32 runs, whose master is the working copy in RAM), two slots with ``snapshot``
+    or ``exact`` (a step reads one and writes the other; p is in both so a rollback restores it);
     RAM keeps the working copy and the gradients (the staging buffers are per stage, not per parameter)."""
     work = dtype_itemsize(work_dtype)
     master = 0 if canonical_dtype(work_dtype) == "float32" else 4
-    extra = {"snapshot": 12, "exact": 12 if master else 16}.get(rollback, 0)
     if offload == "nvme":
-        return StateBytes(0, 0, dtype_itemsize(grad_dtype), work, 0, disk=master + 8 + extra, step_io=master + 8)
+        slots = 2 if rollback in ("snapshot", "exact") else 1
+        one = 12 if master or slots == 2 else 8  # bytes of one slot per parameter
+        return StateBytes(0, 0, dtype_itemsize(grad_dtype), work, 0, disk=slots * one, step_io=one)
+    extra = {"snapshot": 12, "exact": 12 if master else 16}.get(rollback, 0)
     return StateBytes(master, 8, dtype_itemsize(grad_dtype), work, extra)
 
 
-# optim.offload=nvme: staging buffers per rank, each one stage's master, m and v: one read ahead,
-# one being stepped, one written back behind (sysx.optim.nvme's pool)
+# optim.offload=nvme: staging buffers per rank, each one slot of its largest stage: one per optimizer
+# worker (one here), one read ahead, one written back behind (sysx.optim.nvme.open_tier's pool)
 TIER_STAGING_BUFFERS = 3
-PAGE_BYTES = 4096  # O_DIRECT buffers and file sizes are whole pages (sysx.optim.nvme's ALIGN)
+PAGE_BYTES = 4096  # O_DIRECT buffers and file regions are whole pages (sysx.optim.nvme's ALIGN)
 
 
-def staging_bytes(largest_numel: int, work_dtype: Any, *, buffers: int = TIER_STAGING_BUFFERS) -> int:
+def staging_bytes(
+    largest_numel: int, work_dtype: Any, *, rollback: str = "undo", buffers: int = TIER_STAGING_BUFFERS
+) -> int:
     """Pinned bytes of one rank's tier staging pool when its largest stage (or shard) has ``largest_numel``
-    parameters in ``work_dtype``: ``buffers`` page-rounded buffers of its master, m and v."""
-    per = training_state_bytes(work_dtype, offload="nvme").step_io * largest_numel
-    return buffers * (-(-per // PAGE_BYTES) * PAGE_BYTES)
+    parameters in ``work_dtype``: ``buffers`` buffers of one slot, each fp32 tensor page-rounded."""
+    tensors = training_state_bytes(work_dtype, rollback=rollback, offload="nvme").step_io // 4
+    return buffers * tensors * (-(-4 * largest_numel // PAGE_BYTES) * PAGE_BYTES)
 
 
 # --- the per-node plan ------------------------------------------------------------------------
@@ -385,7 +390,7 @@ def plan_host_memory(
             disk += numel * per_param.disk
             step_io += numel * per_param.step_io
             if offload == "nvme":
-                staging = max(staging, staging_bytes(numel, dtype))
+                staging = max(staging, staging_bytes(numel, dtype, rollback=rollback))
     for stage in mirrors:
         shared += segment_bytes(stage_data_bytes(_sections(stage)))
     if pinned_bytes < 0:

@@ -66,7 +66,7 @@ def node_host_memory(
         for r in local:
             rank = layout.global_rank(unit.owner, r)
             largest[rank] = max(largest.get(rank, 0), len(shard_range(unit.numel, r_count, r)))
-    staging = sum(staging_bytes(n, dtype) for n in largest.values()) if offload == "nvme" else 0
+    staging = sum(staging_bytes(n, dtype, rollback=rollback) for n in largest.values()) if offload == "nvme" else 0
     # fp32 runs with replicas: the optimizer's gradients are its shard's slice of the landing buffer
     landed = owners * landing - (shards * landing if canonical_dtype(dtype) == "float32" and r_count > 1 else 0)
     return HostMemoryPlan(

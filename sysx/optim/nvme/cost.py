@@ -3,9 +3,9 @@ step, host bytes with and without the tier, the I/O a step cannot hide and the l
 holds. The node plan, the pre-flight, ``sysx plan``/``plan-single`` and the autotuner all use it.
 
 Per parameter (:func:`sysx.memory.budget.training_state_bytes` with ``offload="nvme"``): the files
-hold what the host plan counts as fp32 master, Adam m and v and the rollback set (16-bit runs:
-4 + 8 bytes, +12 with ``snapshot``/``exact``; fp32 runs keep the master in RAM, it is the working
-copy: 8 bytes, +12 / +16); RAM keeps the working copy, the gradients and one staging pool per rank.
+hold one slot of fp32 (p, m, v), 12 bytes (fp32 runs: m and v, 8 bytes, their master is the working
+copy in RAM); ``snapshot``/``exact`` keep two slots of (p, m, v), 24 bytes, a step reading one and
+writing the other. RAM keeps the working copy, the gradients and one staging pool per rank.
 
 The overlap model (one queue, whole step):
   Each stage's master, m and v are read once and written once per step (the expected case: no
@@ -53,7 +53,7 @@ class DiskRates:
         """``read 3.2 GB/s, write 2.1 GB/s``."""
         free = "" if self.free_bytes is None else f", {fmt_bytes(self.free_bytes)} free"
         return (
-            f"read {self.read_bytes_per_s / GB:.2f} GB/s, write {self.write_bytes_per_s / GB:.2f} GB/s "
+            f"read {self.read_bytes_per_s / GB:.3g} GB/s, write {self.write_bytes_per_s / GB:.3g} GB/s "
             f"({self.how}){free}"
         )
 
@@ -151,17 +151,24 @@ class Fit:
 
 
 def largest_model(
-    host_bytes: float, disk_bytes: float | None, dtype: Any, rollback: str = "undo", *, reserved: float = 0.0
+    host_bytes: float,
+    disk_bytes: float | None,
+    dtype: Any,
+    rollback: str = "undo",
+    *,
+    reserved: float = 0.0,
+    staging_per_param: float = 0.0,
 ) -> tuple[Fit, Fit | None]:
-    """The most parameters a node with ``host_bytes`` of memory (``reserved`` of it already taken:
-    processes, staging) and ``disk_bytes`` free under ``optim.nvme_dir`` trains, without and with
-    the tier (None: no disk given)."""
+    """The most parameters a node with ``host_bytes`` of memory (``reserved`` of it already taken)
+    and ``disk_bytes`` free under ``optim.nvme_dir`` trains, without and with the tier (None: no
+    disk given). ``staging_per_param``: the staging pools per parameter of the model (a layout of
+    ``n`` equal units on ``r`` ranks of the node pins about ``r * buffers * 12 / n`` bytes each)."""
     without, with_tier, disk = state_bytes_per_param(dtype, rollback)
     room = max(0.0, host_bytes - reserved)
     plain = Fit(int(room // without), "host memory")
     if disk_bytes is None:
         return plain, None
-    by_host, by_disk = int(room // with_tier), int(disk_bytes // disk)
+    by_host, by_disk = int(room // (with_tier + staging_per_param)), int(disk_bytes // disk)
     return plain, Fit(by_host, "host memory") if by_host <= by_disk else Fit(by_disk, "disk")
 
 
