@@ -21,10 +21,9 @@ from sysx.config import ScheduleSection, SysxConfig
 from sysx.config.choices import EMULATED_DEVICE, PRECISIONS, SYSX_CFGS
 from sysx.emulate import emulated_model
 from sysx.emulate.device_model import emulated_schedule
+from sysx.machine.disk_plan import add_disk_arguments, resolve_disk
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
-from sysx.plan_nvme import add_arguments as add_nvme_arguments
 from sysx.plan_nvme import replanner, tier_lines
-from sysx.plan_nvme import resolve as resolve_nvme
 from sysx.plan_replicas import ReplicaPlan, replica_plan
 from sysx.replicas import ReplicaLayout
 from sysx.runtime.options import make_schedule, options_from_config
@@ -63,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="ranks per node, for shared memory and --inter-gbps (default all)",
     )
-    add_nvme_arguments(p)
+    add_disk_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument(
         "--compare",
@@ -231,8 +230,7 @@ def _resolve(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{key.replace('_', '-')} {value} is not valid: must be an integer >= 1")
     _resolve_replicas(args)
-    job = args.job
-    resolve_nvme(args, job and job.optim.offload, job and job.optim.nvme_dir)
+    resolve_disk(args, args.job and args.job.optim)
     if args.disk is not None and args.model_cfg is None:
         raise ValueError("--offload nvme needs a model (--model or --hydra): unit costs have no bytes")
 

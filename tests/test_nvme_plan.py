@@ -161,7 +161,7 @@ def test_sysx_plan_prints_the_tier_section(capsys) -> None:
     assert "read 0.001 GB/s, write 0.0005 GB/s (assumed), 10.0 GiB free" in out[head]
     assert out[head + 1].startswith("  node 0: state files ") and "without the tier" in out[head + 1]
     assert "exposed I/O per step (busiest node): disk " in out[head + 2] and "% of the step" in out[head + 2]
-    assert "the disk hides behind compute from " in out[head + 3] and "(planned: 4)" in out[head + 3]
+    assert "the disk hides behind compute from a global batch of " in out[head + 3] and "(planned: 4)" in out[head + 3]
     assert "largest model on a node of 16.0 GiB host memory and 10.0 GiB free disk: without the tier " in out[head + 4]
 
 
