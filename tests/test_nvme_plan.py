@@ -162,7 +162,9 @@ def test_sysx_plan_prints_the_tier_section(capsys) -> None:
     assert out[head + 1].startswith("  node 0: state files ") and "without the tier" in out[head + 1]
     assert "exposed I/O per step (busiest node): disk " in out[head + 2] and "% of the step" in out[head + 2]
     assert "the disk hides behind compute from a global batch of " in out[head + 3] and "(planned: 4)" in out[head + 3]
-    assert "largest model on a node of 16.0 GiB host memory and 10.0 GiB free disk: without the tier " in out[head + 4]
+    assert (
+        "largest model (its training state) on a node of 16.0 GiB host memory and 10.0 GiB free disk: " in out[head + 4]
+    )
 
 
 def test_sysx_plan_tier_needs_rates_and_a_model(capsys) -> None:
@@ -172,3 +174,18 @@ def test_sysx_plan_tier_needs_rates_and_a_model(capsys) -> None:
     assert "--offload nvme needs --nvme-dir DIR" in capsys.readouterr().err
     assert main(["--offload", "nvme", "--disk-read-gbps", "3"]) == 2
     assert "needs a model" in capsys.readouterr().err
+
+
+def test_plan_single_prints_the_tier_lines(capsys) -> None:
+    from sysx.single.plan_cmd import main
+
+    base = ["--model", "tiny", "--precision", "bf16", "--hardware", "rtx4090", "--host-gb", "8"]
+    assert main([*base, "--offload", "nvme", "--disk-read-gbps", "1", "--disk-gb", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = out.index(next(line for line in out if line.startswith("NVMe tier")))
+    assert out[head] == "NVMe tier (optim.offload=nvme), the drives: read 1 GB/s, write 1 GB/s (assumed), 4.0 GiB free"
+    assert out[head + 1].startswith("  state files ") and "(without the tier " in out[head + 1]
+    assert out[head + 2].startswith("  exposed I/O per step: disk ")
+    assert "(planned: 16)" in out[head + 3]
+    assert "largest model (its training state) on a node of 8.0 GiB host memory and 4.0 GiB free disk" in out[head + 4]
+    assert main(base) == 0 and "NVMe tier" not in capsys.readouterr().out

@@ -15,8 +15,9 @@ from sysx.optim.nvme.cost import GB, DiskRates, Fit, largest_model, micro_batche
 GIB = float(1 << 30)
 
 
-def add_disk_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``--offload`` group: the tier on or off and the node's drives, given or measured."""
+def add_disk_arguments(p: argparse.ArgumentParser, *, host_flag: bool = True) -> None:
+    """The ``--offload`` group: the tier on or off and the node's drives, given or measured;
+    ``host_flag``: add ``--host-gb`` (``sysx plan-single`` has its own, the host budget)."""
     g = p.add_argument_group("NVMe tier (optim.offload=nvme)")
     g.add_argument(
         "--offload", choices=OFFLOADS, default=None, help="nvme: plan the fp32 optimizer state on disk (default host)"
@@ -28,7 +29,10 @@ def add_disk_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-read-gbps", type=float, default=None, help="assumed read GB/s of one node's drives")
     g.add_argument("--disk-write-gbps", type=float, default=None, help="assumed write GB/s (default the read figure)")
     g.add_argument("--disk-gb", type=float, default=None, help="free disk per node in GiB (default: --nvme-dir's)")
-    g.add_argument("--host-gb", type=float, default=None, help="host memory per node in GiB (default this machine's)")
+    if host_flag:
+        g.add_argument(
+            "--host-gb", type=float, default=None, help="host memory per node in GiB (default this machine's)"
+        )
 
 
 def resolve_disk(args: argparse.Namespace, job_optim: object | None = None) -> None:
@@ -77,22 +81,27 @@ def io_lines(
     ]
 
 
-def largest_lines(args: argparse.Namespace, dtype: str, disk: DiskRates | None, staging: float = 0.0) -> list[str]:
+def largest_lines(
+    args: argparse.Namespace, dtype: str, disk: DiskRates | None, staging: float = 0.0, *, window: bool = False
+) -> list[str]:
     """The largest model one node holds with and without the tier (host memory: ``--host-gb`` or this
     machine's total; disk: ``--disk-gb`` or the directory's free space; ``staging``: the plan's
-    staging pools per parameter, which scale with the model at the same layout)."""
-    if args.host_gb is not None:
+    staging pools per parameter, which scale with the model at the same layout; ``window``: the
+    sliding window's state, else the pipeline's)."""
+    if args.host_gb:  # None or 0: this machine's
         host = args.host_gb * GIB
     else:
         import psutil
 
         host = float(psutil.virtual_memory().total)
     free = None if disk is None else disk.free_bytes
-    plain, tier = largest_model(host, free, dtype, staging_per_param=staging)
+    plain, tier = largest_model(host, free, dtype, staging_per_param=staging, window=window)
     where = f"a node of {fmt_bytes(host)} host memory" + ("" if free is None else f" and {fmt_bytes(free)} free disk")
     with_tier = "give --disk-gb or --nvme-dir for the disk's bound" if tier is None else _fit(tier)
     pools = f" ({staging:.1f} bytes/param of staging buffers at this layout)" if staging else ""
-    return [f"  largest model on {where}: without the tier {_fit(plain)}; with it {with_tier}{pools}"]
+    return [
+        f"  largest model (its training state) on {where}: without the tier {_fit(plain)}; with it {with_tier}{pools}"
+    ]
 
 
 def _fit(fit: Fit) -> str:

@@ -129,12 +129,14 @@ def micro_batches_to_hide(io_s: float, at: tuple[int, float], at_more: tuple[int
     return max(1, math.ceil((io_s - fixed) / slope - 1e-9))
 
 
-def state_bytes_per_param(dtype: Any, rollback: str = "undo") -> tuple[int, int, int]:
-    """``(host without the tier, host with it, disk with it)`` bytes per parameter of one owning
-    rank, the device-to-host landing buffer of 16-bit runs included (staging pools left out)."""
-    landing = 0 if canonical_dtype(dtype) == "float32" else dtype_itemsize(dtype)
-    host = training_state_bytes(dtype, rollback=rollback)
-    tier = training_state_bytes(dtype, rollback=rollback, offload="nvme")
+def state_bytes_per_param(dtype: Any, rollback: str = "undo", *, window: bool = False) -> tuple[int, int, int]:
+    """``(host without the tier, host with it, disk with it)`` bytes per parameter: the pipeline's
+    (fp32 gradients and the 16-bit landing buffer of 16-bit runs) or with ``window`` the sliding
+    window's (gradients in the working precision); staging pools left out."""
+    grads = dtype if window else "float32"
+    landing = 0 if window or canonical_dtype(dtype) == "float32" else dtype_itemsize(dtype)
+    host = training_state_bytes(dtype, grad_dtype=grads, rollback=rollback)
+    tier = training_state_bytes(dtype, grad_dtype=grads, rollback=rollback, offload="nvme")
     return host.total + landing, tier.total + landing, tier.disk
 
 
@@ -158,12 +160,14 @@ def largest_model(
     *,
     reserved: float = 0.0,
     staging_per_param: float = 0.0,
+    window: bool = False,
 ) -> tuple[Fit, Fit | None]:
     """The most parameters a node with ``host_bytes`` of memory (``reserved`` of it already taken)
     and ``disk_bytes`` free under ``optim.nvme_dir`` trains, without and with the tier (None: no
     disk given). ``staging_per_param``: the staging pools per parameter of the model (a layout of
-    ``n`` equal units on ``r`` ranks of the node pins about ``r * buffers * 12 / n`` bytes each)."""
-    without, with_tier, disk = state_bytes_per_param(dtype, rollback)
+    ``n`` equal units on ``r`` ranks of the node pins about ``r * buffers * 12 / n`` bytes each);
+    ``window``: the sliding window's state (:func:`state_bytes_per_param`)."""
+    without, with_tier, disk = state_bytes_per_param(dtype, rollback, window=window)
     room = max(0.0, host_bytes - reserved)
     plain = Fit(int(room // without), "host memory")
     if disk_bytes is None:
