@@ -163,7 +163,8 @@ def test_sysx_plan_prints_the_tier_section(capsys) -> None:
     assert "exposed I/O per step (busiest node): disk " in out[head + 2] and "% of the step" in out[head + 2]
     assert "the disk hides behind compute from a global batch of " in out[head + 3] and "(planned: 4)" in out[head + 3]
     assert (
-        "largest model (its training state) on a node of 16.0 GiB host memory and 10.0 GiB free disk: " in out[head + 4]
+        "largest model whose training state fits a node of 16.0 GiB host memory and 10.0 GiB free disk: "
+        in out[head + 4]
     )
 
 
@@ -187,5 +188,7 @@ def test_plan_single_prints_the_tier_lines(capsys) -> None:
     assert out[head + 1].startswith("  state files ") and "(without the tier " in out[head + 1]
     assert out[head + 2].startswith("  exposed I/O per step: disk ")
     assert "(planned: 16)" in out[head + 3]
-    assert "largest model (its training state) on a node of 8.0 GiB host memory and 4.0 GiB free disk" in out[head + 4]
+    assert (
+        "largest model whose training state fits a node of 8.0 GiB host memory and 4.0 GiB free disk" in out[head + 4]
+    )
     assert main(base) == 0 and "NVMe tier" not in capsys.readouterr().out
