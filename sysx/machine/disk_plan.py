@@ -100,7 +100,7 @@ def largest_lines(
     with_tier = "give --disk-gb or --nvme-dir for the disk's bound" if tier is None else _fit(tier)
     pools = f" ({staging:.1f} bytes/param of staging buffers at this layout)" if staging else ""
     return [
-        f"  largest model (its training state) on {where}: without the tier {_fit(plain)}; with it {with_tier}{pools}"
+        f"  largest model whose training state fits {where}: without the tier {_fit(plain)}; with it {with_tier}{pools}"
     ]
 
 
