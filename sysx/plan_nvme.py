@@ -14,7 +14,7 @@ import argparse
 import copy
 from collections.abc import Callable, Sequence
 
-from sysx.machine.disk_plan import io_lines, largest_lines
+from sysx.machine.disk_plan import disk_room, io_lines, largest_lines
 from sysx.memory.budget import HostMemoryPlan, fmt_bytes
 from sysx.memory.node_plan import node_host_memory
 from sysx.optim.nvme.cost import DiskRates
@@ -47,7 +47,7 @@ def tier_lines(args: argparse.Namespace, sched: Schedule, tl: Timeline, replan: 
     lines = [f"NVMe tier (optim.offload=nvme), each node's drives: {disk.describe()}"]
     for n, (p, t) in enumerate(zip(plain, tier, strict=True)):
         lines.append(
-            f"  node {n}: state files {fmt_bytes(t.disk)}, host memory {fmt_bytes(t.total)} (without the tier "
+            f"  node {n}: state files {fmt_bytes(t.disk)}{disk_room(disk, t.disk)}, host memory {fmt_bytes(t.total)} (without the tier "
             f"{fmt_bytes(p.total)}); per step read {fmt_bytes(t.step_io)}, write {fmt_bytes(t.step_io)}"
         )
     m = args.microbatches

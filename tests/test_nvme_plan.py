@@ -186,9 +186,12 @@ def test_plan_single_prints_the_tier_lines(capsys) -> None:
     head = out.index(next(line for line in out if line.startswith("NVMe tier")))
     assert out[head] == "NVMe tier (optim.offload=nvme), the drives: read 1 GB/s, write 1 GB/s (assumed), 4.0 GiB free"
     assert out[head + 1].startswith("  state files ") and "(without the tier " in out[head + 1]
+    assert "does not fit" not in out[head + 1]
     assert out[head + 2].startswith("  exposed I/O per step: disk ")
     assert "(planned: 16)" in out[head + 3]
     assert (
         "largest model whose training state fits a node of 8.0 GiB host memory and 4.0 GiB free disk" in out[head + 4]
     )
     assert main(base) == 0 and "NVMe tier" not in capsys.readouterr().out
+    assert main([*base, "--offload", "nvme", "--disk-read-gbps", "1", "--disk-gb", "0.001"]) == 0
+    assert "(does not fit: 1.0 MiB free)" in capsys.readouterr().out

@@ -60,6 +60,13 @@ def resolve_disk(args: argparse.Namespace, job_optim: object | None = None) -> N
         raise ValueError("--offload nvme needs --nvme-dir DIR (measured once) or --disk-read-gbps/--disk-write-gbps")
 
 
+def disk_room(disk: DiskRates, need: int) -> str:
+    """`` (does not fit: 27.4 GiB free)`` when ``need`` bytes of state files exceed the drives' known free space."""
+    if disk.free_bytes is None or need <= disk.free_bytes:
+        return ""
+    return f" (does not fit: {fmt_bytes(disk.free_bytes)} free)"
+
+
 def io_lines(
     disk: DiskRates, nbytes: int, step: tuple[int, float], more: tuple[int, float], *, sequences_per: int = 1
 ) -> list[str]:
