@@ -23,7 +23,7 @@ from sysx.emulate import emulated_model
 from sysx.emulate.device_model import emulated_schedule
 from sysx.machine.disk_plan import add_disk_arguments, resolve_disk
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
-from sysx.plan_nvme import replanner, tier_lines
+from sysx.plan_nvme import replanner, tier_lines, tier_summary
 from sysx.plan_replicas import ReplicaPlan, replica_plan
 from sysx.replicas import ReplicaLayout
 from sysx.runtime.options import make_schedule, options_from_config
@@ -480,6 +480,17 @@ def _replica_plan(args: argparse.Namespace, sched: Schedule, tl: Timeline) -> Re
     )
 
 
+def _json_extra(
+    args: argparse.Namespace, first: tuple[Schedule, Timeline, str], replicas: ReplicaPlan | None
+) -> dict[str, Any]:
+    """``--json``'s keys beside the timeline: the emulated cluster, the replicas' and the NVMe tier's figures."""
+    extra: dict[str, Any] = {"emulated": args.emulated} if args.emulated else {}
+    extra.update({"replica_plan": replicas.summary()} if replicas else {})
+    if args.disk and not args.compare:
+        extra["nvme"] = tier_summary(args, first[0], first[1], replanner(plan_one, args, args.schedule, args.cfg))
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx plan``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -523,8 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         out = [
             dict(tl.summary(), cfg=s.options.cfg, stages=s.n_stages, split=s.split, note=note) for s, tl, note in runs
         ]
-        extra = {"emulated": args.emulated} if args.emulated else {}
-        extra.update({"replica_plan": replicas.summary()} if replicas else {})
+        extra = _json_extra(args, runs[0], replicas)
         print(json.dumps({**out[0], **extra} if not args.compare else {"compare": out, **extra}))
         return 0
     if args.emulated:

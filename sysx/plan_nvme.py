@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from sysx.machine.disk_plan import disk_room, io_lines, largest_lines
+from sysx.machine.disk_plan import disk_room, io_lines, largest_lines, step_figures
 from sysx.memory.budget import HostMemoryPlan, fmt_bytes
 from sysx.memory.node_plan import node_host_memory
-from sysx.optim.nvme.cost import DiskRates
+from sysx.optim.nvme.cost import DiskRates, StepIo
 from sysx.replicas import ReplicaLayout
 from sysx.schedule.costs import model_layer_params
 from sysx.schedule.ops import Schedule
@@ -39,24 +40,49 @@ def tier_lines(args: argparse.Namespace, sched: Schedule, tl: Timeline, replan: 
     """The tier's section of ``sysx plan`` (see the module doc); ``replan(m)``: the plan's timeline at
     ``m`` micro-batches per replica."""
     disk: DiskRates = args.disk
+    got = tier_summary(args, sched, tl, replan)
+    lines = [f"NVMe tier (optim.offload=nvme), each node's drives: {disk.describe()}"]
+    for n, node in enumerate(got["nodes"]):
+        lines.append(
+            f"  node {n}: state files {fmt_bytes(node['state_files'])}{disk_room(disk, node['state_files'])}, "
+            f"host memory {fmt_bytes(node['host'])} (without the tier {fmt_bytes(node['host_without_tier'])}); "
+            f"per step read {fmt_bytes(node['step_io'])}, write {fmt_bytes(node['step_io'])}"
+        )
+    io = StepIo(got["read_s"], got["write_s"], got["step_s"])
+    per = args.replicas * args.micro_batch_size
+    hide = got["hides_from_global_batch"]
+    lines += io_lines(io, hide and hide // per, args.microbatches, sequences_per=per, where=" (busiest node)")
+    dtype = "float32" if args.precision == "fp32" else "bfloat16"
+    return lines + largest_lines(args, dtype, disk, got["staging_per_param"])
+
+
+def tier_summary(
+    args: argparse.Namespace, sched: Schedule, tl: Timeline, replan: Callable[[int], Timeline]
+) -> dict[str, Any]:
+    """The figures of :func:`tier_lines` as plain data (``sysx plan --json``'s ``nvme``)."""
     dtype = "float32" if args.precision == "fp32" else "bfloat16"
     gpn = args.gpus_per_node or args.world
     numels = model_layer_params(args.model_cfg)
     plain = node_plans(sched, numels, args.replicas, gpn, dtype, "host")
     tier = node_plans(sched, numels, args.replicas, gpn, dtype, "nvme")
-    lines = [f"NVMe tier (optim.offload=nvme), each node's drives: {disk.describe()}"]
-    for n, (p, t) in enumerate(zip(plain, tier, strict=True)):
-        lines.append(
-            f"  node {n}: state files {fmt_bytes(t.disk)}{disk_room(disk, t.disk)}, host memory {fmt_bytes(t.total)} (without the tier "
-            f"{fmt_bytes(p.total)}); per step read {fmt_bytes(t.step_io)}, write {fmt_bytes(t.step_io)}"
-        )
-    m = args.microbatches
-    step, more = (m, tl.iteration), (2 * m, replan(2 * m).iteration)
-    per = args.replicas * args.micro_batch_size
-    lines += io_lines(disk, max(t.step_io for t in tier), step, more, sequences_per=per)
-    lines[-2] = lines[-2].replace("per step:", "per step (busiest node):")
-    staging = sum(t.pinned - p.pinned for p, t in zip(plain, tier, strict=True)) / sum(numels)
-    return lines + largest_lines(args, dtype, disk, staging)
+    m, per = args.microbatches, args.replicas * args.micro_batch_size
+    nbytes = max(t.step_io for t in tier)
+    io, hide = step_figures(args.disk, nbytes, (m, tl.iteration), (2 * m, replan(2 * m).iteration))
+    return {
+        "read_bytes_per_s": args.disk.read_bytes_per_s,
+        "write_bytes_per_s": args.disk.write_bytes_per_s,
+        "free_bytes": args.disk.free_bytes,
+        "nodes": [
+            {"state_files": t.disk, "host": t.total, "host_without_tier": p.total, "step_io": t.step_io}
+            for p, t in zip(plain, tier, strict=True)
+        ],
+        "read_s": io.read_s,
+        "write_s": io.write_s,
+        "step_s": io.step_s,
+        "exposed_s": io.exposed_s,
+        "hides_from_global_batch": None if hide is None else hide * per,
+        "staging_per_param": sum(t.pinned - p.pinned for p, t in zip(plain, tier, strict=True)) / sum(numels),
+    }
 
 
 def replanner(plan_one: Callable[..., tuple[Schedule, Timeline, str]], args: argparse.Namespace, name: str, cfg: int):

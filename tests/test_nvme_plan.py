@@ -168,6 +168,22 @@ def test_sysx_plan_prints_the_tier_section(capsys) -> None:
     )
 
 
+def test_sysx_plan_json_carries_the_tier_figures(capsys) -> None:
+    import json
+
+    from sysx.optim.nvme.cost import step_io
+    from sysx.plan_command import main
+
+    flags = ["--model", "tiny", "--ranks", "2", "--offload", "nvme", "--disk-read-gbps", "0.001", "--json"]
+    assert main(flags) == 0
+    got = json.loads(capsys.readouterr().out)
+    tier = got["nvme"]
+    assert tier["step_s"] == got["iteration"] and tier["read_bytes_per_s"] == tier["write_bytes_per_s"] == 1e6
+    node = tier["nodes"][0]
+    want = step_io(node["step_io"], node["step_io"], DiskRates(1e6, 1e6), got["iteration"])
+    assert tier["exposed_s"] == pytest.approx(want.exposed_s) and tier["hides_from_global_batch"] > 4
+
+
 def test_sysx_plan_tier_needs_rates_and_a_model(capsys) -> None:
     from sysx.plan_command import main
 

@@ -10,7 +10,7 @@ from sysx.config.choices import OFFLOADS
 from sysx.machine.disk_cache import load_or_measure_disk
 from sysx.memory.budget import fmt_bytes
 from sysx.model import PRESETS, get_preset
-from sysx.optim.nvme.cost import GB, DiskRates, Fit, largest_model, micro_batches_to_hide, step_io
+from sysx.optim.nvme.cost import GB, DiskRates, Fit, StepIo, largest_model, micro_batches_to_hide, step_io
 
 GIB = float(1 << 30)
 
@@ -67,24 +67,27 @@ def disk_room(disk: DiskRates, need: int) -> str:
     return f" (does not fit: {fmt_bytes(disk.free_bytes)} free)"
 
 
-def io_lines(
-    disk: DiskRates, nbytes: int, step: tuple[int, float], more: tuple[int, float], *, sequences_per: int = 1
-) -> list[str]:
-    """The exposed I/O of a step moving ``nbytes`` each way through ``disk`` and the global batch from
-    which it hides; ``step``/``more``: ``(count, step seconds)`` at the planned count and a larger one,
-    a count being ``sequences_per`` sequences of the global batch (a micro-batch of every replica)."""
+def step_figures(
+    disk: DiskRates, nbytes: int, step: tuple[int, float], more: tuple[int, float]
+) -> tuple[StepIo, int | None]:
+    """The step's I/O moving ``nbytes`` each way through ``disk`` and the count from which it hides
+    (None: never); ``step``/``more``: ``(count, step seconds)`` at the planned count and a larger one."""
     io = step_io(nbytes, nbytes, disk, step[1])
-    hide = micro_batches_to_hide(io.io_s, step, more)
+    return io, micro_batches_to_hide(io.io_s, step, more)
+
+
+def io_lines(io: StepIo, hide: int | None, planned: int, *, sequences_per: int = 1, where: str = "") -> list[str]:
+    """The exposed I/O of a step (``where``: " (busiest node)") and the global batch from which the disk
+    hides; ``hide`` and ``planned``: counts (:func:`step_figures`), each ``sequences_per`` sequences of
+    the global batch (a micro-batch of every replica)."""
+    head = f"  exposed I/O per step{where}: {io.describe()}"
     if hide is None:
-        return [
-            f"  exposed I/O per step: {io.describe()}",
-            "  the step does not grow with the batch: the disk never hides",
-        ]
+        return [head, "  the step does not grow with the batch: the disk never hides"]
     counts = f" ({hide} micro-batches per replica)" if sequences_per > 1 else ""
     return [
-        f"  exposed I/O per step: {io.describe()}",
+        head,
         f"  the disk hides behind compute from a global batch of {hide * sequences_per} sequences{counts} "
-        f"(planned: {step[0] * sequences_per})",
+        f"(planned: {planned * sequences_per})",
     ]
 
 

@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISION_CHOICES
-from sysx.machine.disk_plan import add_disk_arguments, disk_room, io_lines, largest_lines, resolve_disk
+from sysx.machine.disk_plan import add_disk_arguments, disk_room, io_lines, largest_lines, resolve_disk, step_figures
 
 if TYPE_CHECKING:
     from sysx.machine.hardware import HardwareProfile
@@ -152,11 +152,13 @@ def _tier_lines(args: argparse.Namespace, plan: SinglePlan, hw: HardwareProfile)
         plain = "refused: it does not fit"
     staging = plan.host_bytes.get("nvme staging", 0)
     more = make_plan(dataclasses.replace(req, global_batch=2 * req.global_batch), hw).times["step_s"]
+    step = (req.global_batch, plan.times["step_s"])
+    io, hide = step_figures(args.disk, tier.step_io, step, (2 * req.global_batch, more))
     return [
         f"NVMe tier (optim.offload=nvme), the drives: {args.disk.describe()}",
         f"  state files {fmt_bytes(tier.disk)}{disk_room(args.disk, tier.disk)}, host memory {fmt_bytes(plan.host_bytes['total'])} (without the tier "
         f"{plain}); per step read {fmt_bytes(tier.step_io)}, write {fmt_bytes(tier.step_io)}",
-        *io_lines(args.disk, tier.step_io, (req.global_batch, plan.times["step_s"]), (2 * req.global_batch, more)),
+        *io_lines(io, hide, req.global_batch),
         *largest_lines(args, str(req.dtype).removeprefix("torch."), args.disk, staging / n, window=True),
     ]
 
