@@ -98,6 +98,7 @@ class StageParams:
         init: LayerInit | None = None,
         rollback: str = "undo",
         layout: ReplicaLayout | None = None,
+        offload: str = "host",
     ) -> None:
         self.info = info
         self.replica_layout: ReplicaLayout = (  # the job's replicas (one: a pipeline over every rank)
@@ -116,6 +117,7 @@ class StageParams:
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights of this replica's shard
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
         self.rollback = rollback  # optim.rollback, resolved by _open (auto -> exact or undo)
+        self.offload = offload  # optim.offload: the node's host-memory check counts the NVMe tier's plan
         try:
             self._open(model_cfg, init or seed_init(seed))
         except BaseException:
@@ -218,7 +220,7 @@ class StageParams:
         requested, why = self.rollback, ""
         mode = requested
         if self.info.local_rank == 0:
-            mode, why = choose_rollback(requested, lambda r: self.node_plan(r))
+            mode, why = choose_rollback(requested, lambda r: self.node_plan(r, self.offload))
         if requested != "auto":
             return
         fits = torch.tensor([0 if mode == "undo" else 1], dtype=torch.int32)  # other local ranks: no vote against
