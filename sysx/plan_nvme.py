@@ -15,13 +15,15 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sysx.config.checks import first_line
 from sysx.machine.disk_plan import disk_room, io_lines, largest_lines, step_figures
 from sysx.memory.budget import HostMemoryPlan, fmt_bytes
 from sysx.memory.node_plan import node_host_memory
 from sysx.optim.nvme.cost import DiskRates, StepIo
+from sysx.partition import PartitionError
 from sysx.replicas import ReplicaLayout
 from sysx.schedule.costs import model_layer_params
-from sysx.schedule.ops import Schedule
+from sysx.schedule.ops import Schedule, ScheduleError
 from sysx.schedule.replica_costs import schedule_units
 from sysx.schedule.simulate import Timeline
 
@@ -52,6 +54,8 @@ def tier_lines(args: argparse.Namespace, sched: Schedule, tl: Timeline, replan: 
     per = args.replicas * args.micro_batch_size
     hide = got["hides_from_global_batch"]
     lines += io_lines(io, hide and hide // per, args.microbatches, sequences_per=per, where=" (busiest node)")
+    if got["not_planned"]:
+        lines[-1] = f"  the batch at which the disk hides is not planned: {got['not_planned']}"
     dtype = "float32" if args.precision == "fp32" else "bfloat16"
     return lines + largest_lines(args, dtype, disk, got["staging_per_param"])
 
@@ -67,7 +71,8 @@ def tier_summary(
     tier = node_plans(sched, numels, args.replicas, gpn, dtype, "nvme")
     m, per = args.microbatches, args.replicas * args.micro_batch_size
     nbytes = max(t.step_io for t in tier)
-    io, hide = step_figures(args.disk, nbytes, (m, tl.iteration), (2 * m, replan(2 * m).iteration))
+    more, why = _grown(replan, m)
+    io, hide = step_figures(args.disk, nbytes, (m, tl.iteration), more or (m, tl.iteration))
     return {
         "read_bytes_per_s": args.disk.read_bytes_per_s,
         "write_bytes_per_s": args.disk.write_bytes_per_s,
@@ -81,8 +86,21 @@ def tier_summary(
         "step_s": io.step_s,
         "exposed_s": io.exposed_s,
         "hides_from_global_batch": None if hide is None else hide * per,
+        "not_planned": why,  # why the batch at which the disk hides is not planned (None: it is)
         "staging_per_param": sum(t.pinned - p.pinned for p, t in zip(plain, tier, strict=True)) / sum(numels),
     }
+
+
+def _grown(replan: Callable[[int], Timeline], m: int) -> tuple[tuple[int, float] | None, str | None]:
+    """``(count, step seconds)`` of the plan at twice the micro-batches, else at one more (a larger
+    count may not fit the GPUs); ``(None, why)`` when neither plans."""
+    why = ""
+    for count in dict.fromkeys((2 * m, m + 1)):
+        try:
+            return (count, replan(count).iteration), None
+        except (ValueError, PartitionError, ScheduleError) as err:
+            why = first_line(err)
+    return None, f"the plan at {m + 1} micro-batches fails: {why}"
 
 
 def replanner(plan_one: Callable[..., tuple[Schedule, Timeline, str]], args: argparse.Namespace, name: str, cfg: int):

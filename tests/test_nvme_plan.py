@@ -211,3 +211,21 @@ def test_plan_single_prints_the_tier_lines(capsys) -> None:
     assert main(base) == 0 and "NVMe tier" not in capsys.readouterr().out
     assert main([*base, "--offload", "nvme", "--disk-read-gbps", "1", "--disk-gb", "0.001"]) == 0
     assert "(does not fit: 1.0 MiB free)" in capsys.readouterr().out
+
+
+def test_the_hiding_batch_falls_back_to_one_more_micro_batch_then_says_why() -> None:
+    from types import SimpleNamespace
+
+    from sysx.plan_nvme import _grown
+
+    def replan(limit: int):
+        def at(m: int):
+            if m > limit:
+                raise ValueError(f"needs more GPU memory at {m}\nsecond line")
+            return SimpleNamespace(iteration=float(m))
+
+        return at
+
+    assert _grown(replan(99), 4) == ((8, 8.0), None)
+    assert _grown(replan(5), 4) == ((5, 5.0), None)  # twice does not fit the GPUs, one more does
+    assert _grown(replan(4), 4) == (None, "the plan at 5 micro-batches fails: needs more GPU memory at 5")
