@@ -151,14 +151,20 @@ def _tier_lines(args: argparse.Namespace, plan: SinglePlan, hw: HardwareProfile)
     except PlanError:
         plain = "refused: it does not fit"
     staging = plan.host_bytes.get("nvme staging", 0)
-    more = make_plan(dataclasses.replace(req, global_batch=2 * req.global_batch), hw).times["step_s"]
     step = (req.global_batch, plan.times["step_s"])
-    io, hide = step_figures(args.disk, tier.step_io, step, (2 * req.global_batch, more))
+    try:  # the step at twice the batch (its growth per sequence)
+        more = (2 * req.global_batch, make_plan(dataclasses.replace(req, global_batch=step[0] * 2), hw).times["step_s"])
+    except PlanError as err:
+        more, why = step, f"  the batch at which the disk hides is not planned: at twice the batch {err}"
+    io, hide = step_figures(args.disk, tier.step_io, step, more)
+    hiding = io_lines(io, hide, req.global_batch)
+    if more is step:
+        hiding[-1] = why
     return [
         f"NVMe tier (optim.offload=nvme), the drives: {args.disk.describe()}",
         f"  state files {fmt_bytes(tier.disk)}{disk_room(args.disk, tier.disk)}, host memory {fmt_bytes(plan.host_bytes['total'])} (without the tier "
         f"{plain}); per step read {fmt_bytes(tier.step_io)}, write {fmt_bytes(tier.step_io)}",
-        *io_lines(io, hide, req.global_batch),
+        *hiding,
         *largest_lines(args, str(req.dtype).removeprefix("torch."), args.disk, staging / n, window=True),
     ]
 
