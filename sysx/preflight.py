@@ -34,8 +34,9 @@ def check_single(cfg: SysxConfig) -> str:
         plan = make_plan(plan_request_from_config(cfg, cfg.single, job_model_config(cfg)), hw)
     except PlanError as err:
         raise ConfigError(f"schedule=single: {err}") from None
-    disk = plan_host_memory([(plan.sizes.total_params, DTYPES[cfg.precision])], rollback=cfg.optim.rollback, offload="nvme").disk
-    files = check_state_files(cfg, disk)
+    state = [(plan.sizes.total_params, DTYPES[cfg.precision])]
+    tier = plan_host_memory(state, rollback=cfg.optim.rollback, offload="nvme")
+    files = check_state_files(cfg, tier.disk, tier.step_io)
     return f"single: W={plan.window}/{plan.sizes.n_blocks} blocks, {plan.rounds} rounds x {plan.chunks} chunks{files}"
 
 
@@ -73,7 +74,7 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     except HostMemoryError as err:
         raise HostMemoryError(_with_tier_hint(str(err), cfg, plan_of("undo", "nvme"))) from None
     plan = plan_of(rollback)
-    files = check_state_files(cfg, plan.disk)
+    files = check_state_files(cfg, plan.disk, plan.step_io)
     replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
     return (
         f"{schedule.name}: {schedule.n_stages} stages on {layout.pipeline} rank(s){replicas}, "
@@ -93,10 +94,11 @@ def _with_tier_hint(message: str, cfg: SysxConfig, tier: HostMemoryPlan) -> str:
     )
 
 
-def check_state_files(cfg: SysxConfig, disk_bytes: int) -> str:
+def check_state_files(cfg: SysxConfig, disk_bytes: int, step_bytes: int = 0) -> str:
     """With ``optim.offload=nvme``: a one-line :class:`ConfigError` when ``optim.nvme_dir`` is missing or
-    has less free space than the ``disk_bytes`` of state files; else a summary fragment ("" without the tier)."""
-    from sysx.machine.disk_cache import free_disk_bytes
+    has less free space than the ``disk_bytes`` of state files; else a summary fragment ("" without the
+    tier) with the disk time of ``step_bytes`` read and written per step at the drive's cached rates."""
+    from sysx.machine.disk_cache import cached_disk, free_disk_bytes
     from sysx.optim.nvme.cost import disk_shortage
 
     if cfg.optim.offload != "nvme":
@@ -110,7 +112,13 @@ def check_state_files(cfg: SysxConfig, disk_bytes: int) -> str:
     problem = disk_shortage(disk_bytes, free, directory)
     if problem:
         raise ConfigError(problem)
-    return f", state files {fmt_bytes(disk_bytes)} of {fmt_bytes(free)} free in {directory}"
+    rates = cached_disk(directory, cfg.optim.nvme_engine)  # never measured here: the check stays fast
+    busy = (
+        ""
+        if rates is None
+        else f" (disk {rates.io_seconds(step_bytes, step_bytes):.3g} s per step at {rates.describe()})"
+    )
+    return f", state files {fmt_bytes(disk_bytes)} of {fmt_bytes(free)} free in {directory}{busy}"
 
 
 def check_inputs(cfg: SysxConfig, ranks: int) -> None:

@@ -70,6 +70,16 @@ def _measure(directory: str, engine: str) -> dict[str, Any]:
     return measure_disk(directory, engine=engine).to_dict()
 
 
+def cached_disk(directory: str, engine: str = "auto") -> DiskRates | None:
+    """The cached figures of ``directory``'s drive without measuring (None when none are cached or
+    the directory is missing): for checks that must stay fast, such as the pre-flight."""
+    try:
+        path = disk_path(directory, engine)
+        return _rates(json.loads(path.read_text(encoding="utf-8")), free_disk_bytes(directory))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_or_measure_disk(
     directory: str,
     engine: str = "auto",
