@@ -21,7 +21,9 @@ from sysx.config import ScheduleSection, SysxConfig
 from sysx.config.choices import EMULATED_DEVICE, PRECISIONS, SYSX_CFGS
 from sysx.emulate import emulated_model
 from sysx.emulate.device_model import emulated_schedule
+from sysx.machine.disk_plan import add_disk_arguments, resolve_disk
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
+from sysx.plan_nvme import replanner, tier_lines, tier_summary
 from sysx.plan_replicas import ReplicaPlan, replica_plan
 from sysx.replicas import ReplicaLayout
 from sysx.runtime.options import make_schedule, options_from_config
@@ -60,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="ranks per node, for shared memory and --inter-gbps (default all)",
     )
+    add_disk_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument(
         "--compare",
@@ -227,6 +230,9 @@ def _resolve(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{key.replace('_', '-')} {value} is not valid: must be an integer >= 1")
     _resolve_replicas(args)
+    resolve_disk(args, args.job and args.job.optim)
+    if args.disk is not None and args.model_cfg is None:
+        raise ValueError("--offload nvme needs a model (--model or --hydra): unit costs have no bytes")
 
 
 def _resolve_replicas(args: argparse.Namespace) -> None:
@@ -474,6 +480,17 @@ def _replica_plan(args: argparse.Namespace, sched: Schedule, tl: Timeline) -> Re
     )
 
 
+def _json_extra(
+    args: argparse.Namespace, first: tuple[Schedule, Timeline, str], replicas: ReplicaPlan | None
+) -> dict[str, Any]:
+    """``--json``'s keys beside the timeline: the emulated cluster, the replicas' and the NVMe tier's figures."""
+    extra: dict[str, Any] = {"emulated": args.emulated} if args.emulated else {}
+    extra.update({"replica_plan": replicas.summary()} if replicas else {})
+    if args.disk and not args.compare:
+        extra["nvme"] = tier_summary(args, first[0], first[1], replanner(plan_one, args, args.schedule, args.cfg))
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sysx plan``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -517,8 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         out = [
             dict(tl.summary(), cfg=s.options.cfg, stages=s.n_stages, split=s.split, note=note) for s, tl, note in runs
         ]
-        extra = {"emulated": args.emulated} if args.emulated else {}
-        extra.update({"replica_plan": replicas.summary()} if replicas else {})
+        extra = _json_extra(args, runs[0], replicas)
         print(json.dumps({**out[0], **extra} if not args.compare else {"compare": out, **extra}))
         return 0
     if args.emulated:
@@ -545,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
             print()
         print(_report(sched, tl, args))
         for line in replicas.describe() if replicas else []:
+            print(line)
+        for line in (
+            tier_lines(args, sched, tl, replanner(plan_one, args, args.schedule, args.cfg)) if args.disk else []
+        ):
             print(line)
     for path in (args.png, args.trace):
         if path:

@@ -10,15 +10,18 @@ itself would print, once instead of once per rank.
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 from sysx.config import ConfigError, SysxConfig, refuse_ignored_keys
 from sysx.config.choices import EMULATED_DEVICE
+from sysx.memory.budget import HostMemoryError, HostMemoryPlan, fmt_bytes
 
 
 def check_single(cfg: SysxConfig) -> str:
     """The sliding-window plan of ``schedule=single`` (hardware from ``single.hardware``); its summary line."""
     from sysx.checkpoint.pretrained import job_model_config
+    from sysx.memory.budget import plan_host_memory
     from sysx.single.hardware import machine_hardware
     from sysx.single.plan_request import PlanError, plan_request_from_config
     from sysx.single.planner import make_plan
@@ -31,7 +34,10 @@ def check_single(cfg: SysxConfig) -> str:
         plan = make_plan(plan_request_from_config(cfg, cfg.single, job_model_config(cfg)), hw)
     except PlanError as err:
         raise ConfigError(f"schedule=single: {err}") from None
-    return f"single: W={plan.window}/{plan.sizes.n_blocks} blocks, {plan.rounds} rounds x {plan.chunks} chunks"
+    state = [(plan.sizes.total_params, DTYPES[cfg.precision])]
+    tier = plan_host_memory(state, rollback=cfg.optim.rollback, offload="nvme")
+    files = check_state_files(cfg, tier.disk, tier.step_io)
+    return f"single: W={plan.window}/{plan.sizes.n_blocks} blocks, {plan.rounds} rounds x {plan.chunks} chunks{files}"
 
 
 def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
@@ -59,13 +65,60 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     # StageParams.node_plan needs only these four fields: the plan every node leader checks at start
     units = sub_stages(schedule, numels, info, layout)
     view = SimpleNamespace(info=info, units=units, dtype=DTYPES[cfg.precision], replica_layout=layout)
-    rollback, _ = choose_rollback(cfg.optim.rollback, lambda r: StageParams.node_plan(view, r))  # type: ignore[arg-type]
-    plan = StageParams.node_plan(view, rollback)  # type: ignore[arg-type]
+
+    def plan_of(rollback: str, offload: str = cfg.optim.offload) -> HostMemoryPlan:
+        return StageParams.node_plan(view, rollback, offload)  # type: ignore[arg-type]
+
+    try:
+        rollback, _ = choose_rollback(cfg.optim.rollback, plan_of)
+    except HostMemoryError as err:
+        raise HostMemoryError(_with_tier_hint(str(err), cfg, plan_of("undo", "nvme"))) from None
+    plan = plan_of(rollback)
+    files = check_state_files(cfg, plan.disk, plan.step_io)
     replicas = f" x {layout.replicas} replicas" if layout.replicas > 1 else ""
     return (
         f"{schedule.name}: {schedule.n_stages} stages on {layout.pipeline} rank(s){replicas}, "
-        f"host memory {plan.total / 2**30:.2f} GiB, optim.rollback={rollback}"
+        f"host memory {plan.total / 2**30:.2f} GiB{files}, optim.rollback={rollback}"
     )
+
+
+def _with_tier_hint(message: str, cfg: SysxConfig, tier: HostMemoryPlan) -> str:
+    """``message`` (a host-memory refusal) with what the NVMe tier would need, when it is not on yet."""
+    if cfg.optim.offload == "nvme":
+        return message
+    head, sep, plan = message.partition("\n\nPlan:")
+    return (
+        f"{head}\n  Or keep the optimizer state on disk: optim.offload=nvme optim.nvme_dir=<a directory on a "
+        f"local NVMe drive> needs {fmt_bytes(tier.total)} of host memory and {fmt_bytes(tier.disk)} of disk "
+        f"on this node.{sep}{plan}"
+    )
+
+
+def check_state_files(cfg: SysxConfig, disk_bytes: int, step_bytes: int = 0) -> str:
+    """With ``optim.offload=nvme``: a one-line :class:`ConfigError` when ``optim.nvme_dir`` is missing or
+    has less free space than the ``disk_bytes`` of state files; else a summary fragment ("" without the
+    tier) with the disk time of ``step_bytes`` read and written per step at the drive's cached rates."""
+    from sysx.machine.disk_cache import cached_disk, free_disk_bytes
+    from sysx.optim.nvme.cost import disk_shortage
+
+    if cfg.optim.offload != "nvme":
+        return ""
+    directory = str(cfg.optim.nvme_dir)
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            f"optim.nvme_dir={directory} is not a directory; create it on a local NVMe drive (mkdir -p {directory})"
+        )
+    free = free_disk_bytes(directory)
+    problem = disk_shortage(disk_bytes, free, directory)
+    if problem:
+        raise ConfigError(problem)
+    rates = cached_disk(directory, cfg.optim.nvme_engine)  # never measured here: the check stays fast
+    busy = (
+        ""
+        if rates is None
+        else f" (disk {rates.io_seconds(step_bytes, step_bytes):.3g} s per step at {rates.describe()})"
+    )
+    return f", state files {fmt_bytes(disk_bytes)} of {fmt_bytes(free)} free in {directory}{busy}"
 
 
 def check_inputs(cfg: SysxConfig, ranks: int) -> None:

@@ -161,6 +161,32 @@ def test_search_never_changes_the_global_batch(schedule: str, ranks: int, batch:
     assert times == sorted(times)
 
 
+def test_nvme_tier_charges_the_exposed_io_and_counts_the_state_files() -> None:
+    """optim.offload=nvme: each candidate's iteration gains the disk time it cannot hide (12 bytes per
+    parameter read and written at 1 MB/s on the one node), and the state files meet the disk budget."""
+    from sysx.optim.nvme.cost import DiskRates
+    from sysx.schedule.costs import model_layer_params
+
+    slow = DiskRates(1e6, 1e6)
+    plain = search(Job(TINY, SEQ, 8, 2), ROOMY, synthetic_profile(), SMALL)
+    tier = search(Job(TINY, SEQ, 8, 2, offload="nvme", disk=slow), ROOMY, synthetic_profile(), SMALL)
+    io_s = 2 * 12 * sum(model_layer_params(TINY)) / 1e6
+    before = {c.label(): c.iteration for c in plain.fitting}
+    assert tier.fitting and len(tier.fitting) == len(plain.fitting)
+    for c in tier.fitting:
+        assert c.exposed_io == pytest.approx(io_s - before[c.label()])
+        assert c.iteration == pytest.approx(io_s)  # the disk is the step
+    full = search(
+        Job(TINY, SEQ, 8, 2, offload="nvme", disk=slow),
+        dataclasses.replace(ROOMY, disk=1e6),
+        synthetic_profile(),
+        SMALL,
+    )
+    assert full.best is None and all(
+        c.over["disk"] == pytest.approx(12 * sum(model_layer_params(TINY)) / 1e6) for c in full.rejected
+    )
+
+
 def test_over_budget_candidates_are_rejected_before_running() -> None:
     p = synthetic_profile()
     job = Job(TINY, SEQ, 8, 2)

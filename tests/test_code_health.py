@@ -27,6 +27,7 @@ JOB_LAYER = (
     "sysx.run_dir",
     "sysx.plan_command",
     "sysx.plan_replicas",
+    "sysx.plan_nvme",
     "sysx.sweep",
     "sysx.generate",
 )

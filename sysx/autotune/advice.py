@@ -14,7 +14,12 @@ from sysx.autotune.profile import MachineProfile
 from sysx.autotune.search import RESOURCES, Budget, Candidate, Result, Space, search
 from sysx.memory.budget import fmt_bytes
 
-_NAMES = {"gpu": "GPU memory per GPU", "host": "host memory per node", "shm": "/dev/shm per node"}
+_NAMES = {
+    "gpu": "GPU memory per GPU",
+    "host": "host memory per node",
+    "shm": "/dev/shm per node",
+    "disk": "free disk under optim.nvme_dir per node",
+}
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: int | None, de
             optim_backend=cfg.optim.backend,
             rollback=cfg.optim.rollback,
             replicas=cfg.parallel.replicas,
+            **_tier(cfg),
         )
     precision = dev.default_precision(device) if cfg.precision == "auto" else cfg.precision
     return Job(
@@ -69,7 +70,22 @@ def job_from_config(cfg: SysxConfig, n_ranks: int, gpus_per_node: int | None, de
         optim_backend=cfg.optim.backend,
         rollback=cfg.optim.rollback,
         replicas=cfg.parallel.replicas,
+        **_tier(cfg),
     )
+
+
+def _tier(cfg: SysxConfig) -> dict[str, Any]:
+    """The :class:`Job` fields of ``optim.offload``: with ``nvme`` the drives of ``optim.nvme_dir``,
+    measured once per machine and drive (:mod:`sysx.machine.disk_cache`)."""
+    if cfg.optim.offload != "nvme":
+        return {}
+    from sysx.machine.disk_cache import load_or_measure_disk
+
+    try:
+        disk, _ = load_or_measure_disk(str(cfg.optim.nvme_dir), cfg.optim.nvme_engine)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    return {"offload": "nvme", "disk": disk}
 
 
 @dataclass
@@ -116,6 +132,8 @@ def tune(
         profile = dataclasses.replace(profile, slowdown=slowdown(profile, job.seq_len, together_s))
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
+    if job.disk is not None and job.disk.free_bytes is not None:  # optim.offload=nvme: the state files' room
+        found["disk"] = job.disk.free_bytes
     limits = Budget(**{k: float(v if (g := given.get(k)) is None else g) for k, v in found.items()})
     result = search(job, limits, profile)
     return Tuning(profile, reused, result, advise(result, profile))

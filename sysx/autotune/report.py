@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -67,12 +68,13 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
         if c is not None:
             lines.append(
                 f"nothing fits; closest: `{c.label()}` needs "
-                + ", ".join(f"{r} {100 * c.over[r]:.0f}%" for r in RESOURCES)
+                + ", ".join(f"{r} {100 * c.over[r]:.0f}%" for r in RESOURCES if r != "disk" or c.over[r])
                 + " of the budget"
             )
         return lines
+    disk = f" ({best.exposed_io:.3g} s of it disk I/O the step cannot hide)" if best.exposed_io else ""
     lines.append(
-        f"winner `{best.label()}`: predicted {best.iteration:.4g} s per iteration, bubble {100 * best.bubble:.1f}%"
+        f"winner `{best.label()}`: predicted {best.iteration:.4g} s per iteration{disk}, bubble {100 * best.bubble:.1f}%"
     )
     slower = [c for c in result.fitting[1:] if c.iteration > best.iteration]
     if slower:
@@ -108,6 +110,7 @@ def _cand_dict(c: Candidate) -> dict[str, Any]:
         "micro_batches": c.micro_batches,
         "global_batch": c.global_batch,
         "iteration_s": c.iteration,
+        "exposed_io_s": c.exposed_io,
         "bubble": c.bubble,
         "gpu_bytes": c.gpu,
         "gpu_parts": c.gpu_parts,
@@ -126,7 +129,7 @@ def as_dict(result: Result, changes: list[Change], baseline: Candidate | str | N
         "global_batch": result.job.global_batch,
         "ranks": result.job.n_ranks,
         "seq_len": result.job.seq_len,
-        "budget": {r: getattr(result.budget, r) for r in RESOURCES},
+        "budget": {r: getattr(result.budget, r) for r in RESOURCES if getattr(result.budget, r) != math.inf},
         "top": [_cand_dict(c) for c in result.fitting[:top]],
         "n_fitting": len(result.fitting),
         "n_rejected": len(result.rejected),

@@ -13,32 +13,37 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sysx.autotune.costs import profiled_costs
+from sysx.autotune.nvme import exposed_io, tier_memory
 from sysx.autotune.profile import MachineProfile
 from sysx.autotune.replicas import node_memory, replica_costs, replica_counts
 from sysx.config import ConfigError
 from sysx.config.choices import ONE_STAGE_PER_RANK
 from sysx.model import ModelConfig
+from sysx.optim.nvme.cost import DiskRates
 from sysx.partition import PartitionError
 from sysx.runtime.options import PipelineOptions, make_schedule
 from sysx.schedule.costs import Costs
 from sysx.schedule.ops import Schedule, ScheduleError
 from sysx.schedule.simulate import Timeline, simulate
 
-RESOURCES = ("gpu", "host", "shm")
+RESOURCES = ("gpu", "host", "shm", "disk")
 
 
 @dataclass(frozen=True)
 class Budget:
     """Bytes available: ``gpu`` per GPU, ``host`` RAM per node (optimizer state and the shared
-    working copy both live there), ``shm`` the ``/dev/shm`` of a node."""
+    working copy both live there), ``shm`` the ``/dev/shm`` of a node, ``disk`` the free space of a
+    node's ``optim.nvme_dir`` (``optim.offload=nvme``'s state files; unbounded by default)."""
 
     gpu: float
     host: float
     shm: float
+    disk: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class Job:
     optim_backend: str = "auto"
     rollback: str = "undo"  # optim.rollback: snapshot and exact keep a second (p, m, v) set in host memory
     replicas: int | None = 1  # data-parallel pipelines of n_ranks / replicas ranks (None: the search picks)
+    offload: str = "host"  # optim.offload: nvme counts the state files and charges the exposed disk time
+    disk: DiskRates | None = None  # a node's drives under optim.nvme_dir (None: no disk time charged)
 
     @property
     def ranks_per_node(self) -> int:
@@ -95,6 +102,7 @@ class Candidate:
     shm: float  # /dev/shm bytes of the fullest node
     over: dict[str, float] = field(default_factory=dict)  # need / budget per resource
     replicas: int = 1  # data-parallel pipelines; micro_batches is each one's
+    exposed_io: float = 0.0  # optim.offload=nvme: seconds of disk I/O the iteration cannot hide (in iteration)
 
     @property
     def global_batch(self) -> int:
@@ -223,9 +231,15 @@ def _simulated(
     )
     r = job.replicas or 1
     nodes = None  # one replica: the timeline's host memory, as always
-    if r > 1:
+    tier = (0.0, 0.0)
+    if job.offload == "nvme":
+        host, shm, disk, io = tier_memory(
+            sched, job.model, r, job.ranks_per_node, work_dtype=job.work_dtype, rollback=job.rollback
+        )
+        nodes, tier = (host, shm), (disk, exposed_io(job.disk, io, tl.iteration))
+    elif r > 1:
         nodes = node_memory(sched, job.model, r, job.ranks_per_node, work_dtype=job.work_dtype, rollback=job.rollback)
-    return _candidate(job, budget, opts, mbs, job.global_batch // r // mbs, threads, tl, nodes)
+    return _candidate(job, budget, opts, mbs, job.global_batch // r // mbs, threads, tl, nodes, tier)
 
 
 def candidate_costs(job: Job, profile: MachineProfile, mbs: int, workers: int, threads: int) -> Costs:
@@ -256,8 +270,10 @@ def _candidate(
     threads: int,
     tl: Timeline,
     nodes: tuple[float, float] | None = None,
+    tier: tuple[float, float] = (0.0, 0.0),
 ) -> Candidate:
-    """``nodes``: the fullest node's (host, shm) bytes with replicas (None: the timeline's)."""
+    """``nodes``: the fullest node's (host, shm) bytes with replicas or the tier (None: the timeline's);
+    ``tier``: the fullest node's state-file bytes and the iteration's exposed disk seconds."""
     gpn = tl.gpus_per_node
     top = max(range(tl.n_ranks), key=lambda r: tl.peak_gpu[r])
     node_host = [sum(tl.host[i * gpn : (i + 1) * gpn]) + tl.shm[i] for i in range(len(tl.shm))]
@@ -269,12 +285,13 @@ def _candidate(
         "work": tl.peak_work[top],
     }
     over = {"gpu": tl.peak_gpu[top] / budget.gpu, "host": host / budget.host, "shm": shm / budget.shm}
+    over["disk"] = tier[0] / budget.disk
     return Candidate(
         opts,
         mbs,
         n_micro,
         threads,
-        tl.iteration,
+        tl.iteration + tier[1],
         tl.bubble_ratio,
         tl.peak_gpu[top],
         parts,
@@ -282,6 +299,7 @@ def _candidate(
         shm,
         over,
         tl.replicas,
+        tier[1],
     )
 
 

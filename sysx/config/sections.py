@@ -27,6 +27,8 @@ from sysx.config.choices import (
     DATA_SOURCES,
     HARDWARE,
     LOG_BACKENDS,
+    NVME_ENGINES,
+    OFFLOADS,
     OPTIM_BACKENDS,
     OPTIMIZERS,
     OVERLAPS,

@@ -98,6 +98,7 @@ class StageParams:
         init: LayerInit | None = None,
         rollback: str = "undo",
         layout: ReplicaLayout | None = None,
+        offload: str = "host",
     ) -> None:
         self.info = info
         self.replica_layout: ReplicaLayout = (  # the job's replicas (one: a pipeline over every rank)
@@ -116,6 +117,7 @@ class StageParams:
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights of this replica's shard
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
         self.rollback = rollback  # optim.rollback, resolved by _open (auto -> exact or undo)
+        self.offload = offload  # optim.offload: the node's host-memory check counts the NVMe tier's plan
         try:
             self._open(model_cfg, init or seed_init(seed))
         except BaseException:
@@ -138,16 +140,18 @@ class StageParams:
         mirrors = {unit.fwd_node} if unit.mirrored else set()
         return StageSpec.of(unit.key, {self.dtype: unit.numel}, owner_node=unit.owner_node, mirror_nodes=mirrors)
 
-    def node_plan(self, rollback: str = "undo") -> HostMemoryPlan:
+    def node_plan(self, rollback: str = "undo", offload: str = "host") -> HostMemoryPlan:
         """Host memory this rank's node needs (:func:`~sysx.memory.node_plan.node_host_memory`): the
         segments of the units the node's ranks own or run forward (once per node, replicas share
         them), fp32 masters (16-bit runs), Adam states, fp32 gradients and ``rollback``'s buffers of
         the shards its ranks own, and every owning rank's full-size host gradient landing buffer.
-        ``self.replica_layout`` places the replicas."""
+        ``self.replica_layout`` places the replicas; ``offload``: ``optim.offload`` (``nvme``: the
+        state files and the staging pools instead of masters, m, v and rollback buffers)."""
         layout = self.replica_layout
         base = layout.global_rank(0)  # the units' ranks are this replica's global ranks
         units = [UnitPlace(u.numel, u.owner - base, u.fwd_rank - base) for u in self.units.values()]
-        return node_host_memory(units, layout, layout.node_of(layout.rank), self.dtype, rollback=rollback)
+        node = layout.node_of(layout.rank)
+        return node_host_memory(units, layout, node, self.dtype, rollback=rollback, offload=offload)
 
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
         self._check_budget()
@@ -216,7 +220,7 @@ class StageParams:
         requested, why = self.rollback, ""
         mode = requested
         if self.info.local_rank == 0:
-            mode, why = choose_rollback(requested, lambda r: self.node_plan(r))
+            mode, why = choose_rollback(requested, lambda r: self.node_plan(r, self.offload))
         if requested != "auto":
             return
         fits = torch.tensor([0 if mode == "undo" else 1], dtype=torch.int32)  # other local ranks: no vote against

@@ -19,8 +19,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from sysx.config.choices import HARDWARE, OVERLAPS, PLACEMENTS, POLICIES, PRECISION_CHOICES
+from sysx.machine.disk_plan import add_disk_arguments, disk_room, io_lines, largest_lines, resolve_disk, step_figures
 
 if TYPE_CHECKING:
+    from sysx.machine.hardware import HardwareProfile
     from sysx.single.plan_report import SinglePlan
 
 
@@ -61,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="CPU Adam Mparams/s per worker for --placement (0 = measured on this machine)",
     )
+    add_disk_arguments(p, host_flag=False)
     return p
 
 
@@ -97,6 +100,7 @@ def main(argv: list[str]) -> int:
         )
     try:
         model = get_preset(args.model)
+        resolve_disk(args)
     except ValueError as err:
         print(f"sysx plan-single: {err}", file=sys.stderr)
         return 2
@@ -115,6 +119,7 @@ def main(argv: list[str]) -> int:
         compress=args.compress,
         grad_clip=args.grad_clip,
         optimizer_overlap=args.overlap,
+        offload=args.offload,
     )
     try:
         plan = make_plan(req, hw)
@@ -122,9 +127,46 @@ def main(argv: list[str]) -> int:
         print(f"sysx plan-single: refused: {err}", file=sys.stderr)
         return 2
     print(plan.render())
+    for line in _tier_lines(args, plan, hw) if args.disk else []:
+        print(line)
     if args.placement != "cpu":
         print(_placement_line(plan, args.placement, args.overlap != "forward", args.cpu_adam_mparams * 1e6))
     return 0
+
+
+def _tier_lines(args: argparse.Namespace, plan: SinglePlan, hw: HardwareProfile) -> list[str]:
+    """The NVMe tier's lines of the window's plan: state files, host memory with and without the tier,
+    the exposed I/O per step and the global batch from which the disk hides (re-planned at twice the
+    batch: the step grows with it, the I/O does not), the largest model this node holds."""
+    import dataclasses
+
+    from sysx.memory.budget import fmt_bytes, plan_host_memory
+    from sysx.single.plan_request import PlanError
+    from sysx.single.planner import make_plan
+
+    req, n = plan.request, plan.sizes.total_params
+    tier = plan_host_memory([(n, req.dtype)], offload="nvme")
+    try:
+        plain = fmt_bytes(make_plan(dataclasses.replace(req, offload="host"), hw).host_bytes["total"])
+    except PlanError:
+        plain = "refused: it does not fit"
+    staging = plan.host_bytes.get("nvme staging", 0)
+    step = (req.global_batch, plan.times["step_s"])
+    try:  # the step at twice the batch (its growth per sequence)
+        more = (2 * req.global_batch, make_plan(dataclasses.replace(req, global_batch=step[0] * 2), hw).times["step_s"])
+    except PlanError as err:
+        more, why = step, f"  the batch at which the disk hides is not planned: at twice the batch {err}"
+    io, hide = step_figures(args.disk, tier.step_io, step, more)
+    hiding = io_lines(io, hide, req.global_batch)
+    if more is step:
+        hiding[-1] = why
+    return [
+        f"NVMe tier (optim.offload=nvme), the drives: {args.disk.describe()}",
+        f"  state files {fmt_bytes(tier.disk)}{disk_room(args.disk, tier.disk)}, host memory {fmt_bytes(plan.host_bytes['total'])} (without the tier "
+        f"{plain}); per step read {fmt_bytes(tier.step_io)}, write {fmt_bytes(tier.step_io)}",
+        *hiding,
+        *largest_lines(args, str(req.dtype).removeprefix("torch."), args.disk, staging / n, window=True),
+    ]
 
 
 def _placement_line(plan: SinglePlan, mode: str, speculative: bool, cpu_params_per_s: float) -> str:

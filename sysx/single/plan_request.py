@@ -60,6 +60,7 @@ class PlanRequest:
     compress: bool = False
     grad_clip: float = 0.0
     optimizer_overlap: str = "auto"
+    offload: str = "host"  # optim.offload: nvme keeps the fp32 master, m and v in files, not host memory
     use_measured_times: bool = False  # value sites by their measured time (profile) instead of the model
 
     @property
@@ -125,6 +126,7 @@ def plan_request_from_config(cfg: SysxConfig, single: SingleSection, model_cfg: 
         seq_chunk=single.seq_chunk,
         grad_clip=float(cfg.optim.grad_clip),
         optimizer_overlap=_overlap_setting(single.optimizer_overlap, cfg.optim.speculate),
+        offload=cfg.optim.offload,
     )
 
 

@@ -15,7 +15,7 @@ from typing import NoReturn
 import torch
 
 from sysx.machine.hardware import GiB, HardwareProfile
-from sysx.memory.budget import training_state_bytes
+from sysx.memory.budget import staging_bytes, training_state_bytes
 from sysx.model.config import ModelConfig
 from sysx.single.op_profile import Profiler
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
@@ -91,7 +91,10 @@ GRAD_SCRATCH_BUFFERS = 3
 
 def _host_fixed(req: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
     n = sizes.total_params
-    out = {name: per * n for name, per in training_state_bytes(req.dtype, grad_dtype=req.dtype).rows().items()}
+    state = training_state_bytes(req.dtype, grad_dtype=req.dtype, offload=req.offload)
+    out = {name: per * n for name, per in state.rows().items()}
+    if req.offload == "nvme":  # the master, m and v are in files; one staging pool of the largest group
+        out["nvme staging"] = staging_bytes(max(sizes.block_params, sizes.static_params), req.dtype)
     if req.precision != "fp32":
         out["fp32 grad scratch"] = 4 * max(sizes.block_params, sizes.static_params) * GRAD_SCRATCH_BUFFERS
     return out

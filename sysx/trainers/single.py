@@ -133,8 +133,10 @@ class SingleTrainer(Trainer):
     def _choose_rollback(self, requested: str) -> str:
         """``optim.rollback`` checked against this host's memory with the window's host state (every
         group on this process), ``auto`` resolved and said."""
-        numel = param_count(self.model_cfg)
-        mode, why = choose_rollback(requested, lambda r: plan_host_memory([(numel, self.dtype)], rollback=r))
+        numel, offload = param_count(self.model_cfg), self.cfg.optim.offload  # nvme: the tier's host plan
+        mode, why = choose_rollback(
+            requested, lambda r: plan_host_memory([(numel, self.dtype)], rollback=r, offload=offload)
+        )
         if why:
             print(why, flush=True)
         return mode
