@@ -30,12 +30,15 @@ def job() -> str:
 
 
 def _forge_dead_owner(state: StateDir) -> None:
-    """Make ``state`` look left behind by a dead process: our pid with another start time (a reused pid)."""
+    """Make ``state`` look left behind by a dead process: our pid with another start time (a reused
+    pid), and its lock dropped as the kernel drops a dead process's."""
     marker = Path(state.path) / files_mod.MARKER
     owner = json.loads(marker.read_text())
     owner["start"] += 1
     marker.write_text(json.dumps(owner))
     cleanup.unregister_exit_hook(state.close)
+    os.close(state._lock_fd)
+    state._closed = True  # its process is "dead": nothing of it may run later (the fd number is reused)
 
 
 def test_name_marker_reserve_and_close(tmp_path: Path, job: str) -> None:
@@ -62,10 +65,11 @@ def test_name_marker_reserve_and_close(tmp_path: Path, job: str) -> None:
 
 
 def test_removed_on_exceptions_and_exit_paths(tmp_path: Path, job: str) -> None:
+    hooks = len(cleanup._exit_hooks)
     with pytest.raises(RuntimeError, match="boom"), StateDir(str(tmp_path), job=job, node=0, rank=0) as state:
         state.reserve({"a": ALIGN})
         raise RuntimeError("boom")
-    assert not os.path.exists(state.path)
+    assert not os.path.exists(state.path) and len(cleanup._exit_hooks) == hooks  # its hook went with it
     state = StateDir(str(tmp_path), job=job, node=0, rank=1)
     cleanup.release_all(timeout_s=1.0)  # what atexit, SIGTERM/SIGHUP and Ctrl-C (via atexit) run
     assert not os.path.exists(state.path) and state.closed
@@ -106,11 +110,54 @@ def test_enospc_from_fallocate_is_the_same_line(tmp_path: Path, job: str, monkey
         state.close()
 
 
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 64 KiB file system (a tmpfs; mounting needs root, which CI may not have)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({made.stderr.decode().strip()}); the monkeypatched tests cover it"
+        )
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_real_full_disk(small_fs: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by the free-space check, and, with that check fooled, by posix_fallocate's own ENOSPC."""
+    state = StateDir(str(small_fs), job=job, node=0, rank=0)
+    try:
+        with pytest.raises(DiskFull, match=rf"optim.nvme_dir={small_fs}: .* need 1.0 MiB but the file system has"):
+            state.reserve({"m": 1 << 20})
+        monkeypatch.setattr(files_mod, "free_bytes", lambda directory: 1 << 40)
+        with pytest.raises(DiskFull, match=r"need 1.0 MiB but the file system has .* free; fix: ") as err:
+            state.reserve({"m": 1 << 20})  # the check passes: the allocation itself meets the full disk
+        assert err.value.errno == errno.ENOSPC
+        assert os.listdir(state.path) == ["owner.json"]
+    finally:
+        state.close()
+
+
+def test_a_disk_too_full_for_the_owner_record(tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(self: StateDir, started: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(StateDir, "_write_owner", no_space)
+    with pytest.raises(DiskFull, match=rf"optim.nvme_dir={tmp_path}: .* need 4.0 KiB .*; fix: "):
+        StateDir(str(tmp_path), job=job, node=0, rank=0)
+    assert os.listdir(tmp_path) == []  # the half-made directory is gone
+
+
 def test_dead_jobs_leftovers_are_swept_by_the_next_job_and_the_command(
     tmp_path: Path, job: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first = StateDir(str(tmp_path), job=job, node=0, rank=0)
     first.reserve({"m": ALIGN})
+    marker = Path(first.path) / files_mod.MARKER
+    marker.write_text(marker.read_text().replace(f'"pid": {os.getpid()}', '"pid": 1'))
+    # a creator whose pid means nothing here (another pid namespace) but that holds the lock: in use
+    assert [i.status for i in scan_state_dirs(str(tmp_path))] == ["orphaned"] and not sweep_state_dirs(str(tmp_path))
     _forge_dead_owner(first)
     assert [i.status for i in scan_state_dirs(str(tmp_path))] == ["stale"]
     assert nvme_cli.main(["list", str(tmp_path)]) == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def test_write_then_read_is_bit_exact(tmp_path: Path, kind: str, dtype: torch.dt
         engine.read(path, part, offset=2 * ALIGN).result()
         assert torch.equal(part, src.view(torch.uint8, src.nbytes)[2 * ALIGN : 3 * ALIGN])
     finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_buffer_is_free_once_its_future_is_done(tmp_path: Path, kind: str) -> None:
+    """The owner may free a buffer the moment its request completes: no engine thread still holds a
+    view of it then (PinnedStaging.close raises LiveViewsError while one does)."""
+    engine = open_engine(kind, str(tmp_path))
+    path = str(tmp_path / "f")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches everywhere: a worker caught holding a view shows up
+    try:
+        for i in range(60):
+            staging = PinnedStaging(ALIGN, label="short-lived")
+            view = staging.view(torch.uint8, ALIGN)
+            future = engine.write(path, view) if i % 2 == 0 else engine.read(path, view)
+            del view
+            future.result()
+            staging.close()
+    finally:
+        sys.setswitchinterval(interval)
         engine.close()
 
 
@@ -172,6 +194,7 @@ def test_no_o_direct_falls_back_to_buffered_with_one_warning(
 def test_auto_without_aio_warns_once_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aio_mod, "unavailable_reason", lambda: "no libaio")
     monkeypatch.setattr(engine_mod, "probe_direct", lambda directory: True)  # only the libaio warning here
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: True)  # a GPU host, where auto wants aio
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = open_engine("auto", str(tmp_path))
@@ -179,6 +202,18 @@ def test_auto_without_aio_warns_once_with_the_fix(tmp_path: Path, monkeypatch: p
     assert engine.name == "threads"
     assert len(caught) == 1 and "no libaio" in str(caught[0].message)
     assert "apt install libaio-dev" in str(caught[0].message)
+
+
+def test_auto_without_cuda_takes_threads_silently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA no buffer is pinned for the aio op, which would copy every request through a
+    bounce buffer of its size: auto takes threads, and asks nothing of the aio op."""
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: False)
+    monkeypatch.setattr(aio_mod, "unavailable_reason", lambda: pytest.fail("the aio op was consulted"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = open_engine("auto", str(tmp_path))
+    engine.close()
+    assert engine.name == "threads"
 
 
 def test_bad_engine_and_directory(tmp_path: Path) -> None:

@@ -97,15 +97,7 @@ def inspect(path: str) -> SegmentInfo | None:
             header = read_header(fd, name)
         except (SegmentError, ValueError) as exc:
             header, error = None, str(exc)
-        holders = procinfo.lock_holders(st.st_dev, st.st_ino)
-        if holders is None:  # no /proc/locks: probe the lock instead
-            import fcntl
-
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                holders = []
-            except BlockingIOError:
-                holders = [-1]
+        holders = procinfo.lock_users(fd)
         alive = header is not None and header.creator_alive
         status = classify(header, alive, holders, time.time() - st.st_mtime, error)
         return SegmentInfo(
@@ -229,7 +221,7 @@ def register_exit_hook(hook: Callable[[], None]) -> None:
 def unregister_exit_hook(hook: Callable[[], None]) -> None:
     """Forget ``hook`` (its owner cleaned up itself)."""
     with _lock:
-        _exit_hooks[:] = [h for h in _exit_hooks if h is not hook]
+        _exit_hooks[:] = [h for h in _exit_hooks if h != hook]  # ==: a bound method is made anew at each access
 
 
 def owned_segments() -> list[Segment]:

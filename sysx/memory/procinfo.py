@@ -72,3 +72,20 @@ def lock_holders(dev: int, ino: int) -> list[int] | None:
         if (int(match.group(4), 16), int(match.group(5), 16), int(match.group(6))) == (major, minor, ino):
             holders.append(int(match.group(3)))
     return holders
+
+
+def lock_users(fd: int) -> list[int]:
+    """Pids holding a ``flock`` on the open file ``fd`` (:func:`lock_holders`); without
+    ``/proc/locks``, ``[-1]`` when a non-blocking exclusive lock is refused (someone holds it), else
+    ``[]`` (the probe's lock goes when ``fd`` is closed)."""
+    st = os.fstat(fd)
+    holders = lock_holders(st.st_dev, st.st_ino)
+    if holders is not None:
+        return holders
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return [-1]
+    return []

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -111,13 +112,34 @@ class AioEngine:
 
     def read(self, path: str, buf: torch.Tensor, *, offset: int = 0) -> Future[None]:
         """Read ``buf.nbytes`` bytes of ``path`` from ``offset`` into ``buf``."""
-        nbytes = check_buffer(buf, offset, path)
-        return self._lanes["read"].submit(self._run, "read", path, buf, nbytes, offset)
+        return self._submit("read", path, buf, offset)
 
     def write(self, path: str, buf: torch.Tensor, *, offset: int = 0) -> Future[None]:
         """Write ``buf``'s bytes into ``path`` at ``offset`` (created if missing, never truncated)."""
+        return self._submit("write", path, buf, offset)
+
+    def _submit(self, op: str, path: str, buf: torch.Tensor, offset: int) -> Future[None]:
         nbytes = check_buffer(buf, offset, path)
-        return self._lanes["write"].submit(self._run, "write", path, buf, nbytes, offset)
+        done: Future[None] = Future()
+        # the lane gets the tensor in a box it empties: once ``done`` completes, no thread holds a
+        # view of the caller's buffer (its owner may free it at once; the executor's own Future
+        # completes while its work item still holds the arguments)
+        self._lanes[op].submit(self._finish, done, op, path, [buf], nbytes, offset)
+        return done
+
+    def _finish(
+        self, done: Future[None], op: str, path: str, box: list[torch.Tensor], nbytes: int, offset: int
+    ) -> None:
+        buf = box.pop()
+        try:
+            self._run(op, path, buf, nbytes, offset)
+        except BaseException as exc:
+            del buf
+            traceback.clear_frames(exc.__traceback__)  # its frames' locals would hold the tensor
+            done.set_exception(exc)
+            return
+        del buf
+        done.set_result(None)
 
     def _run(self, op: str, path: str, buf: torch.Tensor, nbytes: int, offset: int) -> None:
         if op == "read":

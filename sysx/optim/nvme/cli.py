@@ -1,6 +1,7 @@
 """``sysx nvme list|clean DIR``: see and remove this user's NVMe state directories under ``DIR``
 (an ``optim.nvme_dir``). Statuses are those of ``sysx shm``: ``alive`` (creator running),
-``stale`` (creator dead: safe to remove), ``creating``, ``broken`` (no owner record), and
+``orphaned`` (its pid is not running here, but a process holds the directory's lock: another pid
+namespace), ``stale`` (creator dead: safe to remove), ``creating``, ``broken`` (no owner record), and
 ``elsewhere`` (created on another host of a shared file system: its liveness is not visible here).
 ``clean`` removes stale and broken ones; ``clean --all`` every one of this user (the job's own too).
 A job's start removes the stale ones in its own ``optim.nvme_dir`` by itself.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from sysx.device import cuda_available
 from sysx.optim.nvme import aio
 from sysx.optim.nvme.io import DEFAULT_THREADS, IoEngine, ThreadsEngine, direct_refused_warning, probe_direct
 
@@ -15,8 +16,12 @@ def open_engine(kind: str, directory: str, *, threads: int = DEFAULT_THREADS) ->
     """The engine ``kind`` (``auto`` | ``aio`` | ``threads``) for state files under ``directory``.
 
     ``auto`` takes ``aio`` when DeepSpeed's op is usable here, else ``threads`` with one warning
-    line saying why. Where ``directory`` refuses ``O_DIRECT`` every kind becomes buffered
-    ``threads`` (the aio op only does direct I/O), with one warning line.
+    line saying why; on a host without CUDA it takes ``threads`` silently: the aio op transfers
+    straight only from buffers that torch reports pinned (without CUDA, none), and otherwise
+    allocates a page-locked bounce buffer as large as each request, copies through it and frees
+    it (3x slower on this project's CPU machine, and a stage-sized spike of host memory per
+    request). Where ``directory`` refuses ``O_DIRECT`` every kind becomes buffered ``threads``
+    (the aio op only does direct I/O), with one warning line.
     """
     if kind not in ENGINES:
         raise ValueError(f"optim.nvme_engine={kind!r}: choose one of {', '.join(ENGINES)}")
@@ -30,6 +35,8 @@ def open_engine(kind: str, directory: str, *, threads: int = DEFAULT_THREADS) ->
         return ThreadsEngine(direct=True, threads=threads)
     if kind == "aio":
         return aio.AioEngine()
+    if not cuda_available():
+        return ThreadsEngine(direct=True, threads=threads)
     why = aio.unavailable_reason()
     if why is None:
         return aio.AioEngine()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from sysx.memory import cleanup, guardian, procinfo
 from sysx.memory.budget import fmt_bytes
 from sysx.memory.names import SegmentName, segment_name, user_entries
-from sysx.optim.nvme.io import aligned_nbytes, unusable_directory
+from sysx.optim.nvme.io import ALIGN, aligned_nbytes, unusable_directory
 
 MARKER = "owner.json"
 WHAT_PREFIX = "nvme.r"
@@ -91,16 +92,31 @@ class StateDir:
                 f"{rank} already runs here; give this job another job id (SYSX_JOB_ID) or stop the other one"
             ) from None
         self._pid, started = procinfo.self_identity()
-        owner = {"pid": self._pid, "start": started, "host": socket.gethostname(), "created": time.time()}
-        tmp = os.path.join(self.path, MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(owner, f)
-        os.replace(tmp, os.path.join(self.path, MARKER))
+        try:
+            self._lock_fd = self._write_owner(started)
+        except OSError as exc:
+            shutil.rmtree(self.path, ignore_errors=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # not even the owner record fits
+                raise disk_full(self.root, ALIGN, free_bytes(self.root)) from None
+            raise
         self._closed = False
         cleanup.register_exit_hook(self.close)
         self._guarded = guardian.enabled()
         if self._guarded:  # SIGKILL (the OOM killer) runs no Python: the watcher removes it then
             guardian.GUARDIAN.track_dir(self.path, os.stat(self.path).st_ino)
+
+    def _write_owner(self, started: int) -> int:
+        """Write ``owner.json`` atomically; returns a descriptor holding a shared lock on it for the
+        directory's life, as a segment's users hold theirs: a sweep from another pid namespace (a
+        container on the same disk), where the creator's pid means nothing, sees it in use."""
+        owner = {"pid": self._pid, "start": started, "host": socket.gethostname(), "created": time.time()}
+        tmp = os.path.join(self.path, MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(owner, f)
+        os.replace(tmp, os.path.join(self.path, MARKER))
+        fd = os.open(os.path.join(self.path, MARKER), os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
 
     def file(self, name: str) -> str:
         """The path of state file ``name`` (``[A-Za-z0-9_.]+``)."""
@@ -150,6 +166,8 @@ class StateDir:
             return
         self._closed = True
         cleanup.unregister_exit_hook(self.close)
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
         shutil.rmtree(self.path, ignore_errors=True)
         if self._guarded:
             guardian.GUARDIAN.untrack_dir(self.path)
@@ -179,7 +197,7 @@ class StateDirInfo:
     owner: Owner | None
     size: int
     ino: int
-    status: str  # alive | stale | creating | broken | elsewhere (created on another host)
+    status: str  # alive | orphaned (creator's pid dead, its lock held) | stale | creating | broken | elsewhere
 
     @property
     def removable(self) -> bool:
@@ -213,6 +231,18 @@ def read_owner(path: str) -> tuple[Owner | None, str | None]:
         return None, f"unreadable {MARKER}: {exc}"
 
 
+def _marker_users(path: str) -> list[int]:
+    """Pids holding the owner record's lock (the creator while it runs, wherever its pid lives)."""
+    try:
+        fd = os.open(os.path.join(path, MARKER), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        return procinfo.lock_users(fd)
+    finally:
+        os.close(fd)
+
+
 def inspect_state_dir(path: str) -> StateDirInfo | None:
     """What ``path`` is, or None when it is not a sysx state directory of this user."""
     parsed = SegmentName.parse(os.path.basename(path))
@@ -230,7 +260,7 @@ def inspect_state_dir(path: str) -> StateDirInfo | None:
         status = "elsewhere"  # a shared file system: its creator's liveness cannot be seen from here
     else:
         alive = owner is not None and owner.alive
-        status = cleanup.classify(owner, alive, [], time.time() - st.st_mtime, error)
+        status = cleanup.classify(owner, alive, _marker_users(path), time.time() - st.st_mtime, error)
     return StateDirInfo(path, parsed, owner, size, st.st_ino, status)
 
 

@@ -205,16 +205,16 @@ class ThreadsEngine:
         address = buf.data_ptr()
         for start, length in blocks:
             work = self._pool.submit(
-                self._block, op, fd, path, _memory(address + start, length), offset + start, buf, nbytes, offset
+                self._block, op, fd, path, _memory(address + start, length), offset + start, nbytes, offset
             )
             work.add_done_callback(gather.block_done)
         return done
 
     @staticmethod
-    def _block(
-        op: str, fd: int, path: str, view: memoryview, at: int, keep: torch.Tensor, nbytes: int, offset: int
-    ) -> None:
-        """Move one block, looping over partial transfers; ``keep`` holds the tensor alive meanwhile."""
+    def _block(op: str, fd: int, path: str, view: memoryview, at: int, nbytes: int, offset: int) -> None:
+        """Move one block, looping over partial transfers. ``view`` is raw memory, not a tensor: a
+        worker still unwinding after the request's Future completed must hold no view of the
+        caller's buffer (its owner may free it at once; PinnedStaging.close refuses while views live)."""
         moved = 0
         while moved < len(view):
             try:
