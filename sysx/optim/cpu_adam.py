@@ -133,8 +133,12 @@ class CpuAdam:
         store: TieredState | None = None,
     ) -> None:
         if store is None:
-            assert param is not None, "CpuAdam: param is None without a store"
-            _check_flat(param, "param")
+            _check_flat(param, "param")  # type: ignore[arg-type]  # None too: one TypeError naming it
+        elif (store.slots == 2) != (rollback in ("snapshot", "exact")):
+            raise ValueError(
+                f"CpuAdam: rollback={rollback!r} with a tier state of {store.slots} slot(s); make the state with "
+                "TierStage.of(..., rollback=<the same mode>)"
+            )
         self._numel = param.numel() if store is None else store.numel  # type: ignore[union-attr]
         self.no_decay: Ranges = check_ranges(no_decay, self._numel)
         if rollback not in ROLLBACK_MODES:

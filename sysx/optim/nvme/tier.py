@@ -361,9 +361,10 @@ class NvmeTier:
             self.release(st, buf, write=False, keep=False)
             raise
         finally:
-            waited = time.perf_counter() - t0
-            self.stats.wait_s += waited
-            self.stats.per_stage_wait_s[name] = self.stats.per_stage_wait_s.get(name, 0.0) + waited
+            if read:  # a job's wait (the exposed I/O), not the initial fill's
+                waited = time.perf_counter() - t0
+                self.stats.wait_s += waited
+                self.stats.per_stage_wait_s[name] = self.stats.per_stage_wait_s.get(name, 0.0) + waited
         return buf
 
     def release(self, st: TieredState, buf: _Buffer, *, write: bool, keep: bool) -> None:
