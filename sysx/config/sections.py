@@ -27,8 +27,6 @@ from sysx.config.choices import (
     DATA_SOURCES,
     HARDWARE,
     LOG_BACKENDS,
-    NVME_ENGINES,
-    OFFLOADS,
     OPTIM_BACKENDS,
     OPTIMIZERS,
     OVERLAPS,

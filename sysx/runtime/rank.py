@@ -89,6 +89,7 @@ class RankRuntime:
                 init=init,
                 rollback=opts.rollback,
                 layout=self.layout,
+                offload=settings("undo").offload,
             )
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)
