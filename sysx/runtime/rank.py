@@ -72,10 +72,9 @@ class RankRuntime:
         self.stage_rank, self.pacer = self.layout.stage_rank, pacer
         # every rank creates every pipeline rank's replica groups, before anything else (collective)
         self.replica_groups = ReplicaGroups.build(self.layout) if self.layout.replicas > 1 else None
-        self.local_world_size = info.local_world_size
         self.dataset, self.seed, self.micro_batch_size, self.seq_len = dataset, seed, micro_batch_size, seq_len
         self.schedule, self.device, self.dtype, self.micro_batches = schedule, device, dtype, micro_batches
-        self._closed = False
+        self.local_world_size, self._closed = info.local_world_size, False
         with contextlib.ExitStack() as undo:
             self.params = StageParams(
                 schedule,
