@@ -2,17 +2,13 @@
 
 Issue 27, point 1 asks for SysX >= 1.30x Mobius in every cell and >= 1.35x on average. This script
 plans every cell at the runtime's default layouts (``bench_pipeline.py``'s configs, the emulated
-CostTable) and then the same schedules with one cost or op-list change each, running nothing:
+CostTable, with the posted receives of :mod:`sysx.schedule.posted`) and then SysX's with one cost
+changed each, running nothing:
 
-- ``async recv``: every blocking RECV_ACT / RECV_GRAD posted as an irecv where it stands and waited
-  right before the pass that reads it (today's lists block there, so a rank waits for a message it
-  reads only many passes later; Mobius gets the same change, as the baselines keep sysx's best
-  prefetching);
 - ``opt spread``: the optimizer step of sub-stage (0, 0) (Embedding + a block; the last step of the
   iteration) spread over the node's ``gpus_per_node`` ranks' threads;
 - ``head fused``: the Head's loss backward done by rank Ng-1 right after its forward (no recompute
   of the Head; the first backward sub-stage loses it);
-- ``async+spread``: the two buildable ones together;
 - ``no recompute, last round``: an upper bound: the last forward round's sub-stages backpropagate
   without recomputing, as if their activations reached the backward's rank for free (they do not:
   the ``link/recompute`` column is a block's activations over the link against its recompute);
@@ -24,19 +20,17 @@ CostTable) and then the same schedules with one cost or op-list change each, run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.util
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sysx.emulate.costs import emulated_model, plan_emulation
 from sysx.runtime.options import make_schedule
-from sysx.schedule import engine
 from sysx.schedule.costs import CostTable, model_layer_act_bytes
-from sysx.schedule.ops import Op, OpKind, Schedule
+from sysx.schedule.ops import Schedule
 from sysx.schedule.simulate import simulate
 
 _SPEC = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("bench_pipeline.py"))
@@ -45,7 +39,7 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
 ARGS: dict[str, Any] = {"steps": 4, "warmup": 1, "time_scale": 0.5, "optimizer_workers": 1, "gpu": "v100"}
-LEVERS = ("now", "async recv", "opt spread", "head fused", "async+spread", "no recompute, last round", "ceiling")
+LEVERS = ("now", "opt spread", "head fused", "no recompute, last round", "ceiling")
 
 
 def plan(model: str, seq: int, schedule: str) -> tuple[Schedule, Any]:
@@ -57,59 +51,9 @@ def plan(model: str, seq: int, schedule: str) -> tuple[Schedule, Any]:
     return sched, plan_emulation(cfg, sched, backend="torch")
 
 
-@contextlib.contextmanager
-def _waits_for_any_message() -> Iterator[None]:
-    """Lets the simulator read an async WAIT_CKPT as the wait of an ACT (``sub == -1``) or GRAD
-    message: the op vocabulary has a wait for checkpoints only (this is a what-if, not a schedule)."""
-    compile_rank = engine._Compiler.rank
-
-    def rank(self: Any, r: int, ops: tuple[Op, ...]) -> list[tuple]:
-        prog = compile_rank(self, r, ops)
-        for j, ins in enumerate(prog):
-            op = ops[ins[-1]]
-            if ins[0] == engine._WAIT and op.is_async:
-                kind = OpKind.RECV_ACT if op.sub < 0 else OpKind.RECV_GRAD
-                prog[j] = (engine._WAIT, self.message(Op(kind, op.stage, op.sub, op.mb, op.peer), r, False), ins[-1])
-        return prog
-
-    engine._Compiler.rank = rank  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        engine._Compiler.rank = compile_rank  # type: ignore[method-assign]
-
-
-def _reader(sched: Schedule, op: Op) -> Op:
-    """The pass that reads the message a RECV_ACT / RECV_GRAD brings."""
-    if op.kind == OpKind.RECV_ACT:
-        return Op(OpKind.FORWARD, op.stage + 1, -1, op.mb)
-    p = sched.partition
-    s, k = next((s, k) for s in range(p.n_stages) for k in range(p.split) if p.next_sub(s, k) == (op.stage, op.sub))
-    return Op(OpKind.BACKWARD, s, k, op.mb)
-
-
-def async_receives(sched: Schedule) -> Schedule:
-    """Every blocking RECV_ACT / RECV_GRAD posted where it stands, waited right before its reader."""
-    lists = []
-    for ops in sched.ops:
-        waits: dict[Op, Op] = {}
-        out: list[Op] = []
-        for op in ops:
-            if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD) and not op.is_async:
-                out.append(dataclasses.replace(op, is_async=True))
-                waits[_reader(sched, op)] = Op(OpKind.WAIT_CKPT, op.stage, op.sub, op.mb, op.peer, True)
-                continue
-            if op in waits:
-                out.append(waits.pop(op))
-            out.append(op)
-        lists.append(out)
-    return sched.with_ops(lists)
-
-
 def iteration(sched: Schedule, table: CostTable) -> float:
     """The planned iteration (modelled seconds)."""
-    with _waits_for_any_message():
-        return simulate(sched, table, record=False, memory=False, gpus_per_node=bench.GPUS_PER_NODE).iteration
+    return simulate(sched, table, record=False, memory=False, gpus_per_node=bench.GPUS_PER_NODE).iteration
 
 
 def _spread(t: CostTable) -> CostTable:
@@ -134,14 +78,11 @@ def cell(model: str, seq: int) -> dict[str, Any]:
     """One cell: SysX over Mobius under every lever, and the link-vs-recompute figure."""
     msched, mplan = plan(model, seq, "mobius")
     sched, splan = plan(model, seq, "sysx:cfg3")
-    mob, mob_async = iteration(msched, mplan.table), iteration(async_receives(msched), mplan.table)
-    t, fast = splan.table, async_receives(sched)
+    mob, t = iteration(msched, mplan.table), splan.table
     ratios = {
         "now": mob / iteration(sched, t),
-        "async recv": mob_async / iteration(fast, t),
         "opt spread": mob / iteration(sched, _spread(t)),
         "head fused": mob / iteration(sched, _head_fused(t)),
-        "async+spread": mob_async / iteration(fast, _spread(t)),
         "no recompute, last round": mob / iteration(sched, _last_round_kept(sched)(t)),
         "ceiling": mob / max(splan.timeline.busy),
     }

@@ -1,5 +1,6 @@
-"""The long-sequence what-if study (planner only, one cell): every lever plans a step no slower
-than today's, and none beats the busiest rank's zero-idle ceiling except by cutting work."""
+"""The long-sequence what-if study (planner only, one cell): the idle cuts plan a faster step and
+stay under the busiest rank's zero-idle ceiling; a block's activations are slower to send than to
+recompute."""
 
 from __future__ import annotations
 
@@ -14,21 +15,10 @@ levers = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(levers)
 
 
-def test_each_lever_plans_no_slower_than_today_and_the_ceiling_bounds_the_idle_cuts() -> None:
+def test_the_idle_cuts_plan_faster_and_stay_under_the_zero_idle_ceiling() -> None:
     c = levers.cell("10b", 2048)
     r = c["ratios"]
-    assert r["async recv"] > r["now"] and r["opt spread"] > r["now"]
-    assert r["async+spread"] > max(r["async recv"], r["opt spread"])
-    # cutting idle time cannot pass the zero-idle ceiling; only the recompute cut changes the work
-    assert max(r["async+spread"], r["head fused"]) < r["ceiling"]
-    assert c["link_over_recompute"] > 1.0  # a block's activations take longer on the link than to recompute
-
-
-def test_async_receives_wait_right_before_the_reader() -> None:
-    sched, _ = levers.plan("10b", 2048, "mobius")
-    ops = levers.async_receives(sched).ops[1]
-    recvs = [i for i, op in enumerate(ops) if op.kind == levers.OpKind.RECV_ACT]
-    assert recvs and all(ops[i].is_async for i in recvs)
-    for i, op in enumerate(ops):
-        if op.kind == levers.OpKind.WAIT_CKPT and op.sub < 0:
-            assert ops[i + 1] == levers.Op(levers.OpKind.FORWARD, op.stage + 1, -1, op.mb)
+    assert r["opt spread"] > r["now"]
+    assert max(r["opt spread"], r["head fused"]) < r["ceiling"]
+    assert r["no recompute, last round"] > r["opt spread"]  # cutting work, not idle
+    assert c["link_over_recompute"] > 1.0
