@@ -551,7 +551,7 @@ def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_o
             family = MESSAGE_OF[op.kind]
             sent = Op(SEND_OF[family], op.stage, op.sub, op.mb, r, True)
             lines.append(
-                f"rank {r} op #{i} `{op}` waits for the {family.label} from rank {op.peer} (`{sent}` never posted)"
+                f"rank {r} op #{i} `{op}` waits for the {family.noun} from rank {op.peer} (`{sent}` never posted)"
             )
         else:
             partner = PARTNER[op.kind].name if op.kind in PARTNER else "?"
