@@ -25,7 +25,7 @@ from sysx.emulate.report import StepStats
 from sysx.emulate.streams import EmulatedEvent, EmulatedStream, sleep_until
 from sysx.partition import unit_label
 from sysx.schedule import Message, Op, OpKind, Schedule
-from sysx.schedule.ops import COMMS
+from sysx.schedule.ops import COMMS, WAITS
 from sysx.trace.recorder import RankPart
 
 Handler = Callable[[Op], None]
@@ -177,7 +177,7 @@ class EmulatedPacer(Pacer):
             return int(t.param_stage[op.stage] if op.sub < 0 else t.param_sub[g])
         if op.kind == OpKind.OFFLOAD_GRADS:
             return int(t.grad_mem[g])
-        if op.kind in COMMS or op.kind == OpKind.WAIT_CKPT:
+        if op.kind in COMMS or op.kind in WAITS:
             family = op.message[0]
             return int(t.ckpt_mem[g] if family == Message.CKPT else self.plan.costs.act_bytes)
         return real

@@ -119,7 +119,9 @@ class Executor:
             OpKind.RECV_GRAD: self._recv_grad,
             OpKind.SEND_CKPT: self._send_ckpt,
             OpKind.RECV_CKPT: self._recv_ckpt,
-            OpKind.WAIT_CKPT: self._wait_ckpt,
+            OpKind.WAIT_ACT: self._wait,
+            OpKind.WAIT_GRAD: self._wait,
+            OpKind.WAIT_CKPT: self._wait,
             OpKind.OFFLOAD_GRADS: self._offload,
             OpKind.OPTIM_STEP: self._optim_step,
             OpKind.VALIDATE: self._validate,
@@ -135,7 +137,7 @@ class Executor:
         # keep_activations: a forward's input (leaf) and output, its autograd graph, until the backward
         self.kept: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.igrads: dict[tuple[int, int, int], torch.Tensor] = {}
-        self.inflight: dict[tuple[int, int, int], Pending] = {}
+        self.inflight: dict[tuple[Message, int, int, int], Pending] = {}  # posted receives, by message
         self.sends: list[Pending] = []
         self.ctx = StepContext(step=-1)
         self._ops: Sequence[Op] = ()
@@ -229,7 +231,7 @@ class Executor:
         out += [f"checkpoint {unit_label(s, k)} mb{j}" for s, k, j in self.ckpts]
         out += [f"kept activations of {unit_label(s, k)} mb{j}" for s, k, j in self.kept]
         out += [f"input gradient {unit_label(s, k)} mb{j}" for s, k, j in self.igrads]
-        out += [f"posted receive of checkpoint {unit_label(s, k)} mb{j}" for s, k, j in self.inflight]
+        out += [f"posted receive of {m.noun} {unit_label(s, k)} mb{j}" for m, s, k, j in self.inflight]
         out += [f"gradients of {unit_label(s, k)} not offloaded" for s, k in self.grads.active]
         return out
 
@@ -402,9 +404,9 @@ class Executor:
         self._post_send(t, self._spec(Message.ACT, op.stage, -1, op.mb), op.peer)
 
     def _recv_act(self, op: Op) -> None:
-        self.acts[(op.stage, op.mb)] = self._need_p2p().recv(
-            self._spec(Message.ACT, op.stage, -1, op.mb), op.peer, self._where
-        )
+        got = self._receive(op)
+        if got is not None:
+            self.acts[(op.stage, op.mb)] = got
 
     def _send_grad(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
@@ -412,8 +414,9 @@ class Executor:
         self._post_send(t, self._spec(Message.GRAD, *key), op.peer)
 
     def _recv_grad(self, op: Op) -> None:
-        key = (op.stage, op.sub, op.mb)
-        self.igrads[key] = self._need_p2p().recv(self._spec(Message.GRAD, *key), op.peer, self._where)
+        got = self._receive(op)
+        if got is not None:
+            self.igrads[(op.stage, op.sub, op.mb)] = got
 
     def _send_ckpt(self, op: Op) -> None:
         key = (op.stage, op.sub, op.mb)
@@ -421,19 +424,28 @@ class Executor:
         self._post_send(t, self._spec(Message.CKPT, *key), op.peer)  # async or not: the receive decides when
 
     def _recv_ckpt(self, op: Op) -> None:
-        key = (op.stage, op.sub, op.mb)
-        p2p = self._need_p2p()
-        if op.is_async:
-            self.inflight[key] = p2p.irecv(self._spec(Message.CKPT, *key), op.peer, self._where)
-        else:
-            self.ckpts[key] = p2p.recv(self._spec(Message.CKPT, *key), op.peer, self._where)
+        got = self._receive(op)
+        if got is not None:
+            self.ckpts[(op.stage, op.sub, op.mb)] = got
 
-    def _wait_ckpt(self, op: Op) -> None:
-        key = (op.stage, op.sub, op.mb)
-        pending = self.inflight.pop(key, None)
+    def _receive(self, op: Op) -> torch.Tensor | None:
+        """A blocking receive's tensor; an async one is posted (its WAIT op stores it) and gives None."""
+        p2p, spec = self._need_p2p(), self._spec(*op.message)
+        if op.is_async:
+            self.inflight[op.message] = p2p.irecv(spec, op.peer, self._where)
+            return None
+        return p2p.recv(spec, op.peer, self._where)
+
+    def _wait(self, op: Op) -> None:
+        family, s, k, j = op.message
+        pending = self.inflight.pop(op.message, None)
         if pending is None:
-            raise RuntimeError(f"no receive of checkpoint {unit_label(op.stage, op.sub)} mb{op.mb} was posted before")
-        self.ckpts[key] = self._need_p2p().wait(pending)
+            raise RuntimeError(f"no receive of {family.noun} {unit_label(s, k)} mb{j} was posted before")
+        got = self._need_p2p().wait(pending)
+        if family == Message.ACT:
+            self.acts[(s, j)] = got
+        else:
+            (self.igrads if family == Message.GRAD else self.ckpts)[(s, k, j)] = got
 
     def _offload(self, op: Op) -> None:
         unit = (op.stage, op.sub)

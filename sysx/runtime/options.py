@@ -24,6 +24,7 @@ from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
 from sysx.config.sections import PipelineKeys, check_host_adam
 from sysx.partition import PartitionError, partition_model
 from sysx.schedule import Schedule, build, validate
+from sysx.schedule.posted import post_receives
 
 if TYPE_CHECKING:
     from sysx.model import ModelConfig
@@ -182,6 +183,7 @@ def make_schedule(
                     param_buffers=opts.param_buffers,
                     keep_activations=opts.keep_activations,
                 )
+                schedule = post_receives(schedule)  # the transfers run while the rank computes
                 validate(schedule)
                 return schedule
         first_error = first_error or problem

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sysx.schedule.costs import CostTable
-from sysx.schedule.ops import PARTNER, Message, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.ops import MESSAGE_OF, PARTNER, RECV_OF, SEND_OF, WAITS, Message, Op, OpKind, Schedule, ScheduleError
 
 GPU, H2D, D2H, P2P, CPU, REDUCE = ("gpu", "h2d", "d2h", "p2p", "cpu", "reduce")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
@@ -79,10 +79,10 @@ class _Compiler:
         return m
 
     def async_message(self, op: Op, rank: int, sending: bool) -> int:
-        """A message posted with isend/irecv; its transfer is drawn as the SEND_CKPT of the sender."""
+        """A message posted with isend/irecv; its transfer is drawn as the sender's async send."""
         m = self.message(op, rank, sending)
         if m not in self.transfer:
-            self.transfer[m] = Op(OpKind.SEND_CKPT, op.stage, op.sub, op.mb, self.dst[m], True)
+            self.transfer[m] = Op(SEND_OF[self.kind[m]], op.stage, op.sub, op.mb, self.dst[m], True)
         return m
 
     def rank(self, r: int, ops: tuple[Op, ...]) -> list[tuple]:
@@ -121,8 +121,9 @@ class _Compiler:
                     if op.is_async
                     else (_RECV, self.message(op, r, False), i)
                 )
-            elif k == OpKind.WAIT_CKPT:
-                prog.append((_WAIT, self.message(Op(OpKind.RECV_CKPT, op.stage, op.sub, op.mb, op.peer), r, False), i))
+            elif k in WAITS:
+                recv = Op(RECV_OF[MESSAGE_OF[k]], op.stage, op.sub, op.mb, op.peer)
+                prog.append((_WAIT, self.message(recv, r, False), i))
             elif k == OpKind.OFFLOAD_GRADS:
                 prog.append((_OFFL, op.stage * d + op.sub, i))
             elif k == OpKind.OPTIM_STEP:
@@ -546,10 +547,11 @@ def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_o
     for r, i, op, why in stuck:
         if why == "validate":
             lines.append(f"rank {r} op #{i} `{op}` waits at the VALIDATE barrier")
-        elif op.kind == OpKind.WAIT_CKPT:
+        elif op.kind in WAITS:
+            family = MESSAGE_OF[op.kind]
+            sent = Op(SEND_OF[family], op.stage, op.sub, op.mb, r, True)
             lines.append(
-                f"rank {r} op #{i} `{op}` waits for the checkpoint from rank {op.peer} "
-                f"(SEND_CKPT s{op.stage}.{op.sub} mb{op.mb} ->r{r} never posted)"
+                f"rank {r} op #{i} `{op}` waits for the {family.noun} from rank {op.peer} (`{sent}` never posted)"
             )
         else:
             partner = PARTNER[op.kind].name if op.kind in PARTNER else "?"

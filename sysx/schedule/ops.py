@@ -4,7 +4,7 @@ A schedule is, for every rank, an ordered list of ops; the runtime interprets ea
 unchanged, in order, and ``validate`` / ``simulate`` read the very same lists. Op kinds, in short:
 LOAD_PARAMS / FREE (a unit's parameters into / out of a GPU buffer), FORWARD, BACKWARD (one
 sub-stage, recomputed from its checkpoint), SEND/RECV of activations, gradients and checkpoints
-(WAIT_CKPT for a posted one), OFFLOAD_GRADS, OPTIM_STEP and VALIDATE (one all-reduce).
+(WAIT_ACT / WAIT_GRAD / WAIT_CKPT for a posted one), OFFLOAD_GRADS, OPTIM_STEP and VALIDATE (one all-reduce).
 Ops are hashable frozen dataclasses whose ``str`` reads like ``F s3 mb2`` or ``B s5.1 mb0``.
 """
 
@@ -39,6 +39,8 @@ class OpKind(enum.IntEnum):
     OFFLOAD_GRADS = 11
     OPTIM_STEP = 12
     VALIDATE = 13
+    WAIT_ACT = 14
+    WAIT_GRAD = 15
 
 
 class Message(enum.IntEnum):
@@ -53,16 +55,23 @@ class Message(enum.IntEnum):
         """``act``, ``grad`` or ``ckpt``."""
         return self.name.lower()
 
+    @property
+    def noun(self) -> str:
+        """``activation``, ``gradient`` or ``checkpoint`` (for messages to people)."""
+        return ("activation", "gradient", "checkpoint")[self.value]
+
 
 SEND_OF = {Message.ACT: OpKind.SEND_ACT, Message.GRAD: OpKind.SEND_GRAD, Message.CKPT: OpKind.SEND_CKPT}
 RECV_OF = {Message.ACT: OpKind.RECV_ACT, Message.GRAD: OpKind.RECV_GRAD, Message.CKPT: OpKind.RECV_CKPT}
+WAIT_OF = {Message.ACT: OpKind.WAIT_ACT, Message.GRAD: OpKind.WAIT_GRAD, Message.CKPT: OpKind.WAIT_CKPT}
 MESSAGE_OF = {
     **{k: m for m, k in SEND_OF.items()},
     **{k: m for m, k in RECV_OF.items()},
-    OpKind.WAIT_CKPT: Message.CKPT,
+    **{k: m for m, k in WAIT_OF.items()},
 }
 SENDS = frozenset(SEND_OF.values())
 RECVS = frozenset(RECV_OF.values())
+WAITS = frozenset(WAIT_OF.values())  # the wait for a posted (async) receive, right before its reader
 COMMS = SENDS | RECVS
 PARTNER = {**{SEND_OF[m]: RECV_OF[m] for m in Message}, **{RECV_OF[m]: SEND_OF[m] for m in Message}}
 _SHORT = {
@@ -97,7 +106,7 @@ class Op:
             parts.append(f"mb{self.mb}")
         if k in SENDS:
             parts.append(f"->r{self.peer}")
-        elif k in RECVS or k == OpKind.WAIT_CKPT:
+        elif k in RECVS or k in WAITS:
             parts.append(f"<-r{self.peer}")
         if self.is_async:
             parts.append("async")

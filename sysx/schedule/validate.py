@@ -13,7 +13,22 @@ from collections.abc import Callable
 from sysx.partition import unit_label
 from sysx.schedule.costs import UnitCosts
 from sysx.schedule.engine import Deadlock, run_program
-from sysx.schedule.ops import COMMS, PARTNER, RECVS, SENDS, B, F, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.ops import (
+    COMMS,
+    PARTNER,
+    RECV_OF,
+    RECVS,
+    SENDS,
+    WAIT_OF,
+    WAITS,
+    B,
+    F,
+    Message,
+    Op,
+    OpKind,
+    Schedule,
+    ScheduleError,
+)
 
 # op kinds that only a training step has
 _TRAINING_ONLY = frozenset(
@@ -24,6 +39,7 @@ _TRAINING_ONLY = frozenset(
         OpKind.SEND_CKPT,
         OpKind.RECV_CKPT,
         OpKind.WAIT_CKPT,
+        OpKind.WAIT_GRAD,
         OpKind.OFFLOAD_GRADS,
         OpKind.OPTIM_STEP,
         OpKind.VALIDATE,
@@ -37,6 +53,7 @@ _NEEDS_SUB = frozenset(
         OpKind.SEND_CKPT,
         OpKind.RECV_CKPT,
         OpKind.WAIT_CKPT,
+        OpKind.WAIT_GRAD,
         OpKind.OFFLOAD_GRADS,
         OpKind.OPTIM_STEP,
     }
@@ -77,10 +94,10 @@ def check_ranges(schedule: Schedule) -> list[str]:
                 bad.append(f"sub-stage {op.sub} not in 0..{d - 1}")
             if k in (OpKind.LOAD_PARAMS, OpKind.FREE) and not -1 <= op.sub < d:
                 bad.append(f"sub-stage {op.sub} not in -1..{d - 1}")
-            has_mb = k in (OpKind.FORWARD, OpKind.BACKWARD, OpKind.WAIT_CKPT) or k in COMMS
+            has_mb = k in (OpKind.FORWARD, OpKind.BACKWARD) or k in COMMS or k in WAITS
             if has_mb and not 0 <= op.mb < nm:
                 bad.append(f"micro-batch {op.mb} not in 0..{nm - 1}")
-            if (k in COMMS or k == OpKind.WAIT_CKPT) and not (0 <= op.peer < R and op.peer != r):
+            if (k in COMMS or k in WAITS) and not (0 <= op.peer < R and op.peer != r):
                 bad.append(f"peer {op.peer} is not another rank in 0..{R - 1}")
             if bad:
                 errors.append(f"rank {r} op #{i} `{op}`: " + ", ".join(bad))
@@ -182,7 +199,7 @@ class _RankState:
         self.done_b: set[tuple[int, int, int]] = set()
         self.got_act: set[tuple[int, int]] = set()
         self.got_grad: set[tuple[int, int, int]] = set()
-        self.posted: set[tuple[int, int, int]] = set()
+        self.posted: set[tuple[Message, int, int, int]] = set()  # async receives not waited for yet
         self.ready_ck: set[tuple[int, int, int]] = set()
         self.resident: dict[tuple[int, int], range] = {}
         self.local_off: set[tuple[int, int]] = set()
@@ -194,10 +211,12 @@ class _RankState:
             OpKind.SEND_ACT: self._send_act,
             OpKind.SEND_GRAD: self._send_grad,
             OpKind.SEND_CKPT: self._send_ckpt,
-            OpKind.RECV_ACT: self._recv_act,
-            OpKind.RECV_GRAD: self._recv_grad,
-            OpKind.RECV_CKPT: self._recv_ckpt,
-            OpKind.WAIT_CKPT: self._wait_ckpt,
+            OpKind.RECV_ACT: self._recv,
+            OpKind.RECV_GRAD: self._recv,
+            OpKind.RECV_CKPT: self._recv,
+            OpKind.WAIT_ACT: self._wait,
+            OpKind.WAIT_GRAD: self._wait,
+            OpKind.WAIT_CKPT: self._wait,
             OpKind.LOAD_PARAMS: self._load,
             OpKind.FREE: self._free,
             OpKind.OFFLOAD_GRADS: self._offload,
@@ -246,7 +265,7 @@ class _RankState:
         if op.stage > 0 and prev not in self.done_f and prev not in self.got_act:
             self.errors.append(
                 f"{here}: its input (output of stage {op.stage - 1}, mb {op.mb}) was neither computed on "
-                f"this rank nor received before (missing `RECV_ACT s{op.stage - 1} mb{op.mb}`)"
+                f"this rank nor received before ({self._missing(Message.ACT, op.stage - 1, -1, op.mb)})"
             )
         self.done_f.add((op.stage, op.mb))
 
@@ -255,7 +274,7 @@ class _RankState:
         if (op.stage, op.mb) not in self.done_f and key not in self.ready_ck:
             why = (
                 "its async RECV_CKPT was posted but no WAIT_CKPT precedes it"
-                if key in self.posted
+                if (Message.CKPT, *key) in self.posted
                 else f"no earlier `F s{op.stage} mb{op.mb}` here and no RECV_CKPT"
             )
             self.errors.append(f"{here}: checkpoint of {unit_label(op.stage, op.sub)} mb{op.mb} not available: {why}")
@@ -263,9 +282,15 @@ class _RankState:
         if nxt is not None and (*nxt, op.mb) not in self.done_b and (*nxt, op.mb) not in self.got_grad:
             self.errors.append(
                 f"{here}: its output gradient (from `B {unit_label(*nxt)} mb{op.mb}`) was neither "
-                f"computed on this rank nor received before (missing `RECV_GRAD {unit_label(*nxt)} mb{op.mb}`)"
+                f"computed on this rank nor received before ({self._missing(Message.GRAD, *nxt, op.mb)})"
             )
         self.done_b.add(key)
+
+    def _missing(self, family: Message, s: int, k: int, j: int) -> str:
+        """Why a pass's input message is not here: posted but not waited for, or never received."""
+        if (family, s, k, j) in self.posted:
+            return f"its async {RECV_OF[family].name} was posted but no {WAIT_OF[family].name} precedes it"
+        return f"missing `{RECV_OF[family].name} {unit_label(s, k)} mb{j}`"
 
     def _send_act(self, op: Op, here: str) -> None:
         if (op.stage, op.mb) not in self.done_f:
@@ -281,20 +306,28 @@ class _RankState:
         if (op.stage, op.mb) not in self.done_f:
             self.errors.append(f"{here}: sends a checkpoint of `F s{op.stage} mb{op.mb}` before computing it here")
 
-    def _recv_act(self, op: Op, here: str) -> None:
-        self.got_act.add((op.stage, op.mb))
+    def _recv(self, op: Op, here: str) -> None:
+        if op.is_async:
+            self.posted.add(op.message)
+        else:
+            self._received(op)
 
-    def _recv_grad(self, op: Op, here: str) -> None:
-        self.got_grad.add((op.stage, op.sub, op.mb))
+    def _received(self, op: Op) -> None:
+        """The message ``op`` receives or waits for is here, for its reader."""
+        family = op.message[0]
+        if family == Message.ACT:
+            self.got_act.add((op.stage, op.mb))
+        else:
+            (self.got_grad if family == Message.GRAD else self.ready_ck).add((op.stage, op.sub, op.mb))
 
-    def _recv_ckpt(self, op: Op, here: str) -> None:
-        (self.posted if op.is_async else self.ready_ck).add((op.stage, op.sub, op.mb))
-
-    def _wait_ckpt(self, op: Op, here: str) -> None:
-        key = (op.stage, op.sub, op.mb)
-        if key not in self.posted:
-            self.errors.append(f"{here}: waits for a checkpoint whose async RECV_CKPT was not posted before")
-        self.ready_ck.add(key)
+    def _wait(self, op: Op, here: str) -> None:
+        family = op.message[0]
+        if op.message not in self.posted:
+            self.errors.append(
+                f"{here}: waits for the {family.noun} whose async {RECV_OF[family].name} was not posted before"
+            )
+        self.posted.discard(op.message)
+        self._received(op)
 
     def _load(self, op: Op, here: str) -> None:
         u = (op.stage, op.sub)
