@@ -35,7 +35,7 @@ def _aio_skip_reason() -> str | None:
     if not AsyncIOBuilder().is_compatible(verbose=False):
         return "no libaio here (apt install libaio-dev); the threads engine covers the same contract"
     if not (extensions_dir() / "async_io" / "async_io.so").exists():
-        return "the async_io op is not built yet (python -m sysx.optim.nvme.aio builds it, ~3 min)"
+        return "the async_io op is not built yet (sysx nvme build-aio builds it, ~3 min)"
     return None
 
 

@@ -12,6 +12,7 @@ results are not checked), so sizes are checked here before each call.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -149,9 +150,9 @@ class AioEngine:
                 raise io_error(op, path, nbytes, offset, exc) from None
             if size < offset + nbytes:
                 raise short_read_error(path, nbytes, offset, max(0, size - offset))
-            done = self._handle().sync_pread(buf, path, offset)
+            done = self._handle().sync_pread(_alias(buf), path, offset)
         else:
-            done = self._handle().sync_pwrite(buf, path, offset)
+            done = self._handle().sync_pwrite(_alias(buf), path, offset)
         if done != 1:
             raise self._failure(op, path, nbytes, offset)
 
@@ -172,12 +173,20 @@ class AioEngine:
             lane.shutdown(wait=True)
 
 
-def main(argv: list[str]) -> int:
-    """``python -m sysx.optim.nvme.aio``: build (or load) the op once, ahead of a job."""
+def _alias(buf: torch.Tensor) -> torch.Tensor:
+    """``buf``'s bytes as a tensor with a storage of its own: the op's threads may let go of the tensor
+    they were given a moment after the call returns, and a reference to ``buf``'s own storage would then
+    keep its owner's mapping from closing (PinnedStaging.close: LiveViewsError) though no byte is
+    touched after the call."""
+    import torch
+
+    raw = (ctypes.c_uint8 * buf.nbytes).from_address(buf.data_ptr())
+    return torch.frombuffer(raw, dtype=torch.uint8)
+
+
+def build() -> int:
+    """``sysx nvme build-aio``: build (or load) the op once, ahead of a job; 0 when it is ready."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if argv:
-        print("usage: python -m sysx.optim.nvme.aio   (builds DeepSpeed's async_io op into the cache)")
-        return 0 if argv[0] in ("-h", "--help") else 2
     try:
         load_op()
     except RuntimeError as exc:
@@ -185,7 +194,3 @@ def main(argv: list[str]) -> int:
         return 1
     print("DeepSpeed's async_io op is ready")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

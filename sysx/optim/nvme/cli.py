@@ -67,10 +67,16 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_build_aio(args: argparse.Namespace) -> int:
+    from sysx.optim.nvme.aio import build
+
+    return build()
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``sysx nvme``."""
     parser = argparse.ArgumentParser(
-        prog="sysx nvme", description="List and remove this user's NVMe optimizer-state directories."
+        prog="sysx nvme", description="List and remove this user's NVMe optimizer-state directories; build the aio op."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (
@@ -83,5 +89,8 @@ def main(argv: list[str]) -> int:
         if name == "clean":
             p.add_argument("--all", action="store_true", help="remove every one of this user, live ones too")
         p.set_defaults(func=func)
+    sub.add_parser(
+        "build-aio", help="build DeepSpeed's async_io op (optim.nvme_engine=aio) ahead of a job (~3 min, once)"
+    ).set_defaults(func=_cmd_build_aio)
     args = parser.parse_args(argv)
     return int(args.func(args))
