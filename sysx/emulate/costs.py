@@ -28,6 +28,7 @@ from sysx.optim.placement import device_flow
 from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable, costs_from_model
+from sysx.schedule.disk import DiskCosts, DiskTimeline, disk_costs, with_disk
 from sysx.schedule.replica_costs import ADAM_BYTES_PER_PARAM, ReplicaCosts
 from sysx.schedule.simulate import Timeline, simulate
 
@@ -36,6 +37,7 @@ from sysx.schedule.simulate import Timeline, simulate
 # by a copy like the one its step adds, +38.0 ms; exact rolls back by not switching its sets, and
 # refreshes its spare set in the background, which is not modelled)
 UNDO_STEPS = {"undo": 8.1, "snapshot": 1.4, "exact": 0.0}
+NVME_SLOTS = 2  # staging buffers of a rank's NVMe tier the plan assumes (read-ahead depth)
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,27 @@ class EmulatedPlan:
     table: CostTable
     timeline: Timeline
     optimizer_workers: int  # concurrent CPU optimizer steps per rank (1 for a synchronous optimizer)
+    disk: DiskCosts | None = None  # optim.offload=nvme: the tier's reads and writes per sub-stage
+    disk_timeline: DiskTimeline | None = None  # and the steady-state iteration with them
 
     def describe(self) -> str:
         """The cluster and the model whose costs the plan has."""
         m = self.model
         return (
             f"{self.cluster.describe()}; costs of {m.name} at {m.micro_batch_size}x{m.seq_len} tokens per micro-batch"
+            + ("; optimizer states on NVMe" if self.disk else "")
         )
+
+    @property
+    def iteration(self) -> float:
+        """The planned iteration (seconds): with the NVMe tier's exposed I/O when it is on."""
+        return self.disk_timeline.iteration if self.disk_timeline else self.timeline.iteration
+
+    @property
+    def bubble_ratio(self) -> float:
+        """The planned bubble ratio at :attr:`iteration`."""
+        it, busy = self.iteration, self.timeline.busy
+        return (it * len(busy) - sum(busy)) / (it * len(busy)) if it > 0 and busy else 0.0
 
 
 def emulated_model(cfg: SysxConfig) -> EmulatedModel:
@@ -144,9 +160,43 @@ def emulated_costs(
     )
 
 
-def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None) -> EmulatedPlan:
+def nvme_state_bytes(precision: str) -> int:
+    """Bytes per parameter the NVMe tier keeps on disk: the fp32 master (none in fp32: the working
+    copy is the master and stays in host memory) and Adam's m and v."""
+    state = training_state_bytes("float32" if precision == "fp32" else "bfloat16")
+    return state.master + state.adam
+
+
+def tier_costs(
+    hw: EmulatedCluster, table: CostTable, schedule: Schedule, *, precision: str
+) -> tuple[CostTable, DiskCosts]:
+    """``table`` with the states on the node's drives: host bytes per parameter less the tier's, plus
+    every rank's staging buffers (:data:`NVME_SLOTS` x its largest sub-stage's state); and the tier's
+    :class:`DiskCosts` at each rank's share of the node's drives."""
+    on_disk = nvme_state_bytes(precision)
+    disk = disk_costs(
+        table,
+        state_bytes_per_param=on_disk,
+        read_bandwidth=hw.disk_read_bandwidth,
+        write_bandwidth=hw.disk_write_bandwidth,
+        ranks_per_node=min(hw.gpus_per_node, schedule.n_ranks * table.replicas),
+        slots=NVME_SLOTS,
+    )
+    staging = NVME_SLOTS * max(table.params_sub, default=0.0) * on_disk / table.replicas
+    table = dataclasses.replace(
+        table,
+        host_bytes_per_param=table.host_bytes_per_param - on_disk,
+        process_bytes=table.process_bytes + staging,
+    )
+    return table, disk
+
+
+def plan_emulation(
+    cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None, nvme: bool = False
+) -> EmulatedPlan:
     """The emulated plan of ``schedule`` (built from :func:`emulated_model`'s layers), run by
-    ``replicas`` pipelines (None: ``parallel.replicas``). Raises :class:`ConfigError` when a rank's
+    ``replicas`` pipelines (None: ``parallel.replicas``), with the optimizer states on the node's
+    NVMe drives when ``nvme`` (:mod:`sysx.schedule.disk`). Raises :class:`ConfigError` when a rank's
     planned GPU memory exceeds the emulated GPU's."""
     hw, model = cluster(cfg.emulate), emulated_model(cfg)
     workers = optimizer_workers(hw, schedule, backend=backend, workers=cfg.optim.workers)
@@ -163,6 +213,9 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replica
         op_host=op_host_seconds(cfg),
     )
     table = costs.table(schedule)
+    disk = None
+    if nvme:
+        table, disk = tier_costs(hw, table, schedule, precision=cfg.precision)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)
     worst = max(range(schedule.n_ranks), key=lambda r: timeline.peak_gpu[r])
     if timeline.peak_gpu[worst] > hw.gpu_memory_bytes:
@@ -176,7 +229,8 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replica
             f"on rank {worst} (peaks: " + ", ".join(f"{n} {p[worst] / GIB:.1f}" for n, p in parts) + "); lower "
             "emulate.micro_batch_size or emulate.seq_len, or use a GPU with more memory"
         )
-    return EmulatedPlan(hw, model, costs, table, timeline, workers)
+    io = with_disk(schedule, timeline, table, disk) if disk is not None else None
+    return EmulatedPlan(hw, model, costs, table, timeline, workers, disk, io)
 
 
 LaneTimes = Mapping[tuple[int, int], tuple[float, float, float]]  # a rank's device-lane sub-stages: (in, step, out) s

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,6 +94,12 @@ class Pacer:
         """A recorded timeline window (:mod:`sysx.trace`) in the device's seconds (here: as recorded)."""
         return part
 
+    def disk_pace(self, real_bytes: int) -> Callable[[str, int], None] | None:
+        """What the rank's NVMe tier (``optim.offload=nvme``) calls after each read and write
+        (``"read"``/``"write"``, bytes), given ``real_bytes``: the tier's state bytes of one full
+        read of the rank's sub-stages. Here: None (the disk takes its own time)."""
+        return None
+
 
 class EmulatedPacer(Pacer):
     """Pacing of one rank of an emulated run (see docs/architecture.md)."""
@@ -132,6 +139,11 @@ class EmulatedPacer(Pacer):
         self._opt = {name: self.table.opt[g] for name, g in self._unit.items()}
         self.reduce_free = 0.0  # replicas: the modelled end of the reducer thread's last reduction
         self._reduced: dict[str, float] = {}  # this step's reduced units: their modelled ends
+        # optim.offload=nvme: the rank's disk lane (sysx.schedule.disk), the ends of its latest reads
+        self._disk_free, self._disk_scale = 0.0, 1.0
+        self._reads: deque[float] = deque(maxlen=64)
+        self._owned = list(schedule.assignment.bwd_substages(self.stage_rank))
+        self._disk_bandwidth = {"read": 1.0, "write": 1.0}
 
     # ---------------------------------------------------------------------------------- clock
     def cursor(self) -> float:
@@ -330,10 +342,16 @@ class EmulatedPacer(Pacer):
         ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
         t0 = time.monotonic()
         yield
-        real = time.monotonic() - t0
+        now = time.monotonic()
+        real = now - t0
         with self._lock:  # replicas: the job starts after the unit's reduction (known once the real one is)
             ready = max(ready, self._reduced.get(name, 0.0))
         start = max(submitted, ready, getattr(self._worker, "free", 0.0))
+        data = self._data_ready(t0, now)  # NVMe tier: the job waited inside for its state's read
+        if data > start:
+            with self._lock:
+                self._stats.spans.append(("disk", f"DISKWAIT {name}", start, data))
+            start, real = data, now - data
         seconds = self._opt[name] * steps * self.time_scale
         end = start + seconds
         self._ratio("optimizer", real, seconds, f"OPT {name}")
@@ -371,6 +389,36 @@ class EmulatedPacer(Pacer):
                 for (name, _), (begin, end) in zip(jobs, spans):
                     self._stats.spans.append((lane, f"OPT-dev {name}", begin, end))
         self._hold(self.d2h.free, "OPT-dev")
+
+    # ------------------------------------------------------------------------------- NVMe tier
+    def disk_pace(self, real_bytes: int) -> Callable[[str, int], None] | None:
+        """The emulated disk lane of the rank (None when the plan has no NVMe tier): each read or
+        write of the tier takes its bytes, scaled from the small real model's ``real_bytes`` to the
+        emulated sub-stages' state on disk, at the rank's share of the node's drives, in issue
+        order (:mod:`sysx.schedule.disk`); the call returns at its modelled end."""
+        disk = self.plan.disk
+        if disk is None:
+            return None
+        emulated = sum(disk.nbytes[s * self.split + k] for s, k in self._owned)
+        self._disk_scale = emulated / real_bytes if real_bytes > 0 else 0.0
+        self._disk_bandwidth = {"read": disk.read_bandwidth, "write": disk.write_bandwidth}
+        return self._disk
+
+    def _disk(self, kind: str, nbytes: int) -> None:
+        seconds = nbytes * self._disk_scale / self._disk_bandwidth[kind] * self.time_scale
+        with self._lock:
+            start = max(self._disk_free, time.monotonic())
+            end = self._disk_free = start + seconds
+            self._stats.spans.append(("disk", kind.upper(), start, end))
+            if kind == "read":
+                self._reads.append(end)
+        sleep_until(end)
+
+    def _data_ready(self, t0: float, now: float) -> float:
+        """The latest read that ended while an optimizer job ran from ``t0`` to ``now`` (0: none):
+        the job waited for its state until then."""
+        with self._lock:
+            return max((e for e in self._reads if t0 < e <= now), default=0.0)
 
     # ------------------------------------------------------------------------------- replicas
     @contextlib.contextmanager
