@@ -199,6 +199,8 @@ class StateBytes:
     grads: int  # gradients as the optimizer reads them
     working: int  # the working copy the device loads
     snapshot: int  # optim.rollback=snapshot / exact: the second p, m, v (exact + fp32: a private master too)
+    disk: int = 0  # optim.offload=nvme: what moved from RAM to the state files (master, m, v, rollback set)
+    step_io: int = 0  # optim.offload=nvme: bytes one step reads, and again writes (the master, m and v)
 
     @property
     def optimizer(self) -> int:
@@ -212,7 +214,8 @@ class StateBytes:
 
     def rows(self) -> dict[str, int]:
         """Non-zero components by name."""
-        working = "working copy" if self.master else "fp32 masters (= working copy)"
+        # fp32 runs have no separate master (with the tier the files then hold only m and v: 8 bytes)
+        working = "working copy" if self.master or self.step_io > 8 else "fp32 masters (= working copy)"
         names = {
             "fp32 masters": self.master,
             "Adam m+v": self.adam,
@@ -223,15 +226,34 @@ class StateBytes:
         return {name: n for name, n in names.items() if n}
 
 
-def training_state_bytes(work_dtype: Any, *, grad_dtype: Any = "float32", rollback: str = "undo") -> StateBytes:
+def training_state_bytes(
+    work_dtype: Any, *, grad_dtype: Any = "float32", rollback: str = "undo", offload: str = "host"
+) -> StateBytes:
     """Bytes per parameter of the host training state: the working copy in ``work_dtype``, the
     gradients in ``grad_dtype``, fp32 masters unless the working copy is fp32, Adam m and v, and
     the rollback buffers of ``rollback="snapshot"`` or ``"exact"`` (``auto`` counts as ``undo``: it
-    picks ``exact`` only where that fits, :mod:`sysx.optim.rollback_choice`)."""
+    picks ``exact`` only where that fits, :mod:`sysx.optim.rollback_choice`). ``offload="nvme"``
+    (``optim.offload``) moves the master, m, v and the rollback set to the state files (``disk``);
+    RAM keeps the working copy and the gradients (the staging buffers are per stage, not per parameter)."""
     work = dtype_itemsize(work_dtype)
     master = 0 if canonical_dtype(work_dtype) == "float32" else 4
     extra = {"snapshot": 12, "exact": 12 if master else 16}.get(rollback, 0)
+    if offload == "nvme":
+        return StateBytes(0, 0, dtype_itemsize(grad_dtype), work, 0, disk=master + 8 + extra, step_io=master + 8)
     return StateBytes(master, 8, dtype_itemsize(grad_dtype), work, extra)
+
+
+# optim.offload=nvme: staging buffers per rank, each one stage's master, m and v: one read ahead,
+# one being stepped, one written back behind (sysx.optim.nvme's pool)
+TIER_STAGING_BUFFERS = 3
+PAGE_BYTES = 4096  # O_DIRECT buffers and file sizes are whole pages (sysx.optim.nvme's ALIGN)
+
+
+def staging_bytes(largest_numel: int, work_dtype: Any, *, buffers: int = TIER_STAGING_BUFFERS) -> int:
+    """Pinned bytes of one rank's tier staging pool when its largest stage (or shard) has ``largest_numel``
+    parameters in ``work_dtype``: ``buffers`` page-rounded buffers of its master, m and v."""
+    per = training_state_bytes(work_dtype, offload="nvme").step_io * largest_numel
+    return buffers * (-(-per // PAGE_BYTES) * PAGE_BYTES)
 
 
 # --- the per-node plan ------------------------------------------------------------------------
@@ -266,6 +288,8 @@ class HostMemoryPlan:
     segments: int
     notes: tuple[str, ...] = field(default=())
     rollback: int = 0  # optim.rollback=snapshot / exact buffers
+    disk: int = 0  # optim.offload=nvme: the state files under optim.nvme_dir (not host memory)
+    step_io: int = 0  # optim.offload=nvme: bytes read, and again written, per step
 
     @property
     def private(self) -> int:
@@ -287,6 +311,7 @@ class HostMemoryPlan:
             *([("rollback buffers (optim.rollback)", self.rollback)] if self.rollback else []),
             ("pinned staging buffers", self.pinned),
             ("total host memory", self.total),
+            *([("state files on disk (optim.offload=nvme)", self.disk)] if self.disk else []),
         ]
 
     def __str__(self) -> str:
@@ -335,6 +360,7 @@ def plan_host_memory(
     mirrors: Sequence[StageSizes] = (),
     pinned_bytes: int = 0,
     rollback: str = "undo",
+    offload: str = "host",
 ) -> HostMemoryPlan:
     """Host bytes one node needs.
 
@@ -342,23 +368,31 @@ def plan_host_memory(
     shared working copy or a ``{dtype: numel}`` mapping; ``mirrors``: remote-owned stages mirrored
     here (shared memory only). Per parameter, :func:`training_state_bytes` with fp32 gradients
     (master weights are skipped for fp32 sections: the shared copy is the master) and the
-    buffers of ``rollback`` (``optim.rollback``, resolved: ``auto`` counts as ``undo``).
+    buffers of ``rollback`` (``optim.rollback``, resolved: ``auto`` counts as ``undo``); with
+    ``offload="nvme"`` the master, m, v and rollback set are on disk and one staging pool of the
+    largest stage is pinned (:func:`staging_bytes`).
     """
-    shared = master = optimizer = grads = extra = 0
+    shared = master = optimizer = grads = extra = disk = step_io = staging = 0
     for stage in owned:
         sections = _sections(stage)
         shared += segment_bytes(stage_data_bytes(sections))
         for dtype, numel in sections:
-            per_param = training_state_bytes(dtype, rollback=rollback)
+            per_param = training_state_bytes(dtype, rollback=rollback, offload=offload)
             master += numel * per_param.master
             extra += numel * per_param.snapshot
             optimizer += numel * per_param.adam
             grads += numel * per_param.grads
+            disk += numel * per_param.disk
+            step_io += numel * per_param.step_io
+            if offload == "nvme":
+                staging = max(staging, staging_bytes(numel, dtype))
     for stage in mirrors:
         shared += segment_bytes(stage_data_bytes(_sections(stage)))
     if pinned_bytes < 0:
         raise ValueError(f"pinned_bytes must be >= 0, got {pinned_bytes}")
-    return HostMemoryPlan(shared, master, optimizer, grads, pinned_bytes, len(owned) + len(mirrors), rollback=extra)
+    count = len(owned) + len(mirrors)
+    pinned = pinned_bytes + staging
+    return HostMemoryPlan(shared, master, optimizer, grads, pinned, count, rollback=extra, disk=disk, step_io=step_io)
 
 
 # --- systemd RemoveIPC ------------------------------------------------------------------------

@@ -17,7 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sysx.memory.budget import HostMemoryPlan, segment_bytes, stage_data_bytes, training_state_bytes
+from sysx.memory.budget import (
+    HostMemoryPlan,
+    segment_bytes,
+    stage_data_bytes,
+    staging_bytes,
+    training_state_bytes,
+)
 from sysx.memory.views import canonical_dtype, dtype_itemsize
 from sysx.replicas import ReplicaLayout, shard_range
 
@@ -32,14 +38,23 @@ class UnitPlace:
 
 
 def node_host_memory(
-    units: Sequence[UnitPlace], layout: ReplicaLayout, node: int, dtype: Any, *, rollback: str = "undo"
+    units: Sequence[UnitPlace],
+    layout: ReplicaLayout,
+    node: int,
+    dtype: Any,
+    *,
+    rollback: str = "undo",
+    offload: str = "host",
 ) -> HostMemoryPlan:
     """Host bytes node ``node`` needs for ``units`` run by every replica of ``layout`` in the working
-    precision ``dtype`` (see the module doc); ``rollback``: ``optim.rollback``, resolved."""
+    precision ``dtype`` (see the module doc); ``rollback``: ``optim.rollback``, resolved; ``offload``:
+    ``optim.offload`` (``nvme``: the master, m, v and rollback set are in the state files, ``disk``,
+    and each owning rank pins one staging pool of its largest shard)."""
     r_count = layout.replicas
-    state = training_state_bytes(dtype, rollback=rollback)
+    state = training_state_bytes(dtype, rollback=rollback, offload=offload)
     landing = dtype_itemsize(dtype) if canonical_dtype(dtype) != "float32" or r_count > 1 else 0
     shared = shards = owners = segments = 0
+    largest: dict[int, int] = {}  # owning global rank on this node -> its largest optimizer shard
     for unit in units:
         local = [r for r in range(r_count) if layout.node_of(layout.global_rank(unit.owner, r)) == node]
         forward_here = any(layout.node_of(layout.global_rank(unit.fwd, r)) == node for r in range(r_count))
@@ -48,6 +63,10 @@ def node_host_memory(
             segments += 1
         shards += sum(len(shard_range(unit.numel, r_count, r)) for r in local)
         owners += len(local) * unit.numel
+        for r in local:
+            rank = layout.global_rank(unit.owner, r)
+            largest[rank] = max(largest.get(rank, 0), len(shard_range(unit.numel, r_count, r)))
+    staging = sum(staging_bytes(n, dtype) for n in largest.values()) if offload == "nvme" else 0
     # fp32 runs with replicas: the optimizer's gradients are its shard's slice of the landing buffer
     landed = owners * landing - (shards * landing if canonical_dtype(dtype) == "float32" and r_count > 1 else 0)
     return HostMemoryPlan(
@@ -55,9 +74,11 @@ def node_host_memory(
         shards * state.master,
         shards * state.adam,
         shards * state.grads,
-        landed,
+        landed + staging,
         segments,
         rollback=shards * state.snapshot,
+        disk=shards * state.disk,
+        step_io=shards * state.step_io,
     )
 
 
