@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from sysx.config import ConfigError, SysxConfig
 from sysx.emulate.profiles import GIB, EmulatedCluster, cluster
 from sysx.machine.hardware_cache import cached_op_host_s
-from sysx.memory.budget import training_state_bytes
+from sysx.memory.budget import TIER_STAGING_BUFFERS, staging_bytes, training_state_bytes
 from sysx.model import ModelConfig, get_preset
 from sysx.optim.cores import split_workers
 from sysx.optim.placement import device_flow
@@ -37,7 +37,6 @@ from sysx.schedule.simulate import Timeline, simulate
 # by a copy like the one its step adds, +38.0 ms; exact rolls back by not switching its sets, and
 # refreshes its spare set in the background, which is not modelled)
 UNDO_STEPS = {"undo": 8.1, "snapshot": 1.4, "exact": 0.0}
-NVME_SLOTS = 2  # staging buffers of a rank's NVMe tier the plan assumes (read-ahead depth)
 
 
 @dataclass(frozen=True)
@@ -160,44 +159,40 @@ def emulated_costs(
     )
 
 
-def nvme_state_bytes(precision: str) -> int:
-    """Bytes per parameter the NVMe tier keeps on disk: the fp32 master (none in fp32: the working
-    copy is the master and stays in host memory) and Adam's m and v."""
-    state = training_state_bytes("float32" if precision == "fp32" else "bfloat16")
-    return state.master + state.adam
-
-
 def tier_costs(
     hw: EmulatedCluster, table: CostTable, schedule: Schedule, *, precision: str
 ) -> tuple[CostTable, DiskCosts]:
-    """``table`` with the states on the node's drives: host bytes per parameter less the tier's, plus
-    every rank's staging buffers (:data:`NVME_SLOTS` x its largest sub-stage's state); and the tier's
-    :class:`DiskCosts` at each rank's share of the node's drives."""
-    on_disk = nvme_state_bytes(precision)
+    """``table`` with the optimizer states on the node's drives (``optim.offload=nvme``): host bytes
+    per parameter without them, every rank's staging pool (:func:`~sysx.memory.budget.staging_bytes`
+    of its largest sub-stage) in its process bytes; and the tier's :class:`DiskCosts`: each step
+    reads and writes the master, m and v (fp32: m and v) at each rank's share of the node's drives,
+    read ahead into :data:`~sysx.memory.budget.TIER_STAGING_BUFFERS` buffers."""
+    work = "float32" if precision == "fp32" else "bfloat16"
+    tier = training_state_bytes(work, offload="nvme")
     disk = disk_costs(
         table,
-        state_bytes_per_param=on_disk,
+        state_bytes_per_param=tier.step_io,
         read_bandwidth=hw.disk_read_bandwidth,
         write_bandwidth=hw.disk_write_bandwidth,
         ranks_per_node=min(hw.gpus_per_node, schedule.n_ranks * table.replicas),
-        slots=NVME_SLOTS,
+        slots=TIER_STAGING_BUFFERS,
     )
-    staging = NVME_SLOTS * max(table.params_sub, default=0.0) * on_disk / table.replicas
+    largest = int(max(table.params_sub, default=0.0) / table.replicas)
     table = dataclasses.replace(
         table,
-        host_bytes_per_param=table.host_bytes_per_param - on_disk,
-        process_bytes=table.process_bytes + staging,
+        host_bytes_per_param=float(tier.optimizer),
+        process_bytes=table.process_bytes + staging_bytes(largest, work),
     )
     return table, disk
 
 
 def plan_emulation(
-    cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None, nvme: bool = False
+    cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None, nvme: bool | None = None
 ) -> EmulatedPlan:
     """The emulated plan of ``schedule`` (built from :func:`emulated_model`'s layers), run by
     ``replicas`` pipelines (None: ``parallel.replicas``), with the optimizer states on the node's
-    NVMe drives when ``nvme`` (:mod:`sysx.schedule.disk`). Raises :class:`ConfigError` when a rank's
-    planned GPU memory exceeds the emulated GPU's."""
+    NVMe drives when ``nvme`` (None: ``optim.offload=nvme``; :mod:`sysx.schedule.disk`). Raises
+    :class:`ConfigError` when a rank's planned GPU memory exceeds the emulated GPU's."""
     hw, model = cluster(cfg.emulate), emulated_model(cfg)
     workers = optimizer_workers(hw, schedule, backend=backend, workers=cfg.optim.workers)
     replica = replica_costs(
@@ -214,7 +209,7 @@ def plan_emulation(
     )
     table = costs.table(schedule)
     disk = None
-    if nvme:
+    if cfg.optim.offload == "nvme" if nvme is None else nvme:
         table, disk = tier_costs(hw, table, schedule, precision=cfg.precision)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)
     worst = max(range(schedule.n_ranks), key=lambda r: timeline.peak_gpu[r])

@@ -136,8 +136,7 @@ class EmulatedDeviceModel(DeviceModel):
         if schedule is self.schedule:
             return self.lane_plan or (self.plan.iteration, self.plan.bubble_ratio)
         if self._validate_first_plan is None:
-            nvme = self.plan.disk is not None
-            p = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas, nvme=nvme)
+            p = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas)
             self._validate_first_plan = (p.iteration, p.bubble_ratio)
         return self._validate_first_plan
 

@@ -23,6 +23,7 @@ cursor: its wait is added to the rank's end, an upper bound.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sysx.schedule.costs import CostTable
@@ -212,3 +213,21 @@ def with_disk(
     reads = [sum(read[j.unit] for j in js) for js in jobs]
     writes = [sum(write[j.unit] for j in js) for js in jobs]
     return DiskTimeline(its[-1] if its else base, base, waits, reads, writes, its)
+
+
+def hiding_point(hidden_at: Callable[[int], bool], *, start: int = 1, limit: int = 4096) -> int | None:
+    """The fewest micro-batches ``m >= start`` at which ``hidden_at(m)`` (the disk hides behind the
+    step: exposed I/O within tolerance) holds, doubling then bisecting (the step grows with ``m``,
+    the I/O does not); None when it does not by ``limit``."""
+    lo, hi = start, start
+    while not hidden_at(hi):
+        if hi >= limit:
+            return None
+        lo, hi = hi + 1, min(2 * hi, limit)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hidden_at(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
