@@ -143,6 +143,8 @@ class EmulatedPacer(Pacer):
         self._disk_free, self._disk_scale = 0.0, 1.0
         self._reads: deque[float] = deque(maxlen=64)
         self._owned = list(schedule.assignment.bwd_substages(self.stage_rank))
+        self._running: dict[int, tuple[float, float, float]] = {}  # by worker thread: (t0, start, seconds)
+        self._last_end = 0.0  # the modelled end of the last optimizer job that left
         self._disk_bandwidth = {"read": 1.0, "write": 1.0}
 
     # ---------------------------------------------------------------------------------- clock
@@ -341,7 +343,15 @@ class EmulatedPacer(Pacer):
     ) -> Iterator[None]:
         ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
         t0 = time.monotonic()
-        yield
+        seconds = self._opt[name] * steps * self.time_scale
+        me = threading.get_ident()
+        with self._lock:
+            self._running[me] = (t0, max(submitted, ready, getattr(self._worker, "free", 0.0)), seconds)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(me, None)
         now = time.monotonic()
         real = now - t0
         with self._lock:  # replicas: the job starts after the unit's reduction (known once the real one is)
@@ -352,11 +362,11 @@ class EmulatedPacer(Pacer):
             with self._lock:
                 self._stats.spans.append(("disk", f"DISKWAIT {name}", start, data))
             start, real = data, now - data
-        seconds = self._opt[name] * steps * self.time_scale
         end = start + seconds
         self._ratio("optimizer", real, seconds, f"OPT {name}")
         with self._lock:
             self._stats.spans.append(("cpu", f"OPT {name}", start, end))
+            self._last_end = end
         self._worker.free = end
         with self._lock:
             self.opt_end = max(self.opt_end, end)
@@ -406,13 +416,24 @@ class EmulatedPacer(Pacer):
 
     def _disk(self, kind: str, nbytes: int) -> None:
         seconds = nbytes * self._disk_scale / self._disk_bandwidth[kind] * self.time_scale
+        now = time.monotonic()
+        # a write-back leaves with its step's real (small) arithmetic: it starts at the step's modelled end
+        after = self._job_end(now) if kind == "write" else now
         with self._lock:
-            start = max(self._disk_free, time.monotonic())
+            start = max(self._disk_free, now, after)
             end = self._disk_free = start + seconds
             self._stats.spans.append(("disk", kind.upper(), start, end))
             if kind == "read":
                 self._reads.append(end)
         sleep_until(end)
+
+    def _job_end(self, now: float) -> float:
+        """The modelled end of the optimizer job running now (the earliest of several)."""
+        with self._lock:
+            running = list(self._running.values())
+        ends = [max(start, self._data_ready(t0, now)) + seconds for t0, start, seconds in running]
+        # none: the job whose write this is may have left already (its worker holds until its end)
+        return min(ends, default=max(now, self._last_end))
 
     def _data_ready(self, t0: float, now: float) -> float:
         """The latest read that ended while an optimizer job ran from ``t0`` to ``now`` (0: none):

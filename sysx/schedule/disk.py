@@ -8,9 +8,12 @@ drives (:mod:`sysx.optim.nvme`). Its model, which the emulated device's pacer ch
   node's read or write bandwidth / its ranks: SysX's ranks step their sub-stages side by side all
   through the backward, so each is served about that share while the disk is the bottleneck);
 * the sub-stages are stepped in the order of the rank's OPTIM_STEP ops, and their reads run ahead
-  in that order, round the iteration's end into the next, into ``slots`` reused staging buffers:
-  a read is issued once a buffer is free, a buffer is free once its sub-stage's write-back ended;
-* a step starts at ``max(gradients ready, its state read, a worker free)``; its write-back is
+  in that order, round the iteration's end into the next, into ``slots`` reused staging buffers
+  (:class:`sysx.optim.nvme.tier.NvmeTier`: one per optimizer worker and two more): a job takes a
+  buffer once its gradients are home and a worker is free, the next ``slots - 1`` sub-stages are
+  read ahead, and a buffer is free again once its sub-stage's write-back ended; so sub-stage
+  ``n``'s read is issued at ``max(job n - (slots - 1) took its buffer, write-back n - slots ended)``;
+* a step starts at ``max(gradients ready, a worker free, its state read)``; its write-back is
   issued when it ends and runs behind the next steps.
 
 :func:`with_disk` replays the optimizer jobs of a simulated :class:`~sysx.schedule.simulate.Timeline`
@@ -107,30 +110,44 @@ class _Job:
 
 
 class _Lane:
-    """One rank's disk lane, its staging buffers and its workers, across iterations."""
+    """One rank's disk lane, its staging buffers and its workers, across iterations (reads,
+    acquisitions and write-backs numbered over all iterations: job ``n`` is ``jobs[n % len]``)."""
 
     def __init__(self, jobs: list[_Job], disk: DiskCosts, workers: int | None) -> None:
         self.jobs, self.workers, self.slots = jobs, workers, disk.slots
+        self.depth = max(1, disk.slots - 1)  # stages read ahead of the one in use
         self.seconds = {"r": disk.read, "w": disk.write}
         self.free = 0.0  # the lane's end so far
-        self.queue: list[tuple[float, int, str, int]] = []  # (issue time, seq, "r"|"w", job index)
+        self.queue: list[tuple[float, int, str, int]] = []  # (issue time, seq, "r"|"w", job number)
         self.seq = 0
-        self.next_read = 0  # reads issued so far (over all iterations)
-        self.read_end: dict[int, float] = {}  # by read number
+        self.next_read = 0  # reads issued so far
+        self.acquired: dict[int, float] = {}  # by job number: when its job took its buffer
+        self.written: dict[int, float] = {}  # by job number: its write-back's end
+        self.read_end: dict[int, float] = {}  # by job number
         self.heap: list[float] = []  # workers' ends
-        for _ in range(min(self.slots, len(jobs))):
-            self._issue_read(0.0)
+        self._issue_reads()
 
-    def _issue_read(self, t: float) -> None:
-        self._push(t, "r", self.next_read)
-        self.next_read += 1
+    def _issue_reads(self) -> None:
+        """Issue every read now allowed: read ``n`` once job ``n - depth`` took its buffer (it is
+        among the next ``depth`` stages) and job ``n - slots``'s write-back freed a buffer. (The
+        tier serves a stage still cached in a buffer without reading; with more sub-stages than
+        buffers, as a rank has, none is.)"""
+        while True:
+            n = self.next_read
+            # the same sub-stage's previous write-back too (a rank of fewer sub-stages than buffers)
+            a, w, same = n - self.depth, n - self.slots, n - len(self.jobs)
+            if (a >= 0 and a not in self.acquired) or any(x >= 0 and x not in self.written for x in (w, same)):
+                return
+            issue = max(self.acquired.get(a, 0.0), self.written.get(w, 0.0), self.written.get(same, 0.0))
+            self._push(issue, "r", n)
+            self.next_read += 1
 
     def _push(self, t: float, kind: str, n: int) -> None:
         heapq.heappush(self.queue, (t, self.seq, kind, n))
         self.seq += 1
 
     def _serve(self) -> None:
-        """Serve the earliest-issued request; a write-back's end frees a buffer for the next read."""
+        """Serve the earliest-issued request."""
         t, _, kind, n = heapq.heappop(self.queue)
         unit = self.jobs[n % len(self.jobs)].unit
         start = max(t, self.free)
@@ -138,7 +155,8 @@ class _Lane:
         if kind == "r":
             self.read_end[n] = self.free
         else:
-            self._issue_read(self.free)
+            self.written[n] = self.free
+            self._issue_reads()
 
     def iterate(self, it: int, start: float) -> tuple[float, float, float]:
         """Step iteration ``it`` (begun at ``start``): (the end of its last step, its steps' wait
@@ -146,12 +164,16 @@ class _Lane:
         end, wait, sync_wait = start, 0.0, 0.0
         n0 = it * len(self.jobs)
         for i, job in enumerate(self.jobs):
-            while n0 + i not in self.read_end:
-                self._serve()
+            n = n0 + i
+            # the job takes its buffer once its gradients are home and a worker is free
             ready = start + job.ready
             if self.workers is not None and not job.sync and len(self.heap) >= self.workers:
                 ready = max(ready, heapq.heappop(self.heap))
-            st = max(ready, self.read_end.pop(n0 + i))
+            self.acquired[n] = ready
+            self._issue_reads()
+            while n not in self.read_end:
+                self._serve()
+            st = max(ready, self.read_end.pop(n))
             if job.sync:
                 sync_wait += st - ready
             else:
@@ -159,7 +181,7 @@ class _Lane:
             en = st + job.opt
             if self.workers is not None and not job.sync:
                 heapq.heappush(self.heap, en)
-            self._push(en, "w", n0 + i)
+            self._push(en, "w", n)
             end = max(end, en)
         return end, wait, sync_wait
 
