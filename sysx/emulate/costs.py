@@ -160,13 +160,15 @@ def emulated_costs(
 
 
 def tier_costs(
-    hw: EmulatedCluster, table: CostTable, schedule: Schedule, *, precision: str
+    hw: EmulatedCluster, table: CostTable, schedule: Schedule, *, precision: str, workers: int = 1
 ) -> tuple[CostTable, DiskCosts]:
     """``table`` with the optimizer states on the node's drives (``optim.offload=nvme``): host bytes
     per parameter without them, every rank's staging pool (:func:`~sysx.memory.budget.staging_bytes`
     of its largest sub-stage) in its process bytes; and the tier's :class:`DiskCosts`: each step
     reads and writes the master, m and v (fp32: m and v) at each rank's share of the node's drives,
-    read ahead into :data:`~sysx.memory.budget.TIER_STAGING_BUFFERS` buffers."""
+    through one staging buffer per optimizer worker and two more (the tier's pool:
+    :data:`~sysx.memory.budget.TIER_STAGING_BUFFERS` at one worker)."""
+    slots = workers + TIER_STAGING_BUFFERS - 1
     work = "float32" if precision == "fp32" else "bfloat16"
     tier = training_state_bytes(work, offload="nvme")
     disk = disk_costs(
@@ -175,13 +177,13 @@ def tier_costs(
         read_bandwidth=hw.disk_read_bandwidth,
         write_bandwidth=hw.disk_write_bandwidth,
         ranks_per_node=min(hw.gpus_per_node, schedule.n_ranks * table.replicas),
-        slots=TIER_STAGING_BUFFERS,
+        slots=slots,
     )
     largest = int(max(table.params_sub, default=0.0) / table.replicas)
     table = dataclasses.replace(
         table,
         host_bytes_per_param=float(tier.optimizer),
-        process_bytes=table.process_bytes + staging_bytes(largest, work),
+        process_bytes=table.process_bytes + staging_bytes(largest, work, buffers=slots),
     )
     return table, disk
 
@@ -210,7 +212,7 @@ def plan_emulation(
     table = costs.table(schedule)
     disk = None
     if cfg.optim.offload == "nvme" if nvme is None else nvme:
-        table, disk = tier_costs(hw, table, schedule, precision=cfg.precision)
+        table, disk = tier_costs(hw, table, schedule, precision=cfg.precision, workers=workers)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)
     worst = max(range(schedule.n_ranks), key=lambda r: timeline.peak_gpu[r])
     if timeline.peak_gpu[worst] > hw.gpu_memory_bytes:
