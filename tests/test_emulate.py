@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
+from sysx.config import EmulateSection, EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
 from sysx.emulate import (
     EmulatedEvent,
     EmulatedPacer,
@@ -210,6 +210,7 @@ def test_the_plan_with_the_tier_fits_30b_on_a_256_gib_node() -> None:
         device="emulated",
         precision="bf16",
         train=TrainSection(micro_batch_size=1, micro_batches=4, seq_len=16),
+        optim=OptimSection(workers=1),  # a staging buffer per worker: one, as DeepSpeed's Adam runs
         emulate=EmulateSection(model="llama2_30b", seq_len=2048, micro_batch_size=1, host_memory_gib=256),
     )
     validate(cfg)
