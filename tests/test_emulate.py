@@ -238,9 +238,10 @@ def test_the_pacer_charges_the_tier_on_one_disk_lane_and_a_step_waits_for_its_re
     owned = sum(disk.nbytes[s * schedule.partition.split + k] for s, k in schedule.assignment.bwd_substages(0))
     scale = 0.05 * disk.read_bandwidth * 10 / owned  # a tenth of the rank's state reads in 0.05 s on the wall
     pacer = EmulatedPacer(cfg_plan, schedule, 0, time_scale=scale)
-    assert EmulatedPacer(plan, schedule, 0, time_scale=scale).disk_pace(1000) is None
-    pace = pacer.disk_pace(1000)
+    assert EmulatedPacer(plan, schedule, 0, time_scale=scale).disk_pace() is None
+    pace = pacer.disk_pace()
     assert pace is not None
+    pacer.calibrate_disk(1000)
     pacer.begin_step(0)
     reads = [threading.Thread(target=pace, args=("read", 100)) for _ in range(2)]
     name = next(iter(pacer._opt))

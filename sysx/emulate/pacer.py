@@ -94,10 +94,14 @@ class Pacer:
         """A recorded timeline window (:mod:`sysx.trace`) in the device's seconds (here: as recorded)."""
         return part
 
-    def disk_pace(self, real_bytes: int) -> Callable[[str, int], None] | None:
+    def disk_pace(self) -> Callable[[str, int], None] | None:
         """What the rank's NVMe tier (``optim.offload=nvme``) calls after each read and write
-        (``"read"``/``"write"``, bytes), given ``real_bytes``: the tier's state bytes of one full
-        read of the rank's sub-stages. Here: None (the disk takes its own time)."""
+        (``"read"``/``"write"``, bytes). Here: None (the disk takes its own time)."""
+        return None
+
+    def calibrate_disk(self, real_bytes: int) -> None:
+        """The tier holds ``real_bytes`` in one state file slot of each of the rank's stages (what
+        one iteration reads). Here: nothing."""
         return None
 
 
@@ -401,31 +405,22 @@ class EmulatedPacer(Pacer):
         self._hold(self.d2h.free, "OPT-dev")
 
     # ------------------------------------------------------------------------------- NVMe tier
-    def disk_pace(self, real_bytes: int) -> Callable[[str, int], None] | None:
+    def disk_pace(self) -> Callable[[str, int], None] | None:
         """The emulated disk lane of the rank (None when the plan has no NVMe tier): each read or
-        write of the tier takes its bytes, scaled from the small real model's ``real_bytes`` to the
-        emulated sub-stages' state on disk, at the rank's share of the node's drives, in issue
-        order (:mod:`sysx.schedule.disk`); the call returns at its modelled end."""
+        write of the tier takes its bytes, scaled to the emulated sub-stages' state on disk
+        (:meth:`calibrate_disk`), at the rank's share of the node's drives, in issue order
+        (:mod:`sysx.schedule.disk`); the call returns at its modelled end."""
+        return self._disk if self.plan.disk is not None else None
+
+    def calibrate_disk(self, real_bytes: int) -> None:
+        """The small real model's tier holds ``real_bytes`` per slot of the rank's stages: each of
+        its transfers is charged as that share of the emulated ones."""
         disk = self.plan.disk
         if disk is None:
-            return None
+            return
         emulated = sum(disk.nbytes[s * self.split + k] for s, k in self._owned)
         self._disk_scale = emulated / real_bytes if real_bytes > 0 else 0.0
         self._disk_bandwidth = {"read": disk.read_bandwidth, "write": disk.write_bandwidth}
-        return self._disk
-
-    def _disk(self, kind: str, nbytes: int) -> None:
-        seconds = nbytes * self._disk_scale / self._disk_bandwidth[kind] * self.time_scale
-        now = time.monotonic()
-        # a write-back leaves with its step's real (small) arithmetic: it starts at the step's modelled end
-        after = self._job_end(now) if kind == "write" else now
-        with self._lock:
-            start = max(self._disk_free, now, after)
-            end = self._disk_free = start + seconds
-            self._stats.spans.append(("disk", kind.upper(), start, end))
-            if kind == "read":
-                self._reads.append(end)
-        sleep_until(end)
 
     def _job_end(self, now: float) -> float:
         """The modelled end of the optimizer job running now (the earliest of several)."""
