@@ -422,6 +422,19 @@ class EmulatedPacer(Pacer):
         self._disk_scale = emulated / real_bytes if real_bytes > 0 else 0.0
         self._disk_bandwidth = {"read": disk.read_bandwidth, "write": disk.write_bandwidth}
 
+    def _disk(self, kind: str, nbytes: int) -> None:
+        seconds = nbytes * self._disk_scale / self._disk_bandwidth[kind] * self.time_scale
+        now = time.monotonic()
+        # a write-back leaves with its step's real (small) arithmetic: it starts at the step's modelled end
+        after = self._job_end(now) if kind == "write" else now
+        with self._lock:
+            start = max(self._disk_free, now, after)
+            end = self._disk_free = start + seconds
+            self._stats.spans.append(("disk", kind.upper(), start, end))
+            if kind == "read":
+                self._reads.append(end)
+        sleep_until(end)
+
     def _job_end(self, now: float) -> float:
         """The modelled end of the optimizer job running now (the earliest of several)."""
         with self._lock:
