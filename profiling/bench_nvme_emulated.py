@@ -11,11 +11,11 @@ runtime on the emulated device (``profiling/bench_pipeline.py``'s launcher and w
 ``--steps`` steps of which ``--warmup`` are not measured, a refused measurement retried ``--retries``
 times) and prints one Markdown table: planned and measured s/it, measured/planned, the planned
 exposed I/O per step (the tier's iteration less the host-memory plan's), the measured one (the
-tier's measured iteration less the host-memory run's, measured beside it with ``--host-rows``) and
+tier's measured iteration less the host-memory run's, measured beside it: ``--offloads host,nvme``) and
 the measured wait of the steps for their reads (the busiest rank, the pacer's spans)::
 
     PYTHONPATH=. python profiling/bench_nvme_emulated.py --micro-batches 16,32 --steps 4 --time-scale 0.1 \\
-        --retries 2 --host-rows --json profiling/results/bench_nvme_emulated_<date>.jsonl
+        --retries 2 --json profiling/results/bench_nvme_emulated_<date>.jsonl
     PYTHONPATH=. python profiling/bench_nvme_emulated.py --plan-only      # the plans, running nothing
 """
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--time-scale", type=float, default=0.1)
     p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--host-rows", action="store_true", help="also run every batch with optim.offload=host")
+    p.add_argument("--offloads", default="host,nvme", help="comma list: run every batch with these optim.offload")
     p.add_argument("--hide-tolerance", type=float, default=0.01, help="exposed I/O / step counted as hidden")
     p.add_argument("--plan-only", action="store_true")
     p.add_argument("--json", type=Path, help="keep every measured cell here (JSON lines)")
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [
             {"model": args.model, "seq": args.seq, "schedule": args.schedule, "set": overrides(args, m, off, nvme_dir)}
             for m in micros
-            for off in (("host", "nvme") if args.host_rows else ("nvme",))
+            for off in args.offloads.split(",")
         ]
         bp.launch(cells, args.ranks, shared(args), out)
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
