@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "profile this machine, simulate every pipeline configuration, print the best that fit",
     ),
     "shm": ("sysx.memory.cli", "list / clean this user's sysx shared-memory segments (stale = creator dead)"),
+    "nvme": ("sysx.optim.nvme.cli", "list / clean this user's NVMe optimizer-state directories in an optim.nvme_dir"),
     "convert": ("sysx.checkpoint.convert", "convert model weights: sysx file <-> Hugging Face Llama directory"),
     "generate": (
         "sysx.generate.cli",

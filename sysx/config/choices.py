@@ -20,7 +20,7 @@ ROLLBACKS = (*ROLLBACK_MODES, "auto")  # auto: exact when the host memory budget
 SPECULATE_MODES = ("auto", "always", "never")  # optim.speculate (sysx.optim.speculate)
 SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a vetoed one (sysx.optim.speculate)
 PLACEMENTS = ("auto", "cpu", "split")  # optim.placement: where Adam updates run (sysx.optim.placement)
-OFFLOADS = ("host", "nvme")  # optim.offload: where the fp32 optimizer state lives between steps
+OFFLOADS = ("host", "nvme")  # optim.offload: where the fp32 optimizer states live (sysx.optim.nvme)
 NVME_ENGINES = ("auto", "aio", "threads")  # optim.nvme_engine: the state files' I/O engine
 # log.backends (sysx.tracking): name -> (the module it imports, the pip extra that installs it); jsonl needs none
 LOG_BACKENDS: dict[str, tuple[str, str] | None] = {

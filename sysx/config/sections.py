@@ -28,8 +28,6 @@ from sysx.config.choices import (
     DATA_SOURCES,
     HARDWARE,
     LOG_BACKENDS,
-    NVME_ENGINES,
-    OFFLOADS,
     OPTIM_BACKENDS,
     OPTIMIZERS,
     OVERLAPS,
@@ -43,6 +41,7 @@ from sysx.config.choices import (
     TOKEN_DTYPES,
     WANDB_MODES,
 )
+from sysx.config.offload import check_offload
 
 if TYPE_CHECKING:
     from sysx.model import ModelConfig
@@ -246,9 +245,9 @@ class OptimSection:
     placement: str = (
         "auto"  # Adam updates per sub-stage on the CPU or the device lane: auto | cpu | split (sysx.optim.placement)
     )
-    offload: str = "host"  # where the fp32 master, m and v live between steps: host | nvme (files under nvme_dir)
-    nvme_dir: str | None = None  # a directory on a local NVMe drive (required with offload=nvme)
-    nvme_engine: str = "auto"  # the state files' I/O: auto | aio | threads
+    offload: str = "host"  # where the fp32 master, m and v live: host (RAM) | nvme (files in nvme_dir, sysx.optim.nvme)
+    nvme_dir: str | None = None  # optim.offload=nvme: a directory on a local NVMe for the state files
+    nvme_engine: str = "auto"  # the state files' I/O: auto (aio if DeepSpeed's op builds, else threads) | aio | threads
 
     def validate(self) -> None:
         """Choices and ranges of ``optim.*``."""
@@ -276,10 +275,7 @@ class OptimSection:
         check_choice("optim.speculate", self.speculate, SPECULATE_MODES)
         check_int("optim.speculate_after", self.speculate_after, 0)
         check_choice("optim.placement", self.placement, PLACEMENTS)
-        check_choice("optim.offload", self.offload, OFFLOADS)
-        check_choice("optim.nvme_engine", self.nvme_engine, NVME_ENGINES)
-        if self.offload == "nvme" and not self.nvme_dir:
-            fail("optim.nvme_dir", self.nvme_dir, "must name a directory on a local NVMe drive with optim.offload=nvme")
+        check_offload(self.offload, self.nvme_dir, self.nvme_engine)
 
     @property
     def final_lr(self) -> float:

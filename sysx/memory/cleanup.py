@@ -15,13 +15,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
 from sysx.memory import guardian, procinfo
 from sysx.memory.header import Header, SegmentError, read_header
-from sysx.memory.names import PREFIX, SHM_DIR, SegmentName, current_user, sanitize
+from sysx.memory.names import SHM_DIR, SegmentName, user_entries
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 BROKEN_GRACE_S = 10.0  # a headerless segment younger than this may still be under construction
@@ -66,11 +67,12 @@ class SegmentInfo:
 
 
 def classify(
-    header: Header | None, creator_alive: bool, holders: list[int] | None, age_s: float, error: str | None
+    header: object | None, creator_alive: bool, holders: list[int] | None, age_s: float, error: str | None
 ) -> str:
-    """Status of a segment: ``alive`` (creator running), ``orphaned`` (creator dead, still mapped
-    by others), ``stale`` (creator dead, unused), ``creating`` (no header yet, young or locked),
-    ``broken`` (no valid header and unused)."""
+    """Status of a segment (or of another scratch object with an owner record, e.g. an NVMe state
+    directory): ``alive`` (creator running), ``orphaned`` (creator dead, still mapped by others),
+    ``stale`` (creator dead, unused), ``creating`` (no header yet, young or locked), ``broken`` (no
+    valid header and unused)."""
     in_use = bool(holders)
     if header is None:
         if error is None and (in_use or age_s < BROKEN_GRACE_S):
@@ -128,21 +130,10 @@ def inspect(path: str) -> SegmentInfo | None:
 def scan(*, user: str | None = None, job: str | None = None, shm_dir: str = SHM_DIR) -> list[SegmentInfo]:
     """This user's sysx segments (file owned by our uid and named ``sysx-<user>-...``), sorted by
     name; ``job`` narrows to one job id."""
-    user = current_user() if user is None else user
-    job = None if job is None else sanitize(job, max_len=40)
     uid = os.getuid()
     found = []
-    try:
-        entries = sorted(os.listdir(shm_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        parsed = SegmentName.parse(entry)
-        if not entry.startswith(PREFIX + "-") or parsed is None or parsed.user != user:
-            continue
-        if job is not None and parsed.job != job:
-            continue
-        info = inspect(os.path.join(shm_dir, entry))
+    for path, _ in user_entries(shm_dir, user=user, job=job):
+        info = inspect(path)
         if info is not None and info.uid == uid:
             found.append(info)
     return found
@@ -192,6 +183,7 @@ class Segment(Protocol):
 _lock = threading.RLock()
 _owned: list[Segment] = []
 _attached: list[Segment] = []
+_exit_hooks: list[Callable[[], None]] = []
 _previous: dict[int, Any] = {}
 _atexit_installed = False
 _signals_installed = False
@@ -226,6 +218,20 @@ def unregister(segment: Segment) -> None:
                     guardian.GUARDIAN.untrack(segment.name.name)
 
 
+def register_exit_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` on this process's exit paths too (before its segments are released): scratch
+    that is not a segment, such as the NVMe tier's state directories. A hook must be idempotent."""
+    install()
+    with _lock:
+        _exit_hooks.append(hook)
+
+
+def unregister_exit_hook(hook: Callable[[], None]) -> None:
+    """Forget ``hook`` (its owner cleaned up itself)."""
+    with _lock:
+        _exit_hooks[:] = [h for h in _exit_hooks if h is not hook]
+
+
 def owned_segments() -> list[Segment]:
     """Segments this process created and has not released yet."""
     with _lock:
@@ -242,6 +248,11 @@ def release_all(timeout_s: float | None = None) -> None:
             return
         _releasing = True
         try:
+            for hook in list(_exit_hooks):
+                try:
+                    hook()
+                except Exception as exc:
+                    sys.stderr.write(f"sysx: an exit cleanup failed: {exc}\n")
             pid = os.getpid()
             for segment in list(_attached):  # first stop holding others' segments: no cross-waiting
                 with contextlib.suppress(OSError):
@@ -282,6 +293,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.RLock()
     _owned.clear()
     _attached.clear()
+    _exit_hooks.clear()
     guardian.GUARDIAN.forget_after_fork()
 
 

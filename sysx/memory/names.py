@@ -109,6 +109,25 @@ def segment_name(what: str, *, job: str, node: int | str, user: str | None = Non
     )
 
 
+def user_entries(directory: str, *, user: str | None = None, job: str | None = None) -> list[tuple[str, SegmentName]]:
+    """``(path, parsed name)`` of every entry of ``directory`` named like a sysx segment of ``user``
+    (default: this user), sorted by name; ``job`` narrows to one job id. Shared by the segment scan
+    and the NVMe state-directory scan. An absent directory has none."""
+    user = current_user() if user is None else user
+    job = None if job is None else sanitize(job, max_len=_MAX_JOB)
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        parsed = SegmentName.parse(entry)
+        mine = entry.startswith(PREFIX + "-") and parsed is not None and parsed.user == user
+        if mine and parsed is not None and (job is None or parsed.job == job):
+            found.append((os.path.join(directory, entry), parsed))
+    return found
+
+
 def job_id_from_env(env: Mapping[str, str] | None = None) -> str | None:
     """The launcher's job id, or None when the environment has none.
 

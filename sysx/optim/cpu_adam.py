@@ -17,7 +17,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,6 +26,9 @@ from sysx.optim.decay import Ranges, check_ranges, decay_runs
 from sysx.optim.exact import ExactState
 from sysx.optim.formula import BetaPowers, Hyper, StepConstants, constants
 from sysx.optim.undo import Snapshot, UndoWorkspace, undo_chunk
+
+if TYPE_CHECKING:
+    from sysx.optim.nvme.tier import TieredState
 
 log = logging.getLogger("sysx.optim")
 
@@ -110,11 +113,15 @@ class CpuAdam:
     """AdamW (DeepSpeed's formula) over one flat contiguous fp32 host tensor, updated in place.
 
     ``no_decay``: sorted, disjoint ``(start, stop)`` element ranges stepped without weight decay
-    (the 1-D parameters, :mod:`sysx.optim.decay`); every other element is decayed."""
+    (the 1-D parameters, :mod:`sysx.optim.decay`); every other element is decayed.
+
+    ``store``: the state lives in the NVMe tier (:class:`~sysx.optim.nvme.tier.TieredState`, filled
+    by its owner; ``param`` is then None); read it only while the store holds it resident. With
+    rollback snapshot or exact the store's two file slots are the two sets (no host copy)."""
 
     def __init__(
         self,
-        param: torch.Tensor,
+        param: torch.Tensor | None,
         *,
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -123,9 +130,13 @@ class CpuAdam:
         backend: str = "deepspeed",
         rollback: str = "undo",
         no_decay: Sequence[tuple[int, int]] = (),
+        store: TieredState | None = None,
     ) -> None:
-        _check_flat(param, "param")
-        self.no_decay: Ranges = check_ranges(no_decay, param.numel())
+        if store is None:
+            assert param is not None, "CpuAdam: param is None without a store"
+            _check_flat(param, "param")
+        self._numel = param.numel() if store is None else store.numel  # type: ignore[union-attr]
+        self.no_decay: Ranges = check_ranges(no_decay, self._numel)
         if rollback not in ROLLBACK_MODES:
             raise ValueError(
                 f"CpuAdam: rollback={rollback!r} is not one of {list(ROLLBACK_MODES)} (resolve "
@@ -144,15 +155,18 @@ class CpuAdam:
         # an optimizer collected without close() releases its backend too (DeepSpeed's C++ optimizer)
         self._forgotten = weakref.finalize(self, _close_quietly, self._backend)
         _log_backend_once(self._backend)
-        self._exact: ExactState | None = None
-        if rollback == "exact":
-            self._exact = ExactState(param.view(-1))
+        self._exact: ExactState | TieredState | None = None  # two sets: in RAM, or two file slots
+        self._store = store  # the NVMe tier's state (one or two slots)
+        if store is not None:
+            self._exact = store if store.slots == 2 else None
+        elif rollback == "exact":
+            self._exact = ExactState(param.view(-1))  # type: ignore[union-attr]
         else:
-            self._param = param.view(-1)
+            self._param = param.view(-1)  # type: ignore[union-attr]
             self._m = torch.zeros_like(self._param)
             self._v = torch.zeros_like(self._param)
         self._powers = BetaPowers(self.hyper.beta1, self.hyper.beta2)
-        self._snapshot = Snapshot(self.numel) if rollback == "snapshot" else None
+        self._snapshot = Snapshot(self.numel) if rollback == "snapshot" and store is None else None
         self._scratch = torch.empty(min(self._backend.chunk_elems, max(1, self.numel)), dtype=torch.float32)
         # the backend's chunks cut at the no-decay edges, once: a step walks them, each with its own decay
         self._runs = decay_runs(
@@ -166,17 +180,27 @@ class CpuAdam:
     @property
     def param(self) -> torch.Tensor:
         """The flat fp32 parameters (with ``rollback=exact``: those of the current set)."""
-        return self._exact.state[0] if self._exact is not None else self._param
+        return self._state()[0] if self._store is not None or self._exact is not None else self._param
 
     @property
     def exp_avg(self) -> torch.Tensor:
         """Adam's first moment ``m`` (current set)."""
-        return self._exact.state[1] if self._exact is not None else self._m
+        return self._state()[1] if self._store is not None or self._exact is not None else self._m
 
     @property
     def exp_avg_sq(self) -> torch.Tensor:
         """Adam's second moment ``v`` (current set)."""
-        return self._exact.state[2] if self._exact is not None else self._v
+        return self._state()[2] if self._store is not None or self._exact is not None else self._v
+
+    def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        holder = self._store if self._store is not None else self._exact
+        assert holder is not None
+        return holder.state
+
+    @property
+    def store(self) -> TieredState | None:
+        """The NVMe tier's state of this optimizer (None: in host memory)."""
+        return self._store
 
     @property
     def backend(self) -> str:
@@ -197,7 +221,7 @@ class CpuAdam:
     @property
     def numel(self) -> int:
         """Number of parameters."""
-        return self.param.numel()
+        return self._numel
 
     @property
     def can_undo(self) -> bool:
@@ -242,6 +266,7 @@ class CpuAdam:
         exact = self._exact
         if exact is None:
             in_place((self.param, self.exp_avg, self.exp_avg_sq))
+            self.state_written()  # the tier writes the changed state back
             self._count(c, lr_before, final)
             return
         with exact.lock:  # a refresh sees the step and its count together, never one without the other
@@ -273,6 +298,8 @@ class CpuAdam:
         with ``rollback=exact`` the spare no longer matches them. Call it after the writes."""
         if self._exact is not None:
             self._exact.mark_stale()
+        elif self._store is not None:
+            self._store.mark_stale()
 
     def refresh(self, stamp: int | None = None) -> bool:
         """``rollback=exact``: copy the current set into the spare, off the critical path, once the
@@ -315,6 +342,7 @@ class CpuAdam:
             for lo, hi, decays in self._runs:
                 run_c = c if decays else plain
                 undo_chunk(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], run_c, self._backend.direction_chunk, self._undo_ws)
+            self.state_written()
         self.step_count = c.step - 1
         self.lr = lr_before
         self._last = None

@@ -8,6 +8,7 @@ working copy after every change (the 16-bit view into the shared parameter store
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -23,8 +24,10 @@ from sysx.optim.scratch import ScratchPool
 if TYPE_CHECKING:
     from sysx.config.sections import OptimSection
     from sysx.optim.device_lane import DeviceLane
+    from sysx.optim.nvme.tier import TieredState
 
 CHUNK_ELEMS = 1 << 18
+_IN_RAM = contextlib.nullcontext()  # the residency of a state in host memory: nothing to do
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class OptimSettings:
     speculate: str = "auto"  # auto | always | never (sysx.optim.speculate); asynchronous schedules only
     speculate_after: int = SPECULATE_AFTER
     decay_norms: bool = False  # True: weight decay on the 1-D parameters too (sysx.optim.decay)
+    offload: str = "host"  # host | nvme: the fp32 states in files (sysx.optim.nvme)
+    nvme_dir: str | None = None
+    nvme_engine: str = "auto"
 
     @classmethod
     def from_config(
@@ -62,6 +68,9 @@ class OptimSettings:
             speculate=section.speculate,
             speculate_after=section.speculate_after,
             decay_norms=section.decay_norms,
+            offload=section.offload,
+            nvme_dir=section.nvme_dir,
+            nvme_engine=section.nvme_engine,
         )
 
 
@@ -81,7 +90,11 @@ class StageReport:
 
 
 class StageOptimizer:
-    """Master weights, Adam state, fp32 gradients and the parameter target of one sub-stage."""
+    """Master weights, Adam state, fp32 gradients and the parameter target of one sub-stage.
+
+    ``store``: the master, m and v live in the NVMe tier (:mod:`sysx.optim.nvme`); ``master`` is
+    then their initial value, written to the stage's file (and kept only when it is the fp32 working
+    copy). Every operation holds the state resident while it runs (:meth:`resident`)."""
 
     def __init__(
         self,
@@ -100,12 +113,17 @@ class StageOptimizer:
         param_spans: Sequence[tuple[int, int]] | None = None,
         no_decay: Sequence[tuple[int, int]] = (),
         scratch: ScratchPool | None = None,
+        store: TieredState | None = None,
     ) -> None:
         self.name = name
-        if target is None and rollback == "exact":
+        if store is not None:
+            if target is None and store.spec.with_param:
+                target = master  # fp32 with two slots: the working copy is the target, its master on disk
+            store.fill(master)
+        elif target is None and rollback == "exact":
             target, master = master, master.detach().clone()  # see docs/architecture.md
         self.optimizer = CpuAdam(
-            master,
+            None if store is not None else master,
             lr=lr,
             betas=betas,
             eps=eps,
@@ -113,6 +131,7 @@ class StageOptimizer:
             backend=backend,
             rollback=rollback,
             no_decay=no_decay,
+            store=store,
         )
         n = self.optimizer.numel
         if target is not None and target.numel() != n:
@@ -153,6 +172,7 @@ class StageOptimizer:
         param_spans: Sequence[tuple[int, int]] | None = None,
         no_decay: Sequence[tuple[int, int]] = (),
         scratch: ScratchPool | None = None,
+        store: TieredState | None = None,
     ) -> StageOptimizer:
         """A stage with ``settings``' hyper-parameters, backend and rollback; ``no_decay``: the ranges of
         its 1-D parameters (:func:`sysx.optim.decay.no_decay_ranges`), decayed all the same when
@@ -172,12 +192,31 @@ class StageOptimizer:
             param_spans=param_spans,
             no_decay=() if settings.decay_norms else no_decay,
             scratch=scratch,
+            store=store,
         )
 
     @property
     def master(self) -> torch.Tensor:
-        """The flat fp32 master weights."""
+        """The flat fp32 master weights (with the NVMe tier: only while :meth:`resident`)."""
         return self.optimizer.param
+
+    @property
+    def store(self) -> TieredState | None:
+        """The NVMe tier's state of this stage (None: in host memory)."""
+        return self.optimizer.store
+
+    def resident(self) -> contextlib.AbstractContextManager[object]:
+        """Hold the master, m and v in host memory while inside (reentrant; a no-op when they always
+        are): in the NVMe tier, read or found read ahead on entry, written back behind on leaving."""
+        store = self.optimizer.store
+        return _IN_RAM if store is None else store.resident()
+
+    def master_copy(self) -> torch.Tensor:
+        """The fp32 masters, as a view in host memory, or a copy made while resident (NVMe tier)."""
+        if self.optimizer.store is None:
+            return self.master
+        with self.resident():
+            return self.master.clone()
 
     @property
     def numel(self) -> int:
@@ -250,36 +289,40 @@ class StageOptimizer:
     def apply(self, lr: float, *, final: bool = False) -> None:
         """Step with the loaded gradients and write the target; ``final``: after the validation
         (never undone, so no rollback state is kept and ``stepped`` stays False)."""
-        self.optimizer.step(self._grads(), lr=lr, final=final)
-        self.stepped = not final
-        self.drop_grads()
-        self.write_target()
+        with self.resident():
+            self.optimizer.step(self._grads(), lr=lr, final=final)
+            self.stepped = not final
+            self.drop_grads()
+            self.write_target()
 
     def apply_on(self, lane: DeviceLane, lr: float) -> None:
         """Step with the loaded (clipped) gradients on the device lane and write the target; taken
         after the validation, so it is not undone (``stepped`` stays False)."""
-        lane.step(self.optimizer, self._grads(), lr=lr)
-        self.drop_grads()
-        self.write_target()
+        with self.resident():
+            lane.step(self.optimizer, self._grads(), lr=lr)
+            self.drop_grads()
+            self.write_target()
 
     def undo(self) -> None:
         """Roll back the step of this iteration (if one was taken) and rewrite the target."""
         if not self.stepped:
             return
-        self.optimizer.undo(self._grads())
-        self.stepped = False
-        self.drop_grads()
-        self.write_target()
+        with self.resident():
+            self.optimizer.undo(self._grads())
+            self.stepped = False
+            self.drop_grads()
+            self.write_target()
 
     def restep(self, coef: float, lr: float) -> None:
         """Undo, multiply the gradients by ``coef`` (clipping) and step again."""
         if not self.stepped:
             raise RuntimeError(f"stage {self.name}: restep without a step to redo")
         grads = self._grads()
-        self.optimizer.undo(grads)
-        self.stepped = False
-        self.scale_grads(coef)
-        self.apply(lr, final=True)  # the validation decided: the clipped step stays
+        with self.resident():  # one residency for the undo and the step again
+            self.optimizer.undo(grads)
+            self.stepped = False
+            self.scale_grads(coef)
+            self.apply(lr, final=True)  # the validation decided: the clipped step stays
 
     def scale_grads(self, coef: float) -> None:
         """Multiply the loaded gradients by ``coef`` (clipping), also when they are made again later."""
@@ -291,8 +334,10 @@ class StageOptimizer:
         """Copy the masters into the target (casting to its dtype), chunk by chunk."""
         if self.target is None:
             return
-        for lo, hi in self._chunks():
-            self.target[lo:hi].copy_(self.master[lo:hi])
+        with self.resident():
+            master = self.master
+            for lo, hi in self._chunks():
+                self.target[lo:hi].copy_(master[lo:hi])
 
     def new_iteration(self) -> None:
         """Forget the previous iteration's step (it was validated)."""

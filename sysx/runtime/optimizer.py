@@ -8,6 +8,11 @@ synchronous ones (the baselines) load and check at VALIDATE and step at each OPT
 With replicas (:mod:`sysx.replicas`) each stage optimizer holds this replica's shard of its
 sub-stage, and a :class:`~sysx.runtime.replica_sync.GradReducer` sums the replicas' gradients of
 that shard between the offload and the optimizer job, which waits for the sum instead of the copy.
+
+With ``optim.offload=nvme`` the stages' fp32 master, m and v live in an
+:class:`~sysx.optim.nvme.tier.NvmeTier` (one state directory per rank): in 16-bit runs the fp32
+masters leave host memory once written there; in fp32 runs the master is the shared working copy
+and stays.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.loss_scaler import LossScaler, NonFiniteGradients
+from sysx.optim.nvme.tier import NvmeTier, TierStage
+from sysx.optim.nvme.tier import Pace as DiskPace
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageOptimizer
 from sysx.optim.step_protocol import LanePacer, LaneSeconds, StepProtocol
 from sysx.optim.threads import OptimizerThreads, Pace
 from sysx.optim.validation import StepOutcome, apply_checked, load_and_check
 from sysx.runtime.replica_sync import GradReducer
-from sysx.runtime.stage_params import StageParams
+from sysx.runtime.stage_params import StageParams, SubStage
 
 
 class RankOptimizer:
@@ -46,9 +53,11 @@ class RankOptimizer:
         pace: Pace | None = None,
         replica_group: dist.ProcessGroup | None = None,
         pacer: Pacer | None = None,
+        disk_pace: DiskPace | None = None,
     ) -> None:
         """``replica_group``: this pipeline rank's replicas (gradient reductions; None: one
-        replica); ``pacer``: the emulated device's (charges the reductions)."""
+        replica); ``pacer``: the emulated device's (charges the reductions); ``disk_pace``: called
+        after each NVMe tier transfer (the emulated disk's time)."""
         self.settings = settings
         self.scaler = scaler
         self.group = group
@@ -63,21 +72,24 @@ class RankOptimizer:
         self.reduced: dict[tuple[int, int], torch.Tensor] = {}  # replicas: each unit's summed fp32 shard
         self.reducer: GradReducer | None = None
         self._peers_landing: dict[tuple[int, int], list[torch.Tensor]] | None = None
+        self.tier: NvmeTier | None = None
         try:
-            self._build_stages(params)
-            if params.replica_layout.replicas > 1:
-                assert replica_group is not None, "replicas need their process group"
-                self._build_reducer(params, replica_group, pacer)
             workers, threads = settings.workers, settings.threads_per_worker
             if workers is None or threads is None:
                 plan = plan_cores(
-                    n_stages=len(self.stages),
+                    n_stages=len(params.owned()),
                     backend=settings.backend,
                     local_rank=local_rank,
                     local_world_size=local_world_size,
                     workers=workers,
                 )
                 workers, threads = plan.optimizer_workers, threads or plan.threads_per_worker
+            if settings.offload == "nvme":
+                self.tier = self._open_tier(params, workers, disk_pace)
+            self._build_stages(params)
+            if params.replica_layout.replicas > 1:
+                assert replica_group is not None, "replicas need their process group"
+                self._build_reducer(params, replica_group, pacer)
             self.threads = OptimizerThreads(
                 list(self.stages.values()),
                 workers=workers,
@@ -89,6 +101,45 @@ class RankOptimizer:
             self._release()
             raise
         self.protocol = StepProtocol(self.threads, scaler, settings, fp16=self.dtype == torch.float16, group=group)
+
+    def _open_tier(self, params: StageParams, workers: int, pace: DiskPace | None) -> NvmeTier:
+        """The owned sub-stages' (or replica shards') states in this rank's directory under
+        ``optim.nvme_dir``, registered in backward order (the first step's read-ahead order)."""
+        from sysx.optim.nvme.open_tier import open_tier
+
+        layout, fp32 = params.replica_layout, self.dtype == torch.float32
+        stages = [
+            TierStage.of(u.key, len(layout.shard(u.numel)), param_in_ram=fp32, rollback=self.settings.rollback)
+            for u in params.owned()
+        ]
+        return open_tier(
+            self.settings,
+            stages,
+            job=params.store.job,
+            node=params.info.node_rank,
+            rank=params.rank,
+            workers=workers,
+            pace=pace,
+        )
+
+    def _stage_optimizer(
+        self, params: StageParams, unit: SubStage, target: torch.Tensor | None, grad32: torch.Tensor
+    ) -> StageOptimizer:
+        """The optimizer of ``unit`` (with the NVMe tier: its state written to its file, and in
+        16-bit runs the RAM master given up)."""
+        key = (unit.stage, unit.sub)
+        stage = StageOptimizer.from_settings(
+            unit.key,
+            params.masters[key],
+            self.settings,
+            target=target,
+            grad_buffer=grad32,
+            no_decay=params.no_decay(unit),
+            store=self.tier.state(unit.key) if self.tier is not None else None,
+        )
+        if self.tier is not None and self.dtype != torch.float32:
+            del params.masters[key]  # on disk now: the RAM this frees is what the tier is for
+        return stage
 
     def _build_stages(self, params: StageParams) -> None:
         """One optimizer and one host gradient buffer per owned sub-stage."""
@@ -102,14 +153,7 @@ class RankOptimizer:
                 self.buffers.empty(unit.numel, torch.float32) if fp32 else torch.empty(unit.numel, dtype=torch.float32)
             )
             target = None if fp32 else params.shared[key]
-            self.stages[key] = StageOptimizer.from_settings(
-                unit.key,
-                params.masters[key],
-                self.settings,
-                target=target,
-                grad_buffer=grad32,
-                no_decay=params.no_decay(unit),
-            )
+            self.stages[key] = self._stage_optimizer(params, unit, target, grad32)
             self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
 
     def _build_shards(self, params: StageParams) -> None:
@@ -130,14 +174,7 @@ class RankOptimizer:
             fp32 = self.dtype == torch.float32
             target = None if fp32 else params.shared[key][cut.start : cut.stop]
             grad32 = landing[key][cut.start : cut.stop] if fp32 else torch.empty(len(cut), dtype=torch.float32)
-            self.stages[key] = StageOptimizer.from_settings(
-                unit.key,
-                params.masters[key],
-                self.settings,
-                target=target,
-                grad_buffer=grad32,
-                no_decay=params.no_decay(unit),
-            )
+            self.stages[key] = self._stage_optimizer(params, unit, target, grad32)
             self.reduced[key], self.host_grads[key] = grad32, landing[key]
         self._peers_landing = peers
 
@@ -155,14 +192,16 @@ class RankOptimizer:
 
     def host_bytes(self) -> dict[str, int]:
         """Host bytes this rank's optimizer holds: ``optimizer`` (fp32 masters apart from the shared
-        copy, Adam m and v, the fp32 gradients it steps with) and ``landing`` (the rest of the buffers
-        the offloads land in: 16-bit, or with replicas the other shards' part)."""
+        copy, Adam m and v, the fp32 gradients it steps with; with the NVMe tier the fp32 gradients
+        and the tier's staging buffers) and ``landing`` (the rest of the buffers the offloads land
+        in: 16-bit, or with replicas the other shards' part)."""
         optimizer = landing = 0
+        if self.tier is not None:
+            optimizer += self.tier.host_bytes
         for key, stage in self.stages.items():
-            adam = stage.optimizer
-            if self.dtype != torch.float32:
-                optimizer += adam.param.nbytes
-            optimizer += adam.exp_avg.nbytes + adam.exp_avg_sq.nbytes + 4 * stage.numel
+            if self.tier is None:
+                optimizer += (8 if self.dtype == torch.float32 else 12) * stage.numel  # (master), m, v
+            optimizer += 4 * stage.numel
             full = self.host_grads[key]
             if self.dtype != torch.float32 or full.numel() != stage.numel:
                 landing += full.nbytes - (4 * stage.numel if self.dtype == torch.float32 else 0)
@@ -276,10 +315,13 @@ class RankOptimizer:
         self._release()
 
     def _release(self) -> None:
-        """Release the optimizers and the host gradient buffers."""
+        """Release the optimizers, the NVMe tier (its files removed) and the host gradient buffers."""
         for stage in self.stages.values():
             stage.close()
         self.stages.clear()
+        tier, self.tier = self.tier, None
+        if tier is not None:
+            tier.close()
         self.host_grads.clear()
         self.reduced.clear()
         self.outcome = None  # a synchronous step's outcome holds the loaded gradients

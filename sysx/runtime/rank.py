@@ -310,7 +310,7 @@ class RankRuntime:
     def master_state(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name; collective: every rank calls it and gets the same
         dict (gathered over the CPU group, meant for tests and small models)."""
-        current = {key: stage.master for key, stage in self.optimizer.stages.items()}
+        current = {key: stage.master_copy() for key, stage in self.optimizer.stages.items()}
         if self.replica_groups is not None:  # the first replica holds every shard: it answers for them
             full = {key: self.gather_shards(t, self.params.units[key].numel) for key, t in current.items()}
             current = {key: t for key, t in full.items() if t is not None}

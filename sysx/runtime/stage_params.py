@@ -285,10 +285,11 @@ class StageParams:
     def master_state(self, current: Mapping[tuple[int, int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """fp32 copies of the master weights of the owned sub-stages, by parameter name
         (``layers.<i>.<name>``, as in :class:`sysx.model.LlamaModel`); ``current`` gives the
-        optimizers' current masters where they moved (``optim.rollback=exact`` switches buffers)."""
+        optimizers' current masters where they moved (``optim.rollback=exact`` switches buffers) or
+        where they alone hold them (the NVMe tier's 16-bit runs keep no RAM master)."""
         out = {}
-        for key, master in self.masters.items():
-            master = current.get(key, master) if current is not None else master
+        masters = {**self.masters, **current} if current is not None else self.masters
+        for key, master in masters.items():
             offset = 0
             for i in self.units[key].layers:
                 for name, shape in self.params_of_layer[i]:

@@ -26,8 +26,10 @@ from sysx.model.config import ModelConfig
 from sysx.model.flat import FlatLayout
 from sysx.model.llama import LayerInit, LlamaModel, make_layer, seed_init, tie_embeddings
 from sysx.optim.decay import no_decay_ranges
+from sysx.optim.nvme.tier import NvmeTier, TierStage
 from sysx.optim.scratch import ScratchPool
 from sysx.optim.stage import OptimSettings, StageOptimizer
+from sysx.single.lanes import WORKERS
 from sysx.single.plan_request import ModelSizes
 from sysx.single.planner import GRAD_SCRATCH_BUFFERS
 
@@ -87,7 +89,9 @@ class HostState:
         model: LlamaModel | None = None,
         pin: bool | None = None,
         init: LayerInit | None = None,
+        job: str = "window",
     ) -> None:
+        """``job``: names the NVMe tier's state directory (``optim.offload=nvme``)."""
         self.cfg = cfg
         self.dtype = dtype
         self.optim = optim
@@ -105,37 +109,59 @@ class HostState:
             (f"block{k}", (k + 1,), partial(block, k)) for k in range(cfg.n_layers)
         ]
         members.append(("embedding+head", (0, cfg.n_layers + 1), lambda: _static_layers(cfg, init, model)))
-        fp32 = dtype == torch.float32
+        self.tier: NvmeTier | None = None
         self.scratch: ScratchPool | None = None
-        if not fp32:
-            sizes = ModelSizes.of(cfg)
-            largest = max(sizes.block_params, sizes.static_params)
-            self.scratch = ScratchPool(
-                largest, GRAD_SCRATCH_BUFFERS, alloc=lambda n: self.buffers.empty(n, torch.float32)
-            )
-        for name, indices, build in members:
-            modules = build()
-            layout = FlatLayout.from_modules(modules)
-            flat = layout.flatten(modules).float()
-            master = (self.buffers.empty(layout.numel, torch.float32) if fp32 else torch.empty(layout.numel)).copy_(
-                flat
-            )
-            work = master if fp32 else self.buffers.empty(layout.numel, dtype).copy_(flat)
-            grad = self.buffers.empty(layout.numel, dtype).zero_()
-            spans = [(e.offset, e.numel) for e in layout.entries]
-            stage = StageOptimizer.from_settings(
-                name,
-                master,
-                optim,
-                target=None if fp32 else work,
-                grad_buffer=grad if fp32 else None,
-                keep_grads=fp32,
-                param_spans=spans,
-                no_decay=no_decay_ranges(e.shape for e in layout.entries),
-                scratch=self.scratch,
-            )
-            self.groups.append(HostGroup(name, indices, layout, work, grad, stage))
-            del flat, modules
+        try:
+            if optim.offload == "nvme":
+                self.tier = self._open_tier(cfg, optim, job, pin)
+            if dtype != torch.float32:
+                sizes = ModelSizes.of(cfg)
+                largest = max(sizes.block_params, sizes.static_params)
+                self.scratch = ScratchPool(
+                    largest, GRAD_SCRATCH_BUFFERS, alloc=lambda n: self.buffers.empty(n, torch.float32)
+                )
+            for name, indices, build in members:
+                self.groups.append(self._group(name, indices, build()))
+        except BaseException:
+            self.close()
+            raise
+
+    def _group(self, name: str, indices: tuple[int, ...], modules: list[nn.Module]) -> HostGroup:
+        """One group's buffers and optimizer, from its fp32 layers (dropped by the caller after)."""
+        fp32 = self.dtype == torch.float32
+        layout = FlatLayout.from_modules(modules)
+        flat = layout.flatten(modules).float()
+        master = (self.buffers.empty(layout.numel, torch.float32) if fp32 else torch.empty(layout.numel)).copy_(flat)
+        work = master if fp32 else self.buffers.empty(layout.numel, self.dtype).copy_(flat)
+        grad = self.buffers.empty(layout.numel, self.dtype).zero_()
+        spans = [(e.offset, e.numel) for e in layout.entries]
+        stage = StageOptimizer.from_settings(
+            name,
+            master,
+            self.optim,
+            target=None if fp32 else work,
+            grad_buffer=grad if fp32 else None,
+            keep_grads=fp32,
+            param_spans=spans,
+            no_decay=no_decay_ranges(e.shape for e in layout.entries),
+            scratch=self.scratch,
+            store=self.tier.state(name) if self.tier is not None else None,
+        )
+        return HostGroup(name, indices, layout, work, grad, stage)
+
+    def _open_tier(self, cfg: ModelConfig, optim: OptimSettings, job: str, pin: bool | None) -> NvmeTier:
+        """The groups' states in ``optim.nvme_dir``: registered in the order a step takes them (the
+        blocks backwards, then Embedding+Head), which the first step's read-ahead follows."""
+        from sysx.optim.nvme.open_tier import open_tier
+
+        sizes = ModelSizes.of(cfg)
+        in_ram = self.dtype == torch.float32  # the fp32 master is the working copy the device loads
+        stages = [
+            TierStage.of(f"block{k}", sizes.block_params, param_in_ram=in_ram, rollback=optim.rollback)
+            for k in reversed(range(cfg.n_layers))
+        ]
+        stages.append(TierStage.of("embedding+head", sizes.static_params, param_in_ram=in_ram, rollback=optim.rollback))
+        return open_tier(optim, stages, job=job, node=0, rank=0, workers=WORKERS, pin=pin)
 
     @property
     def static(self) -> HostGroup:
@@ -156,10 +182,11 @@ class HostState:
         """fp32 weights by the reference trainer's names (``layers.<flat index>.<param>``), copies."""
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
+            master = g.optimizer.master_copy()
             for e in g.layout.entries:
                 member, _, rest = e.name.partition(".")
                 flat_index = g.layer_indices[int(member)]
-                out[f"layers.{flat_index}.{rest}"] = g.master[e.offset : e.offset + e.numel].view(e.shape).clone()
+                out[f"layers.{flat_index}.{rest}"] = master[e.offset : e.offset + e.numel].view(e.shape).clone()
         return out
 
     def grad_norm(self) -> float:
@@ -176,4 +203,8 @@ class HostState:
         for stage in self.stages:
             stage.close()
         self.groups.clear()
-        self.buffers.close()
+        try:
+            if self.tier is not None:
+                self.tier.close()  # removes the state files
+        finally:
+            self.buffers.close()

@@ -35,9 +35,26 @@ if TYPE_CHECKING:
 def stage_layer_sources(
     stage: StageOptimizer, layout: FlatLayout, layer_indices: Sequence[int]
 ) -> dict[int, LayerSource]:
-    """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources."""
+    """The layers held by one host optimizer (a pipeline sub-stage or a window group), as sources;
+    with the NVMe tier each source reads the stage's state when the save takes it and copies out
+    its layer (the staging buffer is the tier's)."""
     adam = stage.optimizer
-    return flat_layer_states(layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count)
+    if adam.store is None:
+        return flat_layer_states(
+            layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count
+        )
+    sources: dict[int, LayerSource] = {}
+    for index in dict.fromkeys(layer_indices):
+
+        def source(index: int = index) -> LayerState:
+            with stage.resident():
+                views = flat_layer_states(
+                    layout, layer_indices, adam.param, adam.exp_avg, adam.exp_avg_sq, lambda: adam.step_count
+                )
+                return views[index]().snapshot()
+
+        sources[index] = source
+    return sources
 
 
 def restore_stage(
@@ -53,21 +70,22 @@ def restore_stage(
     rewrite its working copy (the 16-bit copy the device loads). ``shard``: the optimizer holds
     these elements of the layers' flat buffer (a replica's shard, :mod:`sysx.replicas`)."""
     adam = stage.optimizer
-    for field, out in (("weight", adam.param), ("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
-        tensors = {i: getattr(s, field) for i, s in layers.items()}
-        if shard is None:
-            load_flat(layout, layer_indices, tensors, out, what=what)
-            continue
-        full = torch.empty(layout.numel, dtype=out.dtype)
-        load_flat(layout, layer_indices, tensors, full, what=what)
-        out.copy_(full[shard.start : shard.stop])
     steps = {layers[i].step for i in set(layer_indices)}
     if len(steps) != 1:
         raise ValueError(
             f"{what}: layers {sorted(set(layer_indices))} were saved at different Adam step counts {steps}"
         )
-    adam.resume_at(steps.pop())
-    stage.write_target()
+    with stage.resident():  # the NVMe tier writes the restored state to the stage's file on leaving
+        for field, out in (("weight", adam.param), ("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
+            tensors = {i: getattr(s, field) for i, s in layers.items()}
+            if shard is None:
+                load_flat(layout, layer_indices, tensors, out, what=what)
+                continue
+            full = torch.empty(layout.numel, dtype=out.dtype)
+            load_flat(layout, layer_indices, tensors, full, what=what)
+            out.copy_(full[shard.start : shard.stop])
+        adam.resume_at(steps.pop())
+        stage.write_target()
 
 
 class JobCheckpoints:

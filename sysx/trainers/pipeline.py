@@ -276,10 +276,11 @@ class PipelineTrainer(Trainer):
                 out.update(stage_layer_sources(stage, self.params.layout(key), layers))
                 continue
             adam = stage.optimizer
-            full = [
-                self.runtime.gather_shards(t, self.params.units[key].numel)
-                for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)
-            ]
+            with stage.resident():  # the NVMe tier: the shard's state read while it is gathered
+                full = [
+                    self.runtime.gather_shards(t, self.params.units[key].numel)
+                    for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)
+                ]
             master, exp_avg, exp_avg_sq = full
             if master is not None and exp_avg is not None and exp_avg_sq is not None:
                 out.update(

@@ -114,7 +114,9 @@ class SingleTrainer(Trainer):
             ),
             speculate=mode,
         )
-        self.host = HostState(self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init())
+        self.host = HostState(
+            self.model_cfg, dtype=self.dtype, optim=settings, model=model, init=self.layer_init(), job=self.job_tag
+        )
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
         self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
         self.protocol = StepProtocol(

@@ -1,0 +1,169 @@
+"""The ``aio`` engine: DeepSpeed's ``async_io`` op (libaio, ``O_DIRECT``), the engine ZeRO-Infinity uses.
+
+The op is built on first use into the same per-environment cache as ``cpu_adam``
+(:func:`sysx.optim.deepspeed_backend.extensions_dir`, ~2.5 min the first time, then loaded in a
+second) with the venv's ``ninja``. Its handle is synchronous per call and not meant to be shared
+between threads, so the engine runs one handle on a read lane thread and one on a write lane thread:
+a read and a write overlap, and each request gets its own Future.
+
+The op checks little itself (a file shorter than the read ``assert``\\ s inside C++; per-request
+results are not checked), so sizes are checked here before each call.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from sysx.optim.nvme.io import IoError, check_buffer, io_error, short_read_error
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("sysx.optim")
+
+BLOCK_BYTES = 1 << 20  # DeepSpeed's default aio block and ZeRO-Infinity's usual setting
+QUEUE_DEPTH = 32
+
+_lock = threading.Lock()
+_op: ModuleType | None = None
+_reason: str | None = None
+_checked = False
+
+
+def _build() -> ModuleType:
+    from sysx.optim.deepspeed_backend import environment_ninja, extensions_dir, quiet_cpu_accelerator
+
+    quiet_cpu_accelerator()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise RuntimeError("DeepSpeed's AsyncIOBuilder finds no libaio (io_submit does not link)")
+    cached = (extensions_dir() / "async_io" / "async_io.so").exists()
+    if not cached:
+        log.warning("building DeepSpeed's async_io op into %s (first use, ~2.5 min)", extensions_dir() / "async_io")
+    t0 = time.perf_counter()
+    with environment_ninja():
+        op = builder.load(verbose=False)
+    log.info("DeepSpeed async_io op %s in %.1f s", "loaded" if cached else "built", time.perf_counter() - t0)
+    return op
+
+
+def load_op() -> ModuleType:
+    """The async_io op (built on first use); raises RuntimeError with the cause and the fix."""
+    global _op, _reason, _checked
+    with _lock:
+        if _op is not None:
+            return _op
+        if _checked and _reason is not None:
+            raise RuntimeError(_reason)
+        _checked = True
+        try:
+            _op = _build()
+        except Exception as exc:  # ImportError, a failed compile, no libaio
+            _reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise RuntimeError(
+                f"DeepSpeed's aio op is unavailable ({_reason}); fix: `apt install libaio-dev`, "
+                "or set optim.nvme_engine=threads"
+            ) from exc
+        return _op
+
+
+def unavailable_reason() -> str | None:
+    """None when the aio op loads here, else one phrase saying why (checked once per process)."""
+    try:
+        load_op()
+    except RuntimeError:
+        return _reason
+    return None
+
+
+class AioEngine:
+    """One DeepSpeed aio handle per lane (read, write), each on its own thread."""
+
+    name = "aio"
+    direct = True
+
+    def __init__(self, *, block_bytes: int = BLOCK_BYTES, queue_depth: int = QUEUE_DEPTH) -> None:
+        self._op = load_op()
+        self._config = (block_bytes, queue_depth)
+        self._local = threading.local()
+        self._lanes = {
+            op: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sysx-aio-{op}") for op in ("read", "write")
+        }
+
+    def _handle(self) -> Any:
+        handle = getattr(self._local, "handle", None)
+        if handle is None:
+            block, depth = self._config
+            handle = self._op.aio_handle(block, depth, False, True, 1)
+            self._local.handle = handle
+        return handle
+
+    def read(self, path: str, buf: torch.Tensor, *, offset: int = 0) -> Future[None]:
+        """Read ``buf.nbytes`` bytes of ``path`` from ``offset`` into ``buf``."""
+        nbytes = check_buffer(buf, offset, path)
+        return self._lanes["read"].submit(self._run, "read", path, buf, nbytes, offset)
+
+    def write(self, path: str, buf: torch.Tensor, *, offset: int = 0) -> Future[None]:
+        """Write ``buf``'s bytes into ``path`` at ``offset`` (created if missing, never truncated)."""
+        nbytes = check_buffer(buf, offset, path)
+        return self._lanes["write"].submit(self._run, "write", path, buf, nbytes, offset)
+
+    def _run(self, op: str, path: str, buf: torch.Tensor, nbytes: int, offset: int) -> None:
+        if op == "read":
+            try:
+                size = os.stat(path).st_size
+            except OSError as exc:
+                raise io_error(op, path, nbytes, offset, exc) from None
+            if size < offset + nbytes:
+                raise short_read_error(path, nbytes, offset, max(0, size - offset))
+            done = self._handle().sync_pread(buf, path, offset)
+        else:
+            done = self._handle().sync_pwrite(buf, path, offset)
+        if done != 1:
+            raise self._failure(op, path, nbytes, offset)
+
+    @staticmethod
+    def _failure(op: str, path: str, nbytes: int, offset: int) -> IoError:
+        """The op reports only -1 (its own stderr line has the errno): find the errno by opening the
+        file as the op does; EIO when that works."""
+        flags = (os.O_WRONLY | os.O_CREAT) if op == "write" else os.O_RDONLY
+        try:
+            os.close(os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600))
+        except OSError as exc:
+            return io_error(op, path, nbytes, offset, exc)
+        return io_error(op, path, nbytes, offset, OSError(errno.EIO, os.strerror(errno.EIO)))
+
+    def close(self) -> None:
+        """Finish queued requests and stop both lanes."""
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m sysx.optim.nvme.aio``: build (or load) the op once, ahead of a job."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv:
+        print("usage: python -m sysx.optim.nvme.aio   (builds DeepSpeed's async_io op into the cache)")
+        return 0 if argv[0] in ("-h", "--help") else 2
+    try:
+        load_op()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print("DeepSpeed's async_io op is ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
