@@ -73,6 +73,8 @@ class TierStats:
     writes: int = 0
     hits: int = 0  # residencies served by a buffer that already held the stage (no read)
     wait_s: float = 0.0  # jobs blocked on the tier: reads not done in time, buffers still writing
+    read_s: float = 0.0  # the reads' time from issue to completion, summed (concurrent ones overlap)
+    write_s: float = 0.0  # the writes' likewise
     per_stage_wait_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -402,11 +404,13 @@ class NvmeTier:
         assert buf.key is not None
         path = self._path(*buf.key)
         view = buf.staging.view(torch.uint8, spec.nbytes)
+        issued = time.perf_counter()
         io = self.engine.read(path, view) if kind == "read" else self.engine.write(path, view)
         done: Future[None] = Future()
         stage = buf.key[0]
 
         def finished(f: Future[None]) -> None:
+            took = time.perf_counter() - issued  # the disk's own time (before an emulated pace)
             error = f.exception()
             if error is None and self.pace is not None:
                 try:
@@ -417,9 +421,11 @@ class NvmeTier:
                 if kind == "read":
                     self.stats.reads += 1
                     self.stats.read_bytes += spec.nbytes
+                    self.stats.read_s += took
                 else:
                     self.stats.writes += 1
                     self.stats.write_bytes += spec.nbytes
+                    self.stats.write_s += took
                     if error is not None:
                         self._errors[stage] = error
             if error is None:
