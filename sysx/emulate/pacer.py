@@ -144,7 +144,7 @@ class EmulatedPacer(Pacer):
         self.reduce_free = 0.0  # replicas: the modelled end of the reducer thread's last reduction
         self._reduced: dict[str, float] = {}  # this step's reduced units: their modelled ends
         # optim.offload=nvme: the rank's disk lane (sysx.schedule.disk), the ends of its latest reads
-        self._disk_free, self._disk_scale = 0.0, 1.0
+        self._disk_free, self._disk_scale = 0.0, 0.0  # nothing charged until calibrate_disk
         self._reads: deque[float] = deque(maxlen=64)
         self._owned = list(schedule.assignment.bwd_substages(self.stage_rank))
         self._running: dict[int, tuple[float, float, float]] = {}  # by worker thread: (t0, start, seconds)
