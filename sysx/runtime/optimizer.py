@@ -17,6 +17,8 @@ and stays.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -319,15 +321,16 @@ class RankOptimizer:
         for stage in self.stages.values():
             stage.close()
         self.stages.clear()
-        tier, self.tier = self.tier, None
-        if tier is not None:
-            tier.close()
         self.host_grads.clear()
         self.reduced.clear()
         self.outcome = None  # a synchronous step's outcome holds the loaded gradients
         self._peers_landing = None
         if self.reducer is not None:  # a failed start: the reducer thread was started
             self.reducer.close()
+        tier, self.tier = self.tier, None
+        if tier is not None:  # last: whatever held a view of a staging buffer is released by now
+            gc.collect()  # a finished job's frame or traceback in a reference cycle may still hold one
+            tier.close()
             self.reducer = None
         self.events = {}
         self.buffers.close()
