@@ -459,13 +459,13 @@ class NvmeTier:
         """Wait for the transfers, free the buffers and run the closers (removing the files);
         idempotent. A failed write is raised after everything is released."""
         error: BaseException | None = None
+        with self._cond:  # first: a transfer finishing during the flush starts no read-ahead into a buffer
+            self._closed = True
+            self._cond.notify_all()
         try:
             self.flush()
         except BaseException as exc:
             error = exc
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
         for st in self.stages.values():
             st._views = st._buffer = st._param = None
         pool, self._pool = self._pool, []
