@@ -425,10 +425,15 @@ class EmulatedPacer(Pacer):
     def _disk(self, kind: str, nbytes: int) -> None:
         seconds = nbytes * self._disk_scale / self._disk_bandwidth[kind] * self.time_scale
         now = time.monotonic()
-        # a write-back leaves with its step's real (small) arithmetic: it starts at the step's modelled end
-        after = self._job_end(now) if kind == "write" else now
+        if kind == "write":
+            # a write-back leaves with its step's real (small) arithmetic: it is issued at the step's
+            # modelled end, and reads issued before then go first (the lane serves in issue order)
+            after = self._job_end(now)
+            if after > now:
+                sleep_until(after)
+                now = time.monotonic()
         with self._lock:
-            start = max(self._disk_free, now, after)
+            start = max(self._disk_free, now)
             end = self._disk_free = start + seconds
             self._stats.spans.append(("disk", kind.upper(), start, end))
             if kind == "read":
