@@ -228,7 +228,8 @@ def test_the_plan_with_the_tier_fits_30b_on_a_256_gib_node() -> None:
 def test_the_pacer_charges_the_tier_on_one_disk_lane_and_a_step_waits_for_its_read() -> None:
     """``EmulatedPacer.disk_pace``: the tier's reads and writes, scaled to the emulated state bytes,
     take turns on the rank's share of the node's drives; an optimizer job that waited inside for a
-    read starts (modelled) at the read's end."""
+    read starts (modelled) at the read's end, and its write-back, sent off by the real (small) step
+    long before, starts at the job's modelled end."""
     import threading
 
     plan, schedule = _plan(1.0)
@@ -245,12 +246,14 @@ def test_the_pacer_charges_the_tier_on_one_disk_lane_and_a_step_waits_for_its_re
     pacer.begin_step(0)
     reads = [threading.Thread(target=pace, args=("read", 100)) for _ in range(2)]
     name = next(iter(pacer._opt))
+    write = threading.Thread(target=pace, args=("write", 100))
     with pacer._optimizer_span(name, None):
         for t in reads:
             t.start()
         for t in reads:
             t.join()
-    pace("write", 100)
+        write.start()  # the step's write-back, sent off with its real arithmetic
+    write.join()
     spans = {(lane, op): (start, end) for lane, op, start, end in pacer._stats.spans}
     lane = [(s, e) for lane_, op, s, e in pacer._stats.spans if lane_ == "disk" and op in ("READ", "WRITE")]
     assert [round(e - s, 6) for s, e in lane] == [
@@ -258,9 +261,11 @@ def test_the_pacer_charges_the_tier_on_one_disk_lane_and_a_step_waits_for_its_re
         0.05,
         round(0.05 * disk.read_bandwidth / disk.write_bandwidth, 6),
     ]
-    # one lane: the second read, issued while the first ran, starts at its end; the write, later, after both
-    assert lane[1][0] == pytest.approx(lane[0][1]) and lane[2][0] >= lane[1][1]
-    assert spans[("cpu", f"OPT {name}")][0] == pytest.approx(lane[1][1])  # the job started at the last read's end
+    # one lane: the second read, issued while the first ran, starts at its end
+    assert lane[1][0] == pytest.approx(lane[0][1])
+    job = spans[("cpu", f"OPT {name}")]
+    assert job[0] == pytest.approx(lane[1][1])  # the job started at the last read's end
+    assert lane[2][0] == pytest.approx(job[1], abs=2e-3)  # its write-back at the job's modelled end
 
 
 def _run_forwards(
