@@ -37,3 +37,31 @@ def test_transfer_times_are_counted_apart_from_the_pace(tmp_path: Path) -> None:
         assert sorted(set(k for k, _ in paced)) == ["read", "write"]
     finally:
         tier.close()
+
+
+def test_a_stage_waiting_for_a_buffer_is_read_once(tmp_path: Path) -> None:
+    """On a slow disk a job may wait for a free buffer while the read-ahead looks for a stage to
+    read: it must not read the waiting stage a second time (each use reads at most once)."""
+    settings = SimpleNamespace(offload="nvme", nvme_dir=str(tmp_path), nvme_engine="threads")
+    stages = [TierStage.of(f"s{i}", 1024, param_in_ram=False, rollback="undo") for i in range(6)]
+
+    def pace(kind: str, nbytes: int) -> None:  # write-backs slow: every buffer is busy when a job comes
+        time.sleep(0.06 if kind == "write" else 0.005)
+
+    tier = open_tier(settings, stages, job="readonce", node=0, rank=0, workers=1, pace=pace)
+    try:
+        for st in tier.stages.values():
+            st.fill(torch.zeros(1024))
+        tier.flush()
+        before, uses = tier.stats.reads, 0
+        for _ in range(3):
+            for st in tier.stages.values():
+                with st.resident() as state:
+                    state[1].add_(1.0)
+                    st.mark_stale()
+                del state
+                uses += 1
+        tier.flush()
+        assert tier.stats.reads - before <= uses
+    finally:
+        tier.close()

@@ -303,6 +303,8 @@ class NvmeTier:
             if name in self._errors:
                 raise self._errors[name]
             waits = [b.io for b in self._pool if b.key is not None and b.key[0] == name and b.io is not None]
+            # in use from now: while this waits for a buffer, the read-ahead must not read the stage too
+            self._in_use.add(name)
             buf = self._holding(key) if read else None
             if buf is None:
                 buf = self._take_idle()
