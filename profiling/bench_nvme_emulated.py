@@ -17,6 +17,7 @@ the measured wait of the steps for their reads (the busiest rank, the pacer's sp
     PYTHONPATH=. python profiling/bench_nvme_emulated.py --micro-batches 16,32 --steps 4 --time-scale 0.1 \\
         --retries 2 --json profiling/results/bench_nvme_emulated_<date>.jsonl
     PYTHONPATH=. python profiling/bench_nvme_emulated.py --plan-only      # the plans, running nothing
+    PYTHONPATH=. python profiling/bench_nvme_emulated.py --report a.jsonl b.jsonl   # tables of kept runs
 """
 
 from __future__ import annotations
@@ -156,7 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hide-tolerance", type=float, default=0.01, help="exposed I/O / step counted as hidden")
     p.add_argument("--plan-only", action="store_true")
     p.add_argument("--json", type=Path, help="keep every measured cell here (JSON lines)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        help="print the table of --json files kept before (a cell run again: its last row)",
+    )
     args = p.parse_args(argv)
+    if args.report:
+        kept = {}
+        for path in args.report:
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    kept[(r["set"]["train.micro_batches"], r["set"]["optim.offload"])] = r
+        print(measured_table([kept[k] for k in sorted(kept)], bp.MICRO_BATCH))
+        return 0
     args.micro_batch_size = bp.MICRO_BATCH
     micros = [int(x) for x in args.micro_batches.split(",")]
     lines, hide = plan_lines(args, micros)
