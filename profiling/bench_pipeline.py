@@ -321,6 +321,9 @@ def _run_cell(
         )  # each rank's split, its saving
         if args.get("spans") and report is not None:
             row["spans"] = _gather_spans(trainer)
+        tier = getattr(trainer.runtime.optimizer, "tier", None)
+        if tier is not None:  # optim.offload=nvme: rank 0's tier over the whole run
+            row["tier"] = {**vars(tier.stats), "stages": len(tier.stages)}
     return row
 
 

@@ -265,6 +265,7 @@ class NvmeTier:
         self._errors: dict[str, BaseException] = {}  # failed writes: the stage's files are stale
         self._closers = list(closers)
         self._closed = False
+        self._waiting = 0  # jobs waiting for a free buffer (they come before the read-ahead)
         self._pool: list[_Buffer] = []
         try:
             for i in range(buffers):
@@ -372,7 +373,11 @@ class NvmeTier:
             idle = [b for b in self._pool if b.idle()]
             if idle:
                 return max(idle, key=self._reuse_rank)
-            self._cond.wait()
+            self._waiting += 1  # the read-ahead leaves the next free buffer to this job
+            try:
+                self._cond.wait()
+            finally:
+                self._waiting -= 1
 
     def _reuse_rank(self, buf: _Buffer) -> int:
         if buf.key is None:
@@ -386,7 +391,7 @@ class NvmeTier:
     def _read_ahead(self) -> None:
         """Start reading the next stages (least recently used first, up to :attr:`depth`) into idle
         buffers that hold none of them. Holds the lock."""
-        if self._closed:
+        if self._closed or self._waiting:
             return
         targets = [n for n in self._recent if n not in self._in_use][: self.depth]
         for name in targets:
