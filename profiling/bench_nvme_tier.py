@@ -146,36 +146,45 @@ def _mean(xs: list[float]) -> float:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One line per model and offload (the rounds' steps together), nvme beside host."""
+    """One line per model and offload (the rounds' steps together), nvme beside host. Exposed I/O:
+    the step's time beyond the host-memory run's; the jobs' wait is summed over the optimizer
+    workers (concurrent waits add up); GB/s: bytes over the time the transfers took, each from
+    issue to completion (up to a pool's worth run at once)."""
     lines = [
-        "| model | params | offload | step s | read GB/s | write GB/s | exposed I/O s/step | "
-        "step nvme/host | peak host GiB | engine | load |",
-        "|" + "---|" * 11,
+        "| model | params | offload | step s | read GB/s | write GB/s | GB read+written per step | "
+        "exposed I/O s/step | jobs' wait s/step | step nvme/host | peak host GiB | engine | load |",
+        "|" + "---|" * 13,
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
         host_s = _mean([s for r in rows if (r["model"], r["offload"]) == (model, "host") for s in r.get("step_s", [])])
         for offload in ("host", "nvme"):
-            runs = [r for r in rows if (r["model"], r["offload"]) == (model, offload)]
-            ok = [r for r in runs if "error" not in r]
+            ok = [r for r in rows if (r["model"], r["offload"]) == (model, offload) and "error" not in r]
             if not ok:
+                bad = [r for r in rows if (r["model"], r["offload"]) == (model, offload)]
                 lines.append(
-                    f"| {model} | | {offload} | failed: {runs[0]['error'][:80] if runs else 'not run'} |" + " |" * 7
+                    f"| {model} | | {offload} | failed: {bad[0]['error'][:80] if bad else 'not run'} |" + " |" * 9
                 )
                 continue
             steps = [s for r in ok for s in r["step_s"]]
-            step = _mean(steps)
-            n = len(steps)
-            tier = offload == "nvme"
-            rd = sum(r.get("read_bytes", 0) for r in ok) / max(1e-9, sum(r.get("read_s", 0) for r in ok)) / GB
-            wr = sum(r.get("write_bytes", 0) for r in ok) / max(1e-9, sum(r.get("write_s", 0) for r in ok)) / GB
-            wait = sum(r.get("wait_s", 0) for r in ok) / n
-            ratio = f"{step / host_s:.2f}" if tier and host_s == host_s else ""
-            engine = f"{ok[0].get('engine')}{' O_DIRECT' if ok[0].get('direct') else ''}" if tier else ""
+            step, n = _mean(steps), len(steps)
+            cells = " | | | | |"
+            if offload == "nvme":
+                total = {
+                    k: sum(r.get(k, 0) for r in ok)
+                    for k in ("read_bytes", "write_bytes", "read_s", "write_s", "wait_s")
+                }
+                cells = (
+                    f" {total['read_bytes'] / max(1e-9, total['read_s']) / GB:.2f} |"
+                    f" {total['write_bytes'] / max(1e-9, total['write_s']) / GB:.2f} |"
+                    f" {(total['read_bytes'] + total['write_bytes']) / n / GB:.1f} |"
+                    f" {step - host_s:.2f} | {total['wait_s'] / n:.2f} |"
+                )
+            ratio = f"{step / host_s:.2f}" if offload == "nvme" and host_s == host_s else ""
+            engine = f"{ok[0].get('engine')}{' O_DIRECT' if ok[0].get('direct') else ''}" if offload == "nvme" else ""
             loads = ", ".join("/".join(r["load"]) for r in ok)
             lines.append(
-                f"| {model} | {ok[0]['params'] / 1e6:.0f}M | {offload} | {step:.2f} | "
-                + (f"{rd:.2f} | {wr:.2f} | {wait:.2f} |" if tier else " | | |")
-                + f" {ratio} | {max(r['peak_host_bytes'] for r in ok) / 2**30:.2f} | {engine} | {loads} |"
+                f"| {model} | {ok[0]['params'] / 1e6:.0f}M | {offload} | {step:.2f} |{cells} {ratio} | "
+                f"{max(r['peak_host_bytes'] for r in ok) / 2**30:.2f} | {engine} | {loads} |"
             )
     return "\n".join(lines)
 
@@ -192,8 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="rounds of (host, nvme), interleaved")
     p.add_argument("--json", type=Path, help="append every run here (JSON lines)")
+    p.add_argument(
+        "--report", type=Path, nargs="+", help="print the table of --json files kept before, running nothing"
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.report:
+        print(table([json.loads(x) for path in args.report for x in path.read_text().splitlines() if x.strip()]))
+        return 0
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
