@@ -105,11 +105,8 @@ class RankRuntime:
                 pace=pacer.optimizer_pace(),
                 replica_group=self.replica_groups.reduce if self.replica_groups is not None else None,
                 pacer=pacer,
-                disk_pace=pacer.disk_pace(),
             )
             undo.callback(self.optimizer.close)
-            if self.optimizer.tier is not None:  # an emulated disk charges the emulated model's share of each transfer
-                pacer.calibrate_disk(sum(st.spec.nbytes for st in self.optimizer.tier.stages.values()))
             self.p2p = self._p2p(opts, device, pacer)
             self.executor = Executor(
                 schedule,
