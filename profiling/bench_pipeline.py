@@ -81,10 +81,17 @@ PLACEMENTS = ("auto", "cpu", "split")  # a SysX schedule's ``+<optim.placement>`
 
 # ------------------------------------------------------------------------------------------ worker
 def _cell_config(
-    model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any], replicas: int = 1
+    model: str,
+    seq: int,
+    n_ranks: int,
+    schedule: str,
+    args: dict[str, Any],
+    replicas: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """The job config and pipeline options of one cell of ``n_ranks`` processes, ``replicas`` pipelines
-    of ``n_ranks / replicas`` ranks (each replica the Fig. 9 batch of its own nodes)."""
+    of ``n_ranks / replicas`` ranks (each replica the Fig. 9 batch of its own nodes); ``overrides``:
+    ``{"section.key": value}`` set last (e.g. ``optim.offload``, ``train.micro_batches``)."""
     from sysx.config import (
         EmulateSection,
         EvalSection,
@@ -134,7 +141,17 @@ def _cell_config(
         stages_per_rank=layout[0],
         split=layout[1],
     )
-    return cfg_obj, opts
+    return with_overrides(cfg_obj, overrides or {}), opts
+
+
+def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """``cfg`` with every ``{"section.key": value}`` of ``overrides`` set."""
+    import dataclasses
+
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
+    return cfg
 
 
 def _tuned(cfg: Any, info: Any) -> tuple[Any, Any, Any, str]:
@@ -260,12 +277,19 @@ def _tokens(model: str, seq: int, pipeline: int) -> int:
 
 
 def _run_cell(
-    info: Any, dataset: Any, model: str, seq: int, schedule: str, args: dict[str, Any], replicas: int = 1
+    info: Any,
+    dataset: Any,
+    model: str,
+    seq: int,
+    schedule: str,
+    args: dict[str, Any],
+    replicas: int = 1,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from sysx.config import ConfigError, validate
     from sysx.trainers.pipeline import PipelineTrainer
 
-    cfg, opts = _cell_config(model, seq, info.world_size, schedule, args, replicas)
+    cfg, opts = _cell_config(model, seq, info.world_size, schedule, args, replicas, overrides)
     validate(cfg)
     row: dict[str, Any] = {
         "model": model,
@@ -274,6 +298,7 @@ def _run_cell(
         "schedule": schedule,
         "gpu": args.get("gpu", "v100"),
         **({"replicas": replicas} if replicas > 1 else {}),
+        **({"set": overrides} if overrides else {}),
     }
     costs = None
     try:
@@ -296,6 +321,9 @@ def _run_cell(
         )  # each rank's split, its saving
         if args.get("spans") and report is not None:
             row["spans"] = _gather_spans(trainer)
+        tier = getattr(trainer.runtime.optimizer, "tier", None)
+        if tier is not None:  # optim.offload=nvme: rank 0's tier over the whole run
+            row["tier"] = {**vars(tier.stats), "stages": len(tier.stages)}
     return row
 
 
@@ -330,7 +358,14 @@ def worker(spec_path: str, out_path: str) -> int:
             for _ in range(1 + spec["args"]["retries"]):  # every rank sees the same report: all retry
                 attempts += 1
                 row = _run_cell(
-                    info, dataset, cell["model"], cell["seq"], cell["schedule"], spec["args"], cell.get("replicas", 1)
+                    info,
+                    dataset,
+                    cell["model"],
+                    cell["seq"],
+                    cell["schedule"],
+                    spec["args"],
+                    cell.get("replicas", 1),
+                    cell.get("set"),
                 )
                 if not (row.get("report") or {}).get("refused"):
                     break

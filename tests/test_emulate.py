@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sysx.config import EmulateSection, EvalSection, ModelSection, SysxConfig, TrainSection, validate
+from sysx.config import EmulateSection, EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
 from sysx.emulate import (
     EmulatedEvent,
     EmulatedPacer,
@@ -157,8 +157,7 @@ def _pacer(time_scale: float) -> EmulatedPacer:
     return EmulatedPacer(plan, schedule, 0, time_scale=time_scale)
 
 
-def _plan(time_scale: float) -> tuple[EmulatedPlan, Schedule]:
-    """The emulated 7B plan of a 2-rank SysX schedule and the schedule."""
+def _plan_cfg(time_scale: float = 1.0) -> SysxConfig:
     cfg = SysxConfig(
         model=ModelSection(preset="tiny"),
         device="emulated",
@@ -167,6 +166,12 @@ def _plan(time_scale: float) -> tuple[EmulatedPlan, Schedule]:
         emulate=EmulateSection(model="llama2_7b", seq_len=2048, micro_batch_size=2, time_scale=time_scale),
     )
     validate(cfg)
+    return cfg
+
+
+def _plan(time_scale: float) -> tuple[EmulatedPlan, Schedule]:
+    """The emulated 7B plan of a 2-rank SysX schedule and the schedule."""
+    cfg = _plan_cfg(time_scale)
     opts = PipelineOptions(schedule="sysx", optim_backend="torch")
     model = emulated_model(cfg)
     schedule = make_schedule(opts, model.config, n_ranks=2, n_micro=2, seq_len=model.seq_len)
@@ -195,6 +200,72 @@ def test_the_plan_takes_the_device_lane_in() -> None:
     n = max(len(lane) for lane in slow)
     # the lane starts after the VALIDATE barrier (after every rank's passes): in 10 s each, out 10 s after the last step
     assert device_lane_plan(h100, schedule, slow)[0] >= max(plan.timeline.gpu_end) + 10.0 * n + 11.0
+
+
+def test_the_plan_with_the_tier_fits_30b_on_a_256_gib_node() -> None:
+    """``optim.offload=nvme`` on the emulated node: the states leave the host plan (30B on one 4-GPU
+    node of 256 GiB fits with the tier, not without), and the disk lane lengthens a short step."""
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        device="emulated",
+        precision="bf16",
+        train=TrainSection(micro_batch_size=1, micro_batches=4, seq_len=16),
+        optim=OptimSection(workers=1),  # a staging buffer per worker: one, as DeepSpeed's Adam runs
+        emulate=EmulateSection(model="llama2_30b", seq_len=2048, micro_batch_size=1, host_memory_gib=256),
+    )
+    validate(cfg)
+    model = emulated_model(cfg)
+    opts = PipelineOptions(schedule="sysx", optim_backend="torch")
+    schedule = make_schedule(opts, model.config, n_ranks=4, n_micro=4, seq_len=model.seq_len)
+    host, tier = (plan_emulation(cfg, schedule, backend="torch", nvme=on) for on in (False, True))
+    node = tier.cluster.host_memory_bytes
+    assert sum(host.timeline.host) + host.timeline.shm[0] > node > sum(tier.timeline.host) + tier.timeline.shm[0]
+    assert host.disk_timeline is None and host.iteration == host.timeline.iteration
+    io = tier.disk_timeline
+    assert io is not None and io.base == tier.timeline.iteration and tier.iteration == io.iteration > io.base
+
+
+def test_the_pacer_charges_the_tier_on_one_disk_lane_and_a_step_waits_for_its_read() -> None:
+    """``EmulatedPacer.disk_pace``: the tier's reads and writes, scaled to the emulated state bytes,
+    take turns on the rank's share of the node's drives; an optimizer job that waited inside for a
+    read starts (modelled) at the read's end, and its write-back, sent off by the real (small) step
+    long before, starts at the job's modelled end."""
+    import threading
+
+    plan, schedule = _plan(1.0)
+    cfg_plan = plan_emulation(_plan_cfg(), schedule, backend="torch", nvme=True)
+    disk = cfg_plan.disk
+    assert disk is not None and plan.disk is None
+    owned = sum(disk.nbytes[s * schedule.partition.split + k] for s, k in schedule.assignment.bwd_substages(0))
+    scale = 0.05 * disk.read_bandwidth * 10 / owned  # a tenth of the rank's state reads in 0.05 s on the wall
+    pacer = EmulatedPacer(cfg_plan, schedule, 0, time_scale=scale)
+    assert EmulatedPacer(plan, schedule, 0, time_scale=scale).disk_pace() is None
+    pace = pacer.disk_pace()
+    assert pace is not None
+    pacer.calibrate_disk(1000)
+    pacer.begin_step(0)
+    reads = [threading.Thread(target=pace, args=("read", 100)) for _ in range(2)]
+    name = next(iter(pacer._opt))
+    write = threading.Thread(target=pace, args=("write", 100))
+    with pacer._optimizer_span(name, None):
+        for t in reads:
+            t.start()
+        for t in reads:
+            t.join()
+        write.start()  # the step's write-back, sent off with its real arithmetic
+    write.join()
+    spans = {(lane, op): (start, end) for lane, op, start, end in pacer._stats.spans}
+    lane = [(s, e) for lane_, op, s, e in pacer._stats.spans if lane_ == "disk" and op in ("READ", "WRITE")]
+    assert [round(e - s, 6) for s, e in lane] == [
+        0.05,
+        0.05,
+        round(0.05 * disk.read_bandwidth / disk.write_bandwidth, 6),
+    ]
+    # one lane: the second read, issued while the first ran, starts at its end
+    assert lane[1][0] == pytest.approx(lane[0][1])
+    job = spans[("cpu", f"OPT {name}")]
+    assert job[0] == pytest.approx(lane[1][1])  # the job started at the last read's end
+    assert lane[2][0] == pytest.approx(job[1], abs=2e-3)  # its write-back at the job's modelled end
 
 
 def _run_forwards(

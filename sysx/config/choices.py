@@ -69,6 +69,15 @@ ASSUMED_CPUS: dict[str, dict[str, float]] = {
     ),  # the SysX paper's nodes (AMD EPYC 7452)
     "epyc9654": dict(cores=96, adam_gparams_per_thread=0.15, host_memory_gib=768),  # 12 DDR5-4800 channels
 }
+# The NVMe drives of a node (emulate.disk) holding the optimizer states of optim.offload=nvme
+# (sysx.optim.nvme): GB/s of one drive, sequential reads and writes of large aligned files at a
+# deep queue (PCIe Gen3 x4 drives such as the Samsung 970 Pro: ~3.5 read, ~2.7-3.0 write; Gen4 x4:
+# ~7 and ~5.5). The node's ranks share its drives.
+ASSUMED_DISKS: dict[str, dict[str, float]] = {
+    "nvme3x4": dict(drives=4, read_gbps=3.5, write_gbps=3.0),
+    "nvme3x1": dict(drives=1, read_gbps=3.5, write_gbps=3.0),
+    "nvme4x4": dict(drives=4, read_gbps=7.0, write_gbps=5.5),
+}
 # GPU<->GPU messages inside a node and between nodes (GB/s one way, latency in microseconds).
 ASSUMED_NETWORKS: dict[str, dict[str, float]] = {
     # the SysX paper: 4 V100 per node on PCIe Gen3 (peer copies through the root complex), one

@@ -22,6 +22,7 @@ from sysx.config.checks import (
 )
 from sysx.config.choices import (
     ASSUMED_CPUS,
+    ASSUMED_DISKS,
     ASSUMED_HARDWARE,
     ASSUMED_NETWORKS,
     DATA_SOURCES,
@@ -520,6 +521,9 @@ class EmulateSection:
     ``op_host_us``: the real host time of one executor instruction (null: the figure cached with
     this machine's hardware profile, 0 when none is); the plan and the pacer add it, divided by
     ``time_scale``, so a layout of thousands of messages is not refused for its own Python work.
+    ``disk``: the node's NVMe drives (:data:`~sysx.config.choices.ASSUMED_DISKS`), what
+    ``optim.offload=nvme`` reads and writes; ``host_memory_gib``: the node's RAM (null: the ``cpu``
+    profile's).
     """
 
     gpu: str = "v100"  # GPU profile each rank acts as (ASSUMED_HARDWARE)
@@ -536,6 +540,8 @@ class EmulateSection:
     op_host_us: float | None = (
         None  # real host us per executor instruction the plan adds (null: this machine's cached figure)
     )
+    disk: str = "nvme3x4"  # the node's NVMe drives (ASSUMED_DISKS)
+    host_memory_gib: float | None = None  # the node's RAM (null: the cpu profile's)
 
     def validate(self) -> None:
         """Profiles and preset are known, counts >= 1, the scale > 0, the tolerance in (0, 1)."""
@@ -544,6 +550,9 @@ class EmulateSection:
         check_choice("emulate.gpu", self.gpu, list(ASSUMED_HARDWARE))
         check_choice("emulate.cpu", self.cpu, list(ASSUMED_CPUS))
         check_choice("emulate.net", self.net, list(ASSUMED_NETWORKS))
+        check_choice("emulate.disk", self.disk, list(ASSUMED_DISKS))
+        if self.host_memory_gib is not None:
+            check_positive("emulate.host_memory_gib", self.host_memory_gib, " (GiB of RAM per node), or null")
         check_choice("emulate.model", self.model, [p for p in PRESETS if p != "tiny"])
         for key in ("seq_len", "micro_batch_size"):
             if getattr(self, key) is not None:

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from sysx.config import ConfigError, SysxConfig
 from sysx.emulate.profiles import GIB, EmulatedCluster, cluster
 from sysx.machine.hardware_cache import cached_op_host_s
-from sysx.memory.budget import training_state_bytes
+from sysx.memory.budget import TIER_STAGING_BUFFERS, staging_bytes, training_state_bytes
 from sysx.model import ModelConfig, get_preset
 from sysx.optim.cores import split_workers
 from sysx.optim.placement import device_flow
 from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
 from sysx.schedule.costs import Costs, CostTable, costs_from_model
+from sysx.schedule.disk import DiskCosts, DiskTimeline, disk_costs, with_disk
 from sysx.schedule.replica_costs import ADAM_BYTES_PER_PARAM, ReplicaCosts
 from sysx.schedule.simulate import Timeline, simulate
 
@@ -58,13 +59,27 @@ class EmulatedPlan:
     table: CostTable
     timeline: Timeline
     optimizer_workers: int  # concurrent CPU optimizer steps per rank (1 for a synchronous optimizer)
+    disk: DiskCosts | None = None  # optim.offload=nvme: the tier's reads and writes per sub-stage
+    disk_timeline: DiskTimeline | None = None  # and the steady-state iteration with them
 
     def describe(self) -> str:
         """The cluster and the model whose costs the plan has."""
         m = self.model
         return (
             f"{self.cluster.describe()}; costs of {m.name} at {m.micro_batch_size}x{m.seq_len} tokens per micro-batch"
+            + ("; optimizer states on NVMe" if self.disk else "")
         )
+
+    @property
+    def iteration(self) -> float:
+        """The planned iteration (seconds): with the NVMe tier's exposed I/O when it is on."""
+        return self.disk_timeline.iteration if self.disk_timeline else self.timeline.iteration
+
+    @property
+    def bubble_ratio(self) -> float:
+        """The planned bubble ratio at :attr:`iteration`."""
+        it, busy = self.iteration, self.timeline.busy
+        return (it * len(busy) - sum(busy)) / (it * len(busy)) if it > 0 and busy else 0.0
 
 
 def emulated_model(cfg: SysxConfig) -> EmulatedModel:
@@ -144,10 +159,42 @@ def emulated_costs(
     )
 
 
-def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None) -> EmulatedPlan:
+def tier_costs(
+    hw: EmulatedCluster, table: CostTable, schedule: Schedule, *, precision: str, workers: int = 1
+) -> tuple[CostTable, DiskCosts]:
+    """``table`` with the optimizer states on the node's drives (``optim.offload=nvme``): host bytes
+    per parameter without them, every rank's staging pool (:func:`~sysx.memory.budget.staging_bytes`
+    of its largest sub-stage) in its process bytes; and the tier's :class:`DiskCosts`: each step
+    reads and writes the master, m and v (fp32: m and v) at each rank's share of the node's drives,
+    through one staging buffer per optimizer worker and two more (the tier's pool:
+    :data:`~sysx.memory.budget.TIER_STAGING_BUFFERS` at one worker)."""
+    slots = workers + TIER_STAGING_BUFFERS - 1
+    work = "float32" if precision == "fp32" else "bfloat16"
+    tier = training_state_bytes(work, offload="nvme")
+    disk = disk_costs(
+        table,
+        state_bytes_per_param=tier.step_io,
+        read_bandwidth=hw.disk_read_bandwidth,
+        write_bandwidth=hw.disk_write_bandwidth,
+        ranks_per_node=min(hw.gpus_per_node, schedule.n_ranks * table.replicas),
+        slots=slots,
+    )
+    largest = int(max(table.params_sub, default=0.0) / table.replicas)
+    table = dataclasses.replace(
+        table,
+        host_bytes_per_param=float(tier.optimizer),
+        process_bytes=table.process_bytes + staging_bytes(largest, work, buffers=slots),
+    )
+    return table, disk
+
+
+def plan_emulation(
+    cfg: SysxConfig, schedule: Schedule, *, backend: str, replicas: int | None = None, nvme: bool | None = None
+) -> EmulatedPlan:
     """The emulated plan of ``schedule`` (built from :func:`emulated_model`'s layers), run by
-    ``replicas`` pipelines (None: ``parallel.replicas``). Raises :class:`ConfigError` when a rank's
-    planned GPU memory exceeds the emulated GPU's."""
+    ``replicas`` pipelines (None: ``parallel.replicas``), with the optimizer states on the node's
+    NVMe drives when ``nvme`` (None: ``optim.offload=nvme``; :mod:`sysx.schedule.disk`). Raises
+    :class:`ConfigError` when a rank's planned GPU memory exceeds the emulated GPU's."""
     hw, model = cluster(cfg.emulate), emulated_model(cfg)
     workers = optimizer_workers(hw, schedule, backend=backend, workers=cfg.optim.workers)
     replica = replica_costs(
@@ -163,6 +210,9 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replica
         op_host=op_host_seconds(cfg),
     )
     table = costs.table(schedule)
+    disk = None
+    if cfg.optim.offload == "nvme" if nvme is None else nvme:
+        table, disk = tier_costs(hw, table, schedule, precision=cfg.precision, workers=workers)
     timeline = simulate(schedule, table, gpus_per_node=hw.gpus_per_node)
     worst = max(range(schedule.n_ranks), key=lambda r: timeline.peak_gpu[r])
     if timeline.peak_gpu[worst] > hw.gpu_memory_bytes:
@@ -176,7 +226,8 @@ def plan_emulation(cfg: SysxConfig, schedule: Schedule, *, backend: str, replica
             f"on rank {worst} (peaks: " + ", ".join(f"{n} {p[worst] / GIB:.1f}" for n, p in parts) + "); lower "
             "emulate.micro_batch_size or emulate.seq_len, or use a GPU with more memory"
         )
-    return EmulatedPlan(hw, model, costs, table, timeline, workers)
+    io = with_disk(schedule, timeline, table, disk) if disk is not None else None
+    return EmulatedPlan(hw, model, costs, table, timeline, workers, disk, io)
 
 
 LaneTimes = Mapping[tuple[int, int], tuple[float, float, float]]  # a rank's device-lane sub-stages: (in, step, out) s

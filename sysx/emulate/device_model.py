@@ -134,11 +134,10 @@ class EmulatedDeviceModel(DeviceModel):
         the device lane when units are on it and the steps speculated."""
         schedule = self.plan_schedule(steps)
         if schedule is self.schedule:
-            t = self.plan.timeline
-            return self.lane_plan or (t.iteration, t.bubble_ratio)
+            return self.lane_plan or (self.plan.iteration, self.plan.bubble_ratio)
         if self._validate_first_plan is None:
-            t = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas).timeline
-            self._validate_first_plan = (t.iteration, t.bubble_ratio)
+            p = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas)
+            self._validate_first_plan = (p.iteration, p.bubble_ratio)
         return self._validate_first_plan
 
     def sections(self) -> dict[str, Any]:
@@ -167,6 +166,8 @@ class EmulatedDeviceModel(DeviceModel):
             report["plan"]["cpu_lane_iteration_s"] = plan.timeline.iteration
         if self.replicas > 1:
             report["replicas"] = self._replica_report(steps, measured)
+        if plan.disk_timeline is not None:
+            report["nvme"] = self._disk_report(steps, measured)
         report.update(
             cluster=plan.cluster.describe(),
             model=plan.model.name,
@@ -192,6 +193,22 @@ class EmulatedDeviceModel(DeviceModel):
             "gather_s": span_seconds(steps, measured, "GATHER", scale),
             "plan_reduce_s": plan_reduce if t.reduce else 0.0,
             "plan_gather_s": max(t.gather, default=0.0),
+        }
+
+    def _disk_report(self, steps: list[Any], measured: list[int]) -> dict[str, Any]:
+        """The NVMe tier per step: the busiest rank's wait for reads, reads and writes (modelled
+        seconds, as the run charged them) beside the plan's, and the plan's exposed I/O."""
+        io, scale = self.plan.disk_timeline, self.cfg.emulate.time_scale
+        assert io is not None
+        return {
+            "wait_s": span_seconds(steps, measured, "DISKWAIT ", scale),
+            "read_s": span_seconds(steps, measured, "READ", scale),
+            "write_s": span_seconds(steps, measured, "WRITE", scale),
+            "plan_wait_s": max(io.wait, default=0.0),
+            "plan_read_s": max(io.read, default=0.0),
+            "plan_write_s": max(io.write, default=0.0),
+            "plan_exposed_s": io.exposed,
+            "plan_host_iteration_s": io.base,
         }
 
     def describe(self) -> list[str]:

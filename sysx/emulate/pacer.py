@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,6 +94,16 @@ class Pacer:
         """A recorded timeline window (:mod:`sysx.trace`) in the device's seconds (here: as recorded)."""
         return part
 
+    def disk_pace(self) -> Callable[[str, int], None] | None:
+        """What the rank's NVMe tier (``optim.offload=nvme``) calls after each read and write
+        (``"read"``/``"write"``, bytes). Here: None (the disk takes its own time)."""
+        return None
+
+    def calibrate_disk(self, real_bytes: int) -> None:
+        """The tier holds ``real_bytes`` in one state file slot of each of the rank's stages (what
+        one iteration reads). Here: nothing."""
+        return None
+
 
 class EmulatedPacer(Pacer):
     """Pacing of one rank of an emulated run (see docs/architecture.md)."""
@@ -132,6 +143,13 @@ class EmulatedPacer(Pacer):
         self._opt = {name: self.table.opt[g] for name, g in self._unit.items()}
         self.reduce_free = 0.0  # replicas: the modelled end of the reducer thread's last reduction
         self._reduced: dict[str, float] = {}  # this step's reduced units: their modelled ends
+        # optim.offload=nvme: the rank's disk lane (sysx.schedule.disk), the ends of its latest reads
+        self._disk_free, self._disk_scale = 0.0, 0.0  # nothing charged until calibrate_disk
+        self._reads: deque[float] = deque(maxlen=64)
+        self._owned = list(schedule.assignment.bwd_substages(self.stage_rank))
+        self._running: dict[int, tuple[float, float, float]] = {}  # by worker thread: (t0, start, seconds)
+        self._last_end = 0.0  # the modelled end of the last optimizer job that left
+        self._disk_bandwidth = {"read": 1.0, "write": 1.0}
 
     # ---------------------------------------------------------------------------------- clock
     def cursor(self) -> float:
@@ -329,16 +347,30 @@ class EmulatedPacer(Pacer):
     ) -> Iterator[None]:
         ready = event.timestamp() if isinstance(event, EmulatedEvent) and event.time is not None else 0.0
         t0 = time.monotonic()
-        yield
-        real = time.monotonic() - t0
+        seconds = self._opt[name] * steps * self.time_scale
+        me = threading.get_ident()
+        with self._lock:
+            self._running[me] = (t0, max(submitted, ready, getattr(self._worker, "free", 0.0)), seconds)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(me, None)
+        now = time.monotonic()
+        real = now - t0
         with self._lock:  # replicas: the job starts after the unit's reduction (known once the real one is)
             ready = max(ready, self._reduced.get(name, 0.0))
         start = max(submitted, ready, getattr(self._worker, "free", 0.0))
-        seconds = self._opt[name] * steps * self.time_scale
+        data = self._data_ready(t0, now)  # NVMe tier: the job waited inside for its state's read
+        if data > start:
+            with self._lock:
+                self._stats.spans.append(("disk", f"DISKWAIT {name}", start, data))
+            start, real = data, now - data
         end = start + seconds
         self._ratio("optimizer", real, seconds, f"OPT {name}")
         with self._lock:
             self._stats.spans.append(("cpu", f"OPT {name}", start, end))
+            self._last_end = end
         self._worker.free = end
         with self._lock:
             self.opt_end = max(self.opt_end, end)
@@ -371,6 +403,56 @@ class EmulatedPacer(Pacer):
                 for (name, _), (begin, end) in zip(jobs, spans):
                     self._stats.spans.append((lane, f"OPT-dev {name}", begin, end))
         self._hold(self.d2h.free, "OPT-dev")
+
+    # ------------------------------------------------------------------------------- NVMe tier
+    def disk_pace(self) -> Callable[[str, int], None] | None:
+        """The emulated disk lane of the rank (None when the plan has no NVMe tier): each read or
+        write of the tier takes its bytes, scaled to the emulated sub-stages' state on disk
+        (:meth:`calibrate_disk`), at the rank's share of the node's drives, in issue order
+        (:mod:`sysx.schedule.disk`); the call returns at its modelled end."""
+        return self._disk if self.plan.disk is not None else None
+
+    def calibrate_disk(self, real_bytes: int) -> None:
+        """The small real model's tier holds ``real_bytes`` per slot of the rank's stages: each of
+        its transfers is charged as that share of the emulated ones."""
+        disk = self.plan.disk
+        if disk is None:
+            return
+        emulated = sum(disk.nbytes[s * self.split + k] for s, k in self._owned)
+        self._disk_scale = emulated / real_bytes if real_bytes > 0 else 0.0
+        self._disk_bandwidth = {"read": disk.read_bandwidth, "write": disk.write_bandwidth}
+
+    def _disk(self, kind: str, nbytes: int) -> None:
+        seconds = nbytes * self._disk_scale / self._disk_bandwidth[kind] * self.time_scale
+        now = time.monotonic()
+        if kind == "write":
+            # a write-back leaves with its step's real (small) arithmetic: it is issued at the step's
+            # modelled end, and reads issued before then go first (the lane serves in issue order)
+            after = self._job_end(now)
+            if after > now:
+                sleep_until(after)
+                now = time.monotonic()
+        with self._lock:
+            start = max(self._disk_free, now)
+            end = self._disk_free = start + seconds
+            self._stats.spans.append(("disk", kind.upper(), start, end))
+            if kind == "read":
+                self._reads.append(end)
+        sleep_until(end)
+
+    def _job_end(self, now: float) -> float:
+        """The modelled end of the optimizer job running now (the earliest of several)."""
+        with self._lock:
+            running = list(self._running.values())
+        ends = [max(start, self._data_ready(t0, now)) + seconds for t0, start, seconds in running]
+        # none: the job whose write this is may have left already (its worker holds until its end)
+        return min(ends, default=max(now, self._last_end))
+
+    def _data_ready(self, t0: float, now: float) -> float:
+        """The latest read that ended while an optimizer job ran from ``t0`` to ``now`` (0: none):
+        the job waited for its state until then."""
+        with self._lock:
+            return max((e for e in self._reads if t0 < e <= now), default=0.0)
 
     # ------------------------------------------------------------------------------- replicas
     @contextlib.contextmanager

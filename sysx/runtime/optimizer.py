@@ -17,6 +17,8 @@ and stays.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -85,7 +87,7 @@ class RankOptimizer:
                 )
                 workers, threads = plan.optimizer_workers, threads or plan.threads_per_worker
             if settings.offload == "nvme":
-                self.tier = self._open_tier(params, workers, disk_pace)
+                self.tier = self._open_tier(params, workers, disk_pace, pacer)
             self._build_stages(params)
             if params.replica_layout.replicas > 1:
                 assert replica_group is not None, "replicas need their process group"
@@ -102,9 +104,13 @@ class RankOptimizer:
             raise
         self.protocol = StepProtocol(self.threads, scaler, settings, fp16=self.dtype == torch.float16, group=group)
 
-    def _open_tier(self, params: StageParams, workers: int, pace: DiskPace | None) -> NvmeTier:
+    def _open_tier(
+        self, params: StageParams, workers: int, pace: DiskPace | None, pacer: Pacer | None = None
+    ) -> NvmeTier:
         """The owned sub-stages' (or replica shards') states in this rank's directory under
-        ``optim.nvme_dir``, registered in backward order (the first step's read-ahead order)."""
+        ``optim.nvme_dir``, registered in backward order (the first step's read-ahead order). An
+        emulated device (``pacer``) paces the transfers on its disk lane, each charged as its share
+        of the emulated model's state (one slot of every stage here is what an iteration reads)."""
         from sysx.optim.nvme.open_tier import open_tier
 
         layout, fp32 = params.replica_layout, self.dtype == torch.float32
@@ -112,6 +118,9 @@ class RankOptimizer:
             TierStage.of(u.key, len(layout.shard(u.numel)), param_in_ram=fp32, rollback=self.settings.rollback)
             for u in params.owned()
         ]
+        if pacer is not None:
+            pace = pace or pacer.disk_pace()
+            pacer.calibrate_disk(sum(s.nbytes for s in stages))
         return open_tier(
             self.settings,
             stages,
@@ -319,15 +328,16 @@ class RankOptimizer:
         for stage in self.stages.values():
             stage.close()
         self.stages.clear()
-        tier, self.tier = self.tier, None
-        if tier is not None:
-            tier.close()
         self.host_grads.clear()
         self.reduced.clear()
         self.outcome = None  # a synchronous step's outcome holds the loaded gradients
         self._peers_landing = None
         if self.reducer is not None:  # a failed start: the reducer thread was started
             self.reducer.close()
+        tier, self.tier = self.tier, None
+        if tier is not None:  # last: whatever held a view of a staging buffer is released by now
+            gc.collect()  # a finished job's frame or traceback in a reference cycle may still hold one
+            tier.close()
             self.reducer = None
         self.events = {}
         self.buffers.close()

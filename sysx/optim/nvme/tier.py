@@ -76,6 +76,8 @@ class TierStats:
     writes: int = 0
     hits: int = 0  # residencies served by a buffer that already held the stage (no read)
     wait_s: float = 0.0  # jobs blocked on the tier: reads not done in time, buffers still writing
+    read_s: float = 0.0  # the reads' time from issue to completion, summed (concurrent ones overlap)
+    write_s: float = 0.0  # the writes' likewise
     per_stage_wait_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -279,6 +281,7 @@ class NvmeTier:
         self._closers = list(closers)
         self._stream: StateStream | None = None
         self._closed = False
+        self._waiting = 0  # jobs waiting for a free buffer (they come before the read-ahead)
         self._pool: list[_Buffer] = []
         try:
             for i in range(buffers):
@@ -338,6 +341,8 @@ class NvmeTier:
             if name in self._errors:
                 raise self._errors[name]
             waits = [b.io for b in self._pool if b.key is not None and b.key[0] == name and b.io is not None]
+            # in use from now: while this waits for a buffer, the read-ahead must not read the stage too
+            self._in_use.add(name)
             buf = self._holding(key) if read else None
             if buf is None:
                 buf = self._take_idle()
@@ -408,7 +413,11 @@ class NvmeTier:
             idle = [b for b in self._pool if b.idle()]
             if idle:
                 return max(idle, key=self._reuse_rank)
-            self._cond.wait()
+            self._waiting += 1  # the read-ahead leaves the next free buffer to this job
+            try:
+                self._cond.wait()
+            finally:
+                self._waiting -= 1
 
     def _reuse_rank(self, buf: _Buffer) -> int:
         if buf.key is None:
@@ -422,7 +431,7 @@ class NvmeTier:
     def _read_ahead(self) -> None:
         """Start reading the next stages (least recently used first, up to :attr:`depth`) into idle
         buffers that hold none of them. Holds the lock."""
-        if self._closed or self._unfilled:
+        if self._closed or self._unfilled or self._waiting:
             return
         targets = [n for n in self._recent if n not in self._in_use][: self.depth]
         for name in targets:
@@ -442,11 +451,13 @@ class NvmeTier:
         assert buf.key is not None
         path = self._path(*buf.key)
         view = buf.staging.view(torch.uint8, spec.nbytes)
+        issued = time.perf_counter()
         io = self.engine.read(path, view) if kind == "read" else self.engine.write(path, view)
         done: Future[None] = Future()
         stage = buf.key[0]
 
         def finished(f: Future[None]) -> None:
+            took = time.perf_counter() - issued  # the disk's own time (before an emulated pace)
             error = f.exception()
             if error is None and self.pace is not None:
                 try:
@@ -457,9 +468,11 @@ class NvmeTier:
                 if kind == "read":
                     self.stats.reads += 1
                     self.stats.read_bytes += spec.nbytes
+                    self.stats.read_s += took
                 else:
                     self.stats.writes += 1
                     self.stats.write_bytes += spec.nbytes
+                    self.stats.write_s += took
                     if error is not None:
                         self._errors[stage] = error
             if error is None:
@@ -493,13 +506,13 @@ class NvmeTier:
         """Wait for the transfers, free the buffers and run the closers (removing the files);
         idempotent. A failed write is raised after everything is released."""
         error: BaseException | None = None
+        with self._cond:  # first: a transfer finishing during the flush starts no read-ahead into a buffer
+            self._closed = True
+            self._cond.notify_all()
         try:
             self.flush()
         except BaseException as exc:
             error = exc
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
         for st in self.stages.values():
             st._views = st._buffer = st._param = None
         pool, self._pool = self._pool, []
