@@ -219,6 +219,11 @@ def run_pipeline(cfg: SysxConfig, rollback: str, dataset) -> tuple:
             assert tier.stats.reads > 0 and tier.stats.writes > STEPS
             held = t.optimizer.host_bytes()["optimizer"]
             assert held < sum(16 * s.numel for s in t.optimizer.stages.values()) + tier.host_bytes
+            pool = t.optimizer.scratch  # 16-bit: fp32 gradients converted per job, again at undo / re-step
+            if cfg.precision != "fp32":
+                assert pool is not None and pool.lent == 0
+                assert all(s.grad32 is None for s in t.optimizer.stages.values())
+                assert held == tier.host_bytes + 4 * pool.numel * pool.count
         return [r.loss for r in results], [r.skipped for r in results], t.state_dict()
 
 
