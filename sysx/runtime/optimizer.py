@@ -160,14 +160,14 @@ class RankOptimizer:
             self.scratch = ScratchPool(largest, grad_scratch_buffers(workers))
         for unit in params.owned():
             key = (unit.stage, unit.sub)
-            grad32: torch.Tensor | None = None
-            if fp32:
+            if fp32:  # the offload lands in the optimizer's own fp32 buffer
                 grad32 = self.buffers.empty(unit.numel, torch.float32)
-            elif self.scratch is None:
-                grad32 = torch.empty(unit.numel, dtype=torch.float32)
-            target = None if fp32 else params.shared[key]
-            self.stages[key] = self._stage_optimizer(params, unit, target, grad32)
-            self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
+                self.stages[key] = self._stage_optimizer(params, unit, None, grad32)
+                self.host_grads[key] = grad32
+                continue
+            kept = torch.empty(unit.numel, dtype=torch.float32) if self.scratch is None else None
+            self.stages[key] = self._stage_optimizer(params, unit, params.shared[key], kept)
+            self.host_grads[key] = self.buffers.empty(unit.numel, self.dtype)
 
     def _build_shards(self, params: StageParams) -> None:
         """One optimizer per owned sub-stage over this replica's shard, and the full-size buffer
