@@ -279,12 +279,23 @@ def staging_bytes(largest_numel: int, work_dtype: Any, *, rollback: str = "undo"
     return tier_staging_buffers(workers) * tensors * (-(-4 * largest_numel // PAGE_BYTES) * PAGE_BYTES)
 
 
-def grad_scratch_bytes(largest_numel: int, work_dtype: Any, *, workers: int = 1) -> int:
-    """Host bytes of one rank's fp32 gradient scratch pool with the NVMe tier (:func:`grad_scratch_buffers`
-    buffers of its largest stage); 0 in fp32 runs, whose gradients land in their own fp32 buffer."""
-    if canonical_dtype(work_dtype) == "float32":
+def uses_grad_scratch(owned_numels: Sequence[int], *, workers: int = 1) -> bool:
+    """Whether a rank owning stages of ``owned_numels`` parameters converts its fp32 gradients into a
+    scratch pool with the NVMe tier: only where the pool is smaller than a buffer per stage (a rank
+    owning as few stages as the pool has buffers keeps its buffers and never converts twice)."""
+    return bool(owned_numels) and grad_scratch_buffers(workers) * max(owned_numels) < sum(owned_numels)
+
+
+def grad_scratch_bytes(owned_numels: Sequence[int], work_dtype: Any, *, workers: int = 1) -> int:
+    """Host bytes of one rank's fp32 gradients with the NVMe tier when it owns stages of ``owned_numels``
+    parameters: the scratch pool (:func:`grad_scratch_buffers` buffers of its largest stage), or
+    its stages' own buffers where those are smaller (:func:`uses_grad_scratch`); 0 in fp32 runs,
+    whose gradients land in their own fp32 buffer, counted per parameter."""
+    if canonical_dtype(work_dtype) == "float32" or not owned_numels:
         return 0
-    return grad_scratch_buffers(workers) * 4 * largest_numel
+    if uses_grad_scratch(owned_numels, workers=workers):
+        return grad_scratch_buffers(workers) * 4 * max(owned_numels)
+    return 4 * sum(owned_numels)
 
 
 # --- the per-node plan ------------------------------------------------------------------------
@@ -405,7 +416,8 @@ def plan_host_memory(
     largest stage is pinned (:func:`staging_bytes`) and 16-bit gradients are converted into one
     scratch pool (:func:`grad_scratch_bytes`), both of ``workers`` optimizer workers.
     """
-    shared = master = optimizer = grads = extra = disk = step_io = staging = scratch = 0
+    shared = master = optimizer = grads = extra = disk = step_io = staging = 0
+    pooled: dict[Any, list[int]] = {}  # working dtype -> its stages' numels (the gradients' scratch)
     for stage in owned:
         sections = _sections(stage)
         shared += segment_bytes(stage_data_bytes(sections))
@@ -419,14 +431,14 @@ def plan_host_memory(
             step_io += numel * per_param.step_io
             if offload == "nvme":
                 staging = max(staging, staging_bytes(numel, dtype, rollback=rollback, workers=workers))
-                scratch = max(scratch, grad_scratch_bytes(numel, dtype, workers=workers))
+                pooled.setdefault(dtype, []).append(numel)
     for stage in mirrors:
         shared += segment_bytes(stage_data_bytes(_sections(stage)))
     if pinned_bytes < 0:
         raise ValueError(f"pinned_bytes must be >= 0, got {pinned_bytes}")
     count = len(owned) + len(mirrors)
     pinned = pinned_bytes + staging
-    grads += scratch
+    grads += sum(grad_scratch_bytes(numels, dtype, workers=workers) for dtype, numels in pooled.items())
     return HostMemoryPlan(shared, master, optimizer, grads, pinned, count, rollback=extra, disk=disk, step_io=step_io)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from sysx import device as dev
 from sysx.dist import wait_for
 from sysx.emulate.pacer import Pacer
-from sysx.memory.budget import grad_scratch_buffers
+from sysx.memory.budget import grad_scratch_buffers, uses_grad_scratch
 from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.device_lane import DeviceLane
@@ -149,15 +149,16 @@ class RankOptimizer:
 
     def _build_stages(self, params: StageParams, workers: int) -> None:
         """One optimizer and one host gradient buffer per owned sub-stage. 16-bit runs with the NVMe
-        tier keep no fp32 gradient buffer per sub-stage: each job converts the 16-bit landing buffer
-        into a buffer lent by :attr:`scratch` (see :func:`sysx.memory.budget.grad_scratch_buffers`)."""
+        tier keep no fp32 gradient buffer per sub-stage where a pool is smaller: each job converts
+        the 16-bit landing buffer into a buffer lent by :attr:`scratch` and gives it back; undo and
+        re-step convert again, bit for bit (:func:`sysx.memory.budget.uses_grad_scratch`)."""
         if params.replica_layout.replicas > 1:
             self._build_shards(params)  # the reducer sums into each shard's own fp32 buffer
             return
         fp32 = self.dtype == torch.float32
-        if self.tier is not None and not fp32:
-            largest = max((u.numel for u in params.owned()), default=1)
-            self.scratch = ScratchPool(largest, grad_scratch_buffers(workers))
+        numels = [u.numel for u in params.owned()]
+        if self.tier is not None and not fp32 and uses_grad_scratch(numels, workers=workers):
+            self.scratch = ScratchPool(max(numels), grad_scratch_buffers(workers))
         for unit in params.owned():
             key = (unit.stage, unit.sub)
             if fp32:  # the offload lands in the optimizer's own fp32 buffer
