@@ -224,6 +224,7 @@ def run_pipeline(cfg: SysxConfig, rollback: str, dataset) -> tuple:
                 assert pool is not None and pool.lent == 0
                 assert all(s.grad32 is None for s in t.optimizer.stages.values())
                 assert held == tier.host_bytes + 4 * pool.numel * pool.count
+                assert t.params.node_plan(t.params.rollback, "nvme").grads == 4 * pool.numel * pool.count  # as planned
         return [r.loss for r in results], [r.skipped for r in results], t.state_dict()
 
 
