@@ -11,8 +11,9 @@ that shard between the offload and the optimizer job, which waits for the sum in
 
 With ``optim.offload=nvme`` the stages' fp32 master, m and v live in an
 :class:`~sysx.optim.nvme.tier.NvmeTier` (one state directory per rank): in 16-bit runs the fp32
-masters leave host memory once written there; in fp32 runs the master is the shared working copy
-and stays.
+masters leave host memory once written there, and (without replicas) the fp32 gradients are
+converted per optimizer job into a small per-rank :class:`~sysx.optim.scratch.ScratchPool` instead of
+a buffer per sub-stage; in fp32 runs the master is the shared working copy and stays.
 """
 
 from __future__ import annotations
