@@ -87,8 +87,15 @@ def tier_summary(
         "exposed_s": io.exposed_s,
         "hides_from_global_batch": None if hide is None else hide * per,
         "not_planned": why,  # why the batch at which the disk hides is not planned (None: it is)
-        "staging_per_param": sum(t.pinned - p.pinned for p, t in zip(plain, tier, strict=True)) / sum(numels),
+        "staging_per_param": sum(_pools(p, t, dtype) for p, t in zip(plain, tier, strict=True)) / sum(numels),
     }
+
+
+def _pools(plain: HostMemoryPlan, tier: HostMemoryPlan, dtype: str) -> int:
+    """A node's bytes with the tier that the per-parameter cost (:func:`~sysx.optim.nvme.cost.state_bytes_per_param`)
+    leaves out: the staging pools and, in 16-bit runs, the fp32 gradients (the ranks' scratch pools, or
+    with replicas their fp32 shards)."""
+    return tier.pinned - plain.pinned + (tier.grads if dtype != "float32" else 0)
 
 
 def _grown(replan: Callable[[int], Timeline], m: int) -> tuple[tuple[int, float] | None, str | None]:

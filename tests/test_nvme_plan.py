@@ -22,9 +22,9 @@ GiB = 2**30
 @pytest.mark.parametrize(
     ("dtype", "rollback", "disk", "io", "host"),
     [
-        ("bfloat16", "undo", 12, 12, 6),  # master + m + v on disk; bf16 copy + fp32 grads in RAM
-        ("bfloat16", "snapshot", 24, 12, 6),  # the second set on disk too
-        ("bfloat16", "exact", 24, 12, 6),
+        ("bfloat16", "undo", 12, 12, 2),  # master + m + v on disk; the bf16 copy in RAM, fp32 grads per rank
+        ("bfloat16", "snapshot", 24, 12, 2),  # the second set on disk too
+        ("bfloat16", "exact", 24, 12, 2),
         ("float32", "undo", 8, 8, 8),  # the master is the working copy: only m and v move
         ("float32", "snapshot", 24, 12, 8),  # two slots of (p, m, v): a rollback restores p from the old one
         ("float32", "exact", 24, 12, 8),
@@ -34,16 +34,23 @@ def test_state_bytes_per_parameter(dtype: str, rollback: str, disk: int, io: int
     plain = training_state_bytes(dtype, rollback=rollback)
     tier = training_state_bytes(dtype, rollback=rollback, offload="nvme")
     assert (tier.disk, tier.step_io, tier.total) == (disk, io, host)
-    if dtype == "bfloat16":  # what moved is what the host plan counted
-        assert tier.disk == plain.master + plain.adam + plain.snapshot and tier.total + tier.disk == plain.total
+    if dtype == "bfloat16":  # what moved is what the host plan counted; the fp32 grads became a pool per rank
+        assert tier.disk == plain.master + plain.adam + plain.snapshot and tier.total + tier.disk + 4 == plain.total
+        window = training_state_bytes(dtype, grad_dtype=dtype, rollback=rollback, offload="nvme")
+        assert window.grads == 2  # the window's 16-bit gradients stay per parameter (its pool is its planner's)
 
 
 def test_tier_bytes_of_two_stages() -> None:
     stages = [(1000, "bfloat16"), (3000, "bfloat16")]
     got = tier_bytes(stages)
     assert (got.disk, got.read, got.write) == (48_000, 48_000, 48_000)
-    # RAM loses 12 bytes/param and gains 3 staging buffers of the largest stage's p, m, v: 12,000 B -> 3 pages each
+    # RAM loses 12 bytes/param of master, m, v and gains 3 staging buffers (1 worker + 2) of the largest
+    # stage's p, m, v (12,000 B -> 3 pages each); its 2 stages keep their fp32 grads (a pool of 2 is larger)
     assert got.host_with - got.host_without == 3 * 3 * 3 * 4096 - 48_000
+    four = tier_bytes([(1000, "bfloat16"), (3000, "bfloat16"), (2000, "bfloat16"), (3000, "bfloat16")])
+    # 4 stages: the fp32 grads (4 x 9,000) become a pool of 2 buffers of the largest (2 x 4 x 3,000)
+    assert four.host_with - four.host_without == 3 * 3 * 3 * 4096 - 12 * 9000 - 4 * 9000 + 2 * 4 * 3000
+    assert tier_bytes(stages, workers=3).host_with - got.host_with == 2 * 3 * 3 * 4096  # a buffer per worker more
     assert (got.rollback_read, got.rollback_write) == (48_000, 48_000)  # undo reads back and writes again
     snap = tier_bytes(stages, rollback="snapshot")
     assert (snap.disk, snap.rollback_read, snap.rollback_write) == (96_000, 0, 0)
@@ -60,7 +67,21 @@ def test_node_plan_with_the_tier_counts_one_pool_per_owning_rank() -> None:
     # ranks 0 and 2 own 1500-param shards (3 x 6,000 B -> 2 pages each), ranks 1 and 3 500 (3 x 2,000 B -> 1 page)
     assert tier.pinned - plain.pinned == 3 * 3 * 4096 * (2 + 2 + 1 + 1)
     assert tier.total == plain.total - 4000 * 12 + 3 * 3 * 4096 * 6
-    assert tier.shared == plain.shared and tier.grads == plain.grads
+    assert tier.shared == plain.shared and tier.grads == plain.grads  # replicas keep their fp32 shards
+
+
+def test_node_plan_with_the_tier_counts_a_gradient_pool_per_owning_rank() -> None:
+    """R=1, 16-bit: a rank owning more stages than its pool has buffers converts its fp32 gradients
+    into the pool (optimizer workers + 1 buffers of its largest stage), one owning fewer keeps them."""
+    units = [UnitPlace(n, 0, 0) for n in (1000, 3000, 2000, 3000)] + [UnitPlace(500, 1, 1), UnitPlace(700, 1, 1)]
+    one = ReplicaLayout(1, 2, 0, local_world_size=2)
+    plain = node_host_memory(units, one, 0, "bfloat16")
+    tier = node_host_memory(units, one, 0, "bfloat16", offload="nvme")
+    assert plain.grads == 4 * 10_200
+    assert tier.grads == 2 * 4 * 3000 + 4 * (500 + 700)  # rank 0 pools, rank 1's two stages keep theirs
+    assert node_host_memory(units, one, 0, "bfloat16", offload="nvme", workers=2).grads == 3 * 4 * 3000 + 4 * 1200
+    fp32 = node_host_memory(units, one, 0, "float32", offload="nvme")
+    assert fp32.grads == 4 * 10_200  # fp32: the offload lands in each stage's own fp32 gradient buffer
 
 
 def test_overlap_model_hand_checked() -> None:
@@ -77,10 +98,11 @@ def test_overlap_model_hand_checked() -> None:
 
 
 def test_largest_model_with_and_without_the_tier() -> None:
-    # bf16 + undo: 20 B/param in RAM without the tier (18 + the 2-byte landing buffer), 8 with it, 12 on disk
+    # bf16 + undo: 20 B/param in RAM without the tier (18 + the 2-byte landing buffer), 4 with it (the fp32
+    # gradients are a pool per rank, given as pools per parameter like the staging buffers), 12 on disk
     plain, tier = largest_model(128 * GiB, 1e12, "bfloat16")
     assert plain.params == 128 * GiB // 20 and plain.limit == "host memory"
-    assert tier is not None and tier.params == 128 * GiB // 8 and tier.limit == "host memory"
+    assert tier is not None and tier.params == 128 * GiB // 4 and tier.limit == "host memory"
     _, small = largest_model(128 * GiB, 100e9, "bfloat16")
     assert small is not None and (small.params, small.limit) == (int(100e9 // 12), "disk")
     assert largest_model(128 * GiB, None, "bfloat16")[1] is None

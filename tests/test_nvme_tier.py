@@ -207,18 +207,26 @@ def few_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(open_tier_module, "EXTRA_BUFFERS", 0)
 
 
-def run_pipeline(cfg: SysxConfig, rollback: str, dataset) -> tuple:
+def run_pipeline(cfg: SysxConfig, rollback: str, dataset, *, schedule: str = "sysx", steps: int = STEPS) -> tuple:
     from sysx.runtime import PipelineOptions
     from sysx.trainers.pipeline import PipelineTrainer
 
-    opts = PipelineOptions(schedule="sysx", split=2, optim_backend="torch", rollback=rollback, optimizer_workers=1)
+    # sysx: 2 stages split in 2; the validate-first baselines: 4 stages on the one rank (mobius)
+    layout = {"split": 2} if schedule == "sysx" else {"stages_per_rank": 4}
+    opts = PipelineOptions(schedule=schedule, optim_backend="torch", rollback=rollback, optimizer_workers=1, **layout)
     with PipelineTrainer(cfg, opts, dataset=dataset) as t:
-        results = t.run(STEPS)
+        results = t.run(steps)
         tier = t.optimizer.tier
         if tier is not None:
-            assert tier.stats.reads > 0 and tier.stats.writes > STEPS
+            assert tier.stats.reads > 0 and tier.stats.writes > steps
             held = t.optimizer.host_bytes()["optimizer"]
             assert held < sum(16 * s.numel for s in t.optimizer.stages.values()) + tier.host_bytes
+            pool = t.optimizer.scratch  # 16-bit: fp32 gradients converted per job, again at undo / re-step
+            if cfg.precision != "fp32":
+                assert pool is not None and pool.lent == 0
+                assert all(s.grad32 is None for s in t.optimizer.stages.values())
+                assert held == tier.host_bytes + 4 * pool.numel * pool.count
+                assert t.params.node_plan(t.params.rollback, "nvme").grads == 4 * pool.numel * pool.count  # as planned
         return [r.loss for r in results], [r.skipped for r in results], t.state_dict()
 
 
@@ -290,3 +298,19 @@ def test_the_device_lane_steps_states_of_the_tier(tmp_path: Path) -> None:
     host, nvme = (config("bf16", o, tmp_path, "threads") for o in ("host", "nvme"))
     expected = run_window(host, "exact", steps=6, lane=lane)
     assert_same(run_window(nvme, "exact", steps=6, lane=lane), expected)
+
+
+@pytest.mark.usefixtures("few_buffers", "one_thread")
+def test_validate_first_converts_the_pooled_gradients_again_bit_for_bit(tmp_path: Path) -> None:
+    """A validate-first schedule (mobius, 4 stages) in bf16 with the tier: each stage's fp32 gradients go back
+    to the pool after the check and are converted again, clipped, for the step; 8 steps, every one
+    clipped, bit-identical to host memory."""
+    import dataclasses
+
+    from sysx.data import TokenDataset, default_corpus_path
+
+    dataset = TokenDataset(default_corpus_path())
+    host, nvme = (config("bf16", o, tmp_path, "threads") for o in ("host", "nvme"))
+    host, nvme = (dataclasses.replace(c, train=dataclasses.replace(c.train, steps=8)) for c in (host, nvme))
+    expected = run_pipeline(host, "undo", dataset, schedule="mobius", steps=8)
+    assert_same(run_pipeline(nvme, "undo", dataset, schedule="mobius", steps=8), expected)

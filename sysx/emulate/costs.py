@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from sysx.config import ConfigError, SysxConfig
 from sysx.emulate.profiles import GIB, EmulatedCluster, cluster
 from sysx.machine.hardware_cache import cached_op_host_s
-from sysx.memory.budget import TIER_STAGING_BUFFERS, staging_bytes, training_state_bytes
+from sysx.memory.budget import grad_scratch_bytes, staging_bytes, tier_staging_buffers, training_state_bytes
 from sysx.model import ModelConfig, get_preset
 from sysx.optim.cores import split_workers
 from sysx.optim.placement import device_flow
@@ -166,9 +166,10 @@ def tier_costs(
     per parameter without them, every rank's staging pool (:func:`~sysx.memory.budget.staging_bytes`
     of its largest sub-stage) in its process bytes; and the tier's :class:`DiskCosts`: each step
     reads and writes the master, m and v (fp32: m and v) at each rank's share of the node's drives,
-    through one staging buffer per optimizer worker and two more (the tier's pool:
-    :data:`~sysx.memory.budget.TIER_STAGING_BUFFERS` at one worker)."""
-    slots = workers + TIER_STAGING_BUFFERS - 1
+    through one staging buffer per optimizer worker and two more (the tier's pool,
+    :func:`~sysx.memory.budget.tier_staging_buffers`); 16-bit gradients are converted per job into a
+    per-rank fp32 pool (:func:`~sysx.memory.budget.grad_scratch_bytes`, the busiest rank's), not per parameter."""
+    slots = tier_staging_buffers(workers)
     work = "float32" if precision == "fp32" else "bfloat16"
     tier = training_state_bytes(work, offload="nvme")
     disk = disk_costs(
@@ -180,10 +181,16 @@ def tier_costs(
         slots=slots,
     )
     largest = int(max(table.params_sub, default=0.0) / table.replicas)
+    d, place = table.split, schedule.assignment
+    owned = [
+        [int(table.params_sub[s * d + k] / table.replicas) for s, k in place.bwd_substages(x)]
+        for x in range(schedule.n_ranks)
+    ]
+    grads = max((grad_scratch_bytes(o, work, workers=workers) for o in owned), default=0)
     table = dataclasses.replace(
         table,
         host_bytes_per_param=float(tier.optimizer),
-        process_bytes=table.process_bytes + staging_bytes(largest, work, buffers=slots),
+        process_bytes=table.process_bytes + staging_bytes(largest, work, workers=workers) + grads,
     )
     return table, disk
 

@@ -96,7 +96,7 @@ def largest_lines(
 ) -> list[str]:
     """The largest model one node holds with and without the tier (host memory: ``--host-gb`` or this
     machine's total; disk: ``--disk-gb`` or the directory's free space; ``staging``: the plan's
-    staging pools per parameter, which scale with the model at the same layout; ``window``: the
+    per-rank pools (tier staging; the pipeline's 16-bit runs: fp32 gradients too) per parameter, which scale with the model at the same layout; ``window``: the
     sliding window's state, else the pipeline's)."""
     if args.host_gb:  # None or 0: this machine's
         host = args.host_gb * GIB
@@ -108,7 +108,7 @@ def largest_lines(
     plain, tier = largest_model(host, free, dtype, staging_per_param=staging, window=window)
     where = f"a node of {fmt_bytes(host)} host memory" + ("" if free is None else f" and {fmt_bytes(free)} free disk")
     with_tier = "give --disk-gb or --nvme-dir for the disk's bound" if tier is None else _fit(tier)
-    pools = f" ({staging:.1f} bytes/param of staging buffers at this layout)" if staging else ""
+    pools = f" ({staging:.1f} bytes/param of per-rank buffer pools at this layout)" if staging else ""
     return [
         f"  largest model whose training state fits {where}: without the tier {_fit(plain)}; with it {with_tier}{pools}"
     ]

@@ -235,30 +235,67 @@ def training_state_bytes(
     (``optim.offload``) keeps the fp32 state in files (``disk``): one slot of (p, m, v) per parameter
     (m and v only in fp32 runs, whose master is the working copy in RAM), two slots with ``snapshot``
     or ``exact`` (a step reads one and writes the other; p is in both so a rollback restores it);
-    RAM keeps the working copy and the gradients (the staging buffers are per stage, not per parameter)."""
+    RAM keeps the working copy and the gradients, except fp32 gradients of a 16-bit working copy: the
+    tier's optimizer converts them per job into a per-rank scratch pool (:func:`grad_scratch_bytes`),
+    so they cost 0 per parameter here, like the staging buffers (per rank, not per parameter)."""
     work = dtype_itemsize(work_dtype)
     master = 0 if canonical_dtype(work_dtype) == "float32" else 4
     if offload == "nvme":
         slots = 2 if rollback in ("snapshot", "exact") else 1
         one = 12 if master or slots == 2 else 8  # bytes of one slot per parameter
-        return StateBytes(0, 0, dtype_itemsize(grad_dtype), work, 0, disk=slots * one, step_io=one)
+        pooled = master and canonical_dtype(grad_dtype) == "float32"
+        grads = 0 if pooled else dtype_itemsize(grad_dtype)
+        return StateBytes(0, 0, grads, work, 0, disk=slots * one, step_io=one)
     extra = {"snapshot": 12, "exact": 12 if master else 16}.get(rollback, 0)
     return StateBytes(master, 8, dtype_itemsize(grad_dtype), work, extra)
 
 
-# optim.offload=nvme: staging buffers per rank, each one slot of its largest stage: one per optimizer
-# worker (one here), one read ahead, one written back behind (sysx.optim.nvme.open_tier's pool)
-TIER_STAGING_BUFFERS = 3
+# optim.offload=nvme: a rank's tier pool holds one staging buffer (one slot of its largest stage) per
+# optimizer worker and these more: one read ahead, one written back behind (sysx.optim.nvme.open_tier)
+TIER_EXTRA_BUFFERS = 2
+# 16-bit runs with the tier convert each job's gradients to fp32 in a per-rank scratch pool: one buffer
+# per optimizer worker and this many more: the device lane's steps on the trainer's own thread
+GRAD_SCRATCH_EXTRA = 1
 PAGE_BYTES = 4096  # O_DIRECT buffers and file regions are whole pages (sysx.optim.nvme's ALIGN)
 
 
-def staging_bytes(
-    largest_numel: int, work_dtype: Any, *, rollback: str = "undo", buffers: int = TIER_STAGING_BUFFERS
-) -> int:
+def tier_staging_buffers(workers: int) -> int:
+    """Staging buffers of one rank's tier pool with ``workers`` optimizer workers."""
+    return max(1, workers) + TIER_EXTRA_BUFFERS
+
+
+def grad_scratch_buffers(workers: int) -> int:
+    """fp32 gradient buffers of one rank's scratch pool with ``workers`` optimizer workers: a job
+    holds one while it converts and steps (undo and re-step convert again from the 16-bit gradients,
+    bit for bit), so the jobs that can run at once bound it."""
+    return max(1, workers) + GRAD_SCRATCH_EXTRA
+
+
+def staging_bytes(largest_numel: int, work_dtype: Any, *, rollback: str = "undo", workers: int = 1) -> int:
     """Pinned bytes of one rank's tier staging pool when its largest stage (or shard) has ``largest_numel``
-    parameters in ``work_dtype``: ``buffers`` buffers of one slot, each fp32 tensor page-rounded."""
+    parameters in ``work_dtype`` and it runs ``workers`` optimizer workers: :func:`tier_staging_buffers`
+    buffers of one slot, each fp32 tensor page-rounded."""
     tensors = training_state_bytes(work_dtype, rollback=rollback, offload="nvme").step_io // 4
-    return buffers * tensors * (-(-4 * largest_numel // PAGE_BYTES) * PAGE_BYTES)
+    return tier_staging_buffers(workers) * tensors * (-(-4 * largest_numel // PAGE_BYTES) * PAGE_BYTES)
+
+
+def uses_grad_scratch(owned_numels: Sequence[int], *, workers: int = 1) -> bool:
+    """Whether a rank owning stages of ``owned_numels`` parameters converts its fp32 gradients into a
+    scratch pool with the NVMe tier: only where the pool is smaller than a buffer per stage (a rank
+    owning as few stages as the pool has buffers keeps its buffers and never converts twice)."""
+    return bool(owned_numels) and grad_scratch_buffers(workers) * max(owned_numels) < sum(owned_numels)
+
+
+def grad_scratch_bytes(owned_numels: Sequence[int], work_dtype: Any, *, workers: int = 1) -> int:
+    """Host bytes of one rank's fp32 gradients with the NVMe tier when it owns stages of ``owned_numels``
+    parameters: the scratch pool (:func:`grad_scratch_buffers` buffers of its largest stage), or
+    its stages' own buffers where those are smaller (:func:`uses_grad_scratch`); 0 in fp32 runs,
+    whose gradients land in their own fp32 buffer, counted per parameter."""
+    if canonical_dtype(work_dtype) == "float32" or not owned_numels:
+        return 0
+    if uses_grad_scratch(owned_numels, workers=workers):
+        return grad_scratch_buffers(workers) * 4 * max(owned_numels)
+    return 4 * sum(owned_numels)
 
 
 # --- the per-node plan ------------------------------------------------------------------------
@@ -366,6 +403,7 @@ def plan_host_memory(
     pinned_bytes: int = 0,
     rollback: str = "undo",
     offload: str = "host",
+    workers: int = 1,
 ) -> HostMemoryPlan:
     """Host bytes one node needs.
 
@@ -374,10 +412,12 @@ def plan_host_memory(
     here (shared memory only). Per parameter, :func:`training_state_bytes` with fp32 gradients
     (master weights are skipped for fp32 sections: the shared copy is the master) and the
     buffers of ``rollback`` (``optim.rollback``, resolved: ``auto`` counts as ``undo``); with
-    ``offload="nvme"`` the master, m, v and rollback set are on disk and one staging pool of the
-    largest stage is pinned (:func:`staging_bytes`).
+    ``offload="nvme"`` the master, m, v and rollback set are on disk, one staging pool of the
+    largest stage is pinned (:func:`staging_bytes`) and 16-bit gradients are converted into one
+    scratch pool (:func:`grad_scratch_bytes`), both of ``workers`` optimizer workers.
     """
     shared = master = optimizer = grads = extra = disk = step_io = staging = 0
+    pooled: dict[Any, list[int]] = {}  # working dtype -> its stages' numels (the gradients' scratch)
     for stage in owned:
         sections = _sections(stage)
         shared += segment_bytes(stage_data_bytes(sections))
@@ -390,13 +430,15 @@ def plan_host_memory(
             disk += numel * per_param.disk
             step_io += numel * per_param.step_io
             if offload == "nvme":
-                staging = max(staging, staging_bytes(numel, dtype, rollback=rollback))
+                staging = max(staging, staging_bytes(numel, dtype, rollback=rollback, workers=workers))
+                pooled.setdefault(dtype, []).append(numel)
     for stage in mirrors:
         shared += segment_bytes(stage_data_bytes(_sections(stage)))
     if pinned_bytes < 0:
         raise ValueError(f"pinned_bytes must be >= 0, got {pinned_bytes}")
     count = len(owned) + len(mirrors)
     pinned = pinned_bytes + staging
+    grads += sum(grad_scratch_bytes(numels, dtype, workers=workers) for dtype, numels in pooled.items())
     return HostMemoryPlan(shared, master, optimizer, grads, pinned, count, rollback=extra, disk=disk, step_io=step_io)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from sysx.memory.budget import (
     HostMemoryPlan,
+    grad_scratch_bytes,
     segment_bytes,
     stage_data_bytes,
     staging_bytes,
@@ -45,16 +46,22 @@ def node_host_memory(
     *,
     rollback: str = "undo",
     offload: str = "host",
+    workers: int = 1,
 ) -> HostMemoryPlan:
     """Host bytes node ``node`` needs for ``units`` run by every replica of ``layout`` in the working
     precision ``dtype`` (see the module doc); ``rollback``: ``optim.rollback``, resolved; ``offload``:
     ``optim.offload`` (``nvme``: the master, m, v and rollback set are in the state files, ``disk``,
-    and each owning rank pins one staging pool of its largest shard)."""
+    and each owning rank pins one staging pool of its largest shard; in 16-bit runs without
+    replicas each owning rank converts its fp32 gradients per job into one scratch pool of its
+    largest unit, :func:`~sysx.memory.budget.grad_scratch_bytes`, while replicas keep the fp32
+    shard the reducer sums into); ``workers``: each
+    rank's optimizer workers (the pools' size: :func:`~sysx.memory.budget.tier_staging_buffers`)."""
     r_count = layout.replicas
     state = training_state_bytes(dtype, rollback=rollback, offload=offload)
+    grads_per = 4 if r_count > 1 else state.grads  # replicas: the reducer's fp32 shard, also with the tier
     landing = dtype_itemsize(dtype) if canonical_dtype(dtype) != "float32" or r_count > 1 else 0
     shared = shards = owners = segments = 0
-    largest: dict[int, int] = {}  # owning global rank on this node -> its largest optimizer shard
+    owned: dict[int, list[int]] = {}  # owning global rank on this node -> its optimizer shards' numels
     for unit in units:
         local = [r for r in range(r_count) if layout.node_of(layout.global_rank(unit.owner, r)) == node]
         forward_here = any(layout.node_of(layout.global_rank(unit.fwd, r)) == node for r in range(r_count))
@@ -65,15 +72,19 @@ def node_host_memory(
         owners += len(local) * unit.numel
         for r in local:
             rank = layout.global_rank(unit.owner, r)
-            largest[rank] = max(largest.get(rank, 0), len(shard_range(unit.numel, r_count, r)))
-    staging = sum(staging_bytes(n, dtype, rollback=rollback) for n in largest.values()) if offload == "nvme" else 0
+            owned.setdefault(rank, []).append(len(shard_range(unit.numel, r_count, r)))
+    staging = scratch = 0
+    if offload == "nvme":
+        staging = sum(staging_bytes(max(n), dtype, rollback=rollback, workers=workers) for n in owned.values())
+        if r_count == 1:
+            scratch = sum(grad_scratch_bytes(n, dtype, workers=workers) for n in owned.values())
     # fp32 runs with replicas: the optimizer's gradients are its shard's slice of the landing buffer
     landed = owners * landing - (shards * landing if canonical_dtype(dtype) == "float32" and r_count > 1 else 0)
     return HostMemoryPlan(
         shared,
         shards * state.master,
         shards * state.adam,
-        shards * state.grads,
+        shards * grads_per + scratch,
         landed + staging,
         segments,
         rollback=shards * state.snapshot,

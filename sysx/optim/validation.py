@@ -222,6 +222,7 @@ def load_and_check(
             events[stage.name].synchronize()
         stage.new_iteration()
         found_inf, sq = stage.load_grads(grads[stage.name], scale=scale)
+        stage.drop_grads()  # a lent fp32 buffer goes back until the step converts again (kept ones stay)
         return StageReport(stage=stage.name, found_inf=found_inf, sq_norm=sq)
 
     reports = _run(by_name, threads, load, list(grads), "check")

@@ -11,8 +11,9 @@ that shard between the offload and the optimizer job, which waits for the sum in
 
 With ``optim.offload=nvme`` the stages' fp32 master, m and v live in an
 :class:`~sysx.optim.nvme.tier.NvmeTier` (one state directory per rank): in 16-bit runs the fp32
-masters leave host memory once written there; in fp32 runs the master is the shared working copy
-and stays.
+masters leave host memory once written there, and (without replicas) the fp32 gradients are
+converted per optimizer job into a small per-rank :class:`~sysx.optim.scratch.ScratchPool` instead of
+a buffer per sub-stage; in fp32 runs the master is the shared working copy and stays.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import torch.distributed as dist
 from sysx import device as dev
 from sysx.dist import wait_for
 from sysx.emulate.pacer import Pacer
+from sysx.memory.budget import grad_scratch_buffers, uses_grad_scratch
 from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.loss_scaler import LossScaler, NonFiniteGradients
 from sysx.optim.nvme.tier import NvmeTier, TierStage
 from sysx.optim.nvme.tier import Pace as DiskPace
+from sysx.optim.scratch import ScratchPool
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageOptimizer
 from sysx.optim.step_protocol import LanePacer, LaneSeconds, StepProtocol
@@ -75,6 +78,7 @@ class RankOptimizer:
         self.reducer: GradReducer | None = None
         self._peers_landing: dict[tuple[int, int], list[torch.Tensor]] | None = None
         self.tier: NvmeTier | None = None
+        self.scratch: ScratchPool | None = None  # 16-bit with the tier: the fp32 gradients, per job
         try:
             workers, threads = settings.workers, settings.threads_per_worker
             if workers is None or threads is None:
@@ -88,7 +92,7 @@ class RankOptimizer:
                 workers, threads = plan.optimizer_workers, threads or plan.threads_per_worker
             if settings.offload == "nvme":
                 self.tier = self._open_tier(params, workers, disk_pace, pacer)
-            self._build_stages(params)
+            self._build_stages(params, workers)
             if params.replica_layout.replicas > 1:
                 assert replica_group is not None, "replicas need their process group"
                 self._build_reducer(params, replica_group, pacer)
@@ -132,10 +136,11 @@ class RankOptimizer:
         )
 
     def _stage_optimizer(
-        self, params: StageParams, unit: SubStage, target: torch.Tensor | None, grad32: torch.Tensor
+        self, params: StageParams, unit: SubStage, target: torch.Tensor | None, grad32: torch.Tensor | None
     ) -> StageOptimizer:
         """The optimizer of ``unit`` (with the NVMe tier: its state written to its file, and in
-        16-bit runs the RAM master given up)."""
+        16-bit runs the RAM master given up); ``grad32`` None: its fp32 gradients are converted per
+        job into :attr:`scratch`."""
         key = (unit.stage, unit.sub)
         stage = StageOptimizer.from_settings(
             unit.key,
@@ -143,27 +148,37 @@ class RankOptimizer:
             self.settings,
             target=target,
             grad_buffer=grad32,
+            keep_grads=grad32 is not None,
             no_decay=params.no_decay(unit),
+            scratch=self.scratch,
             store=self.tier.state(unit.key) if self.tier is not None else None,
         )
         if self.tier is not None and self.dtype != torch.float32:
             del params.masters[key]  # on disk now: the RAM this frees is what the tier is for
         return stage
 
-    def _build_stages(self, params: StageParams) -> None:
-        """One optimizer and one host gradient buffer per owned sub-stage."""
+    def _build_stages(self, params: StageParams, workers: int) -> None:
+        """One optimizer and one host gradient buffer per owned sub-stage. 16-bit runs with the NVMe
+        tier keep no fp32 gradient buffer per sub-stage where a pool is smaller: each job converts
+        the 16-bit landing buffer into a buffer lent by :attr:`scratch` and gives it back; undo and
+        re-step convert again, bit for bit (:func:`sysx.memory.budget.uses_grad_scratch`)."""
         if params.replica_layout.replicas > 1:
-            self._build_shards(params)
+            self._build_shards(params)  # the reducer sums into each shard's own fp32 buffer
             return
         fp32 = self.dtype == torch.float32
+        numels = [u.numel for u in params.owned()]
+        if self.tier is not None and not fp32 and uses_grad_scratch(numels, workers=workers):
+            self.scratch = ScratchPool(max(numels), grad_scratch_buffers(workers))
         for unit in params.owned():
             key = (unit.stage, unit.sub)
-            grad32 = (
-                self.buffers.empty(unit.numel, torch.float32) if fp32 else torch.empty(unit.numel, dtype=torch.float32)
-            )
-            target = None if fp32 else params.shared[key]
-            self.stages[key] = self._stage_optimizer(params, unit, target, grad32)
-            self.host_grads[key] = grad32 if fp32 else self.buffers.empty(unit.numel, self.dtype)
+            if fp32:  # the offload lands in the optimizer's own fp32 buffer
+                grad32 = self.buffers.empty(unit.numel, torch.float32)
+                self.stages[key] = self._stage_optimizer(params, unit, None, grad32)
+                self.host_grads[key] = grad32
+                continue
+            kept = torch.empty(unit.numel, dtype=torch.float32) if self.scratch is None else None
+            self.stages[key] = self._stage_optimizer(params, unit, params.shared[key], kept)
+            self.host_grads[key] = self.buffers.empty(unit.numel, self.dtype)
 
     def _build_shards(self, params: StageParams) -> None:
         """One optimizer per owned sub-stage over this replica's shard, and the full-size buffer
@@ -201,16 +216,19 @@ class RankOptimizer:
 
     def host_bytes(self) -> dict[str, int]:
         """Host bytes this rank's optimizer holds: ``optimizer`` (fp32 masters apart from the shared
-        copy, Adam m and v, the fp32 gradients it steps with; with the NVMe tier the fp32 gradients
-        and the tier's staging buffers) and ``landing`` (the rest of the buffers the offloads land
+        copy, Adam m and v, the fp32 gradients it steps with; with the NVMe tier the tier's staging
+        buffers and the fp32 gradients: in 16-bit runs without replicas the scratch pool) and ``landing`` (the rest of the buffers the offloads land
         in: 16-bit, or with replicas the other shards' part)."""
         optimizer = landing = 0
         if self.tier is not None:
             optimizer += self.tier.host_bytes
+        if self.scratch is not None:
+            optimizer += 4 * self.scratch.numel * self.scratch.count
         for key, stage in self.stages.items():
             if self.tier is None:
                 optimizer += (8 if self.dtype == torch.float32 else 12) * stage.numel  # (master), m, v
-            optimizer += 4 * stage.numel
+            if self.scratch is None:
+                optimizer += 4 * stage.numel
             full = self.host_grads[key]
             if self.dtype != torch.float32 or full.numel() != stage.numel:
                 landing += full.nbytes - (4 * stage.numel if self.dtype == torch.float32 else 0)
@@ -328,16 +346,18 @@ class RankOptimizer:
         for stage in self.stages.values():
             stage.close()
         self.stages.clear()
+        if self.scratch is not None:
+            self.scratch.close()
         self.host_grads.clear()
         self.reduced.clear()
         self.outcome = None  # a synchronous step's outcome holds the loaded gradients
         self._peers_landing = None
         if self.reducer is not None:  # a failed start: the reducer thread was started
             self.reducer.close()
+            self.reducer = None
         tier, self.tier = self.tier, None
         if tier is not None:  # last: whatever held a view of a staging buffer is released by now
             gc.collect()  # a finished job's frame or traceback in a reference cycle may still hold one
             tier.close()
-            self.reducer = None
         self.events = {}
         self.buffers.close()

@@ -15,8 +15,9 @@ from typing import NoReturn
 import torch
 
 from sysx.machine.hardware import GiB, HardwareProfile
-from sysx.memory.budget import staging_bytes, training_state_bytes
+from sysx.memory.budget import grad_scratch_buffers, staging_bytes, training_state_bytes
 from sysx.model.config import ModelConfig
+from sysx.single.lanes import WORKERS
 from sysx.single.op_profile import Profiler
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
 from sysx.single.plan_levels import SaveChoice, choose_save_levels
@@ -86,7 +87,7 @@ def _fit(
 
 # 16-bit groups convert their gradients to fp32 per optimizer job into buffers of the largest group,
 # one per job in flight: the two optimizer workers and the trainer's thread (the device lane)
-GRAD_SCRATCH_BUFFERS = 3
+GRAD_SCRATCH_BUFFERS = grad_scratch_buffers(WORKERS)
 
 
 def _host_fixed(req: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
@@ -94,7 +95,7 @@ def _host_fixed(req: PlanRequest, sizes: ModelSizes) -> dict[str, int]:
     state = training_state_bytes(req.dtype, grad_dtype=req.dtype, offload=req.offload)
     out = {name: per * n for name, per in state.rows().items()}
     if req.offload == "nvme":  # the master, m and v are in files; one staging pool of the largest group
-        out["nvme staging"] = staging_bytes(max(sizes.block_params, sizes.static_params), req.dtype)
+        out["nvme staging"] = staging_bytes(max(sizes.block_params, sizes.static_params), req.dtype, workers=WORKERS)
     if req.precision != "fp32":
         out["fp32 grad scratch"] = 4 * max(sizes.block_params, sizes.static_params) * GRAD_SCRATCH_BUFFERS
     return out

@@ -232,7 +232,7 @@ class PipelineTrainer(Trainer):
     def _host_memory(self) -> dict[str, Any]:
         """Host bytes of the optimizers on each node, measured (the buffers they hold, all made by
         now) beside the node plan of this rank's node (collective: every rank calls it)."""
-        plan = self.params.node_plan(self.params.rollback)
+        plan = self.params.node_plan(self.params.rollback, self.params.offload)
         return {
             "replicas": self.layout.replicas,
             "measured_per_node": self.runtime.node_host_bytes(),

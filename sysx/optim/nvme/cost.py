@@ -71,11 +71,14 @@ class TierBytes:
     rollback_write: int  # extra writes of a rolled-back step
 
 
-def tier_bytes(owned: Sequence[StageSizes], *, rollback: str = "undo", mirrors: Sequence[StageSizes] = ()) -> TierBytes:
+def tier_bytes(
+    owned: Sequence[StageSizes], *, rollback: str = "undo", mirrors: Sequence[StageSizes] = (), workers: int = 1
+) -> TierBytes:
     """:class:`TierBytes` of one rank owning the stages ``owned`` (``(numel, dtype)`` or ``{dtype: numel}``,
-    as :func:`~sysx.memory.budget.plan_host_memory` takes them) under ``optim.rollback=rollback``."""
+    as :func:`~sysx.memory.budget.plan_host_memory` takes them) under ``optim.rollback=rollback``,
+    with ``workers`` optimizer workers (the size of its staging and gradient pools)."""
     host = plan_host_memory(owned, mirrors=mirrors, rollback=rollback)
-    tier = plan_host_memory(owned, mirrors=mirrors, rollback=rollback, offload="nvme")
+    tier = plan_host_memory(owned, mirrors=mirrors, rollback=rollback, offload="nvme", workers=workers)
     again = tier.step_io if rollback in ("undo", "auto") else 0
     return TierBytes(tier.disk, tier.step_io, tier.step_io, host.total, tier.total, again, again)
 

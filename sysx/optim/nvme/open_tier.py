@@ -14,11 +14,14 @@ import re
 from collections.abc import Sequence
 from typing import Protocol
 
+from sysx.memory.budget import TIER_EXTRA_BUFFERS
 from sysx.optim.nvme.engine import open_engine
 from sysx.optim.nvme.files import StateDir
 from sysx.optim.nvme.tier import NvmeTier, Pace, TierStage
 
-EXTRA_BUFFERS = 2  # staging buffers beyond one per optimizer worker: one written behind, one read ahead
+# staging buffers beyond one per optimizer worker: one written behind, one read ahead (the planners'
+# constant, sysx.memory.budget, so plan and runtime count one pool; a module name tests can patch)
+EXTRA_BUFFERS = TIER_EXTRA_BUFFERS
 
 
 class OffloadSettings(Protocol):
