@@ -179,6 +179,9 @@ def test_dead_jobs_leftovers_are_swept_by_the_next_job_and_the_command(
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
+    # a shell's background job starts with SIGINT ignored, and Python then leaves it ignored: Ctrl-C
+    # is what this child must see
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from sysx.optim.nvme import StateDir
     state = StateDir(sys.argv[1], job=sys.argv[2], node=0, rank=0)
     state.reserve({"m": 8192})
