@@ -182,11 +182,11 @@ def test_preflight_host_refusal_names_what_the_tier_would_need(monkeypatch) -> N
 def test_sysx_plan_prints_the_tier_section(capsys) -> None:
     from sysx.plan_command import main
 
-    flags = ["--model", "tiny", "--ranks", "2", "--offload", "nvme", "--disk-read-gbps", "0.001"]
-    assert main([*flags, "--disk-write-gbps", "0.0005", "--disk-gb", "10", "--host-gb", "16"]) == 0
+    flags = ["--model", "tiny", "--ranks", "2", "--offload", "nvme", "--disk-read-gbps", "1"]
+    assert main([*flags, "--disk-write-gbps", "0.5", "--disk-gb", "10", "--host-gb", "16"]) == 0
     out = capsys.readouterr().out.splitlines()
     head = out.index(next(line for line in out if line.startswith("NVMe tier")))
-    assert "read 0.001 GB/s, write 0.0005 GB/s (assumed), 10.0 GiB free" in out[head]
+    assert "read 1 GB/s, write 0.5 GB/s (assumed), 10.0 GiB free" in out[head]
     assert out[head + 1].startswith("  node 0: state files ") and "without the tier" in out[head + 1]
     assert "exposed I/O per step (busiest node): disk " in out[head + 2] and "% of the step" in out[head + 2]
     assert "the disk hides behind compute from a global batch of " in out[head + 3] and "(planned: 4)" in out[head + 3]
@@ -202,14 +202,16 @@ def test_sysx_plan_json_carries_the_tier_figures(capsys) -> None:
     from sysx.optim.nvme.cost import step_io
     from sysx.plan_command import main
 
-    flags = ["--model", "tiny", "--ranks", "2", "--offload", "nvme", "--disk-read-gbps", "0.001", "--json"]
+    flags = ["--model", "tiny", "--ranks", "2", "--offload", "nvme", "--disk-read-gbps", "1", "--json"]
     assert main(flags) == 0
     got = json.loads(capsys.readouterr().out)
     tier = got["nvme"]
-    assert tier["step_s"] == got["iteration"] and tier["read_bytes_per_s"] == tier["write_bytes_per_s"] == 1e6
+    assert tier["step_s"] == got["iteration"] and tier["read_bytes_per_s"] == tier["write_bytes_per_s"] == 1e9
     node = tier["nodes"][0]
-    want = step_io(node["step_io"], node["step_io"], DiskRates(1e6, 1e6), got["iteration"])
-    assert tier["exposed_s"] == pytest.approx(want.exposed_s) and tier["hides_from_global_batch"] > 4
+    bound = step_io(node["step_io"], node["step_io"], DiskRates(1e9, 1e9), got["iteration"])
+    # the exposed I/O is the disk lane's replay of the step; the whole-step model is its lower bound
+    assert tier["exposed_s"] == tier["replayed_exposed_s"] >= bound.exposed_s > 0
+    assert tier["hides_from_global_batch"] > 4
 
 
 def test_sysx_plan_tier_needs_rates_and_a_model(capsys) -> None:
@@ -250,7 +252,7 @@ def test_the_hiding_batch_falls_back_to_one_more_micro_batch_then_says_why() -> 
         def at(m: int):
             if m > limit:
                 raise ValueError(f"needs more GPU memory at {m}\nsecond line")
-            return SimpleNamespace(iteration=float(m))
+            return None, SimpleNamespace(iteration=float(m)), None  # (schedule, timeline, costs)
 
         return at
 

@@ -90,6 +90,7 @@ class StepIo:
     read_s: float
     write_s: float
     step_s: float  # the step without the tier
+    replayed_exposed_s: float | None = None  # the disk lane's replay of the step (sysx.schedule.disk), when planned
 
     @property
     def io_s(self) -> float:
@@ -98,7 +99,10 @@ class StepIo:
 
     @property
     def exposed_s(self) -> float:
-        """The I/O the step cannot hide: what it adds to the step."""
+        """The I/O the step cannot hide: what it adds to the step (the replay's figure where there is
+        one: the whole-step model is its lower bound, blind to the staging pool's read-ahead depth)."""
+        if self.replayed_exposed_s is not None:
+            return self.replayed_exposed_s
         return max(0.0, self.io_s - self.step_s)
 
     @property
