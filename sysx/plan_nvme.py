@@ -11,8 +11,8 @@ matched within 1%), and the disk hides from the fewest micro-batches whose repla
 within :data:`HIDE_TOLERANCE` of the step. The whole-step bound of :mod:`sysx.optim.nvme.cost`
 (``max(0, read_s + write_s - step_s)``, the plan simulated again at twice the micro-batches for the
 step's growth) is the fallback without a model: it is blind to the staging pool's read-ahead depth
-and says too small a batch (30B on the emulated node: 21 sequences, where the replay and the
-measurement say 34).
+and says too small a batch (30B on the emulated node: 13 micro-batches, where the replay and the
+measurement say 17).
 """
 
 from __future__ import annotations
