@@ -25,7 +25,6 @@ from sysx.device_memory import MemoryCap
 from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory import plan_host_memory
 from sysx.metrics import StepResult
-from sysx.model.flops import param_count
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import LaneRates, Placement
 from sysx.optim.rollback_choice import choose_rollback
@@ -40,7 +39,7 @@ from sysx.single.host import HostState
 from sysx.single.lanes import WORKERS, window_placement
 from sysx.single.op_profile import device_profiler
 from sysx.single.plan_report import SinglePlan
-from sysx.single.plan_request import PlanError, plan_request_from_config
+from sysx.single.plan_request import ModelSizes, PlanError, plan_request_from_config
 from sysx.single.planner import make_plan
 from sysx.trace.report import TIMELINE_JSON, TIMELINE_PNG, write_window
 from sysx.trace.timeline import merge
@@ -133,9 +132,12 @@ class SingleTrainer(Trainer):
     def _choose_rollback(self, requested: str) -> str:
         """``optim.rollback`` checked against this host's memory with the window's host state (every
         group on this process), ``auto`` resolved and said."""
-        numel, offload = param_count(self.model_cfg), self.cfg.optim.offload  # nvme: the tier's host plan
+        # the window's groups (every block, the embedding+head): with the tier its per-rank pools are
+        # sized by the largest group, not by the whole model as one stage
+        sizes, offload = ModelSizes.of(self.model_cfg), self.cfg.optim.offload
+        groups = [(sizes.block_params, self.dtype)] * sizes.n_blocks + [(sizes.static_params, self.dtype)]
         mode, why = choose_rollback(
-            requested, lambda r: plan_host_memory([(numel, self.dtype)], rollback=r, offload=offload)
+            requested, lambda r: plan_host_memory(groups, rollback=r, offload=offload, workers=WORKERS)
         )
         if why:
             print(why, flush=True)
