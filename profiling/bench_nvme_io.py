@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -27,14 +26,11 @@ GB = 1e9
 
 
 def machine_line() -> str:
-    """CPU model, core count and the 1-minute load average."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    """CPU model, core count and the 1-minute load average (:func:`sysx.optim.bench_modes.machine`)."""
+    from sysx.optim.bench_modes import machine
+
+    m = machine()
+    return f"{m['cpu']}, {m['cores']} cores, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
 def main(argv: list[str]) -> int:

@@ -143,7 +143,7 @@ def test_a_failed_write_is_raised_at_the_stage_next_use(tmp_path: Path) -> None:
     try:
         tier.state("b").fill(torch.zeros(100))
         with pytest.raises(IoError, match="errno 5"), tier.state("b").resident():
-            pass
+            pytest.fail("the stage became resident although its last write failed")
     finally:
         with pytest.raises(IoError):
             tier.close()  # the files are stale: said again at the end
