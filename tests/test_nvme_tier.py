@@ -25,13 +25,16 @@ STEPS = 50
 
 class RecordingEngine:
     """The threads engine, writes slowed down, checking that no read lands in a buffer still being
-    written and recording the order of the reads."""
+    written and recording the order of the reads. ``sync_reads``: a read is done when it returns, so
+    the tier's completion callback runs inside the call that issued it (as it does whenever a fast
+    read beats the tier's ``add_done_callback``)."""
 
     name = "threads"
     direct = False
 
-    def __init__(self, *, fail_writes: bool = False) -> None:
+    def __init__(self, *, fail_writes: bool = False, sync_reads: bool = False) -> None:
         self.inner = ThreadsEngine(direct=False, threads=2)
+        self.sync_reads = sync_reads
         self.writing: set[int] = set()
         self.reads: list[str] = []
         self.overlaps = 0
@@ -42,7 +45,10 @@ class RecordingEngine:
         with self.lock:
             self.overlaps += buf.data_ptr() in self.writing
             self.reads.append(Path(path).name.split(".")[0])
-        return self.inner.read(path, buf, offset=offset)
+        done = self.inner.read(path, buf, offset=offset)
+        if self.sync_reads:
+            done.exception()
+        return done
 
     def write(self, path: str, buf: torch.Tensor, *, offset: int = 0) -> Future[None]:
         if self.fail_writes and Path(path).name.startswith("b"):
@@ -102,12 +108,14 @@ def test_two_slots_roll_back_bit_for_bit_like_the_exact_rollback_in_ram(tmp_path
         tier.close()
 
 
-def test_read_ahead_follows_the_last_use_order_and_a_buffer_waits_for_its_write(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync_reads", [False, True], ids=["reads-later", "reads-done-at-once"])
+def test_read_ahead_follows_the_last_use_order_and_a_buffer_waits_for_its_write(tmp_path: Path, sync_reads: bool) -> None:
     """Five stages, three buffers: the first pass reads ahead in registration order, later passes in
-    the order of the previous one; no read ever lands in a buffer whose write is in flight; the pace
-    hook hears every transfer."""
+    the order of the previous one; no read ever lands in a buffer whose write is in flight, or in
+    the buffer a job was just given (a transfer completing inside the call that issued it used to
+    start a read-ahead into it); the pace hook hears every transfer."""
     names = ["s4", "s3", "s2", "s1", "s0"]
-    engine = RecordingEngine()
+    engine = RecordingEngine(sync_reads=sync_reads)
     paced: list[tuple[str, int]] = []
     stages = [TierStage.of(n, 3000, param_in_ram=False, rollback="undo") for n in names]
     tier = tier_of(tmp_path, stages, engine, buffers=3, pace=lambda kind, nbytes: paced.append((kind, nbytes)))
@@ -126,15 +134,23 @@ def test_read_ahead_follows_the_last_use_order_and_a_buffer_waits_for_its_write(
                     st.mark_stale()
                 del p, m, v
             order = order[2:] + order[:2]  # the tier learns the new order from use
-        tier.flush()
-        assert engine.overlaps == 0
-        first = [names.index(r) for r in engine.reads[:3]]  # the first pass: registration order
-        assert first == sorted(first) and len(set(first)) == 3
-        assert {k for k, _ in paced} == {"read", "write"} and len(paced) == tier.stats.reads + tier.stats.writes
-        assert all(nbytes == stages[0].nbytes for _, nbytes in paced)
-        assert tier.stats.hits > 0  # read ahead in time, or still cached
+        for seed in range(4):  # orders it cannot foresee: jobs miss and wait for their reads
+            for name in [names[i] for i in torch.randperm(len(names), generator=torch.Generator().manual_seed(seed))]:
+                st = tier.state(name)
+                with st.resident() as (p, m, v):
+                    assert float(p[0]) == float(int(name[1])) + m[0]
+                    m.add_(1.0)
+                    p.add_(1.0)
+                    st.mark_stale()
+                del p, m, v
     finally:
-        tier.close()
+        tier.close()  # stops the read-ahead, then waits for every transfer: the counts below are final
+    assert engine.overlaps == 0
+    first = [names.index(r) for r in engine.reads[:3]]  # the first pass: registration order
+    assert first == sorted(first) and len(set(first)) == 3
+    assert {k for k, _ in paced} == {"read", "write"} and len(paced) == tier.stats.reads + tier.stats.writes
+    assert all(nbytes == stages[0].nbytes for _, nbytes in paced)
+    assert tier.stats.hits > 0  # read ahead in time, or still cached
 
 
 def test_a_failed_write_is_raised_at_the_stage_next_use(tmp_path: Path) -> None:

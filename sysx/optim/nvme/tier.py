@@ -282,6 +282,7 @@ class NvmeTier:
         self._stream: StateStream | None = None
         self._closed = False
         self._waiting = 0  # jobs waiting for a free buffer (they come before the read-ahead)
+        self._issuing = False  # a transfer's callback is run by the call that issues it (_transfer)
         self._pool: list[_Buffer] = []
         try:
             for i in range(buffers):
@@ -346,12 +347,13 @@ class NvmeTier:
             buf = self._holding(key) if read else None
             if buf is None:
                 buf = self._take_idle()
-                buf.key = key
-                buf.io = self._transfer("read", buf, st.spec) if read else None
+                buf.key, buf.user = key, name
+                buf.io = None
+                if read:
+                    self._transfer("read", buf, st.spec)
             else:
                 self.stats.hits += 1
-            buf.user = name
-            self._in_use.add(name)
+                buf.user = name
             if read:  # a use, not the initial fill: the read-ahead order follows the uses
                 self._touch(name)
             io = buf.io
@@ -386,7 +388,7 @@ class NvmeTier:
                     if other is not buf and other.key == key:
                         other.key = None  # an older copy of the slot
                 buf.key = key
-                buf.io = self._transfer("write", buf, st.spec)
+                self._transfer("write", buf, st.spec)
             elif not keep:
                 buf.key = None
             self._cond.notify_all()
@@ -399,7 +401,7 @@ class NvmeTier:
                 if other is not buf and other.key == (st.name, st.current):
                     other.key = None  # read into the resident buffer instead
             buf.key = (st.name, st.current)
-            buf.io = io = self._transfer("read", buf, st.spec)
+            io = self._transfer("read", buf, st.spec)
         io.result()
 
     def _holding(self, key: tuple[str, int]) -> _Buffer | None:
@@ -443,18 +445,24 @@ class NvmeTier:
                 return
             buf = max(free, key=self._reuse_rank)
             buf.key = (name, st.current)
-            buf.io = self._transfer("read", buf, st.spec)
+            self._transfer("read", buf, st.spec)
 
     def _transfer(self, kind: str, buf: _Buffer, spec: TierStage) -> Future[None]:
-        """Start reading or writing ``buf``'s slot file; the returned future completes after the
-        ``pace`` hook. Holds the lock."""
+        """Start reading or writing ``buf``'s slot file and make it ``buf.io``; that future
+        completes after the ``pace`` hook. Holds the lock.
+
+        An engine's op may be done before its callback is added (a fast read), and the callback
+        then runs here, inside the caller, before the caller has finished with the pool: so it
+        starts no read-ahead (``_issuing``; the callers do that once the pool is consistent), or a
+        read-ahead could take the very buffer a job was just given."""
         assert buf.key is not None
         path = self._path(*buf.key)
         view = buf.staging.view(torch.uint8, spec.nbytes)
+        done: Future[None] = Future()
+        buf.io = done
+        stage = buf.key[0]
         issued = time.perf_counter()
         io = self.engine.read(path, view) if kind == "read" else self.engine.write(path, view)
-        done: Future[None] = Future()
-        stage = buf.key[0]
 
         def finished(f: Future[None]) -> None:
             took = time.perf_counter() - issued  # the disk's own time (before an emulated pace)
@@ -481,9 +489,14 @@ class NvmeTier:
                 done.set_exception(error)
             with self._cond:
                 self._cond.notify_all()
-                self._read_ahead()
+                if not self._issuing:
+                    self._read_ahead()
 
-        io.add_done_callback(finished)
+        self._issuing = True  # read under the lock, so only a callback run by this very call sees it
+        try:
+            io.add_done_callback(finished)
+        finally:
+            self._issuing = False
         return done
 
     # --------------------------------------------------------------------------- lifecycle
