@@ -109,7 +109,9 @@ def test_two_slots_roll_back_bit_for_bit_like_the_exact_rollback_in_ram(tmp_path
 
 
 @pytest.mark.parametrize("sync_reads", [False, True], ids=["reads-later", "reads-done-at-once"])
-def test_read_ahead_follows_the_last_use_order_and_a_buffer_waits_for_its_write(tmp_path: Path, sync_reads: bool) -> None:
+def test_read_ahead_follows_the_last_use_order_and_a_buffer_waits_for_its_write(
+    tmp_path: Path, sync_reads: bool
+) -> None:
     """Five stages, three buffers: the first pass reads ahead in registration order, later passes in
     the order of the previous one; no read ever lands in a buffer whose write is in flight, or in
     the buffer a job was just given (a transfer completing inside the call that issued it used to
