@@ -254,3 +254,32 @@ def test_plan_single_plans_the_precision_training_would_use(capsys: pytest.Captu
     if not torch.cuda.is_available():
         assert main(args) == 0
         assert ", fp32; seq_len" in capsys.readouterr().out
+
+
+def test_untimed_profiles_are_made_once_per_shape_in_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's points plan the same Block again: its meta and untimed device profiles (ops and
+    bytes, decided by the shapes) are made once per process; a timed one is made for each job."""
+    from sysx.single import op_profile, plan_costs
+
+    calls: list[bool] = []
+    real = op_profile.profile_layer
+
+    def counted(*args, **kw):
+        calls.append(kw.get("measure", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(op_profile, "profile_layer", counted)
+    monkeypatch.setattr(plan_costs, "profile_layer", counted)
+    monkeypatch.setattr(op_profile, "_UNMEASURED", {})
+    plan_costs.meta_layer_profile.cache_clear()
+    cfg = get_preset("tiny")
+    meta = [plan_costs.meta_profiler(cfg, 64, torch.float32)(2, 64) for _ in range(2)]
+    untimed = [
+        op_profile.device_profiler(cfg, 64, torch.float32, torch.device("cpu"), measure=False)(2, 64) for _ in range(2)
+    ]
+    assert meta[0] is meta[1] and untimed[0] is untimed[1] and calls == [False, False]
+    other = plan_costs.meta_profiler(cfg, 32, torch.float32)(2, 32)  # another shape is profiled
+    timed = [
+        op_profile.device_profiler(cfg, 64, torch.float32, torch.device("cpu"), measure=True)(2, 64) for _ in range(2)
+    ]
+    assert other.input.shape != meta[0].input.shape and timed[0] is not timed[1] and calls[2:] == [False, True, True]

@@ -4,6 +4,7 @@ window (:func:`predict_step`, :func:`simulate_round`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
@@ -33,19 +34,19 @@ class PolicyRow(TypedDict):
 def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
     """Profile one Block on ``b`` sequences of ``C`` tokens on the ``meta`` device (exact bytes, no
     memory, no time)."""
+    return lambda b, seq_chunk: meta_layer_profile(cfg, seq_len, dtype, b, seq_chunk)
+
+
+@functools.lru_cache(maxsize=1024)
+def meta_layer_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, b: int, seq_chunk: int) -> LayerProfile:
+    """One Block's ``meta`` profile. It depends on the shapes alone (no weights, no clock), so one
+    per process serves every plan made in it: a sweep's points, the tuner's candidates, a restart."""
     from sysx.model.llama import make_layer
 
-    cache: dict[tuple[int, int], LayerProfile] = {}
-
-    def run(b: int, seq_chunk: int) -> LayerProfile:
-        if (b, seq_chunk) not in cache:
-            block = make_layer(cfg, 1, dtype=dtype, device="meta")
-            x = torch.empty((b, min(seq_chunk, seq_len), cfg.dim), dtype=dtype, device="meta")
-            kv = profile_cache(cfg, b, seq_len, seq_chunk, dtype, "meta")
-            cache[(b, seq_chunk)] = profile_layer(block, x, model_dim=cfg.dim, kv=kv)
-        return cache[(b, seq_chunk)]
-
-    return run
+    block = make_layer(cfg, 1, dtype=dtype, device="meta")
+    x = torch.empty((b, min(seq_chunk, seq_len), cfg.dim), dtype=dtype, device="meta")
+    kv = profile_cache(cfg, b, seq_len, seq_chunk, dtype, "meta")
+    return profile_layer(block, x, model_dim=cfg.dim, kv=kv)
 
 
 @dataclass(frozen=True)
