@@ -84,6 +84,22 @@ SHORTENED = {
         "the 150 steps show what the model learns (the README prints their output); 40 run every part the later "
         "lines use (the checkpoint, the Hugging Face export, TensorBoard) in a quarter of the suite's time",
     ),
+    "sysx-train train.steps=20 train.micro_batch_size=4": (
+        "train.steps=20",
+        "train.steps=4",
+        "the line shows Hydra overrides; 4 steps take every one of them (test_train.py runs jobs to the end)",
+    ),
+    "python -m sysx.launch --standalone --nproc_per_node=2 -m sysx.train schedule=sysx": (
+        "train.steps=20",
+        "train.steps=4",
+        "the launch is what the line shows; tests/test_runtime_procs.py runs 2-rank jobs against the reference",
+    ),
+    "sysx-train train.steps=20 optim.offload=nvme": (
+        "train.steps=20",
+        "train.steps=4",
+        "the tier's state files are made, used and removed in 4 steps; tests/test_nvme_tier.py runs 50 against "
+        "host memory",
+    ),
 }
 
 
