@@ -294,16 +294,16 @@ def test_the_op_is_built_optimised_without_debug_info() -> None:
 
 
 def test_stale_build_lock_is_removed(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    from sysx.optim.deepspeed_backend import STALE_LOCK_S, _clear_stale_lock
+    from sysx.optim.deepspeed_backend import STALE_LOCK_S, clear_stale_lock
 
     lock = tmp_path / "lock"
     lock.touch()
-    _clear_stale_lock(tmp_path)
+    clear_stale_lock(tmp_path)
     assert lock.exists()  # a fresh lock belongs to a build in progress
     old = time.time() - STALE_LOCK_S - 5
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING, logger="sysx.optim"):
-        _clear_stale_lock(tmp_path)
+        clear_stale_lock(tmp_path)
     assert not lock.exists() and "killed build" in caplog.text
 
 

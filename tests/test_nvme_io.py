@@ -238,3 +238,30 @@ def test_measure_disk_is_a_short_pure_probe(tmp_path: Path) -> None:
     assert profile.read_Bps > 0 and profile.write_Bps > 0 and profile.free_bytes > 0
     assert sorted(profile.to_dict()) == ["direct", "engine", "free_bytes", "read_Bps", "write_Bps"]
     assert os.listdir(tmp_path) == []  # the probe file is gone
+
+
+def test_a_killed_aio_build_does_not_hang_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build killed mid-way leaves torch's ``lock`` in the op's build folder, and torch's next build
+    would wait on it forever: the next build removes it once it is older than any build (as cpu_adam's)."""
+    from deepspeed.ops import op_builder
+
+    from sysx.optim.deepspeed_backend import STALE_LOCK_S
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "async_io" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = os.path.getmtime(lock) - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    seen: list[bool] = []
+
+    class Builder:  # the real one compiles for minutes; what matters is the lock it finds
+        def is_compatible(self, verbose: bool = False) -> bool:
+            return True
+
+        def load(self, verbose: bool = False) -> str:
+            seen.append(lock.exists())
+            return "op"
+
+    monkeypatch.setattr(op_builder, "AsyncIOBuilder", Builder)
+    assert aio_mod._build() == "op" and seen == [False]

@@ -147,7 +147,8 @@ def environment_ninja() -> Iterator[str | None]:
             os.environ["PATH"] = before
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
+def clear_stale_lock(build_dir: Path) -> None:
+    """Remove the build lock a killed build left in ``build_dir`` (torch waits on it forever)."""
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
@@ -184,7 +185,7 @@ def load_op() -> ModuleType:
                 f"cannot create the extension cache {ext_dir} ({exc}); set TORCH_EXTENSIONS_DIR to a writable "
                 "directory or set optim.backend=torch"
             ) from exc
-        _clear_stale_lock(build_dir)
+        clear_stale_lock(build_dir)
         builder = _builder()
         cached = (build_dir / "cpu_adam.so").exists()
         if not cached:

@@ -41,7 +41,7 @@ _checked = False
 
 
 def _build() -> ModuleType:
-    from sysx.optim.deepspeed_backend import environment_ninja, extensions_dir, quiet_cpu_accelerator
+    from sysx.optim.deepspeed_backend import clear_stale_lock, environment_ninja, extensions_dir, quiet_cpu_accelerator
 
     quiet_cpu_accelerator()
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
@@ -50,6 +50,7 @@ def _build() -> ModuleType:
     builder = AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):
         raise RuntimeError("DeepSpeed's AsyncIOBuilder finds no libaio (io_submit does not link)")
+    clear_stale_lock(extensions_dir() / "async_io")
     cached = (extensions_dir() / "async_io" / "async_io.so").exists()
     if not cached:
         log.warning("building DeepSpeed's async_io op into %s (first use, ~2.5 min)", extensions_dir() / "async_io")
