@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sysx.memory.budget import plan_host_memory, training_state_bytes
 from sysx.memory.node_plan import UnitPlace, node_host_memory
@@ -259,3 +260,30 @@ def test_the_hiding_batch_falls_back_to_one_more_micro_batch_then_says_why() -> 
     assert _grown(replan(99), 4) == ((8, 8.0), None)
     assert _grown(replan(5), 4) == ((5, 5.0), None)  # twice does not fit the GPUs, one more does
     assert _grown(replan(4), 4) == (None, "the plan at 5 micro-batches fails: needs more GPU memory at 5")
+
+
+def test_the_window_plans_the_tier_per_group_not_the_whole_model_as_one_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window trainer's rollback check plans host memory from its groups (every block, the
+    embedding+head): with the tier its staging pools hold the largest group, so the tier needs less
+    RAM than host-memory states. Planned as one whole-model stage, a 1B window was refused for 40 GiB
+    it runs in 9."""
+    from types import SimpleNamespace
+
+    from sysx.model import get_preset
+    from sysx.trainers import single as single_mod
+
+    plans: list[int] = []
+
+    def record(requested, plan, capacity=None):
+        plans.append(plan(requested).total)
+        return requested, ""
+
+    monkeypatch.setattr(single_mod, "choose_rollback", record)
+    cfg = get_preset("llama2_7b")
+    for offload in ("host", "nvme"):
+        trainer = SimpleNamespace(
+            model_cfg=cfg, dtype=torch.bfloat16, cfg=SimpleNamespace(optim=SimpleNamespace(offload=offload))
+        )
+        single_mod.SingleTrainer._choose_rollback(trainer, "undo")
+    host, nvme = plans
+    assert nvme < host / 2, plans
