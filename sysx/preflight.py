@@ -46,7 +46,7 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     multiple of the replicas is the one-line :class:`ConfigError` of :meth:`ReplicaLayout.of`."""
     from sysx.checkpoint.pretrained import job_model_config
     from sysx.dist import DistInfo
-    from sysx.optim.rollback_choice import choose_rollback
+    from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
     from sysx.replicas import ReplicaLayout
     from sysx.runtime.options import make_schedule, options_from_config
     from sysx.runtime.stage_params import StageParams, _numel, layer_params, sub_stages
@@ -70,7 +70,9 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
         return StageParams.node_plan(view, rollback, offload)  # type: ignore[arg-type]
 
     try:
-        rollback, _ = choose_rollback(cfg.optim.rollback, plan_of)
+        rollback, _ = choose_rollback(
+            cfg.optim.rollback, plan_of, disk_free=tier_disk_free(cfg.optim.offload, cfg.optim.nvme_dir)
+        )
     except HostMemoryError as err:
         raise HostMemoryError(_with_tier_hint(str(err), cfg, plan_of("undo", "nvme"))) from None
     plan = plan_of(rollback)

@@ -318,6 +318,27 @@ def test_auto_picks_exact_when_the_budget_allows_else_undo_and_says_why() -> Non
         choose_rollback("nope", plan, roomy)
 
 
+def test_auto_on_the_nvme_tier_takes_undo_when_the_second_set_of_files_does_not_fit(tmp_path) -> None:
+    """With the tier, exact costs no RAM but a second slot of state files: auto weighs the free space
+    of optim.nvme_dir too (before, it took exact and the job was then refused for the disk)."""
+    from sysx.memory.budget import HostCapacity, plan_host_memory
+    from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
+
+    def plan(rollback: str):
+        return plan_host_memory([(1 << 20, "bfloat16")], rollback=rollback, offload="nvme")
+
+    roomy = HostCapacity(shm_free=1 << 40, shm_total=1 << 40, ram_available=1 << 40, cgroup=None)
+    exact_disk, undo_disk = plan("exact").disk, plan("undo").disk
+    assert exact_disk > undo_disk > 0
+    mode, why = choose_rollback("auto", plan, roomy, disk_free=exact_disk)
+    assert mode == "exact"
+    mode, why = choose_rollback("auto", plan, roomy, disk_free=exact_disk - 1)
+    assert mode == "undo" and "state files does not fit optim.nvme_dir" in why and "\n" not in why
+    assert choose_rollback("exact", plan, roomy, disk_free=0) == ("exact", "")  # explicit: the disk check names it
+    assert tier_disk_free("host", str(tmp_path)) is None and tier_disk_free("nvme", str(tmp_path / "none")) is None
+    assert tier_disk_free("nvme", str(tmp_path)) > 0
+
+
 def test_config_accepts_the_rollback_values_and_names_them_on_a_typo() -> None:
     from sysx.config import ConfigError, load_config
 

@@ -282,7 +282,9 @@ def test_the_window_plans_the_tier_per_group_not_the_whole_model_as_one_stage(mo
     cfg = get_preset("llama2_7b")
     for offload in ("host", "nvme"):
         trainer = SimpleNamespace(
-            model_cfg=cfg, dtype=torch.bfloat16, cfg=SimpleNamespace(optim=SimpleNamespace(offload=offload))
+            model_cfg=cfg,
+            dtype=torch.bfloat16,
+            cfg=SimpleNamespace(optim=SimpleNamespace(offload=offload, nvme_dir=None)),
         )
         single_mod.SingleTrainer._choose_rollback(trainer, "undo")
     host, nvme = plans

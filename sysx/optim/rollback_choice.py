@@ -12,6 +12,7 @@ working copy, steps a private master and copies it into the shared copy after ev
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from sysx.config.choices import ROLLBACKS
@@ -19,10 +20,17 @@ from sysx.memory.budget import HostCapacity, HostMemoryError, HostMemoryPlan, fm
 
 
 def choose_rollback(
-    requested: str, plan: Callable[[str], HostMemoryPlan], capacity: HostCapacity | None = None
+    requested: str,
+    plan: Callable[[str], HostMemoryPlan],
+    capacity: HostCapacity | None = None,
+    *,
+    disk_free: int | None = None,
 ) -> tuple[str, str]:
     """``(mode, why)``: ``requested`` after checking ``plan(mode)`` against the host (raising
-    :class:`HostMemoryError` when it does not fit), or for ``auto`` the choice and a one-line reason."""
+    :class:`HostMemoryError` when it does not fit), or for ``auto`` the choice and a one-line reason.
+
+    ``disk_free``: with the NVMe tier, the free bytes of ``optim.nvme_dir``; there ``exact`` costs no
+    RAM but a second set of state files, so ``auto`` takes ``undo`` when that set does not fit."""
     if requested not in ROLLBACKS:
         raise ValueError(f"optim.rollback={requested!r} is not valid: allowed: {', '.join(ROLLBACKS)}")
     cap = probe_host() if capacity is None else capacity
@@ -30,6 +38,13 @@ def choose_rollback(
         plan(requested).check(cap)
         return requested, ""
     exact = plan("exact")
+    if disk_free is not None and exact.disk > disk_free:
+        plan("undo").check(cap)
+        return "undo", (
+            f"optim.rollback=auto -> undo: the exact rollback's second set of state files does not fit "
+            f"optim.nvme_dir (need {fmt_bytes(exact.disk)}, free {fmt_bytes(disk_free)}); undo keeps one set "
+            "and is within ~1 ulp"
+        )
     try:
         exact.check(cap)
     except HostMemoryError:
@@ -48,3 +63,13 @@ def choose_rollback(
 
 def _available(cap: HostCapacity) -> int:
     return min(cap.ram_available, cap.cgroup.available) if cap.cgroup is not None else cap.ram_available
+
+
+def tier_disk_free(offload: str, nvme_dir: str | None) -> int | None:
+    """The free bytes of ``optim.nvme_dir`` with the NVMe tier (None without it, or when the
+    directory is missing: the pre-flight names that)."""
+    if offload != "nvme" or nvme_dir is None or not os.path.isdir(nvme_dir):
+        return None
+    from sysx.optim.nvme.files import free_bytes
+
+    return free_bytes(nvme_dir)

@@ -50,6 +50,11 @@ class OptimSettings:
     nvme_dir: str | None = None
     nvme_engine: str = "auto"
 
+    @property
+    def tier(self) -> tuple[str, str | None]:
+        """``(offload, nvme_dir)``: where the fp32 states live."""
+        return self.offload, self.nvme_dir
+
     @classmethod
     def from_config(
         cls, section: OptimSection, *, backend: str, rollback: str, workers: int | None = None

@@ -88,7 +88,7 @@ class RankRuntime:
                 init=init,
                 rollback=opts.rollback,
                 layout=self.layout,
-                offload=settings("undo").offload,
+                tier=settings("undo").tier,
             )
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)

@@ -22,7 +22,7 @@ from sysx.memory.node_plan import UnitPlace, node_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
 from sysx.optim.decay import Ranges, no_decay_ranges, shard_ranges
-from sysx.optim.rollback_choice import choose_rollback
+from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
 from sysx.partition import unit_label
 from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
@@ -98,7 +98,7 @@ class StageParams:
         init: LayerInit | None = None,
         rollback: str = "undo",
         layout: ReplicaLayout | None = None,
-        offload: str = "host",
+        tier: tuple[str, str | None] = ("host", None),
     ) -> None:
         self.info = info
         self.replica_layout: ReplicaLayout = (  # the job's replicas (one: a pipeline over every rank)
@@ -117,7 +117,9 @@ class StageParams:
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights of this replica's shard
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor
         self.rollback = rollback  # optim.rollback, resolved by _open (auto -> exact or undo)
-        self.offload = offload  # optim.offload: the node's host-memory check counts the NVMe tier's plan
+        # (optim.offload, optim.nvme_dir): the node's host-memory check counts the NVMe tier's plan, and
+        # rollback=auto the free space of its directory
+        self.offload, self.nvme_dir = tier
         try:
             self._open(model_cfg, init or seed_init(seed))
         except BaseException:
@@ -220,7 +222,8 @@ class StageParams:
         requested, why = self.rollback, ""
         mode = requested
         if self.info.local_rank == 0:
-            mode, why = choose_rollback(requested, lambda r: self.node_plan(r, self.offload))
+            free = tier_disk_free(self.offload, self.nvme_dir)
+            mode, why = choose_rollback(requested, lambda r: self.node_plan(r, self.offload), disk_free=free)
         if requested != "auto":
             return
         fits = torch.tensor([0 if mode == "undo" else 1], dtype=torch.int32)  # other local ranks: no vote against

@@ -27,7 +27,7 @@ from sysx.memory import plan_host_memory
 from sysx.metrics import StepResult
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import LaneRates, Placement
-from sysx.optim.rollback_choice import choose_rollback
+from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
 from sysx.optim.speculate import SpeculationPolicy, window_mode
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.step_protocol import UNTIMED, StepProtocol
@@ -137,7 +137,9 @@ class SingleTrainer(Trainer):
         sizes, offload = ModelSizes.of(self.model_cfg), self.cfg.optim.offload
         groups = [(sizes.block_params, self.dtype)] * sizes.n_blocks + [(sizes.static_params, self.dtype)]
         mode, why = choose_rollback(
-            requested, lambda r: plan_host_memory(groups, rollback=r, offload=offload, workers=WORKERS)
+            requested,
+            lambda r: plan_host_memory(groups, rollback=r, offload=offload, workers=WORKERS),
+            disk_free=tier_disk_free(offload, self.cfg.optim.nvme_dir),
         )
         if why:
             print(why, flush=True)
