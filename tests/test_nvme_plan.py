@@ -274,7 +274,7 @@ def test_the_window_plans_the_tier_per_group_not_the_whole_model_as_one_stage(mo
 
     plans: list[int] = []
 
-    def record(requested, plan, capacity=None):
+    def record(requested, plan, capacity=None, disk_free=None):
         plans.append(plan(requested).total)
         return requested, ""
 
