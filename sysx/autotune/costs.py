@@ -12,7 +12,9 @@ costs say the same: :mod:`sysx.emulate.costs`). On a CPU "device" with more rank
 physical cores, the layer times grow by that ratio, or by the slowdown the job's ranks measured
 together at tune time (:func:`cpu_share`), and so does the executor's
 fixed host cost per instruction (``op_host``, :mod:`sysx.machine.host_cost`); every rank's host
-memory holds the machine's fixed per-process bytes besides its state (``process_bytes``).
+memory holds the machine's fixed per-process bytes besides its state (``process_bytes``). On a
+measured machine the node's cores are one host lane (:func:`host_lane`): the step is no shorter
+than the CPU work of every rank of the node over its cores.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from sysx.autotune.profile import MachineProfile
 from sysx.memory.budget import training_state_bytes
 from sysx.model import ModelConfig
-from sysx.schedule.costs import Costs, costs_from_model
+from sysx.schedule.costs import Costs, HostLane, costs_from_model
 
 
 def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tuple[list[float], list[float]]:
@@ -45,6 +47,21 @@ def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
     if not ranks_per_node:
         return 1.0
     return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
+
+
+def host_lane(profile: MachineProfile, share: float, threads_per_worker: int) -> HostLane | None:
+    """The node's cores as the lane every rank's host work shares: on a CPU "device" a layer costs
+    the node its profiled time times the CPU ratio its ranks measured together (1 when not
+    measured), i.e. that over ``share`` per simulated second; on a GPU compute costs the host
+    nothing. Every instruction costs its measured host time, an optimizer step its time on
+    ``threads_per_worker`` threads. None for an assumed (emulated) machine: its plan is the model's."""
+    hw = profile.hardware
+    if not hw.measured or profile.cpu_threads < 1:
+        return None
+    compute = (profile.cpu_ratio or 1.0) / share if hw.kind == "cpu" else 0.0
+    return HostLane(
+        cores=float(profile.cpu_threads), compute_cpu=compute, op_cpu=hw.op_host_s, opt_threads=threads_per_worker
+    )
 
 
 ALLREDUCES_PER_STEP = 2  # VALIDATE's (gradient norm, overflow) and the step end's (losses, outcome)
@@ -112,5 +129,6 @@ def profiled_costs(
         gpus_per_node=gpus_per_node,
         op_host=hw.op_host_s * share,
         process_bytes=float(hw.process_bytes),
+        host_lane=host_lane(profile, share, threads_per_worker),
         **{**links, **hardware},
     )

@@ -66,6 +66,8 @@ class MachineProfile:
     p2p: P2PFigures | None = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
     # the job's layers over the profile's, its ranks measured together at tune time (:mod:`sysx.autotune.contention`)
     slowdown: float | None = None
+    # CPU seconds of the job's layers per profile second, from the same measurement (the node's host lane)
+    cpu_ratio: float | None = None
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
