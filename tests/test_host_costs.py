@@ -14,15 +14,18 @@ import torch
 from sysx.autotune.check import HOST, predict
 from sysx.autotune.contention import cpu_ratio, mean_run_seconds
 from sysx.autotune.costs import profiled_costs
+from sysx.autotune.profile import MachineProfile
 from sysx.machine import hardware_cache
 from sysx.machine.hardware import HardwareProfile
 from sysx.machine.host_cost import measure_op_host_s
+from sysx.partition import uniform_partition
 from sysx.schedule import UnitCosts, build_gpipe, simulate
 from sysx.schedule.costs import HostLane, with_replicas
 from sysx.schedule.replica_costs import ReplicaCosts
 from sysx.schedule.simulate import host_bound
 from sysx.single.hardware import assumed_hardware
 from sysx.single.plan_costs import round_host_s
+from sysx.trainers.prediction import release_free_heap
 from tests.test_autotune import SEQ, TINY, synthetic_profile
 
 
@@ -208,3 +211,39 @@ def test_the_together_time_is_the_windows_mean_so_the_waits_for_other_ranks_coun
     p = synthetic_profile()  # block: 1 ms forward + 3 ms backward at 64 tokens
     assert cpu_ratio(p, 64, [5e-3, 3e-3]) == pytest.approx(1.0)  # the profile's 4 ms Block: never below 1
     assert cpu_ratio(p, 64, [6e-3, 6e-3]) == pytest.approx(1.5)
+
+
+def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:
+    """A sub-stage of k Blocks holds once + k x per Block at its backward's peak: the measured point
+    nearest the micro-batch's tokens, in proportion to them; the Embedding and Head keep the
+    estimate; without a measurement the estimate stands. Kept through the profile's JSON."""
+    base = synthetic_profile()
+    p = dataclasses.replace(base, backward_bytes=[[64, 1000, 300], [256, 5000, 1000]])
+    assert p.backward_work(128) == pytest.approx((2000.0, 600.0))  # 64 is nearest: x2
+    assert MachineProfile.from_json(p.to_json()).backward_bytes == p.backward_bytes
+    plain = profiled_costs(base, TINY, SEQ, 2)
+    costs = profiled_costs(p, TINY, SEQ, 2)
+    assert costs.layer_act_bytes[1:-1] == (2000.0,) * TINY.n_layers and costs.bwd_once_bytes == 600.0
+    assert (costs.layer_act_bytes[0], costs.layer_act_bytes[-1]) == (
+        plain.layer_act_bytes[0],
+        plain.layer_act_bytes[-1],
+    )
+    assert plain.bwd_once_bytes == 0.0 and base.backward_work(128) is None
+    sched = build_gpipe(2, 1, uniform_partition(2, 1, 3))  # [Embedding, Block x2], [Block x2, Head]
+    table = costs.table(sched)
+    assert table.bwd_work[0] == pytest.approx(plain.layer_act_bytes[0] + 2 * 2000.0 + 600.0)
+
+
+def test_the_heap_is_trimmed_before_a_ranks_baseline() -> None:
+    """What the process freed (rank 0's profiling) leaves the resident heap before the baseline."""
+    kept = [torch.ones(1 << 16) for _ in range(64)]  # 16 MiB in small blocks: the heap, not mmap
+    del kept
+    assert release_free_heap() in (True, False)  # False: not glibc, or nothing to give back
+    before = _anon()
+    release_free_heap()
+    assert _anon() <= before
+
+
+def _anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))

@@ -14,7 +14,9 @@ together at tune time (:func:`cpu_share`), and so does the executor's
 fixed host cost per instruction (``op_host``, :mod:`sysx.machine.host_cost`); every rank's host
 memory holds the machine's fixed per-process bytes besides its state (``process_bytes``). On a
 measured machine the node's cores are one host lane (:func:`host_lane`): the step is no shorter
-than the CPU work of every rank of the node over its cores.
+than the CPU work of every rank of the node over its cores. On a CPU "device" a Block's
+activations and a backward's own temporaries are the profile's measured bytes
+(:meth:`~sysx.autotune.profile.MachineProfile.backward_work`), not the estimate from the shape.
 """
 
 from __future__ import annotations
@@ -117,6 +119,12 @@ def profiled_costs(
     # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,
     # the measured total backward over the measured total forward
     ratio = sum(bwd) / sum(fwd) - 1.0
+    memory: dict[str, Any] = {}
+    measured = profile.backward_work(micro_batch_size * seq_len)
+    if measured is not None:  # a CPU "device": what the backward holds, measured, not the estimate
+        per_block, once = measured
+        acts = base.layer_act_bytes
+        memory = {"layer_act_bytes": (acts[0], *(per_block,) * cfg.n_layers, acts[-1]), "bwd_once_bytes": once}
     links: dict[str, float] = profile.p2p.costs_fields() if profile.p2p is not None else {}
     if world is not None and profile.p2p is not None and profile.hardware.measured:  # the emulated plan keeps its own
         links["allreduce_latency"] = step_allreduces(world, profile.p2p.intra_latency)
@@ -130,5 +138,5 @@ def profiled_costs(
         op_host=hw.op_host_s * share,
         process_bytes=float(hw.process_bytes),
         host_lane=host_lane(profile, share, threads_per_worker),
-        **{**links, **hardware},
+        **{**memory, **links, **hardware},
     )

@@ -26,6 +26,7 @@ from sysx.autotune.p2p import P2PFigures
 from sysx.machine.adam_rate import adam_params_per_s
 from sysx.machine.hardware import HardwareProfile, measure_hardware, time_op
 from sysx.machine.hardware_cache import machine_key
+from sysx.machine.host_cost import measure_backward_bytes
 from sysx.memory.budget import probe_host
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
@@ -68,6 +69,19 @@ class MachineProfile:
     slowdown: float | None = None
     # CPU seconds of the job's layers per profile second, from the same measurement (the node's host lane)
     cpu_ratio: float | None = None
+    # on a CPU "device": [tokens, bytes per Block, bytes once] a sub-stage's backward holds at its
+    # peak (:func:`sysx.machine.host_cost.measure_backward_bytes`), by tokens; None: not measured
+    backward_bytes: list[list[int]] | None = None
+
+    def backward_work(self, tokens: float) -> tuple[float, float] | None:
+        """``(per Block, once)`` bytes a sub-stage's backward holds on ``tokens`` tokens: the measured
+        point nearest ``tokens``, scaled in proportion to them (activations grow with the tokens); None
+        when not measured."""
+        if not self.backward_bytes:
+            return None
+        near, per_block, once = min(self.backward_bytes, key=lambda p: abs(p[0] - tokens))
+        scale = tokens / near
+        return per_block * scale, once * scale
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
@@ -159,6 +173,10 @@ def measure_profile(
         for mbs in sorted(set(micro_batch_sizes)):
             layers[kind].append(_time_layer(layer, kind, cfg, mbs, seq_len, device, dtype, repeats))
         del layer
+    backward = None
+    if not dev.is_cuda(device):  # the "device" memory is host memory, counted as the check counts it
+        found = measure_backward_bytes(cfg, [mbs * seq_len for mbs in micro_batch_sizes], dtype)
+        backward = [[t, a, b] for t, (a, b) in sorted(found.items())] or None
     cap = probe_host()
     host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)
     return MachineProfile(
@@ -172,6 +190,7 @@ def measure_profile(
         shm_free=cap.shm_free,
         shm_total=cap.shm_total,
         seconds=time.perf_counter() - t0,
+        backward_bytes=backward,
     )
 
 

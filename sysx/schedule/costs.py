@@ -152,7 +152,9 @@ class Costs:
     time and add the reductions and the shard exchange (:class:`ReplicaCosts`). ``op_host``: the
     executor's fixed host seconds per instruction, charged on the rank's cursor before every op
     (the per-message cost is the latency part of ``p2p_latency``). ``process_bytes``: host memory
-    every rank's process holds besides its training state (its host plan adds it). ``host_lane``:
+    every rank's process holds besides its training state (its host plan adds it).
+    ``bwd_once_bytes``: what a sub-stage's backward holds once beside its layers' activations (the
+    backward's own temporaries; measured on a CPU "device", 0 otherwise). ``host_lane``:
     the node's cores every rank's host work shares (None: unbounded).
     """
 
@@ -181,6 +183,7 @@ class Costs:
     replica: ReplicaCosts | None = None
     op_host: float = 0.0
     process_bytes: float = 0.0
+    bwd_once_bytes: float = 0.0
     host_lane: HostLane | None = None
 
     def __post_init__(self) -> None:
@@ -255,7 +258,7 @@ class Costs:
             grad_mem=[x * self.grad_bytes for x in params_sub],
             ckpt_mem=[tsum(act, r) for r in subs] if keep else ckpt_b,
             fwd_work=[max((act[i] for i in r), default=0.0) for r in stages],
-            bwd_work=[tsum(act, r) for r in subs],
+            bwd_work=[tsum(act, r) + self.bwd_once_bytes for r in subs],
             host_bytes_per_param=self.host_bytes_per_param,
             param_bytes=self.param_bytes,
             params_stage=params_stage,
