@@ -181,7 +181,7 @@ def measure_profile(
         # the fewest tokens only: the bytes grow in proportion to them (within ~13% from 256 to 2048
         # tokens at dim 512), and the largest counts would cost the profile the most seconds and memory
         tokens = sorted({mbs * seq_len for mbs in micro_batch_sizes})[:BACKWARD_POINTS]
-        found = measure_backward_bytes(cfg, tokens, dtype)
+        found = measure_backward_bytes(cfg, seq_len, tokens, dtype)
         backward = [[t, a, b] for t, (a, b) in sorted(found.items())] or None
     cap = probe_host()
     host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)

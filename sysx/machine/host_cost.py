@@ -153,7 +153,7 @@ open("/proc/self/clear_refs", "w").write("5")
 rss0 = status("RssAnon")
 out = {}
 for tokens in args["tokens"]:  # ascending: what the heap keeps of one count serves the next
-    x = torch.randn(1, tokens, cfg.dim, dtype=dtype)
+    x = torch.randn(tokens // args["seq_len"], args["seq_len"], cfg.dim, dtype=dtype)  # micro-batch x sequence
     for _ in range(2):  # a rank's forward without autograd, then recompute and backward (the sub-stage at once)
         with torch.no_grad():
             block(x)
@@ -166,9 +166,12 @@ print(json.dumps(out))
 """
 
 
-def _backward_peaks(cfg: Any, tokens: list[int], dtype: torch.dtype, blocks: int, timeout_s: float) -> dict[int, int]:
+def _backward_peaks(
+    cfg: Any, seq_len: int, tokens: list[int], dtype: torch.dtype, blocks: int, timeout_s: float
+) -> dict[int, int]:
     """:data:`_BACKWARD_CHILD`'s peaks for a sub-stage of ``blocks`` Blocks, by token count."""
-    args = {"model": dataclasses.asdict(cfg), "tokens": tokens, "dtype": str(dtype).split(".")[-1], "blocks": blocks}
+    dt = str(dtype).split(".")[-1]
+    args = {"model": dataclasses.asdict(cfg), "seq_len": seq_len, "tokens": tokens, "dtype": dt, "blocks": blocks}
     done = subprocess.run(
         [sys.executable, "-c", _BACKWARD_CHILD, json.dumps(args)],
         capture_output=True,
@@ -180,16 +183,16 @@ def _backward_peaks(cfg: Any, tokens: list[int], dtype: torch.dtype, blocks: int
 
 
 def measure_backward_bytes(
-    cfg: Any, token_counts: list[int], dtype: torch.dtype, timeout_s: float = PROCESS_TIMEOUT_S
+    cfg: Any, seq_len: int, token_counts: list[int], dtype: torch.dtype, timeout_s: float = PROCESS_TIMEOUT_S
 ) -> dict[int, tuple[int, int]]:
     """What the backward of a sub-stage of Blocks of ``cfg`` (a :class:`~sysx.model.ModelConfig`)
-    holds at its peak, by token count: ``(per Block, once)`` bytes, from the peaks of one and of two
+    holds at its peak, by token count (micro-batches of ``seq_len``-token sequences, a multiple of it): ``(per Block, once)`` bytes, from the peaks of one and of two
     Blocks recomputed and backpropagated together (each in a fresh process, a few seconds): a
     sub-stage of ``k`` Blocks holds ``once + k * per_block``. Empty when a process fails."""
     tokens = sorted(set(token_counts))
     try:
-        one = _backward_peaks(cfg, tokens, dtype, 1, timeout_s)
-        two = _backward_peaks(cfg, tokens, dtype, 2, timeout_s)
+        one = _backward_peaks(cfg, seq_len, tokens, dtype, 1, timeout_s)
+        two = _backward_peaks(cfg, seq_len, tokens, dtype, 2, timeout_s)
     except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError):
         return {}
     out = {}
