@@ -260,8 +260,10 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
 
     monkeypatch.setattr(prof, "measure_profile", counting)
     monkeypatch.setattr(hardware_cache, "measure_process_bytes", lambda: 1 << 20)  # a fresh interpreter: seconds
+    monkeypatch.setattr(prof, "measure_backward_bytes", lambda *a, **k: {16: (1 << 10, 1 << 11)})  # two interpreters
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
     first, reused = cache_mod.load_or_measure(small, 16, [1, 2], device="cpu")
+    assert first.backward_bytes == [[16, 1 << 10, 1 << 11]]  # a CPU profile keeps what the backward holds
     assert not reused and len(calls) == 1
     again, reused = cache_mod.load_or_measure(small, 16, [2], device="cpu")
     assert reused and len(calls) == 1 and again == first
@@ -356,7 +358,7 @@ def test_schedule_tune_at_job_start_writes_the_choice_into_the_config(monkeypatc
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
     # the Block timed with every rank computing: 3x the profile's 1 + 3 ms (no speed of this machine enters)
-    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: 12e-3)
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: (12e-3, 12e-3))
     cfg = _job_config()
     tuned = tuned_job_config(cfg, DistInfo(), torch.device("cpu"))
     assert tuned.train.micro_batch_size * tuned.train.micro_batches == 8  # the global batch is the config's
@@ -391,7 +393,7 @@ def test_sysx_train_with_schedule_tune_runs_the_choice_and_records_it(monkeypatc
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
     # the ranks' Block timed together says how loaded the machine is; a busy one would move the choice
     # away from the search below over the same profile, so the job sees no contention (slowdown 1)
-    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: 0.0)
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: (0.0, 0.0))
     run_dir = tmp_path / "run"
     assert (
         train_main(

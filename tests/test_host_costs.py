@@ -6,17 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
 
 from sysx.autotune.check import HOST, predict
+from sysx.autotune.contention import cpu_ratio, mean_run_seconds
+from sysx.autotune.costs import profiled_costs
+from sysx.autotune.profile import MachineProfile
 from sysx.machine import hardware_cache
 from sysx.machine.hardware import HardwareProfile
 from sysx.machine.host_cost import measure_op_host_s
+from sysx.partition import uniform_partition
 from sysx.schedule import UnitCosts, build_gpipe, simulate
+from sysx.schedule.costs import HostLane, with_replicas
+from sysx.schedule.replica_costs import ReplicaCosts
+from sysx.schedule.simulate import host_bound
 from sysx.single.hardware import assumed_hardware
 from sysx.single.plan_costs import round_host_s
+from sysx.trainers.prediction import release_free_heap
+from tests.test_autotune import SEQ, TINY, synthetic_profile
 
 
 def test_every_instruction_pays_the_host_cost_on_its_ranks_cursor() -> None:
@@ -124,3 +134,121 @@ def test_the_step_allreduces_cost_the_measured_latency_per_ring_hop() -> None:
 
     assert step_allreduces(1, 1e-4) == 0.0
     assert step_allreduces(4, 1e-4) == pytest.approx(ALLREDUCES_PER_STEP * 2 * 3 * 1e-4)
+
+
+def test_the_node_lane_bounds_the_step_by_every_ranks_cpu_work() -> None:
+    """gpipe, 2 ranks, 1 micro-batch, F=1, B=2 (step 6): each rank computes 3. One core, compute
+    costing its time, 0.5 per instruction: the node's work is 6 + 0.5 x every instruction; two
+    copies of each rank (replicas on the node) double it; cores enough, or one rank per node, the
+    timeline's 6 stands; no lane, no bound."""
+    sched = build_gpipe(2, 1)
+    table = UnitCosts(1.0, 2.0, 0.0).table(sched)
+    n_ops = sum(len(ops) for ops in sched.ops)
+    lane = HostLane(cores=1.0, compute_cpu=1.0, op_cpu=0.5)
+    assert host_bound(sched, table, [3.0, 3.0], 2) == 0.0
+    assert simulate(sched, dataclasses.replace(table, host_lane=lane), record=False).iteration == pytest.approx(
+        6.0 + 0.5 * n_ops
+    )
+    twice = dataclasses.replace(table, host_lane=dataclasses.replace(lane, copies=2))
+    assert simulate(sched, twice, record=False).iteration == pytest.approx(2 * (6.0 + 0.5 * n_ops))
+    roomy = dataclasses.replace(table, host_lane=dataclasses.replace(lane, cores=100.0))
+    assert simulate(sched, roomy, record=False).iteration == 6.0
+    per_node = max(3.0 + 0.5 * len(ops) for ops in sched.ops)  # each rank alone on its node
+    lone = dataclasses.replace(table, host_lane=lane)
+    assert simulate(sched, lone, record=False, gpus_per_node=1).iteration == pytest.approx(max(6.0, per_node))
+    # an optimizer step runs on opt_threads threads: each rank steps its one stage (t_opt=1) on 2
+    opt = UnitCosts(1.0, 2.0, 1.0).table(sched)
+    gpu = HostLane(cores=1.0, compute_cpu=0.0, opt_threads=2)  # compute on a GPU: only host work counts
+    assert host_bound(sched, dataclasses.replace(opt, host_lane=gpu), [3.0, 3.0], 2) == pytest.approx(2 * 2 * 1.0)
+    with pytest.raises(ValueError, match="cores"):
+        HostLane(cores=0.0)
+
+
+def test_replicas_sharing_a_node_multiply_the_lanes_work() -> None:
+    sched = build_gpipe(2, 1)
+    lane = HostLane(cores=2.0, compute_cpu=1.0)
+    link = {"link_bandwidth": 1e9, "link_latency": 0.0, "memory_bandwidth": 1e9}
+    shared = with_replicas(
+        dataclasses.replace(UnitCosts().table(sched), host_lane=lane), ReplicaCosts(3, True, **link), sched
+    )
+    apart = with_replicas(
+        dataclasses.replace(UnitCosts().table(sched), host_lane=lane), ReplicaCosts(3, False, **link), sched
+    )
+    assert shared.host_lane is not None and shared.host_lane.copies == 3
+    assert apart.host_lane == lane  # each replica on its own node
+
+
+def test_the_profiled_lane_charges_the_cpu_time_of_a_layer_on_a_cpu_and_none_on_a_gpu() -> None:
+    """A CPU "device": a simulated second of compute (the profile's times x the slowdown) costs the
+    node cpu_ratio / slowdown CPU seconds; a GPU's compute costs the host none; an assumed machine
+    (the emulated device) gets no lane."""
+    base = synthetic_profile()
+    hw = dataclasses.replace(base.hardware, measured=True, op_host_s=7e-6)
+    p = dataclasses.replace(base, hardware=hw, slowdown=2.5, cpu_ratio=1.25)
+    lane = profiled_costs(p, TINY, SEQ, 2, gpus_per_node=4, threads_per_worker=3).host_lane
+    assert lane == HostLane(cores=8.0, compute_cpu=0.5, op_cpu=7e-6, opt_threads=3)
+    gpu = dataclasses.replace(p, hardware=dataclasses.replace(hw, kind="cuda"))
+    assert profiled_costs(gpu, TINY, SEQ, 2).host_lane == HostLane(cores=8.0, compute_cpu=0.0, op_cpu=7e-6)
+    assert profiled_costs(base, TINY, SEQ, 2).host_lane is None
+
+
+def test_the_together_time_is_the_windows_mean_so_the_waits_for_other_ranks_count() -> None:
+    """A run that waits one long slice in four (as a rank does sharing a core with three others)
+    is 1/4 of its time slow: the median of the runs would say it never waits; the window's mean
+    says 5 ms a run. The wait is no CPU time."""
+    calls = [0]
+
+    def step() -> None:
+        calls[0] += 1
+        if calls[0] % 4 == 0:
+            time.sleep(0.02)
+
+    wall, cpu = mean_run_seconds(step, repeats=8, window_s=0.0)
+    assert calls[0] == 8 and wall >= 0.02 * 2 / 8 and cpu < 0.002
+    calls[0] = 0
+    mean_run_seconds(step, repeats=1, window_s=0.05)
+    assert calls[0] > 1  # the window, not the repeats, ended it
+    p = synthetic_profile()  # block: 1 ms forward + 3 ms backward at 64 tokens
+    assert cpu_ratio(p, 64, [5e-3, 3e-3]) == pytest.approx(1.0)  # the profile's 4 ms Block: never below 1
+    assert cpu_ratio(p, 64, [6e-3, 6e-3]) == pytest.approx(1.5)
+
+
+def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:
+    """A sub-stage of k Blocks holds once + k x per Block at its backward's peak: the measured point
+    nearest the micro-batch's tokens, in proportion to them; the Embedding and Head keep the
+    estimate; without a measurement the estimate stands. Kept through the profile's JSON."""
+    base = synthetic_profile()
+    p = dataclasses.replace(base, backward_bytes=[[64, 1000, 300], [256, 5000, 1000]])
+    assert p.backward_work(128) == pytest.approx((2000.0, 600.0))  # 64 is nearest: x2
+    assert MachineProfile.from_json(p.to_json()).backward_bytes == p.backward_bytes
+    plain = profiled_costs(base, TINY, SEQ, 2)
+    costs = profiled_costs(p, TINY, SEQ, 2)
+    assert costs.layer_act_bytes[1:-1] == (2000.0,) * TINY.n_layers and costs.bwd_once_bytes == 600.0
+    assert (costs.layer_act_bytes[0], costs.layer_act_bytes[-1]) == (
+        plain.layer_act_bytes[0],
+        plain.layer_act_bytes[-1],
+    )
+    assert plain.bwd_once_bytes == 0.0 and base.backward_work(128) is None
+    sched = build_gpipe(2, 1, uniform_partition(2, 1, 3))  # [Embedding, Block x2], [Block x2, Head]
+    table = costs.table(sched)
+    assert table.bwd_work[0] == pytest.approx(plain.layer_act_bytes[0] + 2 * 2000.0 + 600.0)
+
+
+def test_the_heap_is_trimmed_before_a_ranks_baseline() -> None:
+    """What the process freed (rank 0's profiling) leaves the resident heap before the baseline:
+    16 MiB freed in the middle of the heap (a live block above it, so glibc cannot shrink the top on
+    its own) go back to the kernel."""
+    if not release_free_heap():
+        pytest.skip("not glibc: nothing to trim")
+    freed = [torch.ones(1 << 14) for _ in range(256)]  # 64 KiB each: heap chunks, under the mmap threshold
+    above = torch.ones(1 << 14)
+    freed[0].add_(above)
+    del freed
+    before = _anon()
+    assert release_free_heap()
+    assert _anon() <= before - 8 * 1024  # KiB: most of the 16 MiB
+
+
+def _anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))

@@ -17,7 +17,7 @@ from sysx import device as dev
 from sysx import dist as sdist
 from sysx.autotune.advice import Change, advise
 from sysx.autotune.cache import cached_profile, load_or_measure, profile_path
-from sysx.autotune.contention import slowdown, time_block_together
+from sysx.autotune.contention import cpu_ratio, slowdown, time_block_together
 from sysx.autotune.emulated import emulated_profile
 from sysx.autotune.p2p import P2PFigures, measure_p2p
 from sysx.autotune.profile import MachineProfile
@@ -108,13 +108,15 @@ def tune(
     profile: MachineProfile | None = None,
     p2p: P2PFigures | None = None,
     together_s: list[float] | None = None,
+    together_cpu_s: list[float] | None = None,
 ) -> Tuning:
     """Profile (cached), search, advise. ``budget`` bytes override what the profile found free
     (keys ``gpu``, ``host``, ``shm``; None keeps the profile's figure). ``profile``: use this one
     (the emulated device's) instead of the cache. ``p2p``: figures just measured between the job's
     ranks, kept in the cached profile; without them the cached profile's are used if it has some.
     ``together_s``: each rank's time of the Block measured together (:mod:`sysx.autotune.contention`):
-    the search charges the profile's layer times their slowdown (not kept in the cache: it is this job's)."""
+    the search charges the profile's layer times their slowdown (not kept in the cache: it is this job's).
+    ``together_cpu_s``: the same runs' CPU times, the node's host lane's cost of a layer (:func:`cpu_ratio`)."""
     reused = profile is not None
     if profile is None:
         dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
@@ -130,6 +132,8 @@ def tune(
         )
     if together_s:
         profile = dataclasses.replace(profile, slowdown=slowdown(profile, job.seq_len, together_s))
+    if together_cpu_s:
+        profile = dataclasses.replace(profile, cpu_ratio=cpu_ratio(profile, job.seq_len, together_cpu_s))
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
     if job.disk is not None and job.disk.free_bytes is not None:  # optim.offload=nvme: the state files' room
@@ -225,9 +229,12 @@ def _wants_p2p(cfg: SysxConfig, job: Job, device: torch.device) -> bool:
     return p is None or (p.ranks, p.ranks_per_node) != (job.n_ranks, job.ranks_per_node)
 
 
-def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, group: Any) -> list[float] | None:
-    """Every rank's time of the job's Block, all timing at once (:mod:`sysx.autotune.contention`), on
-    rank 0; None where the ranks do not share the compute (a GPU, the emulated device)."""
+def _time_together(
+    cfg: SysxConfig, job: Job, device: torch.device, info: Any, group: Any
+) -> list[tuple[float, float]] | None:
+    """Every rank's ``(wall, CPU)`` seconds of the job's Block, all timing at once
+    (:mod:`sysx.autotune.contention`), on rank 0; None where the ranks do not share the compute (a
+    GPU, the emulated device)."""
     if cfg.device == EMULATED_DEVICE or dev.is_cuda(device):
         return None
     dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
@@ -240,7 +247,7 @@ def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, g
         tdist.all_gather_object(every, mine, group=group)
     else:
         every = [mine]
-    return [float(t) for t in every]
+    return [(float(wall), float(cpu)) for wall, cpu in every]
 
 
 def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
@@ -265,7 +272,13 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
     costs = None
     if info.is_main:
         tuning = tune(
-            job, device, adam_backend=cfg.optim.backend, profile=job_profile(cfg, job), p2p=p2p, together_s=together
+            job,
+            device,
+            adam_backend=cfg.optim.backend,
+            profile=job_profile(cfg, job),
+            p2p=p2p,
+            together_s=[w for w, _ in together] if together else None,
+            together_cpu_s=[c for _, c in together] if together else None,
         )
         best = tuning.result.best
         box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)

@@ -26,7 +26,8 @@ from sysx.model import ModelConfig
 log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so profiles of an older profiler are measured again
-PROFILE_VERSION = 4  # 4: the hardware's op_host_s and process_bytes, tiny-message p2p latency (issue 27)
+# 5: a CPU profile's backward_bytes; 4: op_host_s, process_bytes, tiny-message p2p latency (issue 27)
+PROFILE_VERSION = 5
 
 
 def profile_path(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device) -> Path:

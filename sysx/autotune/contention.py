@@ -8,11 +8,20 @@ processes run together on 2 cores at load 5, not the 7.1 ms the old core-count r
 (:func:`sysx.autotune.costs.cpu_share`: 2 ranks / 2 cores = 1) predicted.
 
 So at tune time every rank of the job times the same Block (the job's shape, one sequence) at the
-same moment, the median of a few runs each; rank 0 divides their mean by the profile's time of
-that Block (:func:`slowdown`) and the search charges every layer time and the executor's per-op
-host cost that factor. It holds the machine's load at tune time; a load that changes during the
-run moves the measurement and not the prediction. With a pipeline of several ranks per replica
-the ranks idle in the bubbles and the factor overstates their contention a little.
+same moment, as many runs as fit in :data:`WINDOW_S` (at least :data:`REPEATS`), and reports the
+window's wall time and CPU time per run; rank 0 divides their mean by the profile's time of that
+Block (:func:`slowdown`, :func:`cpu_ratio`) and the search charges every layer time and the
+executor's per-op host cost the slowdown, and the node's host lane
+(:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
+
+Why a window and not the median of a few runs (issue 27): with more ranks than cores the kernel
+shares a core in time slices of several milliseconds, longer than a tiny Block's 5 ms. A short run
+mostly runs whole inside one slice and takes its solo time; the waits for the other ranks' slices
+fall into a few long runs, which a median drops. The median of 7 runs read 1.07x for 4 ranks on 2
+cores (they cannot run faster than 2x their solo time); only the throughput over a window many
+slices long sees the sharing. The rates hold the machine's load at tune time; a load that changes
+during the run moves the measurement and not the prediction. With a pipeline of several ranks
+per replica the ranks idle in the bubbles and the factor overstates their contention a little.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from sysx.autotune.profile import MachineProfile
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
 
-REPEATS = 7  # after one warm-up; the median, so one descheduled run neither hides nor dominates
+REPEATS = 7  # at least, after one warm-up
+WINDOW_S = 0.3  # the runs' window at least: many of the kernel's time slices (a few ms each), so sharing shows
 
 
 def time_block_together(
@@ -36,10 +46,12 @@ def time_block_together(
     dtype: torch.dtype,
     *,
     repeats: int = REPEATS,
+    window_s: float = WINDOW_S,
     barrier: Callable[[], object] | None = None,
-) -> float:
-    """Median seconds of one Block's no-grad forward plus its recompute-and-backward on one sequence,
-    on the CPU; ``barrier`` is called after the warm-up so every rank times at once."""
+) -> tuple[float, float]:
+    """Mean seconds of one Block's no-grad forward plus its recompute-and-backward on one sequence,
+    on the CPU, in wall-clock time and in this thread's CPU time, over at least ``repeats`` runs
+    and ``window_s`` seconds; ``barrier`` is called after the warm-up so every rank times at once."""
     layer = make_layer(cfg, 1, dtype=dtype, device=torch.device("cpu"))
     init_layer(layer, 1)  # uninitialised memory can hold denormals, which time differently
     x = torch.randn(1, seq_len, cfg.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -54,12 +66,18 @@ def time_block_together(
     step()
     if barrier is not None:
         barrier()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    return mean_run_seconds(step, repeats=repeats, window_s=window_s)
+
+
+def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: float) -> tuple[float, float]:
+    """``(wall, CPU)`` seconds per call of ``step`` over at least ``repeats`` calls and ``window_s``
+    seconds: the window's totals over the calls, so the time slices the calls waited for count."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    runs = 0
+    while runs < repeats or time.perf_counter() - t0 < window_s:
         step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        runs += 1
+    return (time.perf_counter() - t0) / runs, (time.thread_time() - c0) / runs
 
 
 def slowdown(profile: MachineProfile, seq_len: int, together_s: list[float]) -> float:
@@ -70,3 +88,14 @@ def slowdown(profile: MachineProfile, seq_len: int, together_s: list[float]) -> 
     if not together_s:
         raise ValueError("slowdown needs at least one rank's time of the Block")
     return max(1.0, statistics.fmean(together_s) / max(fwd + bwd, 1e-12))
+
+
+def cpu_ratio(profile: MachineProfile, seq_len: int, together_cpu_s: list[float]) -> float:
+    """CPU seconds a layer costs per second of the profile's time of it: the ranks' mean CPU time of
+    the Block measured together (:func:`time_block_together`) over the profile's fastest wall time
+    (above 1 where the profile's fastest run was luckier than a typical one, or the ranks' cache
+    sharing makes each pass do more work)."""
+    fwd, bwd = profile.layer_time("block", seq_len)
+    if not together_cpu_s:
+        raise ValueError("cpu_ratio needs at least one rank's CPU time of the Block")
+    return max(1.0, statistics.fmean(together_cpu_s) / max(fwd + bwd, 1e-12))

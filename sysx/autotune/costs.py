@@ -12,7 +12,11 @@ costs say the same: :mod:`sysx.emulate.costs`). On a CPU "device" with more rank
 physical cores, the layer times grow by that ratio, or by the slowdown the job's ranks measured
 together at tune time (:func:`cpu_share`), and so does the executor's
 fixed host cost per instruction (``op_host``, :mod:`sysx.machine.host_cost`); every rank's host
-memory holds the machine's fixed per-process bytes besides its state (``process_bytes``).
+memory holds the machine's fixed per-process bytes besides its state (``process_bytes``). On a
+measured machine the node's cores are one host lane (:func:`host_lane`): the step is no shorter
+than the CPU work of every rank of the node over its cores. On a CPU "device" a Block's
+activations and a backward's own temporaries are the profile's measured bytes
+(:meth:`~sysx.autotune.profile.MachineProfile.backward_work`), not the estimate from the shape.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from sysx.autotune.profile import MachineProfile
 from sysx.memory.budget import training_state_bytes
 from sysx.model import ModelConfig
-from sysx.schedule.costs import Costs, costs_from_model
+from sysx.schedule.costs import Costs, HostLane, costs_from_model
 
 
 def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tuple[list[float], list[float]]:
@@ -45,6 +49,21 @@ def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
     if not ranks_per_node:
         return 1.0
     return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
+
+
+def host_lane(profile: MachineProfile, share: float, threads_per_worker: int) -> HostLane | None:
+    """The node's cores as the lane every rank's host work shares: on a CPU "device" a layer costs
+    the node its profiled time times the CPU ratio its ranks measured together (1 when not
+    measured), i.e. that over ``share`` per simulated second; on a GPU compute costs the host
+    nothing. Every instruction costs its measured host time, an optimizer step its time on
+    ``threads_per_worker`` threads. None for an assumed (emulated) machine: its plan is the model's."""
+    hw = profile.hardware
+    if not hw.measured or profile.cpu_threads < 1:
+        return None
+    compute = (profile.cpu_ratio or 1.0) / share if hw.kind == "cpu" else 0.0
+    return HostLane(
+        cores=float(profile.cpu_threads), compute_cpu=compute, op_cpu=hw.op_host_s, opt_threads=threads_per_worker
+    )
 
 
 ALLREDUCES_PER_STEP = 2  # VALIDATE's (gradient norm, overflow) and the step end's (losses, outcome)
@@ -100,6 +119,12 @@ def profiled_costs(
     # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,
     # the measured total backward over the measured total forward
     ratio = sum(bwd) / sum(fwd) - 1.0
+    memory: dict[str, Any] = {}
+    measured = profile.backward_work(micro_batch_size * seq_len)
+    if measured is not None:  # a CPU "device": what the backward holds, measured, not the estimate
+        per_block, once = measured
+        acts = base.layer_act_bytes
+        memory = {"layer_act_bytes": (acts[0], *(per_block,) * cfg.n_layers, acts[-1]), "bwd_once_bytes": once}
     links: dict[str, float] = profile.p2p.costs_fields() if profile.p2p is not None else {}
     if world is not None and profile.p2p is not None and profile.hardware.measured:  # the emulated plan keeps its own
         links["allreduce_latency"] = step_allreduces(world, profile.p2p.intra_latency)
@@ -112,5 +137,6 @@ def profiled_costs(
         gpus_per_node=gpus_per_node,
         op_host=hw.op_host_s * share,
         process_bytes=float(hw.process_bytes),
-        **{**links, **hardware},
+        host_lane=host_lane(profile, share, threads_per_worker),
+        **{**memory, **links, **hardware},
     )

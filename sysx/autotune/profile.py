@@ -26,6 +26,7 @@ from sysx.autotune.p2p import P2PFigures
 from sysx.machine.adam_rate import adam_params_per_s
 from sysx.machine.hardware import HardwareProfile, measure_hardware, time_op
 from sysx.machine.hardware_cache import machine_key
+from sysx.machine.host_cost import measure_backward_bytes
 from sysx.memory.budget import probe_host
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
@@ -66,6 +67,21 @@ class MachineProfile:
     p2p: P2PFigures | None = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
     # the job's layers over the profile's, its ranks measured together at tune time (:mod:`sysx.autotune.contention`)
     slowdown: float | None = None
+    # CPU seconds of the job's layers per profile second, from the same measurement (the node's host lane)
+    cpu_ratio: float | None = None
+    # on a CPU "device": [tokens, bytes per Block, bytes once] a sub-stage's backward holds at its
+    # peak (:func:`sysx.machine.host_cost.measure_backward_bytes`), by tokens; None: not measured
+    backward_bytes: list[list[int]] | None = None
+
+    def backward_work(self, tokens: float) -> tuple[float, float] | None:
+        """``(per Block, once)`` bytes a sub-stage's backward holds on ``tokens`` tokens: the measured
+        point nearest ``tokens``, scaled in proportion to them (activations grow with the tokens); None
+        when not measured."""
+        if not self.backward_bytes:
+            return None
+        near, per_block, once = min(self.backward_bytes, key=lambda p: abs(p[0] - tokens))
+        scale = tokens / near
+        return per_block * scale, once * scale
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
@@ -134,6 +150,9 @@ def _time_layer(
     return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
 
 
+BACKWARD_POINTS = 2  # token counts the backward's bytes are measured at (the smallest of the profile's)
+
+
 def measure_profile(
     cfg: ModelConfig,
     seq_len: int,
@@ -157,6 +176,13 @@ def measure_profile(
         for mbs in sorted(set(micro_batch_sizes)):
             layers[kind].append(_time_layer(layer, kind, cfg, mbs, seq_len, device, dtype, repeats))
         del layer
+    backward = None
+    if not dev.is_cuda(device):  # the "device" memory is host memory, counted as the check counts it
+        # the fewest tokens only: the bytes grow in proportion to them (within ~13% from 256 to 2048
+        # tokens at dim 512), and the largest counts would cost the profile the most seconds and memory
+        tokens = sorted({mbs * seq_len for mbs in micro_batch_sizes})[:BACKWARD_POINTS]
+        found = measure_backward_bytes(cfg, seq_len, tokens, dtype)
+        backward = [[t, a, b] for t, (a, b) in sorted(found.items())] or None
     cap = probe_host()
     host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)
     return MachineProfile(
@@ -170,6 +196,7 @@ def measure_profile(
         shm_free=cap.shm_free,
         shm_total=cap.shm_total,
         seconds=time.perf_counter() - t0,
+        backward_bytes=backward,
     )
 
 

@@ -10,16 +10,22 @@ one-rank gloo group, then runs one small Block forward and backward, one Adam st
 thread, and reports how much its anonymous memory grew past the point where a rank's plan starts
 counting (autograd's and the allocator's caches, thread stacks and arenas), as the prediction
 check counts a rank's memory (:func:`sysx.trainers.prediction.host_growth`: file pages, such as
-the kernels loaded lazily, are page cache and left out on both sides).
+the kernels loaded lazily, are page cache and left out on both sides). :func:`measure_backward_bytes`
+measures, in another fresh process, what the backward of the job's Block holds at its peak at
+each token count, its parameters and gradients made before the count starts: the plan charges a
+layer's activations for it, the process needs more (autograd's saved tensors and the gradient
+temporaries, and what glibc keeps of the freed workspace in its heap).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -119,3 +125,78 @@ def measure_process_bytes(timeout_s: float = PROCESS_TIMEOUT_S) -> int:
         return int(json.loads(done.stdout.strip().splitlines()[-1])["process_bytes"])
     except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError):
         return 0
+
+
+_BACKWARD_CHILD = r"""
+import json, sys
+import torch
+import torch._dynamo  # as a rank has before its baseline (see _CHILD)
+from sysx.model import ModelConfig
+from sysx.model.llama import init_layer, make_layer
+args = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+dtype = getattr(torch, args["dtype"])
+cfg = ModelConfig(**args["model"])
+block = torch.nn.Sequential(*(make_layer(cfg, 1 + i, dtype=dtype) for i in range(args["blocks"])))
+for i, layer in enumerate(block):
+    init_layer(layer, 1 + i)
+for p in block.parameters():
+    p.grad = torch.zeros_like(p)  # planned state: made before the count starts
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+def anon_peak():
+    return status("VmHWM") - status("RssFile") - status("RssShmem")
+x = torch.randn(1, 1, cfg.dim, dtype=dtype)  # the first kernels' own allocations, before the count
+with torch.no_grad():
+    block(x)
+open("/proc/self/clear_refs", "w").write("5")
+rss0 = status("RssAnon")
+out = {}
+for tokens in args["tokens"]:  # ascending: what the heap keeps of one count serves the next
+    x = torch.randn(tokens // args["seq_len"], args["seq_len"], cfg.dim, dtype=dtype)  # micro-batch x sequence
+    for _ in range(2):  # a rank's forward without autograd, then recompute and backward (the sub-stage at once)
+        with torch.no_grad():
+            block(x)
+        inp = x.detach().requires_grad_(True)
+        y = block(inp)
+        y.backward(torch.ones_like(y))
+        del inp, y
+    out[tokens] = max(0, anon_peak() - rss0)
+print(json.dumps(out))
+"""
+
+
+def _backward_peaks(
+    cfg: Any, seq_len: int, tokens: list[int], dtype: torch.dtype, blocks: int, timeout_s: float
+) -> dict[int, int]:
+    """:data:`_BACKWARD_CHILD`'s peaks for a sub-stage of ``blocks`` Blocks, by token count."""
+    dt = str(dtype).split(".")[-1]
+    args = {"model": dataclasses.asdict(cfg), "seq_len": seq_len, "tokens": tokens, "dtype": dt, "blocks": blocks}
+    done = subprocess.run(
+        [sys.executable, "-c", _BACKWARD_CHILD, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=True,
+    )
+    return {int(k): int(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def measure_backward_bytes(
+    cfg: Any, seq_len: int, token_counts: list[int], dtype: torch.dtype, timeout_s: float = PROCESS_TIMEOUT_S
+) -> dict[int, tuple[int, int]]:
+    """What the backward of a sub-stage of Blocks of ``cfg`` (a :class:`~sysx.model.ModelConfig`)
+    holds at its peak, by token count (micro-batches of ``seq_len``-token sequences, a multiple of it): ``(per Block, once)`` bytes, from the peaks of one and of two
+    Blocks recomputed and backpropagated together (each in a fresh process, a few seconds): a
+    sub-stage of ``k`` Blocks holds ``once + k * per_block``. Empty when a process fails."""
+    tokens = sorted(set(token_counts))
+    try:
+        one = _backward_peaks(cfg, seq_len, tokens, dtype, 1, timeout_s)
+        two = _backward_peaks(cfg, seq_len, tokens, dtype, 2, timeout_s)
+    except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError):
+        return {}
+    out = {}
+    for t in tokens:
+        per_block = max(0, two[t] - one[t])
+        out[t] = (per_block, max(0, one[t] - per_block))
+    return out

@@ -20,6 +20,30 @@ from sysx.schedule.replica_costs import ReplicaCosts
 HOST_BYTES_PER_PARAM = float(training_state_bytes("bfloat16").optimizer)  # its shared working copy is counted apart
 
 
+@dataclass(frozen=True)
+class HostLane:
+    """The node's CPU cores as one lane every rank of the node draws on (:func:`~sysx.schedule.simulate.host_bound`).
+
+    ``cores``: physical cores of a node. ``compute_cpu``: CPU seconds one second of simulated
+    compute costs the node (0 where compute runs on a GPU; on a CPU "device" the CPU time of a pass
+    over its simulated time, which the contention slowdown stretched). ``op_cpu``: CPU seconds of
+    one executor instruction. ``opt_threads``: threads one optimizer step runs on (its CPU seconds
+    are its time times these). ``copies``: ranks of the node per pipeline rank on it (the replicas
+    that share the node run the same lists)."""
+
+    cores: float
+    compute_cpu: float = 0.0
+    op_cpu: float = 0.0
+    opt_threads: int = 1
+    copies: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.cores > 0:
+            raise ValueError(f"HostLane.cores={self.cores!r} must be > 0 (the node's physical cores)")
+        if not (self.compute_cpu >= 0 and self.op_cpu >= 0 and self.opt_threads >= 1 and self.copies >= 1):
+            raise ValueError(f"HostLane: compute_cpu, op_cpu must be >= 0, opt_threads and copies >= 1, not {self}")
+
+
 @dataclass
 class CostTable:
     """Per-stage durations (s or units) and sizes (bytes or units) for one schedule.
@@ -60,6 +84,7 @@ class CostTable:
     replicas: int = 1
     op_host: float = 0.0  # the executor's fixed host cost of every instruction, on the rank's cursor
     process_bytes: float = 0.0  # host bytes every rank's process holds besides its training state
+    host_lane: HostLane | None = None  # None: the ranks' host work is not bounded by the node's cores
 
 
 @dataclass(frozen=True)
@@ -128,6 +153,9 @@ class Costs:
     executor's fixed host seconds per instruction, charged on the rank's cursor before every op
     (the per-message cost is the latency part of ``p2p_latency``). ``process_bytes``: host memory
     every rank's process holds besides its training state (its host plan adds it).
+    ``bwd_once_bytes``: what a sub-stage's backward holds once beside its layers' activations (the
+    backward's own temporaries; measured on a CPU "device", 0 otherwise). ``host_lane``:
+    the node's cores every rank's host work shares (None: unbounded).
     """
 
     layer_fwd_time: tuple[float, ...]
@@ -155,6 +183,8 @@ class Costs:
     replica: ReplicaCosts | None = None
     op_host: float = 0.0
     process_bytes: float = 0.0
+    bwd_once_bytes: float = 0.0
+    host_lane: HostLane | None = None
 
     def __post_init__(self) -> None:
         n = len(self.layer_fwd_time)
@@ -228,7 +258,7 @@ class Costs:
             grad_mem=[x * self.grad_bytes for x in params_sub],
             ckpt_mem=[tsum(act, r) for r in subs] if keep else ckpt_b,
             fwd_work=[max((act[i] for i in r), default=0.0) for r in stages],
-            bwd_work=[tsum(act, r) for r in subs],
+            bwd_work=[tsum(act, r) + self.bwd_once_bytes for r in subs],
             host_bytes_per_param=self.host_bytes_per_param,
             param_bytes=self.param_bytes,
             params_stage=params_stage,
@@ -239,6 +269,7 @@ class Costs:
             unit="s",
             op_host=self.op_host,
             process_bytes=self.process_bytes,
+            host_lane=self.host_lane,
         )
         return table if self.replica is None else with_replicas(table, self.replica, schedule)
 
@@ -270,8 +301,12 @@ def with_replicas(table: CostTable, replica: ReplicaCosts, schedule: Schedule) -
         )
         for x in range(schedule.n_ranks)
     ]
+    lane = table.host_lane
+    if lane is not None and replica.share_node:  # every replica's copy of a rank draws on the node's cores
+        lane = dataclasses.replace(lane, copies=lane.copies * r)
     return dataclasses.replace(
         table,
+        host_lane=lane,
         opt=[x / r for x in table.opt],
         reduce=[replica.reduce_seconds(n) for n in table.params_sub],
         gather=gather,

@@ -117,6 +117,25 @@ def host_memory(schedule: Schedule, tab: CostTable, gpus_per_node: int) -> tuple
     return host, shm
 
 
+def host_bound(schedule: Schedule, tab: CostTable, busy: list[float], gpus_per_node: int) -> float:
+    """The shortest step the node's cores allow (0 without ``tab.host_lane``): every rank of a node
+    (and each replica's copy of it) spends CPU time on its compute where compute runs on the host,
+    on every instruction, and on its optimizer steps and gradient reductions; a node cannot finish
+    that work faster than its cores do it all. The timeline charges each rank its own lanes, which
+    run side by side; on a CPU node with more work than cores they do not (issue 27)."""
+    lane = tab.host_lane
+    if lane is None:
+        return 0.0
+    d, place = tab.split, schedule.assignment
+    node_cpu: dict[int, float] = {}
+    for r, ops in enumerate(schedule.ops):
+        owned = [s * d + k for s, k in place.bwd_substages(r)]
+        cpu = lane.compute_cpu * busy[r] + lane.op_cpu * len(ops) + lane.opt_threads * sum(tab.opt[g] for g in owned)
+        cpu += sum(tab.reduce[g] for g in owned) if tab.reduce else 0.0
+        node_cpu[r // gpus_per_node] = node_cpu.get(r // gpus_per_node, 0.0) + cpu
+    return max(node_cpu.values(), default=0.0) * lane.copies / lane.cores
+
+
 CostsLike = Costs | UnitCosts | CostTable
 
 
@@ -148,6 +167,8 @@ def simulate(
                 (r, REDUCE, last[r], e, e + g) for r, (e, g) in enumerate(zip(out["rank_end"], tab.gather)) if g > 0
             ]
     busy = out["busy"]
+    gpn = gpus_per_node or R
+    it = max(it, host_bound(schedule, tab, busy, gpn))
     bubble = [(it - b) / it if it > 0 else 0.0 for b in busy]
     ratio = (it * R - sum(busy)) / (it * R) if it > 0 else 0.0
     peaks = [0.0] * R
@@ -158,7 +179,6 @@ def simulate(
             peaks[r] = pk
             for k in range(4):
                 cats[k][r] = cp[k]
-    gpn = gpus_per_node or R
     host, shm = host_memory(schedule, tab, gpn)
     events: list[Event] = []
     if record:

@@ -46,7 +46,7 @@ from sysx.trainers.base import Trainer, job_device
 from sysx.trainers.checkpointing import restore_stage_from, stage_layer_sources
 from sysx.trainers.job import run_job
 from sysx.trainers.observation import PipelineObservation
-from sysx.trainers.prediction import start_host_peak
+from sysx.trainers.prediction import release_free_heap, start_host_peak
 
 if TYPE_CHECKING:
     from sysx.data import TokenDataset
@@ -102,6 +102,7 @@ class PipelineTrainer(Trainer):
         self.ops = self.schedule.ops[self.layout.stage_rank]
         broadcast = torch_broadcast(self.group) if self.world > 1 else None
         self.job_id = f"{self.opts.job_id or resolve_job_id(rank=self.rank, broadcast=broadcast)}.t{next(_instances)}"
+        release_free_heap()  # what rank 0's tuning freed is not this run's: out of the baseline, as on every rank
         rss0 = start_host_peak()  # before the training state exists: its growth is what the plan describes
         self.runtime = self._rank_runtime()
         self.params, self.optimizer, self.executor = self.runtime.params, self.runtime.optimizer, self.runtime.executor

@@ -10,6 +10,8 @@ ran, else the mean of the logged step times after the warm-up.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -45,6 +47,25 @@ def _file_and_shared_excess() -> int:
     status = _kib_fields("/proc/self/status", ("RssFile", "RssShmem"))
     pss_shm = _kib_fields("/proc/self/smaps_rollup", ("Pss_Shmem",))["Pss_Shmem"]
     return status["RssFile"] + status["RssShmem"] - pss_shm
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim``; False elsewhere).
+
+    What a process freed before its training state was built (rank 0's profiling and search run
+    the model's layers at every micro-batch size) stays resident in glibc's heap: counted in the
+    baseline, and reused by the state's buffers and the backward's workspace, so that rank's growth
+    would read tens of MiB less than every other rank's for the same plan (issue 27: 7 against 31
+    MiB on the tiny model). Trimmed first, every rank's growth is its state's and its steps'."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
 
 
 def start_host_peak() -> int:
