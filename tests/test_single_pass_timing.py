@@ -4,6 +4,7 @@ term in the planner's step (issue 27, point 3)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sysx.single.pass_timing import PassTimes, calibrated_table, measure_passes,
 from sysx.single.plan_costs import head_seconds
 from sysx.single.plan_request import PlanRequest
 from sysx.single.planner import make_plan
+from sysx.trainers.prediction import release_free_heap
 
 HW = assumed_hardware("rtx4090", host_memory_gib=64)
 TINY = get_preset("tiny")
@@ -81,3 +83,17 @@ def test_passes_are_timed_on_the_device_and_not_with_sequence_chunks() -> None:
     assert chunked.seq_chunk == 8
     assert measure_passes(chunked, torch.device("cpu"), repeats=1) is None
     assert timed_plan(chunked, None) is chunked
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_the_heap_planning_freed_is_handed_back_before_the_baseline() -> None:
+    def anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    # 64 KiB tensors live in glibc's heap (under the mmap threshold): freed, their pages stay resident
+    pieces = [torch.ones(16 * 1024) for _ in range(1024)]
+    del pieces[:-1]  # the last one keeps the heap's top in use, so no automatic trim gives the rest back
+    before = anon()
+    release_free_heap()
+    assert before - anon() > 32 * 2**20

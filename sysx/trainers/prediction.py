@@ -10,6 +10,7 @@ ran, else the mean of the logged step times after the warm-up.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -207,12 +208,21 @@ class RunPrediction:
             print(line, flush=True)
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``; elsewhere nothing):
+    what planning freed (its profiled passes) would otherwise sit in the baseline, and the state
+    built after it would reuse those pages unseen by :func:`host_growth`."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 class SinglePrediction:
     """``schedule=single``: the planner's predicted step time and memory (its :class:`SinglePlan`)
     against the run's, after the same first steps (one process: nothing collective)."""
 
     def __init__(self, plan: Any, device: torch.device) -> None:
         self.plan, self.device = plan, device
+        release_free_heap()
         self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None
