@@ -25,8 +25,8 @@ from sysx.single.op_profile import run_layer
 from sysx.single.plan_costs import LevelTable, predict_step
 from sysx.single.plan_report import SinglePlan
 
-# timed runs of each pass after a warm-up; the fastest is kept: on a shared CPU the slower runs are
-# other processes' time slices and first-touch page faults the training loop's reused memory does not pay
+# timed runs of each pass after a warm-up; the median is kept, as the layer profile keeps it: the
+# fastest described a shared CPU's quiet moments (the 50M window measured 1.3-1.5x it at load 3-5)
 REPEATS = 5
 
 
@@ -69,9 +69,9 @@ def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REP
 
     with torch.no_grad():
         run_layer(block, x, None)  # fill the caches the layer keeps (RoPE tables), as the profile did
-    forward = time_op(lambda: run_captured(block, x, profile, layout, slot), device, repeats, fastest=True)
-    backward = time_op(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats, fastest=True)
-    return PassTimes(forward, backward, time_op(head_pass, device, repeats, fastest=True))
+    forward = time_op(lambda: run_captured(block, x, profile, layout, slot), device, repeats)
+    backward = time_op(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats)
+    return PassTimes(forward, backward, time_op(head_pass, device, repeats))
 
 
 def calibrated_table(table: LevelTable, passes: PassTimes, slot_level: int) -> LevelTable:
