@@ -64,6 +64,10 @@ class LevelTable:
     profile: LayerProfile  # the block profile the layouts index into
     seq_chunk: int  # tokens of a unit (train.seq_len when sequences are not chunked)
     backward_extra_s: float  # a sequence chunk's backward beyond 2x forward: attention re-run, K/V rebuilt
+    head_s: float = 0.0  # one chunk's Head forward and backward (final norm, output projection, loss)
+    # a unit's backward with nothing to recompute, in forwards: 2 by FLOPs (the input and weight
+    # gradients); a measured table (:mod:`sysx.single.pass_timing`) has the device's own ratio
+    backward_ratio: float = 2.0
 
     def units(self, chunks: int, seq_len: int) -> int:
         """Units per block per round: ``chunks`` chunks of ``seq_len / seq_chunk`` sequence chunks each."""
@@ -132,7 +136,17 @@ def level_table(
         profile,
         seq_chunk,
         extra,
+        head_seconds(chunk * req.seq_len, cfg, hw),
     )
+
+
+def head_seconds(tokens: int, cfg: ModelConfig, hw: HardwareProfile) -> float:
+    """The Head's forward and backward on ``tokens`` tokens by the site rules: the output
+    projection's three matmuls (logits, input and weight gradients) at the matmul rate, and the
+    fp32 logits written and read three times in each direction (softmax, loss, their gradients)."""
+    matmuls = 3 * 2.0 * tokens * cfg.dim * cfg.vocab_size / hw.matmul_flops_per_s
+    logits = 2 * 3.0 * tokens * cfg.vocab_size * 4 / hw.device_mem_bytes_per_s
+    return matmuls + logits
 
 
 def predict_step(
@@ -158,13 +172,17 @@ def predict_step(
     fwd = table.forward_s * units
     n_tr = L - W
     host = round_host_s(hw, L, units)
+    head = table.head_s * (units * table.seq_chunk // req.seq_len)  # once per chunk of whole sequences
 
     def step_time(opts: Sequence[int]) -> tuple[float, float, float, float]:
         recompute = sum(units * (table.forward_s - table.saved_s[o]) for o in opts)
         offload = sum(units * table.slot_bytes[o] for o in opts[:n_tr])
         act_out = [units * table.slot_bytes[o] / hw.d2h_bytes_per_s for o in opts]
         act_in = [units * table.slot_bytes[o] / hw.h2d_bytes_per_s for o in opts]
-        bwd = [2.0 * fwd + units * (table.forward_s - table.saved_s[o] + table.backward_extra_s) for o in opts]
+        bwd = [
+            table.backward_ratio * fwd + units * (table.forward_s - table.saved_s[o] + table.backward_extra_s)
+            for o in opts
+        ]
         round_s, stall = simulate_round(
             fwd,
             bwd,
@@ -177,7 +195,7 @@ def predict_step(
             t_grad=t_grad,
             fetch_grads=rounds > 1,
         )
-        return rounds * (round_s + host), recompute * rounds, offload * rounds, stall * rounds
+        return rounds * (round_s + head + host), recompute * rounds, offload * rounds, stall * rounds
 
     step, recompute, offload, stall = step_time(levels)
     tokens = req.global_batch * req.seq_len
@@ -191,6 +209,7 @@ def predict_step(
         "offload_bytes": offload,
         "stall_s": stall,
         "host_ops_s": rounds * host,
+        "head_s": rounds * head,
     }
     if not with_rows:
         return times, []

@@ -234,6 +234,7 @@ class SinglePrediction:
 
     def __init__(self, plan: Any, device: torch.device) -> None:
         self.plan, self.device = plan, device
+        release_free_heap()
         self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None

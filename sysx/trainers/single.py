@@ -38,6 +38,7 @@ from sysx.single.hardware import machine_hardware
 from sysx.single.host import HostState
 from sysx.single.lanes import WORKERS, window_placement
 from sysx.single.op_profile import device_profiler
+from sysx.single.pass_timing import measure_passes, timed_plan
 from sysx.single.plan_report import SinglePlan
 from sysx.single.plan_request import ModelSizes, PlanError, plan_request_from_config
 from sysx.single.planner import make_plan
@@ -86,7 +87,10 @@ class SingleTrainer(Trainer):
         profiler = device_profiler(
             self.model_cfg, cfg.train.seq_len, self.dtype, self.device, measure=dev.is_cuda(self.device)
         )
-        self.plan: SinglePlan = make_plan(request, hardware, profiler=profiler)
+        plan = make_plan(request, hardware, profiler=profiler)
+        if not dev.is_cuda(self.device):  # the host computes: its passes are timed, not priced by FLOPs
+            plan = timed_plan(plan, measure_passes(plan, self.device))
+        self.plan: SinglePlan = plan
         if self.settings.print_plan:
             print(self.plan.render(), flush=True)
         self.memory_cap = MemoryCap(self.device, request.device_budget_bytes)  # restored by close()
