@@ -252,3 +252,24 @@ def test_the_heap_is_trimmed_before_a_ranks_baseline() -> None:
 def _anon() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_the_backward_probe_splits_its_peaks_and_says_when_it_failed(monkeypatch, caplog) -> None:
+    """One Block's and two Blocks' peaks give ``(per Block, once)``; a probe process that fails leaves
+    the shape estimate in the plan, with one warning line naming why (never silently)."""
+    import logging
+    import subprocess
+
+    from sysx.machine import host_cost
+
+    peaks = {1: {128: 30, 256: 50}, 2: {128: 40, 256: 70}}
+    monkeypatch.setattr(host_cost, "_backward_peaks", lambda cfg, s, t, d, blocks, timeout: peaks[blocks])
+    assert host_cost.measure_backward_bytes(None, 128, [256, 128], torch.float32) == {128: (10, 20), 256: (20, 30)}
+
+    def fails(*args, **kw):
+        raise subprocess.CalledProcessError(1, "python", stderr="Traceback ...\nMemoryError: probe")
+
+    monkeypatch.setattr(host_cost, "_backward_peaks", fails)
+    with caplog.at_level(logging.WARNING, logger="sysx.machine"):
+        assert host_cost.measure_backward_bytes(None, 128, [128], torch.float32) == {}
+    assert "backward-memory probe failed (MemoryError: probe)" in caplog.text
