@@ -84,10 +84,7 @@ def slowdown(profile: MachineProfile, seq_len: int, together_s: list[float]) -> 
     """The factor the job's layers run slower than the profile says: the ranks' mean time of the
     Block measured together (:func:`time_block_together`) over the profile's time of it (at least 1:
     the profile is the fastest the layer ran)."""
-    fwd, bwd = profile.layer_time("block", seq_len)
-    if not together_s:
-        raise ValueError("slowdown needs at least one rank's time of the Block")
-    return max(1.0, statistics.fmean(together_s) / max(fwd + bwd, 1e-12))
+    return _over_profile(profile, seq_len, together_s, "slowdown")
 
 
 def cpu_ratio(profile: MachineProfile, seq_len: int, together_cpu_s: list[float]) -> float:
@@ -95,7 +92,12 @@ def cpu_ratio(profile: MachineProfile, seq_len: int, together_cpu_s: list[float]
     the Block measured together (:func:`time_block_together`) over the profile's fastest wall time
     (above 1 where the profile's fastest run was luckier than a typical one, or the ranks' cache
     sharing makes each pass do more work)."""
+    return _over_profile(profile, seq_len, together_cpu_s, "cpu_ratio")
+
+
+def _over_profile(profile: MachineProfile, seq_len: int, ranks_s: list[float], what: str) -> float:
+    """The ranks' mean seconds of the Block over the profile's time of it, at least 1."""
     fwd, bwd = profile.layer_time("block", seq_len)
-    if not together_cpu_s:
-        raise ValueError("cpu_ratio needs at least one rank's CPU time of the Block")
-    return max(1.0, statistics.fmean(together_cpu_s) / max(fwd + bwd, 1e-12))
+    if not ranks_s:
+        raise ValueError(f"{what} needs at least one rank's time of the Block")
+    return max(1.0, statistics.fmean(ranks_s) / max(fwd + bwd, 1e-12))
