@@ -72,11 +72,11 @@ def command(model: str, ranks: int, run_dir: Path) -> list[str]:
     return [*launch, "-m", "sysx.train", *PIPELINE, *args]
 
 
-def run_one(name: str, model: str, ranks: int, root: Path, timeout_s: float) -> dict[str, Any]:
+def run_one(name: str, model: str, ranks: int, root: Path, timeout_s: float, cache: Path) -> dict[str, Any]:
     """Run one configuration; its prediction section, timings and the load around it."""
     run_dir = root / name.replace(":", "_")
     cmd = command(model, ranks, run_dir)
-    env = {**os.environ, "SYSX_CACHE_DIR": str(root / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SYSX_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
     row: dict[str, Any] = {"name": name, "model": model, "ranks": ranks, "command": shlex.join(cmd[1:])}
     row["load_before"] = load()
     t0 = time.perf_counter()
@@ -90,8 +90,10 @@ def run_one(name: str, model: str, ranks: int, root: Path, timeout_s: float) -> 
         return row
     data = json.loads(summary.read_text())
     row["prediction"] = data.get("prediction", {})
-    # the tune line: how the profile was had, the p2p links and the layers' measured slowdown
-    row["choice"] = [ln for ln in proc.stdout.splitlines() if ln.startswith("schedule.tune (")][-1:]
+    # the tune lines: how the profile was had, the p2p links and the layers' measured slowdown; the winner
+    lines = proc.stdout.splitlines()
+    row["choice"] = [ln for ln in lines if ln.startswith("schedule.tune (")][-1:]
+    row["choice"] += [ln.strip() for ln in lines if ln.lstrip().startswith("winner `")][-1:]
     return row
 
 
@@ -131,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jsonl", type=Path, help="append one JSON line per run here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     ap.add_argument("--keep", type=Path, help="run and cache directory to keep (default: a temporary one)")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        help="profile cache to use and keep (default: a fresh one under the run directory): a second round "
+        "with the first's cache reuses its profiles, so both run the same layouts",
+    )
     args = ap.parse_args(argv)
     wanted = set(filter(None, args.only.split(",")))
     unknown = wanted - {n for n, *_ in TABLE}
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, model, ranks in TABLE:
             if wanted and name not in wanted:
                 continue
-            row = run_one(name, model, ranks, root, args.timeout)
+            row = run_one(name, model, ranks, root, args.timeout, args.cache or root / "cache")
             rows.append(row)
             status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))
             print(

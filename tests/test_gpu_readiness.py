@@ -515,11 +515,11 @@ def test_gpu_check_runs_reduced_on_cpu_and_says_what_it_skipped(tmp_path: Path) 
     assert "SKIP (no CUDA)" in log and "losses cpu" in log and "gpu_check: done" in log
 
 
-def test_parameter_slots_are_ordered_before_their_first_load() -> None:
-    """CPU twin of the CUDA sanitizer's report on the first GPU run (gpipe on an H200): the slots are
+def test_the_parameter_pool_is_ordered_before_its_first_load() -> None:
+    """CPU twin of the CUDA sanitizer's report on the first GPU run (gpipe on an H200): the pool is
     allocated on the current stream and first written by the h2d stream, which must wait for it."""
     from sysx import device as dev
-    from sysx.runtime.buffers import ParamSlots
+    from sysx.runtime.buffers import ParamPool
 
     waited: list[dev.Stream] = []
 
@@ -528,7 +528,7 @@ def test_parameter_slots_are_ordered_before_their_first_load() -> None:
             waited.append(other)
 
     h2d = Recording(torch.device("cpu"))
-    ParamSlots(
-        2, 8, torch.float32, torch.device("cpu"), layer_numels=[8], h2d=h2d, compute=dev.Stream(torch.device("cpu"))
+    ParamPool(
+        16, torch.float32, torch.device("cpu"), layer_numels=[8], h2d=h2d, compute=dev.Stream(torch.device("cpu"))
     )
     assert len(waited) == 1

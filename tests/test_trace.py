@@ -179,7 +179,7 @@ def small_cfg(tmp_path: Path, **profile: object) -> SysxConfig:
 
 
 def parts(trainer: PipelineTrainer) -> list:
-    return [trainer.executor, trainer.runtime.slots, trainer.runtime.grads, trainer.optimizer.threads]
+    return [trainer.executor, trainer.runtime.pool, trainer.runtime.grads, trainer.optimizer.threads]
 
 
 def test_without_a_window_nothing_holds_a_recorder(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
-"""Device-side buffers of one rank: parameter slots (current + prefetch) and gradient buffers.
+"""Device-side buffers of one rank: the parameter pool and the gradient buffers.
 
-:class:`ParamSlots` copies the next unit's parameters from the shared store on the H2D stream while
+:class:`ParamPool` copies the next unit's parameters from the shared store on the H2D stream while
 the compute stream works on the current one; :class:`GradBuffers` copies a sub-stage's gradients
 to the host on the D2H stream for the CPU optimizer. On CPU the facade's streams and events are
 no-ops and every copy is done when it returns, so the same code runs.
@@ -15,6 +15,8 @@ import torch
 
 from sysx import device as dev
 from sysx.partition import unit_label
+from sysx.schedule import Op, OpKind, Schedule
+from sysx.schedule.param_pool import place_loads
 from sysx.trace.recorder import D2H, H2D, Recorder
 
 
@@ -23,23 +25,39 @@ class BufferError(RuntimeError):
 
 
 @dataclass
-class Slot:
-    """One parameter buffer on the device."""
+class Loaded:
+    """A unit's parameters in the pool: ``pool[lo:hi]``."""
 
-    index: int
-    buffer: torch.Tensor
-    unit: tuple[int, int] | None = None  # (stage, sub) loaded here; sub -1 = whole forward stage
-    layers: range = range(0)
+    layers: range
+    lo: int
+    hi: int
     ready: dev.Event | None = None  # H2D copy done
-    released: dev.Event | None = None  # compute done with the previous unit
 
 
-class ParamSlots:
-    """``n`` device buffers holding the parameters of loaded units (see docs/architecture.md)."""
+def load_places(schedule: Schedule, ops: Sequence[Op], layer_numels: Sequence[int]) -> tuple[dict[int, int], int]:
+    """Where each LOAD_PARAMS of ``ops`` (by op index) puts its unit in the parameter pool, and the
+    pool's length in elements (:func:`~sysx.schedule.param_pool.place_loads`, as the plan places them)."""
+    ends = [0]
+    for x in layer_numels:
+        ends.append(ends[-1] + x)
+    events, loads = [], []
+    for i, op in enumerate(ops):
+        if op.kind in (OpKind.LOAD_PARAMS, OpKind.FREE):
+            r = schedule.layers(op)
+            events.append((op.kind == OpKind.LOAD_PARAMS, (op.stage, op.sub), ends[r.stop] - ends[r.start]))
+            if op.kind == OpKind.LOAD_PARAMS:
+                loads.append(i)
+    plan = place_loads(events)
+    return {i: int(at) for i, at in zip(loads, plan.offsets)}, int(plan.size)
+
+
+class ParamPool:
+    """One device buffer of ``numel`` elements holding the parameters of the loaded units, each
+    where its op list's plan puts it (:func:`load_places`). A load waits for the compute that used
+    the space it overwrites (the freed units' events)."""
 
     def __init__(
         self,
-        n: int,
         numel: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -48,10 +66,10 @@ class ParamSlots:
         h2d: dev.Stream,
         compute: dev.Stream,
     ) -> None:
-        if n < 1:
-            raise ValueError(f"ParamSlots: n={n} must be >= 1")
+        if numel < 1:
+            raise ValueError(f"ParamPool: numel={numel} must be >= 1")
         self.device = torch.device(device)
-        self.slots = [Slot(i, torch.empty(numel, dtype=dtype, device=self.device)) for i in range(n)]
+        self.buffer = torch.empty(numel, dtype=dtype, device=self.device)
         # allocated on the current stream, first written by h2d: order the two once (the CUDA
         # sanitizer flagged the first load of a gpipe run on an H200 without it)
         h2d.wait_stream(dev.current_stream(self.device))
@@ -60,72 +78,89 @@ class ParamSlots:
             self.offsets.append(self.offsets[-1] + x)
         self.h2d = h2d
         self.compute = compute
+        self.units: dict[tuple[int, int], Loaded] = {}
+        # freed extents whose last compute may still be running: a load over one waits for it
+        self.released: list[tuple[int, int, dev.Event]] = []
         self.recorder: Recorder | None = None  # set for a window of recorded steps (sysx.trace)
 
-    def _find(self, unit: tuple[int, int]) -> Slot | None:
-        return next((s for s in self.slots if s.unit == unit), None)
-
-    def load(self, unit: tuple[int, int], layers: range, pieces: Sequence[torch.Tensor], label: str) -> None:
-        """Start copying ``pieces`` (host tensors, concatenated) into a free slot for ``unit``."""
-        if self._find(unit) is not None:
+    def load(self, unit: tuple[int, int], layers: range, pieces: Sequence[torch.Tensor], label: str, at: int) -> None:
+        """Start copying ``pieces`` (host tensors, concatenated) into the pool at ``at`` for ``unit``."""
+        if unit in self.units:
             raise BufferError(f"{label}: {unit_label(*unit)} is already loaded")
-        slot = next((s for s in self.slots if s.unit is None), None)
-        if slot is None:
-            busy = ", ".join(f"slot {s.index}: {s.unit}" for s in self.slots)
-            raise BufferError(
-                f"{label}: no free parameter buffer ({busy}); the schedule's param_buffers must match the runtime's"
-            )
         numel = self.offsets[layers.stop] - self.offsets[layers.start]
-        if sum(p.numel() for p in pieces) != numel or numel > slot.buffer.numel():
+        if sum(p.numel() for p in pieces) != numel:
             raise BufferError(
-                f"{label}: host pieces hold {sum(p.numel() for p in pieces)} elements, the unit needs {numel} "
-                f"(slot size {slot.buffer.numel()})"
+                f"{label}: host pieces hold {sum(p.numel() for p in pieces)} elements, the unit needs {numel}"
             )
-        if slot.released is not None:
-            self.h2d.wait_event(slot.released)
+        lo, hi = at, at + numel
+        if lo < 0 or hi > self.buffer.numel() or any(x.lo < hi and lo < x.hi for x in self.units.values()):
+            raise BufferError(
+                f"{label}: {unit_label(*unit)} ({numel} elements) placed at [{lo}, {hi}) does not fit in the "
+                f"parameter pool of {self.buffer.numel()} beside {self._describe()}; the places come from the op "
+                "list being run (load_places), which must be the one the pool was sized for"
+            )
+        # an extent whose compute is done needs no wait; one this load covers is waited for from
+        # now on through this unit's own release (so the list stays as short as the work in flight)
+        pending = []
+        for a, b, event in self.released:
+            if event.query():
+                continue
+            if a < hi and lo < b:
+                self.h2d.wait_event(event)
+            if not (lo <= a and b <= hi):
+                pending.append((a, b, event))
+        self.released = pending
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
         # after the wait, before the copy's block (an emulated stream charges the copy as the block opens)
         begin = rec.mark(self.h2d) if rec is not None else None
         with self.h2d.use():
-            offset = 0
+            offset = lo
             for piece in pieces:
                 n = piece.numel()
-                slot.buffer[offset : offset + n].copy_(piece, non_blocking=True)
+                self.buffer[offset : offset + n].copy_(piece, non_blocking=True)
                 offset += n
-            slot.ready = self.h2d.record_event(timing=rec is not None)
-        slot.unit, slot.layers = unit, layers
-        nbytes = numel * slot.buffer.element_size()
+            ready = self.h2d.record_event(timing=rec is not None)
+        self.units[unit] = Loaded(layers, lo, hi, ready)
         if rec is not None and begin is not None:
-            rec.add(H2D, None, begin, slot.ready, nbytes)
+            rec.add(H2D, None, begin, ready, numel * self.buffer.element_size())
 
     def view(self, layers: range, label: str) -> torch.Tensor:
-        """The flat parameters of ``layers`` inside a loaded slot; the compute stream waits for its copy."""
-        for slot in self.slots:
-            if slot.unit is not None and slot.layers.start <= layers.start and layers.stop <= slot.layers.stop:
-                if slot.ready is not None:
-                    self.compute.wait_event(slot.ready)
-                lo = self.offsets[layers.start] - self.offsets[slot.layers.start]
-                hi = self.offsets[layers.stop] - self.offsets[slot.layers.start]
-                return slot.buffer[lo:hi]
-        loaded = ", ".join(
-            f"{s.unit} layers {s.layers.start}..{s.layers.stop - 1}" for s in self.slots if s.unit is not None
-        )
+        """The flat parameters of ``layers`` inside a loaded unit; the compute stream waits for its copy."""
+        for unit in self.units.values():
+            if unit.layers.start <= layers.start and layers.stop <= unit.layers.stop:
+                if unit.ready is not None:
+                    self.compute.wait_event(unit.ready)
+                lo = unit.lo + self.offsets[layers.start] - self.offsets[unit.layers.start]
+                return self.buffer[lo : lo + self.offsets[layers.stop] - self.offsets[layers.start]]
         raise BufferError(
             f"{label}: the parameters of layers {layers.start}..{layers.stop - 1} are not loaded "
-            f"(loaded: {loaded or 'nothing'}); a LOAD_PARAMS is missing"
+            f"(loaded: {self._describe()}); a LOAD_PARAMS is missing"
         )
 
     def free(self, unit: tuple[int, int], label: str) -> None:
-        """Return ``unit``'s slot once the compute stream's work so far is done."""
-        slot = self._find(unit)
-        if slot is None:
+        """Release ``unit``'s extent once the compute stream's work so far is done."""
+        loaded = self.units.pop(unit, None)
+        if loaded is None:
             raise BufferError(f"{label}: {unit_label(*unit)} is not loaded")
-        slot.released = self.compute.record_event()
-        slot.unit, slot.layers, slot.ready = None, range(0), None
+        self.released.append((loaded.lo, loaded.hi, self.compute.record_event()))
+
+    def clear(self) -> None:
+        """Release every loaded unit (after a failed op list: the next one starts from an empty pool)."""
+        for unit in list(self.units):
+            self.free(unit, "clear")
 
     def loaded(self) -> list[tuple[int, int]]:
-        """Units currently in a slot."""
-        return [s.unit for s in self.slots if s.unit is not None]
+        """Units currently in the pool."""
+        return list(self.units)
+
+    def _describe(self) -> str:
+        return (
+            ", ".join(
+                f"{unit_label(*u)} layers {x.layers.start}..{x.layers.stop - 1} at [{x.lo}, {x.hi})"
+                for u, x in self.units.items()
+            )
+            or "nothing"
+        )
 
 
 class GradBuffers:

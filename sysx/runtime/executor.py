@@ -25,7 +25,7 @@ from sysx.emulate.pacer import Pacer
 from sysx.model import FlatLayout, ModelConfig, run_layers
 from sysx.model.llama import make_shell
 from sysx.partition import unit_label
-from sysx.runtime.buffers import GradBuffers, ParamSlots
+from sysx.runtime.buffers import GradBuffers, ParamPool, load_places
 from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.p2p import P2P, Pending, TransferMismatch, TransferSpec
 from sysx.runtime.stage_params import StageParams
@@ -86,7 +86,7 @@ class Executor:
         micro_batch_size: int,
         seq_len: int,
         params: StageParams,
-        slots: ParamSlots,
+        pool: ParamPool,
         grads: GradBuffers,
         optimizer: RankOptimizer,
         p2p: P2P | None,
@@ -99,7 +99,11 @@ class Executor:
         self.device = torch.device(device)
         self.dtype = dtype
         self.params = params
-        self.slots = slots
+        self.pool = pool
+        # each op list's places in the pool, planned the first time it runs (keyed by identity;
+        # the list is kept so its id is not reused): {id: (ops, {LOAD op index: offset})}
+        self._places: dict[int, tuple[Sequence[Op], dict[int, int]]] = {}
+        self._at: dict[int, int] = {}
         self.grads = grads
         self.optimizer = optimizer
         self.p2p = p2p
@@ -150,6 +154,7 @@ class Executor:
         """Execute ``ops`` in order; returns ``ctx`` with the losses this rank computed."""
         self.ctx = ctx
         self._ops = ops
+        self._at = self._load_places(ops)
         self._batches.clear()
         tracing = trace.enabled()
         rec = self.recorder
@@ -199,7 +204,7 @@ class Executor:
         if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
             # the pass's wait for its parameters' copy goes before the start mark, so the span is
             # the pass (the handler waits again, which is free)
-            self.slots.view(self.schedule.layers(op), str(op))
+            self.pool.view(self.schedule.layers(op), str(op))
         begin = rec.mark()
         with trace.nvtx_range(op.trace_name()) if tracing else contextlib.nullcontext():
             handler(op)
@@ -244,6 +249,7 @@ class Executor:
         self.inflight.clear()
         self.sends.clear()
         self.grads.active.clear()
+        self.pool.clear()  # the next op list starts from an empty pool, as its plan does
         self._batches.clear()
 
     def close(self) -> None:
@@ -267,7 +273,7 @@ class Executor:
         return self._batches[key]
 
     def _layers_modules(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
-        """Compute modules for ``layers``: storage-less shells (the weights live in the slots)."""
+        """Compute modules for ``layers``: storage-less shells (the weights live in the parameter pool)."""
         key = (layers.start, layers.stop)
         if key not in self._modules:
             mods = [make_shell(self.model_cfg, i, dtype=self.dtype) for i in layers]
@@ -278,7 +284,7 @@ class Executor:
         """The modules of ``layers`` with their parameters viewing the loaded slot; rebinding (one
         ``.data`` swap per parameter) only when the slot region differs from the last binding."""
         mods, layout = self._layers_modules(layers)
-        view = self.slots.view(layers, self._op_name)  # also orders compute after the slot's copy
+        view = self.pool.view(layers, self._op_name)  # also orders compute after the unit's copy
         key = (layers.start, layers.stop)
         where = (view.device, view.data_ptr(), view.numel())
         if self._bindings.get(key) != where:
@@ -334,10 +340,25 @@ class Executor:
     # -------------------------------------------------------------------------------- handlers
     def _load(self, op: Op) -> None:
         layers = self.schedule.layers(op)
-        self.slots.load((op.stage, op.sub), layers, self.params.pieces(op.stage, op.sub), str(op))
+        at = self._at[self._index]
+        self.pool.load((op.stage, op.sub), layers, self.params.pieces(op.stage, op.sub), str(op), at)
+
+    def _load_places(self, ops: Sequence[Op]) -> dict[int, int]:
+        known = self._places.get(id(ops))
+        if known is None or known[0] is not ops:
+            places, size = load_places(self.schedule, ops, self.params.numels)
+            if size > self.pool.buffer.numel():
+                raise ExecutionError(
+                    f"rank {self.rank}: this op list's parameters need a pool of {size} elements, the pool has "
+                    f"{self.pool.buffer.numel()} (sized for the training and evaluation programs of {self.schedule.name!r})"
+                )
+            if len(self._places) >= 8:  # the training and evaluation programs, and a few one-off ones
+                del self._places[next(iter(self._places))]
+            known = self._places[id(ops)] = (ops, places)
+        return known[1]
 
     def _free(self, op: Op) -> None:
-        self.slots.free((op.stage, op.sub), str(op))
+        self.pool.free((op.stage, op.sub), str(op))
 
     def _forward(self, op: Op) -> None:
         s, j = op.stage, op.mb

@@ -1,5 +1,5 @@
-"""One pipeline rank's runtime, built around its schedule: the parameter store, the GPU parameter
-slots and gradient buffers, the rank optimizer, p2p and the executor, closed together; and the
+"""One pipeline rank's runtime, built around its schedule: the parameter store, the GPU
+parameter pool and gradient buffers, the rank optimizer, p2p and the executor, closed together; and the
 collectives of a step's end (one all-reduce, waited for in slices, of the losses, the optimizer's
 outcome, the passes' end times and a deferred stop).
 
@@ -30,14 +30,14 @@ from sysx.model.llama import LayerInit
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import OptimSettings
 from sysx.replicas import ReplicaLayout
-from sysx.runtime.buffers import GradBuffers, ParamSlots
+from sysx.runtime.buffers import GradBuffers, ParamPool, load_places
 from sysx.runtime.executor import ExecutionError, Executor, StepContext
 from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.options import PipelineOptions
 from sysx.runtime.p2p import P2P
 from sysx.runtime.replica_sync import ReplicaGroups, exchange_shards, gather_shards
 from sysx.runtime.stage_params import StageParams
-from sysx.schedule import Op, OpKind, Schedule
+from sysx.schedule import Op, Schedule
 from sysx.trace import Recorder
 
 
@@ -93,7 +93,7 @@ class RankRuntime:
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)
             self.compute = compute
-            self.slots = self._slots(schedule, opts, dtype, device, h2d=h2d, compute=compute)
+            self.pool = self._pool(schedule, dtype, device, h2d=h2d, compute=compute)
             self.grads = GradBuffers(dtype, device, compute=compute, d2h=d2h)
             self.optimizer = RankOptimizer(
                 self.params,
@@ -117,7 +117,7 @@ class RankRuntime:
                 micro_batch_size=micro_batch_size,
                 seq_len=seq_len,
                 params=self.params,
-                slots=self.slots,
+                pool=self.pool,
                 grads=self.grads,
                 optimizer=self.optimizer,
                 p2p=self.p2p,
@@ -126,25 +126,25 @@ class RankRuntime:
             )
             undo.pop_all()  # built: close() releases them from now on
 
-    def _slots(
+    def _pool(
         self,
         schedule: Schedule,
-        opts: PipelineOptions,
         dtype: torch.dtype,
         device: torch.device,
         *,
         h2d: dev.Stream,
         compute: dev.Stream,
-    ) -> ParamSlots:
-        """The device parameter buffers, each as large as the largest unit this rank loads."""
-        ops = schedule.ops[self.stage_rank]
-        loads = [schedule.layers(op) for op in ops if op.kind == OpKind.LOAD_PARAMS]
-        loads += [schedule.partition.stage_layers(s) for s in schedule.assignment.fwd_stages(self.stage_rank)]
+    ) -> ParamPool:
+        """The device parameter pool: as large as this rank's op list places its units (the plan's
+        bytes, :mod:`sysx.schedule.param_pool`), and one forward stage at least (evaluation loads
+        them one at a time)."""
         numels = self.params.numels
-        slot_numel = max(sum(numels[i] for i in r) for r in loads)
-        return ParamSlots(
-            schedule.options.param_buffers, slot_numel, dtype, device, layer_numels=numels, h2d=h2d, compute=compute
-        )
+        _, placed = load_places(schedule, schedule.ops[self.stage_rank], numels)
+        stages = [
+            sum(numels[i] for i in schedule.partition.stage_layers(s))
+            for s in schedule.assignment.fwd_stages(self.stage_rank)
+        ]
+        return ParamPool(max(placed, *stages), dtype, device, layer_numels=numels, h2d=h2d, compute=compute)
 
     eval_rows = 1  # rows of the evaluation in progress (set by loss_weights of the val split)
 
@@ -203,7 +203,7 @@ class RankRuntime:
 
     def record(self, recorder: Recorder) -> None:
         """Every part records its ops into ``recorder`` (a window of recorded steps, :mod:`sysx.trace`)."""
-        for part in (self.executor, self.slots, self.grads, self.optimizer.threads, self.p2p):
+        for part in (self.executor, self.pool, self.grads, self.optimizer.threads, self.p2p):
             if part is not None:
                 part.recorder = recorder
 

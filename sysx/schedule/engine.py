@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from sysx.schedule.costs import CostTable
 from sysx.schedule.ops import MESSAGE_OF, PARTNER, RECV_OF, SEND_OF, WAITS, Message, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.param_pool import place_loads
 
 GPU, H2D, D2H, P2P, CPU, REDUCE = ("gpu", "h2d", "d2h", "p2p", "cpu", "reduce")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
@@ -211,6 +212,7 @@ class _Engine:
         "op_host",
         "opt",
         "param_mem",
+        "param_pool",
         "pcs",
         "posted",
         "queue",
@@ -258,7 +260,8 @@ class _Engine:
         self.recv_post: list[float | None] = [None] * M
         self.arrival: list[float | None] = [None] * M
         self.waiters: dict[int, list[int]] = {}  # few messages are ever waited for
-        self.mem: list[tuple[list, ...]] = [([], [], [], []) for _ in range(R)]
+        # the parameter pool is allocated once, before the first op (sysx.schedule.param_pool)
+        self.mem: list[tuple[list, ...]] = [([(0.0, pool)] if pool else [], [], [], []) for pool in self.param_pool]
         self.events: list[tuple] = []
         self.arrived: list[int] = []
         self.val_time: float | None = None
@@ -271,10 +274,17 @@ class _Engine:
         M = len(prog.msg_src)
         if not self.memory:
             self.ckmem = [0.0] * M
+            self.param_pool = [0.0] * len(prog.code)
             return
         nsf, d = len(tab.fwd), tab.split
         self.ckmem = [tab.ckpt_mem[i] if f == Message.CKPT else 0.0 for f, i in zip(prog.msg_kind, prog.msg_idx)]
         self.param_mem = list(tab.param_stage) + list(tab.param_sub)
+        self.param_pool = [
+            place_loads(
+                [(ins[0] == _LOAD, ins[1], self.param_mem[ins[1]]) for ins in code if ins[0] in (_LOAD, _FREE)]
+            ).size
+            for code in prog.code
+        ]
         self.grad_mem, self.ckpt_mem = tab.grad_mem, tab.ckpt_mem
         self.fwd_work, self.bwd_work = tab.fwd_work, tab.bwd_work
         self.f_ckpt = [sum(tab.ckpt_mem[s * d + k] for k in range(d)) for s in range(nsf)]
@@ -403,15 +413,11 @@ class _Engine:
         st = t if t >= free else free
         en = st + self.load[u]
         self.h2d[r] = self.unit_ready[r][u] = en
-        if self.memory:
-            self.mem[r][PARAMS].append((st, self.param_mem[u]))
         if self.record:
             self.events.append((r, H2D, ins[2], st, en))
         return t
 
     def _free(self, r: int, ins: tuple, t: float) -> float:
-        if self.memory:
-            self.mem[r][PARAMS].append((t, -self.param_mem[ins[1]]))
         return t
 
     def _isend(self, r: int, ins: tuple, t: float) -> float:

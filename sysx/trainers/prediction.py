@@ -73,6 +73,11 @@ def start_host_peak() -> int:
     shared memory (its RSS off Linux), with its peak (VmHWM) reset to its RSS (Linux >= 4.0,
     ``clear_refs`` 5), so the peak read later is the state's, not an earlier one's (rank 0's
     tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
+    # the first backward or optimizer step imports torch._dynamo (~30-70 MiB) anyway; imported after
+    # the baseline it read as the state's growth, in a run whose rank 0 had not tuned first (+130 MiB
+    # over 4 ranks of the tiny model, +180% there: issue 27)
+    import torch._dynamo  # noqa: F401
+
     # not Linux, or not allowed: the peak since the start stands
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
