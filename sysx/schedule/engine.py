@@ -13,7 +13,7 @@ import heapq
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sysx.schedule.costs import CostTable
 from sysx.schedule.ops import MESSAGE_OF, PARTNER, RECV_OF, SEND_OF, WAITS, Message, Op, OpKind, Schedule, ScheduleError
@@ -45,12 +45,7 @@ class Program:
     msg_idx: list[int]
     transfer_op: dict[int, Op]
     n_units: int
-    # per rank, its LOAD_PARAMS / FREE in order as (is_load, unit): the parameter pool's plan reads them
-    loads: list[list[tuple[bool, int]]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.loads:
-            self.loads = [[(ins[0] == _LOAD, ins[1]) for ins in code if ins[0] in (_LOAD, _FREE)] for code in self.code]
+    loads: list[list[tuple[bool, int]]]  # per rank, (is_load, unit) of its LOAD_PARAMS / FREE: the pool's plan
 
 
 def _unit_index(op: Op, nsf: int, d: int) -> int:
@@ -144,7 +139,8 @@ def compile_schedule(schedule: Schedule) -> Program:
     """Integer form of the op lists."""
     c = _Compiler(schedule)
     code = [c.rank(r, ops) for r, ops in enumerate(schedule.ops)]
-    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d)
+    loads = [[(ins[0] == _LOAD, ins[1]) for ins in rank if ins[0] in (_LOAD, _FREE)] for rank in code]
+    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads)
 
 
 class ProgramCache:
