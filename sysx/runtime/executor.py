@@ -281,8 +281,8 @@ class Executor:
         return self._modules[key]
 
     def _bound(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
-        """The modules of ``layers`` with their parameters viewing the loaded slot; rebinding (one
-        ``.data`` swap per parameter) only when the slot region differs from the last binding."""
+        """The modules of ``layers`` with their parameters viewing their unit in the pool; rebinding (one
+        ``.data`` swap per parameter) only when that region differs from the last binding."""
         mods, layout = self._layers_modules(layers)
         view = self.pool.view(layers, self._op_name)  # also orders compute after the unit's copy
         key = (layers.start, layers.stop)

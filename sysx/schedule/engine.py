@@ -281,12 +281,8 @@ class _Engine:
         nsf, d = len(tab.fwd), tab.split
         self.ckmem = [tab.ckpt_mem[i] if f == Message.CKPT else 0.0 for f, i in zip(prog.msg_kind, prog.msg_idx)]
         self.param_mem = list(tab.param_stage) + list(tab.param_sub)
-        self.param_pool = [
-            place_loads(
-                [(ins[0] == _LOAD, ins[1], self.param_mem[ins[1]]) for ins in code if ins[0] in (_LOAD, _FREE)]
-            ).size
-            for code in prog.code
-        ]
+        mem = self.param_mem
+        self.param_pool = [place_loads([(load, u, mem[u]) for load, u in rank]).size for rank in prog.loads]
         self.grad_mem, self.ckpt_mem = tab.grad_mem, tab.ckpt_mem
         self.fwd_work, self.bwd_work = tab.fwd_work, tab.bwd_work
         self.f_ckpt = [sum(tab.ckpt_mem[s * d + k] for k in range(d)) for s in range(nsf)]

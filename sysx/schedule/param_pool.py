@@ -65,7 +65,7 @@ def _largest_first(spans: list[tuple[int, int, float]]) -> PoolPlan:
 
 def _equal_buffers(spans: list[tuple[int, int, float]]) -> PoolPlan:
     largest = max((n for *_, n in spans), default=0.0)
-    busy: list[int] = []  # the end event of the load in each buffer (-1: free)
+    busy: list[int] = []  # per buffer, the event that frees its current load
     offsets = []
     for start, end, _ in spans:  # in load order = start order
         slot = next((i for i, e in enumerate(busy) if e <= start), len(busy))
