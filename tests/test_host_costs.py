@@ -213,6 +213,22 @@ def test_the_together_time_is_the_windows_mean_so_the_waits_for_other_ranks_coun
     assert cpu_ratio(p, 64, [6e-3, 6e-3]) == pytest.approx(1.5)
 
 
+def test_the_together_time_is_the_median_window_each_after_a_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One window disturbed (by a late rank, or by something else running) does not move the factor:
+    the median of three is kept, and every window starts at a barrier so the ranks time it at once."""
+    from sysx.autotune import contention
+    from sysx.model import get_preset
+
+    windows = iter([(1e-3, 1e-3), (9e-3, 8e-3), (2e-3, 3e-3)])
+    monkeypatch.setattr(contention, "mean_run_seconds", lambda step, **kw: next(windows))
+    barriers = [0]
+    cfg = get_preset("tiny")
+    got = contention.time_block_together(
+        cfg, 8, torch.float32, barrier=lambda: barriers.__setitem__(0, barriers[0] + 1)
+    )
+    assert got == (2e-3, 3e-3) and barriers[0] == contention.WINDOWS == 3
+
+
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:
     """A sub-stage of k Blocks holds once + k x per Block at its backward's peak: the measured point
     nearest the micro-batch's tokens, in proportion to them; the Embedding and Head keep the

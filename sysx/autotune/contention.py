@@ -8,8 +8,8 @@ processes run together on 2 cores at load 5, not the 7.1 ms the old core-count r
 (:func:`sysx.autotune.costs.cpu_share`: 2 ranks / 2 cores = 1) predicted.
 
 So at tune time every rank of the job times the same Block (the job's shape, one sequence) at the
-same moment, as many runs as fit in :data:`WINDOW_S` (at least :data:`REPEATS`), and reports the
-window's wall time and CPU time per run; rank 0 divides their mean by the profile's time of that
+same moment, as many runs as fit in :data:`WINDOW_S` (at least :data:`REPEATS`), :data:`WINDOWS`
+times with a barrier before each, and reports the median window's wall time and CPU time per run; rank 0 divides their mean by the profile's time of that
 Block (:func:`slowdown`, :func:`cpu_ratio`) and the search charges every layer time and the
 executor's per-op host cost the slowdown, and the node's host lane
 (:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
@@ -19,8 +19,13 @@ shares a core in time slices of several milliseconds, longer than a tiny Block's
 mostly runs whole inside one slice and takes its solo time; the waits for the other ranks' slices
 fall into a few long runs, which a median drops. The median of 7 runs read 1.07x for 4 ranks on 2
 cores (they cannot run faster than 2x their solo time); only the throughput over a window many
-slices long sees the sharing. The rates hold the machine's load at tune time; a load that changes
-during the run moves the measurement and not the prediction. With a pipeline of several ranks
+slices long sees the sharing. Why several windows: inside a job a single window read 1.81-2.75x
+for tiny at 4 ranks over 7 jobs, where the runs themselves showed 2.54-2.85x (`profiling/RESULTS.md`,
+"CPU prediction check after posted receives look one pass ahead"); a window disturbed by whatever
+else the job or the machine runs at that moment is dropped by the median (3 jobs then read
+2.29-2.35x). The
+rates hold the machine's load at tune time; a load that changes during the run moves the
+measurement and not the prediction. With a pipeline of several ranks
 per replica the ranks idle in the bubbles and the factor overstates their contention a little.
 """
 
@@ -38,6 +43,7 @@ from sysx.model.llama import init_layer, make_layer
 
 REPEATS = 7  # at least, after one warm-up
 WINDOW_S = 0.3  # the runs' window at least: many of the kernel's time slices (a few ms each), so sharing shows
+WINDOWS = 3  # windows timed, each after a barrier; the median is kept
 
 
 def time_block_together(
@@ -47,11 +53,13 @@ def time_block_together(
     *,
     repeats: int = REPEATS,
     window_s: float = WINDOW_S,
+    windows: int = WINDOWS,
     barrier: Callable[[], object] | None = None,
 ) -> tuple[float, float]:
     """Mean seconds of one Block's no-grad forward plus its recompute-and-backward on one sequence,
     on the CPU, in wall-clock time and in this thread's CPU time, over at least ``repeats`` runs
-    and ``window_s`` seconds; ``barrier`` is called after the warm-up so every rank times at once."""
+    and ``window_s`` seconds, the median of ``windows`` such windows; ``barrier`` is called after
+    the warm-up and between windows so every rank times each window at once."""
     layer = make_layer(cfg, 1, dtype=dtype, device=torch.device("cpu"))
     init_layer(layer, 1)  # uninitialised memory can hold denormals, which time differently
     x = torch.randn(1, seq_len, cfg.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -64,9 +72,12 @@ def time_block_together(
         out.backward(torch.ones_like(out))
 
     step()
-    if barrier is not None:
-        barrier()
-    return mean_run_seconds(step, repeats=repeats, window_s=window_s)
+    timed = []
+    for _ in range(windows):
+        if barrier is not None:
+            barrier()
+        timed.append(mean_run_seconds(step, repeats=repeats, window_s=window_s))
+    return statistics.median(w for w, _ in timed), statistics.median(c for _, c in timed)
 
 
 def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: float) -> tuple[float, float]:
