@@ -9,10 +9,10 @@ processes run together on 2 cores at load 5, not the 7.1 ms the old core-count r
 
 So at tune time every rank of the job times the same Block (the job's shape, one sequence) at the
 same moment, as many runs as fit in :data:`WINDOW_S` (at least :data:`REPEATS`), :data:`WINDOWS`
-times with a barrier before each, and reports the median window's wall time and CPU time per run; rank 0 divides their mean by the profile's time of that
-Block (:func:`slowdown`, :func:`cpu_ratio`) and the search charges every layer time and the
-executor's per-op host cost the slowdown, and the node's host lane
-(:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
+times with a barrier before each, and reports the median window's wall time and CPU time per run;
+rank 0 divides their mean by the profile's time of that Block (:func:`slowdown`,
+:func:`cpu_ratio`) and the search charges every layer time and the executor's per-op host cost the
+slowdown, and the node's host lane (:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
 
 Why a window and not the median of a few runs (issue 27): with more ranks than cores the kernel
 shares a core in time slices of several milliseconds, longer than a tiny Block's 5 ms. A short run
@@ -20,13 +20,12 @@ mostly runs whole inside one slice and takes its solo time; the waits for the ot
 fall into a few long runs, which a median drops. The median of 7 runs read 1.07x for 4 ranks on 2
 cores (they cannot run faster than 2x their solo time); only the throughput over a window many
 slices long sees the sharing. Why several windows: inside a job a single window read 1.81-2.75x
-for tiny at 4 ranks over 7 jobs, where the runs themselves showed 2.54-2.85x (`profiling/RESULTS.md`,
-"CPU prediction check after posted receives look one pass ahead"); a window disturbed by whatever
-else the job or the machine runs at that moment is dropped by the median (3 jobs then read
-2.29-2.35x). The
-rates hold the machine's load at tune time; a load that changes during the run moves the
-measurement and not the prediction. With a pipeline of several ranks
-per replica the ranks idle in the bubbles and the factor overstates their contention a little.
+for tiny at 4 ranks over 7 jobs, where the runs themselves showed 2.54-2.85x
+(`profiling/RESULTS.md`, "CPU prediction check after posted receives look one pass ahead"); a window
+disturbed by whatever else the job or the machine runs at that moment is dropped by the median (3
+jobs then read 2.29-2.35x). The rates hold the machine's load at tune time; a load that changes
+during the run moves the measurement and not the prediction. With a pipeline of several ranks per
+replica the ranks idle in the bubbles and the factor overstates their contention a little.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def reader(schedule: Schedule, op: Op) -> Op:
 
 
 def _next_pass(ops: list[Op], i: int) -> Op | None:
-    return next((op for op in ops[i + 1 :] if op.kind in _PASSES), None)
+    return next((ops[j] for j in range(i + 1, len(ops)) if ops[j].kind in _PASSES), None)
 
 
 def look_ahead(schedule: Schedule, ops: tuple[Op, ...]) -> tuple[Op, ...]:
