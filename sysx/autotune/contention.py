@@ -10,9 +10,10 @@ processes run together on 2 cores at load 5, not the 7.1 ms the old core-count r
 So at tune time every rank of the job times the same Block (the job's shape, one sequence) at the
 same moment, as many runs as fit in :data:`WINDOW_S` (at least :data:`REPEATS`), :data:`WINDOWS`
 times with a barrier before each, and reports the median window's wall time and CPU time per run;
-rank 0 divides their mean by the profile's time of that Block (:func:`slowdown`,
-:func:`cpu_ratio`) and the search charges every layer time and the executor's per-op host cost the
-slowdown, and the node's host lane (:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
+rank 0 divides the slowest rank's wall time (:func:`slowdown`) and the ranks' mean CPU time
+(:func:`cpu_ratio`) by the profile's time of that Block, and the search charges every layer time
+and the executor's per-op host cost the slowdown, and the node's host lane
+(:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
 
 Why a window and not the median of a few runs (issue 27): with more ranks than cores the kernel
 shares a core in time slices of several milliseconds, longer than a tiny Block's 5 ms. A short run
