@@ -221,12 +221,9 @@ def test_the_together_time_is_the_median_window_each_after_a_barrier(monkeypatch
 
     windows = iter([(1e-3, 1e-3), (9e-3, 8e-3), (2e-3, 3e-3)])
     monkeypatch.setattr(contention, "mean_run_seconds", lambda step, **kw: next(windows))
-    barriers = [0]
-    cfg = get_preset("tiny")
-    got = contention.time_block_together(
-        cfg, 8, torch.float32, barrier=lambda: barriers.__setitem__(0, barriers[0] + 1)
-    )
-    assert got == (2e-3, 3e-3) and barriers[0] == contention.WINDOWS == 3
+    barriers: list[int] = []
+    got = contention.time_block_together(get_preset("tiny"), 8, torch.float32, barrier=lambda: barriers.append(1))
+    assert got == (2e-3, 3e-3) and len(barriers) == contention.WINDOWS == 3
 
 
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sysx.schedule.ops import SEND_OF, WAIT_OF, Op, OpKind, Schedule
+from sysx.schedule.ops import RECVS, SEND_OF, WAIT_OF, Op, OpKind, Schedule
 
 _PASSES = (OpKind.FORWARD, OpKind.BACKWARD)
 _RECVS = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
@@ -57,7 +57,7 @@ def look_ahead(schedule: Schedule, ops: tuple[Op, ...]) -> tuple[Op, ...]:
             and prev >= 0
             and out[prev].mb != op.mb
             and _next_pass(out, i) == reader(schedule, op)
-            and not any(o.peer == op.peer and o.kind in _RECVS for o in out[prev:i])
+            and not any(o.peer == op.peer and o.kind in RECVS for o in out[prev:i])
         ):
             out.insert(prev, out.pop(i))
             prev += 1
