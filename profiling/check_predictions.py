@@ -43,8 +43,11 @@ COMMON = [
     "optim.backend=torch",
     "checkpoint.keep=1",
     "train.seq_len=128",
-    "train.steps=5",
 ]
+# steps a run takes: the mean of every step after the first and before the last is the measurement,
+# and a tiny step (0.13-0.2 s) is within a few of the kernel's time slices, so 3 of them scatter
+# by +-7% on an idle machine; 20 take 3-4 s, about what 3 steps of the 50M model do in 15 s
+STEPS = {"tiny": 20, "50M": 5}
 PIPELINE = ["schedule=auto", "schedule.tune=true", "train.micro_batch_size=2", "train.micro_batches=8"]
 # (name, model, ranks): ranks 1 is schedule=single, one process
 TABLE = [
@@ -65,7 +68,7 @@ def load() -> float:
 
 def command(model: str, ranks: int, run_dir: Path) -> list[str]:
     """The ``sysx.train`` command line of one configuration."""
-    args = [*MODELS[model], *COMMON, f"run_dir={run_dir}"]
+    args = [*MODELS[model], *COMMON, f"train.steps={STEPS[model]}", f"run_dir={run_dir}"]
     if ranks == 1:
         return [sys.executable, "-m", "sysx.train", "schedule=single", *args]
     launch = [sys.executable, "-m", "sysx.launch", "--standalone", f"--nproc_per_node={ranks}"]

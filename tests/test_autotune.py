@@ -17,7 +17,7 @@ from sysx.autotune import profile as prof
 from sysx.autotune.advice import advise
 from sysx.autotune.apply import choice, job_from_config, tuned_job_config
 from sysx.autotune.cli import main as tune_main
-from sysx.autotune.contention import slowdown
+from sysx.autotune.contention import Together, slowdown
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.profile import LayerTiming, MachineProfile
 from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
@@ -26,8 +26,10 @@ from sysx.dist import DistInfo
 from sysx.machine import hardware_cache
 from sysx.machine.hardware import HardwareProfile
 from sysx.model import get_preset
+from sysx.partition import uniform_partition
 from sysx.runtime.options import PipelineOptions, make_schedule
 from sysx.schedule.costs import Costs
+from sysx.schedule.gpipe import build_gpipe
 from sysx.schedule.simulate import simulate
 
 GiB = float(1 << 30)
@@ -85,11 +87,11 @@ def test_profile_json_round_trip_and_interpolation() -> None:
 
 
 def test_slowdown_measured_together_scales_layer_and_host_costs() -> None:
-    """The slowest rank's Block time measured together over the profile's is the factor every layer
-    and the per-op host cost are charged (a step goes at its slowest rank's pace); never below 1 (the
-    profile is the fastest the layer ran)."""
+    """The ranks' mean Block time measured together over the profile's is the factor every layer and
+    the per-op host cost are charged (their uneven pace is the meeting's); never below 1 (the profile
+    is the fastest the layer ran)."""
     p = synthetic_profile()  # block: 1 ms forward + 3 ms backward at 64 tokens
-    assert slowdown(p, SEQ, [8e-3, 16e-3]) == pytest.approx(4.0)
+    assert slowdown(p, SEQ, [8e-3, 16e-3]) == pytest.approx(3.0)
     assert slowdown(p, SEQ, [1e-3]) == 1.0
     with pytest.raises(ValueError):
         slowdown(p, SEQ, [])
@@ -99,6 +101,19 @@ def test_slowdown_measured_together_scales_layer_and_host_costs() -> None:
     assert shared.layer_fwd_time == pytest.approx(tuple(3 * t for t in alone.layer_fwd_time))
     assert shared.op_host == pytest.approx(15e-6)
     assert MachineProfile.from_json(dataclasses.replace(p, slowdown=3.0).to_json()).slowdown == 3.0
+
+
+def test_the_meeting_measured_together_is_charged_once_a_step_at_validate() -> None:
+    """The ranks' measured meeting adds to the step-end all-reduces VALIDATE charges, once a step:
+    the planned iteration grows by it; kept through the profile's JSON."""
+    p = synthetic_profile()
+    sched = build_gpipe(2, 2, uniform_partition(2, 1, (TINY.n_layers + 2) // 2))
+    plain = profiled_costs(p, TINY, SEQ, 2, gpus_per_node=2)
+    met = profiled_costs(dataclasses.replace(p, meeting_s=0.25), TINY, SEQ, 2, gpus_per_node=2)
+    assert met.allreduce_latency == pytest.approx(plain.allreduce_latency + 0.25)
+    grown = simulate(sched, met, record=False).iteration - simulate(sched, plain, record=False).iteration
+    assert grown == pytest.approx(0.25)
+    assert MachineProfile.from_json(dataclasses.replace(p, meeting_s=0.25).to_json()).meeting_s == 0.25
 
 
 def test_profiled_costs_are_what_simulate_gets() -> None:
@@ -359,7 +374,7 @@ def test_schedule_tune_at_job_start_writes_the_choice_into_the_config(monkeypatc
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
     # the Block timed with every rank computing: 3x the profile's 1 + 3 ms (no speed of this machine enters)
-    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: (12e-3, 12e-3))
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: Together(12e-3, 12e-3, []))
     cfg = _job_config()
     tuned = tuned_job_config(cfg, DistInfo(), torch.device("cpu"))
     assert tuned.train.micro_batch_size * tuned.train.micro_batches == 8  # the global batch is the config's
@@ -394,7 +409,7 @@ def test_sysx_train_with_schedule_tune_runs_the_choice_and_records_it(monkeypatc
     monkeypatch.setattr(prof, "measure_profile", lambda cfg, seq_len, sizes, **kw: synthetic_profile(cfg, seq_len))
     # the ranks' Block timed together says how loaded the machine is; a busy one would move the choice
     # away from the search below over the same profile, so the job sees no contention (slowdown 1)
-    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: (0.0, 0.0))
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **kw: Together(0.0, 0.0, []))
     run_dir = tmp_path / "run"
     assert (
         train_main(

@@ -20,6 +20,7 @@ from sysx.autotune import apply as apply_mod
 from sysx.autotune import cache as cache_mod
 from sysx.autotune import profile as prof
 from sysx.autotune.check import WARN_PCT, Prediction, compare
+from sysx.autotune.contention import Together
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.emulated import emulated_profile
 from sysx.autotune.p2p import P2PFigures, fit_line
@@ -123,12 +124,12 @@ def test_rank_1_takes_rank_0s_choice_without_searching(monkeypatch, tmp_path) ->
     monkeypatch.setattr(apply_mod.tdist, "broadcast_object_list", broadcast)
     monkeypatch.setattr(apply_mod.sdist, "cpu_group", lambda: None)
     # every rank times the Block together and gathers the times (rank 1 takes part, then only listens)
-    gathered: list[tuple[float, float]] = []
-    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **k: (0.25, 0.2))
+    gathered: list[tuple[float, float, list[tuple[float, float]]]] = []
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **k: Together(0.25, 0.2, [(0.1, 0.11)]))
 
     def all_gather(out, mine, group):
         gathered.append(mine)
-        out[:] = [(0.5, 0.4), mine]
+        out[:] = [(0.5, 0.4, [(0.1, 0.11)]), mine]
 
     monkeypatch.setattr(apply_mod.tdist, "all_gather_object", all_gather)
     monkeypatch.setattr(apply_mod, "search", lambda *a, **k: pytest.fail("rank 1 searched"))
@@ -145,7 +146,7 @@ def test_rank_1_takes_rank_0s_choice_without_searching(monkeypatch, tmp_path) ->
         ]
     )
     tuned = apply_mod.tune_job(cfg, DistInfo(rank=1, world_size=2, local_world_size=2), torch.device("cpu"))
-    assert len(calls) == 2 and tuned.costs is None and gathered == [(0.25, 0.2)]
+    assert len(calls) == 2 and tuned.costs is None and gathered == [(0.25, 0.2, [(0.1, 0.11)])]
     assert (tuned.cfg.schedule.stages_per_rank, tuned.cfg.schedule.split, tuned.cfg.train.micro_batch_size) == (
         best.options.stages_per_rank,
         best.options.split,
@@ -340,6 +341,20 @@ def test_the_check_step_follows_the_first_step_and_the_recorded_window() -> None
     assert measured_window([(0, 9.0)]) == ([0], 9.0)
 
 
+def test_the_check_window_spans_two_seconds_of_steps_within_the_run() -> None:
+    """Three steps of a tiny model (0.13 s each) scatter by +-7% between identical runs: the window
+    grows until it spans WINDOW_S at the ranks' slowest pace so far, never past the run's last step."""
+    from sysx.autotune.check import WINDOW_S, long_enough
+
+    assert WINDOW_S == 2.0
+    fast = [(0, 1.0), (1, 0.1), (2, 0.1), (3, 0.1)]
+    assert long_enough(3, fast, 100, 0.1) == 3 + 20 - 3  # 20 steps of 0.1 s
+    assert long_enough(3, fast, 100, 0.2) == 3 + 10 - 3  # a slower rank's pace: every rank the same step
+    assert long_enough(3, fast, 10, 0.1) == 9  # the run ends first
+    assert long_enough(3, [(0, 1.0), (1, 0.7), (2, 0.7), (3, 0.7)], 100, 0.7) == 3  # 2.1 s: long enough
+    assert long_enough(13, [(10, 1.0), (11, 0.5), (12, 0.5), (13, 0.5)], 100, 0.5) == 14  # after a resume
+
+
 def test_the_single_trainer_checks_its_planners_prediction(capsys) -> None:
     from types import SimpleNamespace
 
@@ -348,7 +363,7 @@ def test_the_single_trainer_checks_its_planners_prediction(capsys) -> None:
 
     plan = SimpleNamespace(times={"step_s": 0.5}, device_bytes={"total": 1 << 20}, host_bytes={"total": 3 << 20})
     check = SinglePrediction(plan, torch.device("cpu"))
-    for step, seconds in enumerate((9.0, 0.5, 0.6, 0.7)):
+    for step, seconds in enumerate((9.0, 0.5, 0.6, 0.7, 0.6, 0.6)):
         check.after_step(
             StepResult(
                 step=step, loss=1.0, lr=1e-3, grad_norm=1.0, skipped=False, scale=1.0, tokens=1, step_time_s=seconds
@@ -357,7 +372,8 @@ def test_the_single_trainer_checks_its_planners_prediction(capsys) -> None:
             None,
         )
     s = check.section
-    assert s["source"] == "single-device planner" and s["steps"] == [1, 3]
+    # steps 1-3 span 1.8 s, under WINDOW_S (2 s): one more step of 0.6 s is measured
+    assert s["source"] == "single-device planner" and s["steps"] == [1, 4]
     assert s["iteration_s"]["measured"] == pytest.approx(0.6) and s["iteration_s"]["error_pct"] == pytest.approx(20.0)
     assert s["peak_host_bytes"]["predicted"] == 4 << 20  # on CPU the device buffers are host memory too
     assert "warning: the prediction is off by more than 10% (iteration_s" in capsys.readouterr().out

@@ -223,7 +223,30 @@ def test_the_together_time_is_the_median_window_each_after_a_barrier(monkeypatch
     monkeypatch.setattr(contention, "mean_run_seconds", lambda step, **kw: next(windows))
     barriers: list[int] = []
     got = contention.time_block_together(get_preset("tiny"), 8, torch.float32, barrier=lambda: barriers.append(1))
-    assert got == (2e-3, 3e-3) and len(barriers) == contention.WINDOWS == 3
+    assert (got.wall, got.cpu, got.rounds) == (2e-3, 3e-3, []) and len(barriers) == contention.WINDOWS == 3
+
+
+def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's end costs the waits for the slowest rank and the all-reduce: per round the ranks'
+    mean wall less their mean compute, the median round (one disturbed round does not move it);
+    nothing for one rank. The rounds run as many Blocks on every rank: the slowest rank's window
+    sets the count."""
+    from sysx.autotune import contention
+    from sysx.model import get_preset
+
+    ranks = [[(0.10, 0.112), (0.10, 0.111), (0.10, 0.150)], [(0.11, 0.112), (0.11, 0.111), (0.10, 0.150)]]
+    assert contention.meeting_seconds(ranks) == pytest.approx(0.112 - 0.105)
+    assert contention.meeting_seconds(ranks[:1]) == 0.0 and contention.meeting_seconds([[], []]) == 0.0
+    monkeypatch.setattr(contention, "mean_run_seconds", lambda step, **kw: (2e-3, 2e-3))
+    met: list[float] = []
+
+    def meet(value: float) -> float:  # this rank's value in, the ranks' maximum out (the other at 4 ms)
+        met.append(value)
+        return max(value, 4e-3)
+
+    got = contention.time_block_together(get_preset("tiny"), 8, torch.float32, meet=meet, rounds=2, round_s=0.02)
+    assert met[0] == 2e-3 and len(met) == 1 + 1 + 2  # the count's, the start's, one per round
+    assert len(got.rounds) == 2 and all(wall >= own > 0 for own, wall in got.rounds)
 
 
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:

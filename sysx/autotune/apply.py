@@ -17,7 +17,7 @@ from sysx import device as dev
 from sysx import dist as sdist
 from sysx.autotune.advice import Change, advise
 from sysx.autotune.cache import cached_profile, load_or_measure, profile_path
-from sysx.autotune.contention import cpu_ratio, slowdown, time_block_together
+from sysx.autotune.contention import Together, cpu_ratio, meeting_seconds, slowdown, time_block_together
 from sysx.autotune.emulated import emulated_profile
 from sysx.autotune.p2p import P2PFigures, measure_p2p
 from sysx.autotune.profile import MachineProfile
@@ -109,6 +109,7 @@ def tune(
     p2p: P2PFigures | None = None,
     together_s: list[float] | None = None,
     together_cpu_s: list[float] | None = None,
+    meeting_s: float | None = None,
 ) -> Tuning:
     """Profile (cached), search, advise. ``budget`` bytes override what the profile found free
     (keys ``gpu``, ``host``, ``shm``; None keeps the profile's figure). ``profile``: use this one
@@ -116,7 +117,8 @@ def tune(
     ranks, kept in the cached profile; without them the cached profile's are used if it has some.
     ``together_s``: each rank's time of the Block measured together (:mod:`sysx.autotune.contention`):
     the search charges the profile's layer times their slowdown (not kept in the cache: it is this job's).
-    ``together_cpu_s``: the same runs' CPU times, the node's host lane's cost of a layer (:func:`cpu_ratio`)."""
+    ``together_cpu_s``: the same runs' CPU times, the node's host lane's cost of a layer (:func:`cpu_ratio`).
+    ``meeting_s``: what a step's end costs beyond the ranks' compute, measured with them (:func:`meeting_seconds`)."""
     reused = profile is not None
     if profile is None:
         dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
@@ -134,6 +136,8 @@ def tune(
         profile = dataclasses.replace(profile, slowdown=slowdown(profile, job.seq_len, together_s))
     if together_cpu_s:
         profile = dataclasses.replace(profile, cpu_ratio=cpu_ratio(profile, job.seq_len, together_cpu_s))
+    if meeting_s is not None:
+        profile = dataclasses.replace(profile, meeting_s=meeting_s)
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
     if job.disk is not None and job.disk.free_bytes is not None:  # optim.offload=nvme: the state files' room
@@ -229,25 +233,33 @@ def _wants_p2p(cfg: SysxConfig, job: Job, device: torch.device) -> bool:
     return p is None or (p.ranks, p.ranks_per_node) != (job.n_ranks, job.ranks_per_node)
 
 
-def _time_together(
-    cfg: SysxConfig, job: Job, device: torch.device, info: Any, group: Any
-) -> list[tuple[float, float]] | None:
-    """Every rank's ``(wall, CPU)`` seconds of the job's Block, all timing at once
+def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, group: Any) -> list[Together] | None:
+    """Every rank's seconds of the job's Block and its meeting rounds, all timing at once
     (:mod:`sysx.autotune.contention`), on rank 0; None where the ranks do not share the compute (a
     GPU, the emulated device)."""
     if cfg.device == EMULATED_DEVICE or dev.is_cuda(device):
         return None
     dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
     many = info.world_size > 1
+
+    def meet(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
     mine = time_block_together(
-        job.model, job.seq_len, dtype, barrier=(lambda: tdist.barrier(group=group)) if many else None
+        job.model,
+        job.seq_len,
+        dtype,
+        barrier=(lambda: tdist.barrier(group=group)) if many else None,
+        meet=meet if many else None,
     )
     every: list[Any] = [None] * info.world_size
     if many:
-        tdist.all_gather_object(every, mine, group=group)
+        tdist.all_gather_object(every, tuple(mine), group=group)
     else:
-        every = [mine]
-    return [(float(wall), float(cpu)) for wall, cpu in every]
+        every = [tuple(mine)]
+    return [Together(float(wall), float(cpu), [(float(a), float(b)) for a, b in met]) for wall, cpu, met in every]
 
 
 def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
@@ -277,8 +289,9 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
             adam_backend=cfg.optim.backend,
             profile=job_profile(cfg, job),
             p2p=p2p,
-            together_s=[w for w, _ in together] if together else None,
-            together_cpu_s=[c for _, c in together] if together else None,
+            together_s=[t.wall for t in together] if together else None,
+            together_cpu_s=[t.cpu for t in together] if together else None,
+            meeting_s=meeting_seconds([t.rounds for t in together]) if together else None,
         )
         best = tuning.result.best
         box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)
@@ -299,6 +312,8 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
         links = f"; {tuning.profile.p2p.describe()}" if tuning.profile.p2p is not None else ""
         if tuning.profile.slowdown is not None:
             links += f"; layers {tuning.profile.slowdown:.2f}x the profile's with every rank computing"
+        if tuning.profile.meeting_s:
+            links += f", {tuning.profile.meeting_s * 1e3:.1f} ms a step meeting"
         print("schedule.tune (profile " + how + links + "):\n  " + "\n  ".join(why(tuning.result, None)), flush=True)
     if info.world_size > 1:
         tdist.broadcast_object_list(box, src=0, group=group)

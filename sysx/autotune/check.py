@@ -8,6 +8,7 @@ log one line, plus a warning line when an error exceeds :data:`WARN_PCT`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import mean
@@ -20,7 +21,10 @@ from sysx.schedule.simulate import simulate
 
 WARN_PCT = 10.0  # ProTrain reports under 4% on GPUs; a shared CPU is noisier
 WARMUP_STEPS = 1  # the first step builds caches and connections: not measured
-WINDOW_STEPS = 3  # steps measured after the warm-up (fewer when the run is shorter)
+WINDOW_STEPS = 3  # steps measured after the warm-up at least (fewer when the run is shorter)
+# seconds the measured steps span at least (fewer when the run is shorter): 3 steps of a tiny model
+# (0.13 s each, a few of the kernel's time slices) scattered by +-7% between identical runs
+WINDOW_S = 2.0
 GPU, HOST = "peak_gpu_bytes", "peak_host_bytes"
 
 
@@ -63,6 +67,17 @@ def check_step(first_step: int, total_steps: int, recorded_last: int | None) -> 
     if recorded_last is not None and first_step <= recorded_last < total_steps:
         return recorded_last
     return min(total_steps - 1, first_step + WARMUP_STEPS + WINDOW_STEPS - 1)
+
+
+def long_enough(at: int, step_times: Sequence[tuple[int, float]], total_steps: int, slowest_s: float) -> int:
+    """The check step once :func:`check_step`'s ``at`` is reached: ``at`` when its window spans
+    :data:`WINDOW_S`, else the step at which as many more steps of ``slowest_s`` (the ranks' slowest
+    mean step so far: every rank must reach the same answer) would span it, within the run."""
+    kept = [t for s, t in step_times[WARMUP_STEPS:] if s <= at]
+    if not kept or sum(kept) >= WINDOW_S:
+        return at
+    need = math.ceil(WINDOW_S / max(slowest_s, 1e-9))
+    return max(at, min(total_steps - 1, at + need - len(kept)))
 
 
 def measured_window(step_times: Sequence[tuple[int, float]]) -> tuple[list[int], float]:

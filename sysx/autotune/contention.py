@@ -10,10 +10,20 @@ processes run together on 2 cores at load 5, not the 7.1 ms the old core-count r
 So at tune time every rank of the job times the same Block (the job's shape, one sequence) at the
 same moment, as many runs as fit in :data:`WINDOW_S` (at least :data:`REPEATS`), :data:`WINDOWS`
 times with a barrier before each, and reports the median window's wall time and CPU time per run;
-rank 0 divides the slowest rank's wall time (:func:`slowdown`) and the ranks' mean CPU time
-(:func:`cpu_ratio`) by the profile's time of that Block, and the search charges every layer time
-and the executor's per-op host cost the slowdown, and the node's host lane
-(:class:`~sysx.schedule.costs.HostLane`) each layer's CPU time.
+rank 0 divides the ranks' mean wall time (:func:`slowdown`) and mean CPU time (:func:`cpu_ratio`)
+by the profile's time of that Block, and the search charges every layer time and the executor's
+per-op host cost the slowdown, and the node's host lane (:class:`~sysx.schedule.costs.HostLane`)
+each layer's CPU time. Then the ranks run :data:`ROUNDS` rounds of about :data:`ROUND_S` of Blocks,
+each ended by an all-reduce, as a step ends at VALIDATE: what a round takes beyond the ranks' own
+compute is the meeting (:func:`meeting_seconds`), charged once a step.
+
+Why a meeting and not the slowest rank's window (issue 27): ranks sharing cores do not share them
+evenly over a step's length. In a tiny job of 2 replicas (0.13 s steps), VALIDATE took 8 ms a step
+where the plan had under 1 ms; timed inside it, the rank that arrived first waited 5-18 ms for the
+other in most steps, a different rank from step to step. The slowest rank's 0.3 s window
+(1.03-1.12x the mean for 4 ranks) sees only part of it: the rounds measured 3 ms a round for 2
+ranks on 2 cores (0.11 s rounds) and 31 ms for 4 (0.23 s rounds), the 31.6 ms a recorded tiny:4
+step spent in VALIDATE.
 
 Why a window and not the median of a few runs (issue 27): with more ranks than cores the kernel
 shares a core in time slices of several milliseconds, longer than a tiny Block's 5 ms. A short run
@@ -34,6 +44,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +55,17 @@ from sysx.model.llama import init_layer, make_layer
 REPEATS = 7  # at least, after one warm-up
 WINDOW_S = 0.3  # the runs' window at least: many of the kernel's time slices (a few ms each), so sharing shows
 WINDOWS = 3  # windows timed, each after a barrier; the median is kept
+ROUND_S = 0.1  # a meeting round's compute: about the shortest steps a CPU job runs (tiny, 2 ranks: 0.13 s)
+ROUNDS = 5  # meeting rounds timed; the median round is kept
+
+
+class Together(NamedTuple):
+    """One rank's figures of :func:`time_block_together`: the Block's seconds (wall, CPU) and its
+    meeting rounds ``(own compute, wall until the round's all-reduce returned)``."""
+
+    wall: float
+    cpu: float
+    rounds: list[tuple[float, float]]
 
 
 def time_block_together(
@@ -55,11 +77,16 @@ def time_block_together(
     window_s: float = WINDOW_S,
     windows: int = WINDOWS,
     barrier: Callable[[], object] | None = None,
-) -> tuple[float, float]:
+    meet: Callable[[float], float] | None = None,
+    rounds: int = ROUNDS,
+    round_s: float = ROUND_S,
+) -> Together:
     """Mean seconds of one Block's no-grad forward plus its recompute-and-backward on one sequence,
     on the CPU, in wall-clock time and in this thread's CPU time, over at least ``repeats`` runs
     and ``window_s`` seconds, the median of ``windows`` such windows; ``barrier`` is called after
-    the warm-up and between windows so every rank times each window at once."""
+    the warm-up and between windows so every rank times each window at once. With ``meet`` (every
+    rank's value in, their maximum out: an all-reduce), then ``rounds`` meeting rounds of about
+    ``round_s`` of Blocks (:func:`meeting_rounds`)."""
     layer = make_layer(cfg, 1, dtype=dtype, device=torch.device("cpu"))
     init_layer(layer, 1)  # uninitialised memory can hold denormals, which time differently
     x = torch.randn(1, seq_len, cfg.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -77,7 +104,45 @@ def time_block_together(
         if barrier is not None:
             barrier()
         timed.append(mean_run_seconds(step, repeats=repeats, window_s=window_s))
-    return statistics.median(w for w, _ in timed), statistics.median(c for _, c in timed)
+    wall, cpu = statistics.median(w for w, _ in timed), statistics.median(c for _, c in timed)
+    met: list[tuple[float, float]] = []
+    if meet is not None:
+        slowest = meet(wall)  # every rank runs the same count of Blocks a round, as in a step
+        met = meeting_rounds(step, per_round=max(1, round(round_s / max(slowest, 1e-9))), rounds=rounds, meet=meet)
+    return Together(wall, cpu, met)
+
+
+def meeting_rounds(
+    step: Callable[[], object], *, per_round: int, rounds: int, meet: Callable[[float], float]
+) -> list[tuple[float, float]]:
+    """``rounds`` rounds of ``per_round`` calls of ``step`` each ended by ``meet``: per round, the
+    seconds of this rank's calls and the seconds until ``meet`` returned (the rounds run back to
+    back, so a rank that waited starts its next round with the others). ``meet`` must block until
+    every rank has called it, and every rank must run as many rounds (the counts are collective)."""
+    meet(0.0)  # start together
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            step()
+        t1 = time.perf_counter()
+        meet(t1 - t0)
+        out.append((t1 - t0, time.perf_counter() - t0))
+    return out
+
+
+def meeting_seconds(ranks_rounds: list[list[tuple[float, float]]]) -> float:
+    """What a step's end costs beyond the ranks' compute: per round, the ranks' mean wall less their
+    mean own compute (the waits for the slowest rank and the all-reduce), the median round; 0 for
+    one rank or no rounds."""
+    if len(ranks_rounds) < 2 or not all(ranks_rounds):
+        return 0.0
+    n = min(len(r) for r in ranks_rounds)
+    per_round = [
+        statistics.fmean(r[i][1] for r in ranks_rounds) - statistics.fmean(r[i][0] for r in ranks_rounds)
+        for i in range(n)
+    ]
+    return max(0.0, statistics.median(per_round))
 
 
 def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: float) -> tuple[float, float]:
@@ -92,12 +157,12 @@ def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: floa
 
 
 def slowdown(profile: MachineProfile, seq_len: int, together_s: list[float]) -> float:
-    """The factor the job's layers run slower than the profile says: the slowest rank's time of the
+    """The factor the job's layers run slower than the profile says: the ranks' mean time of the
     Block measured together (:func:`time_block_together`) over the profile's time of it (at least 1:
-    the profile is the fastest the layer ran). The slowest, not the mean: ranks sharing cores do
-    not share them evenly (4 on 2 cores: one rank's windows 1.03-1.12x the ranks' mean), and a step
-    goes at its slowest rank's pace, since the ranks meet at every step's VALIDATE."""
-    return _over_profile(profile, seq_len, together_s, "slowdown", of=max)
+    the profile is the fastest the layer ran). The mean: the uneven sharing between ranks, which
+    makes a step wait for its slowest rank, is the meeting's (:func:`meeting_seconds`), measured
+    at a step's length."""
+    return _over_profile(profile, seq_len, together_s, "slowdown")
 
 
 def cpu_ratio(profile: MachineProfile, seq_len: int, together_cpu_s: list[float]) -> float:
@@ -113,11 +178,9 @@ def _over_profile(
     seq_len: int,
     ranks_s: list[float],
     what: str,
-    *,
-    of: Callable[[list[float]], float] = statistics.fmean,
 ) -> float:
-    """``of`` the ranks' seconds of the Block (their mean by default) over the profile's time of it, at least 1."""
+    """The ranks' mean seconds of the Block over the profile's time of it, at least 1."""
     fwd, bwd = profile.layer_time("block", seq_len)
     if not ranks_s:
         raise ValueError(f"{what} needs at least one rank's time of the Block")
-    return max(1.0, of(ranks_s) / max(fwd + bwd, 1e-12))
+    return max(1.0, statistics.fmean(ranks_s) / max(fwd + bwd, 1e-12))

@@ -128,6 +128,8 @@ def profiled_costs(
     links: dict[str, float] = profile.p2p.costs_fields() if profile.p2p is not None else {}
     if world is not None and profile.p2p is not None and profile.hardware.measured:  # the emulated plan keeps its own
         links["allreduce_latency"] = step_allreduces(world, profile.p2p.intra_latency)
+    if profile.meeting_s:  # the ranks' uneven pace over a step, charged where they meet (VALIDATE)
+        links["allreduce_latency"] = links.get("allreduce_latency", Costs.allreduce_latency) + profile.meeting_s
     return dataclasses.replace(
         base,
         layer_fwd_time=tuple(fwd),

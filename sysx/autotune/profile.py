@@ -69,6 +69,8 @@ class MachineProfile:
     slowdown: float | None = None
     # CPU seconds of the job's layers per profile second, from the same measurement (the node's host lane)
     cpu_ratio: float | None = None
+    # seconds a step's end costs beyond its ranks' compute, measured with them (the same measurement)
+    meeting_s: float | None = None
     # on a CPU "device": [tokens, bytes per Block, bytes once] a sub-stage's backward holds at its
     # peak (:func:`sysx.machine.host_cost.measure_backward_bytes`), by tokens; None: not measured
     backward_bytes: list[list[int]] | None = None

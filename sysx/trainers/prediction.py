@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sysx import device as dev
-from sysx.autotune.check import GPU, HOST, Prediction, check_step, compare, measured_window, predict
+from sysx.autotune.check import GPU, HOST, Prediction, check_step, compare, long_enough, measured_window, predict
 from sysx.emulate.device_model import DeviceModel
 from sysx.metrics import StepResult
 from sysx.optim.threads import OptimizerThreads
@@ -177,6 +177,7 @@ class RunPrediction:
         self.rss0 = rss0  # the RSS before the trainer built its state: the growth is what the plan describes
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None  # set at the first step this process runs (after a resume, too)
+        self.extended = False  # whether the window was checked against WINDOW_S (once, collectively)
         self.section: dict[str, Any] = {}
 
     def _memory_kind(self) -> str:
@@ -203,6 +204,14 @@ class RunPrediction:
             self.at = check_step(result.step, self.total_steps, self.window.last_step)
         if result.step != self.at:
             return
+        if not self.extended and self.window.last_step is None:
+            self.extended = True
+            (slowest,) = self.all_reduce(
+                [measured_window(self.step_times)[1]], "prediction check (step times)", op=dist.ReduceOp.MAX
+            )
+            self.at = long_enough(self.at, self.step_times, self.total_steps, float(slowest))
+            if result.step != self.at:
+                return
         peak = self._peak()
         if self.rank != 0:
             return
@@ -243,6 +252,7 @@ class SinglePrediction:
         self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None
+        self.extended = False
         self.section: dict[str, Any] = {}
 
     def after_step(self, result: StepResult, total_steps: int, recorded: tuple[int, int, float] | None) -> None:
@@ -253,6 +263,11 @@ class SinglePrediction:
             self.at = check_step(result.step, total_steps, None)
         if result.step != self.at:
             return
+        if not self.extended and recorded is None:
+            self.extended = True
+            self.at = long_enough(self.at, self.step_times, total_steps, measured_window(self.step_times)[1])
+            if result.step != self.at:
+                return
         cuda = dev.is_cuda(self.device)
         dev_total = float(self.plan.device_bytes["total"])
         # on CPU the planner's device buffers are host memory too
