@@ -103,25 +103,6 @@ def test_slowdown_measured_together_scales_layer_and_host_costs() -> None:
     assert MachineProfile.from_json(dataclasses.replace(p, slowdown=3.0).to_json()).slowdown == 3.0
 
 
-def test_the_factor_on_a_wider_pass_is_interpolated_in_log_tokens() -> None:
-    """Ranks sharing a machine share its caches and memory bandwidth: the factor measured on one
-    sequence and on a wider pass, interpolated in log(tokens) between them and flat beyond; the
-    layer times of a micro-batch are charged the factor at its tokens."""
-    from sysx.autotune.apply import wide_sequences
-    from sysx.autotune.costs import cpu_share
-
-    p = dataclasses.replace(synthetic_profile(), slowdown=1.0, slowdown_wide=[8.0 * SEQ, 2.0])
-    assert cpu_share(p, 2, SEQ) == pytest.approx(1.0) and cpu_share(p, 2, 8 * SEQ) == pytest.approx(2.0)
-    assert cpu_share(p, 2, 2 * SEQ) == pytest.approx(1.0 + 1 / 3)  # log2: 1 of 3 doublings
-    assert cpu_share(p, 2, SEQ / 4) == 1.0 and cpu_share(p, 2, 64 * SEQ) == 2.0 and cpu_share(p, 2) == 1.0
-    one = profiled_costs(dataclasses.replace(p, slowdown_wide=None), TINY, SEQ, 8, gpus_per_node=2)
-    wide = profiled_costs(p, TINY, SEQ, 8, gpus_per_node=2)
-    assert wide.layer_fwd_time == pytest.approx(tuple(2 * t for t in one.layer_fwd_time))
-    assert MachineProfile.from_json(p.to_json()).slowdown_wide == [8.0 * SEQ, 2.0]
-    job = job_from_config(_job_config(), 1, None, torch.device("cpu"))  # a global batch of 8 sequences
-    assert wide_sequences(job) == 8 and wide_sequences(dataclasses.replace(job, global_batch=12)) == 6
-
-
 def test_the_meeting_measured_together_is_charged_once_a_step_at_validate() -> None:
     """The ranks' measured meeting adds to the step-end all-reduces VALIDATE charges, once a step:
     the planned iteration grows by it; kept through the profile's JSON."""

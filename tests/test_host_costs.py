@@ -247,11 +247,6 @@ def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch:
     got = contention.time_block_together(get_preset("tiny"), 8, torch.float32, meet=meet, rounds=2, round_s=0.02)
     assert met[0] == 2e-3 and len(met) == 1 + 1 + 2  # the count's, the start's, one per round
     assert len(got.rounds) == 2 and all(wall >= own > 0 for own, wall in got.rounds)
-    assert got.wide == 0.0  # one sequence only unless asked
-    seen: list[int] = []
-    monkeypatch.setattr(contention, "mean_run_seconds", lambda step, **kw: (seen.append(1), (5e-3, 5e-3))[1])
-    wide = contention.time_block_together(get_preset("tiny"), 8, torch.float32, windows=1, wide=4)
-    assert wide.wide == 5e-3 and len(seen) == 2  # the one-sequence window, then the wide one
 
 
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:

@@ -17,7 +17,7 @@ from sysx import device as dev
 from sysx import dist as sdist
 from sysx.autotune.advice import Change, advise
 from sysx.autotune.cache import cached_profile, load_or_measure, profile_path
-from sysx.autotune.contention import WIDE, Together, cpu_ratio, meeting_seconds, slowdown, time_block_together
+from sysx.autotune.contention import Together, cpu_ratio, meeting_seconds, slowdown, time_block_together
 from sysx.autotune.emulated import emulated_profile
 from sysx.autotune.p2p import P2PFigures, measure_p2p
 from sysx.autotune.profile import MachineProfile
@@ -110,7 +110,6 @@ def tune(
     together_s: list[float] | None = None,
     together_cpu_s: list[float] | None = None,
     meeting_s: float | None = None,
-    wide: tuple[int, list[float]] | None = None,
 ) -> Tuning:
     """Profile (cached), search, advise. ``budget`` bytes override what the profile found free
     (keys ``gpu``, ``host``, ``shm``; None keeps the profile's figure). ``profile``: use this one
@@ -119,8 +118,7 @@ def tune(
     ``together_s``: each rank's time of the Block measured together (:mod:`sysx.autotune.contention`):
     the search charges the profile's layer times their slowdown (not kept in the cache: it is this job's).
     ``together_cpu_s``: the same runs' CPU times, the node's host lane's cost of a layer (:func:`cpu_ratio`).
-    ``meeting_s``: what a step's end costs beyond the ranks' compute, measured with them (:func:`meeting_seconds`).
-    ``wide``: ``(sequences, each rank's seconds)`` of the Block on a wider pass, measured with them."""
+    ``meeting_s``: what a step's end costs beyond the ranks' compute, measured with them (:func:`meeting_seconds`)."""
     reused = profile is not None
     if profile is None:
         dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
@@ -140,9 +138,6 @@ def tune(
         profile = dataclasses.replace(profile, cpu_ratio=cpu_ratio(profile, job.seq_len, together_cpu_s))
     if meeting_s is not None:
         profile = dataclasses.replace(profile, meeting_s=meeting_s)
-    if wide is not None and wide[0] > 1 and together_s:
-        tokens = wide[0] * job.seq_len
-        profile = dataclasses.replace(profile, slowdown_wide=[float(tokens), slowdown(profile, tokens, wide[1])])
     given = budget or {}
     found = {"gpu": profile.hardware.device_free_bytes, "host": profile.host_available, "shm": profile.shm_free}
     if job.disk is not None and job.disk.free_bytes is not None:  # optim.offload=nvme: the state files' room
@@ -258,23 +253,13 @@ def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, g
         dtype,
         barrier=(lambda: tdist.barrier(group=group)) if many else None,
         meet=meet if many else None,
-        wide=wide_sequences(job),
     )
     every: list[Any] = [None] * info.world_size
     if many:
         tdist.all_gather_object(every, tuple(mine), group=group)
     else:
         every = [tuple(mine)]
-    return [
-        Together(float(wall), float(cpu), [(float(a), float(b)) for a, b in met], float(w))
-        for wall, cpu, met, w in every
-    ]
-
-
-def wide_sequences(job: Job) -> int:
-    """Sequences of the contention probe's wide point: the widest micro-batch the search may pick,
-    at most :data:`~sysx.autotune.contention.WIDE`."""
-    return max(d for d in divisors(job.global_batch) if d <= WIDE)
+    return [Together(float(wall), float(cpu), [(float(a), float(b)) for a, b in met]) for wall, cpu, met in every]
 
 
 def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
@@ -307,7 +292,6 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
             together_s=[t.wall for t in together] if together else None,
             together_cpu_s=[t.cpu for t in together] if together else None,
             meeting_s=meeting_seconds([t.rounds for t in together]) if together else None,
-            wide=(wide_sequences(job), [t.wide for t in together]) if together and together[0].wide > 0 else None,
         )
         best = tuning.result.best
         box[0] = choice(best, emulated=cfg.device == EMULATED_DEVICE) if best is not None else no_fit_message(tuning)
@@ -328,9 +312,6 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
         links = f"; {tuning.profile.p2p.describe()}" if tuning.profile.p2p is not None else ""
         if tuning.profile.slowdown is not None:
             links += f"; layers {tuning.profile.slowdown:.2f}x the profile's with every rank computing"
-            if tuning.profile.slowdown_wide is not None:
-                t, f = tuning.profile.slowdown_wide
-                links += f" ({f:.2f}x on {t:.0f} tokens)"
         if tuning.profile.meeting_s:
             links += f", {tuning.profile.meeting_s * 1e3:.1f} ms a step meeting"
         print("schedule.tune (profile " + how + links + "):\n  " + "\n  ".join(why(tuning.result, None)), flush=True)

@@ -17,13 +17,6 @@ each layer's CPU time. Then the ranks run :data:`ROUNDS` rounds of about :data:`
 each ended by an all-reduce, as a step ends at VALIDATE: what a round takes beyond the ranks' own
 compute is the meeting (:func:`meeting_seconds`), charged once a step.
 
-Why a second point, :data:`WIDE` sequences at once (issue 27): ranks sharing a machine share its
-caches and memory bandwidth as well as its cores, and a wide pass needs more of them. On 2 cores,
-2 ranks timing a tiny Block together read 1.00-1.03x their solo time on one sequence and 1.06x on
-8; the tuned runs (8 sequences a pass) ran 1.1-1.2x the profile while the one-sequence factor said
-1.00-1.03, 14-30% under. The factor is kept at both token counts and interpolated between them
-(:func:`sysx.autotune.costs.cpu_share`).
-
 Why a meeting and not the slowest rank's window (issue 27): ranks sharing cores do not share them
 evenly over a step's length. In a tiny job of 2 replicas (0.13 s steps), VALIDATE took 8 ms a step
 where the plan had under 1 ms; timed inside it, the rank that arrived first waited 5-18 ms for the
@@ -64,8 +57,6 @@ WINDOW_S = 0.3  # the runs' window at least: many of the kernel's time slices (a
 WINDOWS = 3  # windows timed, each after a barrier; the median is kept
 ROUND_S = 0.1  # a meeting round's compute: about the shortest steps a CPU job runs (tiny, 2 ranks: 0.13 s)
 ROUNDS = 5  # meeting rounds timed; the median round is kept
-WIDE = 8  # sequences of the second point (fewer when no micro-batch of the job is that wide)
-WIDE_REPEATS = 3  # its runs at least: each is long enough to span many time slices
 
 
 class Together(NamedTuple):
@@ -75,7 +66,6 @@ class Together(NamedTuple):
     wall: float
     cpu: float
     rounds: list[tuple[float, float]]
-    wide: float = 0.0  # seconds of the Block on ``wide`` sequences (0: not timed)
 
 
 def time_block_together(
@@ -90,29 +80,23 @@ def time_block_together(
     meet: Callable[[float], float] | None = None,
     rounds: int = ROUNDS,
     round_s: float = ROUND_S,
-    wide: int = 1,
 ) -> Together:
     """Mean seconds of one Block's no-grad forward plus its recompute-and-backward on one sequence,
     on the CPU, in wall-clock time and in this thread's CPU time, over at least ``repeats`` runs
     and ``window_s`` seconds, the median of ``windows`` such windows; ``barrier`` is called after
     the warm-up and between windows so every rank times each window at once. With ``meet`` (every
     rank's value in, their maximum out: an all-reduce), then ``rounds`` meeting rounds of about
-    ``round_s`` of Blocks (:func:`meeting_rounds`). ``wide`` > 1: then one window of the Block on
-    ``wide`` sequences at once, after a barrier (:attr:`Together.wide`)."""
+    ``round_s`` of Blocks (:func:`meeting_rounds`)."""
     layer = make_layer(cfg, 1, dtype=dtype, device=torch.device("cpu"))
     init_layer(layer, 1)  # uninitialised memory can hold denormals, which time differently
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, seq_len, cfg.dim, generator=gen).to(dtype)
+    x = torch.randn(1, seq_len, cfg.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
 
-    def run(x: torch.Tensor) -> None:
+    def step() -> None:
         with torch.no_grad():
             layer(x)
         inp = x.detach().requires_grad_(True)
         out = layer(inp)
         out.backward(torch.ones_like(out))
-
-    def step() -> None:
-        run(x)
 
     step()
     timed = []
@@ -125,14 +109,7 @@ def time_block_together(
     if meet is not None:
         slowest = meet(wall)  # every rank runs the same count of Blocks a round, as in a step
         met = meeting_rounds(step, per_round=max(1, round(round_s / max(slowest, 1e-9))), rounds=rounds, meet=meet)
-    wide_s = 0.0
-    if wide > 1:
-        xs = torch.randn(wide, seq_len, cfg.dim, generator=gen).to(dtype)
-        run(xs)  # warm-up: the wider pass allocates anew
-        if barrier is not None:
-            barrier()
-        wide_s = mean_run_seconds(lambda: run(xs), repeats=WIDE_REPEATS, window_s=window_s)[0]
-    return Together(wall, cpu, met, wide_s)
+    return Together(wall, cpu, met)
 
 
 def meeting_rounds(

@@ -22,7 +22,6 @@ activations and a backward's own temporaries are the profile's measured bytes
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from sysx.autotune.profile import MachineProfile
@@ -38,22 +37,15 @@ def layer_times(profile: MachineProfile, cfg: ModelConfig, tokens: float) -> tup
     return [max(f, 1e-9) for f, _ in pairs], [max(b, 1e-9) for _, b in pairs]
 
 
-def cpu_share(profile: MachineProfile, ranks_per_node: int | None, tokens: float | None = None) -> float:
-    """How much slower a layer on ``tokens`` tokens a pass runs in the job than in the profile: the
-    slowdown the job's ranks measured together at tune time when the profile holds one
-    (:mod:`sysx.autotune.contention`), on one sequence and on a wider pass, interpolated in
-    log(tokens) between the two and flat beyond them; else, on a CPU "device", the ranks of a node
-    over its physical cores (more ranks than cores time-slice them); 1.0 on a GPU."""
+def cpu_share(profile: MachineProfile, ranks_per_node: int | None) -> float:
+    """How much slower a layer runs in the job than in the profile: the slowdown the job's ranks
+    measured together at tune time when the profile holds one (:mod:`sysx.autotune.contention`);
+    else, on a CPU "device", the ranks of a node over its physical cores (more ranks than cores
+    time-slice them); 1.0 on a GPU."""
     if profile.hardware.kind != "cpu":
         return 1.0
     if profile.slowdown is not None:
-        if profile.slowdown_wide is None or tokens is None:
-            return profile.slowdown
-        (t0, f0), (t1, f1) = (float(profile.shape["seq_len"]), profile.slowdown), profile.slowdown_wide
-        if t1 <= t0:
-            return f0
-        w = (math.log(min(max(tokens, t0), t1)) - math.log(t0)) / (math.log(t1) - math.log(t0))
-        return f0 + w * (f1 - f0)
+        return profile.slowdown
     if not ranks_per_node:
         return 1.0
     return max(1.0, ranks_per_node / max(1, profile.cpu_threads))
@@ -109,7 +101,7 @@ def profiled_costs(
     ``hardware`` overrides any :class:`Costs` field.
     """
     fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
-    share = cpu_share(profile, gpus_per_node, micro_batch_size * seq_len)
+    share = cpu_share(profile, gpus_per_node)
     fwd, bwd = [t * share for t in fwd], [t * share for t in bwd]
     nbytes = 4 if work_dtype == "float32" else 2
     hw = profile.hardware

@@ -65,10 +65,8 @@ class MachineProfile:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     p2p: P2PFigures | None = None  # measured between the job's ranks at tune time (:mod:`sysx.autotune.p2p`)
-    # the job's layers over the profile's, its ranks measured together at tune time (:mod:`sysx.autotune.contention`):
-    # on one sequence, and [tokens, factor] on a wider pass (None: not measured)
+    # the job's layers over the profile's, its ranks measured together at tune time (:mod:`sysx.autotune.contention`)
     slowdown: float | None = None
-    slowdown_wide: list[float] | None = None
     # CPU seconds of the job's layers per profile second, from the same measurement (the node's host lane)
     cpu_ratio: float | None = None
     # seconds a step's end costs beyond its ranks' compute, measured with them (the same measurement)
