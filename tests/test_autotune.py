@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from sysx.autotune.cli import main as tune_main
 from sysx.autotune.contention import Together, slowdown
 from sysx.autotune.costs import profiled_costs
 from sysx.autotune.profile import LayerTiming, MachineProfile
-from sysx.autotune.search import Budget, Job, Space, divisors, search, thread_options
+from sysx.autotune.search import TIE, Budget, Job, Space, divisors, search, thread_options
 from sysx.config import ConfigError, load_config, to_yaml
 from sysx.dist import DistInfo
 from sysx.machine import hardware_cache
@@ -174,7 +176,29 @@ def test_search_never_changes_the_global_batch(schedule: str, ranks: int, batch:
     assert {c.micro_batch_size for c in cands} <= set(divisors(batch))
     assert len({c.micro_batch_size for c in cands}) > 1  # the split of the batch is really searched
     times = [c.iteration for c in res.fitting]
-    assert times == sorted(times)
+    limit = min(times) * (1 + TIE)  # near-equal times go to the fewest instructions; the rest by time
+    near = sum(t <= limit for t in times)
+    assert all(t <= limit for t in times[:near]) and times[near:] == sorted(times[near:])
+
+
+def test_near_equal_predictions_go_to_the_fewest_instructions() -> None:
+    """Within TIE (1%) of the fastest the model cannot tell candidates apart (each instruction costs
+    the host more than it charges): the fewest instructions per step go first; beyond it, the
+    ranking by time stands. The search fills in every candidate's instruction count."""
+    from sysx.autotune.search import fewest_instructions_first
+
+    def cand(iteration: float, instructions: int) -> Any:
+        return SimpleNamespace(iteration=iteration, instructions=instructions)
+
+    a, b, c, d = cand(1.000, 90), cand(1.004, 30), cand(1.009, 30), cand(1.02, 5)
+    assert TIE == 0.01
+    assert fewest_instructions_first([a, b, c, d]) == [b, c, a, d]  # b before c: as ranked at equal counts
+    assert fewest_instructions_first([]) == []
+    job = job_from_config(_job_config(), 2, 2, torch.device("cpu"))
+    ranked = search(job, ROOMY, synthetic_profile()).fitting
+    assert all(x.instructions > 0 for x in ranked)
+    near = [x for x in ranked if x.iteration <= ranked[0].iteration * (1 + TIE)]
+    assert ranked[0].instructions == min(x.instructions for x in near)
 
 
 def test_nvme_tier_charges_the_exposed_io_and_counts_the_state_files() -> None:

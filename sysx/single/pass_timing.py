@@ -15,6 +15,8 @@ proportions. The plan's choices stay those of the FLOPs model: only its predicte
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,11 @@ from sysx.single.plan_report import SinglePlan
 # timed runs of each pass after a warm-up; the median is kept, as the layer profile keeps it: the
 # fastest described a shared CPU's quiet moments (the 50M window measured 1.3-1.5x it at load 3-5)
 REPEATS = 5
+# and as many more as span this many seconds: 5 runs of a tiny model's pass (a few ms) fit in one
+# burst of another process's work, and twice in ten CPU check rounds the plan came out 14% slow
+# (0.228 and 0.247 s predicted where the run measured 0.195-0.21 s)
+SPAN_S = 0.25
+MAX_REPEATS = 200
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,17 @@ def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REP
 
     with torch.no_grad():
         run_layer(block, x, None)  # fill the caches the layer keeps (RoPE tables), as the profile did
-    forward = time_op(lambda: run_captured(block, x, profile, layout, slot), device, repeats)
-    backward = time_op(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats)
-    return PassTimes(forward, backward, time_op(head_pass, device, repeats))
+    forward = _median(lambda: run_captured(block, x, profile, layout, slot), device, repeats)
+    backward = _median(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats)
+    return PassTimes(forward, backward, _median(head_pass, device, repeats))
+
+
+def _median(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median seconds of ``fn`` over ``repeats`` runs at least, and as many as span :data:`SPAN_S`
+    (:data:`MAX_REPEATS` at most), judged by one run first."""
+    one = time_op(fn, device, 1)
+    n = min(MAX_REPEATS, max(repeats, math.ceil(SPAN_S / max(one, 1e-9))))
+    return time_op(fn, device, n)
 
 
 def calibrated_table(table: LevelTable, passes: PassTimes, slot_level: int) -> LevelTable:
