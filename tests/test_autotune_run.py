@@ -124,12 +124,12 @@ def test_rank_1_takes_rank_0s_choice_without_searching(monkeypatch, tmp_path) ->
     monkeypatch.setattr(apply_mod.tdist, "broadcast_object_list", broadcast)
     monkeypatch.setattr(apply_mod.sdist, "cpu_group", lambda: None)
     # every rank times the Block together and gathers the times (rank 1 takes part, then only listens)
-    gathered: list[tuple[float, float, list[tuple[float, float]], int]] = []
-    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **k: Together(0.25, 0.2, [(0.1, 0.11)], 4))
+    gathered: list[tuple[float, float, list[tuple[float, float]]]] = []
+    monkeypatch.setattr(apply_mod, "time_block_together", lambda *a, **k: Together(0.25, 0.2, [(0.1, 0.11)]))
 
     def all_gather(out, mine, group):
         gathered.append(mine)
-        out[:] = [(0.5, 0.4, [(0.1, 0.11)], 4), mine]
+        out[:] = [(0.5, 0.4, [(0.1, 0.11)]), mine]
 
     monkeypatch.setattr(apply_mod.tdist, "all_gather_object", all_gather)
     monkeypatch.setattr(apply_mod, "search", lambda *a, **k: pytest.fail("rank 1 searched"))
@@ -146,7 +146,7 @@ def test_rank_1_takes_rank_0s_choice_without_searching(monkeypatch, tmp_path) ->
         ]
     )
     tuned = apply_mod.tune_job(cfg, DistInfo(rank=1, world_size=2, local_world_size=2), torch.device("cpu"))
-    assert len(calls) == 2 and tuned.costs is None and gathered == [(0.25, 0.2, [(0.1, 0.11)], 4)]
+    assert len(calls) == 2 and tuned.costs is None and gathered == [(0.25, 0.2, [(0.1, 0.11)])]
     assert (tuned.cfg.schedule.stages_per_rank, tuned.cfg.schedule.split, tuned.cfg.train.micro_batch_size) == (
         best.options.stages_per_rank,
         best.options.split,

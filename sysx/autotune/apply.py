@@ -259,9 +259,7 @@ def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, g
         tdist.all_gather_object(every, tuple(mine), group=group)
     else:
         every = [tuple(mine)]
-    return [
-        Together(float(wall), float(cpu), [(float(a), float(b)) for a, b in met], int(n)) for wall, cpu, met, n in every
-    ]
+    return [Together(float(wall), float(cpu), [(float(a), float(b)) for a, b in met]) for wall, cpu, met in every]
 
 
 def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
@@ -291,7 +289,7 @@ def tune_job(cfg: SysxConfig, info: Any, device: torch.device) -> TunedJob:
             adam_backend=cfg.optim.backend,
             profile=job_profile(cfg, job),
             p2p=p2p,
-            together_s=[t.block_seconds() for t in together] if together else None,
+            together_s=[t.wall for t in together] if together else None,
             together_cpu_s=[t.cpu for t in together] if together else None,
             meeting_s=meeting_seconds([t.rounds for t in together]) if together else None,
         )

@@ -60,24 +60,12 @@ ROUNDS = 5  # meeting rounds timed; the median round is kept
 
 
 class Together(NamedTuple):
-    """One rank's figures of :func:`time_block_together`: the Block's seconds (wall, CPU), its
-    meeting rounds ``(own compute, wall until the round's all-reduce returned)`` and the Blocks a
-    round ran."""
+    """One rank's figures of :func:`time_block_together`: the Block's seconds (wall, CPU) and its
+    meeting rounds ``(own compute, wall until the round's all-reduce returned)``."""
 
     wall: float
     cpu: float
     rounds: list[tuple[float, float]]
-    per_round: int = 0
-
-    def block_seconds(self) -> float:
-        """Seconds of one Block as the job will run it: its median round's compute per Block (a
-        rank that waits at a step's end leaves the cores to the others, so with more ranks than
-        cores a Block runs faster in the rounds than in the windows, where every rank computes all
-        the time: the windows' figure and the meeting together would count those waits twice); the
-        window's figure when no round ran."""
-        if not self.rounds or self.per_round < 1:
-            return self.wall
-        return statistics.median(own for own, _ in self.rounds) / self.per_round
 
 
 def time_block_together(
@@ -117,11 +105,11 @@ def time_block_together(
             barrier()
         timed.append(mean_run_seconds(step, repeats=repeats, window_s=window_s))
     wall, cpu = statistics.median(w for w, _ in timed), statistics.median(c for _, c in timed)
+    met: list[tuple[float, float]] = []
     if meet is not None:
         slowest = meet(wall)  # every rank runs the same count of Blocks a round, as in a step
-        per_round = max(1, round(round_s / max(slowest, 1e-9)))
-        return Together(wall, cpu, meeting_rounds(step, per_round=per_round, rounds=rounds, meet=meet), per_round)
-    return Together(wall, cpu, [])
+        met = meeting_rounds(step, per_round=max(1, round(round_s / max(slowest, 1e-9))), rounds=rounds, meet=meet)
+    return Together(wall, cpu, met)
 
 
 def meeting_rounds(
