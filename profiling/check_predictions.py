@@ -44,9 +44,9 @@ COMMON = [
     "checkpoint.keep=1",
     "train.seq_len=128",
 ]
-# steps a run takes: the mean of every step after the first and before the last is the measurement,
-# and a tiny step (0.13-0.2 s) is within a few of the kernel's time slices, so 3 of them scatter
-# by +-7% on an idle machine; 20 take 3-4 s, about what 3 steps of the 50M model do in 15 s
+# steps a run takes: the check measures the steps after the first until they span 2 s
+# (sysx.autotune.check.WINDOW_S; 3 tiny steps scattered by +-7% between identical runs): tiny steps
+# (0.13-0.2 s) need 11-16 of them; the 50M rows' first 3 steps span 15 s
 STEPS = {"tiny": 20, "50M": 5}
 PIPELINE = ["schedule=auto", "schedule.tune=true", "train.micro_batch_size=2", "train.micro_batches=8"]
 # (name, model, ranks): ranks 1 is schedule=single, one process
