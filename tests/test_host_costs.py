@@ -247,6 +247,15 @@ def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch:
     got = contention.time_block_together(get_preset("tiny"), 8, torch.float32, meet=meet, rounds=2, round_s=0.02)
     assert met[0] == 2e-3 and len(met) == 1 + 1 + 2  # the count's, the start's, one per round
     assert len(got.rounds) == 2 and all(wall >= own > 0 for own, wall in got.rounds)
+    counts: list[int] = []
+    real = contention.meeting_rounds
+    monkeypatch.setattr(
+        contention,
+        "meeting_rounds",
+        lambda step, *, per_round, **kw: (counts.append(per_round), real(step, per_round=per_round, **kw))[1],
+    )
+    contention.time_block_together(get_preset("tiny"), 8, torch.float32, meet=meet, rounds=1, round_s=0.02)
+    assert counts == [5]  # 0.02 s at the slowest rank's 4 ms, not this rank's 2 ms
 
 
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:
