@@ -335,9 +335,7 @@ def fewest_instructions_first(ranked: list[Candidate]) -> list[Candidate]:
     if not ranked:
         return ranked
     limit = ranked[0].iteration * (1 + TIE)
-    near = [c for c in ranked if c.iteration <= limit]
-    order = {id(c): i for i, c in enumerate(ranked)}
-    near.sort(key=lambda c: (c.instructions, order[id(c)]))
+    near = sorted((c for c in ranked if c.iteration <= limit), key=lambda c: c.instructions)  # stable: as ranked
     return near + [c for c in ranked if c.iteration > limit]
 
 
