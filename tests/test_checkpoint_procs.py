@@ -69,7 +69,8 @@ def test_sysx_and_mobius_resume_bit_identically_on_2_ranks(tmp_path: Path, preci
 def test_a_checkpoint_moves_from_4_ranks_to_2_ranks_to_the_window(tmp_path: Path) -> None:
     """Layers are the unit of a checkpoint, so any layout reads any other's. Exactness, measured:
     sysx at 4 ranks -> sysx at 2 ranks continues bit for bit (CPU Adam is elementwise, the layers'
-    arithmetic does not depend on the partition); the window sums its gradient norm in another
+    arithmetic does not depend on the partition, the gradient norm is summed per layer:
+    sysx.optim.grad_norm); the window sums its gradient norm in another
     order, so its continuation agrees to the last bits only."""
     from resume_job import make_config
 

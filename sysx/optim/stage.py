@@ -19,6 +19,7 @@ import torch
 
 from sysx.config.choices import SPECULATE_AFTER
 from sysx.optim.cpu_adam import CpuAdam
+from sysx.optim.grad_norm import Pieces, piece_chunks
 from sysx.optim.scratch import ScratchPool
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class StageReport:
     stage: str
     found_inf: bool = False
     sq_norm: float = 0.0  # squared L2 norm of the unscaled fp32 gradients (inf/nan on overflow)
+    pieces: tuple[tuple[int, float], ...] = ()  # sq_norm per piece of the model (sysx.optim.grad_norm)
     stepped: bool = False
     t_submit: float = 0.0  # handed to the worker
     t_ready: float = 0.0  # gradients on the host (event complete)
@@ -119,6 +121,7 @@ class StageOptimizer:
         no_decay: Sequence[tuple[int, int]] = (),
         scratch: ScratchPool | None = None,
         store: TieredState | None = None,
+        pieces: Pieces | None = None,
     ) -> None:
         self.name = name
         if store is not None:
@@ -159,6 +162,10 @@ class StageOptimizer:
         self.grad32: torch.Tensor | None = self._buffer  # the fp32 unscaled gradients while they exist
         self.param_spans = tuple(param_spans) if param_spans is not None else None
         self.param_norms: list[torch.Tensor] = []  # fp32 norm per span, from the last load_grads
+        if pieces is not None and pieces.numel != n:
+            raise ValueError(f"stage {name}: the pieces cover {pieces.numel} elements, the parameters {n}")
+        self.pieces = pieces  # the model's pieces in this buffer: the norm summed per piece
+        self.piece_squares: tuple[tuple[int, float], ...] = ()  # (piece, squared norm), from the last load_grads
         self._source: torch.Tensor | None = None  # the loaded gradients as given (to convert again)
         self._scale = 1.0
         self._coef = 1.0  # clip coefficient applied to grad32 by restep
@@ -178,6 +185,7 @@ class StageOptimizer:
         no_decay: Sequence[tuple[int, int]] = (),
         scratch: ScratchPool | None = None,
         store: TieredState | None = None,
+        pieces: Pieces | None = None,
     ) -> StageOptimizer:
         """A stage with ``settings``' hyper-parameters, backend and rollback; ``no_decay``: the ranges of
         its 1-D parameters (:func:`sysx.optim.decay.no_decay_ranges`), decayed all the same when
@@ -198,6 +206,7 @@ class StageOptimizer:
             no_decay=() if settings.decay_norms else no_decay,
             scratch=scratch,
             store=store,
+            pieces=pieces,
         )
 
     @property
@@ -228,9 +237,12 @@ class StageOptimizer:
         """Number of parameters of this stage."""
         return self.optimizer.numel
 
-    def _chunks(self) -> list[tuple[int, int]]:
+    def _chunks(self) -> list[tuple[int, int, int]]:
+        """``(piece, lo, hi)``: the buffer in chunks, aligned at every piece's start (piece -1: none)."""
+        if self.pieces is not None:
+            return list(piece_chunks(self.pieces, CHUNK_ELEMS))
         n = self.numel
-        return [(lo, min(n, lo + CHUNK_ELEMS)) for lo in range(0, n, CHUNK_ELEMS)]
+        return [(-1, lo, min(n, lo + CHUNK_ELEMS)) for lo in range(0, n, CHUNK_ELEMS)]
 
     def load_grads(self, grads: torch.Tensor, *, scale: float = 1.0) -> tuple[bool, float]:
         """Copy ``grads`` (any float dtype, host) into the fp32 buffer divided by ``scale``.
@@ -254,12 +266,13 @@ class StageOptimizer:
 
     def _convert(self, out: torch.Tensor, *, fp64_norm: bool) -> float:
         """Write the loaded gradients, unscaled and clipped, into ``out`` chunk by chunk; returns their
-        squared norm when ``fp64_norm`` (0.0 otherwise)."""
+        squared norm when ``fp64_norm`` (0.0 otherwise; per piece in :attr:`piece_squares`)."""
         src = self._source
         if src is None:
             raise RuntimeError(f"stage {self.name}: no gradients loaded")
         sq = 0.0
-        for lo, hi in self._chunks():
+        squares: dict[int, float] = {}
+        for piece, lo, hi in self._chunks():
             g = out[lo:hi]
             if src.data_ptr() != out.data_ptr():
                 g.copy_(src[lo:hi])
@@ -268,7 +281,11 @@ class StageOptimizer:
             if self._coef != 1.0:
                 g.mul_(self._coef)
             if fp64_norm:
-                sq += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+                x = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+                sq += x
+                squares[piece] = squares.get(piece, 0.0) + x
+        if fp64_norm and self.pieces is not None:
+            self.piece_squares = tuple(squares.items())
         return sq
 
     def _grads(self) -> torch.Tensor:
@@ -341,7 +358,7 @@ class StageOptimizer:
             return
         with self.resident():
             master = self.master
-            for lo, hi in self._chunks():
+            for _, lo, hi in self._chunks():
                 self.target[lo:hi].copy_(master[lo:hi])
 
     def new_iteration(self) -> None:

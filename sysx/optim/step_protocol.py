@@ -48,7 +48,7 @@ class StepProtocol:
 
     ``settings`` give the clipping threshold and the speculation mode; ``fp16``: the loss scaler can
     veto a step. ``group`` (the pipeline's ranks) or ``total_norm`` (the window's global norm in its
-    reference's order) as for :func:`~sysx.optim.validation.post_step_validate`."""
+    reference's order), and ``norm_pieces``, as for :func:`~sysx.optim.validation.post_step_validate`."""
 
     def __init__(
         self,
@@ -59,8 +59,10 @@ class StepProtocol:
         fp16: bool,
         group: dist.ProcessGroup | None = None,
         total_norm: Callable[[], float] | None = None,
+        norm_pieces: int = 0,
     ) -> None:
         self.threads = threads
+        self.norm_pieces = norm_pieces
         self.scaler = scaler
         self.max_grad_norm = settings.grad_clip
         self.group = group
@@ -112,10 +114,16 @@ class StepProtocol:
                 group=self.group,
                 total_norm=self.total_norm,
                 wait=False,
+                norm_pieces=self.norm_pieces,
             )
         else:
             outcome = check_reports(
-                reports, self.scaler, max_grad_norm=self.max_grad_norm, group=self.group, total_norm=self.total_norm
+                reports,
+                self.scaler,
+                max_grad_norm=self.max_grad_norm,
+                group=self.group,
+                total_norm=self.total_norm,
+                norm_pieces=self.norm_pieces,
             )
             if not outcome.skipped:
                 for r in reports:

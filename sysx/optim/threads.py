@@ -238,6 +238,7 @@ def _step_job(
             stage=stage.name,
             found_inf=found_inf,
             sq_norm=sq,
+            pieces=stage.piece_squares,
             stepped=stepped,
             t_submit=t_submit,
             t_ready=t_ready,

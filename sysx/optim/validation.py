@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from sysx.device import Event
 from sysx.dist import group_timeout_s, wait_for
+from sysx.optim.grad_norm import piece_slots, sum_slots
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import StageOptimizer, StageReport
 from sysx.optim.threads import OptimizerThreads
@@ -55,23 +56,39 @@ def _world(group: dist.ProcessGroup | None) -> int:
 
 
 def reduce_flags(
-    found_inf: Sequence[bool], sq_norms: Sequence[float], group: dist.ProcessGroup | None
+    found_inf: Sequence[bool],
+    sq_norms: Sequence[float],
+    group: dist.ProcessGroup | None,
+    *,
+    pieces: Sequence[Sequence[tuple[int, float]]] = (),
+    of: int = 0,
 ) -> tuple[int, float]:
-    """Sum ``(#overflowed stages, squared norms of finite stages)`` over all ranks of ``group``."""
+    """Sum ``(#overflowed stages, squared norms of finite stages)`` over all ranks of ``group``.
+
+    ``of > 0``: the squares come per piece of a model of ``of`` pieces (``pieces[i]``: stage ``i``'s),
+    summed in one slot each and rounded once, so every layout gets the same bits
+    (:mod:`sysx.optim.grad_norm`)."""
     n_inf = sum(1 for f in found_inf if f)
-    sq = sum(s for f, s in zip(found_inf, sq_norms) if not f)
-    if _world(group) == 1:
-        return n_inf, sq
-    t = torch.tensor([float(n_inf), sq], dtype=torch.float64)
-    wait_for(
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
-        rank=dist.get_rank(),
-        what="VALIDATE (overflow and gradient-norm all-reduce)",
-        peer=None,
-        timeout_s=group_timeout_s(),
-        collective=True,
-    )
-    return int(t[0].item()), float(t[1].item())
+    if of:
+        if any(not p and sq for p, sq in zip(pieces, sq_norms, strict=True)):
+            raise ValueError("reduce_flags: a stage reported its squared norm without its pieces")
+        t = torch.cat(
+            [piece_slots([p for f, p in zip(found_inf, pieces) if not f], of), torch.zeros(1, dtype=torch.float64)]
+        )
+    else:
+        t = torch.tensor([sum(s for f, s in zip(found_inf, sq_norms) if not f), 0.0], dtype=torch.float64)
+    t[-1] = float(n_inf)
+    if _world(group) > 1:
+        wait_for(
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            rank=dist.get_rank(),
+            what="VALIDATE (overflow and gradient-norm all-reduce)",
+            peer=None,
+            timeout_s=group_timeout_s(),
+            collective=True,
+        )
+    values = t.tolist()
+    return int(values[-1]), sum_slots(values[:-1]) if of else values[0]
 
 
 def _log_skip(n_inf: int, scale: float, scaler: LossScaler, group: dist.ProcessGroup | None, undone: int) -> None:
@@ -123,10 +140,20 @@ def _stage_map(
 
 
 def _reduce(
-    reports: Sequence[StageReport], group: dist.ProcessGroup | None, total_norm: Callable[[], float] | None
+    reports: Sequence[StageReport],
+    group: dist.ProcessGroup | None,
+    total_norm: Callable[[], float] | None,
+    norm_pieces: int = 0,
 ) -> tuple[int, float]:
-    """``(#overflowed stages over all ranks, global gradient norm)`` of this iteration's reports."""
-    n_inf, sq = reduce_flags([r.found_inf for r in reports], [r.sq_norm for r in reports], group)
+    """``(#overflowed stages over all ranks, global gradient norm)`` of this iteration's reports
+    (``norm_pieces``: the model's pieces when the stages report their squares per piece)."""
+    n_inf, sq = reduce_flags(
+        [r.found_inf for r in reports],
+        [r.sq_norm for r in reports],
+        group,
+        pieces=[r.pieces for r in reports],
+        of=norm_pieces,
+    )
     if total_norm is None:
         return n_inf, math.sqrt(sq) if math.isfinite(sq) else math.inf
     if _world(group) != 1:
@@ -155,18 +182,20 @@ def post_step_validate(
     group: dist.ProcessGroup | None = None,
     total_norm: Callable[[], float] | None = None,
     wait: bool = True,
+    norm_pieces: int = 0,
 ) -> StepOutcome:
     """SysX's post-step validation of an iteration whose stages already stepped (see docs/architecture.md).
 
     ``reports`` are this rank's :class:`StageReport` s (from :meth:`OptimizerThreads.wait`), in
     the order rollbacks should run; ``stages`` are the stages (an :class:`OptimizerThreads` runs
-    rollbacks on its workers); ``lr`` is the learning rate the steps used. Every rank of
-    ``group`` must call this.
+    rollbacks on its workers); ``lr`` is the learning rate the steps used; ``norm_pieces``: the
+    model's pieces when the stages report their squares per piece (:mod:`sysx.optim.grad_norm`).
+    Every rank of ``group`` must call this.
     """
     t0 = time.perf_counter()
     by_name, threads = _stage_map(stages)
     scale = float(scaler.scale)
-    n_inf, norm = _reduce(reports, group, total_norm)
+    n_inf, norm = _reduce(reports, group, total_norm, norm_pieces)
     stepped = [r.stage for r in reports if r.stepped]
     if n_inf > 0 or not math.isfinite(norm):
         _run(
@@ -189,12 +218,13 @@ def check_reports(
     max_grad_norm: float = 0.0,
     group: dist.ProcessGroup | None = None,
     total_norm: Callable[[], float] | None = None,
+    norm_pieces: int = 0,
 ) -> StepOutcome:
     """The check part of validate-first over loaded, not yet stepped stages: reduce over ``group``,
     update the scaler (warning on a skipped step) and decide the clip coefficient."""
     t0 = time.perf_counter()
     scale = float(scaler.scale)
-    n_inf, norm = _reduce(reports, group, total_norm)
+    n_inf, norm = _reduce(reports, group, total_norm, norm_pieces)
     if n_inf > 0 or not math.isfinite(norm):
         return _skip(n_inf, scale, scaler, group, 0, t0)
     scaler.update(False)
@@ -211,9 +241,11 @@ def load_and_check(
     group: dist.ProcessGroup | None = None,
     events: Mapping[str, Event] | None = None,
     scale: float | None = None,
+    norm_pieces: int = 0,
 ) -> StepOutcome:
     """The check part of validate-first: load every stage in ``grads`` (after its event, unscaled
-    by ``scale``, default the scaler's), then :func:`check_reports`. Every rank of ``group`` must call this."""
+    by ``scale``, default the scaler's), then :func:`check_reports` (``norm_pieces`` as there).
+    Every rank of ``group`` must call this."""
     by_name, threads = _stage_map(stages)
     scale = float(scaler.scale) if scale is None else scale
 
@@ -223,10 +255,10 @@ def load_and_check(
         stage.new_iteration()
         found_inf, sq = stage.load_grads(grads[stage.name], scale=scale)
         stage.drop_grads()  # a lent fp32 buffer goes back until the step converts again (kept ones stay)
-        return StageReport(stage=stage.name, found_inf=found_inf, sq_norm=sq)
+        return StageReport(stage=stage.name, found_inf=found_inf, sq_norm=sq, pieces=stage.piece_squares)
 
     reports = _run(by_name, threads, load, list(grads), "check")
-    return check_reports(reports, scaler, max_grad_norm=max_grad_norm, group=group)
+    return check_reports(reports, scaler, max_grad_norm=max_grad_norm, group=group, norm_pieces=norm_pieces)
 
 
 def apply_checked(stage: StageOptimizer, outcome: StepOutcome, lr: float, lane: DeviceLane | None = None) -> None:

@@ -30,6 +30,7 @@ from sysx.memory.budget import grad_scratch_buffers, uses_grad_scratch
 from sysx.memory.pinned import HostBuffers
 from sysx.optim.cores import plan_cores
 from sysx.optim.device_lane import DeviceLane
+from sysx.optim.grad_norm import layer_pieces
 from sysx.optim.loss_scaler import LossScaler, NonFiniteGradients
 from sysx.optim.nvme.tier import NvmeTier, TierStage
 from sysx.optim.nvme.tier import Pace as DiskPace
@@ -106,7 +107,14 @@ class RankOptimizer:
         except BaseException:
             self._release()
             raise
-        self.protocol = StepProtocol(self.threads, scaler, settings, fp16=self.dtype == torch.float16, group=group)
+        self.protocol = StepProtocol(
+            self.threads,
+            scaler,
+            settings,
+            fp16=self.dtype == torch.float16,
+            group=group,
+            norm_pieces=len(params.numels),  # the norm per layer: the same bits in every layout
+        )
 
     def _open_tier(
         self, params: StageParams, workers: int, pace: DiskPace | None, pacer: Pacer | None = None
@@ -152,6 +160,7 @@ class RankOptimizer:
             no_decay=params.no_decay(unit),
             scratch=self.scratch,
             store=self.tier.state(unit.key) if self.tier is not None else None,
+            pieces=layer_pieces(params.numels, unit.layers, params.replica_layout.shard(unit.numel)),
         )
         if self.tier is not None and self.dtype != torch.float32:
             del params.masters[key]  # on disk now: the RAM this frees is what the tier is for
@@ -314,6 +323,7 @@ class RankOptimizer:
             group=self.group,
             events={n: ready for n, (_, ready) in loads.items() if ready is not None},
             scale=scale,
+            norm_pieces=self.protocol.norm_pieces,
         )
         return self.outcome
 
