@@ -296,7 +296,10 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
 
     def counting(cfg, seq_len, sizes, **kw):
         calls.append((cfg.dim, seq_len))
+        timed_with.append(torch.get_num_threads())
         return real(cfg, seq_len, sizes, repeats=1, adam_backend="torch", **kw)
+
+    timed_with: list[int] = []
 
     monkeypatch.setattr(prof, "measure_profile", counting)
     monkeypatch.setattr(hardware_cache, "measure_process_bytes", lambda: 1 << 20)  # a fresh interpreter: seconds
@@ -318,6 +321,15 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
     assert not reused and len(calls) == 3
     _, reused = cache_mod.load_or_measure(small, 16, [4], device="cpu")  # a micro-batch size never timed
     assert not reused and len(calls) == 4
+    # the ranks' threads: a profile timed with 1 thread does not answer for ranks that compute with 2,
+    # and each is timed with its own count (the caller's is back afterwards)
+    before = torch.get_num_threads()
+    one, reused = cache_mod.load_or_measure(small, 16, [1], device="cpu", threads=1)
+    assert not reused and timed_with[-1] == 1
+    _, reused = cache_mod.load_or_measure(small, 16, [1], device="cpu", threads=2)
+    assert not reused and timed_with[-1] == 2 and len(calls) == 6
+    again, reused = cache_mod.load_or_measure(small, 16, [1], device="cpu", threads=1)
+    assert reused and again == one and torch.get_num_threads() == before
     assert all(len(v) >= 1 for v in first.layers.values()) and first.adam_params_per_s > 0
 
 

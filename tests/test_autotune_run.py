@@ -32,6 +32,7 @@ from sysx.emulate import plan_emulation
 from sysx.machine import hardware_cache
 from sysx.machine.hardware_cache import machine_key
 from sysx.model import get_preset
+from sysx.optim.cores import rank_cores
 from sysx.runtime.options import make_schedule, options_from_config
 from sysx.schedule.simulate import simulate
 from tests.test_autotune import ROOMY, synthetic_profile
@@ -176,7 +177,8 @@ JOB = [
 
 
 def _slow_profile(cache: Path) -> None:
-    """Plant this machine's profile of the job's shape, every layer 1000x slower than any CPU runs it."""
+    """Plant this machine's profile of the job's shape for its 2 ranks' threads, every layer 1000x
+    slower than any CPU runs it."""
     profile = synthetic_profile(TINY, SEQ, sizes=(1, 2, 4, 8))
     layers = {k: [LayerTiming(p.tokens, p.fwd_s * 1000, p.bwd_s * 1000) for p in v] for k, v in profile.layers.items()}
     profile = dataclasses.replace(
@@ -185,7 +187,7 @@ def _slow_profile(cache: Path) -> None:
         machine=machine_key(torch.device("cpu")),
         shape=prof.shape_key(TINY, SEQ, torch.float32),
     )
-    path = cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu"))
+    path = cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu"), rank_cores(2))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
 
@@ -229,7 +231,7 @@ def test_a_tuned_2_rank_run_checks_its_prediction_and_warns_when_it_is_off(tmp_p
     assert run.stdout.count("warning: the prediction is off by more than 10%") == 1
     assert f"prediction ({pred['source']}):" in run.stdout
     cached = prof.MachineProfile.from_json(
-        cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu")).read_text()
+        cache_mod.profile_path(TINY, SEQ, torch.float32, torch.device("cpu"), rank_cores(2)).read_text()
     )
     assert cached.p2p is not None and cached.p2p.ranks == 2 and cached.p2p.intra_bandwidth > 0  # kept with the profile
 

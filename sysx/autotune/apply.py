@@ -27,6 +27,7 @@ from sysx.checkpoint.pretrained import job_model_config
 from sysx.config import ConfigError, SysxConfig
 from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate import cluster, emulated_model
+from sysx.optim.cores import intra_op_threads, rank_cores
 from sysx.schedule.costs import Costs
 
 
@@ -131,6 +132,7 @@ def tune(
             refresh=refresh,
             adam_backend=adam_backend,
             p2p=p2p,
+            threads=rank_cores(job.ranks_per_node),
         )
     if together_s:
         profile = dataclasses.replace(profile, slowdown=slowdown(profile, job.seq_len, together_s))
@@ -159,7 +161,7 @@ def cached_costs(
     optimizer workers and threads), or None when none is cached: nothing is measured here."""
     job = dataclasses.replace(job_from_config(cfg, n_ranks, ranks_per_node, device), replicas=cfg.parallel.count)
     dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
-    profile = cached_profile(job.model, job.seq_len, dtype, device)
+    profile = cached_profile(job.model, job.seq_len, dtype, device, rank_cores(ranks_per_node))
     if profile is None:
         return None
     return candidate_costs(job, profile, cfg.train.micro_batch_size, workers, threads)
@@ -222,7 +224,7 @@ def _wants_p2p(cfg: SysxConfig, job: Job, device: torch.device) -> bool:
     if cfg.device == EMULATED_DEVICE or job.n_ranks < 2:
         return False
     dtype = torch.float32 if job.work_dtype == "float32" else torch.bfloat16
-    path = profile_path(job.model, job.seq_len, dtype, device)
+    path = profile_path(job.model, job.seq_len, dtype, device, rank_cores(job.ranks_per_node))
     if not path.exists():
         return True
     try:
@@ -247,13 +249,14 @@ def _time_together(cfg: SysxConfig, job: Job, device: torch.device, info: Any, g
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
         return float(t.item())
 
-    mine = time_block_together(
-        job.model,
-        job.seq_len,
-        dtype,
-        barrier=(lambda: tdist.barrier(group=group)) if many else None,
-        meet=meet if many else None,
-    )
+    with intra_op_threads(rank_cores(job.ranks_per_node)):  # as the ranks will compute, and as profiled
+        mine = time_block_together(
+            job.model,
+            job.seq_len,
+            dtype,
+            barrier=(lambda: tdist.barrier(group=group)) if many else None,
+            meet=meet if many else None,
+        )
     every: list[Any] = [None] * info.world_size
     if many:
         tdist.all_gather_object(every, tuple(mine), group=group)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -114,6 +115,24 @@ def split_workers(cores: int, *, n_stages: int, backend: str, workers: int | Non
     return workers, max(1, cores // workers) if torch_layout else cores
 
 
+def rank_cores(local_world_size: int) -> int:
+    """The physical cores each of ``local_world_size`` ranks on this node computes with (at least 1):
+    its intra-op threads (:func:`apply_plan`)."""
+    return max(1, usable_physical_cores()[0] // max(1, local_world_size))
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads on this thread, then restore the previous count:
+    what is timed for a rank (a profile, a probe) is timed with the threads the rank will compute with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def plan_cores(
     *,
     n_stages: int,
@@ -138,7 +157,7 @@ def plan_cores(
     if lws < 1 or not 0 <= lr < lws:
         raise ValueError(f"plan_cores: local_rank={lr} must be in [0, local_world_size={lws})")
     cores, affinity = usable_physical_cores()
-    per_rank = max(1, cores // lws)
+    per_rank = rank_cores(lws)
     per_cpus = max(1, len(affinity) // lws)
     cpus = tuple(affinity[lr * per_cpus : (lr + 1) * per_cpus]) or tuple(affinity)
     workers, threads = split_workers(per_rank, n_stages=n_stages, backend=backend, workers=workers)
