@@ -31,6 +31,7 @@ STORE_POLL_S = 0.25
 NEWS_WAIT_S = 3.0  # how long a broken connection may precede the news (or the death) that explains it
 HEARD_KEY = "sysx/heard/{}"  # a rank read the stop or failure news
 LINGER_S = 10.0  # how long the store's host waits for the others to read its news before it exits
+REPORT_S = 5.0  # how long a rank stopped by a peer's failure waits for that peer to report and exit
 
 
 class PeerTimeout(RuntimeError):
@@ -114,6 +115,19 @@ class PeerWatch:
                 }
             if waiting:
                 time.sleep(0.05)
+
+    def await_report(self, rank: int, timeout: float = REPORT_S) -> None:
+        """Before this rank exits on ``rank``'s failure: wait (at most ``timeout``) until that rank's
+        process on this host has ended, having printed its own error line. A launcher that ends the
+        job at the first failing exit (MPICH's mpiexec) killed it before it could: the job's output
+        then named rank 1 only through rank 0's "stopped because rank 1 failed". A rank on another
+        host cannot be watched: no wait."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            who = self._identity(rank)
+            if who is None or who[0] != self.host or not procinfo.is_alive(who[1], who[2]):
+                return
+            time.sleep(0.05)
 
     def _heard(self) -> None:
         with contextlib.suppress(RuntimeError):

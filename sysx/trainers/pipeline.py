@@ -392,6 +392,9 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
         return status
     except (ExecutionError, sdist.PeerTimeout, TransferMismatch) as err:
         print(f"sysx-train: rank {info.rank}: error: {err}", file=sys.stderr, flush=True)
+        watch = peers.current()
+        if watch is not None and isinstance(err, peers.PeerFailed):
+            watch.await_report(err.failed_rank)  # the failed rank names its own error first
         return 1
     finally:
         sdist.shutdown()
