@@ -3,12 +3,15 @@ leaving at once takes the store along, and a rank looking a moment later reports
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from sysx.memory import procinfo
 from sysx.peers import PeerWatch
 from sysx.stopping import JobStopped
 
@@ -137,3 +140,44 @@ def test_each_restart_attempt_has_its_own_keys_in_torchruns_store(monkeypatch: p
     assert first != store_namespace() == "default_pg/attempt2"
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert store_namespace() == "default_pg"
+
+
+def _child_as_rank(watch: PeerWatch, rank: int, seconds: float, host: str | None = None) -> subprocess.Popen:
+    """A process that lives ``seconds``, published as ``rank`` (on this host unless ``host``)."""
+    child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+    started = procinfo.start_time(child.pid)
+    watch.store.set(f"sysx/who/{rank}", f"{host or watch.host} {child.pid} {started}")
+    return child
+
+
+def test_a_rank_stopped_by_a_failure_waits_for_the_failed_process_to_end() -> None:
+    """Rank 0 leaves only once the failed rank has exited (and printed its own error): MPICH's
+    mpiexec ends the job at the first failing exit."""
+    watch, _ = _watches()
+    child = _child_as_rank(watch, 1, 0.8)
+    try:
+        t0 = time.monotonic()
+        watch.await_report(1, timeout=30.0)
+        assert child.poll() is not None or not procinfo.is_alive(child.pid, procinfo.start_time(child.pid) or 0)
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_wait_for_a_failed_rank_is_bounded_and_skips_what_it_cannot_see() -> None:
+    watch = _watches(world=4)[0]
+    long = _child_as_rank(watch, 1, 60)
+    far = _child_as_rank(watch, 2, 60, host="another-host")
+    try:
+        t0 = time.monotonic()
+        watch.await_report(1, timeout=0.3)  # still alive: gives up at the bound
+        assert 0.25 <= time.monotonic() - t0 < 10.0
+        t0 = time.monotonic()
+        watch.await_report(2, timeout=30.0)  # on another host: nothing to watch
+        watch.await_report(3, timeout=30.0)  # never announced
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        for p in (long, far):
+            p.kill()
+            p.wait()
