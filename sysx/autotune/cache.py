@@ -6,9 +6,9 @@ rank's cores, :func:`sysx.optim.cores.rank_cores`): a new machine, a changed sha
 of ranks per node gets a fresh profile, the same job reuses it. Before, the layers were timed with
 whatever the tuning process had (one thread under torchrun or mpiexec with several ranks, every
 core alone) and the file answered for any job of the shape: a 16-core node's 4 ranks, which
-compute with 4 threads each, were priced at one. A cached profile that lacks a micro-batch size now asked for is measured
-again. The p2p figures of the last tuned job's ranks are kept in the same file; the hardware
-figures come from :mod:`sysx.machine.hardware_cache`.
+compute with 4 threads each, were priced at one. A cached profile that lacks a micro-batch size
+now asked for is measured again. The p2p figures of the last tuned job's ranks are kept in the same
+file; the hardware figures come from :mod:`sysx.machine.hardware_cache`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from sysx.optim.cores import intra_op_threads
 log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so profiles of an older profiler are measured again
-# 6: timed with the ranks' threads, which the file name holds; 5: a CPU profile's backward_bytes; 4: op_host_s, process_bytes, tiny-message p2p latency (issue 27)
+# 6: timed with the ranks' threads, which the file name holds; 5: a CPU profile's backward_bytes;
+# 4: op_host_s, process_bytes, tiny-message p2p latency (issue 27)
 PROFILE_VERSION = 6
 
 

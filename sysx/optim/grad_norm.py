@@ -3,16 +3,16 @@
 Summed per optimizer unit, the squared norm depends on how the layout cuts the model: each unit adds
 its chunks in its own order and the ranks' totals are added in the all-reduce's order, so a run at 4
 ranks and one at 2 ranks can differ in the norm's last bit (measured: 1.9742635860091096 against
-...098 at step 0 of ``tests/test_checkpoint_procs.py``'s 4 -> 2 rank move on an Intel Xeon; equal on the
-AMD EPYC the test was written on) and, through the clipping coefficient, in the weights. So a unit sums its squares per *piece* of the model (a layer: the unit
-of a checkpoint), in chunks aligned at the piece's start (:func:`piece_chunks`); the ranks add their
-pieces into one vector with a slot per piece (:func:`piece_slots`), where every slot has one
-contributor, so the all-reduce adds only zeros to it; and every rank sums the vector in piece
-order, rounded once (:func:`sum_slots`). The pieces themselves
-add up alike when the optimizer workers have as many intra-op threads (a parallel reduction splits
-by thread): on this 2-core machine one each at 2 and at 4 ranks; on a bigger node the core plan
-gives fewer threads to each of more ranks, and a piece's last bit can then differ across rank
-counts per node.
+...098 at step 0 of ``tests/test_checkpoint_procs.py``'s 4 -> 2 rank move on an Intel Xeon; equal on
+the AMD EPYC the test was written on) and, through the clipping coefficient, in the weights. So a
+unit sums its squares per *piece* of the model (a layer: the unit of a checkpoint), in chunks
+aligned at the piece's start (:func:`piece_chunks`); the ranks add their pieces into one vector with
+a slot per piece (:func:`piece_slots`), where every slot has one contributor, so the all-reduce adds
+only zeros to it; and every rank sums the vector in piece order, rounded once (:func:`sum_slots`).
+The pieces themselves add up alike when the optimizer workers have as many intra-op threads (a
+parallel reduction splits by thread): on this 2-core machine one each at 2 and at 4 ranks; on a
+bigger node the core plan gives fewer threads to each of more ranks, and a piece's last bit can
+then differ across rank counts per node.
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ def piece_chunks(pieces: Pieces, chunk: int) -> Iterator[tuple[int, int, int]]:
 def piece_slots(parts: Sequence[Sequence[tuple[int, float]]], of: int) -> torch.Tensor:
     """A float64 vector of ``of`` slots holding ``parts``' ``(piece, squared norm)`` (a rank's finite
     stages); a piece a replica holds a shard of gets one addend from each replica."""
-    slots = torch.zeros(of, dtype=torch.float64)
+    slots = [0.0] * of
     for part in parts:
         for piece, sq in part:
             slots[piece] += sq
-    return slots
+    return torch.tensor(slots, dtype=torch.float64)
 
 
 def sum_slots(slots: Sequence[float]) -> float:
