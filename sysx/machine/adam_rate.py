@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from sysx.machine.hardware import time_op
+from sysx.optim.cores import intra_op_threads
 from sysx.optim.cpu_adam import CpuAdam
 
 
@@ -15,11 +16,9 @@ def adam_params_per_s(numel: int = 1 << 20, *, threads: int = 1, backend: str = 
     p = torch.randn(numel) * 0.02
     g = torch.randn(numel) * 1e-2
     opt = CpuAdam(p, lr=1e-3, weight_decay=0.1, backend=backend)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        seconds = time_op(lambda: opt.step(g), torch.device("cpu"), repeat, fastest=True)
+        with intra_op_threads(threads):
+            seconds = time_op(lambda: opt.step(g), torch.device("cpu"), repeat, fastest=True)
     finally:
-        torch.set_num_threads(saved)
         opt.close()
     return numel / max(seconds, 1e-9)

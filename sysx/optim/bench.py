@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from sysx.optim.cores import intra_op_threads
 from sysx.optim.cpu_adam import CpuAdam
 
 BYTES_PER_ELEM = 28
@@ -87,12 +88,8 @@ def _time(fn: Callable[[], None], repeat: int) -> float:
 
 
 def _with_threads(n: int, fn: Callable[[], float]) -> float:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
+    with intra_op_threads(n):
         return fn()
-    finally:
-        torch.set_num_threads(saved)
 
 
 def bench_steps(sizes: list[int], threads: list[int], repeat: int) -> list[tuple[str, int, int, float]]:
@@ -115,12 +112,8 @@ def bench_steps(sizes: list[int], threads: list[int], repeat: int) -> list[tuple
 
 def bench_rollback(sizes: list[int], repeat: int, threads: int) -> list[tuple[str, int, float, float, float]]:
     """``(backend, size, step s, undo s, snapshot-mode step s)`` rows, with ``threads`` intra-op threads."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         return _bench_rollback(sizes, repeat)
-    finally:
-        torch.set_num_threads(saved)
 
 
 def _bench_rollback(sizes: list[int], repeat: int) -> list[tuple[str, int, float, float, float]]:

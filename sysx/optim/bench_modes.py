@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from sysx.optim.cores import intra_op_threads
 from sysx.optim.cpu_adam import CpuAdam
 
 
@@ -76,8 +77,24 @@ def _refreshed(opt: CpuAdam) -> None:
 
 def run(numel: int, *, repeat: int = 7, warmup: int = 2, threads: int = 1) -> dict[str, Any]:
     """The five medians (ms) and the machine; every optimizer starts from the same values."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    with intra_op_threads(threads):
+        times, exact_backend = _time_modes(numel, repeat, warmup)
+    out: dict[str, Any] = {"size": numel, "threads": threads, "repeat": repeat}
+    out.update({key: round(statistics.median(v), 2) for key, v in times.items()})
+    out["exact_ratio"] = round(out["exact_step_ms"] / out["step_ms"], 3)
+    # the same ratio taken within each round (the two steps ran back to back), then the median: the
+    # steadier figure when other processes load the machine
+    out["exact_ratio_paired"] = round(
+        statistics.median(e / p for e, p in zip(times["exact_step_ms"], times["step_ms"])), 3
+    )
+    out["exact_backend"] = exact_backend
+    out["machine"] = machine()
+    return out
+
+
+def _time_modes(numel: int, repeat: int, warmup: int) -> tuple[dict[str, list[float]], str]:
+    """Each mode's times (ms) over ``repeat`` rounds after ``warmup``, on this thread's threads, and
+    the backend the exact mode ran."""
     gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(numel, generator=gen) * 0.02
     g = torch.randn(numel, generator=gen) * 1e-2
@@ -121,18 +138,7 @@ def run(numel: int, *, repeat: int = 7, warmup: int = 2, threads: int = 1) -> di
     finally:
         for opt in (plain, exact, snap):
             opt.close()
-        torch.set_num_threads(saved)
-    out: dict[str, Any] = {"size": numel, "threads": threads, "repeat": repeat}
-    out.update({key: round(statistics.median(v), 2) for key, v in times.items()})
-    out["exact_ratio"] = round(out["exact_step_ms"] / out["step_ms"], 3)
-    # the same ratio taken within each round (the two steps ran back to back), then the median: the
-    # steadier figure when other processes load the machine
-    out["exact_ratio_paired"] = round(
-        statistics.median(e / p for e, p in zip(times["exact_step_ms"], times["step_ms"])), 3
-    )
-    out["exact_backend"] = exact.backend
-    out["machine"] = machine()
-    return out
+    return times, exact.backend
 
 
 def table(r: dict[str, Any]) -> str:
