@@ -7,6 +7,8 @@ process group (torchrun's c10d TCPStore; under MPI the TCPStore rank 0 hosts for
 * ``sysx/who/<rank>``: ``<host> <pid> <start>``, so that a rank on the same host can tell a
   SIGKILLed peer (it cannot write anything) from a slow one, from ``/proc``;
 * ``sysx/doing/<rank>``: what the rank last started (``step 12``), named when it dies;
+* ``sysx/left/<rank>``: why the rank is ending in order (a stop, a failure it reported): once it is
+  gone it is not the death to name while a peer that vanished without a word is;
 * ``sysx/attempt``: an id rank 0 draws for this attempt of the job (a torchrun restart is another).
 
 :func:`sysx.dist.wait_for` calls :meth:`PeerWatch.check` while it waits, and after a transport
@@ -30,6 +32,7 @@ STOP_KEY, FAILED_KEY, ATTEMPT_KEY = "sysx/stop", "sysx/failed", "sysx/attempt"
 STORE_POLL_S = 0.25
 NEWS_WAIT_S = 3.0  # how long a broken connection may precede the news (or the death) that explains it
 HEARD_KEY = "sysx/heard/{}"  # a rank read the stop or failure news
+LEFT_KEY = "sysx/left/{}"  # a rank is ending in order (see the module doc)
 LINGER_S = 10.0  # how long the store's host waits for the others to read its news before it exits
 REPORT_S = 5.0  # how long a rank stopped by a peer's failure waits for that peer to report and exit
 
@@ -58,6 +61,7 @@ class PeerWatch:
         self.store, self.rank, self.world = store, rank, world
         self.host = socket.gethostname()
         self._who: dict[int, tuple[str, int, int]] = {}
+        self._left_ranks: set[int] = set()
         self._store_at = 0.0
         self.published = False
         # outside torchrun the store lives in rank 0's process: no store call once it is gone
@@ -89,6 +93,15 @@ class PeerWatch:
         with contextlib.suppress(RuntimeError):
             self.store.set(f"sysx/doing/{self.rank}", what)
         faults.at(self.rank, what)
+
+    def leaving(self, why: str) -> None:
+        """Say that this rank is ending in order, on ``why``. A launcher that loses one worker
+        SIGTERMs the others on its host; without the mark, a rank elsewhere that sees two peers gone
+        could name the one that was told to stop instead of the one that was killed."""
+        if self._store_gone():
+            return
+        with contextlib.suppress(RuntimeError):
+            self.store.set(LEFT_KEY.format(self.rank), why)
 
     def publish_stop(self, signum: int) -> None:
         """Tell the others to stop: this rank got ``signum``."""
@@ -149,16 +162,18 @@ class PeerWatch:
         """Raise :class:`JobStopped` or :class:`PeerFailed` if another rank stopped, failed or
         died (``/proc`` at every call, the store every 0.25 s)."""
         dead = self.dead_peer(what)
-        if dead is not None:
+        if dead is not None and not self._left(dead.failed_rank):
             raise _ending(dead)
         now = time.monotonic()
-        if now - self._store_at >= STORE_POLL_S:
+        if dead is not None or now - self._store_at >= STORE_POLL_S:  # one that left in order left news
             self._store_at = now
             found = self._published_news(what)
             if isinstance(found, StoreLost):  # the store's host may be dying: name it once /proc shows it
                 found = self.explain(what) or found
             if found is not None:
                 raise _ending(found)
+        if dead is not None:
+            raise _ending(dead)
 
     def raise_failure(self, what: str) -> None:
         """Raise :class:`PeerFailed` if another rank died or published a failure; unlike :meth:`check`,
@@ -181,12 +196,14 @@ class PeerWatch:
         start = time.monotonic()
         lost: StoreLost | None = None  # a killed store host shows as a lost store before /proc shows it dead
         while True:
+            dead = self.dead_peer(what)
+            if dead is not None and not self._left(dead.failed_rank):  # the others' news may be its echo
+                return _ending(dead)
             news = self._published_news(what)
             if isinstance(news, StoreLost):
                 lost, news = lost or news, None
             if news is not None:
                 return _ending(news)
-            dead = self.dead_peer(what)
             if dead is not None:  # news published just before it exited, else its death
                 return _ending((None if lost is not None else self._published_news(what)) or dead)
             if time.monotonic() - start >= NEWS_WAIT_S:
@@ -218,15 +235,16 @@ class PeerWatch:
         return StoreLost(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=0, reason=line)
 
     def dead_peer(self, what: str) -> PeerFailed | None:
-        """A peer on this host whose process is gone (SIGKILL, a crash in C code), if any."""
-        for rank in range(self.world):
-            if rank == self.rank or not self._process_gone(rank):
-                continue
-            who = self._who[rank]
-            doing = "" if rank == 0 and self.store_on_rank0 else self._doing(rank)
-            line = f"rank {rank} died (pid {who[1]} is gone: killed or crashed){f' during {doing}' if doing else ''}"
-            return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=rank, reason=line)
-        return None
+        """A peer on this host whose process is gone (SIGKILL, a crash in C code), if any; one that
+        vanished without saying it was leaving (:meth:`leaving`) before one that did."""
+        gone = [r for r in range(self.world) if r != self.rank and self._process_gone(r)]
+        if not gone:
+            return None
+        rank = next((r for r in gone if not self._left(r)), gone[0])
+        who = self._who[rank]
+        doing = "" if rank == 0 and self.store_on_rank0 else self._doing(rank)
+        line = f"rank {rank} died (pid {who[1]} is gone: killed or crashed){f' during {doing}' if doing else ''}"
+        return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=rank, reason=line)
 
     def _process_gone(self, rank: int) -> bool:
         """True when ``rank`` runs on this host and its process has ended."""
@@ -244,6 +262,16 @@ class PeerWatch:
                 return None
             self._who[rank] = (host, int(pid), int(started))
         return self._who[rank]
+
+    def _left(self, rank: int) -> bool:
+        if rank in self._left_ranks:
+            return True
+        if rank == 0 and self.store_on_rank0:
+            return False  # its store went with it
+        with contextlib.suppress(RuntimeError):
+            if self.store.check([LEFT_KEY.format(rank)]):
+                self._left_ranks.add(rank)
+        return rank in self._left_ranks
 
     def _doing(self, rank: int) -> str:
         key = f"sysx/doing/{rank}"

@@ -127,6 +127,9 @@ def test_profiled_costs_are_what_simulate_gets() -> None:
     assert costs.layer_fwd_time == pytest.approx(tuple(fwd))
     assert costs.bwd_ratio == pytest.approx(2.0)  # backward with recompute is 3x forward: 1 + ratio
     assert costs.optim_params_per_s == pytest.approx(3 * 5e8)
+    # a measured job rate (load and check, step, write) is what a job is charged, not Adam's alone
+    jobs = profiled_costs(dataclasses.replace(p, optim_job_params_per_s=2e8), TINY, SEQ, mbs, threads_per_worker=3)
+    assert jobs.optim_params_per_s == pytest.approx(3 * 2e8)
     sched = make_schedule(PipelineOptions(stages_per_rank=2, split=1), TINY, n_ranks=2, n_micro=4, seq_len=SEQ)
     hand = Costs(
         layer_fwd_time=tuple(fwd),
@@ -331,6 +334,7 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
     again, reused = cache_mod.load_or_measure(small, 16, [1], device="cpu", threads=1)
     assert reused and again == one and torch.get_num_threads() == before
     assert all(len(v) >= 1 for v in first.layers.values()) and first.adam_params_per_s > 0
+    assert first.optim_job_params_per_s is not None and first.optim_job_params_per_s > 0
 
 
 def test_optimizer_threads_follow_the_core_plan() -> None:

@@ -7,13 +7,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
+from sysx import stopping
 from sysx.memory import procinfo
-from sysx.peers import PeerWatch
+from sysx.peers import PeerFailed, PeerWatch
 from sysx.stopping import JobStopped
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_ending() -> Iterator[None]:
+    """A failure seen marks this process as ending (:func:`sysx.stopping.ending`): not the next test's."""
+    yield
+    stopping.reset()
 
 
 class _PolledStore(dist.HashStore):
@@ -181,3 +190,34 @@ def test_the_wait_for_a_failed_rank_is_bounded_and_skips_what_it_cannot_see() ->
         for p in (long, far):
             p.kill()
             p.wait()
+
+
+def _gone_as_rank(watch: PeerWatch, rank: int) -> None:
+    """A process that has ended, published as ``rank`` on this host."""
+    child = _child_as_rank(watch, rank, 0)
+    child.wait()
+
+
+def test_the_peer_that_vanished_without_a_word_is_named_before_one_that_left_in_order() -> None:
+    """torchrun SIGTERMs a killed worker's siblings: a rank on the other node then sees two peers
+    gone, and names the killed one, not the lower rank that was told to stop."""
+    watch = _watches(world=4)[1]
+    _gone_as_rank(watch, 2)
+    _gone_as_rank(watch, 3)
+    watch.store.set("sysx/doing/3", "save 9")
+    PeerWatch(watch.store, 2, 4).leaving("stopped by SIGTERM")
+    for found in (watch.dead_peer("step 9"), watch.explain("step 9")):
+        assert isinstance(found, PeerFailed) and found.failed_rank == 3, found
+        assert "rank 3 died (pid" in str(found) and str(found).endswith("during save 9")
+    with pytest.raises(PeerFailed, match="rank 3 died"):
+        watch.check("step 9")
+
+
+def test_a_peer_gone_after_leaving_in_order_is_reported_by_its_news() -> None:
+    watch = _watches(world=3)[1]
+    _gone_as_rank(watch, 2)
+    PeerWatch(watch.store, 2, 3).publish_failure(2, "ValueError: bad batch")
+    assert "rank 2 died" in str(watch.dead_peer("step 1"))  # without its word: a death
+    PeerWatch(watch.store, 2, 3).leaving("failed: ValueError: bad batch")
+    with pytest.raises(PeerFailed, match="stopped because rank 2 failed: ValueError: bad batch"):
+        watch.check("step 1")

@@ -113,7 +113,7 @@ def profiled_costs(
         host_bytes_per_param=float(training_state_bytes(work_dtype, rollback=rollback).optimizer),
         h2d_bandwidth=hw.h2d_bytes_per_s,
         d2h_bandwidth=hw.d2h_bytes_per_s,
-        optim_params_per_s=profile.adam_params_per_s * threads_per_worker,
+        optim_params_per_s=(profile.optim_job_params_per_s or profile.adam_params_per_s) * threads_per_worker,
         optim_workers=optim_workers,
     )
     # Costs charges a backward (1 + bwd_ratio) x forward with recompute: one ratio for the model,

@@ -5,7 +5,7 @@ the Head) on the job's device for each micro-batch size: the forward without aut
 pipeline runs forwards) and the backward with its recompute (forward with autograd + backward).
 It adds the hardware figures of :mod:`sysx.machine.hardware` (the same profile the single-device
 planner uses), the CPU Adam throughput of one thread (:func:`sysx.machine.adam_rate.adam_params_per_s`)
-and the free host memory and ``/dev/shm`` (:func:`sysx.memory.budget.probe_host`).
+and that of a whole optimizer job (:func:`~sysx.machine.adam_rate.optimizer_job_params_per_s`), and the free host memory and ``/dev/shm`` (:func:`sysx.memory.budget.probe_host`).
 
 Layer times are stored per token count (micro-batch size x sequence length) and interpolated
 linearly in between (proportionally beyond the measured range), so one profile also answers for
@@ -23,7 +23,7 @@ import torch
 
 from sysx import device as dev
 from sysx.autotune.p2p import P2PFigures
-from sysx.machine.adam_rate import adam_params_per_s
+from sysx.machine.adam_rate import adam_params_per_s, optimizer_job_params_per_s
 from sysx.machine.hardware import HardwareProfile, measure_hardware, time_op
 from sysx.machine.hardware_cache import machine_key
 from sysx.machine.host_cost import measure_backward_bytes
@@ -71,6 +71,9 @@ class MachineProfile:
     cpu_ratio: float | None = None
     # seconds a step's end costs beyond its ranks' compute, measured with them (the same measurement)
     meeting_s: float | None = None
+    # parameters one worker thread's whole optimizer job handles per second (load and check the
+    # gradients, step, write the working copy), what a plan charges a job; None: the Adam rate's
+    optim_job_params_per_s: float | None = None
     # on a CPU "device": [tokens, bytes per Block, bytes once] a sub-stage's backward holds at its
     # peak (:func:`sysx.machine.host_cost.measure_backward_bytes`), by tokens; None: not measured
     backward_bytes: list[list[int]] | None = None
@@ -193,6 +196,7 @@ def measure_profile(
         hardware=hardware,
         layers=layers,
         adam_params_per_s=adam_params_per_s(threads=1, backend=adam_backend, repeat=repeats),
+        optim_job_params_per_s=optimizer_job_params_per_s(dtype=dtype, backend=adam_backend, repeat=repeats),
         cpu_threads=usable_physical_cores()[0],
         host_available=int(host),
         shm_free=cap.shm_free,

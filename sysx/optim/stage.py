@@ -258,15 +258,15 @@ class StageOptimizer:
             self.grad32 = self._buffer
         elif self.grad32 is None:
             self.grad32 = self._temporary()
-        sq = self._convert(self.grad32, fp64_norm=self.param_spans is None)
+        sq = self._convert(self.grad32, take_norm=self.param_spans is None)
         if self.param_spans is not None:
             self.param_norms = [torch.linalg.vector_norm(self.grad32[lo : lo + n]) for lo, n in self.param_spans]
             sq = sum(float(norm) ** 2 for norm in self.param_norms)
         return (not math.isfinite(sq)), sq
 
-    def _convert(self, out: torch.Tensor, *, fp64_norm: bool) -> float:
+    def _convert(self, out: torch.Tensor, *, take_norm: bool) -> float:
         """Write the loaded gradients, unscaled and clipped, into ``out`` chunk by chunk; returns their
-        squared norm when ``fp64_norm`` (0.0 otherwise; per piece in :attr:`piece_squares`)."""
+        squared norm when ``take_norm`` (0.0 otherwise; per piece in :attr:`piece_squares`)."""
         src = self._source
         if src is None:
             raise RuntimeError(f"stage {self.name}: no gradients loaded")
@@ -280,11 +280,11 @@ class StageOptimizer:
                 g.div_(self._scale)
             if self._coef != 1.0:
                 g.mul_(self._coef)
-            if fp64_norm:
-                x = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+            if take_norm:
+                x = chunk_square(g)
                 sq += x
                 squares[piece] = squares.get(piece, 0.0) + x
-        if fp64_norm and self.pieces is not None:
+        if take_norm and self.pieces is not None:
             self.piece_squares = tuple(squares.items())
         return sq
 
@@ -292,7 +292,7 @@ class StageOptimizer:
         """The fp32 gradients of this iteration, converted again when they were dropped."""
         if self.grad32 is None:
             self.grad32 = self._temporary()
-            self._convert(self.grad32, fp64_norm=False)
+            self._convert(self.grad32, take_norm=False)
         return self.grad32
 
     def _temporary(self) -> torch.Tensor:
@@ -372,6 +372,17 @@ class StageOptimizer:
         self.optimizer.close()
         self._buffer = self.grad32 = self._source = self.target = None
         self.param_norms = []
+
+
+def chunk_square(g: torch.Tensor) -> float:
+    """The squared L2 norm of the fp32 chunk ``g``, as a Python float: taken in fp32 (7x faster than
+    in fp64 here, where the conversion was half of a job's time beyond its Adam step), and again in
+    fp64 when the fp32 sum of squares overflows (norms past 1.8e19), so that finite gradients never
+    read as overflow."""
+    x = float(torch.linalg.vector_norm(g))
+    if not math.isfinite(x):
+        x = float(torch.linalg.vector_norm(g, dtype=torch.float64))
+    return x * x
 
 
 def now() -> float:

@@ -120,6 +120,8 @@ def already_finished(cfg: SysxConfig, checkpoint: Path, step: int) -> str:
 def _stopped(trainer: Trainer, logger: RunLogger | None, stop: JobStopped) -> None:
     """Tell the other ranks (first: they may be waiting for this one), then write the summary."""
     watch = peers.current()
+    if watch is not None:
+        watch.leaving(f"stopped by {stopping.signal_name(stop.signum)}")
     if watch is not None and stop.origin is None:
         watch.publish_stop(stop.signum)
     stopping.request(stop.signum, stop.origin)  # a second signal now is the launcher's echo, not a new stop
@@ -134,9 +136,11 @@ def _failed(trainer: Trainer, err: Exception) -> BaseException | None:
     """This rank failed with ``err``: the stop or failure of another rank that explains it (its
     connection broke because that rank went first), else publish this failure to the others."""
     watch = peers.current()
+    line = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+    if watch is not None:
+        watch.leaving(f"failed: {line}")
     if watch is None or isinstance(err, peers.PeerFailed):
         return None  # a PeerFailed came from the watch already (and names the op it interrupted)
-    line = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
     news = watch.explain(line)
     if isinstance(news, peers.PeerFailed):
         watch.publish_failure(news.failed_rank, news.reason)
