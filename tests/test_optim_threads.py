@@ -62,7 +62,9 @@ def test_worker_converts_unscales_steps_and_writes_target(backend: str) -> None:
     unscaled = g16.float() / scale
     ref.step(unscaled, lr=2e-3)
     assert report.stepped and not report.found_inf and report.thread.startswith("sysx-opt")
-    assert report.sq_norm == pytest.approx(float((unscaled.double() ** 2).sum()), rel=1e-5)  # fp32 per chunk
+    assert report.sq_norm == pytest.approx(
+        float((unscaled.double() ** 2).sum()), rel=1e-7
+    )  # fp32 rows of 1024, added in fp64
     assert torch.equal(stage.master, ref.param) and torch.equal(stage.optimizer.exp_avg, ref.exp_avg)
     assert torch.equal(stage.target, stage.master.half())
     stage.close()
