@@ -162,7 +162,7 @@ class PeerWatch:
         """Raise :class:`JobStopped` or :class:`PeerFailed` if another rank stopped, failed or
         died (``/proc`` at every call, the store every 0.25 s)."""
         dead = self.dead_peer(what)
-        if dead is not None and not self._left(dead.failed_rank):
+        if dead is not None and self.vanished(dead):
             raise _ending(dead)
         now = time.monotonic()
         if dead is not None or now - self._store_at >= STORE_POLL_S:  # one that left in order left news
@@ -197,7 +197,7 @@ class PeerWatch:
         lost: StoreLost | None = None  # a killed store host shows as a lost store before /proc shows it dead
         while True:
             dead = self.dead_peer(what)
-            if dead is not None and not self._left(dead.failed_rank):  # the others' news may be its echo
+            if dead is not None and self.vanished(dead):  # the others' news may be its echo
                 return _ending(dead)
             news = self._published_news(what)
             if isinstance(news, StoreLost):
@@ -245,6 +245,11 @@ class PeerWatch:
         doing = "" if rank == 0 and self.store_on_rank0 else self._doing(rank)
         line = f"rank {rank} died (pid {who[1]} is gone: killed or crashed){f' during {doing}' if doing else ''}"
         return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=rank, reason=line)
+
+    def vanished(self, dead: PeerFailed) -> bool:
+        """Whether the peer :meth:`dead_peer` found ended without saying it was leaving (killed,
+        crashed): the root of whatever else the job's ranks report, a launcher's SIGTERM included."""
+        return not self._left(dead.failed_rank)
 
     def _process_gone(self, rank: int) -> bool:
         """True when ``rank`` runs on this host and its process has ended."""

@@ -3,11 +3,13 @@ leaving at once takes the store along, and a rank looking a moment later reports
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -221,3 +223,29 @@ def test_a_peer_gone_after_leaving_in_order_is_reported_by_its_news() -> None:
     PeerWatch(watch.store, 2, 3).leaving("failed: ValueError: bad batch")
     with pytest.raises(PeerFailed, match="stopped because rank 2 failed: ValueError: bad batch"):
         watch.check("step 1")
+
+
+def test_a_signal_that_follows_a_peers_death_names_that_death() -> None:
+    """torchrun SIGTERMs a lost worker's siblings: the stop line names the death, and the others
+    hear it as the failure, not as a stop."""
+    from sysx import peers
+    from sysx.trainers import job
+
+    store = dist.HashStore()
+    watch = peers.attach(store, 0, 2)
+    try:
+        _gone_as_rank(watch, 1)
+        store.set("sysx/doing/1", "step 4")
+        stop = JobStopped(15)
+        job._stopped(SimpleNamespace(step_index=4), None, stop)  # type: ignore[arg-type]
+        assert re.fullmatch(
+            r" at step 4, after rank 1 died \(pid \d+ is gone: killed or crashed\) during step 4", stop.where
+        )
+        assert store.get("sysx/failed").decode().startswith("1\trank 1 died") and not store.check(["sysx/stop"])
+        PeerWatch(store, 1, 2).leaving("stopped by SIGTERM")  # had it left in order: a plain stop
+        later = JobStopped(15)
+        stopping.reset()
+        job._stopped(SimpleNamespace(step_index=5), None, later)
+        assert later.where == " at step 5"
+    finally:
+        peers.detach()

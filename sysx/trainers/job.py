@@ -120,12 +120,19 @@ def already_finished(cfg: SysxConfig, checkpoint: Path, step: int) -> str:
 def _stopped(trainer: Trainer, logger: RunLogger | None, stop: JobStopped) -> None:
     """Tell the other ranks (first: they may be waiting for this one), then write the summary."""
     watch = peers.current()
+    cause = None
+    if watch is not None and stop.origin is None:
+        # a launcher that lost a worker SIGTERMs the others: the signal's cause is that worker
+        cause = watch.dead_peer(f"step {trainer.step_index}")
+        cause = cause if cause is not None and watch.vanished(cause) else None
     if watch is not None:
         watch.leaving(f"stopped by {stopping.signal_name(stop.signum)}")
-    if watch is not None and stop.origin is None:
-        watch.publish_stop(stop.signum)
+        if cause is not None:
+            watch.publish_failure(cause.failed_rank, cause.reason)
+        elif stop.origin is None:
+            watch.publish_stop(stop.signum)
     stopping.request(stop.signum, stop.origin)  # a second signal now is the launcher's echo, not a new stop
-    stop.where = f" at step {trainer.step_index}"
+    stop.where = f" at step {trainer.step_index}" + (f", after {cause.reason}" if cause is not None else "")
     if logger is not None and logger.enabled:
         logger.close(stopped=stopping.signal_name(stop.signum))
         if logger.run_dir is not None:
