@@ -246,6 +246,11 @@ class PeerWatch:
         line = f"rank {rank} died (pid {who[1]} is gone: killed or crashed){f' during {doing}' if doing else ''}"
         return PeerFailed(f"rank {self.rank}: {what}: stopped because {line}", failed_rank=rank, reason=line)
 
+    def vanished_peer(self, what: str) -> PeerFailed | None:
+        """:meth:`dead_peer` when that peer :meth:`vanished`, else None."""
+        dead = self.dead_peer(what)
+        return dead if dead is not None and self.vanished(dead) else None
+
     def vanished(self, dead: PeerFailed) -> bool:
         """Whether the peer :meth:`dead_peer` found ended without saying it was leaving (killed,
         crashed): the root of whatever else the job's ranks report, a launcher's SIGTERM included."""

@@ -31,8 +31,8 @@ from sysx.optim.cores import intra_op_threads
 log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so profiles of an older profiler are measured again
-# 7: the optimizer job's rate; 6: timed with the ranks' threads, which the file name holds; 5: a CPU profile's backward_bytes;
-# 4: op_host_s, process_bytes, tiny-message p2p latency (issue 27)
+# 7: the optimizer job's rate; 6: timed with the ranks' threads, which the file name holds;
+# 5: a CPU profile's backward_bytes; 4: op_host_s, process_bytes, tiny-message p2p latency (issue 27)
 PROFILE_VERSION = 7
 
 

@@ -5,7 +5,8 @@ the Head) on the job's device for each micro-batch size: the forward without aut
 pipeline runs forwards) and the backward with its recompute (forward with autograd + backward).
 It adds the hardware figures of :mod:`sysx.machine.hardware` (the same profile the single-device
 planner uses), the CPU Adam throughput of one thread (:func:`sysx.machine.adam_rate.adam_params_per_s`)
-and that of a whole optimizer job (:func:`~sysx.machine.adam_rate.optimizer_job_params_per_s`), and the free host memory and ``/dev/shm`` (:func:`sysx.memory.budget.probe_host`).
+and that of a whole optimizer job (:func:`~sysx.machine.adam_rate.optimizer_job_params_per_s`), and
+the free host memory and ``/dev/shm`` (:func:`sysx.memory.budget.probe_host`).
 
 Layer times are stored per token count (micro-batch size x sequence length) and interpolated
 linearly in between (proportionally beyond the measured range), so one profile also answers for

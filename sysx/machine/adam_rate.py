@@ -38,7 +38,7 @@ def optimizer_job_params_per_s(
     """Parameters per second of one optimizer worker's job on ``threads`` intra-op threads: ``dtype``
     gradients converted to fp32 and their norm taken, the Adam step, the ``dtype`` working copy
     written (:func:`sysx.optim.threads._step_job`'s work); the fastest of ``repeat`` after a warm-up.
-    About 2.3x the Adam step's time alone on a 16-bit job here (profiling/RESULTS.md)."""
+    2.4-2.5x the Adam step's time alone on a 16-bit job on the Xeon VM (profiling/RESULTS.md)."""
     master = torch.randn(numel) * 0.02
     grads = (torch.randn(numel) * 1e-2).to(dtype)
     target = torch.empty(numel, dtype=dtype)

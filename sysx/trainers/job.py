@@ -120,11 +120,8 @@ def already_finished(cfg: SysxConfig, checkpoint: Path, step: int) -> str:
 def _stopped(trainer: Trainer, logger: RunLogger | None, stop: JobStopped) -> None:
     """Tell the other ranks (first: they may be waiting for this one), then write the summary."""
     watch = peers.current()
-    cause = None
-    if watch is not None and stop.origin is None:
-        # a launcher that lost a worker SIGTERMs the others: the signal's cause is that worker
-        cause = watch.dead_peer(f"step {trainer.step_index}")
-        cause = cause if cause is not None and watch.vanished(cause) else None
+    # a launcher that lost a worker SIGTERMs the others: the signal's cause is that worker
+    cause = watch.vanished_peer(f"step {trainer.step_index}") if watch is not None and stop.origin is None else None
     if watch is not None:
         watch.leaving(f"stopped by {stopping.signal_name(stop.signum)}")
         if cause is not None:
