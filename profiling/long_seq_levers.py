@@ -9,6 +9,10 @@ changed each, running nothing:
   iteration) spread over the node's ``gpus_per_node`` ranks' threads;
 - ``head fused``: the Head's loss backward done by rank Ng-1 right after its forward (no recompute
   of the Head; the first backward sub-stage loses it);
+- ``head cut``: an upper bound for cutting the Head (sub-stages of their own, or the vocabulary
+  projection in pieces): its forward and backward shared evenly by every stage and sub-stage, as if
+  a cut cost nothing and balanced perfectly;
+- ``head cut + opt spread``: both at once (the two bounds together);
 - ``no recompute, last round``: an upper bound: the last forward round's sub-stages backpropagate
   without recomputing, as if their activations reached the backward's rank for free (they do not:
   the ``link/recompute`` column is a block's activations over the link against its recompute);
@@ -39,7 +43,7 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
 ARGS: dict[str, Any] = {"steps": 4, "warmup": 1, "time_scale": 0.5, "optimizer_workers": 1, "gpu": "v100"}
-LEVERS = ("now", "opt spread", "head fused", "no recompute, last round", "ceiling")
+LEVERS = ("now", "opt spread", "head fused", "head cut", "head cut + opt spread", "no recompute, last round", "ceiling")
 
 
 def plan(model: str, seq: int, schedule: str) -> tuple[Schedule, Any]:
@@ -65,6 +69,14 @@ def _head_fused(t: CostTable) -> CostTable:
     return dataclasses.replace(t, fwd=[*t.fwd[:-1], t.fwd[-1] + 2 * head], bwd=[*t.bwd[:-1], t.bwd[-1] - 3 * head])
 
 
+def _head_cut(t: CostTable) -> CostTable:
+    def even(costs: list[float]) -> list[float]:
+        head = costs[-1] - costs[-2]  # the last (sub-)stage less a plain one: the Head's share
+        return [c + head / len(costs) - (head if i == len(costs) - 1 else 0.0) for i, c in enumerate(costs)]
+
+    return dataclasses.replace(t, fwd=even(t.fwd), bwd=even(t.bwd))
+
+
 def _last_round_kept(sched: Schedule) -> Callable[[CostTable], CostTable]:
     first = (sched.n_stages - sched.n_ranks) * sched.split  # the last forward round's first sub-stage
 
@@ -83,6 +95,8 @@ def cell(model: str, seq: int) -> dict[str, Any]:
         "now": mob / iteration(sched, t),
         "opt spread": mob / iteration(sched, _spread(t)),
         "head fused": mob / iteration(sched, _head_fused(t)),
+        "head cut": mob / iteration(sched, _head_cut(t)),
+        "head cut + opt spread": mob / iteration(sched, _spread(_head_cut(t))),
         "no recompute, last round": mob / iteration(sched, _last_round_kept(sched)(t)),
         "ceiling": mob / max(splan.timeline.busy),
     }
