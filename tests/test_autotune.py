@@ -306,9 +306,15 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
 
     monkeypatch.setattr(prof, "measure_profile", counting)
     monkeypatch.setattr(hardware_cache, "measure_process_bytes", lambda: 1 << 20)  # a fresh interpreter: seconds
-    monkeypatch.setattr(prof, "measure_backward_bytes", lambda *a, **k: {16: (1 << 10, 1 << 11)})  # two interpreters
+    probed: list[list[int]] = []
+    monkeypatch.setattr(  # two interpreters: seconds
+        prof,
+        "measure_backward_bytes",
+        lambda cfg, seq, tokens, dtype: probed.append(tokens) or {16: (1 << 10, 1 << 11)},
+    )
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
-    first, reused = cache_mod.load_or_measure(small, 16, [1, 2], device="cpu")
+    first, reused = cache_mod.load_or_measure(small, 16, [1, 4, 2], device="cpu")
+    assert probed == [[16, 64]]  # the fewest and the most tokens
     assert first.backward_bytes == [[16, 1 << 10, 1 << 11]]  # a CPU profile keeps what the backward holds
     assert not reused and len(calls) == 1
     again, reused = cache_mod.load_or_measure(small, 16, [2], device="cpu")
@@ -322,7 +328,7 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
     assert not reused and len(calls) == 2
     _, reused = cache_mod.load_or_measure(small, 32, [1], device="cpu")  # another sequence length too
     assert not reused and len(calls) == 3
-    _, reused = cache_mod.load_or_measure(small, 16, [4], device="cpu")  # a micro-batch size never timed
+    _, reused = cache_mod.load_or_measure(small, 16, [8], device="cpu")  # a micro-batch size never timed
     assert not reused and len(calls) == 4
     # the ranks' threads: a profile timed with 1 thread does not answer for ranks that compute with 2,
     # and each is timed with its own count (the caller's is back afterwards)

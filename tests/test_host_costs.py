@@ -259,16 +259,20 @@ def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch:
 
 
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:
-    """A sub-stage of k Blocks holds once + k x per Block at its backward's peak: the measured point
-    nearest the micro-batch's tokens, in proportion to them; the Embedding and Head keep the
-    estimate; without a measurement the estimate stands. Kept through the profile's JSON."""
+    """A sub-stage of k Blocks holds once + k x per Block at its backward's peak: interpolated between
+    the measured points around the micro-batch's tokens, outside them the nearest in proportion; the
+    Embedding and Head keep the estimate; without a measurement the estimate stands. Kept through
+    the profile's JSON."""
     base = synthetic_profile()
-    p = dataclasses.replace(base, backward_bytes=[[64, 1000, 300], [256, 5000, 1000]])
-    assert p.backward_work(128) == pytest.approx((2000.0, 600.0))  # 64 is nearest: x2
+    p = dataclasses.replace(base, backward_bytes=[[32, 500, 200], [128, 3000, 600], [256, 5000, 1000]])
+    assert p.backward_work(192) == pytest.approx((4000.0, 800.0))  # halfway from 128 to 256
+    assert p.backward_work(512) == pytest.approx((10000.0, 2000.0))  # past 256: x2
+    assert p.backward_work(16) == pytest.approx((250.0, 100.0))  # before 32: x1/2
     assert MachineProfile.from_json(p.to_json()).backward_bytes == p.backward_bytes
     plain = profiled_costs(base, TINY, SEQ, 2)
     costs = profiled_costs(p, TINY, SEQ, 2)
-    assert costs.layer_act_bytes[1:-1] == (2000.0,) * TINY.n_layers and costs.bwd_once_bytes == 600.0
+    assert 2 * SEQ == 128  # the micro-batch's tokens are a measured point
+    assert costs.layer_act_bytes[1:-1] == (3000.0,) * TINY.n_layers and costs.bwd_once_bytes == 600.0
     assert (costs.layer_act_bytes[0], costs.layer_act_bytes[-1]) == (
         plain.layer_act_bytes[0],
         plain.layer_act_bytes[-1],
@@ -276,7 +280,7 @@ def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:
     assert plain.bwd_once_bytes == 0.0 and base.backward_work(128) is None
     sched = build_gpipe(2, 1, uniform_partition(2, 1, 3))  # [Embedding, Block x2], [Block x2, Head]
     table = costs.table(sched)
-    assert table.bwd_work[0] == pytest.approx(plain.layer_act_bytes[0] + 2 * 2000.0 + 600.0)
+    assert table.bwd_work[0] == pytest.approx(plain.layer_act_bytes[0] + 2 * 3000.0 + 600.0)
 
 
 def _has_malloc_trim() -> bool:
@@ -330,3 +334,26 @@ def test_the_backward_probe_splits_its_peaks_and_says_when_it_failed(monkeypatch
     with caplog.at_level(logging.WARNING, logger="sysx.machine"):
         assert host_cost.measure_backward_bytes(None, 128, [128], torch.float32) == {}
     assert "backward-memory probe failed (MemoryError: probe)" in caplog.text
+
+
+def test_the_optimizer_rates_are_timed_with_the_caches_cold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job meets its unit's state cold in training: each timed run follows an eviction, and both
+    the Adam rate and the job rate are timed that way."""
+    from sysx.machine import adam_rate
+
+    log: list[str] = []
+    monkeypatch.setattr(adam_rate, "evict_caches", lambda buffer: log.append(f"evict {buffer.numel()}"))
+    seconds = adam_rate.fastest_cold(lambda: log.append("run"), 3, evict_bytes=1024)
+    assert log == ["run", "evict 1024", "run", "evict 1024", "run", "evict 1024", "run"]  # warm-up, then 3 cold
+    assert seconds >= 0.0
+
+    timed: list[int] = []
+
+    def fake(fn: object, repeat: int, **_: object) -> float:
+        timed.append(repeat)
+        return 1e-3
+
+    monkeypatch.setattr(adam_rate, "fastest_cold", fake)
+    assert adam_rate.adam_params_per_s(1000, backend="torch", repeat=2) == pytest.approx(1000 / 1e-3)
+    assert adam_rate.optimizer_job_params_per_s(1000, backend="torch", repeat=4) == pytest.approx(1000 / 1e-3)
+    assert timed == [2, 4]

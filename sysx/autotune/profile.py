@@ -80,12 +80,18 @@ class MachineProfile:
     backward_bytes: list[list[int]] | None = None
 
     def backward_work(self, tokens: float) -> tuple[float, float] | None:
-        """``(per Block, once)`` bytes a sub-stage's backward holds on ``tokens`` tokens: the measured
-        point nearest ``tokens``, scaled in proportion to them (activations grow with the tokens); None
-        when not measured."""
+        """``(per Block, once)`` bytes a sub-stage's backward holds on ``tokens`` tokens: interpolated
+        between the measured points around ``tokens``; outside them, the nearest point scaled in
+        proportion (activations grow with the tokens); None when not measured."""
         if not self.backward_bytes:
             return None
-        near, per_block, once = min(self.backward_bytes, key=lambda p: abs(p[0] - tokens))
+        points = sorted(self.backward_bytes)
+        lo = max((p for p in points if p[0] <= tokens), key=lambda p: p[0], default=None)
+        hi = min((p for p in points if p[0] >= tokens), key=lambda p: p[0], default=None)
+        if lo is not None and hi is not None and hi[0] > lo[0]:
+            w = (tokens - lo[0]) / (hi[0] - lo[0])
+            return lo[1] + w * (hi[1] - lo[1]), lo[2] + w * (hi[2] - lo[2])
+        near, per_block, once = lo or hi or points[0]
         scale = tokens / near
         return per_block * scale, once * scale
 
@@ -156,9 +162,6 @@ def _time_layer(
     return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
 
 
-BACKWARD_POINTS = 2  # token counts the backward's bytes are measured at (the smallest of the profile's)
-
-
 def measure_profile(
     cfg: ModelConfig,
     seq_len: int,
@@ -184,9 +187,12 @@ def measure_profile(
         del layer
     backward = None
     if not dev.is_cuda(device):  # the "device" memory is host memory, counted as the check counts it
-        # the fewest tokens only: the bytes grow in proportion to them (within ~13% from 256 to 2048
-        # tokens at dim 512), and the largest counts would cost the profile the most seconds and memory
-        tokens = sorted({mbs * seq_len for mbs in micro_batch_sizes})[:BACKWARD_POINTS]
+        # the fewest and the most tokens, interpolated between: the part held once per backward is
+        # not in proportion to the tokens (dim 512: 102 KiB a token at 128 tokens, 35 at 2048), and
+        # a small count's scatter, scaled up to a large micro-batch, moved the 50M plans' host memory
+        # by 20% between runs of one layout (issue 27); the largest count costs the 50M profile 2.5 s more
+        counts = sorted({mbs * seq_len for mbs in micro_batch_sizes})
+        tokens = sorted({counts[0], counts[-1]})
         found = measure_backward_bytes(cfg, seq_len, tokens, dtype)
         backward = [[t, a, b] for t, (a, b) in sorted(found.items())] or None
     cap = probe_host()
