@@ -357,3 +357,12 @@ def test_the_optimizer_rates_are_timed_with_the_caches_cold(monkeypatch: pytest.
     assert adam_rate.adam_params_per_s(1000, backend="torch", repeat=2) == pytest.approx(1000 / 1e-3)
     assert adam_rate.optimizer_job_params_per_s(1000, backend="torch", repeat=4) == pytest.approx(1000 / 1e-3)
     assert timed == [2, 4]
+
+
+def test_the_backward_probe_takes_the_fewest_and_the_most_tokens_up_to_a_cap() -> None:
+    from sysx.autotune.profile import BACKWARD_MAX_TOKENS, backward_probe_tokens
+
+    assert backward_probe_tokens([256, 128, 2048, 512, 1024]) == [128, 2048]
+    assert backward_probe_tokens([2048, 4096, 8192, 32768]) == [2048, BACKWARD_MAX_TOKENS]
+    assert backward_probe_tokens([8192, 16384]) == [8192]  # all past the cap: the fewest alone
+    assert backward_probe_tokens([64]) == [64]

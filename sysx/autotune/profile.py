@@ -162,6 +162,22 @@ def _time_layer(
     return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
 
 
+BACKWARD_MAX_TOKENS = 4096  # the backward's bytes a token have settled by then (dim 512: 62 KiB at 1024, 58 at 2048)
+
+
+def backward_probe_tokens(token_counts: list[int]) -> list[int]:
+    """The token counts the backward's bytes are measured at: the fewest and the most up to
+    :data:`BACKWARD_MAX_TOKENS`, interpolated between (:meth:`MachineProfile.backward_work`). The
+    part held once per backward is not in proportion to the tokens (dim 512: 102 KiB a token at 128
+    tokens, 35 at 2048), and the smallest count's scatter, scaled up to a large micro-batch, moved
+    the 50M plans' host memory by 20% between runs of one layout (issue 27). The cap keeps a large
+    model's probe affordable (two fresh processes, each backpropagating two Blocks at that count);
+    past it the bytes are scaled in proportion, as they then are."""
+    counts = sorted(set(token_counts))
+    most = max((c for c in counts if c <= BACKWARD_MAX_TOKENS), default=counts[0])
+    return sorted({counts[0], most})
+
+
 def measure_profile(
     cfg: ModelConfig,
     seq_len: int,
@@ -187,12 +203,7 @@ def measure_profile(
         del layer
     backward = None
     if not dev.is_cuda(device):  # the "device" memory is host memory, counted as the check counts it
-        # the fewest and the most tokens, interpolated between: the part held once per backward is
-        # not in proportion to the tokens (dim 512: 102 KiB a token at 128 tokens, 35 at 2048), and
-        # a small count's scatter, scaled up to a large micro-batch, moved the 50M plans' host memory
-        # by 20% between runs of one layout (issue 27); the largest count costs the 50M profile 2.5 s more
-        counts = sorted({mbs * seq_len for mbs in micro_batch_sizes})
-        tokens = sorted({counts[0], counts[-1]})
+        tokens = backward_probe_tokens([mbs * seq_len for mbs in micro_batch_sizes])
         found = measure_backward_bytes(cfg, seq_len, tokens, dtype)
         backward = [[t, a, b] for t, (a, b) in sorted(found.items())] or None
     cap = probe_host()
