@@ -85,32 +85,14 @@ class MachineProfile:
         proportion (activations grow with the tokens); None when not measured."""
         if not self.backward_bytes:
             return None
-        points = sorted(self.backward_bytes)
-        lo = max((p for p in points if p[0] <= tokens), key=lambda p: p[0], default=None)
-        hi = min((p for p in points if p[0] >= tokens), key=lambda p: p[0], default=None)
-        if lo is not None and hi is not None and hi[0] > lo[0]:
-            w = (tokens - lo[0]) / (hi[0] - lo[0])
-            return lo[1] + w * (hi[1] - lo[1]), lo[2] + w * (hi[2] - lo[2])
-        near, per_block, once = lo or hi or points[0]
-        scale = tokens / near
-        return per_block * scale, once * scale
+        return _by_tokens([(t, (float(a), float(b))) for t, a, b in self.backward_bytes], tokens)
 
     def layer_time(self, kind: str, tokens: float) -> tuple[float, float]:
         """``(forward, backward-with-recompute)`` seconds of a ``kind`` layer on ``tokens`` tokens."""
         points = self.layers[kind]
         if not points:
             raise ValueError(f"the profile has no timing of the {kind} layer")
-        lo = max((p for p in points if p.tokens <= tokens), key=lambda p: p.tokens, default=None)
-        hi = min((p for p in points if p.tokens >= tokens), key=lambda p: p.tokens, default=None)
-        if lo is None or hi is None:  # outside the measured range: time proportional to tokens
-            near = hi or lo
-            assert near is not None
-            scale = tokens / near.tokens
-            return near.fwd_s * scale, near.bwd_s * scale
-        if hi.tokens == lo.tokens:
-            return lo.fwd_s, lo.bwd_s
-        w = (tokens - lo.tokens) / (hi.tokens - lo.tokens)
-        return lo.fwd_s + w * (hi.fwd_s - lo.fwd_s), lo.bwd_s + w * (hi.bwd_s - lo.bwd_s)
+        return _by_tokens([(p.tokens, (p.fwd_s, p.bwd_s)) for p in points], tokens)
 
     def measured_tokens(self) -> set[int]:
         """Token counts every layer kind was timed at."""
@@ -129,6 +111,22 @@ class MachineProfile:
         if data.get("p2p") is not None:
             data["p2p"] = P2PFigures(**data["p2p"])
         return cls(**data)
+
+
+def _by_tokens(points: list[tuple[int, tuple[float, float]]], tokens: float) -> tuple[float, float]:
+    """A pair measured at ``(tokens, pair)`` points, at ``tokens``: interpolated between the points
+    around it; outside them, the nearest point's pair in proportion to the tokens."""
+    lo = max((p for p in points if p[0] <= tokens), key=lambda p: p[0], default=None)
+    hi = min((p for p in points if p[0] >= tokens), key=lambda p: p[0], default=None)
+    if lo is None or hi is None:
+        near = hi if lo is None else lo
+        assert near is not None, "no points"
+        scale = tokens / near[0]
+        return near[1][0] * scale, near[1][1] * scale
+    if hi[0] == lo[0]:
+        return lo[1]
+    w = (tokens - lo[0]) / (hi[0] - lo[0])
+    return lo[1][0] + w * (hi[1][0] - lo[1][0]), lo[1][1] + w * (hi[1][1] - lo[1][1])
 
 
 def _time_layer(
