@@ -66,19 +66,28 @@ def load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def command(model: str, ranks: int, run_dir: Path) -> list[str]:
-    """The ``sysx.train`` command line of one configuration."""
-    args = [*MODELS[model], *COMMON, f"train.steps={STEPS[model]}", f"run_dir={run_dir}"]
+def command(model: str, ranks: int, run_dir: Path, device: str = "cpu", extra: tuple[str, ...] = ()) -> list[str]:
+    """The ``sysx.train`` command line of one configuration (``extra``: more overrides, last)."""
+    args = [*MODELS[model], *COMMON, f"device={device}", f"train.steps={STEPS[model]}", f"run_dir={run_dir}", *extra]
     if ranks == 1:
         return [sys.executable, "-m", "sysx.train", "schedule=single", *args]
     launch = [sys.executable, "-m", "sysx.launch", "--standalone", f"--nproc_per_node={ranks}"]
     return [*launch, "-m", "sysx.train", *PIPELINE, *args]
 
 
-def run_one(name: str, model: str, ranks: int, root: Path, timeout_s: float, cache: Path) -> dict[str, Any]:
+def run_one(
+    name: str,
+    model: str,
+    ranks: int,
+    root: Path,
+    timeout_s: float,
+    cache: Path,
+    device: str = "cpu",
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Run one configuration; its prediction section, timings and the load around it."""
     run_dir = root / name.replace(":", "_")
-    cmd = command(model, ranks, run_dir)
+    cmd = command(model, ranks, run_dir, device, extra)
     env = {**os.environ, "SYSX_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
     row: dict[str, Any] = {"name": name, "model": model, "ranks": ranks, "command": shlex.join(cmd[1:])}
     row["load_before"] = load()
@@ -87,6 +96,8 @@ def run_one(name: str, model: str, ranks: int, root: Path, timeout_s: float, cac
     row["wall_s"] = time.perf_counter() - t0
     row["load_after"] = load()
     row["rc"] = proc.returncode
+    if run_dir.is_dir():  # the plan, the tune lines and the steps, beside the run's files (--keep)
+        (run_dir / "output.txt").write_text(proc.stdout + proc.stderr)
     summary = run_dir / "summary.json"
     if proc.returncode != 0 or not summary.exists():
         row["error"] = (proc.stderr or proc.stdout)[-2000:]
@@ -142,11 +153,28 @@ def main(argv: list[str] | None = None) -> int:
         help="profile cache to use and keep (default: a fresh one under the run directory): a second round "
         "with the first's cache reuses its profiles, so both run the same layouts",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="the runs' device (default cpu: the check is about CPU runs, also on a machine with a GPU, where "
+        "device=auto would put every rank on it; cuda only for the single rows, one process on the GPU)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more override for every run, e.g. --set 'profile.timeline_steps=[8,10]' (the timeline and "
+        "its measured-vs-plan line in each kept run directory, with --keep)",
+    )
     args = ap.parse_args(argv)
     wanted = set(filter(None, args.only.split(",")))
     unknown = wanted - {n for n, *_ in TABLE}
     if unknown:
         ap.error(f"--only: unknown run {sorted(unknown)}; choose from {[n for n, *_ in TABLE]}")
+    if args.device == "cuda" and any(ranks > 1 for name, _, ranks in TABLE if not wanted or name in wanted):
+        ap.error("--device cuda: one GPU per rank, so only the single rows (--only single:tiny,single:50M)")
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="check_predictions-") as tmp:
@@ -154,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, model, ranks in TABLE:
             if wanted and name not in wanted:
                 continue
-            row = run_one(name, model, ranks, root, args.timeout, args.cache or root / "cache")
+            row = run_one(
+                name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
+            )
             rows.append(row)
             status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))
             print(

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_runtime_procs import child_pythonpath
 
 from sysx.config import EmulateSection, EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
 from sysx.emulate import (
@@ -354,7 +355,7 @@ def test_a_recorded_window_is_reported_in_modelled_seconds_and_bytes() -> None:
 # ------------------------------------------------------------------------------ the job, 2 ranks
 def _launch(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SYSX_JOB_ID", "TORCHELASTIC_RUN_ID")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=child_pythonpath(env), OMP_NUM_THREADS="1")
     return subprocess.run(
         [
             sys.executable,

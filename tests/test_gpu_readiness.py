@@ -162,6 +162,54 @@ def test_parameters_are_bound_once_per_slot_and_unit_not_per_op(monkeypatch: pyt
     assert len(binds) == first  # later steps reuse the same slots: no rebinding at all
 
 
+@pytest.mark.parametrize("schedule", ["sysx", "single"])
+def test_a_cpu_job_on_a_gpu_machine_page_locks_nothing(schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host memory is page-locked for the job's device, not for the presence of CUDA: a device=cpu job
+    on a GPU machine registered its shared segments and gradient buffers with cudaHostRegister,
+    creating a CUDA context in every rank (tens of MiB of host memory each, first seen on an H200's
+    host). CUDA is faked present here; registering anything is a failure."""
+    from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
+    from sysx.data import TokenDataset, default_corpus_path
+    from sysx.memory import pinned
+    from sysx.runtime import PipelineOptions
+    from sysx.trainers.pipeline import PipelineTrainer
+    from sysx.trainers.single import SingleTrainer
+
+    registered: list[int] = []
+
+    class _Cudart:
+        def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+            registered.append(nbytes)
+            return 0
+
+        def cudaHostUnregister(self, address: int) -> int:
+            return 0
+
+    monkeypatch.setattr(pinned, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pinned, "_cudart", _Cudart)
+    pinned.HostBuffers("the fake's own check").empty(16, torch.float32)  # pin=None: CUDA "present"
+    assert registered == [64]
+    registered.clear()
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(steps=1, micro_batch_size=2, micro_batches=2, seq_len=16),
+        optim=OptimSection(warmup_steps=1),
+        eval=EvalSection(every=0, batches=1),
+        device="cpu",
+    )
+    validate(cfg)
+    if schedule == "single":
+        trainer: PipelineTrainer | SingleTrainer = SingleTrainer(cfg, optimizer_backend="torch")
+    else:
+        dataset = TokenDataset(default_corpus_path())
+        trainer = PipelineTrainer(cfg, PipelineOptions(optim_backend="torch", schedule=schedule), dataset=dataset)
+    try:
+        trainer.run(1)
+    finally:
+        trainer.close()
+    assert registered == [], f"a device=cpu job page-locked {len(registered)} buffers ({sum(registered)} bytes)"
+
+
 # ----------------------------------------------------------------------------------- item 6
 class _FakeCuda:
     def __init__(self, fraction: float) -> None:

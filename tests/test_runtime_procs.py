@@ -34,6 +34,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_pythonpath(env: dict[str, str]) -> str:
+    """The repository first on the child's path, what the parent had after it (on the GPU machine,
+    the carried wheels' folder)."""
+    return os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+
+
 VENV_BIN = Path(sys.executable).parent
 JOB_SCRIPT = ROOT / "tests" / "runtime_parity_job.py"
 TOL = 1e-5
@@ -55,7 +63,7 @@ def rank_env(rank: int, world: int, local_world: int, port: int, **extra: str) -
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
+        PYTHONPATH=child_pythonpath(env),
         **extra,
     )
     return env

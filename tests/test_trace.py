@@ -40,6 +40,7 @@ from sysx.trace.recorder import RankPart, lane_family
 from sysx.trace.summary import measured
 from sysx.trace.timeline import merge, pack_lanes, step_timelines
 from sysx.trainers.pipeline import PipelineTrainer
+from sysx.trainers.single import SingleTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -244,21 +245,27 @@ def test_nsys_steps_on_cpu_says_once_that_it_applies_on_cuda_only(
     assert trainer.window.nsys is None
 
 
-def test_the_sliding_window_records_its_passes_and_copies(tmp_path: Path) -> None:
-    """schedule=single: 2 rounds of 2 chunks, a window of 1 block, so activations and gradients go
-    home and come back; every pass and copy is a box on its lane, compared with the planner."""
+def recorded_window(
+    tmp_path: Path, *, window: int, steps: int, micro_batches: int, timeline: list[int]
+) -> SingleTrainer:
+    """A tiny ``schedule=single`` trainer of ``window`` blocks on rounds of 4 sequences, recording ``timeline``."""
     from sysx.config import SingleSection
     from sysx.single.hardware import assumed_hardware
-    from sysx.trainers.single import SingleTrainer
 
-    cfg = small_cfg(tmp_path, timeline_steps=[1, 1])
-    cfg.train = TrainSection(steps=2, micro_batch_size=2, micro_batches=4, seq_len=16)
-    trainer = SingleTrainer(
+    cfg = small_cfg(tmp_path, timeline_steps=timeline)
+    cfg.train = TrainSection(steps=steps, micro_batch_size=2, micro_batches=micro_batches, seq_len=16)
+    return SingleTrainer(
         cfg,
-        single=SingleSection(window=1, round_sequences=4, micro_batch_size=2, print_plan=False),
+        single=SingleSection(window=window, round_sequences=4, micro_batch_size=2, print_plan=False),
         hardware=assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=8),
         optimizer_backend="torch",
     )
+
+
+def test_the_sliding_window_records_its_passes_and_copies(tmp_path: Path) -> None:
+    """schedule=single: 2 rounds of 2 chunks, a window of 1 block, so activations and gradients go
+    home and come back; every pass and copy is a box on its lane, compared with the planner."""
+    trainer = recorded_window(tmp_path, window=1, steps=2, micro_batches=4, timeline=[1, 1])
     try:
         trainer.run(2)
     finally:
@@ -283,6 +290,27 @@ def test_the_sliding_window_records_its_passes_and_copies(tmp_path: Path) -> Non
                 assert seen[("d2h", f"D2H act s{k} mb{c}")] == 2 and seen[("h2d", f"H2D act s{k} mb{c}")] >= 1
         assert seen[("d2h", f"D2H s{k}.0")] == 2 and seen[("h2d", f"H2D grads s{k}")] == 1
     assert seen[("h2d", "H2D s0")] == 1 and any(lane.startswith("opt") for lane, _ in seen)
+
+
+def test_the_device_lane_s_steps_are_boxes_on_the_device_row(tmp_path: Path) -> None:
+    """optim.placement's device lane steps on the trainer's thread after the decision: each step is a
+    box on the compute row, so the recorded iteration holds it (first seen on an H200, where the
+    window's timeline ended 0.10 s before its 0.26 s steps did and the prediction check compared
+    the plan with the shorter figure)."""
+    from sysx.optim.device_lane import DeviceLane
+
+    trainer = recorded_window(tmp_path, window=2, steps=3, micro_batches=2, timeline=[1, 2])
+    try:
+        placed = [g.name for g in trainer.host.groups[:2]]
+        trainer.use_device_lane(placed, DeviceLane("cpu"))
+        trainer.run(3)
+    finally:
+        trainer.close()
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    assert_well_formed(trace)
+    lanes = lane_names(trace)
+    seen = Counter((lanes[(e["pid"], e["tid"])], e["name"]) for e in boxes(trace))
+    assert {name: seen[("compute", f"OPT device {name}")] for name in placed} == dict.fromkeys(placed, 2)
 
 
 # --------------------------------------------------------------------------------- profiled costs

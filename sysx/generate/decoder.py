@@ -49,7 +49,7 @@ class Decoder:
     ) -> None:
         cfg = weights.config
         self.cfg, self.device, self.positions, self.placement = cfg, device, positions, placement
-        self.buffers = HostBuffers("sysx generate layers")
+        self.buffers = HostBuffers("sysx generate layers", pin=dev.is_cuda(device))
         load_host_layers(weights, host, self.buffers)
         self.host = host
         dtype = host.layouts[0].dtype

@@ -42,6 +42,19 @@ class HardwareProfile:
     # host work the layer times leave out (:mod:`sysx.machine.host_cost`); 0 in assumed profiles
     op_host_s: float = 0.0  # seconds of one executor instruction's fixed Python cost
     process_bytes: int = 0  # resident bytes a training process adds besides its training state
+    # copies from and to pageable host memory (the optimizer device lane's masters and moments);
+    # 0: not measured, the page-locked rates stand in
+    h2d_pageable_bytes_per_s: float = 0.0
+    d2h_pageable_bytes_per_s: float = 0.0
+
+    @property
+    def pageable_copy_rates(self) -> tuple[float, float]:
+        """Host->device and device->host bytes/s from and to pageable host memory: the measured
+        figures, or the page-locked ones where they were not measured."""
+        return (
+            self.h2d_pageable_bytes_per_s or self.h2d_bytes_per_s,
+            self.d2h_pageable_bytes_per_s or self.d2h_bytes_per_s,
+        )
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -57,6 +70,11 @@ class HardwareProfile:
             f"device memory {self.device_mem_bytes_per_s / GB:.0f} GB/s, device free {self.device_free_bytes / GiB:.1f} of "
             f"{self.device_total_bytes / GiB:.1f} GiB, host free {self.host_free_bytes / GiB:.1f} of {self.host_total_bytes / GiB:.1f} GiB, "
             f"{self.op_host_s * 1e6:.1f} us host per op, {self.process_bytes / 2**20:.0f} MiB per process"
+            + (
+                f", pageable h2d {self.h2d_pageable_bytes_per_s / GB:.1f} GB/s, d2h {self.d2h_pageable_bytes_per_s / GB:.1f} GB/s"
+                if self.kind == "cuda" and self.h2d_pageable_bytes_per_s
+                else ""
+            )
         )
 
     def as_dict(self) -> dict[str, float | int | str | bool]:
@@ -186,11 +204,22 @@ def _cuda_copy_rates(device: torch.device, buffers: HostBuffers, nbytes: int, re
     return h2d, d2h, bidir, d2d
 
 
+def _cuda_pageable_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """Host->device and device->host bytes/s from and to plain (pageable) host tensors: CUDA stages
+    them through its own page-locked buffer, at a rate the page-locked figures overstate."""
+    host = torch.ones(nbytes // 4, dtype=torch.float32)
+    on_device = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    h2d = nbytes / _time_cuda(lambda: on_device.copy_(host), device, repeats)
+    d2h = nbytes / _time_cuda(lambda: host.copy_(on_device), device, repeats)
+    return h2d, d2h
+
+
 def _measure_cuda(
     device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, host_free: int, host_total: int
 ) -> HardwareProfile:
     buffers = HostBuffers("copy-rate probe", pin=True)
     h2d, d2h, bidir, d2d = _cuda_copy_rates(device, buffers, nbytes, repeats)
+    h2d_pageable, d2h_pageable = _cuda_pageable_rates(device, nbytes, repeats)
     flops = measure_matmul(device, dtype, repeats=repeats)
     free, total = torch.cuda.mem_get_info(device)
     buffers.close()
@@ -207,6 +236,8 @@ def _measure_cuda(
         host_free_bytes=host_free,
         host_total_bytes=host_total,
         op_host_s=measure_op_host_s(repeats),
+        h2d_pageable_bytes_per_s=h2d_pageable,
+        d2h_pageable_bytes_per_s=d2h_pageable,
     )
 
 

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so figures of an older version are measured again;
 # the file keeps the numbering and folder of the autotune profiles it was born with (caches stay valid)
-HARDWARE_VERSION = 4  # 4: op_host_s and process_bytes (issue 27); older files are measured again
+# 5: pageable copy rates; 4: op_host_s and process_bytes (issue 27); older files are measured again
+HARDWARE_VERSION = 5
 
 
 def digest(data: dict[str, Any]) -> str:

@@ -34,6 +34,9 @@ class LaneRates:
     d2h_bytes_per_s: float
     device_mem_bytes_per_s: float
     device_free_bytes: float = float("inf")  # device memory the lane may use (a unit needs LANE_BYTES per parameter)
+    # the lane's copies overlap each other and the steps (the emulated lane's engines); False: one
+    # unit after another, as the CUDA lane copies pageable masters and moments, synchronously
+    overlapped: bool = True
 
     def __post_init__(self) -> None:
         for name in ("cpu_params_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s", "device_mem_bytes_per_s"):
@@ -148,18 +151,26 @@ def finish_times(
     ends.update(
         zip(
             (u.name for u in lane),
-            device_flow(max(decided, device_idle), [device_seconds(u.numel, rates) for u in lane]),
+            device_flow(
+                max(decided, device_idle), [device_seconds(u.numel, rates) for u in lane], overlapped=rates.overlapped
+            ),
         )
     )
     return ends
 
 
-def device_flow(start: float, times: Sequence[tuple[float, float, float]]) -> list[float]:
+def device_flow(start: float, times: Sequence[tuple[float, float, float]], *, overlapped: bool = True) -> list[float]:
     """When each unit of the device lane is copied out, the lane starting at ``start``: copies in on
     the H2D engine back to back, each step on the compute engine after its copy in, each copy out on
-    the D2H engine after its step (``times``: the units' (in, step, out) seconds, in lane order)."""
+    the D2H engine after its step (``times``: the units' (in, step, out) seconds, in lane order);
+    not ``overlapped``: each unit's copy in, step and copy out after the previous unit's."""
     h2d = step = d2h = start
     out = []
+    if not overlapped:
+        for t_in, t_step, t_out in times:
+            d2h += t_in + t_step + t_out
+            out.append(d2h)
+        return out
     for t_in, t_step, t_out in times:
         h2d += t_in
         step = max(h2d, step) + t_step

@@ -25,6 +25,7 @@ from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageReport
 from sysx.optim.threads import OptimizerThreads
 from sysx.optim.validation import StepOutcome, apply_checked, check_reports, post_step_validate
+from sysx.trace.recorder import COMPUTE
 
 if TYPE_CHECKING:
     import torch
@@ -139,12 +140,17 @@ class StepProtocol:
         if outcome.skipped or not self.on_device:
             return
         assert self.lane is not None
+        rec = self.threads.recorder
+        rec = rec if rec is not None and rec.on else None
         for name, seconds in self.on_device.items():
             stage = self.threads.stage(name)
             stage.scale_grads(outcome.clip_coef)
             if self.pacer is not None:
                 self.pacer.device_optimizer(name, seconds)
+            begin = rec.now() if rec is not None else 0.0
             stage.apply_on(self.lane, lr)
+            if rec is not None:  # on the device's row: its copies and kernels hold the device till it returns
+                rec.add(COMPUTE, ("device", name), begin, rec.now())
         if self.pacer is not None:
             self.pacer.device_optimizer_wait()
 

@@ -86,16 +86,18 @@ def emulated_placement(
 
 
 def measured_rates(device: torch.device, dtype: torch.dtype, *, workers: int, backend: str) -> LaneRates:
-    """This machine's copy rates and device memory bandwidth, and one CPU Adam thread's throughput."""
-    from sysx.machine.adam_rate import adam_params_per_s
+    """This machine's copy rates and device memory bandwidth, and one CPU thread's optimizer job throughput."""
+    from sysx.machine.adam_rate import optimizer_job_params_per_s
     from sysx.machine.hardware import measure_hardware
 
     hw = measure_hardware(device, dtype)
+    h2d, d2h = hw.pageable_copy_rates  # the lane copies the units' masters and moments, not page-locked
     return LaneRates(
-        cpu_params_per_s=adam_params_per_s(threads=1, backend=backend),
+        cpu_params_per_s=optimizer_job_params_per_s(dtype=dtype, threads=1, backend=backend),
         cpu_workers=workers,
-        h2d_bytes_per_s=hw.h2d_bytes_per_s,
-        d2h_bytes_per_s=hw.d2h_bytes_per_s,
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        overlapped=False,  # sysx.optim.device_lane: synchronous copies, one unit after another
         device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
         device_free_bytes=hw.device_free_bytes,
     )

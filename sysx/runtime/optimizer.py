@@ -71,7 +71,7 @@ class RankOptimizer:
         self.dtype = params.dtype
         self.stages: dict[tuple[int, int], StageOptimizer] = {}
         self.host_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.buffers = HostBuffers(f"rank {params.rank} host gradients")  # the D2H copies land here
+        self.buffers = HostBuffers(f"rank {params.rank} host gradients", pin=params.pin)  # the D2H copies land here
         self.events: dict[tuple[int, int], dev.Event] = {}
         self.outcome: StepOutcome | None = None
         self.step_seconds = 0.0
@@ -141,6 +141,7 @@ class RankOptimizer:
             rank=params.rank,
             workers=workers,
             pace=pace,
+            pin=params.pin,
         )
 
     def _stage_optimizer(

@@ -89,6 +89,9 @@ class RankRuntime:
                 rollback=opts.rollback,
                 layout=self.layout,
                 tier=settings("undo").tier,
+                # page-locked only for a GPU job: on a GPU machine a device=cpu job would otherwise
+                # create a CUDA context in every rank to register its host memory
+                pin=dev.is_cuda(device),
             )
             undo.callback(self.params.close)
             compute, h2d, d2h = pacer.streams(device)

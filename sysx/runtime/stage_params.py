@@ -113,6 +113,7 @@ class StageParams:
         self.params_of_layer = layer_params(model_cfg)
         self.numels = [sum(_numel(shape) for _, shape in entries) for entries in self.params_of_layer]
         self.units = sub_stages(schedule, self.numels, info, self.replica_layout)
+        self.pin = pin  # page-lock host memory the device copies from (the job's device is a GPU)
         self.store = SharedParamStore(job=job, node=info.node_rank, pin=pin, attach_timeout_s=timeout_s)
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights of this replica's shard
         self.shared: dict[tuple[int, int], torch.Tensor] = {}  # every unit this rank reads: its shared tensor

@@ -48,9 +48,9 @@ def window_rates(
     hw: HardwareProfile, plan: SinglePlan, *, workers: int, backend: str, cpu_params_per_s: float | None = None
 ) -> LaneRates:
     """The plan's copy and device-memory rates, the device memory the lane may use (the activation
-    ring and what the working set leaves free), and the CPU Adam throughput per worker:
-    ``cpu_params_per_s`` or this machine's (the workers share the cores)."""
-    from sysx.machine.adam_rate import adam_params_per_s
+    ring and what the working set leaves free), and the CPU lane's throughput per worker:
+    ``cpu_params_per_s`` or this machine's whole optimizer job (the workers share the cores)."""
+    from sysx.machine.adam_rate import optimizer_job_params_per_s
 
     per_worker = cpu_params_per_s
     if per_worker is None:
@@ -58,12 +58,22 @@ def window_rates(
         # the step starting up, which measured 0.13 G params/s on an H200 host that steps a block at
         # 3.9 G/s and sent every group to the device lane there (profiling/RESULTS.md, first GPU run)
         numel = min(max(plan.sizes.block_params, 1 << 20), 1 << 24)
-        per_worker = adam_params_per_s(numel, threads=torch.get_num_threads(), backend=backend) / workers
+        # the whole job, as the pipeline's profile times it: a 16-bit group's gradients converted
+        # and their norms taken, the step, the working copy written (on an H200 host a 3.2M bf16
+        # group's step took 20 ms on one thread, the Adam step alone 13)
+        per_worker = (
+            optimizer_job_params_per_s(
+                numel, dtype=plan.request.dtype, threads=torch.get_num_threads(), backend=backend
+            )
+            / workers
+        )
+    h2d, d2h = hw.pageable_copy_rates  # the lane copies the groups' masters and moments, not page-locked
     return LaneRates(
         cpu_params_per_s=per_worker,
         cpu_workers=workers,
-        h2d_bytes_per_s=hw.h2d_bytes_per_s,
-        d2h_bytes_per_s=hw.d2h_bytes_per_s,
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        overlapped=False,  # sysx.optim.device_lane: synchronous copies, one group after another
         device_mem_bytes_per_s=hw.device_mem_bytes_per_s,
         device_free_bytes=float(plan.device_budget - plan.device_bytes["total"] + plan.device_bytes["activation ring"]),
     )
@@ -84,7 +94,7 @@ def window_placement(
     ``separate_device``: the device is not the host (a GPU); ``rates``: given instead of the
     plan's and the measured ones (``cpu_params_per_s``: given instead of the measured CPU Adam)."""
     units, idle = window_units(plan, groups, speculative=speculative)
-    if mode == "cpu" or (mode == "auto" and not separate_device):
+    if not separate_device and mode in ("cpu", "auto"):  # the host is the device: no lane, nothing to price
         return Placement((), 0.0, 0.0, {}), units
     if rates is None:
         rates = window_rates(plan.hardware, plan, workers=WORKERS, backend=backend, cpu_params_per_s=cpu_params_per_s)

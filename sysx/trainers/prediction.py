@@ -244,10 +244,13 @@ class RunPrediction:
 
 class SinglePrediction:
     """``schedule=single``: the planner's predicted step time and memory (its :class:`SinglePlan`)
-    against the run's, after the same first steps (one process: nothing collective)."""
+    against the run's, after the same first steps (one process: nothing collective). The step is the
+    later of the planner's passes and :attr:`optimizer_s`, when the optimizer stops holding the next
+    passes (:attr:`sysx.optim.placement.Placement.finish`, set where the optimizer was placed)."""
 
     def __init__(self, plan: Any, device: torch.device) -> None:
         self.plan, self.device = plan, device
+        self.optimizer_s = 0.0
         release_free_heap()
         self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
@@ -273,7 +276,8 @@ class SinglePrediction:
         # on CPU the planner's device buffers are host memory too
         peak_plan = dev_total if cuda else dev_total + float(self.plan.host_bytes["total"])
         peak = float(dev.max_memory_allocated(self.device)) if cuda else host_growth(self.rss0)
-        pred = Prediction(self.plan.times["step_s"], peak_plan, GPU if cuda else HOST, "single-device planner")
+        step = max(float(self.plan.times["step_s"]), self.optimizer_s)
+        pred = Prediction(step, peak_plan, GPU if cuda else HOST, "single-device planner")
         if recorded is not None:
             steps, iteration, how = list(range(recorded[0], recorded[1] + 1)), recorded[2], "timeline"
         else:

@@ -27,11 +27,12 @@ class StateStream:
     """Reads spans of state files piece by piece and writes whole state files chunk by chunk, with
     two slots: the engine moves one chunk while the caller uses the other."""
 
-    def __init__(self, engine: IoEngine, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, engine: IoEngine, *, chunk_bytes: int = CHUNK_BYTES, pin: bool | None = None) -> None:
+        """``pin``: page-lock the staging buffer (a job on a GPU); None: when CUDA is present."""
         self.engine = engine
         self.chunk_bytes = aligned_nbytes(max(chunk_bytes, ALIGN))
         self._slot_bytes = self.chunk_bytes + ALIGN  # a page more for an unaligned start
-        self._staging = PinnedStaging(2 * self._slot_bytes, label="checkpoint staging buffer")
+        self._staging = PinnedStaging(2 * self._slot_bytes, label="checkpoint staging buffer", pin=pin)
 
     @property
     def staging_bytes(self) -> int:

@@ -280,6 +280,7 @@ class NvmeTier:
         self._errors: dict[str, BaseException] = {}  # failed writes: the stage's files are stale
         self._closers = list(closers)
         self._stream: StateStream | None = None
+        self._pin = pin
         self._closed = False
         self._waiting = 0  # jobs waiting for a free buffer (they come before the read-ahead)
         self._issuing = False  # a transfer's callback is run by the call that issues it (_transfer)
@@ -316,7 +317,7 @@ class NvmeTier:
         with self._cond:
             self._check_open()
             if self._stream is None:
-                self._stream = StateStream(self.engine)
+                self._stream = StateStream(self.engine, pin=self._pin)
                 self._closers.insert(0, self._stream.close)
             return self._stream
 
