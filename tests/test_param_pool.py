@@ -102,3 +102,37 @@ def test_a_load_placed_over_a_loaded_unit_is_refused() -> None:
     assert pool.view(range(2, 3), "F").tolist() == [3.0, 3.0] and pool.view(range(1, 2), "F").tolist() == [2.0] * 4
     with pytest.raises(BufferError, match="does not fit"):
         pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=8)  # past the end
+
+
+class _Waits(dev.Stream):
+    """A CPU stream that notes the events it is ordered after."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.waited: list[dev.Event] = []
+
+    def wait_event(self, event: dev.Event) -> None:
+        self.waited.append(event)
+
+
+def test_reused_space_is_waited_for_even_when_its_compute_is_done() -> None:
+    """A load over a freed extent and a gradient buffer taken back after its copy wait on the event
+    that freed them even when it has completed: the wait costs nothing, and without it the CUDA
+    sanitizer saw no order between the streams (the sysx schedule on an H200, second lease)."""
+    from sysx.runtime.buffers import GradBuffers
+
+    cpu = torch.device("cpu")
+    h2d, compute = _Waits(), dev.Stream(cpu)
+    pool = ParamPool(8, torch.float32, cpu, layer_numels=[4, 4], h2d=h2d, compute=compute)
+    pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=0)
+    pool.free((0, 0), "FREE s0.0")
+    freed = pool.released[0][2]
+    assert freed.query()  # on CPU a recorded event is done
+    pool.load((0, 1), range(1, 2), [torch.ones(4)], "LOAD s0.1", at=2)
+    assert h2d.waited == [freed] and pool.released == []  # waited for, then dropped
+
+    d2h, compute = dev.Stream(cpu), _Waits()
+    grads = GradBuffers(torch.float32, cpu, compute=compute, d2h=d2h)
+    grads.get((0, 0), 4).fill_(1.0)
+    copied = grads.offload((0, 0), torch.empty(4))
+    assert grads.get((0, 1), 4).tolist() == [0.0] * 4 and compute.waited == [copied]  # the same buffer, reused

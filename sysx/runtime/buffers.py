@@ -99,15 +99,15 @@ class ParamPool:
                 f"parameter pool of {self.buffer.numel()} beside {self._describe()}; the places come from the op "
                 "list being run (load_places), which must be the one the pool was sized for"
             )
-        # an extent whose compute is done needs no wait; one this load covers is waited for from
-        # now on through this unit's own release (so the list stays as short as the work in flight)
+        # every extent this load overlaps is waited for, its compute done or not: a wait on a done
+        # event costs nothing, and skipping it hid the order from the CUDA sanitizer (a second H200
+        # run of the sysx schedule under it reported a race). Done extents, and those this load
+        # covers (waited for from now on through this unit's own release), leave the list
         pending = []
         for a, b, event in self.released:
-            if event.query():
-                continue
             if a < hi and lo < b:
                 self.h2d.wait_event(event)
-            if not (lo <= a and b <= hi):
+            if not event.query() and not (lo <= a and b <= hi):
                 pending.append((a, b, event))
         self.released = pending
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
@@ -186,6 +186,8 @@ class GradBuffers:
             if cand.numel() >= numel and (done is None or done.query()):
                 self._pool.pop(i)
                 buf = cand[:numel]
+                if done is not None:  # done already: no stall, and the CUDA sanitizer sees the order
+                    self.compute.wait_event(done)
                 break
         else:
             buf = torch.empty(numel, dtype=self.dtype, device=self.device)
