@@ -266,7 +266,9 @@ def test_the_pacer_charges_the_tier_on_one_disk_lane_and_a_step_waits_for_its_re
     assert lane[1][0] == pytest.approx(lane[0][1])
     job = spans[("cpu", f"OPT {name}")]
     assert job[0] == pytest.approx(lane[1][1])  # the job started at the last read's end
-    assert lane[2][0] == pytest.approx(job[1], abs=2e-3)  # its write-back at the job's modelled end
+    # its write-back at the job's modelled end: never before it, and on a busy machine its thread may
+    # start a few ms late (3.6 ms once in CI); the job lasts ~70 ms, so 20 ms still tells end from start
+    assert job[1] - 1e-3 <= lane[2][0] <= job[1] + 0.02
 
 
 def _run_forwards(

@@ -89,15 +89,12 @@ class RankRuntime:
                 rollback=opts.rollback,
                 layout=self.layout,
                 tier=settings("undo").tier,
-                # page-locked only for a GPU job: on a GPU machine a device=cpu job would otherwise
-                # create a CUDA context in every rank to register its host memory
-                pin=dev.is_cuda(device),
+                pin=dev.is_cuda(device),  # a device=cpu job on a GPU machine makes no CUDA context
             )
             undo.callback(self.params.close)
-            compute, h2d, d2h = pacer.streams(device)
-            self.compute = compute
-            self.pool = self._pool(schedule, dtype, device, h2d=h2d, compute=compute)
-            self.grads = GradBuffers(dtype, device, compute=compute, d2h=d2h)
+            self.compute, h2d, d2h = pacer.streams(device)
+            self.pool = self._pool(schedule, dtype, device, h2d=h2d, compute=self.compute)
+            self.grads = GradBuffers(dtype, device, compute=self.compute, d2h=d2h)
             self.optimizer = RankOptimizer(
                 self.params,
                 settings(self.params.rollback),
