@@ -19,6 +19,7 @@ import time
 import torch
 
 GiB = 1 << 30
+REPORT_LINES = 80  # of a sanitizer report: its kernel, the tensor's accesses and both stacks
 SCHEDULES = ("sysx", "gpipe", "single")
 ONE_B = [
     "model.max_seq_len=2048",
@@ -72,6 +73,16 @@ def losses(schedule: str, device: str) -> list[float]:
         trainer.close()
 
 
+def sanitizer_report(lines: list[str], limit: int = REPORT_LINES) -> list[str]:
+    """The CUDA sanitizer's first report in a child's stderr: from its "CSAN detected" line on, with
+    the two stacks it gives (the access now and the one before), at most ``limit`` lines; [] when
+    there is none. The one-line summary alone named no tensor or op (second H200 lease)."""
+    start = next((i for i, line in enumerate(lines) if "CSAN detected" in line), None)
+    if start is None:
+        return []
+    return lines[start : start + limit]
+
+
 def check_losses(cuda: bool) -> None:
     """Each schedule on CUDA under the CUDA sanitizer against the same run on CPU (1e-4 relative)."""
     for schedule in SCHEDULES:
@@ -86,10 +97,10 @@ def check_losses(cuda: bool) -> None:
                 timeout=240,
             )
             if proc.returncode != 0:
-                # the sanitizer's report comes first; an error while closing can end the output
                 lines = proc.stderr.strip().splitlines()
-                first = [ln for ln in lines if "CSAN detected" in ln][:1]
-                print(f"FAIL losses {device} {schedule}: {first + lines[-1:]}", flush=True)
+                print(f"FAIL losses {device} {schedule}: {lines[-1:]}", flush=True)
+                for line in sanitizer_report(lines):
+                    print(f"  | {line}", flush=True)
                 continue
             runs[device] = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"losses {device} {schedule}: {runs[device]}", flush=True)

@@ -580,3 +580,25 @@ def test_the_parameter_pool_is_ordered_before_its_first_load() -> None:
         16, torch.float32, torch.device("cpu"), layer_numels=[8], h2d=h2d, compute=dev.Stream(torch.device("cpu"))
     )
     assert len(waited) == 1
+
+
+def test_gpu_check_prints_the_sanitizer_s_report_not_just_its_first_line() -> None:
+    """A failed CUDA child prints the report's stacks (the second H200 lease got one line that
+    named no tensor or op, and no device time was left to run it again)."""
+    sys.path.insert(0, str(ROOT / "profiling"))
+    try:
+        from gpu_check import sanitizer_report
+    finally:
+        sys.path.remove(str(ROOT / "profiling"))
+    stderr = [
+        "step 0",
+        "torch.cuda._sanitizer.CUDASanitizerErrors: detected 1 errors",
+        "CSAN detected a possible data race on tensor with data pointer 1234",
+        "Access by stream 7 during kernel:",
+        "aten::zero_",
+        "Previous access by stream 9 during kernel:",
+        "aten::copy_",
+    ]
+    assert sanitizer_report(stderr) == stderr[2:]
+    assert sanitizer_report(stderr, limit=2) == stderr[2:4]
+    assert sanitizer_report(["RuntimeError: boom"]) == []
