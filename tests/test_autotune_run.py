@@ -39,7 +39,6 @@ from sysx.schedule.simulate import simulate
 from tests.test_autotune import ROOMY, synthetic_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-
 TINY = get_preset("tiny")
 
 

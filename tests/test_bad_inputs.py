@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from test_runtime_procs import child_pythonpath
 
 from sysx.data import SampleWriter, TokenWriter
 
@@ -487,7 +488,7 @@ def test_nanogpt_train_bin_without_val_gets_a_carved_val_split(data_dir: Path) -
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = child_pythonpath(env)
     return env
 
 

@@ -174,7 +174,7 @@ def test_config_error_from_the_library_api() -> None:
     ("override", "word"), [("precision=fp8", "fp32, bf16, fp16"), ("schedule=nosuch", "reference")]
 )
 def test_bad_value_from_the_command_line(override: str, word: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(dict(os.environ))}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(os.environ)}
     proc = subprocess.run(
         [sys.executable, "-m", "sysx.train", override],
         cwd=tmp_path,
@@ -312,5 +312,5 @@ def test_single_section_checks_itself() -> None:
 
 def test_config_imports_without_torch() -> None:
     code = "import sys, sysx.config; sys.exit(1 if 'torch' in sys.modules else 0)"
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(dict(os.environ))}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(os.environ)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0

@@ -14,6 +14,7 @@ import numpy as np
 import platformdirs
 import pytest
 import torch
+from test_runtime_procs import child_pythonpath
 
 from sysx import cli
 from sysx.data import (
@@ -56,7 +57,7 @@ def dataset(tmp_path: Path) -> TokenDataset:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {**os.environ, "PYTHONPATH": child_pythonpath(os.environ)}
 
 
 # ---------------------------------------------------------------- tokenizers and format

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sysx import device as dev
+from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
 from sysx.device_binding import DeviceBindingError, backend_for, local_device
 from sysx.device_memory import DeviceUsage, MemoryCap, over_budget
 from sysx.model import get_preset
@@ -130,9 +131,21 @@ def test_executor_shells_hold_no_weights_and_compute_like_full_layers() -> None:
     assert torch.equal(shell(x), ref(x))
 
 
+def tiny_cpu_cfg(*, steps: int, micro_batches: int, warmup_steps: int) -> SysxConfig:
+    """The tiny model on the CPU, micro-batches of 2 sequences of 16 tokens, no evaluation (validated)."""
+    cfg = SysxConfig(
+        model=ModelSection(preset="tiny"),
+        train=TrainSection(steps=steps, micro_batch_size=2, micro_batches=micro_batches, seq_len=16),
+        optim=OptimSection(warmup_steps=warmup_steps),
+        eval=EvalSection(every=0, batches=1),
+        device="cpu",
+    )
+    validate(cfg)
+    return cfg
+
+
 # ---------------------------------------------------------------------------------- item 13
 def test_parameters_are_bound_once_per_slot_and_unit_not_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
     from sysx.data import TokenDataset, default_corpus_path
     from sysx.runtime import PipelineOptions
     from sysx.trainers.pipeline import PipelineTrainer
@@ -140,14 +153,7 @@ def test_parameters_are_bound_once_per_slot_and_unit_not_per_op(monkeypatch: pyt
     binds: list[int] = []
     real = FlatLayout.bind
     monkeypatch.setattr(FlatLayout, "bind", lambda self, mods, buf: (binds.append(1), real(self, mods, buf))[1])
-    cfg = SysxConfig(
-        model=ModelSection(preset="tiny"),
-        train=TrainSection(steps=3, micro_batch_size=2, micro_batches=4, seq_len=16),
-        optim=OptimSection(warmup_steps=2),
-        eval=EvalSection(every=0, batches=1),
-        device="cpu",
-    )
-    validate(cfg)
+    cfg = tiny_cpu_cfg(steps=3, micro_batches=4, warmup_steps=2)
     trainer = PipelineTrainer(
         cfg, PipelineOptions(optim_backend="torch", schedule="gpipe"), dataset=TokenDataset(default_corpus_path())
     )
@@ -168,7 +174,6 @@ def test_a_cpu_job_on_a_gpu_machine_page_locks_nothing(schedule: str, monkeypatc
     on a GPU machine registered its shared segments and gradient buffers with cudaHostRegister,
     creating a CUDA context in every rank (tens of MiB of host memory each, first seen on an H200's
     host). CUDA is faked present here; registering anything is a failure."""
-    from sysx.config import EvalSection, ModelSection, OptimSection, SysxConfig, TrainSection, validate
     from sysx.data import TokenDataset, default_corpus_path
     from sysx.memory import pinned
     from sysx.runtime import PipelineOptions
@@ -190,14 +195,7 @@ def test_a_cpu_job_on_a_gpu_machine_page_locks_nothing(schedule: str, monkeypatc
     pinned.HostBuffers("the fake's own check").empty(16, torch.float32)  # pin=None: CUDA "present"
     assert registered == [64]
     registered.clear()
-    cfg = SysxConfig(
-        model=ModelSection(preset="tiny"),
-        train=TrainSection(steps=1, micro_batch_size=2, micro_batches=2, seq_len=16),
-        optim=OptimSection(warmup_steps=1),
-        eval=EvalSection(every=0, batches=1),
-        device="cpu",
-    )
-    validate(cfg)
+    cfg = tiny_cpu_cfg(steps=1, micro_batches=2, warmup_steps=1)
     if schedule == "single":
         trainer: PipelineTrainer | SingleTrainer = SingleTrainer(cfg, optimizer_backend="torch")
     else:

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_runtime_procs import child_pythonpath
 from torch import nn
 
 from sysx.model import (
@@ -344,7 +345,6 @@ def test_sysx_model_imports_without_transformers() -> None:
         "import sysx.model, sysx.checkpoint.convert, sysx.model.hf; "
         "m = sysx.model.build_model(sysx.model.get_preset('tiny')); print(m.config.dim)"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(os.environ)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "128", out.stderr

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child_pythonpath(env: dict[str, str]) -> str:
+def child_pythonpath(env: Mapping[str, str]) -> str:
     """The repository first on the child's path, what the parent had after it (on the GPU machine,
     the carried wheels' folder)."""
     return os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
