@@ -108,6 +108,8 @@ def run_one(
     lines = proc.stdout.splitlines()
     row["choice"] = [ln for ln in lines if ln.startswith("schedule.tune (")][-1:]
     row["choice"] += [ln.strip() for ln in lines if ln.lstrip().startswith("winner `")][-1:]
+    # with --set 'profile.timeline_steps=[A,B]': how far apart the replicas finished their passes
+    row["replicas"] = [ln for ln in lines if ln.startswith("replicas: ")][-1:]
     return row
 
 
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))
             print(
                 f"{name}: {row['wall_s']:.0f} s, load {row['load_before']:.1f} -> {row['load_after']:.1f}: {status}",
+                *(f"\n  {line}" for line in row.get("replicas", [])),
                 flush=True,
             )
             if args.jsonl:

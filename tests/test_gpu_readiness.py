@@ -368,6 +368,32 @@ def test_a_closed_stage_optimizer_lets_its_page_locked_buffers_go() -> None:
     assert staging.closed and still_held
 
 
+def test_a_failed_step_s_error_is_not_hidden_by_its_live_views_when_the_trainer_closes() -> None:
+    """CPU twin of the second H200 lease's sanitizer failure: the failed op's frames held views of
+    sub-stage s1.2's shared memory, so ``close()`` in a ``finally`` raised LiveViewsError over the
+    real error and left the store open. Closing on the way out of a failure clears those frames."""
+    from sysx.runtime import ExecutionError, PipelineOptions
+    from sysx.schedule.ops import OpKind
+    from sysx.trainers.pipeline import PipelineTrainer
+
+    trainer = PipelineTrainer(
+        tiny_cpu_cfg(steps=1, micro_batches=2, warmup_steps=1), PipelineOptions(optim_backend="torch", schedule="sysx")
+    )
+    executor = trainer.runtime.executor
+
+    def fails_holding_a_view(op: object) -> None:
+        pieces = executor.params.pieces(op.stage, op.sub)  # type: ignore[attr-defined]
+        raise RuntimeError(f"injected, holding {len(pieces)} views of the store")
+
+    executor.handlers[OpKind.BACKWARD] = fails_holding_a_view
+    with pytest.raises(ExecutionError, match="injected"):
+        try:
+            trainer.run(1)
+        finally:
+            trainer.close()
+    assert trainer.runtime.params.store._stages == {}  # every segment closed, none left to exit hooks
+
+
 # ---------------------------------------------------------------------------------- item 12
 def test_no_pinned_allocation_bypasses_the_exact_size_registration() -> None:
     pattern = re.compile(r"pin_memory\s*=\s*True|\.pin_memory\(")

@@ -37,6 +37,7 @@ from sysx.schedule.costs import CostTable, UnitCosts
 from sysx.trace import Span, op_lane, ranges
 from sysx.trace.costs import measured_costs
 from sysx.trace.recorder import RankPart, lane_family
+from sysx.trace.replicas import replica_spread
 from sysx.trace.summary import measured
 from sysx.trace.timeline import merge, pack_lanes, step_timelines
 from sysx.trainers.pipeline import PipelineTrainer
@@ -426,6 +427,31 @@ def test_ranks_on_other_hosts_are_aligned_at_their_first_step() -> None:
     assert [s.start for s in merged] == pytest.approx([0.5, 0.25]) and [s.end for s in merged] == pytest.approx(
         [1.0, 1.0]
     )
+
+
+def test_the_replicas_spread_is_when_the_last_replica_s_passes_end_after_the_first_s() -> None:
+    """2 replicas of 2 ranks on one host: per step, the latest pass end of each replica's ranks;
+    VALIDATE (the meeting itself) is not a pass. On two hosts there is no common clock."""
+    f, b, v = op(OpKind.FORWARD, 0, -1, 0), op(OpKind.BACKWARD, 0, 0, 0), op(OpKind.VALIDATE, -1, -1, -1)
+
+    def part(rank: int, host: str, ends: dict[int, float]) -> RankPart:
+        spans = []
+        for step, end in ends.items():
+            spans += [
+                Span(rank, step, "compute", "F", f, step, step + 0.1),
+                Span(rank, step, "compute", "B", b, step + 0.1, end),
+                Span(rank, step, "compute", "V", v, end, step + 0.9),
+            ]
+        return RankPart(rank, host, {step: float(step) for step in ends}, spans)
+
+    ends = [{1: 1.30, 2: 2.52}, {1: 1.31, 2: 2.50}, {1: 1.34, 2: 2.40}, {1: 1.20, 2: 2.45}]  # per rank
+    spread = replica_spread([part(r, "h0", e) for r, e in enumerate(ends)], ranks_per_replica=2)
+    assert spread is not None and spread.steps == [1, 2] and spread.last == [1, 0]
+    assert spread.spreads == pytest.approx([0.03, 0.07])
+    assert spread.summary() == pytest.approx({"replica_spread_s": 0.05, "replica_spread_max_s": 0.07})
+    assert "50.0 ms after the first (median of 2 steps, max 70.0 ms)" in spread.line()
+    assert replica_spread([part(r, "h0", e) for r, e in enumerate(ends[:2])], ranks_per_replica=2) is None
+    assert replica_spread([part(r, f"h{r // 2}", e) for r, e in enumerate(ends)], ranks_per_replica=2) is None
 
 
 # ----------------------------------------------------------------------------------------- config

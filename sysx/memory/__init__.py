@@ -23,7 +23,7 @@ from sysx.memory.cleanup import SegmentInfo, release_all, scan, sweep_stale
 from sysx.memory.header import SegmentError
 from sysx.memory.names import SegmentName, mpi_broadcast, resolve_job_id, segment_name, torch_broadcast
 from sysx.memory.segment import Segment, SegmentExistsError, SegmentNotFoundError, StaleSegmentError
-from sysx.memory.views import LiveViewsError
+from sysx.memory.views import LiveViewsError, drop_failure_views
 
 _LAZY = {
     "SharedParamStore": "sysx.memory.store",
@@ -39,6 +39,7 @@ __all__ = [
     "HostMemoryError",
     "HostMemoryPlan",
     "LiveViewsError",
+    "drop_failure_views",
     "Segment",
     "SegmentError",
     "SegmentExistsError",

@@ -14,6 +14,7 @@ import ctypes
 import gc
 import mmap
 import sys
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,25 @@ if TYPE_CHECKING:
 
 class LiveViewsError(RuntimeError):
     """A mapping cannot be closed because tensors still view it."""
+
+
+def drop_failure_views(exc: BaseException | None = None) -> None:
+    """Clear the locals of the finished frames of ``exc`` (default: the exception being handled, as in
+    a ``finally`` on the way out of a failure) and of its causes and contexts.
+
+    A failed step's frames (the executor's handlers, torch's own Python functions) hold tensors that
+    view shared memory, so closing the mapping on the way out raised :class:`LiveViewsError` in
+    place of the real error (second H200 lease: a sanitizer failure reported as live views of
+    ``s1.2``). Frames still running, the caller's, keep their locals."""
+    pending = [exc if exc is not None else sys.exc_info()[1]]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        pending += [e.__cause__, e.__context__]
 
 
 _ITEMSIZE = {

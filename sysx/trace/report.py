@@ -26,6 +26,7 @@ from sysx.schedule.simulate import simulate
 from sysx.trace.chrome import write_chrome
 from sysx.trace.costs import measured_costs
 from sysx.trace.recorder import RankPart, Recorder, Span
+from sysx.trace.replicas import replica_spread
 from sysx.trace.summary import format_line, measured, planned
 from sysx.trace.timeline import merge, step_timelines, steps_of
 
@@ -68,10 +69,13 @@ def write_report(
     plan_costs: CostTable | None = None,
     param_bytes: float = 2.0,
     plan_schedule: Schedule | None = None,
+    trace_parts: Sequence[RankPart] | None = None,
 ) -> WindowReport:
     """A pipeline's window: :func:`write_window`, and ``plan.png`` with the plan simulated from the
     window's profiled costs (or ``plan_costs``), compared in the line and the summary. The plan runs
-    ``plan_schedule`` when given (the program the window's steps ran, e.g. validating first)."""
+    ``plan_schedule`` when given (the program the window's steps ran, e.g. validating first);
+    ``timeline.json`` holds ``trace_parts`` when given (every replica's ranks, where ``parts`` are
+    the first replica's)."""
     spans = merge(parts)
     costs = plan_costs if plan_costs is not None else measured_costs(spans, schedule, param_bytes=param_bytes)
     plan = simulate(plan_schedule or schedule, costs, memory=False)
@@ -83,6 +87,7 @@ def write_report(
         schedule=schedule,
         plan=planned(plan),
         plan_source="modelled costs" if plan_costs is not None else "measured costs",
+        trace_spans=merge(trace_parts) if trace_parts is not None else None,
     )
     report.costs = costs
     report.files.append(draw(plan, Path(run_dir) / PLAN_PNG))
@@ -99,13 +104,15 @@ def write_window(
     schedule: Schedule | None = None,
     plan: dict[str, float] | None = None,
     plan_source: str = "",
+    trace_spans: Sequence[Span] | None = None,
 ) -> WindowReport:
     """Write merged ``spans`` as ``timeline.json`` and ``timeline.png`` into ``run_dir`` and measure
-    them; ``plan`` (``iteration_s``, optionally ``bubble``) is what they are compared with."""
+    them; ``plan`` (``iteration_s``, optionally ``bubble``) is what they are compared with.
+    ``trace_spans`` (a superset of ``spans``: every replica) go to ``timeline.json`` instead."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [
-        write_chrome(spans, out / TIMELINE_JSON, title=name, n_ranks=n_ranks),
+        write_chrome(spans if trace_spans is None else trace_spans, out / TIMELINE_JSON, title=name, n_ranks=n_ranks),
         draw_compare(step_timelines(spans, n_ranks=n_ranks, name=name, schedule=schedule), out / TIMELINE_PNG),
     ]
     meas = measured(spans, n_ranks)
@@ -162,7 +169,12 @@ class PipelineWindow:
             plan_costs=plan_costs,
             param_bytes=param_bytes,
             plan_schedule=plan_schedule(range(rec.first, rec.last + 1)),
+            trace_parts=parts if len(parts) > schedule.n_ranks else None,
         )
         print(report.line, flush=True)
         self.sections = report.summary()
+        spread = replica_spread(parts, schedule.n_ranks)
+        if spread is not None:  # where the replicas' meeting at VALIDATE waits
+            print(spread.line(), flush=True)
+            self.sections["measured"].update(spread.summary())
         self.costs = report.costs

@@ -13,12 +13,12 @@ ranks before this rank starts closing, so they stop at once instead of after ``s
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from pathlib import Path
 
 from sysx import peers, stopping
 from sysx.config import SysxConfig
 from sysx.config.choices import EMULATED_DEVICE
+from sysx.memory.views import drop_failure_views
 from sysx.metrics import SUMMARY_FILE, RunLogger
 from sysx.run_dir import describe_run, prepare_run_dir
 from sysx.stopping import JobStopped
@@ -84,11 +84,11 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             logger.close()
         finished = True
     except JobStopped as stop:
-        traceback.clear_frames(stop.__traceback__)  # their locals hold views of shared memory that close() frees
+        drop_failure_views(stop)  # their locals hold views of shared memory that close() frees
         _stopped(trainer, logger, stop)
         raise
     except Exception as err:
-        traceback.clear_frames(err.__traceback__)
+        drop_failure_views(err)
         news = _failed(trainer, err)
         if isinstance(news, JobStopped):
             _stopped(trainer, logger, news)

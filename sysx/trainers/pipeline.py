@@ -30,7 +30,7 @@ from sysx.checkpoint.flat_state import flat_layer_states
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
 from sysx.emulate.device_model import device_model
-from sysx.memory import resolve_job_id, torch_broadcast
+from sysx.memory import drop_failure_views, resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.replicas import ReplicaLayout
@@ -335,7 +335,9 @@ class PipelineTrainer(Trainer):
         return "\n".join(lines)
 
     def close(self) -> None:
-        """Join optimizer threads, drop every view of shared memory and close the store (idempotent)."""
+        """Join optimizer threads, drop every view of shared memory and close the store (idempotent).
+        Called on the way out of a failure, it first clears the failure's frames (:func:`drop_failure_views`)."""
+        drop_failure_views()
         self._closed = True
         self.runtime.close()
 

@@ -24,6 +24,7 @@ from sysx.data.loss_weights import weighted_mean
 from sysx.device_memory import MemoryCap
 from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory import plan_host_memory
+from sysx.memory.views import drop_failure_views
 from sysx.metrics import StepResult
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import LaneRates, Placement
@@ -392,7 +393,9 @@ class SingleTrainer(Trainer):
             restore_stage_from(g.optimizer, g.layout, g.layer_indices, ckpt)
 
     def close(self) -> None:
-        """Finish pending optimizer work, stop the threads and free the host state."""
+        """Finish pending optimizer work, stop the threads and free the host state (after clearing the
+        frames of a failure being handled, :func:`drop_failure_views`)."""
+        drop_failure_views()
         try:
             self.threads.wait_stages()
         finally:
