@@ -136,3 +136,21 @@ def test_reused_space_is_waited_for_even_when_its_compute_is_done() -> None:
     grads.get((0, 0), 4).fill_(1.0)
     copied = grads.offload((0, 0), torch.empty(4))
     assert grads.get((0, 1), 4).tolist() == [0.0] * 4 and compute.waited == [copied]  # the same buffer, reused
+
+
+def test_a_done_extent_stays_until_a_load_over_it_waits_for_it() -> None:
+    """The sanitizer orders streams by waits alone, not by the host seeing an event done: an extent
+    whose compute is done but which no load has overlapped yet stays in the list, and the first
+    load over it, however much later, waits for its event."""
+    cpu = torch.device("cpu")
+    h2d, compute = _Waits(), dev.Stream(cpu)
+    pool = ParamPool(12, torch.float32, cpu, layer_numels=[4, 4], h2d=h2d, compute=compute)
+    pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=0)
+    pool.free((0, 0), "FREE s0.0")
+    freed = pool.released[0][2]
+    assert freed.query()
+    pool.load((0, 1), range(1, 2), [torch.ones(4)], "LOAD s0.1", at=8)  # elsewhere: [8, 12)
+    assert h2d.waited == [] and [(a, b) for a, b, _ in pool.released] == [(0, 4)]  # done, and kept
+    pool.free((0, 1), "FREE s0.1")
+    pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=2)  # over [0, 4), not [8, 12)
+    assert h2d.waited == [freed] and [(a, b) for a, b, _ in pool.released] == [(8, 12)]

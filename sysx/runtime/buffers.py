@@ -99,17 +99,15 @@ class ParamPool:
                 f"parameter pool of {self.buffer.numel()} beside {self._describe()}; the places come from the op "
                 "list being run (load_places), which must be the one the pool was sized for"
             )
-        # every extent this load overlaps is waited for, its compute done or not: a wait on a done
-        # event costs nothing, and skipping it hid the order from the CUDA sanitizer (a second H200
-        # run of the sysx schedule under it reported a race). Done extents, and those this load
-        # covers (waited for from now on through this unit's own release), leave the list
-        pending = []
+        # every extent this load overlaps is waited for, its compute done or not, and only a waited
+        # extent leaves the list (every later load is on the same h2d stream, behind this wait): the
+        # CUDA sanitizer orders streams by waits alone, not by the host seeing an event done, and a
+        # second H200 run of the sysx schedule under it reported a race when done extents were
+        # skipped or dropped unwaited. A wait on a done event costs nothing
         for a, b, event in self.released:
             if a < hi and lo < b:
                 self.h2d.wait_event(event)
-            if not event.query() and not (lo <= a and b <= hi):
-                pending.append((a, b, event))
-        self.released = pending
+        self.released = [(a, b, e) for a, b, e in self.released if not (a < hi and lo < b)]
         rec = self.recorder if self.recorder is not None and self.recorder.on else None
         # after the wait, before the copy's block (an emulated stream charges the copy as the block opens)
         begin = rec.mark(self.h2d) if rec is not None else None
@@ -142,6 +140,8 @@ class ParamPool:
         loaded = self.units.pop(unit, None)
         if loaded is None:
             raise BufferError(f"{label}: {unit_label(*unit)} is not loaded")
+        # the extents stay disjoint (this unit's load took out every one it overlapped, and no unit
+        # loaded since overlaps it), so the list holds at most as many as the pool has places
         self.released.append((loaded.lo, loaded.hi, self.compute.record_event()))
 
     def clear(self) -> None:
