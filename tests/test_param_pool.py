@@ -115,19 +115,28 @@ class _Waits(dev.Stream):
         self.waited.append(event)
 
 
+def _freed_at_0(numel: int) -> tuple[ParamPool, _Waits, dev.Event]:
+    """A pool of ``numel`` whose layer 0 (4 elements) was loaded at 0 and freed: the pool, its
+    noting H2D stream and the freeing event (done: on CPU a recorded event is)."""
+    h2d = _Waits()
+    pool = ParamPool(
+        numel, torch.float32, torch.device("cpu"), layer_numels=[4, 4], h2d=h2d, compute=dev.Stream(torch.device("cpu"))
+    )
+    pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=0)
+    pool.free((0, 0), "FREE s0.0")
+    freed = pool.released[0][2]
+    assert freed.query()
+    return pool, h2d, freed
+
+
 def test_reused_space_is_waited_for_even_when_its_compute_is_done() -> None:
     """A load over a freed extent and a gradient buffer taken back after its copy wait on the event
     that freed them even when it has completed: the wait costs nothing, and without it the CUDA
     sanitizer saw no order between the streams (the sysx schedule on an H200, second lease)."""
     from sysx.runtime.buffers import GradBuffers
 
+    pool, h2d, freed = _freed_at_0(8)
     cpu = torch.device("cpu")
-    h2d, compute = _Waits(), dev.Stream(cpu)
-    pool = ParamPool(8, torch.float32, cpu, layer_numels=[4, 4], h2d=h2d, compute=compute)
-    pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=0)
-    pool.free((0, 0), "FREE s0.0")
-    freed = pool.released[0][2]
-    assert freed.query()  # on CPU a recorded event is done
     pool.load((0, 1), range(1, 2), [torch.ones(4)], "LOAD s0.1", at=2)
     assert h2d.waited == [freed] and pool.released == []  # waited for, then dropped
 
@@ -142,13 +151,7 @@ def test_a_done_extent_stays_until_a_load_over_it_waits_for_it() -> None:
     """The sanitizer orders streams by waits alone, not by the host seeing an event done: an extent
     whose compute is done but which no load has overlapped yet stays in the list, and the first
     load over it, however much later, waits for its event."""
-    cpu = torch.device("cpu")
-    h2d, compute = _Waits(), dev.Stream(cpu)
-    pool = ParamPool(12, torch.float32, cpu, layer_numels=[4, 4], h2d=h2d, compute=compute)
-    pool.load((0, 0), range(0, 1), [torch.ones(4)], "LOAD s0.0", at=0)
-    pool.free((0, 0), "FREE s0.0")
-    freed = pool.released[0][2]
-    assert freed.query()
+    pool, h2d, freed = _freed_at_0(12)
     pool.load((0, 1), range(1, 2), [torch.ones(4)], "LOAD s0.1", at=8)  # elsewhere: [8, 12)
     assert h2d.waited == [] and [(a, b) for a, b, _ in pool.released] == [(0, 4)]  # done, and kept
     pool.free((0, 1), "FREE s0.1")
