@@ -375,6 +375,12 @@ def test_validate_first_is_the_same_program_with_a_synchronous_optimizer() -> No
     assert simulate(v, costs).iteration > simulate(s, costs).iteration
     mobius = build("mobius", 4, 8)
     assert validate_first(mobius) is mobius
+    # the runtime's schedules have posted receives (make_schedule lowers them), and so does the
+    # program their validating-first steps are planned with
+    from sysx.schedule.posted import post_receives
+
+    lowered = validate_first(post_receives(s))
+    assert lowered == post_receives(v) and lowered != v
     # the trainer plans a window with the program most of its steps ran
     model = DeviceModel(s)
     model.validated_first.update({2, 3})

@@ -49,6 +49,11 @@ class DeviceModel:
         """The cost table the device models time with (None: none, the run is measured)."""
         return None
 
+    def table_for(self, schedule: Schedule) -> CostTable | None:
+        """The cost table the device models ``schedule`` with: this run's schedule or its validating-first
+        program (:meth:`plan_schedule`); None: none, the run is measured."""
+        return None
+
     def plan_schedule(self, steps: Sequence[int]) -> Schedule:
         """The program the plan beside ``steps`` simulates: this schedule, or, when at least half of
         them validated before stepping (``optim.speculate``: after a clipped or overflowed step), the
@@ -107,12 +112,24 @@ class EmulatedDeviceModel(DeviceModel):
         self.cfg, self.rank, self.group, self.world, self.backend = cfg, rank, group, world, backend
         self.plan: EmulatedPlan = plan
         self.lane_plan: tuple[float, float] | None = None
-        self._validate_first_plan: tuple[float, float] | None = None
+        self._validate_first_plan: EmulatedPlan | None = None
 
     @property
     def table(self) -> CostTable | None:
         """The emulated plan's cost table."""
         return self.plan.table
+
+    def table_for(self, schedule: Schedule) -> CostTable | None:
+        """The emulated cluster's costs of ``schedule``: the run's plan's, or those of the plan of its
+        validating-first program (an optimizer that steps after VALIDATE runs on all of a rank's Adam
+        threads at once, so its table differs from the asynchronous workers')."""
+        return self.plan.table if schedule is self.schedule else self._plan_of(schedule).table
+
+    def _plan_of(self, schedule: Schedule) -> EmulatedPlan:
+        """The emulated plan of the validating-first program ``schedule`` (made once)."""
+        if self._validate_first_plan is None:
+            self._validate_first_plan = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas)
+        return self._validate_first_plan
 
     def optimizer_settings(self, rollback: str) -> dict[str, Any]:
         """The emulated workers; their real work is small: one thread each."""
@@ -135,10 +152,8 @@ class EmulatedDeviceModel(DeviceModel):
         schedule = self.plan_schedule(steps)
         if schedule is self.schedule:
             return self.lane_plan or (self.plan.iteration, self.plan.bubble_ratio)
-        if self._validate_first_plan is None:
-            p = plan_emulation(self.cfg, schedule, backend=self.backend, replicas=self.replicas)
-            self._validate_first_plan = (p.iteration, p.bubble_ratio)
-        return self._validate_first_plan
+        p = self._plan_of(schedule)
+        return p.iteration, p.bubble_ratio
 
     def sections(self) -> dict[str, Any]:
         """``{"emulation": report}`` (collective: every rank calls it; :meth:`report`)."""

@@ -36,7 +36,7 @@ class PipelineObservation:
             rank.record(self.window.recorder)
         self.timeline = PipelineWindow(self.window.recorder, rank=rank.rank, world=rank.world, group=rank.group)
         lookup = cached_profile(cfg, rank.world, rank.local_world_size, rank.device, rank.optimizer.threads)
-        self.costs = RunCosts(tuned, model.table, lookup=lookup, window=self.timeline)
+        self.costs = RunCosts(tuned, model.table_for, lookup=lookup, window=self.timeline)
         self.prediction = RunPrediction(
             self.costs,
             model,
@@ -59,14 +59,16 @@ class PipelineObservation:
     def write_timeline(self) -> None:
         """The recorded window to rank 0, which writes it into ``run_dir`` beside the plan and prints
         the comparison (collective: every rank calls it after the window's last step)."""
-        rank = self.rank
+        rank, recorder = self.rank, self.window.recorder
+        assert recorder is not None
+        program = self.model.plan_schedule(range(recorder.first, recorder.last + 1))  # validating first, or not
         self.timeline.write(
             {stage.name: key for key, stage in rank.optimizer.stages.items()},
             rank.schedule,
             self.cfg.run_dir,
             modelled=self.model.pacer.modelled,
-            plan_costs=self.costs.plan_table(rank.schedule),
-            plan_schedule=self.model.plan_schedule,
+            plan_costs=self.costs.plan_table(program),
+            plan_schedule=lambda steps: program,
             param_bytes=float(rank.dtype.itemsize),
         )
         # the others wait here for rank 0's files, not inside the next step (which would time the drawing)

@@ -114,24 +114,27 @@ class RunCosts:
     def __init__(
         self,
         tuned: Costs | None,
-        modelled: CostTable | None,
+        modelled: Callable[[Schedule], CostTable | None],
         *,
         lookup: Callable[[], Costs | None],
         window: PipelineWindow,
     ) -> None:
+        """``modelled``: the device's costs of a schedule (:meth:`sysx.emulate.device_model.DeviceModel.table_for`)."""
         self.tuned, self.modelled, self.lookup, self.window = tuned, modelled, lookup, window
 
     def plan_table(self, schedule: Schedule) -> CostTable | None:
-        """The costs the plan beside a recorded timeline is simulated with; None: the window's own
-        profiled costs (:func:`sysx.trace.costs.measured_costs`)."""
-        return self.tuned.table(schedule) if self.tuned is not None else self.modelled
+        """The costs the plan beside a recorded timeline of ``schedule`` is simulated with; None: the
+        window's own profiled costs (:func:`sysx.trace.costs.measured_costs`)."""
+        return self.tuned.table(schedule) if self.tuned is not None else self.modelled(schedule)
 
-    def costs(self) -> tuple[Costs | CostTable | None, str]:
-        """Rank 0: the costs the run used and their name (see :mod:`sysx.autotune.check`)."""
+    def costs(self, schedule: Schedule) -> tuple[Costs | CostTable | None, str]:
+        """Rank 0: the costs ``schedule`` (the program the checked steps ran) is predicted with, and
+        their name (see :mod:`sysx.autotune.check`)."""
         if self.tuned is not None:
             return self.tuned, "tuned profile"
-        if self.modelled is not None:
-            return self.modelled, "emulated device"
+        modelled = self.modelled(schedule)
+        if modelled is not None:
+            return modelled, "emulated device"
         cached = self.lookup()
         if cached is not None:
             return cached, "cached profile"
@@ -215,7 +218,14 @@ class RunPrediction:
         peak = self._peak()
         if self.rank != 0:
             return
-        costs, source = self.costs.costs()
+        recorded = self.window.iteration()
+        if recorded is not None:
+            (steps, iteration), how = recorded, "timeline"
+        else:
+            steps, iteration = measured_window(self.step_times)
+            how = "step times"
+        schedule = self.model.plan_schedule(steps)  # validating first after a clipped step runs another program
+        costs, source = self.costs.costs(schedule)
         if costs is None:
             print(
                 "prediction: none (no profile of this machine and model shape is cached; schedule.tune=true or "
@@ -223,14 +233,7 @@ class RunPrediction:
                 flush=True,
             )
             return
-        recorded = self.window.iteration()
-        if recorded is not None:
-            (steps, iteration), how = recorded, "timeline"
-        else:
-            steps, iteration = measured_window(self.step_times)
-            how = "step times"
         gpn = self.model.gpus_per_node(self.local_world_size)
-        schedule = self.model.plan_schedule(steps)  # validating first after a clipped step runs another program
         if schedule is not self.model.schedule:
             source = f"{source}, validating first"
         pred: Prediction = predict(schedule, costs, memory=self._memory_kind(), source=source, gpus_per_node=gpn)
