@@ -149,13 +149,14 @@ class PipelineWindow:
         *,
         modelled: Callable[[RankPart], RankPart],
         plan_costs: CostTable | None,
-        plan_schedule: Callable[[Sequence[int]], Schedule],
+        plan_schedule: Schedule,
         param_bytes: float,
     ) -> None:
         """Gather every rank's records on rank 0, which writes them into ``run_dir`` beside the plan
-        (:func:`write_report`) and prints the comparison (collective: every rank calls it after the
-        window's last step). ``units``: sub-stage names to keys; ``modelled``: the device's view of
-        a part (:meth:`sysx.emulate.pacer.Pacer.modelled`)."""
+        of ``plan_schedule`` (the program the window's steps ran, e.g. validating first) with
+        ``plan_costs`` (:func:`write_report`) and prints the comparison (collective: every rank calls
+        it after the window's last step). ``units``: sub-stage names to keys; ``modelled``: the
+        device's view of a part (:meth:`sysx.emulate.pacer.Pacer.modelled`)."""
         rec = self.recorder
         assert rec is not None
         parts = gather_parts(modelled(rec.part(units)), rank=self.rank, world=self.world, group=self.group)
@@ -168,7 +169,7 @@ class PipelineWindow:
             run_dir,
             plan_costs=plan_costs,
             param_bytes=param_bytes,
-            plan_schedule=plan_schedule(range(rec.first, rec.last + 1)),
+            plan_schedule=plan_schedule,
             trace_parts=parts if len(parts) > schedule.n_ranks else None,
         )
         print(report.line, flush=True)

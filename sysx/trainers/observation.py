@@ -68,7 +68,7 @@ class PipelineObservation:
             self.cfg.run_dir,
             modelled=self.model.pacer.modelled,
             plan_costs=self.costs.plan_table(program),
-            plan_schedule=lambda steps: program,
+            plan_schedule=program,
             param_bytes=float(rank.dtype.itemsize),
         )
         # the others wait here for rank 0's files, not inside the next step (which would time the drawing)
