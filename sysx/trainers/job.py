@@ -12,7 +12,10 @@ ranks before this rank starts closing, so they stop at once instead of after ``s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 from sysx import peers, stopping
@@ -26,6 +29,26 @@ from sysx.tracking import open_backends
 from sysx.trainers.base import Trainer
 from sysx.trainers.checkpointing import JobCheckpoints
 from sysx.trainers.throughput import compute_rate
+
+
+@contextlib.contextmanager
+def long_lived_heap() -> Iterator[None]:
+    """Collect once, then keep every object that exists now out of the garbage collector until the
+    block ends (:func:`gc.freeze`; :func:`gc.unfreeze` after, so a process running several jobs, a
+    test session, collects them again).
+
+    What exists when training starts lives as long as the job: torch, the model's modules, the
+    config, the tuner's results, some 235,000 objects in a tiny job. Each full collection walked
+    them all: 104-245 ms on the 2-core VM, once or twice in a 20-step tiny job whose steps take
+    0.13 s (a pause every rank of a pipeline waits for). Frozen, a full collection took 14 ms.
+    Objects of the frozen heap are still freed when their last reference goes; only reference
+    cycles among them wait for the unfreeze."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
@@ -71,7 +94,7 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
             backends=backends,
             compute=rate,
         ) as logger:
-            with stopping.deferring(cfg.checkpoint.on_signal):
+            with stopping.deferring(cfg.checkpoint.on_signal), long_lived_heap():
                 trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
             stop = stopping.pending()
             if stop is not None:  # deferred by checkpoint.on_signal: the step finished on every rank
