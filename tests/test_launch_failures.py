@@ -114,8 +114,13 @@ def test_ctrl_c_on_two_nodes(tmp_path: Path) -> None:
         assert elapsed < SIGNAL_STOP_S, job.errors()
         assert job.procs[0].returncode == 130, job.errors()
         lines = check_launcher_report(job)
-        assert [x for x in lines if x.startswith("sysx-train: stopped by SIGINT at step ")], lines
-        check_stopped_summary(job, "SIGINT")
+        # torchrun's agent of rank 0's "node" at times stops it with SIGTERM rather than relaying the
+        # SIGINT (1 of 20 runs at 93eca2b, 2 of 24 later; which agent path sends it is not known):
+        # rank 0 then says so, truthfully, and the launcher still exits 130
+        signals = ("SIGINT", "SIGTERM")
+        stopped = [x for x in lines for name in signals if x.startswith(f"sysx-train: stopped by {name} at step ")]
+        assert stopped, lines
+        check_stopped_summary(job, stopped[0].split()[3])
         job.check_nothing_left()
     finally:
         job.kill()
