@@ -3,11 +3,15 @@ int8 compression's error bound and bytes; the meta-device profile used for plann
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
 from sysx.model import get_preset
 from sysx.model.llama import build_model, make_layer
+from sysx.single import act_capture
 from sysx.single.act_capture import (
     ReplayMismatch,
     ReplayStats,
@@ -126,14 +130,35 @@ def test_meta_profile_matches_the_real_one() -> None:
 def test_replay_names_a_changed_op_sequence(block_and_reference) -> None:
     block, x, g, *_ = block_and_reference
     profile = profile_layer(block, x, model_dim=CFG.dim)
-    head_profile = profile_layer(make_layer(CFG, CFG.n_layers + 1), x, model_dim=CFG.dim)
     layout = SlotLayout.build(profile, profile.level_sites(2))
     slot = torch.empty(layout.nbytes, dtype=torch.uint8)
     run_captured(block, x, profile, layout, slot)
-    wrong = SlotLayout.build(head_profile, ())
-    with pytest.raises(ReplayMismatch, match="op #"):
-        backward_replayed(
-            block, g, head_profile, wrong, torch.empty(wrong.nbytes, dtype=torch.uint8).copy_(slot[: wrong.nbytes])
-        )
+    changed = dataclasses.replace(profile, ops=(*profile.ops[:3], "aten.not_this_op.default", *profile.ops[4:]))
+    expected = rf"op #3 is {re.escape(profile.ops[3])} but the profiled forward had aten\.not_this_op"
+    with pytest.raises(ReplayMismatch, match=expected):
+        backward_replayed(block, g, changed, layout, slot)
     with pytest.raises(ValueError, match="not cacheable"):
         SlotLayout.build(profile, {10_000})
+
+
+def test_a_level_that_saves_nothing_runs_no_dispatch_mode(block_and_reference, monkeypatch) -> None:
+    """Save level 0 keeps only the layer input: its forward and recompute run plain, without the
+    per-op Python call of Capture and Replay (the H200's 50M window forward was host-bound in it)."""
+    block, x, g, *_ = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    calls = {"Capture": 0, "Replay": 0}
+    for mode in (act_capture.Capture, act_capture.Replay):
+        dispatch = mode.__torch_dispatch__
+
+        def counted(self, *args, _dispatch=dispatch, _name=mode.__name__, **kwargs):
+            calls[_name] += 1
+            return _dispatch(self, *args, **kwargs)
+
+        monkeypatch.setattr(mode, "__torch_dispatch__", counted)
+    stats = ReplayStats()
+    _run_level(block, x, g, SlotLayout.build(profile, ()), profile, stats)
+    assert calls == {"Capture": 0, "Replay": 0}
+    assert stats.recomputed_sites == len(profile.sites) and stats.reused_sites == 0
+    assert stats.recomputed_flops == sum(s.flops for s in profile.sites)
+    _run_level(block, x, g, SlotLayout.build(profile, profile.level_sites(1)), profile)
+    assert calls["Capture"] == calls["Replay"] == len(profile.ops)

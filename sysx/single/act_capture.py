@@ -9,7 +9,11 @@ cost nothing, autograd still records their backward, and every op that was not s
 from the layer input. The result is bit-identical to a plain recompute.
 
 Both passes run with autograd enabled, so forward and recompute dispatch the very same op
-sequence; :class:`Replay` checks each op against the profile and names the first mismatch.
+sequence; :class:`Replay` checks each op against the profile and names the first mismatch. A layout
+that saves no site (save level 0, the layer input only) runs neither mode: its forward runs without
+autograd and its recompute is a plain one, as the pipeline's are. The modes cost one Python call per
+aten op (11-17 us each on the CPU machine, about as much as a tiny Block's compute), and on the H200
+they made the 50M window's forward host-bound (``profiling/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -106,14 +110,26 @@ class ReplayMismatch(RuntimeError):
     """The recompute dispatched a different op sequence from the profiled forward pass."""
 
 
-def _check_op(profile: LayerProfile, idx: int, name: str, where: str) -> None:
-    if idx >= len(profile.ops) or profile.ops[idx] != name:
-        expected = profile.ops[idx] if idx < len(profile.ops) else "<end of the profiled forward>"
-        raise ReplayMismatch(
-            f"{where}: op #{idx} is {name} but the profiled forward had {expected}; the layer's op sequence "
-            f"changed between passes (data-dependent control flow or a cache filled mid-run). Use save level 0 "
-            f"(single.save_level=input) for this model."
-        )
+_NAMES: dict[object, str] = {}  # aten overload -> its name, as the profile lists it (str() is slow)
+
+
+def _name(func: object) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+def _check_op(profile: LayerProfile, idx: int, func: object, where: str) -> None:
+    name = _name(func)
+    if idx < len(profile.ops) and profile.ops[idx] == name:
+        return
+    expected = profile.ops[idx] if idx < len(profile.ops) else "<end of the profiled forward>"
+    raise ReplayMismatch(
+        f"{where}: op #{idx} is {name} but the profiled forward had {expected}; the layer's op sequence "
+        f"changed between passes (data-dependent control flow or a cache filled mid-run). Use save level 0 "
+        f"(single.save_level=input) for this model."
+    )
 
 
 class Capture(TorchDispatchMode):
@@ -128,7 +144,7 @@ class Capture(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         idx = self.idx
         self.idx += 1
-        _check_op(self.profile, idx, str(func), "Capture")
+        _check_op(self.profile, idx, func, "Capture")
         row = self.layout.entries.get(idx)
         if row is not None:
             leaves = tree_flatten(out)[0]
@@ -167,7 +183,7 @@ class Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         idx = self.idx
         self.idx += 1
-        _check_op(self.profile, idx, str(func), "Replay")
+        _check_op(self.profile, idx, func, "Replay")
         row = self.layout.entries.get(idx)
         site = self.sites.get(idx)
         if row is None:
@@ -208,6 +224,9 @@ def run_captured(
     whatever the strides of ``x``, e.g. a sequence chunk of the residual stream)."""
     saved = layout.view(slot, layout.input)
     saved.copy_(x)
+    if not layout.sites:  # nothing to capture: the recompute runs plain and needs no op sequence
+        with torch.no_grad():
+            return run_layer(layer, saved, kv)
     xin = saved.detach().requires_grad_(True)
     with torch.enable_grad(), Capture(profile, layout, slot):
         y = run_layer(layer, xin, kv)
@@ -230,8 +249,14 @@ def backward_replayed(
     gradient accumulators what the later chunks sent back (see :mod:`sysx.model.attention`)."""
     x = layout.view(slot, layout.input).detach().requires_grad_(True)
     with torch.enable_grad():
-        with Replay(profile, layout, slot, stats):
+        if layout.sites:
+            with Replay(profile, layout, slot, stats):
+                y = run_layer(layer, x, kv)
+        else:  # a plain recompute: every site, as Replay would count it
             y = run_layer(layer, x, kv)
+            if stats is not None:
+                stats.recomputed_sites += len(profile.sites)
+                stats.recomputed_flops += sum(site.flops for site in profile.sites)
         torch.autograd.backward(y, grad_out)
     assert x.grad is not None
     return x.grad
