@@ -135,8 +135,9 @@ def test_replay_names_a_changed_op_sequence(block_and_reference) -> None:
     run_captured(block, x, profile, layout, slot)
     changed = dataclasses.replace(profile, ops=(*profile.ops[:3], "aten.not_this_op.default", *profile.ops[4:]))
     expected = rf"op #3 is {re.escape(profile.ops[3])} but the profiled forward had aten\.not_this_op"
-    with pytest.raises(ReplayMismatch, match=expected):
+    with pytest.raises(ReplayMismatch, match=expected) as raised:
         backward_replayed(block, g, changed, layout, slot)
+    assert str(raised.value).endswith("single.policy=input")  # the fix, a key the config has
     with pytest.raises(ValueError, match="not cacheable"):
         SlotLayout.build(profile, {10_000})
 

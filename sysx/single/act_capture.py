@@ -127,8 +127,8 @@ def _check_op(profile: LayerProfile, idx: int, func: object, where: str) -> None
     expected = profile.ops[idx] if idx < len(profile.ops) else "<end of the profiled forward>"
     raise ReplayMismatch(
         f"{where}: op #{idx} is {name} but the profiled forward had {expected}; the layer's op sequence "
-        f"changed between passes (data-dependent control flow or a cache filled mid-run). Use save level 0 "
-        f"(single.save_level=input) for this model."
+        f"changed between passes (data-dependent control flow or a cache filled mid-run). Save the layer "
+        f"input only, which replays nothing, for this model: single.policy=input"
     )
 
 
