@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from test_runtime_procs import child_pythonpath
 
 from sysx.config import (
@@ -314,3 +315,37 @@ def test_config_imports_without_torch() -> None:
     code = "import sys, sysx.config; sys.exit(1 if 'torch' in sys.modules else 0)"
     env = {**os.environ, "PYTHONPATH": child_pythonpath(os.environ)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+
+
+def _config_keys() -> set[str]:
+    """Every dotted key of the composed default config (``single.policy``, ``train.steps``, ...)."""
+    keys: set[str] = set()
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for k in node:
+            path = f"{prefix}{k}"
+            keys.add(path)
+            value = node[k]
+            if OmegaConf.is_dict(value):
+                walk(value, f"{path}.")
+
+    walk(compose_config(), "")
+    return keys
+
+
+def test_every_key_a_message_or_a_document_suggests_is_in_the_config() -> None:
+    """An error's fix, a comment or a document that tells the user to set ``section.key=value``
+    names a key the config has (the window's replay error once said ``single.save_level=input``)."""
+    keys = _config_keys()
+    sections = sorted({k.split(".")[0] for k in keys if "." in k})
+    suggested = re.compile(rf"(?<![\w./-])((?:{'|'.join(sections)})\.[a-z_][a-z0-9_.]*)=")
+    files = [*(ROOT / "sysx").rglob("*.py"), *(ROOT / "conf").rglob("*.yaml"), *(ROOT / "docs").rglob("*.md")]
+    files += [ROOT / "README.md", ROOT / "profiling" / "README.md"]
+    unknown = sorted(
+        f"{m.group(1).rstrip('.')} ({path.relative_to(ROOT)}:{line})"
+        for path in files
+        for line, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for m in suggested.finditer(text)
+        if m.group(1).rstrip(".") not in keys
+    )
+    assert len(files) > 100 and not unknown, unknown
