@@ -256,7 +256,7 @@ def backward_replayed(
             y = run_layer(layer, x, kv)
             if stats is not None:
                 stats.recomputed_sites += len(profile.sites)
-                stats.recomputed_flops += sum(site.flops for site in profile.sites)
+                stats.recomputed_flops += profile.flops()
         torch.autograd.backward(y, grad_out)
     assert x.grad is not None
     return x.grad
