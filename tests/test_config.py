@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from test_runtime_procs import child_pythonpath
 
 from sysx.config import (
@@ -25,6 +25,7 @@ from sysx.config import (
     resolve,
     to_yaml,
 )
+from sysx.config.compose import _keys_of, _schema_node
 from sysx.model import PRESETS
 from sysx.train import TRAINERS, main, parse_argv
 
@@ -317,27 +318,10 @@ def test_config_imports_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
 
 
-def _config_keys() -> set[str]:
-    """Every dotted key of the composed default config (``single.policy``, ``train.steps``, ...)."""
-    keys: set[str] = set()
-
-    def walk(node: DictConfig, prefix: str) -> None:
-        for k in node:
-            path = f"{prefix}{k}"
-            keys.add(path)
-            value = node[k]
-            if OmegaConf.is_dict(value):
-                walk(value, f"{path}.")
-
-    walk(compose_config(), "")
-    return keys
-
-
 def test_every_key_a_message_or_a_document_suggests_is_in_the_config() -> None:
     """An error's fix, a comment or a document that tells the user to set ``section.key=value``
     names a key the config has (the window's replay error once said ``single.save_level=input``)."""
-    keys = _config_keys()
-    sections = sorted({k.split(".")[0] for k in keys if "." in k})
+    sections = [s for s in _keys_of("") if dataclasses.is_dataclass(_schema_node(s))]
     suggested = re.compile(rf"(?<![\w./-])((?:{'|'.join(sections)})\.[a-z_][a-z0-9_.]*)=")
     files = [*(ROOT / "sysx").rglob("*.py"), *(ROOT / "conf").rglob("*.yaml"), *(ROOT / "docs").rglob("*.md")]
     files += [ROOT / "README.md", ROOT / "profiling" / "README.md"]
@@ -346,6 +330,6 @@ def test_every_key_a_message_or_a_document_suggests_is_in_the_config() -> None:
         for path in files
         for line, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
         for m in suggested.finditer(text)
-        if m.group(1).rstrip(".") not in keys
+        if _schema_node(m.group(1).rstrip(".")) is None
     )
     assert len(files) > 100 and not unknown, unknown
