@@ -219,6 +219,62 @@ def check_single_budget(cuda: bool, budget_gb: float = 12.0) -> None:
         trainer.close()
 
 
+def check_keep_graph(cuda: bool) -> None:
+    """``single.keep_graph``: the same losses as saving every site, the step time of each, the peak against the plan."""
+    from sysx.config import load_config
+    from sysx.device_memory import device_usage
+    from sysx.trainers.single import SingleTrainer
+
+    device = "cuda" if cuda else "cpu"
+    shape = ["model=tiny", *ONE_B, "train.seq_len=1024", "precision=bf16"] if cuda else _small("cpu")
+    if not cuda:
+        skip("single.keep_graph on a ~1B shape on CUDA (a tiny CPU run instead)")
+    rows = {}
+    for keep in (True, False, True, False):  # interleaved: the second pair is timed after the first warmed up
+        cfg = load_config(
+            [
+                *shape,
+                "train.micro_batch_size=2",
+                "train.micro_batches=2",
+                "train.steps=4",
+                "eval.every=0",
+                f"device={device}",
+                "schedule=single",
+                "single.policy=everything",
+                f"single.keep_graph={str(keep).lower()}",
+                "single.print_plan=false",
+                "optim.backend=torch",
+            ]
+        )
+        trainer = SingleTrainer(cfg)
+        try:
+            results = trainer.run(1)
+            t0 = time.perf_counter()
+            results += trainer.run(3)
+            step_s = (time.perf_counter() - t0) / 3
+            usage = device_usage(trainer.device)
+            rows[keep] = (
+                [round(r.loss, 5) for r in results],
+                step_s,
+                trainer.plan.keep_graph,
+                trainer.plan.device_bytes["total"],
+                usage.describe() if usage is not None else "no device counters",
+            )
+        finally:
+            trainer.close()
+    for keep, (losses_, step_s, planned_keep, planned, usage_) in rows.items():
+        print(
+            f"keep_graph={keep} (plan {planned_keep}): losses {losses_}, {step_s * 1e3:.1f} ms/step; plan {planned / GiB:.3f} GiB; {usage_}",
+            flush=True,
+        )
+    same = rows[True][0] == rows[False][0]
+    print(
+        f"{'OK' if same else 'FAIL'} keep_graph: losses {'equal' if same else 'differ'}; step time kept/replayed "
+        f"{rows[True][1] / rows[False][1]:.3f}",
+        flush=True,
+    )
+
+
 def main(argv: list[str]) -> int:
     """``all`` (default) or ``losses SCHEDULE DEVICE``."""
     if argv[:1] == ["losses"]:
@@ -229,7 +285,7 @@ def main(argv: list[str]) -> int:
         f"torch {torch.__version__}, device {torch.cuda.get_device_name() if cuda else 'cpu (reduced form)'}",
         flush=True,
     )
-    for check in (check_losses, check_shm_copy, check_pinned, check_single_budget):
+    for check in (check_losses, check_shm_copy, check_pinned, check_single_budget, check_keep_graph):
         print(f"== {check.__doc__.splitlines()[0]}", flush=True)
         check(cuda)
     return 0

@@ -56,6 +56,24 @@ def one_thread():
 
 
 @pytest.fixture
+def dispatch_mode_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the window's two dispatch modes during the test, by class (``Capture``, ``Replay``):
+    each is one Python call per aten op, the host cost a plain or kept forward avoids."""
+    from sysx.single import act_capture
+
+    calls = {"Capture": 0, "Replay": 0}
+    for mode in (act_capture.Capture, act_capture.Replay):
+        dispatch = mode.__torch_dispatch__
+
+        def counted(self, *args, _dispatch=dispatch, _name=mode.__name__, **kwargs):
+            calls[_name] += 1
+            return _dispatch(self, *args, **kwargs)
+
+        monkeypatch.setattr(mode, "__torch_dispatch__", counted)
+    return calls
+
+
+@pytest.fixture
 def nvtx_ranges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """The NVTX ranges opened during the test, as ``(name, thread name)``: ``nvtx.annotate`` is a
     stand-in that notes them; ranges are on only if the test turns them on, and off again after it."""

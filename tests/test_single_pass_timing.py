@@ -77,6 +77,11 @@ def test_passes_are_timed_on_the_device_and_not_with_sequence_chunks() -> None:
     passes = measure_passes(plan, torch.device("cpu"), repeats=1)
     assert passes is not None
     assert passes.forward_s > 0 and passes.backward_s > 0 and passes.head_s > 0
+    # a window that keeps its graphs times the forward that keeps one and the backward through it
+    kept = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, keep_graph=True), hw, profiler=profiler)
+    assert kept.keep_graph
+    kept_passes = measure_passes(kept, torch.device("cpu"), repeats=1)
+    assert kept_passes is not None and kept_passes.forward_s > 0 and kept_passes.backward_s > 0
     chunked = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, seq_chunk=8), hw)
     assert chunked.seq_chunk == 8
     assert measure_passes(chunked, torch.device("cpu"), repeats=1) is None

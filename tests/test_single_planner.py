@@ -11,6 +11,7 @@ import torch
 
 from sysx.machine.hardware import GiB, measure_hardware
 from sysx.model import get_preset
+from sysx.single.act_capture import kept_graph_layout
 from sysx.single.hardware import assumed_hardware
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest
 from sysx.single.planner import make_plan, min_round_sequences
@@ -171,6 +172,45 @@ def test_tiny_model_fits_whole_and_grows_the_round() -> None:
     )
     with pytest.raises(PlanError, match="cannot train within the budgets"):
         make_plan(tiny_budget, hw)
+
+
+def _tiny_whole(**kw) -> PlanRequest:
+    args = dict(
+        model=TINY,
+        seq_len=128,
+        global_batch=16,
+        precision="fp32",
+        device_budget_bytes=GiB,
+        host_budget_bytes=4 * GiB,
+        keep_graph=True,
+    )
+    args.update(kw)
+    return PlanRequest(**args)
+
+
+def test_blocks_that_never_leave_the_device_keep_their_graphs() -> None:
+    """Every block fits: each keeps its forward's autograd graph, its activation slots holding the
+    layer input and what the graph saves, smaller than the level-'everything' slots they replace."""
+    hw = assumed_hardware("rtx4090", device_memory_gib=1, host_memory_gib=4)
+    plan = make_plan(_tiny_whole(), hw)
+    assert plan.window == TINY.n_layers and plan.keep_graph
+    units, L, table = plan.units, plan.window, plan.table
+    graph = table.profile.graph_bytes
+    kept = kept_graph_layout(table.profile).nbytes
+    assert graph is not None and kept == table.slot_bytes[0] + graph  # the level-0 slot: the input
+    assert kept < table.slot_bytes[-1]
+    assert plan.device_bytes["activation ring"] == L * units * align(kept)
+    assert "keeps its forward's autograd graph" in plan.render()
+    # the step recomputes nothing: the predicted step is the everything level's
+    assert plan.times["recompute_s"] == 0.0
+    # not where a block's graph could not live until its backward, or where it was not asked for
+    assert not make_plan(_tiny_whole(keep_graph=False), hw).keep_graph
+    assert not make_plan(_tiny_whole(policy="matmuls"), hw).keep_graph  # saves less than the graph holds
+    assert not make_plan(_tiny_whole(window=2), hw).keep_graph  # blocks slide
+    assert not make_plan(_tiny_whole(seq_chunk=32), hw).keep_graph  # a K/V cache rebuilt per chunk
+    no_graph = make_plan(_tiny_whole(keep_graph=False), hw)
+    assert no_graph.device_bytes["activation ring"] == L * units * align(table.slot_bytes[-1])
+    assert plan.device_bytes["total"] < no_graph.device_bytes["total"]
 
 
 def test_measured_cpu_hardware_is_usable_by_the_planner() -> None:

@@ -142,20 +142,12 @@ def test_replay_names_a_changed_op_sequence(block_and_reference) -> None:
         SlotLayout.build(profile, {10_000})
 
 
-def test_a_level_that_saves_nothing_runs_no_dispatch_mode(block_and_reference, monkeypatch) -> None:
+def test_a_level_that_saves_nothing_runs_no_dispatch_mode(block_and_reference, dispatch_mode_calls) -> None:
     """Save level 0 keeps only the layer input: its forward and recompute run plain, without the
     per-op Python call of Capture and Replay (the H200's 50M window forward was host-bound in it)."""
     block, x, g, *_ = block_and_reference
     profile = profile_layer(block, x, model_dim=CFG.dim)
-    calls = {"Capture": 0, "Replay": 0}
-    for mode in (act_capture.Capture, act_capture.Replay):
-        dispatch = mode.__torch_dispatch__
-
-        def counted(self, *args, _dispatch=dispatch, _name=mode.__name__, **kwargs):
-            calls[_name] += 1
-            return _dispatch(self, *args, **kwargs)
-
-        monkeypatch.setattr(mode, "__torch_dispatch__", counted)
+    calls = dispatch_mode_calls
     stats = ReplayStats()
     _run_level(block, x, g, SlotLayout.build(profile, ()), profile, stats)
     assert calls == {"Capture": 0, "Replay": 0}
@@ -163,3 +155,63 @@ def test_a_level_that_saves_nothing_runs_no_dispatch_mode(block_and_reference, m
     assert stats.recomputed_flops == sum(s.flops for s in profile.sites)
     _run_level(block, x, g, SlotLayout.build(profile, profile.level_sites(1)), profile)
     assert calls["Capture"] == calls["Replay"] == len(profile.ops)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def test_graph_bytes_are_what_the_autograd_graph_holds(block_and_reference) -> None:
+    """The profile's graph bytes against autograd's own record of a forward: the tensors its nodes
+    saved (their ``_saved_*`` attributes), each storage once (256-byte aligned), less the Block's
+    weights and its input; the meta profile (its fused-attention stand-in) counts the same."""
+    from sysx.single.plan_costs import meta_layer_profile
+
+    block, x, *_ = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    xin = x.clone().requires_grad_(True)
+    y = block(xin)
+    outside = {_storage(p) for p in block.parameters()} | {_storage(xin)}
+    saved: dict[int, int] = {}
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo += [n for n, _ in node.next_functions]
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            value = getattr(node, name)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and _storage(t) not in outside:
+                    saved[_storage(t)] = t.untyped_storage().nbytes()
+    assert len(saved) > 10
+    assert profile.graph_bytes == sum((n + 255) // 256 * 256 for n in saved.values())
+    assert meta_layer_profile(CFG, x.shape[1], x.dtype, x.shape[0], x.shape[1]).graph_bytes == profile.graph_bytes
+    everything = SlotLayout.build(profile, profile.level_sites(N_LEVELS - 1))
+    assert act_capture.kept_graph_layout(profile).nbytes < everything.nbytes
+
+
+def test_a_kept_graph_reads_what_it_saved_from_the_slot(block_and_reference) -> None:
+    """A kept forward's backward gives the plain backward's gradients bit for bit, and it reads what
+    the graph saved from the block's slot: spoil the slot after the forward and the gradients change."""
+    block, x, g, ref, ref_gx = block_and_reference
+    profile = profile_layer(block, x, model_dim=CFG.dim)
+    layout = act_capture.kept_graph_layout(profile)
+    grads = []
+    for spoil in (False, True):
+        for p in block.parameters():
+            p.grad = None
+        slot = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        y = torch.empty_like(x)
+        graph = act_capture.run_keeping_graph(block, x, layout, slot, out=y)
+        assert torch.equal(y, block(x))
+        if spoil:  # the region after the input: what the graph saved
+            slot[layout.input.nbytes :].view(torch.float32)[:] = 0.5
+        gx = act_capture.backward_kept(graph, g)
+        grads.append((gx, {n: p.grad.clone() for n, p in block.named_parameters()}))
+    (gx, params), (spoiled_gx, _) = grads
+    assert torch.equal(gx, ref_gx) and all(torch.equal(params[n], ref[n]) for n in ref)
+    assert not torch.equal(spoiled_gx, ref_gx)

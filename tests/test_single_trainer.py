@@ -72,6 +72,7 @@ CASES = [
     (2, "attention", 8, 2),
     (3, "projections", 2, 2),
     (4, "matmuls", 8, 2),  # every block resident: nothing slides
+    (4, "everything", 4, 2),  # nothing slides, 2 rounds: every block keeps its graph
     (2, "everything", 4, 2),
     (2, "dp", 4, 2),
     (1, "pyao", 8, 2),
@@ -102,6 +103,29 @@ def test_matches_reference_trainer(window: int, policy: str, round_sequences: in
         assert replay.reused_sites == 0
     if policy in ("everything",):
         assert replay.recomputed_flops == 0.0
+    assert not plan.keep_graph  # single.keep_graph=false by default
+
+
+def test_kept_graphs_match_capture_and_replay_bit_for_bit(dispatch_mode_calls: dict[str, int]) -> None:
+    """A window whose blocks keep their forward's graph trains to the same bits as one that saves
+    every site and replays them, over two rounds a step, and runs neither dispatch mode."""
+    calls = dispatch_mode_calls
+    cfg = make_cfg(grad_clip=1.0)
+    runs = {}
+    for keep in (True, False):
+        single = SingleSection(
+            policy="everything", round_sequences=4, micro_batch_size=2, keep_graph=keep, print_plan=False
+        )
+        results, state, trainer = run_single(cfg, single)
+        assert trainer.plan.keep_graph == keep and trainer.plan.window == cfg_layers(cfg) and trainer.plan.rounds == 2
+        assert trainer.executor.replay.recomputed_sites == 0
+        assert trainer.executor.arena.describe()["activation ring"] == trainer.plan.device_bytes["activation ring"]
+        runs[keep] = (results, state, dict(calls))
+    (kept, kept_state, kept_calls), (replayed, replayed_state, replayed_calls) = runs[True], runs[False]
+    assert kept_calls == {"Capture": 0, "Replay": 0}
+    assert replayed_calls["Capture"] > 0 and replayed_calls["Replay"] > 0
+    assert [(r.loss, r.grad_norm) for r in kept] == [(r.loss, r.grad_norm) for r in replayed]
+    assert all(torch.equal(kept_state[k], replayed_state[k]) for k in replayed_state)
 
 
 def cfg_layers(cfg: SysxConfig) -> int:
@@ -336,6 +360,34 @@ def test_gpu_matches_reference() -> None:
     )
     loss, norm, param = diffs(results, state, ref_results, {k: v.cpu() for k, v in ref_state.items()})
     assert loss <= 1e-4 and norm <= 1e-4 and param <= 1e-4, (loss, norm, param)
+
+
+@pytest.mark.gpu
+def test_gpu_kept_graphs_match_capture_and_stay_within_the_plan() -> None:
+    """CUDA twin of :func:`test_kept_graphs_match_capture_and_replay_bit_for_bit`: the same losses
+    and parameters as saving every site (1e-5: CUDA's attention backward may sum in another order),
+    and the peak allocated stays within the plan's device bytes."""
+    cfg = make_cfg()
+    cfg.device = "cuda"
+    cfg.precision = "fp32"
+    runs = {}
+    for keep in (True, False):
+        single = SingleSection(
+            policy="everything", round_sequences=4, micro_batch_size=2, keep_graph=keep, print_plan=False
+        )
+        trainer = SingleTrainer(cfg, single=single, optimizer_backend="torch", device="cuda")
+        try:
+            assert trainer.plan.keep_graph == keep
+            dev.reset_peak_memory(trainer.device)
+            results = trainer.run(STEPS)
+            peak = torch.cuda.max_memory_allocated(trainer.device)
+            runs[keep] = (results, trainer.state_dict(), peak, trainer.plan.device_bytes["total"])
+        finally:
+            trainer.close()
+    (kept, kept_state, peak, planned), (replayed, replayed_state, *_) = runs[True], runs[False]
+    loss, norm, param = diffs(kept, kept_state, replayed, {k: v.cpu() for k, v in replayed_state.items()})
+    assert loss <= 1e-5 and norm <= 1e-5 and param <= 1e-5, (loss, norm, param)
+    assert peak <= planned, f"peak {peak} bytes > planned {planned}"
 
 
 @pytest.mark.gpu

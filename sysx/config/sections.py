@@ -449,6 +449,7 @@ class SingleSection:
     seq_chunk: int = 0  # tokens per sequence chunk inside each block (0 = auto); divides train.seq_len
     policy: str = "dp"  # saved activations: dp (AdaWS DP) | pyao (IQR rule) | a fixed level name or id
     compress: bool = False  # int8-compress offloaded activations (PyAO 4.3)
+    keep_graph: bool = False  # when every block fits: keep each forward's autograd graph (no recompute)
     optimizer_overlap: str = "auto"  # auto | backward (step as grads arrive) | forward (after the norm)
     hardware: str = "measure"  # measure (cached per machine) | remeasure | a preset of ASSUMED_HARDWARE (planning only)
     print_plan: bool = True  # print the plan and its reasons at start

@@ -14,6 +14,13 @@ that saves no site (save level 0, the layer input only) runs neither mode: its f
 autograd and its recompute is a plain one, as the pipeline's are. The modes cost one Python call per
 aten op (11-17 us each on the CPU machine, about as much as a tiny Block's compute), and on the H200
 they made the 50M window's forward host-bound (``profiling/RESULTS.md``).
+
+A block that never leaves the device and whose sequences are whole needs neither: it keeps its
+forward's autograd graph until its backward (:func:`run_keeping_graph`, :func:`backward_kept`), which
+recomputes nothing and saves less than level 'everything' (9.8 against 15.4 MiB for a tiny Block at
+1024 tokens; :attr:`~sysx.single.op_profile.LayerProfile.graph_bytes`). What the graph saves is
+packed into the block's slot (:mod:`sysx.single.graph_pack`), so the memory stays planned. The
+planner chooses it (``single.keep_graph``) when every block fits the device.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from sysx.model.attention import KVCache
 from sysx.single.act_policy import N_LEVELS
 from sysx.single.compress import dequantize, packed_nbytes, quantize_into
+from sysx.single.graph_pack import GraphPacker
 from sysx.single.op_profile import LayerProfile, TensorMeta, run_layer
 
 ALIGN = 256  # byte alignment of every tensor inside a slot
@@ -260,3 +268,52 @@ def backward_replayed(
         torch.autograd.backward(y, grad_out)
     assert x.grad is not None
     return x.grad
+
+
+def kept_graph_layout(profile: LayerProfile) -> SlotLayout:
+    """The slot of a block that keeps its graph: the layer input, then the region its graph packs
+    its saved tensors into (:attr:`LayerProfile.graph_bytes` bytes, :mod:`sysx.single.graph_pack`)."""
+    if profile.graph_bytes is None:
+        raise ValueError("kept_graph_layout: this profile has no graph bytes (a sequence chunk keeps no graph)")
+    inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
+    return SlotLayout(inp, {}, _align(inp.nbytes) + profile.graph_bytes, frozenset())
+
+
+@dataclass
+class KeptGraph:
+    """A block's forward kept for its backward: the input it read (a view of its slot) and its output,
+    the autograd graph between them reading what it saved from the slot."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+
+
+def run_keeping_graph(
+    layer: nn.Module, x: torch.Tensor, layout: SlotLayout, slot: torch.Tensor, *, out: torch.Tensor
+) -> KeptGraph:
+    """Forward ``layer(x)`` into ``out`` (which may be ``x``) with autograd on, reading ``x`` from
+    ``slot`` and packing what the graph saves into the rest of it (``layout``: :func:`kept_graph_layout`);
+    returns the graph for :func:`backward_kept`. The graph reads the layer's weights and ``slot``:
+    neither may change before the backward."""
+    saved = layout.view(slot, layout.input)
+    saved.copy_(x)
+    xin = saved.detach().requires_grad_(True)
+    packer = GraphPacker([*layer.parameters(), xin], slot.device, slot[_align(layout.input.nbytes) : layout.nbytes])
+    with torch.enable_grad(), packer.hooks():
+        y = layer(xin)
+    packer.done()
+    out.copy_(y.detach())
+    # the backward needs the output's graph, not its values (whatever the graph reads is in the slot):
+    # its storage goes now, or it would pin the allocator's memory between the forward's transients
+    # until the backward (18 MiB more heap for the tiny window, besides its own bytes)
+    y.untyped_storage().resize_(0)
+    return KeptGraph(xin, y)
+
+
+def backward_kept(graph: KeptGraph, grad_out: torch.Tensor) -> torch.Tensor:
+    """Backpropagate ``grad_out`` through a kept forward (parameter grads accumulate into ``.grad``) and
+    return the gradient of its input."""
+    torch.autograd.backward(graph.output, grad_out)
+    grad = graph.input.grad
+    assert grad is not None
+    return grad

@@ -22,7 +22,16 @@ from sysx.model.flat import FlatLayout
 from sysx.model.layers import Block, Embedding, Head
 from sysx.model.llama import tie_embeddings
 from sysx.schedule.ops import Op, OpKind
-from sysx.single.act_capture import ReplayStats, SlotLayout, backward_replayed, run_captured
+from sysx.single.act_capture import (
+    KeptGraph,
+    ReplayStats,
+    SlotLayout,
+    backward_kept,
+    backward_replayed,
+    kept_graph_layout,
+    run_captured,
+    run_keeping_graph,
+)
 from sysx.single.host import HostState
 from sysx.single.op_profile import LayerProfile
 from sysx.single.plan_report import SinglePlan
@@ -77,7 +86,17 @@ class SlidingWindowExecutor:
         self.C, self.J, self.units = plan.seq_chunk, plan.seq_chunks, plan.units
         self.dtype = plan.request.dtype
         self.profile = profile
-        self.layouts: list[SlotLayout] = [plan.table.layouts[o] for o in plan.levels]
+        # with kept graphs a block's slot holds its input and what its graph saved
+        self.keep_graph = plan.keep_graph
+        if self.keep_graph and (plan.window < self.L or self.J > 1):
+            raise ValueError(
+                f"a plan that keeps graphs needs every block on the device and whole sequences; this one has "
+                f"W={plan.window} of {self.L} blocks and {self.J} sequence chunks"
+            )
+        self.layouts: list[SlotLayout] = (
+            [kept_graph_layout(profile)] * self.L if self.keep_graph else [plan.table.layouts[o] for o in plan.levels]
+        )
+        self._graphs: dict[tuple[int, int], KeptGraph] = {}  # (block, unit) -> its forward, until its backward
         self.n_transfer = plan.transfer_layers
         R_p, R_g, R_a = plan.r_param, plan.r_grad, plan.r_act
         if R_a % self.units:
@@ -240,6 +259,7 @@ class SlidingWindowExecutor:
             )
         self.version += 1
         ver = self.version
+        self._graphs.clear()  # a step cut short by an error left its forwards behind
         self._load_static(before_load)
         if self._static_home is not None:  # the last step's embedding/head gradients must have left
             self.compute.wait_event(self._static_home)
@@ -360,10 +380,19 @@ class SlidingWindowExecutor:
                 key = ("a", k, v, r)
 
                 def write(
-                    raw: torch.Tensor, c: int = c, j: int = j, shell: Block = shell, layout: SlotLayout = layout
+                    raw: torch.Tensor,
+                    c: int = c,
+                    j: int = j,
+                    v: int = v,
+                    k: int = k,
+                    shell: Block = shell,
+                    layout: SlotLayout = layout,
                 ) -> None:
                     x = self._piece(self.T[c], j)
-                    x.copy_(run_captured(shell, x, self.profile, layout, raw, kv=self._kv_at(j)))
+                    if self.keep_graph:
+                        self._graphs[(k, v)] = run_keeping_graph(shell, x, layout, raw, out=x)
+                    else:
+                        x.copy_(run_captured(shell, x, self.profile, layout, raw, kv=self._kv_at(j)))
 
                 self.ring_a.fill(
                     a, key, self.compute, self._timed(self.compute, COMPUTE, Op(OpKind.FORWARD, k + 1, mb=c), write)
@@ -424,9 +453,13 @@ class SlidingWindowExecutor:
             raw = self.ring_a.acquire(a, ("a", k, u - k * self.units, r), self.compute)
             with self._on(self.compute, COMPUTE, Op(OpKind.BACKWARD, k + 1, 0, c)):
                 grad = self._piece(self.T[c], j)
-                grad.copy_(
-                    backward_replayed(shell, grad, self.profile, layout, raw, stats=self.replay, kv=self._kv_at(j))
-                )
+                if self.keep_graph:  # every site reused, none recomputed
+                    gx = backward_kept(self._graphs.pop((k, u - k * self.units)), grad)
+                    self.replay.reused_sites += len(self.profile.sites)
+                    self.replay.reused_flops += self.profile.flops()
+                else:
+                    gx = backward_replayed(shell, grad, self.profile, layout, raw, stats=self.replay, kv=self._kv_at(j))
+                grad.copy_(gx)
             self.ring_a.release(a, self.compute)
             self.stats.chunks_backward += 1
             name = self.plan.table.names[self.plan.levels[k]]
@@ -513,7 +546,8 @@ class SlidingWindowExecutor:
         return out
 
     def close(self) -> None:
-        """Free the host buffers of the saved activations."""
+        """Free the host buffers of the saved activations and any kept graph."""
+        self._graphs.clear()
         self.host_acts.clear()
         self.host_buffers.close()
 

@@ -11,6 +11,7 @@ into the unfused math kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from sysx.model.attention import KVCache
 from sysx.single.act_policy import level_categories
 from sysx.single.compress import rows_of
+from sysx.single.graph_pack import GraphPacker
 
 if TYPE_CHECKING:
     from sysx.model.config import ModelConfig
@@ -137,6 +139,10 @@ class LayerProfile:
     sites: tuple[Site, ...]
     input: TensorMeta
     seconds: float | None = None  # measured time of the whole forward
+    # bytes of the region a kept forward graph packs its saved tensors into, besides the layer's
+    # input and weights (:mod:`sysx.single.graph_pack`); None for a sequence chunk, whose graph the
+    # window never keeps (:func:`sysx.single.act_capture.run_keeping_graph`)
+    graph_bytes: int | None = None
 
     def sites_in(self, categories: Iterable[str]) -> tuple[Site, ...]:
         """The sites of the given categories."""
@@ -208,13 +214,14 @@ def _const_value(leaf: object) -> object:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, model_dim: int, timed: bool) -> None:
+    def __init__(self, model_dim: int, timed: bool, graph: GraphPacker | None = None) -> None:
         super().__init__()
         self.model_dim = model_dim
         self.timed = timed
         self.ops: list[str] = []
         self.sites: list[Site] = []
         self.paused = False
+        self.graph = graph
 
     def add_site(self, name: str, out: object, flops: float, seconds: float | None) -> None:
         leaves, spec = tree_flatten(out)
@@ -269,6 +276,10 @@ class _MetaAttention(TorchFunctionMode):
                     tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(kwargs.get("is_causal", False))
                 )
                 self.recorder.add_site("aten._scaled_dot_product_fused_attention(meta)", (out, lse), flops, None)
+                graph = self.recorder.graph
+                if graph is not None:  # what a fused kernel saves for its backward
+                    for t in (q, k, v, out, lse):
+                        graph.pack(t)
                 return out.requires_grad_(q.requires_grad)
         return func(*args, **kwargs)
 
@@ -292,7 +303,8 @@ def profile_layer(
     With ``measure`` each site's time is the median of ``repeats`` timed runs (the GPU is
     synchronised around every op: use it for profiling only). A first untimed run fills any
     caches the layer keeps (e.g. RoPE tables) so that they do not show up as sites. With ``kv``
-    ``x`` is a sequence chunk (a Block's ``forward(x, kv)``; see :func:`profile_cache`).
+    ``x`` is a sequence chunk (a Block's ``forward(x, kv)``; see :func:`profile_cache`). The first
+    recorded run also counts the bytes its autograd graph keeps (:attr:`LayerProfile.graph_bytes`).
     """
     x = x.detach().requires_grad_(x.is_floating_point())
     with torch.enable_grad():
@@ -303,14 +315,10 @@ def profile_layer(
         for _ in range(runs):
             rec = _Recorder(model_dim, timed=measure)
             t0 = time.perf_counter()
-            if x.is_meta:
-                with _MetaAttention(rec), rec:
-                    run_layer(layer, x, kv)
-            else:
-                with rec:
-                    run_layer(layer, x, kv)
+            _record(layer, x, kv, rec)
             walls.append(time.perf_counter() - t0)
             profiles.append(rec)
+        graph_bytes = None if kv is not None else _graph_bytes(layer, x, model_dim)
     first = profiles[0]
     sites = list(first.sites)
     if measure:
@@ -327,8 +335,28 @@ def profile_layer(
                 times[len(times) // 2],
             )
     return LayerProfile(
-        tuple(first.ops), tuple(sites), TensorMeta.of(x), sorted(walls)[len(walls) // 2] if measure else None
+        tuple(first.ops),
+        tuple(sites),
+        TensorMeta.of(x),
+        sorted(walls)[len(walls) // 2] if measure else None,
+        graph_bytes,
     )
+
+
+def _record(layer: nn.Module, x: torch.Tensor, kv: KVCache | None, rec: _Recorder) -> None:
+    """One forward under ``rec`` (and the fused-attention stand-in on ``meta``)."""
+    with _MetaAttention(rec) if x.is_meta else contextlib.nullcontext(), rec:
+        run_layer(layer, x, kv)
+
+
+def _graph_bytes(layer: nn.Module, x: torch.Tensor, model_dim: int) -> int:
+    """:attr:`LayerProfile.graph_bytes` from one more forward, its own: a pack hook changes the op
+    sequence autograd dispatches (an output saved without a hook costs a ``detach``), so the
+    recorded runs, which capture and replay compare against, run without one."""
+    graph = GraphPacker([*layer.parameters(), x], x.device)
+    with graph.hooks():
+        _record(layer, x, None, _Recorder(model_dim, timed=False, graph=graph))
+    return graph.done()
 
 
 # (sequences per chunk b, sequence-chunk length C) -> profile of one Block computing b x C tokens

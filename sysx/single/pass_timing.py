@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from sysx.machine.hardware import time_op
-from sysx.single.act_capture import backward_replayed, run_captured
+from sysx.single.act_capture import (
+    backward_kept,
+    backward_replayed,
+    kept_graph_layout,
+    run_captured,
+    run_keeping_graph,
+)
 from sysx.single.op_profile import run_layer
 from sysx.single.plan_costs import LevelTable, predict_step
 from sysx.single.plan_report import SinglePlan
@@ -48,8 +54,9 @@ class PassTimes:
 
 
 def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REPEATS) -> PassTimes | None:
-    """Time a Block's captured forward and replayed backward on one unit at the window's save level,
-    and the Head's loss forward and backward on one chunk, as the executor runs them; None with
+    """Time a Block's captured forward and replayed backward on one unit at the window's save level
+    (its forward keeping the graph and the backward through it, when the plan keeps graphs), and the
+    Head's loss forward and backward on one chunk, as the executor runs them; None with
     sequence chunks (their K/V cache makes a unit's passes depend on its position). The plan's
     profile must be the device's (:func:`~sysx.single.op_profile.device_profiler`): its op sequence
     is what the capture checks."""
@@ -63,13 +70,13 @@ def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REP
     head = make_layer(cfg, cfg.n_layers + 1, dtype=req.dtype, device=device)
     init_layer(block, 1)
     init_layer(head, cfg.n_layers + 1)
-    layout = plan.table.layouts[plan.slot_level]
+    profile = plan.table.profile
+    layout = kept_graph_layout(profile) if plan.keep_graph else plan.table.layouts[plan.slot_level]
     slot = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     shape = (plan.chunk, req.seq_len, cfg.dim)
     x = torch.randn(shape, generator=gen).to(device=device, dtype=req.dtype)
     grad = torch.randn(shape, generator=gen).to(device=device, dtype=req.dtype) * 1e-3
     labels = torch.randint(0, cfg.vocab_size, shape[:2], generator=gen).to(device)
-    profile = plan.table.profile
 
     def head_pass() -> None:
         hidden = x.detach().requires_grad_(True)
@@ -77,8 +84,14 @@ def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REP
 
     with torch.no_grad():
         run_layer(block, x, None)  # fill the caches the layer keeps (RoPE tables), as the profile did
-    forward = _median(lambda: run_captured(block, x, profile, layout, slot), device, repeats)
-    backward = _median(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats)
+    if plan.keep_graph:  # a backward needs a fresh graph: time both passes, less the forward
+        y = torch.empty_like(x)
+        forward = _median(lambda: run_keeping_graph(block, x, layout, slot, out=y), device, repeats)
+        both = _median(lambda: backward_kept(run_keeping_graph(block, x, layout, slot, out=y), grad), device, repeats)
+        backward = max(both - forward, 0.0)
+    else:
+        forward = _median(lambda: run_captured(block, x, profile, layout, slot), device, repeats)
+        backward = _median(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats)
     return PassTimes(forward, backward, _median(head_pass, device, repeats))
 
 

@@ -38,6 +38,7 @@ class SinglePlan:
     times: dict[str, float]
     policy_rows: tuple[PolicyRow, ...]
     reasons: tuple[str, ...] = ()
+    keep_graph: bool = False  # every block keeps its forward's autograd graph (slots hold the inputs)
 
     @property
     def round_sequences(self) -> int:

@@ -58,6 +58,7 @@ class PlanRequest:
     seq_chunk: int = 0
     policy: str = "dp"
     compress: bool = False
+    keep_graph: bool = False  # blocks keep their autograd graph when every block fits (whole sequences)
     grad_clip: float = 0.0
     optimizer_overlap: str = "auto"
     offload: str = "host"  # optim.offload: nvme keeps the fp32 master, m and v in files, not host memory
@@ -123,6 +124,7 @@ def plan_request_from_config(cfg: SysxConfig, single: SingleSection, model_cfg: 
         window=single.window,
         policy=str(single.policy),
         compress=bool(single.compress),
+        keep_graph=bool(single.keep_graph),
         seq_chunk=single.seq_chunk,
         grad_clip=float(cfg.optim.grad_clip),
         optimizer_overlap=_overlap_setting(single.optimizer_overlap, cfg.optim.speculate),

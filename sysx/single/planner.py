@@ -17,6 +17,8 @@ import torch
 from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory.budget import grad_scratch_buffers, staging_bytes, training_state_bytes
 from sysx.model.config import ModelConfig
+from sysx.single.act_capture import kept_graph_layout
+from sysx.single.act_policy import N_LEVELS
 from sysx.single.lanes import WORKERS
 from sysx.single.op_profile import Profiler
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
@@ -57,6 +59,7 @@ class _Fit:
     static: dict[str, int]
     per_block: int
     slot_level: int
+    keep_graph: bool = False  # every block keeps its forward's autograd graph (see kept_graph_unit_bytes)
 
 
 def _static_device(
@@ -76,13 +79,36 @@ def _static_device(
 def _fit(
     req: PlanRequest, sizes: ModelSizes, table: LevelTable, round_seqs: int, budget: int, slot_level: int, cuda: bool
 ) -> _Fit:
-    tau = req.param_bytes
+    """The window of blocks that fits ``budget`` with activation slots sized for ``slot_level``; when
+    every block then fits by keeping its graph (:func:`kept_graph_unit_bytes`), that fit."""
+    L = sizes.n_blocks
     units = table.units(round_seqs // table.chunk, req.seq_len)
     static = _static_device(req, sizes, table, round_seqs, cuda)
-    per_block = align(sizes.block_params * tau) * 2 + units * align(table.slot_bytes[slot_level])
+    weights_grads = align(sizes.block_params * req.param_bytes) * 2
     free = budget - sum(static.values())
-    window = min(sizes.n_blocks, max(0, free // per_block)) if free > 0 else 0
-    return _Fit(round_seqs, table.chunk, int(window), table, static, per_block, slot_level)
+
+    def window(per_block: int) -> int:
+        return int(min(L, max(0, free // per_block))) if free > 0 else 0
+
+    kept = kept_graph_unit_bytes(req, table, slot_level)
+    if kept is not None and (not req.window or req.window == L):
+        per_block = weights_grads + units * kept
+        if window(per_block) == L:
+            return _Fit(round_seqs, table.chunk, L, table, static, per_block, slot_level, keep_graph=True)
+    per_block = weights_grads + units * align(table.slot_bytes[slot_level])
+    return _Fit(round_seqs, table.chunk, window(per_block), table, static, per_block, slot_level)
+
+
+def kept_graph_unit_bytes(req: PlanRequest, table: LevelTable, slot_level: int) -> int | None:
+    """Device bytes of one unit of a block that keeps its forward's autograd graph (its slot: the
+    layer input and what the graph saves, :func:`kept_graph_layout`), or None where blocks cannot keep it: ``single.keep_graph=false``,
+    a policy that saves less than everything (the graph holds every activation), sequence chunks
+    (a chunk's K/V cache is rebuilt for its backward) or a graph no smaller than the slot it replaces
+    (compressed sites)."""
+    if not req.keep_graph or slot_level != N_LEVELS - 1 or table.profile.graph_bytes is None:
+        return None
+    unit = align(kept_graph_layout(table.profile).nbytes)
+    return unit if unit < align(table.slot_bytes[slot_level]) else None
 
 
 # 16-bit groups convert their gradients to fp32 per optimizer job into buffers of the largest group,
@@ -175,7 +201,7 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         _refuse(req, sizes, hw, profiler, device_budget, act_capacity, cuda, tried + ["no activation slot size fits"])
     fit, slot_level, levels, W = best.fit, best.slot_level, best.levels, best.fit.window
     reasons += _window_reasons(req, sizes, best, device_budget, len(slot_options))
-    reasons.append(str(best.info["reason"]))
+    reasons.append(_kept_graph_reason(table, units) if fit.keep_graph else str(best.info["reason"]))
     full_levels = tuple(list(levels) + [slot_level] * W)
 
     # -- memory accounting
@@ -209,6 +235,18 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         times=times,
         policy_rows=tuple(rows),
         reasons=tuple(reasons),
+        keep_graph=fit.keep_graph,
+    )
+
+
+def _kept_graph_reason(table: LevelTable, units: int) -> str:
+    """Why the blocks keep their autograd graphs, and what that holds against saving everything."""
+    kept = units * align(kept_graph_layout(table.profile).nbytes)
+    return (
+        f"saved activations: no block leaves the device and sequences are whole, so each block keeps its "
+        f"forward's autograd graph until its backward, what it saves packed into the block's activation slots: "
+        f"nothing recomputed or replayed, {gib(kept)} a block against {gib(units * align(table.slot_bytes[N_LEVELS - 1]))} "
+        f"of level 'everything' (single.keep_graph=false: save sites and replay)"
     )
 
 
@@ -421,12 +459,15 @@ def _window_reasons(
 
 
 def _device_bytes(req: PlanRequest, sizes: ModelSizes, fit: _Fit, units: int) -> dict[str, int]:
-    """Device memory of the plan: the static buffers and the three rings (``units`` per block per round)."""
+    """Device memory of the plan: the static buffers and the three rings (``units`` per block per
+    round; with kept graphs an activation slot holds the layer input and what the graph saved)."""
     tau, W = req.param_bytes, fit.window
     dev_bytes = dict(fit.static)
     dev_bytes["weight ring"] = W * align(sizes.block_params * tau)
     dev_bytes["grad ring"] = W * align(sizes.block_params * tau)
-    dev_bytes["activation ring"] = W * units * align(fit.table.slot_bytes[fit.slot_level])
+    table = fit.table
+    slot = kept_graph_layout(table.profile).nbytes if fit.keep_graph else table.slot_bytes[fit.slot_level]
+    dev_bytes["activation ring"] = W * units * align(slot)
     dev_bytes["total"] = sum(dev_bytes.values())
     return dev_bytes
 
