@@ -17,10 +17,11 @@ they made the 50M window's forward host-bound (``profiling/RESULTS.md``).
 
 A block that never leaves the device and whose sequences are whole needs neither: it keeps its
 forward's autograd graph until its backward (:func:`run_keeping_graph`, :func:`backward_kept`), which
-recomputes nothing and saves less than level 'everything' (9.8 against 15.4 MiB for a tiny Block at
-1024 tokens; :attr:`~sysx.single.op_profile.LayerProfile.graph_bytes`). What the graph saves is
+recomputes nothing and saves less than level 'everything' (a slot of 10.1 against 15.9 MiB for a tiny
+Block at 1024 tokens; :attr:`~sysx.single.op_profile.LayerProfile.graph_bytes`). What the graph saves is
 packed into the block's slot (:mod:`sysx.single.graph_pack`), so the memory stays planned. The
-planner chooses it (``single.keep_graph``) when every block fits the device.
+planner chooses it when every block fits the device and ``single.keep_graph=true`` (off by default
+until a GPU has run it: ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -304,8 +305,7 @@ def run_keeping_graph(
     packer.done()
     out.copy_(y.detach())
     # the backward needs the output's graph, not its values (whatever the graph reads is in the slot):
-    # its storage goes now, or it would pin the allocator's memory between the forward's transients
-    # until the backward (18 MiB more heap for the tiny window, besides its own bytes)
+    # its storage goes now, or every block would hold a residual stream no plan counts until its backward
     y.untyped_storage().resize_(0)
     return KeptGraph(xin, y)
 
