@@ -86,16 +86,8 @@ class SlidingWindowExecutor:
         self.C, self.J, self.units = plan.seq_chunk, plan.seq_chunks, plan.units
         self.dtype = plan.request.dtype
         self.profile = profile
-        # with kept graphs a block's slot holds its input and what its graph saved
         self.keep_graph = plan.keep_graph
-        if self.keep_graph and (plan.window < self.L or self.J > 1):
-            raise ValueError(
-                f"a plan that keeps graphs needs every block on the device and whole sequences; this one has "
-                f"W={plan.window} of {self.L} blocks and {self.J} sequence chunks"
-            )
-        self.layouts: list[SlotLayout] = (
-            [kept_graph_layout(profile)] * self.L if self.keep_graph else [plan.table.layouts[o] for o in plan.levels]
-        )
+        self.layouts = _slot_layouts(plan, profile)
         self._graphs: dict[tuple[int, int], KeptGraph] = {}  # (block, unit) -> its forward, until its backward
         self.n_transfer = plan.transfer_layers
         R_p, R_g, R_a = plan.r_param, plan.r_grad, plan.r_act
@@ -550,6 +542,20 @@ class SlidingWindowExecutor:
         self._graphs.clear()
         self.host_acts.clear()
         self.host_buffers.close()
+
+
+def _slot_layouts(plan: SinglePlan, profile: LayerProfile) -> list[SlotLayout]:
+    """Each block's activation slot: its save level's, or with kept graphs its input and what its
+    graph saves (a plan keeps them only when every block stays and sequences are whole)."""
+    L = plan.sizes.n_blocks
+    if not plan.keep_graph:
+        return [plan.table.layouts[o] for o in plan.levels]
+    if plan.window < L or plan.seq_chunks > 1:
+        raise ValueError(
+            f"a plan that keeps graphs needs every block on the device and whole sequences; this one has "
+            f"W={plan.window} of {L} blocks and {plan.seq_chunks} sequence chunks"
+        )
+    return [kept_graph_layout(profile)] * L
 
 
 def _stride(nbytes: int) -> int:

@@ -1,14 +1,17 @@
 """Step 4 of the single-GPU planner: which activations each transferring block saves (AdaWS's DP
-over the save levels, or a policy's fixed level), and why."""
+over the save levels, or a policy's fixed level), whether blocks that never leave the device keep
+their autograd graphs instead, and why."""
 
 from __future__ import annotations
 
 from typing import TypedDict
 
 from sysx.machine.hardware import HardwareProfile
+from sysx.single.act_capture import kept_graph_layout
 from sysx.single.act_policy import LEVEL_NAMES, N_LEVELS, SaveProblem, simulate_forward, solve_save_levels
 from sysx.single.plan_costs import LevelTable
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib
+from sysx.single.rings import align
 
 
 class SaveChoice(TypedDict):
@@ -95,3 +98,27 @@ def choose_save_levels(
         f"{stall * 1e3:.1f} ms per round" + ("" if ok else " (the ring cannot drain it in time)")
     )
     return levels, option, SaveChoice(reason=reason, feasible=ok, stall_s=stall)
+
+
+def kept_graph_unit_bytes(req: PlanRequest, table: LevelTable, slot_level: int) -> int | None:
+    """Device bytes of one unit of a block that keeps its forward's autograd graph (its slot: the
+    layer input and what the graph saves, :func:`kept_graph_layout`), or None where blocks cannot
+    keep it: ``single.keep_graph=false``, a policy that saves less than everything (the graph holds
+    every activation), sequence chunks (a chunk's K/V cache is rebuilt for its backward) or a graph
+    no smaller than the slot it replaces (compressed sites)."""
+    if not req.keep_graph or slot_level != N_LEVELS - 1 or table.profile.graph_bytes is None:
+        return None
+    unit = align(kept_graph_layout(table.profile).nbytes)
+    return unit if unit < align(table.slot_bytes[slot_level]) else None
+
+
+def kept_graph_reason(table: LevelTable, units: int) -> str:
+    """Why the blocks keep their autograd graphs, and what that holds against saving everything."""
+    kept = units * align(kept_graph_layout(table.profile).nbytes)
+    everything = units * align(table.slot_bytes[N_LEVELS - 1])
+    return (
+        f"saved activations: no block leaves the device and sequences are whole, so each block keeps its "
+        f"forward's autograd graph until its backward, what it saves packed into the block's activation slots: "
+        f"nothing recomputed or replayed, {gib(kept)} a block against {gib(everything)} of level 'everything' "
+        f"(single.keep_graph=false: save sites and replay)"
+    )

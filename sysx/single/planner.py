@@ -18,11 +18,10 @@ from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory.budget import grad_scratch_buffers, staging_bytes, training_state_bytes
 from sysx.model.config import ModelConfig
 from sysx.single.act_capture import kept_graph_layout
-from sysx.single.act_policy import N_LEVELS
 from sysx.single.lanes import WORKERS
 from sysx.single.op_profile import Profiler
 from sysx.single.plan_costs import LevelTable, level_table, meta_profiler, predict_step
-from sysx.single.plan_levels import SaveChoice, choose_save_levels
+from sysx.single.plan_levels import SaveChoice, choose_save_levels, kept_graph_reason, kept_graph_unit_bytes
 from sysx.single.plan_report import SinglePlan
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest, gib, gib_up
 from sysx.single.plan_seq import choose_seq_chunk, kv_cache_bytes
@@ -97,18 +96,6 @@ def _fit(
             return _Fit(round_seqs, table.chunk, L, table, static, per_block, slot_level, keep_graph=True)
     per_block = weights_grads + units * align(table.slot_bytes[slot_level])
     return _Fit(round_seqs, table.chunk, window(per_block), table, static, per_block, slot_level)
-
-
-def kept_graph_unit_bytes(req: PlanRequest, table: LevelTable, slot_level: int) -> int | None:
-    """Device bytes of one unit of a block that keeps its forward's autograd graph (its slot: the
-    layer input and what the graph saves, :func:`kept_graph_layout`), or None where blocks cannot keep it: ``single.keep_graph=false``,
-    a policy that saves less than everything (the graph holds every activation), sequence chunks
-    (a chunk's K/V cache is rebuilt for its backward) or a graph no smaller than the slot it replaces
-    (compressed sites)."""
-    if not req.keep_graph or slot_level != N_LEVELS - 1 or table.profile.graph_bytes is None:
-        return None
-    unit = align(kept_graph_layout(table.profile).nbytes)
-    return unit if unit < align(table.slot_bytes[slot_level]) else None
 
 
 # 16-bit groups convert their gradients to fp32 per optimizer job into buffers of the largest group,
@@ -201,7 +188,7 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         _refuse(req, sizes, hw, profiler, device_budget, act_capacity, cuda, tried + ["no activation slot size fits"])
     fit, slot_level, levels, W = best.fit, best.slot_level, best.levels, best.fit.window
     reasons += _window_reasons(req, sizes, best, device_budget, len(slot_options))
-    reasons.append(_kept_graph_reason(table, units) if fit.keep_graph else str(best.info["reason"]))
+    reasons.append(kept_graph_reason(table, units) if fit.keep_graph else str(best.info["reason"]))
     full_levels = tuple(list(levels) + [slot_level] * W)
 
     # -- memory accounting
@@ -236,17 +223,6 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
         policy_rows=tuple(rows),
         reasons=tuple(reasons),
         keep_graph=fit.keep_graph,
-    )
-
-
-def _kept_graph_reason(table: LevelTable, units: int) -> str:
-    """Why the blocks keep their autograd graphs, and what that holds against saving everything."""
-    kept = units * align(kept_graph_layout(table.profile).nbytes)
-    return (
-        f"saved activations: no block leaves the device and sequences are whole, so each block keeps its "
-        f"forward's autograd graph until its backward, what it saves packed into the block's activation slots: "
-        f"nothing recomputed or replayed, {gib(kept)} a block against {gib(units * align(table.slot_bytes[N_LEVELS - 1]))} "
-        f"of level 'everything' (single.keep_graph=false: save sites and replay)"
     )
 
 
