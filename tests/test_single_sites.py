@@ -168,7 +168,7 @@ def test_graph_bytes_are_what_the_autograd_graph_holds(block_and_reference) -> N
     from sysx.single.plan_costs import meta_layer_profile
 
     block, x, *_ = block_and_reference
-    profile = profile_layer(block, x, model_dim=CFG.dim)
+    profile = profile_layer(block, x, model_dim=CFG.dim, count_graph=True)
     xin = x.clone().requires_grad_(True)
     y = block(xin)
     outside = {_storage(p) for p in block.parameters()} | {_storage(xin)}
@@ -189,7 +189,9 @@ def test_graph_bytes_are_what_the_autograd_graph_holds(block_and_reference) -> N
                     saved[_storage(t)] = t.untyped_storage().nbytes()
     assert len(saved) > 10
     assert profile.graph_bytes == sum((n + 255) // 256 * 256 for n in saved.values())
-    assert meta_layer_profile(CFG, x.shape[1], x.dtype, x.shape[0], x.shape[1]).graph_bytes == profile.graph_bytes
+    meta = meta_layer_profile(CFG, x.shape[1], x.dtype, x.shape[0], x.shape[1], count_graph=True)
+    assert meta.graph_bytes == profile.graph_bytes
+    assert profile_layer(block, x, model_dim=CFG.dim).graph_bytes is None  # counted only when asked
     everything = SlotLayout.build(profile, profile.level_sites(N_LEVELS - 1))
     assert act_capture.kept_graph_layout(profile).nbytes < everything.nbytes
 
@@ -198,7 +200,7 @@ def test_a_kept_graph_reads_what_it_saved_from_the_slot(block_and_reference) -> 
     """A kept forward's backward gives the plain backward's gradients bit for bit, and it reads what
     the graph saved from the block's slot: spoil the slot after the forward and the gradients change."""
     block, x, g, ref, ref_gx = block_and_reference
-    profile = profile_layer(block, x, model_dim=CFG.dim)
+    profile = profile_layer(block, x, model_dim=CFG.dim, count_graph=True)
     layout = act_capture.kept_graph_layout(profile)
     grads = []
     for spoil in (False, True):

@@ -140,8 +140,8 @@ class LayerProfile:
     input: TensorMeta
     seconds: float | None = None  # measured time of the whole forward
     # bytes of the region a kept forward graph packs its saved tensors into, besides the layer's
-    # input and weights (:mod:`sysx.single.graph_pack`); None for a sequence chunk, whose graph the
-    # window never keeps (:func:`sysx.single.act_capture.run_keeping_graph`)
+    # input and weights (:mod:`sysx.single.graph_pack`); None unless asked for (``count_graph``) and
+    # for a sequence chunk, whose graph the window never keeps (``act_capture.run_keeping_graph``)
     graph_bytes: int | None = None
 
     def sites_in(self, categories: Iterable[str]) -> tuple[Site, ...]:
@@ -297,14 +297,17 @@ def profile_layer(
     measure: bool = False,
     repeats: int = 3,
     kv: KVCache | None = None,
+    count_graph: bool = False,
 ) -> LayerProfile:
     """Run ``layer(x)`` (autograd on, as the executor does) and list its ops and cacheable sites.
 
     With ``measure`` each site's time is the median of ``repeats`` timed runs (the GPU is
     synchronised around every op: use it for profiling only). A first untimed run fills any
     caches the layer keeps (e.g. RoPE tables) so that they do not show up as sites. With ``kv``
-    ``x`` is a sequence chunk (a Block's ``forward(x, kv)``; see :func:`profile_cache`). The first
-    recorded run also counts the bytes its autograd graph keeps (:attr:`LayerProfile.graph_bytes`).
+    ``x`` is a sequence chunk (a Block's ``forward(x, kv)``; see :func:`profile_cache`). With
+    ``count_graph`` (and whole sequences) one more forward counts the bytes a kept graph packs
+    (:attr:`LayerProfile.graph_bytes`); it costs a third of an untimed profile, so only a plan that
+    may keep graphs asks.
     """
     x = x.detach().requires_grad_(x.is_floating_point())
     with torch.enable_grad():
@@ -318,7 +321,7 @@ def profile_layer(
             _record(layer, x, kv, rec)
             walls.append(time.perf_counter() - t0)
             profiles.append(rec)
-        graph_bytes = None if kv is not None else _graph_bytes(layer, x, model_dim)
+        graph_bytes = _graph_bytes(layer, x, model_dim) if count_graph and kv is None else None
     first = profiles[0]
     sites = list(first.sites)
     if measure:
@@ -377,10 +380,16 @@ def profile_cache(
 
 
 def device_profiler(
-    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, device: torch.device, *, measure: bool
+    cfg: ModelConfig,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    measure: bool,
+    count_graph: bool = False,
 ) -> Profiler:
     """Profile a Block with random weights on ``b`` sequences of ``C`` tokens on the training device
-    (cached per size).
+    (cached per size); ``count_graph``: with the bytes a kept graph packs.
 
     The planner sizes chunks from ``meta`` profiles and calls this only for the sizes it chose, so
     the block is built once and each input is drawn directly on the device in ``dtype`` (no fp32
@@ -405,16 +414,18 @@ def device_profiler(
     def run(b: int, seq_chunk: int) -> LayerProfile:
         # untimed, a profile lists ops and bytes, which the shapes decide: kept for the process, so a
         # sweep's points and repeated jobs of the same shape need not run the Block again
-        sizes = cache if measure else _UNMEASURED.setdefault((cfg, seq_len, dtype, str(device)), {})
+        sizes = cache if measure else _UNMEASURED.setdefault((cfg, seq_len, dtype, str(device), count_graph), {})
         if (b, seq_chunk) not in sizes:
             gen = torch.Generator(device=device).manual_seed(1234 + b)
             x = torch.randn((b, min(seq_chunk, seq_len), cfg.dim), generator=gen, device=device, dtype=dtype)
             kv = profile_cache(cfg, b, seq_len, seq_chunk, dtype, device)
-            sizes[(b, seq_chunk)] = profile_layer(block(), x, model_dim=cfg.dim, measure=measure, kv=kv)
+            sizes[(b, seq_chunk)] = profile_layer(
+                block(), x, model_dim=cfg.dim, measure=measure, kv=kv, count_graph=count_graph
+            )
         return sizes[(b, seq_chunk)]
 
     return run
 
 
-# untimed device profiles by (model, seq_len, dtype, device), then (b, seq_chunk)
-_UNMEASURED: dict[tuple[ModelConfig, int, torch.dtype, str], dict[tuple[int, int], LayerProfile]] = {}
+# untimed device profiles by (model, seq_len, dtype, device, count_graph), then (b, seq_chunk)
+_UNMEASURED: dict[tuple[ModelConfig, int, torch.dtype, str, bool], dict[tuple[int, int], LayerProfile]] = {}

@@ -31,14 +31,16 @@ class PolicyRow(TypedDict):
     chosen: bool
 
 
-def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype) -> Profiler:
+def meta_profiler(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, *, count_graph: bool = False) -> Profiler:
     """Profile one Block on ``b`` sequences of ``C`` tokens on the ``meta`` device (exact bytes, no
-    memory, no time)."""
-    return lambda b, seq_chunk: meta_layer_profile(cfg, seq_len, dtype, b, seq_chunk)
+    memory, no time); ``count_graph``: with the bytes a kept graph packs."""
+    return lambda b, seq_chunk: meta_layer_profile(cfg, seq_len, dtype, b, seq_chunk, count_graph)
 
 
 @functools.lru_cache(maxsize=1024)
-def meta_layer_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, b: int, seq_chunk: int) -> LayerProfile:
+def meta_layer_profile(
+    cfg: ModelConfig, seq_len: int, dtype: torch.dtype, b: int, seq_chunk: int, count_graph: bool = False
+) -> LayerProfile:
     """One Block's ``meta`` profile. It depends on the shapes alone (no weights, no clock), so one
     per process serves every plan made in it: a sweep's points, the tuner's candidates, a restart."""
     from sysx.model.llama import make_layer
@@ -46,7 +48,7 @@ def meta_layer_profile(cfg: ModelConfig, seq_len: int, dtype: torch.dtype, b: in
     block = make_layer(cfg, 1, dtype=dtype, device="meta")
     x = torch.empty((b, min(seq_chunk, seq_len), cfg.dim), dtype=dtype, device="meta")
     kv = profile_cache(cfg, b, seq_len, seq_chunk, dtype, "meta")
-    return profile_layer(block, x, model_dim=cfg.dim, kv=kv)
+    return profile_layer(block, x, model_dim=cfg.dim, kv=kv, count_graph=count_graph)
 
 
 @dataclass(frozen=True)

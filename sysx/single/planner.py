@@ -148,7 +148,7 @@ def make_plan(req: PlanRequest, hw: HardwareProfile, *, profiler: Profiler | Non
     """Decide the configuration (see docs/architecture.md) or raise :class:`PlanError` with the numbers."""
     sizes = ModelSizes.of(req.model)
     cuda = hw.kind == "cuda"
-    profiler = profiler or meta_profiler(req.model, req.seq_len, req.dtype)
+    profiler = profiler or meta_profiler(req.model, req.seq_len, req.dtype, count_graph=req.keep_graph)
     device_budget = int(req.device_budget_bytes if req.device_budget_bytes else hw.device_free_bytes)
     host_budget = int(req.host_budget_bytes if req.host_budget_bytes else hw.host_free_bytes)
     if req.seq_len < 1 or req.global_batch < 1:

@@ -86,7 +86,12 @@ class SingleTrainer(Trainer):
             plan_request_from_config(cfg, self.settings, self.model_cfg), use_measured_times=dev.is_cuda(self.device)
         )
         profiler = device_profiler(
-            self.model_cfg, cfg.train.seq_len, self.dtype, self.device, measure=dev.is_cuda(self.device)
+            self.model_cfg,
+            cfg.train.seq_len,
+            self.dtype,
+            self.device,
+            measure=dev.is_cuda(self.device),
+            count_graph=request.keep_graph,
         )
         plan = make_plan(request, hardware, profiler=profiler)
         if not dev.is_cuda(self.device):  # the host computes: its passes are timed, not priced by FLOPs

@@ -50,7 +50,7 @@ def main() -> None:
     init_layer(block, 1)
     x = torch.randn(tokens // 128, 128, cfg.dim)
     g = torch.randn_like(x) * 1e-3
-    profile = profile_layer(block, x, model_dim=cfg.dim)
+    profile = profile_layer(block, x, model_dim=cfg.dim, count_graph=True)
     top = level_layouts(profile)[-1]
     kept = kept_graph_layout(profile)
     slot_top = torch.empty(top.nbytes, dtype=torch.uint8)
