@@ -258,7 +258,11 @@ def test_plan_single_is_a_sysx_subcommand(capsys: pytest.CaptureFixture[str]) ->
         )
         == 0
     )
-    assert "sysx single-GPU plan" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sysx single-GPU plan" in out and "autograd graph" not in out
+    tiny = ["plan-single", "--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--hardware", "rtx4090"]
+    assert main([*tiny, "--device-gb", "2", "--host-gb", "8", "--keep-graph"]) == 0
+    assert "keeps its forward's autograd graph" in capsys.readouterr().out
     assert (
         main(
             [

@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-gb", type=float, default=0.0, help="host budget in GiB (0 = the host's free memory)")
     p.add_argument("--policy", default="dp", choices=POLICIES)
     p.add_argument("--compress", action="store_true", help="int8-compress offloaded activations")
+    p.add_argument(
+        "--keep-graph",
+        action="store_true",
+        help="when every block fits, keep each forward's autograd graph (single.keep_graph=true)",
+    )
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--overlap", default="auto", choices=OVERLAPS)
     p.add_argument("--micro-batch-size", type=int, default=0)
@@ -117,6 +122,7 @@ def main(argv: list[str]) -> int:
         seq_chunk=args.seq_chunk,
         policy=args.policy,
         compress=args.compress,
+        keep_graph=args.keep_graph,
         grad_clip=args.grad_clip,
         optimizer_overlap=args.overlap,
         offload=args.offload,
