@@ -13,6 +13,7 @@ from sysx.machine.hardware import GiB, measure_hardware
 from sysx.model import get_preset
 from sysx.single.act_capture import kept_graph_layout
 from sysx.single.hardware import assumed_hardware
+from sysx.single.plan_costs import meta_profiler
 from sysx.single.plan_request import ModelSizes, PlanError, PlanRequest
 from sysx.single.planner import make_plan, min_round_sequences
 from sysx.single.rings import align
@@ -204,7 +205,8 @@ def test_blocks_that_never_leave_the_device_keep_their_graphs() -> None:
     # the step recomputes nothing: the predicted step is the everything level's
     assert plan.times["recompute_s"] == 0.0
     # not where a block's graph could not live until its backward, or where it was not asked for
-    assert not make_plan(_tiny_whole(keep_graph=False), hw).keep_graph
+    counted = meta_profiler(TINY, 128, torch.float32, count_graph=True)  # graph bytes known, not asked for
+    assert not make_plan(_tiny_whole(keep_graph=False), hw, profiler=counted).keep_graph
     assert not make_plan(_tiny_whole(policy="matmuls"), hw).keep_graph  # saves less than the graph holds
     assert not make_plan(_tiny_whole(window=2), hw).keep_graph  # blocks slide
     assert not make_plan(_tiny_whole(seq_chunk=32), hw).keep_graph  # a K/V cache rebuilt per chunk
