@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from sysx.model.attention import KVCache
 from sysx.single.act_policy import N_LEVELS
 from sysx.single.compress import dequantize, packed_nbytes, quantize_into
-from sysx.single.graph_pack import GraphPacker
+from sysx.single.graph_pack import GraphPacker, storage_key
 from sysx.single.op_profile import LayerProfile, TensorMeta, run_layer
 
 ALIGN = 256  # byte alignment of every tensor inside a slot
@@ -275,7 +275,9 @@ def kept_graph_layout(profile: LayerProfile) -> SlotLayout:
     """The slot of a block that keeps its graph: the layer input, then the region its graph packs
     its saved tensors into (:attr:`LayerProfile.graph_bytes` bytes, :mod:`sysx.single.graph_pack`)."""
     if profile.graph_bytes is None:
-        raise ValueError("kept_graph_layout: this profile has no graph bytes (a sequence chunk keeps no graph)")
+        raise ValueError(
+            "kept_graph_layout: the profile has no graph bytes; profile with count_graph=True (whole sequences only)"
+        )
     inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
     return SlotLayout(inp, {}, _align(inp.nbytes) + profile.graph_bytes, frozenset())
 
@@ -306,7 +308,8 @@ def run_keeping_graph(
     out.copy_(y.detach())
     # the backward needs the output's graph, not its values (whatever the graph reads is in the slot):
     # its storage goes now, or every block would hold a residual stream no plan counts until its backward
-    y.untyped_storage().resize_(0)
+    if storage_key(y) not in packer.skip:  # unless the output is a view of the input or a weight
+        y.untyped_storage().resize_(0)
     return KeptGraph(xin, y)
 
 
