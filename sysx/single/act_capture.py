@@ -37,15 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from sysx.model.attention import KVCache
 from sysx.single.act_policy import N_LEVELS
 from sysx.single.compress import dequantize, packed_nbytes, quantize_into
-from sysx.single.graph_pack import GraphPacker, storage_key
+from sysx.single.graph_pack import GraphPacker, slot_align, storage_key
 from sysx.single.op_profile import LayerProfile, TensorMeta, run_layer
-
-ALIGN = 256  # byte alignment of every tensor inside a slot
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
 
 # ----------------------------------------------------------------------------------- slot layout
 
@@ -71,7 +64,7 @@ class SlotLayout:
 
     @classmethod
     def build(cls, profile: LayerProfile, sites: Iterable[int], *, compress: bool = False) -> SlotLayout:
-        """Lay out the input then every selected site (in op order), each tensor ``ALIGN``-aligned."""
+        """Lay out the input then every selected site (in op order), each tensor aligned (:data:`~sysx.single.graph_pack.ALIGN`)."""
         chosen = frozenset(sites)
         known = {s.index for s in profile.sites}
         unknown = sorted(chosen - known)
@@ -79,7 +72,7 @@ class SlotLayout:
             raise ValueError(f"SlotLayout: site indices {unknown} are not cacheable sites of this layer")
         off = 0
         inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
-        off = _align(inp.nbytes)
+        off = slot_align(inp.nbytes)
         entries: dict[int, tuple[SlotEntry | None, ...]] = {}
         for site in profile.sites:
             if site.index not in chosen:
@@ -92,7 +85,7 @@ class SlotLayout:
                 packed = compress and site.compressible(k)
                 n = packed_nbytes(meta.shape) if packed else meta.nbytes
                 row.append(SlotEntry(off, n, meta, packed))
-                off += _align(n)
+                off += slot_align(n)
             entries[site.index] = tuple(row)
         return cls(inp, entries, off, chosen)
 
@@ -279,7 +272,7 @@ def kept_graph_layout(profile: LayerProfile) -> SlotLayout:
             "kept_graph_layout: the profile has no graph bytes; profile with count_graph=True (whole sequences only)"
         )
     inp = SlotEntry(0, profile.input.nbytes, profile.input, False)
-    return SlotLayout(inp, {}, _align(inp.nbytes) + profile.graph_bytes, frozenset())
+    return SlotLayout(inp, {}, slot_align(inp.nbytes) + profile.graph_bytes, frozenset())
 
 
 @dataclass
@@ -301,7 +294,7 @@ def run_keeping_graph(
     saved = layout.view(slot, layout.input)
     saved.copy_(x)
     xin = saved.detach().requires_grad_(True)
-    packer = GraphPacker([*layer.parameters(), xin], slot.device, slot[_align(layout.input.nbytes) : layout.nbytes])
+    packer = GraphPacker([*layer.parameters(), xin], slot.device, slot[slot_align(layout.input.nbytes) : layout.nbytes])
     with torch.enable_grad(), packer.hooks():
         y = layer(xin)
     packer.done()

@@ -16,13 +16,14 @@ from collections.abc import Iterable
 
 import torch
 
-ALIGN = 256  # byte alignment of every storage inside the region (as of every tensor inside a slot)
+ALIGN = 256  # byte alignment of every tensor inside an activation slot, a packed storage included
 
 # (byte offset in the region, bytes of the storage, dtype, size, stride, offset in the storage)
 Packed = tuple[int, int, torch.dtype, torch.Size, tuple[int, ...], int]
 
 
-def _align(n: int) -> int:
+def slot_align(n: int) -> int:
+    """``n`` bytes rounded up to :data:`ALIGN` (where the next tensor in a slot starts)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -54,14 +55,15 @@ class GraphPacker:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor | Packed:
         """Copy ``t``'s storage into the region (once per storage) and return where it went."""
-        key = storage_key(t)
+        storage = t.untyped_storage()
+        key = int(storage._cdata)  # storage_key, the storage read once
         if key in self.skip or t.device != self.device:
             return t
-        n = t.untyped_storage().nbytes()
+        n = storage.nbytes()
         off = self._offsets.get(key)
         if off is None:
             off = self._offsets[key] = self.nbytes
-            self.nbytes += _align(n)
+            self.nbytes += slot_align(n)
             self._held.append(t)
             if self.region is not None:
                 if self.nbytes > self.region.numel():
@@ -70,7 +72,7 @@ class GraphPacker:
                         f"graph (at least {self.nbytes}); the layer's saved tensors changed since it was profiled. "
                         f"Save sites and replay instead: single.keep_graph=false"
                     )
-                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
                 self.region[off : off + n].copy_(whole)
         if self.region is None:
             return t
