@@ -23,6 +23,8 @@ PROG = "sysx.launch"
 # another rank failed first, which that rank's line tells).
 STOP_STATUSES = frozenset(128 + s for s in (signal.SIGINT, signal.SIGTERM))
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+# torchrun's opt-out of handing every restart attempt the same store (see fresh_store_per_attempt)
+SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def status_of(exitcode: int) -> int:
@@ -68,9 +70,24 @@ def quiet_agent() -> None:
             os.environ[CPP_LOG_LEVEL] = own
 
 
+def fresh_store_per_attempt(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Give each restart attempt its own store, unless the user chose otherwise.
+
+    With the store shared (torchrun's default since torch 2.4) every attempt's ranks meet in the
+    node-0 agent's store, kept apart only by a per-attempt key prefix built from
+    ``TORCHELASTIC_RESTART_COUNT`` (torch's own and :func:`sysx.dist.store_namespace`). That count is
+    each agent's own: an agent whose workers were still running when another node's rank failed
+    restarts them as a membership change, which torch does not count. The nodes' counts then differ,
+    their ranks wait under different prefixes, and the attempt times out joining (a lost-twice
+    restart in CI, reproduced in ``tests/test_elastic_restart.py``). Without sharing, the rank-0
+    agent picks a fresh port at every rendezvous round and rank 0's worker hosts the store there."""
+    environ.setdefault(SHARED_STORE_OPT_OUT, "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the job's exit status."""
     quiet_agent()
+    fresh_store_per_attempt()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

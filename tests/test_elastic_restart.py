@@ -14,10 +14,14 @@ the schedule fixed, 2 and 4 ranks compute the same losses bit for bit. Nothing o
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from test_runtime_procs import ROOT, free_port
 from test_stop import AGENT_LINE, start_launcher
 
 RESTART_ARGS = [
@@ -91,3 +95,59 @@ def test_a_job_that_loses_a_rank_restarts_and_finishes_as_if_uninterrupted(
         job.check_nothing_left()
     finally:
         job.kill()
+
+
+# Node 0's worker fails at once; node 1's stays healthy until its agent restarts it for the new
+# rendezvous round, which torch does not count as a restart: the agents' restart counts then differ.
+DIVERGING_WORKER = """
+import os, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from sysx import dist as sdist
+node = os.environ["GROUP_RANK"]
+first = Path(sys.argv[1]) / f"started-{node}"
+if not first.exists():
+    first.touch()
+    sys.exit(3) if node == "0" else time.sleep(120)
+info = sdist.init(timeout_s=30)
+dist.barrier()
+print(f"joined: rank {info.rank}, restart count {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_restart_joins_when_the_nodes_agents_count_it_differently(tmp_path: Path) -> None:
+    """The lost-twice flake, made certain: with torchrun's shared store an attempt's ranks meet under
+    a prefix of each node's own restart count, so ranks whose agents counted differently waited
+    apart until ``schedule.timeout_s`` (``RendezvousClosedError``). ``sysx.launch`` gives each
+    attempt its own store (:func:`sysx.launch.fresh_store_per_attempt`)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(DIVERGING_WORKER)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SYSX_JOB_ID", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    common = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    common += [f"--rdzv_id=diverging{port}", "--max-restarts=1"]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "sysx.launch", *common, f"--node_rank={node}", str(worker), str(tmp_path)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=200) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    joined = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("joined"))
+    assert joined == ["joined: rank 0, restart count 1", "joined: rank 1, restart count 0"], outputs

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 from test_stop import JOB_ARGS, KILL_STOP_S, SIGNAL_STOP_S, check_launcher_report, check_stopped_summary, start_launcher
 
-from sysx.launch import outcome
+from sysx.launch import SHARED_STORE_OPT_OUT, fresh_store_per_attempt, outcome
 
 
 @pytest.mark.parametrize(
@@ -47,6 +47,17 @@ LAUNCHERS = ["sysx.launch", "torchrun", "mpirun", "two_nodes"]
 FAULT_ARGS = [a for a in JOB_ARGS if not a.startswith("train.steps=")] + ["train.steps=4"]
 FAULT_STEP = "step 2"
 BAD_KEY = "parallel.pipelines=2"
+
+
+def test_each_attempt_gets_a_fresh_store_unless_the_user_chose() -> None:
+    """The wrapper opts out of torchrun's shared store (the process test: test_elastic_restart.py,
+    ``..._count_it_differently``); a value the user set is kept."""
+    unset: dict[str, str] = {}
+    fresh_store_per_attempt(unset)
+    assert unset == {SHARED_STORE_OPT_OUT: "1"}
+    chosen = {SHARED_STORE_OPT_OUT: "0"}
+    fresh_store_per_attempt(chosen)
+    assert chosen == {SHARED_STORE_OPT_OUT: "0"}
 
 
 @pytest.mark.slow

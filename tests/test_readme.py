@@ -94,6 +94,12 @@ SHORTENED = {
         "train.steps=4",
         "the launch is what the line shows; tests/test_runtime_procs.py runs 2-rank jobs against the reference",
     ),
+    "sysx-train -m optim.lr=1e-3,3e-4": (
+        "train.steps=2,4",
+        "train.steps=2",
+        "each point is a job of its own (~6 s here, half of it the start); 2 points show the sweep's run dirs and "
+        "summary, and tests/test_sweep_and_help.py runs a 2 x 2 grid with a failing point",
+    ),
     "sysx-train train.steps=20 optim.offload=nvme": (
         "train.steps=20",
         "train.steps=4",
