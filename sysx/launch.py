@@ -15,8 +15,12 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
+
+from sysx.stopping import REPEAT_GRACE_S
 
 PROG = "sysx.launch"
 # Statuses of a rank that stopped on a signal: it said so itself (or the agent stopped it because
@@ -84,10 +88,59 @@ def fresh_store_per_attempt(environ: dict[str, str] | os._Environ[str] = os.envi
     environ.setdefault(SHARED_STORE_OPT_OUT, "1")
 
 
+class AgentSignals:
+    """The agent's SIGINT/SIGTERM handler: the first stop signal raises torch's ``SignalException``
+    (the agent then stops its ranks with that signal); a repeat within :data:`REPEAT_GRACE_S` is the
+    same stop, and any later shutdown of the ranks sends the signal it got, not torchrun's SIGTERM.
+
+    Why: a Ctrl-C reaches an agent twice when a script forwards it (``launch/two_nodes_localhost.sh``
+    traps it for a signal sent to the script alone). torch's handler raised again on the second,
+    in the middle of stopping the ranks, and the agent's ``finally`` stopped them again with SIGTERM.
+    A rank that got the SIGTERM first reported the job "stopped by SIGTERM" (one CI run of
+    ``test_ctrl_c_on_two_nodes``). A signal after the grace raises again: the user insists."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.first: signal.Signals | None = None
+        self.first_at = 0.0
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        """Raise ``SignalException`` for a stop signal, once within the grace."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        now = self.clock()
+        if self.first is not None and now - self.first_at < REPEAT_GRACE_S:
+            return
+        self.first, self.first_at = signal.Signals(signum), now
+        raise SignalException(f"Process {os.getpid()} got signal: {self.first}", sigval=self.first)
+
+    def death_signal(self, asked: signal.Signals) -> signal.Signals:
+        """The signal a shutdown of the ranks sends: the stop signal this agent got, else ``asked``."""
+        return self.first or asked
+
+
+def install_agent_signals(signals: AgentSignals | None = None) -> AgentSignals:
+    """Put :class:`AgentSignals` into torchrun's agent (this process only): the handler its process
+    context installs when it starts the ranks, and the signal its shutdown sends."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    signals = signals or AgentSignals()
+    mp_api._terminate_process_handler = signals.handler  # looked up when the ranks start
+    shutdown = LocalElasticAgent._shutdown
+
+    def _shutdown(agent: Any, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kwargs: Any) -> None:
+        shutdown(agent, signals.death_signal(death_sig), *args, **kwargs)
+
+    LocalElasticAgent._shutdown = _shutdown  # type: ignore[method-assign, assignment]
+    return signals
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the job's exit status."""
     quiet_agent()
     fresh_store_per_attempt()
+    install_agent_signals()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

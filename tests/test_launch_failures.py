@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 from test_stop import JOB_ARGS, KILL_STOP_S, SIGNAL_STOP_S, check_launcher_report, check_stopped_summary, start_launcher
 
-from sysx.launch import SHARED_STORE_OPT_OUT, fresh_store_per_attempt, outcome
+from sysx.launch import SHARED_STORE_OPT_OUT, AgentSignals, fresh_store_per_attempt, install_agent_signals, outcome
 
 
 @pytest.mark.parametrize(
@@ -47,6 +47,42 @@ LAUNCHERS = ["sysx.launch", "torchrun", "mpirun", "two_nodes"]
 FAULT_ARGS = [a for a in JOB_ARGS if not a.startswith("train.steps=")] + ["train.steps=4"]
 FAULT_STEP = "step 2"
 BAD_KEY = "parallel.pipelines=2"
+
+
+def test_the_agent_stops_its_ranks_once_with_the_signal_it_got(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that reaches the agent twice (the script's trap forwards it) is one stop, and every
+    shutdown of the ranks after it sends SIGINT: torchrun's own handler raised on the repeat, and
+    its ``finally`` then sent SIGTERM (test_ctrl_c_on_two_nodes read "stopped by SIGTERM" once in CI)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    now = [100.0]
+    signals = AgentSignals(clock=lambda: now[0])
+    assert signals.death_signal(signal.SIGTERM) == signal.SIGTERM  # no signal yet: torchrun's choice
+    with pytest.raises(mp_api.SignalException) as first:
+        signals.handler(signal.SIGINT, None)
+    assert first.value.sigval == signal.SIGINT
+    now[0] += 0.5
+    signals.handler(signal.SIGINT, None)  # the forwarded repeat: no second exception
+    signals.handler(signal.SIGTERM, None)
+    assert signals.death_signal(signal.SIGTERM) == signal.SIGINT
+    now[0] += 3.0
+    with pytest.raises(mp_api.SignalException):  # after the grace: the user insists
+        signals.handler(signal.SIGTERM, None)
+
+    # installed: torch's process context takes the handler, and the agent's shutdown the signal
+    monkeypatch.setattr(mp_api, "_terminate_process_handler", mp_api._terminate_process_handler)
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", LocalElasticAgent._shutdown)
+    sent: list[signal.Signals] = []
+    context = SimpleNamespace(close=lambda death_sig, timeout: sent.append(death_sig))
+    agent = SimpleNamespace(_worker_watchdog=None, _health_check_server=None, _pcontext=context)
+    installed = install_agent_signals(AgentSignals())
+    assert mp_api._terminate_process_handler == installed.handler
+    LocalElasticAgent._shutdown(agent)  # type: ignore[arg-type]
+    with pytest.raises(mp_api.SignalException):
+        installed.handler(signal.SIGINT, None)
+    LocalElasticAgent._shutdown(agent, timeout=5)  # type: ignore[arg-type]
+    assert sent == [signal.SIGTERM, signal.SIGINT]
 
 
 def test_each_attempt_gets_a_fresh_store_unless_the_user_chose() -> None:
