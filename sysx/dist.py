@@ -197,10 +197,11 @@ def store_namespace() -> str:
     still there: gloo's rendezvous of the new ranks reads the dead ranks' addresses (``Gloo
     connectFullMesh failed ... Connection refused``, or a hang until the group timeout), and the
     old failure news (``sysx/failed``) would stop the new ranks at once. ``TORCHELASTIC_RESTART_COUNT``
-    names the attempt; it is counted per node, so on several nodes it agrees only when every node's
-    agent saw its own workers fail, which a race decides (:func:`sysx.launch.fresh_store_per_attempt`).
-    So ``python -m sysx.launch`` and the launch scripts set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
-    every attempt gets a fresh store and this prefix is not used. It remains for plain ``torchrun``."""
+    names the attempt; torchrun counts it per node, so on several nodes it agrees only when every
+    node's agent saw its own workers fail, which a race decides. ``python -m sysx.launch`` (and the
+    launch scripts) count the other restarts too (:func:`sysx.launch.count_every_restart`) and set
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: every attempt gets a fresh store and this prefix is not
+    used (:func:`sysx.launch.fresh_store_per_attempt`). It remains for plain ``torchrun``."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return "default_pg"
     return f"default_pg/attempt{int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)}"

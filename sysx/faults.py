@@ -8,7 +8,9 @@ publishes, e.g. ``step 2`` or ``save 4``), the fault happens there, in the middl
 
 ``#ATTEMPT`` limits the fault to one restart attempt of torchrun (``--max-restarts``): it fires only
 where ``TORCHELASTIC_RESTART_COUNT`` (0 for the first attempt) equals ``ATTEMPT``, so the restarted
-job is not killed again at the same step. Several faults are separated by commas, e.g.
+job is not killed again at the same step (on several nodes the count is the job's attempt under
+``sysx.launch``, which counts a restart on every node: :func:`sysx.launch.count_every_restart`).
+Several faults are separated by commas, e.g.
 ``SYSX_FAULT='kill@1:step 8#0,kill@1:save 12#1'``. Unset (the default) nothing happens; a malformed
 value is an error at the first announcement, not a silently healthy run.
 """

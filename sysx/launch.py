@@ -83,8 +83,10 @@ def fresh_store_per_attempt(environ: dict[str, str] | os._Environ[str] = os.envi
     each agent's own: an agent whose workers were still running when another node's rank failed
     restarts them as a membership change, which torch does not count. The nodes' counts then differ,
     their ranks wait under different prefixes, and the attempt times out joining (a lost-twice
-    restart in CI, reproduced in ``tests/test_elastic_restart.py``). Without sharing, the rank-0
-    agent picks a fresh port at every rendezvous round and rank 0's worker hosts the store there."""
+    restart in CI, reproduced in ``tests/test_elastic_restart.py``). :func:`count_every_restart`
+    makes the counts agree on a job of fixed size; an elastic one still counts apart. Without
+    sharing, the rank-0 agent picks a fresh port at every rendezvous round and rank 0's worker hosts
+    the store there, whatever the counts."""
     environ.setdefault(SHARED_STORE_OPT_OUT, "1")
 
 
@@ -136,6 +138,31 @@ def install_agent_signals(signals: AgentSignals | None = None) -> AgentSignals:
     return signals
 
 
+def count_every_restart() -> None:
+    """Make each agent of a fixed-size job count a restart it did not cause, as the agent whose
+    rank failed counts it, so that ``TORCHELASTIC_RESTART_COUNT`` is the job's attempt on every node.
+
+    torchrun's agent counts a restart only when its own ranks failed. An agent whose ranks were
+    still running when another node's rank failed sees a healthy group with a node waiting, and
+    restarts them as a membership change, uncounted. Which one happens is a race between this
+    node's ranks noticing the death and the failing node's agent re-entering the rendezvous. In a
+    job of fixed size a membership change is always such a restart, so it is counted here too.
+    Without it the nodes' counts could differ: ``SYSX_FAULT``'s ``#ATTEMPT`` (and the ranks' store
+    prefix under plain torchrun, :func:`sysx.dist.store_namespace`) read a different attempt on
+    each node. An elastic job (``--nnodes=MIN:MAX``) keeps torch's rule: a node joining is not a
+    failure."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerGroup, WorkerState
+
+    restart = SimpleElasticAgent._restart_workers
+
+    def _restart_workers(agent: Any, worker_group: WorkerGroup) -> None:
+        if worker_group.state == WorkerState.HEALTHY and agent._remaining_restarts > 0:
+            agent._remaining_restarts -= 1
+        restart(agent, worker_group)
+
+    SimpleElasticAgent._restart_workers = _restart_workers  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the job's exit status."""
     quiet_agent()
@@ -145,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if ":" not in str(args.nnodes):  # a fixed number of nodes, not an elastic range
+        count_every_restart()
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except SignalException as stop:
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:

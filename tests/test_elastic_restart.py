@@ -118,18 +118,28 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_restart_joins_when_the_nodes_agents_count_it_differently(tmp_path: Path) -> None:
-    """The lost-twice flake, made certain: with torchrun's shared store an attempt's ranks meet under
-    a prefix of each node's own restart count, so ranks whose agents counted differently waited
-    apart until ``schedule.timeout_s`` (``RendezvousClosedError``). ``sysx.launch`` gives each
-    attempt its own store (:func:`sysx.launch.fresh_store_per_attempt`)."""
+@pytest.mark.parametrize(
+    ("nnodes", "counts"),
+    [("2", ["1", "1"]), ("1:2", ["1", "0"])],
+    ids=["fixed-size-counted-alike", "elastic-counted-apart"],
+)
+def test_a_restart_joins_whichever_way_the_nodes_agents_count_it(
+    tmp_path: Path, nnodes: str, counts: list[str]
+) -> None:
+    """The lost-twice flake, made certain: node 0's rank fails at once and node 1's keeps running
+    until its agent restarts it for the new rendezvous round, which torch does not count. With
+    torchrun's shared store the new attempt's ranks met under a prefix of each node's own count and
+    waited apart until ``schedule.timeout_s`` (``RendezvousClosedError``). ``sysx.launch`` counts
+    that restart on a fixed-size job (:func:`sysx.launch.count_every_restart`), and gives every
+    attempt its own store (:func:`sysx.launch.fresh_store_per_attempt`), which is what lets an
+    elastic job's ranks, still counted apart, join."""
     worker = tmp_path / "worker.py"
     worker.write_text(DIVERGING_WORKER)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SYSX_JOB_ID", "RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(ROOT)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    common = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    common = [f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
     common += [f"--rdzv_id=diverging{port}", "--max-restarts=1"]
     nodes = [
         subprocess.Popen(
@@ -150,4 +160,4 @@ def test_a_restart_joins_when_the_nodes_agents_count_it_differently(tmp_path: Pa
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
     joined = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("joined"))
-    assert joined == ["joined: rank 0, restart count 1", "joined: rank 1, restart count 0"], outputs
+    assert joined == [f"joined: rank {rank}, restart count {count}" for rank, count in enumerate(counts)], outputs
