@@ -7,6 +7,11 @@ whatever happened. The ranks already say what happened, one line each (:mod:`sys
 same agent, same signal forwarding) with the agent's logging off, and exits like the job: 130 / 143
 after SIGINT / SIGTERM, else the status of the first rank that failed, with one line per failed
 rank. ``launch/torchrun.sh`` and ``launch/two_nodes_localhost.sh`` use it.
+
+Three behaviours of torchrun's agent are changed, each for a failure seen in CI: a stop signal that
+reaches the agent twice stops the ranks once, with that signal (:class:`AgentSignals`); a
+fixed-size job's agents count every restart alike (:func:`count_every_restart`); each restart
+attempt gets a fresh store (:func:`fresh_store_per_attempt`).
 """
 
 from __future__ import annotations
