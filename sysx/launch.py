@@ -83,15 +83,12 @@ def fresh_store_per_attempt(environ: dict[str, str] | os._Environ[str] = os.envi
     """Give each restart attempt its own store, unless the user chose otherwise.
 
     With the store shared (torchrun's default since torch 2.4) every attempt's ranks meet in the
-    node-0 agent's store, kept apart only by a per-attempt key prefix built from
-    ``TORCHELASTIC_RESTART_COUNT`` (torch's own and :func:`sysx.dist.store_namespace`). That count is
-    each agent's own: an agent whose workers were still running when another node's rank failed
-    restarts them as a membership change, which torch does not count. The nodes' counts then differ,
-    their ranks wait under different prefixes, and the attempt times out joining (a lost-twice
-    restart in CI, reproduced in ``tests/test_elastic_restart.py``). :func:`count_every_restart`
-    makes the counts agree on a job of fixed size; an elastic one still counts apart. Without
-    sharing, the rank-0 agent picks a fresh port at every rendezvous round and rank 0's worker hosts
-    the store there, whatever the counts."""
+    node-0 agent's store, kept apart only by a prefix built from each node's own restart count
+    (:func:`sysx.dist.store_namespace`). Those counts can differ (:func:`count_every_restart` says
+    why; it makes them agree on a fixed-size job only), and then the attempt's ranks wait under two
+    prefixes until they time out joining (a lost-twice restart in CI). Without sharing, the rank-0
+    agent picks a fresh port at every rendezvous round and rank 0's worker hosts the store there,
+    whatever the counts."""
     environ.setdefault(SHARED_STORE_OPT_OUT, "1")
 
 

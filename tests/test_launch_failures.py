@@ -87,7 +87,7 @@ def test_the_agent_stops_its_ranks_once_with_the_signal_it_got(monkeypatch: pyte
 
 def test_each_attempt_gets_a_fresh_store_unless_the_user_chose() -> None:
     """The wrapper opts out of torchrun's shared store (the process test: test_elastic_restart.py,
-    ``..._count_it_differently``); a value the user set is kept."""
+    ``test_a_restart_joins_whichever_way_the_nodes_agents_count_it``); a value the user set is kept."""
     unset: dict[str, str] = {}
     fresh_store_per_attempt(unset)
     assert unset == {SHARED_STORE_OPT_OUT: "1"}
