@@ -16,6 +16,13 @@ changed each, running nothing:
 - ``no recompute, last round``: an upper bound: the last forward round's sub-stages backpropagate
   without recomputing, as if their activations reached the backward's rank for free (they do not:
   the ``link/recompute`` column is a block's activations over the link against its recompute);
+- ``no recompute, 1st bwd round``: the same for the first backward round only (one sub-stage a
+  rank, the one whose forward ran last), the smallest kept set; ``held GiB`` is what holding those
+  activations on the backward's rank from their forward's end to their backward's end takes at its
+  peak (the busiest rank, from the plan's timeline), ``free GiB`` the least the GPU has beside the
+  plan's own peak on any rank. Where held > free the kept set does not fit, even before asking how
+  another process would backpropagate a graph its forward's process built (it cannot: an autograd
+  graph lives in one process, so a backward elsewhere recomputes or needs a hand-written one);
 - ``ceiling``: Mobius over SysX's busiest rank's busy time (no idle time at all).
 
     PYTHONPATH=. .venv/bin/python profiling/long_seq_levers.py
@@ -34,7 +41,7 @@ from typing import Any
 from sysx.emulate.costs import emulated_model, plan_emulation
 from sysx.runtime.options import make_schedule
 from sysx.schedule.costs import CostTable, model_layer_act_bytes
-from sysx.schedule.ops import Schedule
+from sysx.schedule.ops import OpKind, Schedule
 from sysx.schedule.simulate import simulate
 
 _SPEC = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("bench_pipeline.py"))
@@ -43,7 +50,17 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
 ARGS: dict[str, Any] = {"steps": 4, "warmup": 1, "time_scale": 0.5, "optimizer_workers": 1, "gpu": "v100"}
-LEVERS = ("now", "opt spread", "head fused", "head cut", "head cut + opt spread", "no recompute, last round", "ceiling")
+LEVERS = (
+    "now",
+    "opt spread",
+    "head fused",
+    "head cut",
+    "head cut + opt spread",
+    "no recompute, last round",
+    "no recompute, 1st bwd round",
+    "ceiling",
+)
+GIB = 2**30
 
 
 def plan(model: str, seq: int, schedule: str) -> tuple[Schedule, Any]:
@@ -77,13 +94,37 @@ def _head_cut(t: CostTable) -> CostTable:
     return dataclasses.replace(t, fwd=even(t.fwd), bwd=even(t.bwd))
 
 
-def _last_round_kept(sched: Schedule) -> Callable[[CostTable], CostTable]:
-    first = (sched.n_stages - sched.n_ranks) * sched.split  # the last forward round's first sub-stage
+def _kept(sched: Schedule, rounds: int) -> Callable[[CostTable], CostTable]:
+    """The first ``rounds`` backward rounds' sub-stages (``rounds = split``: the last forward round's)
+    backpropagate without recomputing: their backward costs 2 forwards instead of 3."""
+    first = sched.n_stages * sched.split - rounds * sched.n_ranks
 
     def change(t: CostTable) -> CostTable:
         return dataclasses.replace(t, bwd=[b * 2 / 3 if i >= first else b for i, b in enumerate(t.bwd)])
 
     return change
+
+
+def held_bytes(sched: Schedule, table: CostTable, act_bytes: float, rounds: int) -> list[float]:
+    """Per rank, the peak bytes of kept activations if the first ``rounds`` backward rounds' sub-stages
+    kept theirs on the backward's rank from their forward's end to their backward's end (the plan's
+    timeline as it is now; ``act_bytes`` a one-block sub-stage's activations per micro-batch)."""
+    tl = simulate(sched, table, record=True, memory=False, gpus_per_node=bench.GPUS_PER_NODE)
+    fwd_end = {(e.op.stage, e.op.mb): e.end for e in tl.events if e.op.kind == OpKind.FORWARD}
+    first = sched.n_stages * sched.split - rounds * sched.n_ranks
+    deltas: list[list[tuple[float, float]]] = [[] for _ in range(sched.n_ranks)]
+    for e in tl.events:
+        op = e.op
+        if op.kind == OpKind.BACKWARD and op.stage * sched.split + op.sub >= first:
+            deltas[e.rank] += [(fwd_end[(op.stage, op.mb)], act_bytes), (e.end, -act_bytes)]
+    peaks = []
+    for d in deltas:
+        held = peak = 0.0
+        for _, b in sorted(d):  # at a tie the release (negative) sorts first
+            held += b
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
 
 
 def cell(model: str, seq: int) -> dict[str, Any]:
@@ -97,23 +138,35 @@ def cell(model: str, seq: int) -> dict[str, Any]:
         "head fused": mob / iteration(sched, _head_fused(t)),
         "head cut": mob / iteration(sched, _head_cut(t)),
         "head cut + opt spread": mob / iteration(sched, _spread(_head_cut(t))),
-        "no recompute, last round": mob / iteration(sched, _last_round_kept(sched)(t)),
+        "no recompute, last round": mob / iteration(sched, _kept(sched, sched.split)(t)),
+        "no recompute, 1st bwd round": mob / iteration(sched, _kept(sched, 1)(t)),
         "ceiling": mob / max(splan.timeline.busy),
     }
     block_fwd = t.bwd[t.split + 1] / 3  # a one-block sub-stage's backward is 3 forwards (recompute + 2)
-    link = model_layer_act_bytes(splan.model.config, seq * bench.MICRO_BATCH)[1] / splan.cluster.intra_bandwidth
-    return {"model": model, "seq": seq, "ratios": ratios, "link_over_recompute": link / block_fwd}
+    act = model_layer_act_bytes(splan.model.config, seq * bench.MICRO_BATCH)[1]
+    link = act / splan.cluster.intra_bandwidth
+    free = splan.cluster.gpu_memory_bytes - max(splan.timeline.peak_gpu)
+    return {
+        "model": model,
+        "seq": seq,
+        "ratios": ratios,
+        "link_over_recompute": link / block_fwd,
+        "held_gib": max(held_bytes(sched, t, act, 1)) / GIB,
+        "free_gib": free / GIB,
+    }
 
 
 def table(cells: list[dict[str, Any]]) -> str:
     """The markdown table, with the average and the worst cell of every lever."""
-    rows = ["| model | seq | " + " | ".join(LEVERS) + " | link/recompute |", "|---" * (len(LEVERS) + 3) + "|"]
+    head = "| model | seq | " + " | ".join(LEVERS) + " | link/recompute | held GiB | free GiB |"
+    rows = [head, "|---" * (len(LEVERS) + 5) + "|"]
     for c in cells:
         rs = " | ".join(f"{c['ratios'][k]:.3f}" for k in LEVERS)
-        rows.append(f"| {c['model'].upper()} | {c['seq']} | {rs} | {c['link_over_recompute']:.2f} |")
+        mem = f"{c['held_gib']:.1f} | {c['free_gib']:.1f}"
+        rows.append(f"| {c['model'].upper()} | {c['seq']} | {rs} | {c['link_over_recompute']:.2f} | {mem} |")
     for name, f in (("average", statistics.mean), ("worst", min)):
         rs = " | ".join(f"{f(c['ratios'][k] for c in cells):.3f}" for k in LEVERS)
-        rows.append(f"| {name} | | {rs} | |")
+        rows.append(f"| {name} | | {rs} | | | |")
     return "\n".join(rows)
 
 

@@ -1,6 +1,7 @@
 """The long-sequence what-if study (planner only, one cell): the idle cuts plan a faster step and
 stay under the busiest rank's zero-idle ceiling; a block's activations are slower to send than to
-recompute."""
+recompute; the smallest kept set (the first backward round) holds activations for as long as the
+plan's timeline says."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def test_the_head_cut_bound_moves_the_head_without_losing_work() -> None:
     r = levers.cell("10b", 2048)["ratios"]
     assert r["head cut"] > r["now"]
     assert r["head cut + opt spread"] > max(r["head cut"], r["opt spread"])
+
+
+def test_the_first_backward_round_kept_cuts_less_work_and_holds_its_activations_until_their_backward() -> None:
+    c = levers.cell("10b", 2048)
+    r = c["ratios"]
+    assert r["now"] < r["no recompute, 1st bwd round"] < r["no recompute, last round"]
+    sched, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    one = levers.held_bytes(sched, splan.table, 1.0, 1)  # in activations of one sub-stage and micro-batch
+    # every rank backpropagates one kept sub-stage of every micro-batch; a micro-batch's activations
+    # wait at least for the sub-stages before it in the ring, so more than one is held at a time
+    assert len(one) == sched.n_ranks and all(1.0 < h <= sched.n_micro for h in one)
+    two = levers.held_bytes(sched, splan.table, 1.0, 2)
+    assert all(b > a for a, b in zip(one, two, strict=True))
+    assert 0.0 < c["held_gib"] < c["free_gib"]
