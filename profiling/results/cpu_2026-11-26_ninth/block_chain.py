@@ -9,39 +9,15 @@ sequences; the 2- and 4-Block times are printed over k times the 1-Block time.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+from profile_vs_composed import median_ms  # this folder: the script's own directory is on the path
 
+from profiling.check_predictions import MODELS
 from sysx.config import load_config, model_config
 from sysx.model.llama import init_layer, make_layer
-
-MODELS = {
-    "tiny": ["model=tiny"],
-    "50M": [
-        "model=tiny",
-        "model.dim=512",
-        "model.n_layers=16",
-        "model.n_heads=8",
-        "model.n_kv_heads=8",
-        "model.ffn_dim=1376",
-    ],
-}
-
-
-def median_ms(fn: Callable[[], None], window_s: float = 1.0) -> float:
-    """Median milliseconds of ``fn`` over ``window_s`` (at least 5 runs, after one warm-up)."""
-    fn()
-    runs: list[float] = []
-    end = time.perf_counter() + window_s
-    while len(runs) < 5 or time.perf_counter() < end:
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs) * 1e3
 
 
 def main() -> None:

@@ -24,26 +24,16 @@ from collections.abc import Callable
 
 import torch
 
+from profiling.check_predictions import MODELS
 from sysx.autotune.profile import _time_layer
 from sysx.config import load_config, model_config
 from sysx.model.llama import init_layer, make_layer
 from sysx.optim.cores import intra_op_threads, rank_cores
 
-MODELS = {
-    "tiny": ["model=tiny"],
-    "50M": [
-        "model=tiny",
-        "model.dim=512",
-        "model.n_layers=16",
-        "model.n_heads=8",
-        "model.n_kv_heads=8",
-        "model.ffn_dim=1376",
-    ],
-}
 SEQ = 128
 
 
-def median_ms(fn: Callable[[], object], window_s: float) -> float:
+def median_ms(fn: Callable[[], object], window_s: float = 1.0) -> float:
     """Median milliseconds of ``fn`` over ``window_s`` (at least 5 runs, after one warm-up)."""
     fn()
     runs: list[float] = []

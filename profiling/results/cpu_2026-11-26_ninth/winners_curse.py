@@ -16,23 +16,13 @@ import sys
 
 import torch
 
+from profiling.check_predictions import MODELS
 from sysx.autotune.apply import job_from_config
 from sysx.autotune.cache import load_or_measure
 from sysx.autotune.search import Budget, divisors, search
 from sysx.config import load_config
 from sysx.optim.cores import rank_cores
 
-MODELS = {
-    "tiny": ["model=tiny"],
-    "50M": [
-        "model=tiny",
-        "model.dim=512",
-        "model.n_layers=16",
-        "model.n_heads=8",
-        "model.n_kv_heads=8",
-        "model.ffn_dim=1376",
-    ],
-}
 JOB = [  # check_predictions.py's pipeline rows
     "eval.every=0",
     "optim.backend=torch",
