@@ -94,10 +94,16 @@ def _head_cut(t: CostTable) -> CostTable:
     return dataclasses.replace(t, fwd=even(t.fwd), bwd=even(t.bwd))
 
 
+def _first_kept(sched: Schedule, rounds: int) -> int:
+    """The lowest sub-stage index (``stage * split + sub``) in the first ``rounds`` backward rounds:
+    the ring backpropagates sub-stages from the last down, one a rank per round."""
+    return sched.n_stages * sched.split - rounds * sched.n_ranks
+
+
 def _kept(sched: Schedule, rounds: int) -> Callable[[CostTable], CostTable]:
     """The first ``rounds`` backward rounds' sub-stages (``rounds = split``: the last forward round's)
     backpropagate without recomputing: their backward costs 2 forwards instead of 3."""
-    first = sched.n_stages * sched.split - rounds * sched.n_ranks
+    first = _first_kept(sched, rounds)
 
     def change(t: CostTable) -> CostTable:
         return dataclasses.replace(t, bwd=[b * 2 / 3 if i >= first else b for i, b in enumerate(t.bwd)])
@@ -111,7 +117,7 @@ def held_bytes(sched: Schedule, table: CostTable, act_bytes: float, rounds: int)
     timeline as it is now; ``act_bytes`` a one-block sub-stage's activations per micro-batch)."""
     tl = simulate(sched, table, record=True, memory=False, gpus_per_node=bench.GPUS_PER_NODE)
     fwd_end = {(e.op.stage, e.op.mb): e.end for e in tl.events if e.op.kind == OpKind.FORWARD}
-    first = sched.n_stages * sched.split - rounds * sched.n_ranks
+    first = _first_kept(sched, rounds)
     deltas: list[list[tuple[float, float]]] = [[] for _ in range(sched.n_ranks)]
     for e in tl.events:
         op = e.op
