@@ -50,3 +50,17 @@ def test_the_first_backward_round_kept_cuts_less_work_and_holds_its_activations_
     two = levers.held_bytes(sched, splan.table, 1.0, 2)
     assert all(b > a for a, b in zip(one, two, strict=True))
     assert 0.0 < c["held_gib"] < c["free_gib"]
+
+
+def test_fusing_the_head_for_some_micro_batches_saves_their_recompute_and_beats_both_ends() -> None:
+    sched, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    t = splan.table
+    head = t.fwd[-1] - t.fwd[-2]
+    half = levers._head_fused(t, 0.5)
+    # half the micro-batches skip the Head's recompute: one Head forward each, the rest moves ranks
+    assert sum(half.fwd) + sum(half.bwd) == pytest.approx(sum(t.fwd) + sum(t.bwd) - 0.5 * head)
+    k, it = levers.best_fused_share(sched, t)
+    # rank Ng-1 carries the fill and rank 0 starts the drain: the Head on either alone is slower
+    # than a split, so the best share lies strictly between none and all
+    assert 0 < k < sched.n_micro
+    assert it < min(levers.iteration(sched, t), levers.iteration(sched, levers._head_fused(t)))
