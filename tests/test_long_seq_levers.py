@@ -64,3 +64,15 @@ def test_fusing_the_head_for_some_micro_batches_saves_their_recompute_and_beats_
     # than a split, so the best share lies strictly between none and all
     assert 0 < k < sched.n_micro
     assert it < min(levers.iteration(sched, t), levers.iteration(sched, levers._head_fused(t)))
+
+
+def test_the_drain_is_the_last_micro_batch_crossing_the_last_backward_round() -> None:
+    sched, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    t = splan.table
+    it, tail = levers.drain(sched, t)
+    hop = t.bwd[t.split + 1]  # a plain one-block sub-stage's backward of one micro-batch
+    # one hop a rank after the first rank's last backward, plus the transfers between them
+    assert (sched.n_ranks - 1) * hop <= tail <= 1.25 * (sched.n_ranks - 1) * hop
+    assert it == pytest.approx(levers.iteration(sched, t))
+    r = levers.cell("10b", 2048)["ratios"]
+    assert r["head cut + opt spread + drain halved"] > r["head cut + opt spread"]
