@@ -74,10 +74,18 @@ LEVERS = (
 GIB = 2**30
 
 
-def plan(model: str, seq: int, schedule: str) -> tuple[Schedule, Any]:
-    """The schedule and emulated plan ``bench_pipeline.py`` runs for one cell."""
+def plan(model: str, seq: int, schedule: str, micro_batch: int | None = None) -> tuple[Schedule, Any]:
+    """The schedule and emulated plan ``bench_pipeline.py`` runs for one cell; ``micro_batch``:
+    sequences per micro-batch (None: the Fig. 9 setting's), the node's batch kept."""
     name, n_ranks = bench.MODELS[model]
-    cfg, opts = bench._cell_config(name, seq, n_ranks, schedule, ARGS)
+    overrides = None
+    if micro_batch is not None and micro_batch != bench.MICRO_BATCH:
+        nodes = max(1, n_ranks // bench.GPUS_PER_NODE)
+        overrides = {
+            "emulate.micro_batch_size": micro_batch,
+            "train.micro_batches": bench.BATCH_PER_NODE * nodes // micro_batch,
+        }
+    cfg, opts = bench._cell_config(name, seq, n_ranks, schedule, ARGS, overrides=overrides)
     em = emulated_model(cfg)
     sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
     return sched, plan_emulation(cfg, sched, backend="torch")
@@ -168,10 +176,11 @@ def held_bytes(sched: Schedule, table: CostTable, act_bytes: float, rounds: int)
     return peaks
 
 
-def cell(model: str, seq: int) -> dict[str, Any]:
-    """One cell: SysX over Mobius under every lever, and the link-vs-recompute figure."""
+def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str, Any]:
+    """One cell: SysX over Mobius under every lever, and the link-vs-recompute figure;
+    ``sysx_micro_batch``: SysX's sequences per micro-batch (Mobius keeps the Fig. 9 setting's)."""
     msched, mplan = plan(model, seq, "mobius")
-    sched, splan = plan(model, seq, "sysx:cfg3")
+    sched, splan = plan(model, seq, "sysx:cfg3", sysx_micro_batch)
     mob, t = iteration(msched, mplan.table), splan.table
     share, fused_best = best_fused_share(sched, t)
     both, both_drain = drain(sched, _spread(_head_cut(t)))
@@ -188,7 +197,7 @@ def cell(model: str, seq: int) -> dict[str, Any]:
         "ceiling": mob / max(splan.timeline.busy),
     }
     block_fwd = t.bwd[t.split + 1] / 3  # a one-block sub-stage's backward is 3 forwards (recompute + 2)
-    act = model_layer_act_bytes(splan.model.config, seq * bench.MICRO_BATCH)[1]
+    act = model_layer_act_bytes(splan.model.config, seq * (sysx_micro_batch or bench.MICRO_BATCH))[1]
     link = act / splan.cluster.intra_bandwidth
     free = splan.cluster.gpu_memory_bytes - max(splan.timeline.peak_gpu)
     return {
@@ -222,8 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="10b,19b,30b,40b", help="comma list of 10b, 19b, 30b, 40b")
     p.add_argument("--seq", default="2048,4096", help="comma list of sequence lengths")
+    p.add_argument(
+        "--sysx-micro-batch",
+        type=int,
+        default=None,
+        help="SysX's sequences per micro-batch, the node's batch kept (Mobius keeps the Fig. 9 setting's 2); "
+        "1 runs every round in half micro-batches, a check of the drain-halved estimate",
+    )
     a = p.parse_args(argv)
-    cells = [cell(m, int(s)) for m in a.models.split(",") for s in a.seq.split(",")]
+    cells = [cell(m, int(s), a.sysx_micro_batch) for m in a.models.split(",") for s in a.seq.split(",")]
     print(table(cells))
     return 0
 

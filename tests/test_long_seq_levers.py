@@ -76,3 +76,12 @@ def test_the_drain_is_the_last_micro_batch_crossing_the_last_backward_round() ->
     assert it == pytest.approx(levers.iteration(sched, t))
     r = levers.cell("10b", 2048)["ratios"]
     assert r["head cut + opt spread + drain halved"] > r["head cut + opt spread"]
+
+
+def test_one_sequence_micro_batches_halve_the_drain_as_the_estimate_assumes() -> None:
+    sched2, plan2 = levers.plan("10b", 2048, "sysx:cfg3")
+    sched1, plan1 = levers.plan("10b", 2048, "sysx:cfg3", micro_batch=1)
+    assert sched1.n_micro == 2 * sched2.n_micro  # the node's batch kept
+    _, tail2 = levers.drain(sched2, plan2.table)
+    _, tail1 = levers.drain(sched1, plan1.table)
+    assert tail1 == pytest.approx(tail2 / 2, rel=0.15)
