@@ -6,7 +6,8 @@ CostTable, with the posted receives of :mod:`sysx.schedule.posted`) and then Sys
 changed each, running nothing:
 
 - ``opt spread``: the optimizer step of sub-stage (0, 0) (Embedding + a block; the last step of the
-  iteration) spread over the node's ``gpus_per_node`` ranks' threads;
+  iteration) shared by the ranks of its owner's node (:func:`sysx.schedule.spread.spread_last_step`:
+  each steps its share on its own worker, after its own steps and the owner's offload);
 - ``head fused``: the Head's loss backward done by rank Ng-1 right after its forward (no recompute
   of the Head; the first backward sub-stage loses it);
 - ``head fused, best share``: the Head fused for only some of the micro-batches, the share (``fused
@@ -50,8 +51,9 @@ from typing import Any
 from sysx.emulate.costs import emulated_model, plan_emulation
 from sysx.runtime.options import make_schedule
 from sysx.schedule.costs import CostTable, model_layer_act_bytes
-from sysx.schedule.ops import OpKind, Schedule
+from sysx.schedule.ops import Op, OpKind, Schedule
 from sysx.schedule.simulate import simulate
+from sysx.schedule.spread import LAST_UNIT, spread_last_step
 
 _SPEC = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("bench_pipeline.py"))
 assert _SPEC is not None and _SPEC.loader is not None
@@ -96,8 +98,11 @@ def iteration(sched: Schedule, table: CostTable) -> float:
     return simulate(sched, table, record=False, memory=False, gpus_per_node=bench.GPUS_PER_NODE).iteration
 
 
-def _spread(t: CostTable) -> CostTable:
-    return dataclasses.replace(t, opt=[t.opt[0] / bench.GPUS_PER_NODE, *t.opt[1:]])
+def spread(sched: Schedule) -> Schedule:
+    """``sched`` with its last optimizer step shared by the ranks of its owner's node."""
+    owner = next(r for r, ops in enumerate(sched.ops) if Op(OpKind.OFFLOAD_GRADS, *LAST_UNIT) in ops)
+    node = owner // bench.GPUS_PER_NODE * bench.GPUS_PER_NODE
+    return spread_last_step(sched, range(node, min(node + bench.GPUS_PER_NODE, sched.n_ranks)))
 
 
 def _head_fused(t: CostTable, share: float = 1.0) -> CostTable:
@@ -183,10 +188,11 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
     sched, splan = plan(model, seq, "sysx:cfg3", sysx_micro_batch)
     mob, t = iteration(msched, mplan.table), splan.table
     share, fused_best = best_fused_share(sched, t)
-    both, both_drain = drain(sched, _spread(_head_cut(t)))
+    spread_sched = spread(sched)
+    both, both_drain = drain(spread_sched, _head_cut(t))
     ratios = {
         "now": mob / iteration(sched, t),
-        "opt spread": mob / iteration(sched, _spread(t)),
+        "opt spread": mob / iteration(spread_sched, t),
         "head fused": mob / iteration(sched, _head_fused(t)),
         "head fused, best share": mob / fused_best,
         "head cut": mob / iteration(sched, _head_cut(t)),

@@ -13,23 +13,16 @@ import heapq
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sysx.schedule.costs import CostTable
-from sysx.schedule.ops import MESSAGE_OF, PARTNER, RECV_OF, SEND_OF, WAITS, Message, Op, OpKind, Schedule, ScheduleError
+from sysx.schedule.deadlock import deadlock_report
+from sysx.schedule.ops import MESSAGE_OF, RECV_OF, SEND_OF, WAITS, Message, Op, OpKind, Schedule
 from sysx.schedule.param_pool import place_loads
 
 GPU, H2D, D2H, P2P, CPU, REDUCE = ("gpu", "h2d", "d2h", "p2p", "cpu", "reduce")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
 PARAMS, GRADS, CKPTS, WORK = range(4)  # memory categories: params, grads, checkpoints, working activations
-
-
-class Deadlock(ScheduleError):
-    """The ranks wait for each other; ``stuck`` lists (rank, op index, op, reason)."""
-
-    def __init__(self, message: str, stuck: list[tuple[int, int, Op, str]]):
-        super().__init__(message)
-        self.stuck = stuck
 
 
 @dataclass
@@ -46,6 +39,7 @@ class Program:
     transfer_op: dict[int, Op]
     n_units: int
     loads: list[list[tuple[bool, int]]]  # per rank, (is_load, unit) of its LOAD_PARAMS / FREE: the pool's plan
+    shares: dict[int, int] = field(default_factory=dict)  # unit -> ranks sharing its step (spread)
 
 
 def _unit_index(op: Op, nsf: int, d: int) -> int:
@@ -64,6 +58,7 @@ class _Compiler:
         self.kind: list[Message] = []
         self.idx: list[int] = []
         self.transfer: dict[int, Op] = {}
+        self.shares: dict[int, int] = {}
 
     def message(self, op: Op, rank: int, sending: bool) -> int:
         a, b = (rank, op.peer) if sending else (op.peer, rank)
@@ -129,7 +124,10 @@ class _Compiler:
             elif k == OpKind.OFFLOAD_GRADS:
                 prog.append((_OFFL, op.stage * d + op.sub, i))
             elif k == OpKind.OPTIM_STEP:
-                prog.append((_OPTA if op.is_async else _OPTS, op.stage * d + op.sub, i))
+                g = op.stage * d + op.sub
+                if op.peer >= 0:  # a shard of another rank's step (sysx.schedule.spread)
+                    self.shares[g] = self.shares.get(g, 1) + 1
+                prog.append((_OPTA if op.is_async else _OPTS, g, i))
             elif k == OpKind.VALIDATE:
                 prog.append((_VAL, 0, i))
         return prog
@@ -140,7 +138,7 @@ def compile_schedule(schedule: Schedule) -> Program:
     c = _Compiler(schedule)
     code = [c.rank(r, ops) for r, ops in enumerate(schedule.ops)]
     loads = [[(ins[0] == _LOAD, ins[1]) for ins in rank if ins[0] in (_LOAD, _FREE)] for rank in code]
-    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads)
+    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads, c.shares)
 
 
 class ProgramCache:
@@ -224,6 +222,7 @@ class _Engine:
         "reduce",
         "rendezvous",
         "send_post",
+        "shares",
         "unit_ready",
         "val_time",
         "val_wait",
@@ -241,6 +240,9 @@ class _Engine:
         xfers = (tab.act_xfer, tab.grad_xfer, tab.ckpt_xfer)
         self.xfer = [xfers[f][i] for f, i in zip(prog.msg_kind, prog.msg_idx)]
         self.fwd, self.bwd, self.opt, self.offload = tab.fwd, tab.bwd, tab.opt, tab.offload
+        self.shares = prog.shares
+        if self.shares:  # each rank sharing a unit's step steps its share of it
+            self.opt = [c / self.shares.get(g, 1) for g, c in enumerate(tab.opt)]
         self.load = list(tab.load_stage) + list(tab.load_sub)
         self.workers, self.allreduce = tab.optim_workers, tab.allreduce
         self.op_host = tab.op_host
@@ -467,6 +469,8 @@ class _Engine:
         st = t if t >= free else free
         en = st + self.offload[g]
         self.d2h[r] = self.offl_end[g] = en
+        if ~g in self.waiters:  # ranks sharing its step (sysx.schedule.spread)
+            self._wake(~g)
         if self.memory:
             self.mem[r][GRADS].append((en, -self.grad_mem[g]))
         if self.record:
@@ -486,11 +490,16 @@ class _Engine:
         if self.record:
             self.events.append((r, REDUCE, ins[2], st, en))
 
-    def _optim_async(self, r: int, ins: tuple, t: float) -> float:
+    def _optim_async(self, r: int, ins: tuple, t: float) -> float | None:
         """On one of the rank's ``optim_workers`` CPU workers, from the end of the offload."""
         g = ins[1]
         workers = self.workers
-        st = self.offl_end.get(g, t)
+        st = self.offl_end.get(g)
+        if st is None:
+            if g in self.shares:  # a shard of another rank's step: its offload is not home yet
+                self._block(r, ~g, "offload")
+                return None
+            st = t
         if workers is not None:
             hp = self.heaps[r]
             if len(hp) >= workers:
@@ -539,39 +548,6 @@ class _Engine:
         return self.val_time
 
 
-def deadlock_report(schedule: Schedule, prog: Program, pcs: list[int], blocked_on: list[str]) -> Deadlock:
-    """The :class:`Deadlock` naming, for every unfinished rank, the op it waits at and for what."""
-    code = prog.code
-    stuck = []
-    for r in range(len(code)):
-        if pcs[r] < len(code[r]):
-            i = op_index(code[r][pcs[r]])
-            stuck.append((r, i, schedule.ops[r][i], blocked_on[r]))
-    lines = []
-    for r, i, op, why in stuck:
-        if why == "validate":
-            lines.append(f"rank {r} op #{i} `{op}` waits at the VALIDATE barrier")
-        elif op.kind in WAITS:
-            family = MESSAGE_OF[op.kind]
-            sent = Op(SEND_OF[family], op.stage, op.sub, op.mb, r, True)
-            lines.append(
-                f"rank {r} op #{i} `{op}` waits for the {family.noun} from rank {op.peer} (`{sent}` never posted)"
-            )
-        else:
-            partner = PARTNER[op.kind].name if op.kind in PARTNER else "?"
-            at = pcs[op.peer]
-            where = (
-                f" `{schedule.ops[op.peer][op_index(code[op.peer][at])]}`)"
-                if at < len(code[op.peer])
-                else ", finished)"
-            )
-            lines.append(
-                f"rank {r} op #{i} `{op}` waits for rank {op.peer} to reach its {partner} "
-                f"(rank {op.peer} is at op #{at}" + where
-            )
-    return Deadlock(f"schedule {schedule.name!r} deadlocks: " + "; ".join(lines), stuck)
-
-
 def run_program(
     schedule: Schedule, tab: CostTable, *, rendezvous: bool, record: bool, memory: bool, posted: bool = False
 ) -> dict:
@@ -583,7 +559,8 @@ def run_program(
     eng = _Engine(prog, tab, rendezvous=rendezvous, record=record, memory=memory, posted=posted)
     eng.run()
     if any(eng.pcs[r] < len(prog.code[r]) for r in range(len(prog.code))):
-        raise deadlock_report(schedule, prog, eng.pcs, eng.blocked_on)
+        current = [op_index(code[pc]) if pc < len(code) else None for code, pc in zip(prog.code, eng.pcs, strict=True)]
+        raise deadlock_report(schedule, current, eng.pcs, eng.blocked_on)
     iteration = max(max(eng.clock), max(eng.cpu_end), max(eng.d2h), max(eng.h2d)) if prog.code else 0.0
     return {
         "iteration": iteration,

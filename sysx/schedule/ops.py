@@ -108,6 +108,8 @@ class Op:
             parts.append(f"->r{self.peer}")
         elif k in RECVS or k in WAITS:
             parts.append(f"<-r{self.peer}")
+        elif k == OpKind.OPTIM_STEP and self.peer >= 0:
+            parts.append(f"shard of r{self.peer}")  # sysx.schedule.spread
         if self.is_async:
             parts.append("async")
         return " ".join(parts)

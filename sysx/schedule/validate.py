@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from sysx.partition import unit_label
 from sysx.schedule.costs import UnitCosts
-from sysx.schedule.engine import Deadlock, run_program
+from sysx.schedule.deadlock import Deadlock
+from sysx.schedule.engine import run_program
 from sysx.schedule.ops import (
     COMMS,
     PARTNER,
@@ -203,6 +204,7 @@ class _RankState:
         self.ready_ck: set[tuple[int, int, int]] = set()
         self.resident: dict[tuple[int, int], range] = {}
         self.local_off: set[tuple[int, int]] = set()
+        self.shards: list[tuple[tuple[int, int], int, str]] = []  # (unit, owner, where): shard steps
         self.validated = -1
         self.errors: list[str] = []
         self.checks: dict[OpKind, Callable[[Op, str], None]] = {
@@ -356,6 +358,13 @@ class _RankState:
 
     def _optim_step(self, op: Op, here: str) -> None:
         g = (op.stage, op.sub)
+        if op.peer >= 0:  # a shard of rank op.peer's step (sysx.schedule.spread)
+            if not op.is_async:
+                self.errors.append(f"{here}: a shard of another rank's step must be asynchronous")
+            if op.peer == self.rank:
+                self.errors.append(f"{here}: a rank steps a shard of its own sub-stage {unit_label(*g)}")
+            self.shards.append((g, op.peer, here))
+            return
         if g not in self.local_off:
             self.errors.append(f"{here}: steps {unit_label(*g)} before its OFFLOAD_GRADS on this rank")
         if not op.is_async and self.validated < 0:
@@ -371,8 +380,16 @@ def check_dependencies(schedule: Schedule) -> list[str]:
     errors: list[str] = []
     offloaded: dict[tuple[int, int], int] = {}
     stepped: dict[tuple[int, int], int] = {}
+    shards: list[tuple[tuple[int, int], int, str]] = []
     for r, ops in enumerate(schedule.ops):
-        errors += _RankState(schedule, r, offloaded, stepped).run(ops)
+        state = _RankState(schedule, r, offloaded, stepped)
+        errors += state.run(ops)
+        shards += state.shards
+    for g, owner, here in shards:  # its owner's step shared: the owner offloads and steps it too
+        if offloaded.get(g) != owner or stepped.get(g) != owner:
+            errors.append(
+                f"{here}: steps a shard of {unit_label(*g)} for rank {owner}, which does not offload and step it"
+            )
     if schedule.options.training:
         for s in range(schedule.n_stages):
             for k in range(schedule.split):
