@@ -51,9 +51,9 @@ from typing import Any
 from sysx.emulate.costs import emulated_model, plan_emulation
 from sysx.runtime.options import make_schedule
 from sysx.schedule.costs import CostTable, model_layer_act_bytes
-from sysx.schedule.ops import Op, OpKind, Schedule
+from sysx.schedule.ops import OpKind, Schedule
 from sysx.schedule.simulate import simulate
-from sysx.schedule.spread import LAST_UNIT, spread_last_step
+from sysx.schedule.spread import last_step_owner, spread_last_step
 
 _SPEC = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("bench_pipeline.py"))
 assert _SPEC is not None and _SPEC.loader is not None
@@ -100,8 +100,7 @@ def iteration(sched: Schedule, table: CostTable) -> float:
 
 def spread(sched: Schedule) -> Schedule:
     """``sched`` with its last optimizer step shared by the ranks of its owner's node."""
-    owner = next(r for r, ops in enumerate(sched.ops) if Op(OpKind.OFFLOAD_GRADS, *LAST_UNIT) in ops)
-    node = owner // bench.GPUS_PER_NODE * bench.GPUS_PER_NODE
+    node = last_step_owner(sched) // bench.GPUS_PER_NODE * bench.GPUS_PER_NODE
     return spread_last_step(sched, range(node, min(node + bench.GPUS_PER_NODE, sched.n_ranks)))
 
 

@@ -12,18 +12,14 @@ from sysx.schedule.costs import UnitCosts
 from sysx.schedule.deadlock import Deadlock
 from sysx.schedule.ops import Op, OpKind, ScheduleError
 from sysx.schedule.simulate import simulate
-from sysx.schedule.spread import LAST_UNIT, spread_last_step, spread_shares
+from sysx.schedule.spread import LAST_UNIT, last_step_owner, spread_last_step, spread_shares
 from sysx.schedule.sysx import build_sysx
 from sysx.schedule.validate import validate
 
 
-def _owner(sched) -> int:  # type: ignore[no-untyped-def]
-    return next(r for r, ops in enumerate(sched.ops) if Op(OpKind.OFFLOAD_GRADS, *LAST_UNIT) in ops)
-
-
 def test_each_other_rank_gets_one_shard_step_right_before_its_validate() -> None:
     sched = build_sysx(4, 8, n_stages=8, split=2)
-    owner = _owner(sched)
+    owner = last_step_owner(sched)
     spread = spread_last_step(sched, range(4))
     validate(spread)
     assert spread_shares(spread) == {LAST_UNIT: 4}
@@ -38,40 +34,33 @@ def test_each_other_rank_gets_one_shard_step_right_before_its_validate() -> None
 
 def test_the_shares_start_when_the_owner_gradients_are_home_and_shorten_the_step() -> None:
     sched = build_sysx(4, 8, n_stages=8, split=2)
-    owner = _owner(sched)
+    owner = last_step_owner(sched)
     spread = spread_last_step(sched, range(4))
     costs = UnitCosts(1.0, 2.0, t_opt=2.0, optim_workers=1)  # larger steps queue behind the ranks' own
     table = dataclasses.replace(costs.table(sched), offload=[0.5] * len(costs.table(sched).offload))
-    home = next(
-        e.end
-        for e in simulate(spread, table).events
-        if e.op == Op(OpKind.OFFLOAD_GRADS, *LAST_UNIT) and e.rank == owner
-    )
-    steps = [
-        e
-        for e in simulate(spread, table).events
-        if e.op.kind == OpKind.OPTIM_STEP and (e.op.stage, e.op.sub) == LAST_UNIT
-    ]
+    timeline = simulate(spread, table)
+    home = next(e.end for e in timeline.events if e.op == Op(OpKind.OFFLOAD_GRADS, *LAST_UNIT) and e.rank == owner)
+    steps = [e for e in timeline.events if e.op.kind == OpKind.OPTIM_STEP and (e.op.stage, e.op.sub) == LAST_UNIT]
     assert sorted(e.rank for e in steps) == [0, 1, 2, 3]
     whole = table.opt[0]
     for e in steps:
         assert e.start >= home  # a rank that reaches its shard first waits for the owner's offload
         assert e.end - e.start == pytest.approx(whole / 4)
-    assert simulate(spread, table).iteration < simulate(sched, table).iteration
+    assert timeline.iteration < simulate(sched, table).iteration
 
 
 def test_spreading_needs_an_asynchronous_optimizer_and_the_owner_among_the_ranks() -> None:
     with pytest.raises(ScheduleError, match="asynchronous optimizer"):
         spread_last_step(build_sysx(4, 8, n_stages=8, split=2, cfg=2), range(4))
     sched = build_sysx(4, 8, n_stages=8, split=2)
-    others = [r for r in range(4) if r != _owner(sched)]
-    with pytest.raises(ScheduleError, match=f"leaves out the owner rank {_owner(sched)}"):
+    others = [r for r in range(4) if r != last_step_owner(sched)]
+    with pytest.raises(ScheduleError, match=f"leaves out the owner rank {last_step_owner(sched)}"):
         spread_last_step(sched, others)
 
 
 def test_the_checks_refuse_a_shard_of_a_step_its_peer_does_not_take() -> None:
     sched = build_sysx(4, 8, n_stages=8, split=2)
-    owner = _owner(sched)
+    owner = last_step_owner(sched)
     spread = spread_last_step(sched, range(4))
     helper = next(r for r in range(4) if r != owner)
     wrong = next(r for r in range(4) if r not in (owner, helper))

@@ -19,6 +19,7 @@ from sysx.schedule.costs import CostTable
 from sysx.schedule.deadlock import deadlock_report
 from sysx.schedule.ops import MESSAGE_OF, RECV_OF, SEND_OF, WAITS, Message, Op, OpKind, Schedule
 from sysx.schedule.param_pool import place_loads
+from sysx.schedule.spread import spread_shares
 
 GPU, H2D, D2H, P2P, CPU, REDUCE = ("gpu", "h2d", "d2h", "p2p", "cpu", "reduce")
 (_LOAD, _FREE, _FWD, _BWD, _SEND, _RECV, _ASEND, _ARECV, _WAIT, _OFFL, _OPTA, _OPTS, _VAL) = range(13)
@@ -58,7 +59,6 @@ class _Compiler:
         self.kind: list[Message] = []
         self.idx: list[int] = []
         self.transfer: dict[int, Op] = {}
-        self.shares: dict[int, int] = {}
 
     def message(self, op: Op, rank: int, sending: bool) -> int:
         a, b = (rank, op.peer) if sending else (op.peer, rank)
@@ -124,10 +124,7 @@ class _Compiler:
             elif k == OpKind.OFFLOAD_GRADS:
                 prog.append((_OFFL, op.stage * d + op.sub, i))
             elif k == OpKind.OPTIM_STEP:
-                g = op.stage * d + op.sub
-                if op.peer >= 0:  # a shard of another rank's step (sysx.schedule.spread)
-                    self.shares[g] = self.shares.get(g, 1) + 1
-                prog.append((_OPTA if op.is_async else _OPTS, g, i))
+                prog.append((_OPTA if op.is_async else _OPTS, op.stage * d + op.sub, i))
             elif k == OpKind.VALIDATE:
                 prog.append((_VAL, 0, i))
         return prog
@@ -138,7 +135,8 @@ def compile_schedule(schedule: Schedule) -> Program:
     c = _Compiler(schedule)
     code = [c.rank(r, ops) for r, ops in enumerate(schedule.ops)]
     loads = [[(ins[0] == _LOAD, ins[1]) for ins in rank if ins[0] in (_LOAD, _FREE)] for rank in code]
-    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads, c.shares)
+    shares = {s * c.d + k: n for (s, k), n in spread_shares(schedule).items()}
+    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads, shares)
 
 
 class ProgramCache:

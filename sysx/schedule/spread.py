@@ -30,7 +30,7 @@ def spread_last_step(schedule: Schedule, ranks: Sequence[int]) -> Schedule:
             f"{schedule.name}: the last optimizer step can be spread only with an asynchronous optimizer "
             f"(optimizer={schedule.options.optimizer!r}): a synchronous step runs after VALIDATE anyway"
         )
-    owner = _owner(schedule)
+    owner = last_step_owner(schedule)
     if owner not in ranks:
         raise ScheduleError(f"{schedule.name}: spreading over ranks {list(ranks)} leaves out the owner rank {owner}")
     lists = [list(ops) for ops in schedule.ops]
@@ -54,7 +54,8 @@ def spread_shares(schedule: Schedule) -> dict[tuple[int, int], int]:
     return shares
 
 
-def _owner(schedule: Schedule) -> int:
+def last_step_owner(schedule: Schedule) -> int:
+    """The rank that offloads (and steps) :data:`LAST_UNIT`'s gradients."""
     for r, ops in enumerate(schedule.ops):
         if any(op.kind == OpKind.OFFLOAD_GRADS and (op.stage, op.sub) == LAST_UNIT for op in ops):
             return r
