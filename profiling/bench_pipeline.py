@@ -76,6 +76,7 @@ SCHEDULES = (
 GPUS_PER_NODE, MICRO_BATCH, BATCH_PER_NODE = 4, 2, 16  # the paper's Fig. 9 setting
 PAPER = {"sysx_over_mobius": 1.26, "sysx_over_megatron": 1.51}  # SysX §5.2, averages over its Fig. 9
 GPUS = {"v100": "v100", "a100": "a100_80g", "h100": "h100"}  # --gpu -> emulate.gpu (v100: the paper's cluster)
+SPREAD = "~spread"  # a SysX CFG3 schedule's suffix: schedule.spread_last_step=true
 PLACEMENTS = ("auto", "cpu", "split")  # a SysX schedule's ``+<optim.placement>`` suffix (sysx.config.choices)
 
 
@@ -104,6 +105,7 @@ def _cell_config(
     from sysx.config.sections import ParallelSection
     from sysx.runtime import PipelineOptions
 
+    schedule, spread = split_spread(schedule)
     base, layout = split_layout(schedule)
     placement = split_placement(schedule)[1] or "auto"
     name, _, cfg = base.partition(":cfg")
@@ -140,6 +142,7 @@ def _cell_config(
         timeout_s=600.0,
         stages_per_rank=layout[0],
         split=layout[1],
+        spread_last_step=spread,
     )
     return with_overrides(cfg_obj, overrides or {}), opts
 
@@ -175,9 +178,22 @@ def _tuned(cfg: Any, info: Any) -> tuple[Any, Any, Any, str]:
     return tuned.cfg, opts, tuned.costs, choice
 
 
+def split_spread(schedule: str) -> tuple[str, bool]:
+    """``sysx:cfg3@s4d3~spread`` -> (``sysx:cfg3@s4d3``, True): a SysX CFG3 cell with
+    ``schedule.spread_last_step`` (the last optimizer step shared by the owner's emulated node)."""
+    if not schedule.endswith(SPREAD):
+        return schedule, False
+    rest = schedule[: -len(SPREAD)]
+    if not rest.startswith("sysx:cfg3"):
+        raise ValueError(f"bad {SPREAD!r} in {schedule!r}: only SysX CFG3 spreads its last step, e.g. sysx:cfg3~spread")
+    return rest, True
+
+
 def split_placement(schedule: str) -> tuple[str, str | None]:
     """``sysx:cfg3+split@s4d3`` (or ``sysx:cfg3@s4d3+split``) -> (``sysx:cfg3@s4d3``, ``split``): the
-    ``optim.placement`` a SysX cell runs at; no ``+``: None (the default, ``auto``)."""
+    ``optim.placement`` a SysX cell runs at; no ``+``: None (the default, ``auto``). A ``~spread``
+    suffix is left out."""
+    schedule = split_spread(schedule)[0]
     m = re.search(r"\+([^@+]*)", schedule)
     if m is None:
         return schedule, None
@@ -193,7 +209,7 @@ def split_placement(schedule: str) -> tuple[str, str | None]:
 def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
     """``sysx:cfg3@s4d3`` -> (``sysx:cfg3``, (4, 3)); ``mobius@s6`` -> (``mobius``, (6, None)); no ``@``:
     the runtime's default layout (None, None). A placement suffix (``+split``) is left out."""
-    base, _, layout = split_placement(schedule)[0].partition("@")
+    base, _, layout = split_placement(schedule)[0].partition("@")  # and without ~spread
     if not layout:
         return base, (None, None)
     m = re.fullmatch(r"s(\d+)(?:d(\d+))?", layout)
@@ -220,11 +236,18 @@ def planned_iteration(
     em = emulated_model(cfg)
     pipeline = n_ranks // replicas
     try:
-        sched = make_schedule(opts, em.config, n_ranks=pipeline, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
+        sched = make_schedule(
+            opts,
+            em.config,
+            n_ranks=pipeline,
+            n_micro=cfg.train.micro_batches,
+            seq_len=em.seq_len,
+            ranks_per_node=GPUS_PER_NODE,
+        )
         it = _lane_planned(cfg, sched, plan_emulation(cfg, sched, backend="torch", replicas=replicas))
     except (ConfigError, PartitionError, ScheduleError, ValueError):
         return None
-    spr = split_layout(schedule)[1][0]
+    spr = split_layout(split_spread(schedule)[0])[1][0]
     return None if spr is not None and sched.n_stages != spr * pipeline else it
 
 
@@ -448,7 +471,8 @@ def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
             name = f"{name} ({f'{per_rank} stages/rank, ' if per_rank not in (0, 2) else ''}d={row['split']})"
     else:
         name = f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
-    return name + _placement_label(split_placement(schedule)[1], row)
+    spread = ", last optimizer step spread over the node" if split_spread(schedule)[1] else ""
+    return name + spread + _placement_label(split_placement(schedule)[1], row)
 
 
 def _placement_label(placement: str | None, row: dict[str, Any] | None) -> str:
@@ -469,9 +493,9 @@ def _placement(schedule: str) -> str | None:
 
 
 def _family(schedule: str) -> tuple[str, bool]:
-    """(schedule without layout, whether the row runs a chosen layout)."""
+    """(schedule without layout, ``~spread`` kept; whether the row runs a chosen layout)."""
     base, layout = split_layout(schedule)
-    return base, layout[0] is not None
+    return base + (SPREAD if split_spread(schedule)[1] else ""), layout[0] is not None
 
 
 def _key(r: dict[str, Any]) -> tuple[Any, ...]:

@@ -53,7 +53,7 @@ from sysx.runtime.options import make_schedule
 from sysx.schedule.costs import CostTable, model_layer_act_bytes
 from sysx.schedule.ops import OpKind, Schedule
 from sysx.schedule.simulate import simulate
-from sysx.schedule.spread import last_step_owner, spread_last_step
+from sysx.schedule.spread import spread_over_node
 
 _SPEC = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("bench_pipeline.py"))
 assert _SPEC is not None and _SPEC.loader is not None
@@ -100,8 +100,7 @@ def iteration(sched: Schedule, table: CostTable) -> float:
 
 def spread(sched: Schedule) -> Schedule:
     """``sched`` with its last optimizer step shared by the ranks of its owner's node."""
-    node = last_step_owner(sched) // bench.GPUS_PER_NODE * bench.GPUS_PER_NODE
-    return spread_last_step(sched, range(node, min(node + bench.GPUS_PER_NODE, sched.n_ranks)))
+    return spread_over_node(sched, bench.GPUS_PER_NODE)
 
 
 def _head_fused(t: CostTable, share: float = 1.0) -> CostTable:

@@ -21,6 +21,7 @@ from sysx.config import ScheduleSection, SysxConfig
 from sysx.config.choices import EMULATED_DEVICE, PRECISIONS, SYSX_CFGS
 from sysx.emulate import emulated_model
 from sysx.emulate.device_model import emulated_schedule
+from sysx.emulate.profiles import cluster
 from sysx.machine.disk_plan import add_disk_arguments, resolve_disk
 from sysx.partition import Partition, PartitionError, partition_model, uniform_partition
 from sysx.plan_nvme import replanner, tier_lines, tier_summary
@@ -393,7 +394,13 @@ def _plan_emulated(args: argparse.Namespace, name: str, cfg: int) -> tuple[Sched
     if args.stage_sizes:
         section["stage_sizes"] = [int(x) for x in str(args.stage_sizes).split(",")]
     job = dataclasses.replace(args.job, schedule=dataclasses.replace(args.job.schedule, **section))
-    build = functools.partial(make_schedule, options_from_config(job), n_ranks=args.ranks, n_micro=args.microbatches)
+    build = functools.partial(
+        make_schedule,
+        options_from_config(job),
+        n_ranks=args.ranks,
+        n_micro=args.microbatches,
+        ranks_per_node=cluster(job.emulate).gpus_per_node,  # the node a spread last step stays on
+    )
     sched, plan = emulated_schedule(job, build, backend=job.optim.backend, replicas=args.replicas)
     args.emulated, args.table, args.gpus_per_node = (
         f"emulated: {plan.describe()}",

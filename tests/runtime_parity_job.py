@@ -4,7 +4,7 @@
         python tests/runtime_parity_job.py SPEC.json RESULT.json
 
 SPEC: ``{"model": {...ModelSection fields}, "train": {...}, "steps": 3, "data": token file (optional), "optim": {...OptimSection
-fields, optional}, "replicas": R (optional), "schedules": [{PipelineOptions fields, optional "optim": {...}}, ...]}`` (``optim_backend``
+fields, optional}, "precision": (optional), "replicas": R (optional), "schedules": [{PipelineOptions fields, optional "optim": {...}}, ...]}`` (``optim_backend``
 defaults to torch; an entry's "optim" overrides optim.* for it). Rank 0 trains the single-process reference in-process once; then every rank runs
 each schedule in turn in the same process group (a fresh PipelineTrainer each, same seed and
 batches), and rank 0 compares per-step losses, gradient norms and the final fp32 parameters with
@@ -44,6 +44,7 @@ def main(spec_path: str, out_path: str) -> int:
         eval=EvalSection(every=0),
         device="cpu",
         seed=spec.get("seed", 0),
+        precision=spec.get("precision", "auto"),
     )
     validate(cfg)
     replicas = int(spec.get("replicas", 1))
@@ -75,6 +76,7 @@ def main(spec_path: str, out_path: str) -> int:
         ref_norms = [r.grad_norm for r in results]
         ref_state = reference.state_dict()
     rows = []
+    first_state: dict[str, torch.Tensor] = {}
     for options in spec["schedules"]:
         t0 = time.perf_counter()
         # an entry's "optim" (e.g. {"speculate": "never"}) changes optim.* for that schedule only
@@ -89,8 +91,15 @@ def main(spec_path: str, out_path: str) -> int:
             backends = sorted({s.optimizer.backend for s in trainer.optimizer.stages.values()})
             rollbacks = sorted({s.optimizer.rollback for s in trainer.optimizer.stages.values()})
             n_messages = sum(1 for ops in sched.ops for op in ops if op.kind.name.startswith("SEND"))
+            stepped = {name: s.numel for name, s in ((s.name, s) for s in trainer.optimizer.stages.values())}
+            every: list[dict[str, int] | None] = [None] * info.world_size
+            if info.world_size > 1:
+                torch.distributed.all_gather_object(every, stepped, group=trainer.group)
+            else:
+                every = [stepped]
         if info.rank != 0:
             continue
+        first_state = first_state if rows else state
         losses = [r.loss for r in results]
         norms = [r.grad_norm for r in results]
         assert state.keys() == ref_state.keys(), (sorted(state)[:4], sorted(ref_state)[:4])
@@ -122,6 +131,9 @@ def main(spec_path: str, out_path: str) -> int:
                 "param_rel": float((a - b).norm() / a.norm()),
                 "param_rel_per_tensor": per_tensor,
                 "param_max_abs": float((a - b).abs().max()),
+                # against the first entry's run (bit-for-bit layouts: 0.0)
+                "vs_first_max_abs": max(float((state[k] - first_state[k]).abs().max()) for k in ref_state),
+                "stepped_numels": every,  # each rank's optimizer stages: {name: elements stepped}
                 "seconds": time.perf_counter() - t0,
             }
         )

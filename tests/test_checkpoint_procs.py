@@ -123,12 +123,14 @@ def loaded_layers(tmp_path: Path, phase: str, world: int) -> dict[int, dict]:
     return out
 
 
-def assert_loaded_bit_for_bit(loaded: dict[int, dict], ckpt_dir: Path, step: int) -> None:
-    """The masters, moments and step counts loaded equal the checkpoint's bit for bit."""
+def assert_loaded_bit_for_bit(loaded: dict[int, dict], ckpt_dir: Path, step: int, *, blocks: int | None = None) -> None:
+    """The masters, moments and step counts loaded equal the checkpoint's bit for bit (a model of
+    ``blocks`` blocks; default: ``REPLICAS``')."""
     from sysx.checkpoint import Checkpoint
 
     ckpt = Checkpoint(ckpt_dir / f"step-{step:08d}")
-    assert sorted(loaded) == list(range(REPLICAS["model"]["n_layers"] + 2))
+    n_blocks = REPLICAS["model"]["n_layers"] if blocks is None else blocks
+    assert sorted(loaded) == list(range(n_blocks + 2))
     for index, got in loaded.items():
         saved = ckpt.layer(index)
         assert got["step"] == saved.step, index

@@ -111,9 +111,11 @@ def run_parity(
     replicas: int = 1,
     tol: float = TOL,
     data: str | None = None,
+    precision: str = "auto",
 ) -> dict:
     spec = {
         "data": data,
+        "precision": precision,
         "replicas": replicas,
         "model": model,
         "train": train,

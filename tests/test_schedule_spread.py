@@ -74,3 +74,57 @@ def test_the_checks_refuse_a_shard_of_a_step_its_peer_does_not_take() -> None:
     lists[owner].remove(Op(OpKind.OFFLOAD_GRADS, *LAST_UNIT))
     with pytest.raises(Deadlock, match=f"waits for rank {owner} to offload the gradients it steps"):
         simulate(spread.with_ops(lists))
+
+
+# --------------------------------------------------------------------------- the option and its run
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["schedule=gpipe", "schedule.spread_last_step=true"], ["only sysx reads"]),
+        (["schedule=sysx", "schedule.cfg=2", "schedule.spread_last_step=true"], ["use schedule.cfg=3"]),
+        (["schedule=sysx", "schedule.spread_last_step=true", "parallel.replicas=2"], ["already shard"]),
+        (
+            ["schedule=sysx", "schedule.spread_last_step=true", "optim.offload=nvme", "optim.nvme_dir=/tmp"],
+            ["optim.offload=host"],
+        ),
+    ],
+)
+def test_the_option_is_refused_where_it_cannot_run(overrides: list[str], words: list[str]) -> None:
+    from sysx.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="schedule.spread_last_step=True is not valid") as err:
+        load_config(overrides)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    load_config(["schedule=sysx", "schedule.spread_last_step=true"])
+
+
+def test_make_schedule_spreads_over_the_owner_node_only() -> None:
+    """4 ranks, 2 to a node: the owner's node-mate gets the one shard step."""
+    from sysx.model import ModelConfig
+    from sysx.runtime import PipelineOptions, make_schedule
+    from sysx.schedule.spread import spread_ranks
+
+    opts = PipelineOptions(schedule="sysx", spread_last_step=True, stages_per_rank=1, split=2)
+    model = ModelConfig(vocab_size=256, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    sched = make_schedule(opts, model, n_ranks=4, n_micro=4, seq_len=16, ranks_per_node=2)
+    owner = last_step_owner(sched)
+    mate = owner ^ 1
+    assert spread_ranks(sched) == {LAST_UNIT: sorted([owner, mate])}
+    plain = make_schedule(
+        dataclasses.replace(opts, spread_last_step=False), model, n_ranks=4, n_micro=4, seq_len=16, ranks_per_node=2
+    )
+    assert spread_ranks(plain) == {} and plain.ops[owner] == sched.ops[owner]
+
+
+def test_the_emulated_pacer_charges_each_sharer_its_share() -> None:
+    from sysx.emulate.pacer import EmulatedPacer
+    from sysx.partition import unit_label
+    from tests.test_emulate import _plan
+
+    plan, sched = _plan(1.0)
+    spread = spread_last_step(sched, range(sched.n_ranks))
+    k = spread_shares(spread)[LAST_UNIT]
+    whole, shared = (EmulatedPacer(plan, s, 0, time_scale=1.0)._opt for s in (sched, spread))
+    name = unit_label(*LAST_UNIT)
+    assert k == 2 and shared[name] == pytest.approx(whole[name] / k)
+    assert {n: v for n, v in shared.items() if n != name} == {n: v for n, v in whole.items() if n != name}

@@ -208,7 +208,14 @@ def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, 
     optimizer workers do not change the schedule, so the search builds it once for all of them."""
     opts = PipelineOptions(**opts.__dict__)
     n_micro = job.global_batch // (job.replicas or 1) // mbs  # each replica's
-    sched = make_schedule(opts, job.model, n_ranks=job.pipeline_ranks, n_micro=n_micro, seq_len=job.seq_len)
+    sched = make_schedule(
+        opts,
+        job.model,
+        n_ranks=job.pipeline_ranks,
+        n_micro=n_micro,
+        seq_len=job.seq_len,
+        ranks_per_node=job.ranks_per_node,
+    )
     if opts.schedule not in ONE_STAGE_PER_RANK:  # the values the fixed rule chose, so the label says what runs
         opts.stages_per_rank = sched.n_stages // job.pipeline_ranks
     if opts.schedule == "sysx":

@@ -66,7 +66,9 @@ def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: SingleS
             f"remove it or use schedule={_SEVERAL_STAGES} for several stages per rank",
         )
     if schedule != "sysx":
-        ignored = [k for k in ("split", "cfg") if k in values and not (k == "split" and values[k] == 1)]
+        ignored = [
+            k for k in ("split", "cfg", "spread_last_step") if k in values and not (k == "split" and values[k] == 1)
+        ]
         for key in ignored:
             _refuse(
                 f"schedule.{key}",
@@ -82,6 +84,14 @@ def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: SingleS
             schedule,
             "its backward sub-stages run on other ranks than their forwards, from sent checkpoints",
             f"remove it or use one of {', '.join(s for s in PIPELINE_SCHEDULES if s != 'sysx')}",
+        )
+    elif section.cfg < 3 and values.get("spread_last_step"):
+        _refuse(
+            "schedule.spread_last_step",
+            True,
+            f"sysx with schedule.cfg={section.cfg}",
+            "only CFG3's asynchronous optimizer steps a sub-stage before the validation",
+            "remove it or use schedule.cfg=3",
         )
     elif section.cfg == 0 and values.get("split", 1) != 1:
         _refuse(

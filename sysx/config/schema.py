@@ -99,6 +99,7 @@ def validate(cfg: SysxConfig) -> None:
         )
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
+    check_spread(cfg)
     chunk = cfg.single.seq_chunk
     if chunk and cfg.train.seq_len % chunk:
         fail("single.seq_chunk", chunk, f"must divide train.seq_len={cfg.train.seq_len} (or 0 = automatic)")
@@ -113,6 +114,27 @@ def check_seq_len(cfg: SysxConfig, model: ModelConfig) -> None:
             "train.seq_len",
             cfg.train.seq_len,
             f"must be <= model.max_seq_len={model.max_seq_len} (or raise model.max_seq_len)",
+        )
+
+
+def check_spread(cfg: SysxConfig) -> None:
+    """``schedule.spread_last_step`` shards one unit's optimizer over the node's ranks: not with the
+    replicas' shards of it, nor with state files per rank (the NVMe tier)."""
+    if not cfg.schedule.spread_last_step:
+        return
+    if cfg.parallel.count > 1:
+        fail(
+            "schedule.spread_last_step",
+            True,
+            f"with parallel.replicas={cfg.parallel.replicas} the replicas already shard every sub-stage's "
+            "optimizer; use one or the other",
+        )
+    if cfg.optim.offload != "host":
+        fail(
+            "schedule.spread_last_step",
+            True,
+            f"optim.offload={cfg.optim.offload} keeps each rank's optimizer state in its own files; "
+            "use optim.offload=host or remove the key",
         )
 
 

@@ -164,11 +164,15 @@ class PipelineKeys:
     # keep each micro-batch's activations from its forward to its backward instead of recomputing the
     # stage (gpipe, 1f1b, interleaved_1f1b, mobius: their checkpoints stay on the rank); ~1/4 less compute
     keep_activations: bool = False
+    # sysx cfg 3: the iteration's last optimizer step (sub-stage 0.0, the last gradients home) shared by
+    # every rank of its owner's node, each stepping a shard of its master and Adam state (issue 27)
+    spread_last_step: bool = False
 
     def validate(self) -> None:
         """Ranges of the pipeline keys."""
-        if not isinstance(self.keep_activations, bool):
-            fail("schedule.keep_activations", self.keep_activations, "must be true or false")
+        for key in ("keep_activations", "spread_last_step"):
+            if not isinstance(getattr(self, key), bool):
+                fail(f"schedule.{key}", getattr(self, key), "must be true or false")
         for key in ("stages_per_rank", "split"):
             if getattr(self, key) is not None:
                 check_int(f"schedule.{key}", getattr(self, key), 1)

@@ -27,6 +27,7 @@ from sysx.emulate.streams import EmulatedEvent, EmulatedStream, sleep_until
 from sysx.partition import unit_label
 from sysx.schedule import Message, Op, OpKind, Schedule
 from sysx.schedule.ops import COMMS, WAITS
+from sysx.schedule.spread import spread_shares
 from sysx.trace.recorder import RankPart
 
 Handler = Callable[[Op], None]
@@ -85,6 +86,11 @@ class Pacer:
         optimizer job starts after it. Here: nothing added."""
         return contextlib.nullcontext()
 
+    def unit_ready(self, name: str, t: float) -> None:
+        """Unit ``name``'s gradients are ready for this rank's optimizer job from ``t`` (host clock: a
+        spread step's hand-off, :mod:`sysx.runtime.spread_sync`). Here: nothing."""
+        return None
+
     def replica_gather(self, nbytes: int) -> contextlib.AbstractContextManager[None]:
         """The exchange of updated 16-bit shards between nodes (``nbytes`` received by this rank)
         runs inside, after the step's validation. Here: nothing added."""
@@ -141,6 +147,8 @@ class EmulatedPacer(Pacer):
         d = self.split
         self._unit = {unit_label(s, k): s * d + k for s in range(len(self.table.fwd)) for k in range(d)}
         self._opt = {name: self.table.opt[g] for name, g in self._unit.items()}
+        for unit, k in spread_shares(schedule).items():  # each sharer steps 1/k of the unit
+            self._opt[unit_label(*unit)] /= k
         self.reduce_free = 0.0  # replicas: the modelled end of the reducer thread's last reduction
         self._reduced: dict[str, float] = {}  # this step's reduced units: their modelled ends
         # optim.offload=nvme: the rank's disk lane (sysx.schedule.disk), the ends of its latest reads
@@ -453,6 +461,11 @@ class EmulatedPacer(Pacer):
         the job waited for its state until then."""
         with self._lock:
             return max((e for e in self._reads if t0 < e <= now), default=0.0)
+
+    def unit_ready(self, name: str, t: float) -> None:
+        """A spread step's shard of ``name`` starts no earlier than the owner's offload (``t``)."""
+        with self._lock:
+            self._reduced[name] = max(self._reduced.get(name, 0.0), t)
 
     # ------------------------------------------------------------------------------- replicas
     @contextlib.contextmanager

@@ -14,6 +14,10 @@ With ``optim.offload=nvme`` the stages' fp32 master, m and v live in an
 masters leave host memory once written there, and (without replicas) the fp32 gradients are
 converted per optimizer job into a small per-rank :class:`~sysx.optim.scratch.ScratchPool` instead of
 a buffer per sub-stage; in fp32 runs the master is the shared working copy and stays.
+
+A spread step (``schedule.spread_last_step``, :mod:`sysx.schedule.spread`) gives every rank of the
+owner's node a stage optimizer of the unit's shard (:meth:`StageParams.shard`); their jobs load
+their slices of the owner's landing segment after a :class:`~sysx.runtime.spread_sync.HandOff`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from sysx.optim.step_protocol import LanePacer, LaneSeconds, StepProtocol
 from sysx.optim.threads import OptimizerThreads, Pace
 from sysx.optim.validation import StepOutcome, apply_checked, load_and_check
 from sysx.runtime.replica_sync import GradReducer
+from sysx.runtime.spread_sync import HandOff
 from sysx.runtime.stage_params import StageParams, SubStage
 
 
@@ -60,10 +65,12 @@ class RankOptimizer:
         replica_group: dist.ProcessGroup | None = None,
         pacer: Pacer | None = None,
         disk_pace: DiskPace | None = None,
+        spread_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
     ) -> None:
         """``replica_group``: this pipeline rank's replicas (gradient reductions; None: one
-        replica); ``pacer``: the emulated device's (charges the reductions); ``disk_pace``: called
-        after each NVMe tier transfer (the emulated disk's time)."""
+        replica); ``pacer``: the emulated device's (charges the reductions and hand-offs);
+        ``disk_pace``: called after each NVMe tier transfer (the emulated disk's time);
+        ``spread_groups``: the sharers of each spread unit this rank steps a shard of."""
         self.settings = settings
         self.scaler = scaler
         self.group = group
@@ -78,6 +85,9 @@ class RankOptimizer:
         self.reduced: dict[tuple[int, int], torch.Tensor] = {}  # replicas: each unit's summed fp32 shard
         self.reducer: GradReducer | None = None
         self._peers_landing: dict[tuple[int, int], list[torch.Tensor]] | None = None
+        self.spread_grads: dict[tuple[int, int], torch.Tensor] = {}  # a spread unit: this rank's slice of the landing
+        self._spread_groups = spread_groups or {}
+        self.pacer = pacer or Pacer()
         self.tier: NvmeTier | None = None
         self.scratch: ScratchPool | None = None  # 16-bit with the tier: the fp32 gradients, per job
         try:
@@ -161,7 +171,7 @@ class RankOptimizer:
             no_decay=params.no_decay(unit),
             scratch=self.scratch,
             store=self.tier.state(unit.key) if self.tier is not None else None,
-            pieces=layer_pieces(params.numels, unit.layers, params.replica_layout.shard(unit.numel)),
+            pieces=layer_pieces(params.numels, unit.layers, params.shard(unit)),
         )
         if self.tier is not None and self.dtype != torch.float32:
             del params.masters[key]  # on disk now: the RAM this frees is what the tier is for
@@ -179,8 +189,11 @@ class RankOptimizer:
         numels = [u.numel for u in params.owned()]
         if self.tier is not None and not fp32 and uses_grad_scratch(numels, workers=workers):
             self.scratch = ScratchPool(max(numels), grad_scratch_buffers(workers))
-        for unit in params.owned():
+        for unit in params.stepped():
             key = (unit.stage, unit.sub)
+            if key in params.spread:
+                self._build_spread_stage(params, unit)
+                continue
             if fp32:  # the offload lands in the optimizer's own fp32 buffer
                 grad32 = self.buffers.empty(unit.numel, torch.float32)
                 self.stages[key] = self._stage_optimizer(params, unit, None, grad32)
@@ -189,6 +202,24 @@ class RankOptimizer:
             kept = torch.empty(unit.numel, dtype=torch.float32) if self.scratch is None else None
             self.stages[key] = self._stage_optimizer(params, unit, params.shared[key], kept)
             self.host_grads[key] = self.buffers.empty(unit.numel, self.dtype)
+
+    def _build_spread_stage(self, params: StageParams, unit: SubStage) -> None:
+        """The optimizer of this rank's shard of a spread unit: it loads its slice of the owner's
+        landing segment (fp32 runs: steps with it in place, as a replica's shard does), writes its
+        slice of the working copy; the owner offloads into the whole segment."""
+        key, cut = (unit.stage, unit.sub), params.shard(unit)
+        if key not in self._spread_groups:
+            raise RuntimeError(f"rank {self.rank} shares the step of {unit.key} but was given no group of its sharers")
+        landing = params.spread_landing[key]
+        mine = landing[cut.start : cut.stop]
+        if self.dtype == torch.float32:
+            self.stages[key] = self._stage_optimizer(params, unit, None, mine)
+        else:
+            kept = torch.empty(len(cut), dtype=torch.float32)
+            self.stages[key] = self._stage_optimizer(params, unit, params.shared[key][cut.start : cut.stop], kept)
+        self.spread_grads[key] = mine
+        if unit.owner == self.rank:
+            self.host_grads[key] = landing
 
     def _build_shards(self, params: StageParams) -> None:
         """One optimizer per owned sub-stage over this replica's shard, and the full-size buffer
@@ -239,14 +270,25 @@ class RankOptimizer:
                 optimizer += (8 if self.dtype == torch.float32 else 12) * stage.numel  # (master), m, v
             if self.scratch is None:
                 optimizer += 4 * stage.numel
-            full = self.host_grads[key]
-            if self.dtype != torch.float32 or full.numel() != stage.numel:
+            full = self.host_grads.get(key)  # None: a spread unit's sharer, landing in the owner's segment
+            if full is not None and (self.dtype != torch.float32 or full.numel() != stage.numel):
                 landing += full.nbytes - (4 * stage.numel if self.dtype == torch.float32 else 0)
         return {"optimizer": optimizer, "landing": landing}
 
     def _grads(self, unit: tuple[int, int]) -> tuple[torch.Tensor, dev.Event | None]:
         """What the optimizer job of ``unit`` loads and waits for: the offloaded gradients and their
-        copy's event, or with replicas the summed shard and its reduction."""
+        copy's event, with replicas the summed shard and its reduction, and for a spread unit this
+        rank's slice of the owner's landing segment and the sharers' hand-off."""
+        if unit in self.spread_grads:
+            handoff = HandOff(
+                unit,
+                offload=self.events.get(unit),
+                group=self._spread_groups[unit],
+                rank=self.rank,
+                timeout_s=self.timeout_s,
+                pacer=self.pacer,
+            )
+            return self.spread_grads[unit], handoff
         if self.reducer is None:
             return self.host_grads[unit], self.events.get(unit)
         return self.reduced[unit], self.reducer.done.get(unit)
@@ -360,6 +402,7 @@ class RankOptimizer:
         if self.scratch is not None:
             self.scratch.close()
         self.host_grads.clear()
+        self.spread_grads.clear()
         self.reduced.clear()
         self.outcome = None  # a synchronous step's outcome holds the loaded gradients
         self._peers_landing = None

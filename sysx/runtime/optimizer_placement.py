@@ -37,7 +37,8 @@ def place_optimizer(
         mode,
         schedule,
         rank.stage_rank,
-        {k: s.numel for k, s in optimizer.stages.items()},
+        # a spread step's shard stays on the CPU lane: sharing it over the node's CPUs is its point
+        {k: s.numel for k, s in optimizer.stages.items() if k not in rank.params.spread},
         device=rank.device,
         dtype=rank.dtype,
         workers=optimizer.threads.workers,

@@ -25,6 +25,7 @@ from sysx.config.sections import PipelineKeys, check_host_adam
 from sysx.partition import PartitionError, partition_model
 from sysx.schedule import Schedule, build, validate
 from sysx.schedule.posted import post_receives
+from sysx.schedule.spread import spread_over_node
 
 if TYPE_CHECKING:
     from sysx.model import ModelConfig
@@ -118,6 +119,8 @@ class PipelineOptions(PipelineKeys):
             parts.append(f"stages/rank={self.stages_per_rank}")
         if self.schedule == "sysx":
             parts.append(f"cfg={self.cfg}" + (f" d={self.split}" if self.split is not None else ""))
+            if self.spread_last_step:
+                parts.append("last step spread over the node")
         parts += [f"param buffers={self.param_buffers}", f"cpu adam={self.optim_backend}", f"rollback={self.rollback}"]
         return " ".join(parts)
 
@@ -141,13 +144,21 @@ def options_from_config(cfg: SysxConfig, **overrides: Any) -> PipelineOptions:
 
 
 def make_schedule(
-    opts: PipelineOptions, model_cfg: ModelConfig, *, n_ranks: int, n_micro: int, seq_len: int
+    opts: PipelineOptions,
+    model_cfg: ModelConfig,
+    *,
+    n_ranks: int,
+    n_micro: int,
+    seq_len: int,
+    ranks_per_node: int | None = None,
 ) -> Schedule:
     """The validated schedule of this run (identical on every rank).
 
     The layers are cut by forward FLOPs (or ``stage_sizes``) into ``Nsf`` stages of ``d``
     sub-stages each, trying :meth:`PipelineOptions.candidates` in order; the first that fits the
     model wins, and when none does the error of the preferred one is raised with the fix.
+    ``schedule.spread_last_step`` shares the last optimizer step over the owner's node
+    (``ranks_per_node`` ranks to a node, numbered node by node; None: one node).
     """
     opts.check()
     n_layers = model_cfg.n_layers + 2
@@ -184,6 +195,8 @@ def make_schedule(
                     keep_activations=opts.keep_activations,
                 )
                 schedule = post_receives(schedule)  # the transfers run while the rank computes
+                if opts.spread_last_step:
+                    schedule = spread_over_node(schedule, ranks_per_node)
                 validate(schedule)
                 return schedule
         first_error = first_error or problem

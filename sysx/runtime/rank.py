@@ -8,7 +8,10 @@ segments and optimizer threads never outlive a failed start).
 
 With replicas (:mod:`sysx.replicas`) the rank runs its replica's copy of the schedule (its pipeline
 rank's op list, messages to its replica's ranks, its own micro-batches), its optimizer steps a shard
-of each owned sub-stage after the gradient reduction, and a step ends with the shard exchange."""
+of each owned sub-stage after the gradient reduction, and a step ends with the shard exchange.
+
+With a spread step (:mod:`sysx.schedule.spread`) the sharers of its unit get a gloo group of their
+own (:mod:`sysx.runtime.spread_sync`), and the unit's state is gathered to its owner for a save."""
 
 from __future__ import annotations
 
@@ -36,8 +39,10 @@ from sysx.runtime.optimizer import RankOptimizer
 from sysx.runtime.options import PipelineOptions
 from sysx.runtime.p2p import P2P
 from sysx.runtime.replica_sync import ReplicaGroups, exchange_shards, gather_shards
+from sysx.runtime.spread_sync import spread_groups
 from sysx.runtime.stage_params import StageParams
 from sysx.schedule import Op, Schedule
+from sysx.schedule.spread import spread_ranks
 from sysx.trace import Recorder
 
 
@@ -70,8 +75,7 @@ class RankRuntime:
         self.rank, self.world, self.group, self.timeout_s = info.rank, info.world_size, group, opts.timeout_s
         self.layout = layout or ReplicaLayout(1, info.world_size, info.rank, info.local_world_size)
         self.stage_rank, self.pacer = self.layout.stage_rank, pacer
-        # every rank creates every pipeline rank's replica groups, before anything else (collective)
-        self.replica_groups = ReplicaGroups.build(self.layout) if self.layout.replicas > 1 else None
+        self.replica_groups, self.spread_groups = _groups(schedule, self.layout)  # collective: first
         self.dataset, self.seed, self.micro_batch_size, self.seq_len = dataset, seed, micro_batch_size, seq_len
         self.schedule, self.device, self.dtype, self.micro_batches = schedule, device, dtype, micro_batches
         self.local_world_size, self._closed = info.local_world_size, False
@@ -105,6 +109,7 @@ class RankRuntime:
                 pace=pacer.optimizer_pace(),
                 replica_group=self.replica_groups.reduce if self.replica_groups is not None else None,
                 pacer=pacer,
+                spread_groups=self.spread_groups,  # each spread unit's sharers
             )
             undo.callback(self.optimizer.close)
             self.p2p = self._p2p(opts, device, pacer)
@@ -248,12 +253,22 @@ class RankRuntime:
         total = self.all_reduce(values, "host memory of the optimizers (all-reduce)")
         return [{k: int(total[n * len(keys) + i]) for i, k in enumerate(keys)} for n in range(nodes)]
 
-    def gather_shards(self, shard: torch.Tensor, numel: int) -> torch.Tensor | None:
-        """A sub-stage's full flat ``shard``s (of ``numel``) on the first replica, None on the others
-        (collective over this pipeline rank's replicas; one replica: ``shard`` itself)."""
-        if self.replica_groups is None:
+    def gather_shards(self, key: tuple[int, int], shard: torch.Tensor) -> torch.Tensor | None:
+        """Sub-stage ``key``'s full flat buffer from its ``shard``s: a spread step's on its owner, the
+        replicas' on the first replica; None on the other holders (collective over the holders); not
+        sharded: ``shard`` itself."""
+        numel = self.params.units[key].numel
+        ranks = self.params.spread.get(key)
+        if ranks is not None:
+            group, root = self.spread_groups[key], self.params.units[key].owner
+        elif self.replica_groups is not None:
+            ranks, group = self.layout.peers(), self.replica_groups.exchange
+            root = ranks[0]
+        else:
             return shard
-        return gather_shards(self.layout, shard, numel, group=self.replica_groups.exchange, timeout_s=self.timeout_s)
+        return gather_shards(
+            shard, numel, ranks=ranks, root=root, rank=self.rank, group=group, timeout_s=self.timeout_s
+        )
 
     def mean_loss(self, ctx: StepContext, what: str) -> float:
         """The mean of every rank's losses of ``ctx``, weighted as ``ctx.weights`` says (collective:
@@ -311,9 +326,9 @@ class RankRuntime:
         """The full fp32 weights by parameter name; collective: every rank calls it and gets the same
         dict (gathered over the CPU group, meant for tests and small models)."""
         current = {key: stage.master_copy() for key, stage in self.optimizer.stages.items()}
-        if self.replica_groups is not None:  # the first replica holds every shard: it answers for them
-            full = {key: self.gather_shards(t, self.params.units[key].numel) for key, t in current.items()}
-            current = {key: t for key, t in full.items() if t is not None}
+        # the first replica (a spread unit's owner) holds every shard: it answers for them
+        full = {key: self.gather_shards(key, t) for key, t in current.items()}
+        current = {key: t for key, t in full.items() if t is not None}
         mine = self.params.master_state(current) if current or self.replica_groups is None else {}
         if self.world == 1:
             return mine
@@ -332,6 +347,17 @@ class RankRuntime:
         self.executor.close()
         self.optimizer.close()
         self.params.close()
+
+
+def _groups(
+    schedule: Schedule, layout: ReplicaLayout
+) -> tuple[ReplicaGroups | None, dict[tuple[int, int], dist.ProcessGroup]]:
+    """The replicas' groups of every pipeline rank (None: one replica) and the sharers' group of each
+    spread unit (collective over the job: every rank creates each, in one order)."""
+    replicas = ReplicaGroups.build(layout) if layout.replicas > 1 else None
+    base = layout.global_rank(0)
+    spread = {unit: [base + r for r in ranks] for unit, ranks in spread_ranks(schedule).items()}
+    return replicas, spread_groups(spread) if spread else {}
 
 
 def exposed_seconds(backward_ends: list[float], validate_ends: list[float], *, one_clock: bool) -> float:

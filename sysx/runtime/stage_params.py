@@ -5,6 +5,11 @@ The rank that runs backward sub-stage ``(s, k)`` in the schedule's
 and holds its optimizer state. A rank that runs forward stage ``s`` attaches the segments of its
 node and mirrors those owned on other nodes. :class:`StageParams` checks the node's host memory,
 builds the segments, pushes to mirrors and closes them.
+
+A unit whose step the schedule spreads (:mod:`sysx.schedule.spread`) is stepped in shards by every
+rank of its owner's node: each of them keeps its shard's master (:meth:`StageParams.shard`) and
+writes its slice of the one working copy, and the owner's gradients land in a node segment
+(:attr:`StageParams.spread_landing`) the others read their slices from.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from sysx.model.llama import LayerInit, make_layer, seed_init
 from sysx.optim.decay import Ranges, no_decay_ranges, shard_ranges
 from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
 from sysx.partition import unit_label
-from sysx.replicas import ReplicaLayout
+from sysx.replicas import ReplicaLayout, shard_range
 from sysx.schedule import Schedule
+from sysx.schedule.spread import spread_ranks
 
 
 def layer_params(model_cfg: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -113,6 +119,10 @@ class StageParams:
         self.params_of_layer = layer_params(model_cfg)
         self.numels = [sum(_numel(shape) for _, shape in entries) for entries in self.params_of_layer]
         self.units = sub_stages(schedule, self.numels, info, self.replica_layout)
+        base = self.replica_layout.global_rank(0)
+        # units whose step a node's ranks share: their global ranks, in shard order
+        self.spread = {key: [base + r for r in ranks] for key, ranks in spread_ranks(schedule).items()}
+        self.spread_landing: dict[tuple[int, int], torch.Tensor] = {}  # the owner's gradients, node-wide
         self.pin = pin  # page-lock host memory the device copies from (the job's device is a GPU)
         self.store = SharedParamStore(job=job, node=info.node_rank, pin=pin, attach_timeout_s=timeout_s)
         self.masters: dict[tuple[int, int], torch.Tensor] = {}  # owned: fp32 master weights of this replica's shard
@@ -132,11 +142,28 @@ class StageParams:
         """Sub-stages this rank owns, in backward execution order."""
         return [self.units[key] for key in self.order if self.units[key].owner == self.rank]
 
+    def stepped(self) -> list[SubStage]:
+        """Sub-stages this rank holds optimizer state of, in backward execution order: the owned ones
+        and those whose spread step it shares."""
+        return [
+            self.units[key]
+            for key in self.order
+            if self.units[key].owner == self.rank or self.rank in self.spread.get(key, ())
+        ]
+
+    def shard(self, unit: SubStage) -> range:
+        """The elements of ``unit``'s flat buffer this rank's optimizer steps: its shard of a spread
+        step, else its replica's shard (one replica: all)."""
+        ranks = self.spread.get((unit.stage, unit.sub), [])
+        if self.rank in ranks:
+            return shard_range(unit.numel, len(ranks), ranks.index(self.rank))
+        return self.replica_layout.shard(unit.numel)
+
     def no_decay(self, unit: SubStage) -> Ranges:
-        """The ranges of ``unit``'s 1-D parameters (norm weights) in this replica's shard of its flat
+        """The ranges of ``unit``'s 1-D parameters (norm weights) in this rank's shard of its flat
         buffer: what its optimizer steps without weight decay (:mod:`sysx.optim.decay`)."""
         shapes = [shape for i in unit.layers for _, shape in self.params_of_layer[i]]
-        cut = self.replica_layout.shard(unit.numel)
+        cut = self.shard(unit)
         return shard_ranges(no_decay_ranges(shapes), cut.start, cut.stop)
 
     def _spec(self, unit: SubStage) -> StageSpec:
@@ -158,25 +185,29 @@ class StageParams:
 
     def _open(self, model_cfg: ModelConfig, init: LayerInit) -> None:
         self._check_budget()
+        self._check_spread()
         self.barrier()
-        creates = self.creates_segments()
-        for unit in self.owned():
+        for unit in self.stepped():
             layers = build_layers(model_cfg, unit.layers.start, unit.layers.stop, init=init)
             master = FlatLayout.from_modules(layers).flatten(layers)
             del layers
-            key, cut = (unit.stage, unit.sub), self.replica_layout.shard(unit.numel)
-            if creates:
+            key, cut = (unit.stage, unit.sub), self.shard(unit)
+            if self._creates(unit):
                 shared = self.store.create(self._spec(unit))[self.dtype]
                 shared.copy_(master)
                 self.shared[key] = shared
-            # every replica builds the same initial weights (one seed) and keeps its shard's masters
+                if key in self.spread:
+                    self.spread_landing[key] = self.store.create(self._landing_spec(unit))[self.dtype]
+            # every replica (sharer of a spread step) builds the same initial weights (one seed) and keeps its shard's masters
             self.masters[key] = master[cut.start : cut.stop].clone() if self.dtype != torch.float32 else master
         self.barrier()
-        for unit in self.owned():
-            key, cut = (unit.stage, unit.sub), self.replica_layout.shard(unit.numel)
-            if not creates:  # another replica on this node made the one copy; attach after it wrote
+        for unit in self.stepped():
+            key, cut = (unit.stage, unit.sub), self.shard(unit)
+            if not self._creates(unit):  # another rank on this node made the one copy; attach after it wrote
                 self.shared[key] = self.store.attach(self._spec(unit))[self.dtype]
-            if self.dtype == torch.float32:  # fp32: the shared copy is the master (this replica's shard of it)
+                if key in self.spread:
+                    self.spread_landing[key] = self.store.attach(self._landing_spec(unit))[self.dtype]
+            if self.dtype == torch.float32:  # fp32: the shared copy is the master (this rank's shard of it)
                 self.masters[key] = self.shared[key][cut.start : cut.stop]
         for unit in self.units.values():
             key = (unit.stage, unit.sub)
@@ -211,6 +242,27 @@ class StageParams:
                 for r in range(self.replica_layout.replicas)
             ]
         return mine, every
+
+    def _creates(self, unit: SubStage) -> bool:
+        """Whether this rank creates ``unit``'s segment (it owns it, and no other replica on the node
+        made the one copy); the sharers of a spread step attach the owner's."""
+        return unit.owner == self.rank and self.creates_segments()
+
+    def _landing_spec(self, unit: SubStage) -> StageSpec:
+        """The node segment a spread unit's offloaded gradients land in."""
+        return StageSpec.of(f"land.{unit.key}", {self.dtype: unit.numel}, owner_node=unit.owner_node)
+
+    def _check_spread(self) -> None:
+        """A spread step's sharers must map its owner's segments: one node, one replica."""
+        for key, ranks in self.spread.items():
+            unit = self.units[key]
+            away = [r for r in ranks if self.info.node_of(r) != unit.owner_node]
+            if away or self.replica_layout.replicas > 1:
+                raise ValueError(
+                    f"the step of {unit.key} is spread over ranks {ranks}: "
+                    + (f"ranks {away} are not on its owner's node {unit.owner_node}" if away else "with replicas")
+                    + "; spread it over the owner's node only (schedule.spread_last_step with one replica)"
+                )
 
     def creates_segments(self) -> bool:
         """Whether this rank creates its owned units' segments: always, except when replicas share
@@ -298,6 +350,8 @@ class StageParams:
         out = {}
         masters = {**self.masters, **current} if current is not None else self.masters
         for key, master in masters.items():
+            if master.numel() != self.units[key].numel:  # a shard of a spread step: its owner answers
+                continue
             offset = 0
             for i in self.units[key].layers:
                 for name, shape in self.params_of_layer[i]:
@@ -316,6 +370,7 @@ class StageParams:
         dev.synchronize_all()  # after an error, H2D copies from these mappings may still be in flight
         self.masters.clear()
         self.shared.clear()
+        self.spread_landing.clear()
         self.store.close()
 
 

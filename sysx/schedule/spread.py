@@ -8,8 +8,10 @@ rank's VALIDATE. Each of the ``k`` participants (the owner too) steps ``1/k`` of
 when the owner's offload is home (:func:`spread_shares` says who shares what; the engine charges
 it so).
 
-The runtime does not run such a schedule yet (``docs/architecture.md``, "the plan for the
-spread"): the planner prices it (``profiling/long_seq_levers.py``, ``opt spread``).
+``schedule.spread_last_step=true`` applies it over the owner's node (:func:`spread_over_node`);
+the runtime then holds the unit's fp32 master and Adam state in ``k`` shards, one per participant
+(:func:`spread_ranks` orders them), and hands the owner's offloaded gradients over through the
+node's shared memory (:mod:`sysx.runtime.spread_sync`).
 """
 
 from __future__ import annotations
@@ -44,14 +46,29 @@ def spread_last_step(schedule: Schedule, ranks: Sequence[int]) -> Schedule:
     return schedule.with_ops(lists)
 
 
-def spread_shares(schedule: Schedule) -> dict[tuple[int, int], int]:
-    """``{unit: k}``: the units whose step ``k`` ranks share (their owner and its shard steps')."""
-    shares: dict[tuple[int, int], int] = {}
-    for ops in schedule.ops:
+def spread_over_node(schedule: Schedule, ranks_per_node: int | None = None) -> Schedule:
+    """:func:`spread_last_step` over the ranks of the owner's node (ranks are numbered node by node,
+    ``ranks_per_node`` to a node; None: every rank is on one node)."""
+    per_node = schedule.n_ranks if ranks_per_node is None else ranks_per_node
+    node = last_step_owner(schedule) // per_node
+    return spread_last_step(schedule, [r for r in range(schedule.n_ranks) if r // per_node == node])
+
+
+def spread_ranks(schedule: Schedule) -> dict[tuple[int, int], list[int]]:
+    """``{unit: ranks}``: the units whose step several ranks share, each with its participants in
+    rank order (the owner among them); participant ``i`` of ``k`` steps
+    :func:`sysx.replicas.shard_range` ``(numel, k, i)`` of the unit."""
+    ranks: dict[tuple[int, int], set[int]] = {}
+    for r, ops in enumerate(schedule.ops):
         for op in ops:
             if op.kind == OpKind.OPTIM_STEP and op.peer >= 0:
-                shares[(op.stage, op.sub)] = shares.get((op.stage, op.sub), 1) + 1
-    return shares
+                ranks.setdefault((op.stage, op.sub), {op.peer}).add(r)
+    return {unit: sorted(rs) for unit, rs in ranks.items()}
+
+
+def spread_shares(schedule: Schedule) -> dict[tuple[int, int], int]:
+    """``{unit: k}``: the units whose step ``k`` ranks share (their owner and its shard steps')."""
+    return {unit: len(ranks) for unit, ranks in spread_ranks(schedule).items()}
 
 
 def last_step_owner(schedule: Schedule) -> int:

@@ -29,6 +29,7 @@ from sysx.checkpoint import Checkpoint
 from sysx.checkpoint.flat_state import flat_layer_states
 from sysx.checkpoint.saver import LayerSource
 from sysx.config import ConfigError, SysxConfig, resolve
+from sysx.config.choices import EMULATED_DEVICE
 from sysx.emulate.device_model import device_model
 from sysx.memory import drop_failure_views, resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
@@ -87,7 +88,13 @@ class PipelineTrainer(Trainer):
             if run_dir != cfg.run_dir:
                 self.cfg = cfg = dataclasses.replace(cfg, run_dir=run_dir)
         self.layout = replica_layout(cfg, self.info)
-        build = functools.partial(make_schedule, self.opts, n_ranks=self.layout.pipeline, n_micro=t.micro_batches)
+        build = functools.partial(
+            make_schedule,
+            self.opts,
+            n_ranks=self.layout.pipeline,
+            n_micro=t.micro_batches,
+            ranks_per_node=ranks_per_node(cfg, self.info),
+        )
         self.device_model = device_model(  # real or emulated: the trainer asks it, never the kind
             cfg,
             self.model_cfg,
@@ -269,19 +276,17 @@ class PipelineTrainer(Trainer):
     def checkpoint_layers(self) -> dict[int, LayerSource]:
         """The layers of the sub-stages this rank owns (their masters, moments and step counts);
         with replicas the first replica writes them, gathered from every replica's shards
-        (collective), so a checkpoint is keyed by layers whatever the replicas."""
+        (collective), and a spread step's owner writes its unit, gathered from the sharers, so a
+        checkpoint is keyed by layers whatever the layout."""
         out: dict[int, LayerSource] = {}
         for key, stage in self.optimizer.stages.items():
             layers = list(self.params.units[key].layers)
-            if self.layout.replicas == 1:
+            if self.layout.replicas == 1 and key not in self.params.spread:
                 out.update(stage_layer_sources(stage, self.params.layout(key), layers))
                 continue
             adam = stage.optimizer
             with stage.resident():  # the NVMe tier: the shard's state read while it is gathered
-                full = [
-                    self.runtime.gather_shards(t, self.params.units[key].numel)
-                    for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)
-                ]
+                full = [self.runtime.gather_shards(key, t) for t in (adam.param, adam.exp_avg, adam.exp_avg_sq)]
             master, exp_avg, exp_avg_sq = full
             if master is not None and exp_avg is not None and exp_avg_sq is not None:
                 out.update(
@@ -301,7 +306,8 @@ class PipelineTrainer(Trainer):
         owners push the new values to mirrors on other nodes (every rank calls this)."""
         for key, stage in self.optimizer.stages.items():
             indices = list(self.params.units[key].layers)
-            shard = self.layout.shard(self.params.units[key].numel) if self.layout.replicas > 1 else None
+            unit = self.params.units[key]
+            shard = self.params.shard(unit) if self.layout.replicas > 1 or key in self.params.spread else None
             restore_stage_from(stage, self.params.layout(key), indices, ckpt, shard=shard)
         self.runtime.exchange_shards()
         self.params.push_mirrors()
@@ -340,6 +346,16 @@ class PipelineTrainer(Trainer):
         drop_failure_views()
         self._closed = True
         self.runtime.close()
+
+
+def ranks_per_node(cfg: SysxConfig, info: sdist.DistInfo) -> int:
+    """Ranks to a node of the cluster the job runs on: the emulated cluster's GPUs per node on an
+    emulated device (its ranks all run here), else this node's processes."""
+    if cfg.device == EMULATED_DEVICE:
+        from sysx.emulate.profiles import cluster
+
+        return cluster(cfg.emulate).gpus_per_node
+    return info.local_world_size
 
 
 def replica_layout(cfg: SysxConfig, info: sdist.DistInfo) -> ReplicaLayout:
