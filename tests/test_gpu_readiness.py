@@ -560,7 +560,7 @@ def test_closing_the_stage_params_synchronises_the_device_first(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append("sync"))
     fake = type("F", (), {})()
-    fake.masters, fake.shared = {1: torch.zeros(1)}, {}
+    fake.masters, fake.shared, fake.spread_landing = {1: torch.zeros(1)}, {}, {}
     fake.store = type("S", (), {"close": lambda self: order.append("unmap")})()
     StageParams.close(fake)
     assert order == ["sync", "unmap"]
