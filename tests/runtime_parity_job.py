@@ -125,6 +125,7 @@ def main(spec_path: str, out_path: str) -> int:
                 "restepped": [r.restepped for r in results],
                 "rolled_back": [r.rolled_back for r in results],
                 "ref_norms": ref_norms,
+                "norms": norms,
                 "loss_rel": max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)),
                 "grad_norm_rel": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms)),
                 "grad_norm_rel_exact": max(abs(x - y) / abs(y) for x, y in zip(norms, ref_norms64)),

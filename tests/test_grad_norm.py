@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sysx.optim import StageOptimizer
-from sysx.optim.grad_norm import Pieces, layer_pieces, piece_chunks
+from sysx.optim.grad_norm import NormSlots, Pieces, grid_cuts, grid_shards, layer_pieces, piece_chunks, piece_slots
 from sysx.optim.stage import CHUNK_ELEMS, StageReport
 from sysx.optim.validation import reduce_flags
 
@@ -99,3 +99,53 @@ def test_finite_gradients_whose_squares_overflow_fp32_are_not_an_overflow() -> N
     grads[3] = float("inf")
     assert stage.load_grads(grads)[0]
     stage.close()
+
+
+# ------------------------------------------------------------- a piece cut between ranks (spread)
+def test_grid_shards_cut_on_each_layers_chunk_grid() -> None:
+    shards = grid_shards(NUMELS, 4, CHUNK_ELEMS)
+    assert shards[0].start == 0 and shards[-1].stop == sum(NUMELS)
+    assert all(a.stop == b.start for a, b in zip(shards, shards[1:]))
+    starts = [sum(NUMELS[:i]) for i in range(len(NUMELS))]
+    for cut in (s.start for s in shards[1:]):
+        layer = max(i for i, s in enumerate(starts) if s <= cut)
+        assert (cut - starts[layer]) % CHUNK_ELEMS == 0 or cut == starts[layer] + NUMELS[layer], cut
+    ideal = sum(NUMELS) / 4
+    assert all(abs(len(s) - ideal) <= CHUNK_ELEMS for s in shards), [len(s) for s in shards]
+    assert [len(s) for s in grid_shards([10, 20], 4, CHUNK_ELEMS)] == [10, 0, 20, 0]  # small: some empty
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_layer_cut_between_ranks_keeps_the_norm_bits(order: int) -> None:
+    """A layer of 12 chunks (their gradients 1e-3 to 1e3 in scale, so float64 sums round) cut by three
+    shards on its chunk grid: the later parts' chunks go to slots of their own, added in chunk order
+    after the all-reduce (which adds the ranks' vectors in either order here), and the total equals
+    the whole unit's bit for bit. Adding each rank's part in the layer's slot instead (no tails)
+    groups the sums differently and does not."""
+    numels = [1000, 12 * CHUNK_ELEMS]
+    gen = torch.Generator().manual_seed(2)  # a seed whose parts' sums round differently from the whole's
+    scales = 10.0 ** torch.randint(-3, 4, (12,), generator=gen).float()
+    grads = torch.cat(
+        [
+            torch.randn(1000, generator=gen),
+            torch.randn(numels[1], generator=gen) * scales.repeat_interleave(CHUNK_ELEMS),
+        ]
+    )
+
+    def total(shards: list[range], slots: NormSlots, tails: bool) -> float:
+        parts = []
+        for cut in shards:
+            pieces = layer_pieces(numels, range(2), cut, slots if tails else None)
+            stage = StageOptimizer("s", torch.zeros(len(cut)), lr=1e-3, backend="torch", pieces=pieces)
+            stage.load_grads(grads[cut.start : cut.stop])
+            parts.append(piece_slots([stage.piece_squares], slots.length))
+            stage.close()
+        return slots.total(sum(parts[::order]).tolist())
+
+    whole = total([range(sum(numels))], NormSlots(2), False)
+    shards = grid_shards(numels, 3, CHUNK_ELEMS)
+    assert [s.stop for s in shards] == [1000 + 4 * CHUNK_ELEMS, 1000 + 8 * CHUNK_ELEMS, sum(numels)]
+    slots = NormSlots.cut(2, grid_cuts(numels, shards), CHUNK_ELEMS)
+    assert slots.tails == ((1, 4, 2),) and slots.length == 2 + 8
+    assert total(shards, slots, True) == whole
+    assert total(shards, NormSlots(2), False) != whole

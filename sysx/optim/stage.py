@@ -19,7 +19,7 @@ import torch
 
 from sysx.config.choices import SPECULATE_AFTER
 from sysx.optim.cpu_adam import CpuAdam
-from sysx.optim.grad_norm import Pieces, piece_chunks
+from sysx.optim.grad_norm import Pieces, slot_chunks
 from sysx.optim.scratch import ScratchPool
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class StageOptimizer:
         if pieces is not None and pieces.numel != n:
             raise ValueError(f"stage {name}: the pieces cover {pieces.numel} elements, the parameters {n}")
         self.pieces = pieces  # the model's pieces in this buffer: the norm summed per piece
-        self.piece_squares: tuple[tuple[int, float], ...] = ()  # (piece, squared norm), from the last load_grads
+        self.piece_squares: tuple[tuple[int, float], ...] = ()  # (norm slot, squared norm), from the last load_grads
         self._source: torch.Tensor | None = None  # the loaded gradients as given (to convert again)
         self._scale = 1.0
         self._coef = 1.0  # clip coefficient applied to grad32 by restep
@@ -239,9 +239,10 @@ class StageOptimizer:
         return self.optimizer.numel
 
     def _chunks(self) -> list[tuple[int, int, int]]:
-        """``(piece, lo, hi)``: the buffer in chunks, aligned at every piece's start (piece -1: none)."""
+        """``(slot, lo, hi)``: the buffer in chunks, aligned at every piece's start, each with its norm
+        slot (its piece's, or a tail chunk's own: :class:`~sysx.optim.grad_norm.NormSlots`; -1: none)."""
         if self.pieces is not None:
-            return list(piece_chunks(self.pieces, CHUNK_ELEMS))
+            return list(slot_chunks(self.pieces, CHUNK_ELEMS))
         n = self.numel
         return [(-1, lo, min(n, lo + CHUNK_ELEMS)) for lo in range(0, n, CHUNK_ELEMS)]
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch.distributed as dist
 
 from sysx.device import Event
+from sysx.optim.grad_norm import NormSlots
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.speculate import SpeculationPolicy
 from sysx.optim.stage import OptimSettings, StageReport
@@ -60,7 +61,7 @@ class StepProtocol:
         fp16: bool,
         group: dist.ProcessGroup | None = None,
         total_norm: Callable[[], float] | None = None,
-        norm_pieces: int = 0,
+        norm_pieces: int | NormSlots = 0,
     ) -> None:
         self.threads = threads
         self.norm_pieces = norm_pieces

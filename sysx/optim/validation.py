@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from sysx.device import Event
 from sysx.dist import group_timeout_s, wait_for
-from sysx.optim.grad_norm import piece_slots, sum_slots
+from sysx.optim.grad_norm import NormSlots, piece_slots
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import StageOptimizer, StageReport
 from sysx.optim.threads import OptimizerThreads
@@ -61,20 +61,20 @@ def reduce_flags(
     group: dist.ProcessGroup | None,
     *,
     pieces: Sequence[Sequence[tuple[int, float]]] = (),
-    of: int = 0,
+    of: int | NormSlots = 0,
 ) -> tuple[int, float]:
     """Sum ``(#overflowed stages, squared norms of finite stages)`` over all ranks of ``group``.
 
-    ``of > 0``: the squares come per piece of a model of ``of`` pieces (``pieces[i]``: stage ``i``'s),
-    summed in one slot each and rounded once, so every layout gets the same bits
-    (:mod:`sysx.optim.grad_norm`)."""
+    ``of``: the squares come per piece of a model of ``of`` pieces (``pieces[i]``: stage ``i``'s
+    ``(slot, square)``; :class:`NormSlots`: with the tails of pieces cut between ranks), summed in
+    one slot each and rounded once, so every layout gets the same bits (:mod:`sysx.optim.grad_norm`)."""
     n_inf = sum(1 for f in found_inf if f)
-    if of:
+    slots = of if isinstance(of, NormSlots) else NormSlots(of)
+    if slots.of:
         if any(not p and sq for p, sq in zip(pieces, sq_norms, strict=True)):
             raise ValueError("reduce_flags: a stage reported its squared norm without its pieces")
-        t = torch.cat(
-            [piece_slots([p for f, p in zip(found_inf, pieces) if not f], of), torch.zeros(1, dtype=torch.float64)]
-        )
+        parts = [p for f, p in zip(found_inf, pieces) if not f]
+        t = torch.cat([piece_slots(parts, slots.length), torch.zeros(1, dtype=torch.float64)])
     else:
         t = torch.tensor([sum(s for f, s in zip(found_inf, sq_norms) if not f), 0.0], dtype=torch.float64)
     t[-1] = float(n_inf)
@@ -88,7 +88,7 @@ def reduce_flags(
             collective=True,
         )
     values = t.tolist()
-    return int(values[-1]), sum_slots(values[:-1]) if of else values[0]
+    return int(values[-1]), slots.total(values[:-1]) if slots.of else values[0]
 
 
 def _log_skip(n_inf: int, scale: float, scaler: LossScaler, group: dist.ProcessGroup | None, undone: int) -> None:
@@ -143,7 +143,7 @@ def _reduce(
     reports: Sequence[StageReport],
     group: dist.ProcessGroup | None,
     total_norm: Callable[[], float] | None,
-    norm_pieces: int = 0,
+    norm_pieces: int | NormSlots = 0,
 ) -> tuple[int, float]:
     """``(#overflowed stages over all ranks, global gradient norm)`` of this iteration's reports
     (``norm_pieces``: the model's pieces when the stages report their squares per piece)."""
@@ -182,7 +182,7 @@ def post_step_validate(
     group: dist.ProcessGroup | None = None,
     total_norm: Callable[[], float] | None = None,
     wait: bool = True,
-    norm_pieces: int = 0,
+    norm_pieces: int | NormSlots = 0,
 ) -> StepOutcome:
     """SysX's post-step validation of an iteration whose stages already stepped (see docs/architecture.md).
 
@@ -218,7 +218,7 @@ def check_reports(
     max_grad_norm: float = 0.0,
     group: dist.ProcessGroup | None = None,
     total_norm: Callable[[], float] | None = None,
-    norm_pieces: int = 0,
+    norm_pieces: int | NormSlots = 0,
 ) -> StepOutcome:
     """The check part of validate-first over loaded, not yet stepped stages: reduce over ``group``,
     update the scaler (warning on a skipped step) and decide the clip coefficient."""
@@ -241,7 +241,7 @@ def load_and_check(
     group: dist.ProcessGroup | None = None,
     events: Mapping[str, Event] | None = None,
     scale: float | None = None,
-    norm_pieces: int = 0,
+    norm_pieces: int | NormSlots = 0,
 ) -> StepOutcome:
     """The check part of validate-first: load every stage in ``grads`` (after its event, unscaled
     by ``scale``, default the scaler's), then :func:`check_reports` (``norm_pieces`` as there).

@@ -22,6 +22,7 @@ their slices of the owner's landing segment after a :class:`~sysx.runtime.spread
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import torch
@@ -88,6 +89,7 @@ class RankOptimizer:
         self.spread_grads: dict[tuple[int, int], torch.Tensor] = {}  # a spread unit: this rank's slice of the landing
         self._spread_groups = spread_groups or {}
         self.pacer = pacer or Pacer()
+        self.norm_slots = params.norm_slots()  # a slot per layer (and a spread step's cut layers' tails)
         self.tier: NvmeTier | None = None
         self.scratch: ScratchPool | None = None  # 16-bit with the tier: the fp32 gradients, per job
         try:
@@ -123,7 +125,7 @@ class RankOptimizer:
             settings,
             fp16=self.dtype == torch.float16,
             group=group,
-            norm_pieces=len(params.numels),  # the norm per layer: the same bits in every layout
+            norm_pieces=self.norm_slots,  # the norm per layer: the same bits in every layout
         )
 
     def _open_tier(
@@ -159,19 +161,20 @@ class RankOptimizer:
     ) -> StageOptimizer:
         """The optimizer of ``unit`` (with the NVMe tier: its state written to its file, and in
         16-bit runs the RAM master given up); ``grad32`` None: its fp32 gradients are converted per
-        job into :attr:`scratch`."""
+        job into :attr:`scratch`. An empty shard (a small spread unit) steps nothing, on torch."""
         key = (unit.stage, unit.sub)
+        empty = params.masters[key].numel() == 0
         stage = StageOptimizer.from_settings(
             unit.key,
             params.masters[key],
-            self.settings,
+            dataclasses.replace(self.settings, backend="torch") if empty else self.settings,
             target=target,
             grad_buffer=grad32,
             keep_grads=grad32 is not None,
             no_decay=params.no_decay(unit),
             scratch=self.scratch,
             store=self.tier.state(unit.key) if self.tier is not None else None,
-            pieces=layer_pieces(params.numels, unit.layers, params.shard(unit)),
+            pieces=layer_pieces(params.numels, unit.layers, params.shard(unit), self.norm_slots),
         )
         if self.tier is not None and self.dtype != torch.float32:
             del params.masters[key]  # on disk now: the RAM this frees is what the tier is for

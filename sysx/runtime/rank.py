@@ -32,7 +32,7 @@ from sysx.model import ModelConfig
 from sysx.model.llama import LayerInit
 from sysx.optim.loss_scaler import LossScaler
 from sysx.optim.stage import OptimSettings
-from sysx.replicas import ReplicaLayout
+from sysx.replicas import ReplicaLayout, shard_range
 from sysx.runtime.buffers import GradBuffers, ParamPool, load_places
 from sysx.runtime.executor import ExecutionError, Executor, StepContext
 from sysx.runtime.optimizer import RankOptimizer
@@ -260,14 +260,14 @@ class RankRuntime:
         numel = self.params.units[key].numel
         ranks = self.params.spread.get(key)
         if ranks is not None:
-            group, root = self.spread_groups[key], self.params.units[key].owner
+            cuts, group, root = self.params.spread_shards(key), self.spread_groups[key], self.params.units[key].owner
         elif self.replica_groups is not None:
             ranks, group = self.layout.peers(), self.replica_groups.exchange
-            root = ranks[0]
+            cuts, root = [shard_range(numel, len(ranks), j) for j in range(len(ranks))], ranks[0]
         else:
             return shard
         return gather_shards(
-            shard, numel, ranks=ranks, root=root, rank=self.rank, group=group, timeout_s=self.timeout_s
+            shard, cuts=cuts, ranks=ranks, root=root, rank=self.rank, group=group, timeout_s=self.timeout_s
         )
 
     def mean_loss(self, ctx: StepContext, what: str) -> float:

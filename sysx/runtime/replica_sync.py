@@ -220,32 +220,26 @@ def exchange_shards(
 
 def gather_shards(
     shard: torch.Tensor,
-    numel: int,
     *,
+    cuts: Sequence[range],
     ranks: Sequence[int],
     root: int,
     rank: int,
     group: dist.ProcessGroup,
     timeout_s: float,
 ) -> torch.Tensor | None:
-    """The full flat buffer of ``numel`` elements whose :func:`~sysx.replicas.shard_range` shards
-    ``ranks`` hold (``ranks[j]`` shard ``j``; ``shard``: this rank's) on ``root``, None elsewhere
-    (collective over ``group``, whose ranks are ``ranks``: a replica group, or a spread step's sharers;
-    for saves and tests, not the hot path). Shards are padded to one size for ``gather``."""
-    size = len(shard_range(numel, len(ranks), 0))  # the largest shard
+    """The full flat buffer whose shards ``ranks`` hold (``ranks[j]`` holds elements ``cuts[j]``;
+    ``shard``: this rank's) on ``root``, None elsewhere (collective over ``group``, whose ranks are
+    ``ranks``: a replica group, or a spread step's sharers; for saves and tests, not the hot path).
+    Shards are padded to one size for ``gather``."""
+    size = max(len(c) for c in cuts)
     padded = torch.zeros(size, dtype=shard.dtype)
     padded[: shard.numel()].copy_(shard)
     parts = [torch.empty_like(padded) for _ in ranks] if rank == root else None
     work = dist.gather(padded, parts, dst=root, group=group, async_op=True)
     assert work is not None
-    wait_for(
-        work,
-        rank=rank,
-        what=f"gather of the shards of ranks {list(ranks)}",
-        peer=None,
-        timeout_s=timeout_s,
-        collective=True,
-    )
+    what = f"gather of the shards of ranks {list(ranks)}"
+    wait_for(work, rank=rank, what=what, peer=None, timeout_s=timeout_s, collective=True)
     if parts is None:
         return None
-    return torch.cat([part[: len(shard_range(numel, len(ranks), j))] for j, part in enumerate(parts)])
+    return torch.cat([part[: len(cut)] for cut, part in zip(cuts, parts, strict=True)])

@@ -27,9 +27,11 @@ from sysx.memory.node_plan import UnitPlace, node_host_memory
 from sysx.model import FlatLayout, ModelConfig, build_layers
 from sysx.model.llama import LayerInit, make_layer, seed_init
 from sysx.optim.decay import Ranges, no_decay_ranges, shard_ranges
+from sysx.optim.grad_norm import NormSlots, grid_cuts, grid_shards
 from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
+from sysx.optim.stage import CHUNK_ELEMS
 from sysx.partition import unit_label
-from sysx.replicas import ReplicaLayout, shard_range
+from sysx.replicas import ReplicaLayout
 from sysx.schedule import Schedule
 from sysx.schedule.spread import spread_ranks
 
@@ -154,10 +156,28 @@ class StageParams:
     def shard(self, unit: SubStage) -> range:
         """The elements of ``unit``'s flat buffer this rank's optimizer steps: its shard of a spread
         step, else its replica's shard (one replica: all)."""
-        ranks = self.spread.get((unit.stage, unit.sub), [])
+        key = (unit.stage, unit.sub)
+        ranks = self.spread.get(key, [])
         if self.rank in ranks:
-            return shard_range(unit.numel, len(ranks), ranks.index(self.rank))
+            return self.spread_shards(key)[ranks.index(self.rank)]
         return self.replica_layout.shard(unit.numel)
+
+    def spread_shards(self, key: tuple[int, int]) -> list[range]:
+        """Every sharer's shard of spread unit ``key``, in their order: as equal as cuts on each
+        layer's norm chunk grid allow (:func:`~sysx.optim.grad_norm.grid_shards`), so the gradient
+        norm keeps its bits (:class:`~sysx.optim.grad_norm.NormSlots`)."""
+        layers = self.units[key].layers
+        return grid_shards([self.numels[i] for i in layers], len(self.spread[key]), CHUNK_ELEMS)
+
+    def norm_slots(self) -> NormSlots:
+        """The slots of the gradient norm's all-reduce: one per layer, and the tails of the layers
+        the spread steps' shards cut (the same on every rank)."""
+        cut = []
+        for key in sorted(self.spread):
+            layers = self.units[key].layers
+            for i, numel, cuts in grid_cuts([self.numels[j] for j in layers], self.spread_shards(key)):
+                cut.append((layers[i], numel, cuts))
+        return NormSlots.cut(len(self.numels), cut, CHUNK_ELEMS)
 
     def no_decay(self, unit: SubStage) -> Ranges:
         """The ranges of ``unit``'s 1-D parameters (norm weights) in this rank's shard of its flat
