@@ -59,7 +59,15 @@ def plan(args: argparse.Namespace, micro: int, offload: str) -> Any:
         args.model, args.seq, args.ranks, args.schedule, shared(args), 1, overrides(args, micro, offload, "/tmp")
     )
     em = emulated_model(cfg)
-    sched = make_schedule(opts, em.config, n_ranks=args.ranks, n_micro=micro, seq_len=em.seq_len)
+    sched = make_schedule(
+        opts,
+        em.config,
+        n_ranks=args.ranks,
+        n_micro=micro,
+        seq_len=em.seq_len,
+        ranks_per_node=bp.GPUS_PER_NODE,
+        spread_allowed=offload == "host",  # as the run: the NVMe tier keeps the last step on its owner
+    )
     return plan_emulation(cfg, sched, backend="torch")
 
 

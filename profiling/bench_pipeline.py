@@ -22,7 +22,9 @@ Prints one Markdown table (and writes it with ``--out``)::
     PYTHONPATH=. python profiling/bench_pipeline.py --models 10b --schedules mobius --best-layouts
     PYTHONPATH=. python profiling/bench_pipeline.py --report a.jsonl b.jsonl               # tables of kept runs
 
-A schedule may name its layout: ``sysx:cfg3@s4d3`` (4 forward stages per rank, d = 3), ``mobius@s6``;
+A SysX CFG3 schedule may end in ``~plain`` (``schedule.spread_last_step=false``: the last optimizer
+step on its owner alone) or ``~spread`` (``true``); unsuffixed, the default spreads it over the
+owner's emulated node. A schedule may name its layout: ``sysx:cfg3@s4d3`` (4 forward stages per rank, d = 3), ``mobius@s6``;
 a SysX one its ``optim.placement`` (default ``auto``): ``sysx:cfg3+split``, ``sysx:cfg3@s4d3+cpu``
 (``--placements cpu,split`` adds such SysX CFG3 rows). A row at a placement says how many
 sub-stages the placement model put on the device lane (the JSON row keeps each rank's split and
@@ -76,7 +78,7 @@ SCHEDULES = (
 GPUS_PER_NODE, MICRO_BATCH, BATCH_PER_NODE = 4, 2, 16  # the paper's Fig. 9 setting
 PAPER = {"sysx_over_mobius": 1.26, "sysx_over_megatron": 1.51}  # SysX §5.2, averages over its Fig. 9
 GPUS = {"v100": "v100", "a100": "a100_80g", "h100": "h100"}  # --gpu -> emulate.gpu (v100: the paper's cluster)
-SPREAD = "~spread"  # a SysX CFG3 schedule's suffix: schedule.spread_last_step=true
+SPREAD = {"~spread": True, "~plain": False}  # a SysX CFG3 schedule's suffix: schedule.spread_last_step
 PLACEMENTS = ("auto", "cpu", "split")  # a SysX schedule's ``+<optim.placement>`` suffix (sysx.config.choices)
 
 
@@ -178,15 +180,17 @@ def _tuned(cfg: Any, info: Any) -> tuple[Any, Any, Any, str]:
     return tuned.cfg, opts, tuned.costs, choice
 
 
-def split_spread(schedule: str) -> tuple[str, bool]:
-    """``sysx:cfg3@s4d3~spread`` -> (``sysx:cfg3@s4d3``, True): a SysX CFG3 cell with
-    ``schedule.spread_last_step`` (the last optimizer step shared by the owner's emulated node)."""
-    if not schedule.endswith(SPREAD):
-        return schedule, False
-    rest = schedule[: -len(SPREAD)]
-    if not rest.startswith("sysx:cfg3"):
-        raise ValueError(f"bad {SPREAD!r} in {schedule!r}: only SysX CFG3 spreads its last step, e.g. sysx:cfg3~spread")
-    return rest, True
+def split_spread(schedule: str) -> tuple[str, bool | None]:
+    """``sysx:cfg3@s4d3~plain`` -> (``sysx:cfg3@s4d3``, False): a SysX CFG3 cell's
+    ``schedule.spread_last_step`` (``~spread``: true, ``~plain``: false; no suffix: null, the default,
+    which spreads the last optimizer step over the owner's emulated node)."""
+    for suffix, value in SPREAD.items():
+        if schedule.endswith(suffix):
+            rest = schedule[: -len(suffix)]
+            if not rest.startswith("sysx:cfg3"):
+                raise ValueError(f"bad {suffix!r} in {schedule!r}: only SysX CFG3 spreads its last step")
+            return rest, value
+    return schedule, None
 
 
 def split_placement(schedule: str) -> tuple[str, str | None]:
@@ -243,6 +247,7 @@ def planned_iteration(
             n_micro=cfg.train.micro_batches,
             seq_len=em.seq_len,
             ranks_per_node=GPUS_PER_NODE,
+            spread_allowed=replicas == 1,
         )
         it = _lane_planned(cfg, sched, plan_emulation(cfg, sched, backend="torch", replicas=replicas))
     except (ConfigError, PartitionError, ScheduleError, ValueError):
@@ -471,7 +476,9 @@ def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
             name = f"{name} ({f'{per_rank} stages/rank, ' if per_rank not in (0, 2) else ''}d={row['split']})"
     else:
         name = f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
-    spread = ", last optimizer step spread over the node" if split_spread(schedule)[1] else ""
+    spread = {True: ", last optimizer step spread over the node", False: ", last optimizer step on its owner"}.get(
+        split_spread(schedule)[1], ""
+    )
     return name + spread + _placement_label(split_placement(schedule)[1], row)
 
 
@@ -495,7 +502,8 @@ def _placement(schedule: str) -> str | None:
 def _family(schedule: str) -> tuple[str, bool]:
     """(schedule without layout, ``~spread`` kept; whether the row runs a chosen layout)."""
     base, layout = split_layout(schedule)
-    return base + (SPREAD if split_spread(schedule)[1] else ""), layout[0] is not None
+    spread = split_spread(schedule)[1]
+    return base + "".join(k for k, v in SPREAD.items() if v is spread), layout[0] is not None
 
 
 def _key(r: dict[str, Any]) -> tuple[Any, ...]:

@@ -400,6 +400,7 @@ def _plan_emulated(args: argparse.Namespace, name: str, cfg: int) -> tuple[Sched
         n_ranks=args.ranks,
         n_micro=args.microbatches,
         ranks_per_node=cluster(job.emulate).gpus_per_node,  # the node a spread last step stays on
+        spread_allowed=(args.replicas or 1) == 1 and job.optim.offload == "host",
     )
     sched, plan = emulated_schedule(job, build, backend=job.optim.backend, replicas=args.replicas)
     args.emulated, args.table, args.gpus_per_node = (

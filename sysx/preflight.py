@@ -59,7 +59,14 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
     cfg = resolve_precision(cfg)
     opts = options_from_config(cfg)
     model_cfg, t = job_model_config(cfg), cfg.train
-    schedule = make_schedule(opts, model_cfg, n_ranks=layout.pipeline, n_micro=t.micro_batches, seq_len=t.seq_len)
+    schedule = make_schedule(
+        opts,
+        model_cfg,
+        n_ranks=layout.pipeline,
+        n_micro=t.micro_batches,
+        seq_len=t.seq_len,
+        spread_allowed=layout.replicas == 1 and cfg.optim.offload == "host",
+    )
     numels = [sum(_numel(shape) for _, shape in entries) for entries in layer_params(model_cfg)]
     info = DistInfo(rank=0, world_size=ranks, local_rank=0, local_world_size=ranks)
     # StageParams.node_plan needs only these four fields: the plan every node leader checks at start

@@ -204,14 +204,18 @@ def test_near_equal_predictions_go_to_the_fewest_instructions() -> None:
     assert ranked[0].instructions == min(x.instructions for x in near)
 
 
-def test_nvme_tier_charges_the_exposed_io_and_counts_the_state_files() -> None:
+def test_nvme_tier_charges_the_exposed_io_and_counts_the_state_files(monkeypatch: pytest.MonkeyPatch) -> None:
     """optim.offload=nvme: each candidate's iteration gains the disk time it cannot hide (12 bytes per
-    parameter read and written at 1 MB/s on the one node), and the state files meet the disk budget."""
+    parameter read and written at 1 MB/s on the one node), and the state files meet the disk budget.
+    The tier keeps the last optimizer step on its owner; the host-memory run it is compared with too."""
     from sysx.optim.nvme.cost import DiskRates
+    from sysx.runtime import PipelineOptions
     from sysx.schedule.costs import model_layer_params
 
     slow = DiskRates(1e6, 1e6)
-    plain = search(Job(TINY, SEQ, 8, 2), ROOMY, synthetic_profile(), SMALL)
+    with monkeypatch.context() as m:
+        m.setattr(PipelineOptions, "spreads", lambda self, allowed=True: False)
+        plain = search(Job(TINY, SEQ, 8, 2), ROOMY, synthetic_profile(), SMALL)
     tier = search(Job(TINY, SEQ, 8, 2, offload="nvme", disk=slow), ROOMY, synthetic_profile(), SMALL)
     io_s = 2 * 12 * sum(model_layer_params(TINY)) / 1e6
     before = {c.label(): c.iteration for c in plain.fitting}

@@ -98,6 +98,16 @@ def test_the_option_is_refused_where_it_cannot_run(overrides: list[str], words: 
     load_config(["schedule=sysx", "schedule.spread_last_step=true"])
 
 
+def test_the_default_spreads_sysx_cfg3_where_it_runs() -> None:
+    from sysx.runtime import PipelineOptions
+
+    assert PipelineOptions(schedule="sysx").spreads()
+    assert not PipelineOptions(schedule="sysx").spreads(allowed=False)  # replicas, or the NVMe tier
+    assert not PipelineOptions(schedule="sysx", cfg=2).spreads() and not PipelineOptions(schedule="gpipe").spreads()
+    assert not PipelineOptions(schedule="sysx", spread_last_step=False).spreads()
+    assert PipelineOptions(schedule="sysx", spread_last_step=True).spreads(allowed=False)  # the config refuses it
+
+
 def test_make_schedule_spreads_over_the_owner_node_only() -> None:
     """4 ranks, 2 to a node: the owner's node-mate gets the one shard step."""
     from sysx.model import ModelConfig
@@ -121,8 +131,10 @@ def test_the_emulated_pacer_charges_each_sharer_its_share() -> None:
     from sysx.partition import unit_label
     from tests.test_emulate import _plan
 
-    plan, sched = _plan(1.0)
-    spread = spread_last_step(sched, range(sched.n_ranks))
+    plan, spread = _plan(1.0)  # sysx CFG3 on 2 ranks: spread by default
+    sched = spread.with_ops(
+        [[op for op in ops if not (op.kind == OpKind.OPTIM_STEP and op.peer >= 0)] for ops in spread.ops]
+    )
     k = spread_shares(spread)[LAST_UNIT]
     whole, shared = (EmulatedPacer(plan, s, 0, time_scale=1.0)._opt for s in (sched, spread))
     name = unit_label(*LAST_UNIT)

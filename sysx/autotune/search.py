@@ -215,6 +215,7 @@ def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, 
         n_micro=n_micro,
         seq_len=job.seq_len,
         ranks_per_node=job.ranks_per_node,
+        spread_allowed=job.replicas == 1 and job.offload == "host",  # replicas None: the search picks R > 1 too
     )
     if opts.schedule not in ONE_STAGE_PER_RANK:  # the values the fixed rule chose, so the label says what runs
         opts.stages_per_rank = sched.n_stages // job.pipeline_ranks

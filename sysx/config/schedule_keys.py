@@ -85,7 +85,7 @@ def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: SingleS
             "its backward sub-stages run on other ranks than their forwards, from sent checkpoints",
             f"remove it or use one of {', '.join(s for s in PIPELINE_SCHEDULES if s != 'sysx')}",
         )
-    elif section.cfg < 3 and values.get("spread_last_step"):
+    elif section.cfg < 3 and values.get("spread_last_step") is True:
         _refuse(
             "schedule.spread_last_step",
             True,

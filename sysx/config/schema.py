@@ -118,9 +118,9 @@ def check_seq_len(cfg: SysxConfig, model: ModelConfig) -> None:
 
 
 def check_spread(cfg: SysxConfig) -> None:
-    """``schedule.spread_last_step`` shards one unit's optimizer over the node's ranks: not with the
-    replicas' shards of it, nor with state files per rank (the NVMe tier)."""
-    if not cfg.schedule.spread_last_step:
+    """``schedule.spread_last_step=true`` shards one unit's optimizer over the node's ranks: not with
+    the replicas' shards of it, nor with state files per rank (the NVMe tier); null turns it off there."""
+    if cfg.schedule.spread_last_step is not True:
         return
     if cfg.parallel.count > 1:
         fail(

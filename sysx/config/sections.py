@@ -165,14 +165,16 @@ class PipelineKeys:
     # stage (gpipe, 1f1b, interleaved_1f1b, mobius: their checkpoints stay on the rank); ~1/4 less compute
     keep_activations: bool = False
     # sysx cfg 3: the iteration's last optimizer step (sub-stage 0.0, the last gradients home) shared by
-    # every rank of its owner's node, each stepping a shard of its master and Adam state (issue 27)
-    spread_last_step: bool = False
+    # every rank of its owner's node, each stepping a shard of its master and Adam state (issue 27);
+    # null: on where it runs (sysx cfg 3, one replica, optim.offload=host), false: off
+    spread_last_step: bool | None = None
 
     def validate(self) -> None:
         """Ranges of the pipeline keys."""
-        for key in ("keep_activations", "spread_last_step"):
-            if not isinstance(getattr(self, key), bool):
-                fail(f"schedule.{key}", getattr(self, key), "must be true or false")
+        if not isinstance(self.keep_activations, bool):
+            fail("schedule.keep_activations", self.keep_activations, "must be true or false")
+        if self.spread_last_step is not None and not isinstance(self.spread_last_step, bool):
+            fail("schedule.spread_last_step", self.spread_last_step, "must be null, true or false")
         for key in ("stages_per_rank", "split"):
             if getattr(self, key) is not None:
                 check_int(f"schedule.{key}", getattr(self, key), 1)

@@ -112,6 +112,14 @@ class PipelineOptions(PipelineKeys):
                 found.insert(0, (FINE_STAGES_PER_RANK * n_ranks, BALANCED_SPLIT))
         return found
 
+    def spreads(self, allowed: bool = True) -> bool:
+        """Whether the schedule shares its last optimizer step over the owner's node: as
+        ``spread_last_step`` says, or, left null, for SysX CFG3 where ``allowed`` (one replica,
+        ``optim.offload=host``)."""
+        if self.spread_last_step is not None:
+            return self.spread_last_step
+        return allowed and self.schedule == "sysx" and self.cfg == 3
+
     def describe(self) -> str:
         """One line for the run header."""
         parts = [f"schedule={self.schedule}"]
@@ -119,8 +127,6 @@ class PipelineOptions(PipelineKeys):
             parts.append(f"stages/rank={self.stages_per_rank}")
         if self.schedule == "sysx":
             parts.append(f"cfg={self.cfg}" + (f" d={self.split}" if self.split is not None else ""))
-            if self.spread_last_step:
-                parts.append("last step spread over the node")
         parts += [f"param buffers={self.param_buffers}", f"cpu adam={self.optim_backend}", f"rollback={self.rollback}"]
         return " ".join(parts)
 
@@ -151,6 +157,7 @@ def make_schedule(
     n_micro: int,
     seq_len: int,
     ranks_per_node: int | None = None,
+    spread_allowed: bool = True,
 ) -> Schedule:
     """The validated schedule of this run (identical on every rank).
 
@@ -158,7 +165,8 @@ def make_schedule(
     sub-stages each, trying :meth:`PipelineOptions.candidates` in order; the first that fits the
     model wins, and when none does the error of the preferred one is raised with the fix.
     ``schedule.spread_last_step`` shares the last optimizer step over the owner's node
-    (``ranks_per_node`` ranks to a node, numbered node by node; None: one node).
+    (``ranks_per_node`` ranks to a node, numbered node by node; None: one node); left null, it does
+    so for SysX CFG3 when ``spread_allowed`` (the job has one replica and ``optim.offload=host``).
     """
     opts.check()
     n_layers = model_cfg.n_layers + 2
@@ -195,7 +203,7 @@ def make_schedule(
                     keep_activations=opts.keep_activations,
                 )
                 schedule = post_receives(schedule)  # the transfers run while the rank computes
-                if opts.spread_last_step:
+                if opts.spreads(spread_allowed):
                     schedule = spread_over_node(schedule, ranks_per_node)
                 validate(schedule)
                 return schedule

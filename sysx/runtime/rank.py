@@ -220,12 +220,23 @@ class RankRuntime:
             self.executor.run(ops, ctx)
             if ctx.training:
                 self.exchange_shards()
+                self.sharers_written()
                 self.params.push_mirrors()
             else:
                 self.executor.wait_sends()
         except BaseException:
             self.executor.reset()
             raise
+
+    def sharers_written(self) -> None:
+        """A spread unit mirrored on another node: its sharers meet before the owner pushes it, so
+        that the push carries every shard's write: re-steps and rollbacks after the validation's
+        decision (each rank waits only for its own), a checkpoint's restore."""
+        for key, ranks in self.params.spread.items():
+            if self.rank in ranks and self.params.units[key].mirrored:
+                work = dist.barrier(group=self.spread_groups[key], async_op=True)
+                what = f"the sharers of {self.params.units[key].key} done writing it, before its mirror push"
+                sdist.wait_for(work, rank=self.rank, what=what, peer=None, timeout_s=self.timeout_s, collective=True)
 
     def exchange_shards(self) -> int:
         """The replicas' updated shards into this node's working copy (replicas on other nodes;

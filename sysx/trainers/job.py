@@ -98,8 +98,11 @@ def run_job(trainer: Trainer, *, is_main: bool = True, extra: str = "") -> int:
                 trainer.run(cfg.train.steps - trainer.step_index, logger=logger, hook=checkpoints)
             stop = stopping.pending()
             if stop is not None:  # deferred by checkpoint.on_signal: the step finished on every rank
-                checkpoints.save(background=False)
-                checkpoints.saver.wait()
+                # still deferred: a save's collectives (shards gathered to their writer) must not take
+                # the pending stop for a new one; a signal repeated after the grace still stops it
+                with stopping.deferring():
+                    checkpoints.save(background=False)
+                    checkpoints.saver.wait()
                 raise stop
             for key, value in trainer.measurements().items():
                 logger.section(key, value)

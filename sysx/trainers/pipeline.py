@@ -34,6 +34,7 @@ from sysx.emulate.device_model import device_model
 from sysx.memory import drop_failure_views, resolve_job_id, torch_broadcast
 from sysx.metrics import StepResult
 from sysx.optim.speculate import SpeculationPolicy
+from sysx.partition import unit_label
 from sysx.replicas import ReplicaLayout
 from sysx.runtime.executor import ExecutionError, StepContext
 from sysx.runtime.optimizer import OptimSettings
@@ -43,6 +44,7 @@ from sysx.runtime.p2p import TransferMismatch
 from sysx.runtime.rank import RankRuntime
 from sysx.schedule import Schedule, evaluation_schedule, validate
 from sysx.schedule.costs import Costs
+from sysx.schedule.spread import spread_ranks
 from sysx.trainers.base import Trainer, job_device
 from sysx.trainers.checkpointing import restore_stage_from, stage_layer_sources
 from sysx.trainers.job import run_job
@@ -94,6 +96,7 @@ class PipelineTrainer(Trainer):
             n_ranks=self.layout.pipeline,
             n_micro=t.micro_batches,
             ranks_per_node=ranks_per_node(cfg, self.info),
+            spread_allowed=self.layout.replicas == 1 and cfg.optim.offload == "host",
         )
         self.device_model = device_model(  # real or emulated: the trainer asks it, never the kind
             cfg,
@@ -310,6 +313,7 @@ class PipelineTrainer(Trainer):
             shard = self.params.shard(unit) if self.layout.replicas > 1 or key in self.params.spread else None
             restore_stage_from(stage, self.params.layout(key), indices, ckpt, shard=shard)
         self.runtime.exchange_shards()
+        self.runtime.sharers_written()  # a spread unit's shards all restored before its mirror push
         self.params.push_mirrors()
         self.params.barrier("checkpoint restore barrier")  # no rank reads a segment before its owner rewrote it
 
@@ -328,7 +332,7 @@ class PipelineTrainer(Trainer):
         lines = [
             f"pipeline: {self.opts.describe()} | {self.world} rank(s) on {self.info.num_nodes} node(s) | "
             f"Nsf={sch.n_stages} d={sch.split} Nm={sch.n_micro} | ckpt {sch.options.ckpt} | "
-            f"optimizer {sch.options.optimizer} | job {self.job_id}",
+            f"optimizer {sch.options.optimizer}{_spread_words(sch)} | job {self.job_id}",
             *(
                 ["  " + self.layout.describe() + f", gradients reduced over the {self.layout.reduction}"]
                 if self.layout.replicas > 1
@@ -346,6 +350,14 @@ class PipelineTrainer(Trainer):
         drop_failure_views()
         self._closed = True
         self.runtime.close()
+
+
+def _spread_words(schedule: Schedule) -> str:
+    """`` (last step shared by ranks 4-7)`` when the schedule spreads its last optimizer step."""
+    return "".join(
+        f" (last step of {unit_label(*unit)} shared by ranks {ranks[0]}-{ranks[-1]})"
+        for unit, ranks in spread_ranks(schedule).items()
+    )
 
 
 def ranks_per_node(cfg: SysxConfig, info: sdist.DistInfo) -> int:
