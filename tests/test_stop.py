@@ -377,3 +377,33 @@ def test_on_signal_saves_a_checkpoint_before_stopping(tmp_path: Path) -> None:
         job.check_nothing_left()
     finally:
         job.kill()
+
+
+def test_the_loop_ends_on_a_stop_every_rank_knows_of() -> None:
+    """A signal that reaches a rank after its step's all-reduce is carried by the next step's: the
+    rank runs that step too, so every rank saves after the same step (a save's collectives pair up;
+    a rank that left early hung its peers' next step in CI)."""
+    from types import SimpleNamespace
+
+    from sysx import stopping
+    from sysx.trainers.base import Trainer
+
+    agreed = iter([False, True])
+    fake = SimpleNamespace(
+        cfg=SimpleNamespace(train=SimpleNamespace(steps=5), eval=SimpleNamespace(every=0)),
+        step=0,
+        finish_pending=lambda: None,
+        stop_agreed=lambda: next(agreed),
+    )
+
+    def train_step() -> SimpleNamespace:
+        fake.step += 1
+        stopping.request(signal.SIGTERM)  # the signal came after this step's all-reduce
+        return SimpleNamespace(step=fake.step - 1, val_loss=None)
+
+    fake.train_step = train_step
+    try:
+        results = Trainer.run(fake, 5)  # type: ignore[arg-type]
+    finally:
+        stopping.reset()
+    assert [r.step for r in results] == [0, 1]

@@ -322,6 +322,7 @@ class RankRuntime:
             [local, weight, *counts, *signals, *times], f"end of step {ctx.step} (loss all-reduce)"
         )
         stops, times = rest[: len(signals)], rest[len(signals) :]
+        stopped = any(seen > 0 for seen in stops)
         for signum, seen in zip(stopping.STOP_SIGNALS, stops):
             if seen > 0:
                 stopping.request(signum)
@@ -331,7 +332,7 @@ class RankRuntime:
                 f"rank {self.rank}: step {ctx.step}: {int(count)} micro-batch losses were computed, expected {n_micro}"
             )
         exposed = exposed_seconds(times[0::2], times[1::2], one_clock=one_clock)
-        return StepEnd(total / weight, int(undone), int(restepped), exposed)
+        return StepEnd(total / weight, int(undone), int(restepped), exposed, stopped)
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name; collective: every rank calls it and gets the same
@@ -389,3 +390,4 @@ class StepEnd:
     undone: int  # the step's rollbacks (clipping re-steps included)
     restepped: int  # its clipping re-steps
     exposed_s: float  # optimizer time no compute hid (:func:`exposed_seconds`, wall seconds)
+    stopped: bool = False  # a stop deferred to the end of the step: every rank knows it now

@@ -259,6 +259,11 @@ class Trainer(ABC):
         """Sections this trainer adds to ``summary.json`` (a recorded timeline's ``measured`` and ``plan``)."""
         return {}
 
+    def stop_agreed(self) -> bool:
+        """Whether every rank knows of the pending stop, so that all end the loop after the same step
+        (one process: always). A signal that came after the step's all-reduce is carried by the next."""
+        return True
+
     def finish_pending(self) -> None:  # noqa: B027 - a hook: a trainer without background work keeps it empty
         """Wait for work a step left running in the background (optimizer threads)."""
 
@@ -290,7 +295,7 @@ class Trainer(ABC):
                 logger.log(result)
             if on_step is not None:
                 on_step(result)
-            if stopping.pending() is not None:
+            if stopping.pending() is not None and self.stop_agreed():
                 break
         self.finish_pending()
         return results

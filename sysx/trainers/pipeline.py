@@ -117,6 +117,7 @@ class PipelineTrainer(Trainer):
         self.runtime = self._rank_runtime()
         self.params, self.optimizer, self.executor = self.runtime.params, self.runtime.optimizer, self.runtime.executor
         self._closed = False
+        self._stop_agreed = False  # the last step's all-reduce carried a stop (stop_agreed)
         try:
             o = cfg.optim
             placed = place_optimizer(
@@ -206,6 +207,7 @@ class PipelineTrainer(Trainer):
         finally:
             self.window.end()
         end = self.runtime.end_step(ctx, n_micro, one_clock=self.info.num_nodes == 1)
+        self._stop_agreed = end.stopped
         dev.synchronize(self.device)
         outcome = self.optimizer.outcome
         assert outcome is not None
@@ -270,6 +272,12 @@ class PipelineTrainer(Trainer):
             self.pacer.begin_step(self.step_index, record=False)
             self.runtime.run(program.ops[self.layout.stage_rank], ctx)
         return self.runtime.mean_loss(ctx, "evaluation (loss all-reduce)")
+
+    def stop_agreed(self) -> bool:
+        """Whether the last step's all-reduce carried the pending stop: a signal after it is carried
+        by the next step's, so that every rank ends the loop after the same step (its save's
+        collectives pair up)."""
+        return self._stop_agreed or self.world == 1
 
     @property
     def job_tag(self) -> str:
