@@ -8,8 +8,9 @@ carries the copy's end (a ``MAX`` of the owner's time and the others' zeros). Af
 slice of the segment. The time is what an emulated device starts the shard's step from: the
 sharers' clocks are one (``time.monotonic()`` on one node).
 
-One job per rank per step meets in the group, on an optimizer worker: its ranks' only other
-traffic on it is a save's gather, on the main thread between steps.
+One job per rank per step meets in the group, on an optimizer worker. The group's other traffic is
+on the main thread once VALIDATE has waited for that job: the sharers' meeting before a mirrored
+unit's push (:meth:`~sysx.runtime.rank.RankRuntime.sharers_written`) and a save's gather.
 """
 
 from __future__ import annotations
