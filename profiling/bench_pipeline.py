@@ -142,7 +142,7 @@ def _cell_config(
         cfg=int(cfg) if cfg else 3,
         optim_backend="torch",
         timeout_s=600.0,
-        stages_per_rank=layout[0],
+        stages_per_rank=layout[0] or None,  # BLOCKS: the default rule's
         split=layout[1],
         spread_last_step=spread,
     )
@@ -210,16 +210,21 @@ def split_placement(schedule: str) -> tuple[str, str | None]:
     return rest, m[1]
 
 
+BLOCKS = 0  # ``@blocks``: stages per rank of SysX's one-block-per-stage default, chosen as a best layout
+
+
 def split_layout(schedule: str) -> tuple[str, tuple[int | None, int | None]]:
     """``sysx:cfg3@s4d3`` -> (``sysx:cfg3``, (4, 3)); ``mobius@s6`` -> (``mobius``, (6, None)); no ``@``:
     the runtime's default layout (None, None). A placement suffix (``+split``) is left out."""
     base, _, layout = split_placement(schedule)[0].partition("@")  # and without ~spread
     if not layout:
         return base, (None, None)
+    if layout == "blocks":  # SysX's default rule chosen as a best layout: no whole stages per rank
+        return base, (BLOCKS, None)
     m = re.fullmatch(r"s(\d+)(?:d(\d+))?", layout)
     if m is None:
         raise ValueError(
-            f"bad layout {layout!r} in {schedule!r}: write @s<stages per rank>[d<split>], e.g. sysx:cfg3@s4d3"
+            f"bad layout {layout!r} in {schedule!r}: write @s<stages per rank>[d<split>], e.g. sysx:cfg3@s4d3, or sysx:cfg3@blocks"
         )
     return base, (int(m[1]), int(m[2]) if m[2] else None)
 
@@ -253,7 +258,7 @@ def planned_iteration(
     except (ConfigError, PartitionError, ScheduleError, ValueError):
         return None
     spr = split_layout(split_spread(schedule)[0])[1][0]
-    return None if spr is not None and sched.n_stages != spr * pipeline else it
+    return None if spr and sched.n_stages != spr * pipeline else it
 
 
 def _lane_planned(cfg: Any, sched: Any, plan: Any) -> float:
@@ -272,10 +277,13 @@ def _lane_planned(cfg: Any, sched: Any, plan: Any) -> float:
 
 
 def best_layout(model: str, seq: int, n_ranks: int, schedule: str, args: dict[str, Any]) -> str:
-    """``schedule`` at the layout (forward stages per rank 1-6, SysX split d 1-4) whose plan on the
-    emulated cluster is fastest: the simulator picks, the run then measures it."""
+    """``schedule`` at the layout (forward stages per rank 1-12, SysX split d 1-4, and SysX's default,
+    a block per stage: ``@blocks``) whose plan on the emulated cluster is fastest: the simulator picks,
+    the run then measures it (12 per rank is the finest whole layout of 30B and 40B on 8 ranks)."""
     splits = (1, 2, 3, 4) if schedule.startswith("sysx") else (None,)
-    cands = [f"{schedule}@s{spr}" + (f"d{d}" if d else "") for spr in range(1, 7) for d in splits]
+    cands = [f"{schedule}@s{spr}" + (f"d{d}" if d else "") for spr in range(1, 13) for d in splits]
+    if schedule.startswith("sysx"):
+        cands.insert(0, f"{schedule}@blocks")
     planned = [(it, c) for c in cands if (it := planned_iteration(model, seq, n_ranks, c, args)) is not None]
     return min(planned)[1] if planned else schedule
 
@@ -459,7 +467,8 @@ def launch(cells: list[dict[str, Any]], n_ranks: int, args: dict[str, Any], out_
 def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
     """The schedule's name in the table; a SysX row at the default layout names its split ``d`` (the
     default changed from 2 to 3, and older rows are kept) and its forward stages per rank when they
-    are not 2 (the default of CFG2-3 became 4 where the model has the layers), a row at a placement
+    are not 2 (the default of CFG2-3 became 4 where the model has the layers, then one block per
+    stage, which no whole number of stages per rank spells), a row at a placement
     names it and how many sub-stages went to the device."""
     base, layout = split_layout(schedule)
     name = {
@@ -473,9 +482,13 @@ def _label(schedule: str, row: dict[str, Any] | None = None) -> str:
         if row and base.startswith("sysx:cfg") and base != "sysx:cfg0" and row.get("split"):
             pipeline = row.get("ranks", 0) // row.get("replicas", 1)
             per_rank = row.get("nsf", 0) // pipeline if pipeline else 2
-            name = f"{name} ({f'{per_rank} stages/rank, ' if per_rank not in (0, 2) else ''}d={row['split']})"
+            stages = f"{per_rank} stages/rank, " if per_rank not in (0, 2) else ""
+            if pipeline and row.get("nsf", 0) % pipeline:  # the default of CFG2-3 since issue 27's twelfth session
+                stages = "a block per stage, "
+            name = f"{name} ({stages}d={row['split']})"
     else:
-        name = f"{name}, best layout: {layout[0]} stages/rank" + (f", d={layout[1]}" if layout[1] else "")
+        per_rank = "a block per stage, d=1" if layout[0] == BLOCKS else f"{layout[0]} stages/rank"
+        name = f"{name}, best layout: {per_rank}" + (f", d={layout[1]}" if layout[1] else "")
     spread = {True: ", last optimizer step spread over the node", False: ", last optimizer step on its owner"}.get(
         split_spread(schedule)[1], ""
     )

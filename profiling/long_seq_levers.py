@@ -1,10 +1,17 @@
 """What each remaining idea would give SysX against Mobius on the emulated Fig. 9 grid (planner only).
 
 Issue 27, point 1 asks for SysX >= 1.30x Mobius in every cell and >= 1.35x on average. This script
-plans every cell at the runtime's default layouts (``bench_pipeline.py``'s configs, the emulated
-CostTable, with the posted receives of :mod:`sysx.schedule.posted`) and then SysX's with one cost
-changed each, running nothing:
+plans every cell (``bench_pipeline.py``'s configs, the emulated CostTable, with the posted receives
+of :mod:`sysx.schedule.posted`) with Mobius at its default layout, and SysX at the layout these
+levers were priced on, 4 forward stages per rank of d = 3 sub-stages (``LEVER_LAYOUT``; the
+default until issue 27's twelfth session), with one cost changed each, running nothing; and SysX
+at today's default beside them:
 
+- ``a block per stage``: the runtime's default layout now (one Block per forward stage, d = 1, the
+  backward ring going on from the last forward stage's rank, the last step spread over the node:
+  :func:`sysx.runtime.options.block_stages`), as ``bench_pipeline.py`` runs it;
+
+- ``s4d3``: SysX at ``LEVER_LAYOUT``, the last step on its owner (what every lever below changes);
 - ``opt spread``: the optimizer step of sub-stage (0, 0) (Embedding + a block; the last step of the
   iteration) shared by the ranks of its owner's node (:func:`sysx.schedule.spread.spread_last_step`:
   each steps its share on its own worker, after its own steps and the owner's offload);
@@ -61,8 +68,10 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
 ARGS: dict[str, Any] = {"steps": 4, "warmup": 1, "time_scale": 0.5, "optimizer_workers": 1, "gpu": "v100"}
+LEVER_LAYOUT = "@s4d3"  # the layout the levers below change one cost of
 LEVERS = (
-    "now",
+    "a block per stage",
+    "s4d3",
     "opt spread",
     "head fused",
     "head fused, best share",
@@ -116,7 +125,7 @@ def _head_fused(t: CostTable, share: float = 1.0) -> CostTable:
 
 def best_fused_share(sched: Schedule, table: CostTable) -> tuple[int, float]:
     """``(k, iteration)``: the number of micro-batches (of ``n_micro``) whose Head fused plans the
-    shortest iteration, and that iteration (k = 0 is today's schedule, k = n_micro ``head fused``)."""
+    shortest iteration, and that iteration (k = 0 is the schedule unchanged, k = n_micro ``head fused``)."""
     n = sched.n_micro
     return min(((k, iteration(sched, _head_fused(table, k / n))) for k in range(n + 1)), key=lambda kv: kv[1])
 
@@ -183,13 +192,16 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
     """One cell: SysX over Mobius under every lever, and the link-vs-recompute figure;
     ``sysx_micro_batch``: SysX's sequences per micro-batch (Mobius keeps the Fig. 9 setting's)."""
     msched, mplan = plan(model, seq, "mobius")
-    sched, splan = plan(model, seq, "sysx:cfg3~plain", sysx_micro_batch)  # the levers add the spread themselves
+    # the levers add the spread themselves
+    sched, splan = plan(model, seq, f"sysx:cfg3{LEVER_LAYOUT}~plain", sysx_micro_batch)
+    default, dplan = plan(model, seq, "sysx:cfg3", sysx_micro_batch)
     mob, t = iteration(msched, mplan.table), splan.table
     share, fused_best = best_fused_share(sched, t)
     spread_sched = spread(sched)
     both, both_drain = drain(spread_sched, _head_cut(t))
     ratios = {
-        "now": mob / iteration(sched, t),
+        "a block per stage": mob / iteration(default, dplan.table),
+        "s4d3": mob / iteration(sched, t),
         "opt spread": mob / iteration(spread_sched, t),
         "head fused": mob / iteration(sched, _head_fused(t)),
         "head fused, best share": mob / fused_best,

@@ -272,7 +272,7 @@ def _orient_for_ranks(
         start = lo
         for k, n in enumerate(cand):
             q = (n_stages - 1 - s) * split + (split - 1 - k)
-            load[q % n_ranks] += sum(costs[start : start + n])
+            load[sysx_bwd_rank(q, n_stages, n_ranks)] += sum(costs[start : start + n])
             start += n
         options.append((max(load), cand, load))
     best = options[1] if options[1][0] < options[0][0] - 1e-12 else options[0]
@@ -360,8 +360,21 @@ def coupled_assignment(n_stages: int, n_ranks: int) -> RankAssignment:
     return RankAssignment(n_ranks, fwd, tuple((r,) for r in fwd), tuple((s, 0) for s in reversed(range(n_stages))))
 
 
+def sysx_bwd_rank(q: int, n_stages: int, n_ranks: int) -> int:
+    """The rank of SysX's ``q``-th backward sub-stage: ``(Nsf + q) % Ng``. Forward stage ``s`` runs
+    on rank ``s % Ng``, and the backward goes on around the same ring: its first sub-stage runs on
+    the rank after the last forward stage's.
+
+    With ``Nsf`` a multiple of ``Ng`` (the paper's layouts) this is ``q % Ng``: rank 0 starts the
+    backward (Fig. 8). Otherwise, e.g. one block per forward stage (``Nsf = L + 1``), the ring does
+    not restart at rank 0: the rank that takes the first, heaviest sub-stage (the Head's) also takes
+    the last one, which no drain follows, instead of starting the drain of the last round with it.
+    """
+    return (n_stages + q) % n_ranks
+
+
 def sysx_assignment(n_stages: int, split: int, n_ranks: int) -> RankAssignment:
-    """SysX's decoupled assignment (paper Fig. 8, DESIGN.md)."""
+    """SysX's decoupled assignment (paper Fig. 8, DESIGN.md; the backward ring: :func:`sysx_bwd_rank`)."""
     _check_ranks(n_stages, n_ranks, split)
     if not isinstance(split, int) or split < 1:
         raise PartitionError(f"split d={split!r} must be a positive int")
@@ -370,6 +383,6 @@ def sysx_assignment(n_stages: int, split: int, n_ranks: int) -> RankAssignment:
     order = []
     for q in range(n_stages * split):
         s, k = n_stages - 1 - q // split, split - 1 - q % split
-        bwd[s][k] = q % n_ranks
+        bwd[s][k] = sysx_bwd_rank(q, n_stages, n_ranks)
         order.append((s, k))
     return RankAssignment(n_ranks, fwd, tuple(tuple(row) for row in bwd), tuple(order))

@@ -248,12 +248,15 @@ def _resolve_replicas(args: argparse.Namespace) -> None:
             raise ValueError(f"--replicas {args.replicas} needs a model (--model or --hydra): unit costs have no links")
 
 
-def runtime_layouts(name: str, cfg: int, n_ranks: int, *, stages_per_rank: int | None = None) -> list[tuple[int, int]]:
+def runtime_layouts(
+    name: str, cfg: int, n_ranks: int, *, stages_per_rank: int | None = None, n_flat_layers: int | None = None
+) -> list[tuple[int, int]]:
     """``(Nsf, d)`` ``sysx-train`` tries for schedule ``name`` at ``n_ranks`` ranks, preferred first
-    (:meth:`sysx.runtime.options.PipelineOptions.candidates`: the first that fits the model runs)."""
+    (:meth:`sysx.runtime.options.PipelineOptions.candidates`: the first that fits the model runs;
+    ``n_flat_layers``: the model's, for the layouts cut by Block)."""
     per_rank = None if name in ONE_STAGE_PER_RANK else stages_per_rank
     section = dataclasses.replace(_JOB, name=name, cfg=cfg, stages_per_rank=per_rank)
-    return options_from_config(SysxConfig(schedule=section)).candidates(n_ranks)
+    return options_from_config(SysxConfig(schedule=section)).candidates(n_ranks, n_flat_layers)
 
 
 def _partition_for(args: argparse.Namespace, name: str, n_stages: int, split: int, manual: bool) -> Partition | None:
@@ -326,7 +329,8 @@ def plan_one(args: argparse.Namespace, name: str, cfg: int, *, fit: bool) -> tup
     if args.job is not None and args.job.device == EMULATED_DEVICE:
         return _plan_emulated(args, name, cfg)
     per_rank = args.job.schedule.stages_per_rank if args.job is not None else None
-    layouts = runtime_layouts(name, cfg, args.ranks, stages_per_rank=per_rank)
+    flat = None if args.model_cfg is None else args.model_cfg.n_layers + 2
+    layouts = runtime_layouts(name, cfg, args.ranks, stages_per_rank=per_rank, n_flat_layers=flat)
     # the flags fix what they give; the rest is the runtime's, the first that fits the model, as the run picks
     tried = dict.fromkeys(
         (args.stages if args.stages is not None else nsf, args.split if args.split is not None else d)

@@ -157,6 +157,7 @@ def test_profiled_costs_are_what_simulate_gets() -> None:
         p,
         Space(
             stages_per_rank=(2,),
+            block_stages=False,
             splits=(1,),
             cfgs=(3,),
             param_buffers=(2,),

@@ -36,6 +36,10 @@ def test_a_layout_is_read_from_the_schedule_name() -> None:
     assert bench.split_layout("sysx:cfg3@s4d3") == ("sysx:cfg3", (4, 3))
     assert bench.split_layout("mobius@s6") == ("mobius", (6, None))
     assert bench.split_layout("mobius") == ("mobius", (None, None))
+    # SysX's default, a block per stage, picked as a best layout: a chosen layout, built by the rule
+    assert bench.split_layout("sysx:cfg3@blocks") == ("sysx:cfg3", (bench.BLOCKS, None))
+    assert bench._family("sysx:cfg3@blocks") == ("sysx:cfg3", True)
+    assert bench._label("sysx:cfg3@blocks") == "SysX CFG3, best layout: a block per stage, d=1"
     with pytest.raises(ValueError, match="@s<stages per rank>"):
         bench.split_layout("mobius@six")
 
@@ -62,6 +66,9 @@ def test_a_default_sysx_row_names_its_split_and_stages_per_rank_unless_two() -> 
     )
     assert bench._label("sysx:cfg3", {**_row("sysx:cfg3", 10.0), "nsf": 8, "split": 3}) == "SysX CFG3 (d=3)"
     assert bench._label("sysx:cfg3", {**_row("sysx:cfg3", 10.0), "split": 3}) == "SysX CFG3 (d=3)"  # older rows
+    assert bench._label("sysx:cfg3", {**_row("sysx:cfg3", 10.0), "nsf": 97, "split": 1}) == (
+        "SysX CFG3 (a block per stage, d=1)"
+    )
 
 
 def test_a_cell_measured_again_keeps_its_measured_row() -> None:

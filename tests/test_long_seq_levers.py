@@ -21,28 +21,28 @@ _SPEC.loader.exec_module(levers)
 def test_the_idle_cuts_plan_faster_and_stay_under_the_zero_idle_ceiling() -> None:
     c = levers.cell("10b", 2048)
     r = c["ratios"]
-    assert r["opt spread"] > r["now"]
+    assert r["opt spread"] > r["s4d3"]
     assert max(r["opt spread"], r["head fused"]) < r["ceiling"]
     assert r["no recompute, last round"] > r["opt spread"]  # cutting work, not idle
     assert c["link_over_recompute"] > 1.0
 
 
 def test_the_head_cut_bound_moves_the_head_without_losing_work() -> None:
-    _, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    _, splan = levers.plan("10b", 2048, f"sysx:cfg3{levers.LEVER_LAYOUT}")
     t, cut = splan.table, levers._head_cut(splan.table)
     assert sum(cut.fwd) == pytest.approx(sum(t.fwd))
     assert sum(cut.bwd) == pytest.approx(sum(t.bwd))
     assert max(cut.bwd) < max(t.bwd)  # the Head's sub-stage is a plain one now
     r = levers.cell("10b", 2048)["ratios"]
-    assert r["head cut"] > r["now"]
+    assert r["head cut"] > r["s4d3"]
     assert r["head cut + opt spread"] > max(r["head cut"], r["opt spread"])
 
 
 def test_the_first_backward_round_kept_cuts_less_work_and_holds_its_activations_until_their_backward() -> None:
     c = levers.cell("10b", 2048)
     r = c["ratios"]
-    assert r["now"] < r["no recompute, 1st bwd round"] < r["no recompute, last round"]
-    sched, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    assert r["s4d3"] < r["no recompute, 1st bwd round"] < r["no recompute, last round"]
+    sched, splan = levers.plan("10b", 2048, f"sysx:cfg3{levers.LEVER_LAYOUT}")
     one = levers.held_bytes(sched, splan.table, 1.0, 1)  # in activations of one sub-stage and micro-batch
     # every rank backpropagates one kept sub-stage of every micro-batch; a micro-batch's activations
     # wait at least for the sub-stages before it in the ring, so more than one is held at a time
@@ -53,7 +53,7 @@ def test_the_first_backward_round_kept_cuts_less_work_and_holds_its_activations_
 
 
 def test_fusing_the_head_for_some_micro_batches_saves_their_recompute_and_beats_both_ends() -> None:
-    sched, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    sched, splan = levers.plan("10b", 2048, f"sysx:cfg3{levers.LEVER_LAYOUT}")
     t = splan.table
     head = t.fwd[-1] - t.fwd[-2]
     half = levers._head_fused(t, 0.5)
@@ -67,7 +67,7 @@ def test_fusing_the_head_for_some_micro_batches_saves_their_recompute_and_beats_
 
 
 def test_the_drain_is_the_last_micro_batch_crossing_the_last_backward_round() -> None:
-    sched, splan = levers.plan("10b", 2048, "sysx:cfg3")
+    sched, splan = levers.plan("10b", 2048, f"sysx:cfg3{levers.LEVER_LAYOUT}")
     t = splan.table
     it, tail = levers.drain(sched, t)
     hop = t.bwd[t.split + 1]  # a plain one-block sub-stage's backward of one micro-batch
@@ -79,9 +79,18 @@ def test_the_drain_is_the_last_micro_batch_crossing_the_last_backward_round() ->
 
 
 def test_one_sequence_micro_batches_halve_the_drain_as_the_estimate_assumes() -> None:
-    sched2, plan2 = levers.plan("10b", 2048, "sysx:cfg3")
-    sched1, plan1 = levers.plan("10b", 2048, "sysx:cfg3", micro_batch=1)
+    sched2, plan2 = levers.plan("10b", 2048, f"sysx:cfg3{levers.LEVER_LAYOUT}")
+    sched1, plan1 = levers.plan("10b", 2048, f"sysx:cfg3{levers.LEVER_LAYOUT}", micro_batch=1)
     assert sched1.n_micro == 2 * sched2.n_micro  # the node's batch kept
     _, tail2 = levers.drain(sched2, plan2.table)
     _, tail1 = levers.drain(sched1, plan1.table)
     assert tail1 == pytest.approx(tail2 / 2, rel=0.15)
+
+
+def test_a_block_per_stage_plans_faster_than_the_levers_layout_with_its_last_step_spread() -> None:
+    """The default layout (one Block per stage, d = 1) against 4 stages per rank of d = 3 with the same
+    spread last step: a third of the fill, the Head alone as the first backward sub-stage."""
+    r = levers.cell("10b", 2048)["ratios"]
+    assert r["a block per stage"] > r["opt spread"] > r["s4d3"]
+    sched, _ = levers.plan("10b", 2048, "sysx:cfg3")
+    assert (sched.n_stages, sched.split) == (49, 1)  # 48 Blocks: the Embedding rides with the first

@@ -13,6 +13,7 @@ from sysx.partition import (
     partition_layers,
     partition_model,
     sysx_assignment,
+    sysx_bwd_rank,
     uniform_partition,
     unit_label,
 )
@@ -168,3 +169,17 @@ def test_rank_assignment_describes_each_ranks_passes() -> None:
     fwd, bwd = sysx_assignment(8, 2, 4).describe()
     assert fwd == "forward stages   r0: s0,s4 | r1: s1,s5 | r2: s2,s6 | r3: s3,s7"
     assert bwd.startswith("backward (owner) r0: s7.1,s5.1,s3.1,s1.1 | r1: s7.0,s5.0,s3.0,s1.0")
+
+
+def test_the_backward_ring_goes_on_from_the_last_forward_stage_s_rank() -> None:
+    """With Nsf not a multiple of Ng (one Block per stage) the backward does not restart at rank 0:
+    its first sub-stage (the Head's) runs on the rank after the last forward stage's, and the ring
+    brings the last sub-stage back to that same rank."""
+    pl = sysx_assignment(5, 1, 2)
+    assert pl.fwd_rank == (0, 1, 0, 1, 0)
+    assert [pl.bwd_rank[s][0] for s, _ in pl.bwd_order] == [1, 0, 1, 0, 1]
+    assert pl.bwd_rank[4][0] == pl.bwd_rank[0][0] == (pl.fwd_rank[4] + 1) % 2
+    nine = sysx_assignment(9, 1, 4)  # 9 stages on 4 ranks: the first and last sub-stage on rank 1
+    assert nine.bwd_substages(1)[0] == (8, 0) and nine.bwd_substages(1)[-1] == (0, 0)
+    for q, (s, k) in enumerate(nine.bwd_order):
+        assert nine.bwd_rank[s][k] == sysx_bwd_rank(q, 9, 4) == (9 + q) % 4

@@ -106,13 +106,15 @@ def test_world_size_one_matches_the_reference(dataset: TokenDataset, reference: 
 
 
 def test_the_default_sysx_layout_of_a_deeper_model_matches_the_reference(dataset: TokenDataset) -> None:
-    """With enough layers the default SysX layout is 4 forward stages per rank of d = 3 sub-stages
-    (``FINE_STAGES_PER_RANK``): here 12 flat layers on one rank, a sub-stage per layer."""
+    """The default SysX layout is one Block per forward stage with d = 1 (``block_stages``): here 12
+    flat layers on one rank in 11 stages, the Embedding with the first Block, the Head alone."""
     cfg = dataclasses.replace(small_cfg(), model=ModelSection(preset="tiny", n_layers=10))
     ref = ReferenceTrainer(cfg, dataset=dataset)
     ref_losses, ref_state = [r.loss for r in ref.run(3)], ref.state_dict()
     with PipelineTrainer(cfg, PipelineOptions(optim_backend="torch"), dataset=dataset) as trainer:
-        assert (trainer.schedule.n_stages, trainer.schedule.split) == (4, 3)
+        assert (trainer.schedule.n_stages, trainer.schedule.split) == (11, 1)
+        assert list(trainer.schedule.partition.stage_layers(0)) == [0, 1]
+        assert list(trainer.schedule.partition.stage_layers(10)) == [11]
         losses, state = [r.loss for r in trainer.run(3)], trainer.state_dict()
     assert losses == pytest.approx(ref_losses, rel=TOL)
     for name, value in ref_state.items():
@@ -333,10 +335,11 @@ def test_schedule_choice_follows_the_model_and_explains_refusals() -> None:
 
     assert shape(schedule="sysx", n=1) == (2, 3)  # 2 stages of 3 layers: the balanced d = 3
     deep = dataclasses.replace(tiny, n_layers=22)  # 24 flat layers
-    assert make_schedule(PipelineOptions(), deep, n_ranks=2, n_micro=2, seq_len=16).n_stages == 8  # 4 per rank, d=3
+    # 12 flat layers a rank: one Block per stage (the Embedding with the first), d = 1
+    assert make_schedule(PipelineOptions(), deep, n_ranks=2, n_micro=2, seq_len=16).n_stages == 23
     for n, kw, layout in ((4, {}, (8, 3)), (2, {"stages_per_rank": 2}, (4, 3)), (2, {"cfg": 1}, (4, 2))):
         s = make_schedule(PipelineOptions(**kw), deep, n_ranks=n, n_micro=2, seq_len=16)  # type: ignore[arg-type]
-        assert (s.n_stages, s.split) == layout, (n, kw)  # 48 sub-stages do not fit: 2 per rank; CFG1 keeps d = 2
+        assert (s.n_stages, s.split) == layout, (n, kw)  # 6 layers a rank: 2 stages a rank; CFG1 keeps d = 2
     assert shape(schedule="sysx", n=2) == (2, 2)  # 4 stages cannot all be split: 1 stage per rank, d=2
     assert shape(schedule="sysx", n=4) == (4, 1)
     assert shape(schedule="sysx", n=2, cfg=0) == (4, 1)

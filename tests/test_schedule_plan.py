@@ -130,6 +130,9 @@ def test_the_default_layout_is_the_one_sysx_train_runs(capsys) -> None:
     assert _json(capsys, [])["split"] == 3  # the paper's evaluated setting (sysx.runtime.options.BALANCED_SPLIT)
     data = _json(capsys, ["--hydra", "model=llama2_7b", "schedule=sysx", "schedule.stages_per_rank=1"])
     assert (data["stages"], data["split"]) == (4, 3)
+    # with a model of 12 flat layers a rank and no layout keys, one Block per stage (block_stages)
+    data = _json(capsys, ["--ranks", "2", "--hydra", "model=llama2_7b", "schedule=sysx"])
+    assert (data["stages"], data["split"]) == (33, 1)
     compared = {(d["schedule"], d["cfg"]): d["split"] for d in _json(capsys, ["--compare", "ablation"])["compare"]}
     assert compared == {("mobius", None): 1, ("sysx", 0): 1, ("sysx", 1): 2, ("sysx", 2): 3, ("sysx", 3): 3}
 
@@ -150,7 +153,7 @@ def test_an_emulated_config_plans_the_emulated_cluster(capsys) -> None:
     plan = plan_emulation(job, sched, backend=job.optim.backend).timeline
     assert data["iteration"] == pytest.approx(plan.iteration) and data["peak_gpu"] == pytest.approx(plan.peak_gpu)
     assert data["iteration"] > 0.1 and max(data["peak_gpu"]) > 2**30  # llama2_7b's stages, not the tiny model's
-    assert "llama2_7b at 2x16 tokens per micro-batch" in data["emulated"] and data["split"] == 3
+    assert "llama2_7b at 2x16 tokens per micro-batch" in data["emulated"] and data["split"] == 1  # a block a stage
     assert main(["--ranks", "2", "--compare", "mobius,sysx", "--hydra", *EMULATED]) == 0
     out = capsys.readouterr().out
     assert out.startswith("emulated: v100") and "mobius" in out and "sysx CFG3" in out

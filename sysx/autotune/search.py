@@ -26,7 +26,7 @@ from sysx.config.choices import ONE_STAGE_PER_RANK
 from sysx.model import ModelConfig
 from sysx.optim.nvme.cost import DiskRates
 from sysx.partition import PartitionError
-from sysx.runtime.options import PipelineOptions, make_schedule
+from sysx.runtime.options import PipelineOptions, block_layout, fits_block_stages, make_schedule
 from sysx.schedule.costs import Costs
 from sysx.schedule.ops import Schedule, ScheduleError
 from sysx.schedule.simulate import Timeline, simulate
@@ -80,6 +80,9 @@ class Space:
 
     stages_per_rank: tuple[int, ...] = (1, 2, 3, 4)
     splits: tuple[int, ...] = (1, 2, 3)
+    # sysx cfg 2-3 also at one block per forward stage (the runtime's default layout; its stages per
+    # rank are no whole number, so it keeps stages_per_rank and split null)
+    block_stages: bool = True
     cfgs: tuple[int, ...] = (0, 1, 2, 3)  # sysx ablation configs: lower ones hold fewer checkpoints in flight
     param_buffers: tuple[int, ...] = (1, 2, 3)
     micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor of the global batch
@@ -125,9 +128,9 @@ class Candidate:
         o = self.options
         parts = [f"schedule={o.schedule}"] + ([f"parallel.replicas={self.replicas}"] if self.replicas > 1 else [])
         if o.schedule not in ONE_STAGE_PER_RANK:
-            parts.append(f"stages_per_rank={o.stages_per_rank}")
+            parts.append(f"stages_per_rank={_spelled(o.stages_per_rank)}")
         if o.schedule == "sysx":
-            parts += [f"split={o.split}", f"cfg={o.cfg}"]
+            parts += [f"split={_spelled(o.split)}", f"cfg={o.cfg}"]
         parts += [
             f"micro_batch_size={self.micro_batch_size}",
             f"micro_batches={self.micro_batches}",
@@ -135,6 +138,11 @@ class Candidate:
             f"optim.workers={o.optimizer_workers}",
         ]
         return " ".join(parts)
+
+
+def _spelled(value: int | None) -> str:
+    """A layout key as the config spells it (null: the runtime's one block per stage)."""
+    return "null" if value is None else str(value)
 
 
 @dataclass
@@ -181,6 +189,9 @@ def _options(job: Job, space: Space) -> Iterator[PipelineOptions]:
     for p, c, b in itertools.product(per_rank, cfgs, space.param_buffers):
         # other schedules and CFG0 run whole-stage backwards: d is 1 there
         splits: tuple[int | None, ...] = space.splits if job.schedule == "sysx" and c > 0 else (None,)
+        blocks = space.block_stages and fits_block_stages(job.model.n_layers + 2, job.pipeline_ranks)
+        if p == per_rank[0] and job.schedule == "sysx" and c >= 2 and blocks:
+            yield PipelineOptions(schedule="sysx", cfg=c, param_buffers=b, optim_backend=job.optim_backend)
         for d in splits:
             yield PipelineOptions(
                 schedule=job.schedule,
@@ -217,6 +228,8 @@ def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, 
         ranks_per_node=job.ranks_per_node,
         spread_allowed=job.replicas == 1 and job.offload == "host",  # replicas None: the search picks R > 1 too
     )
+    if block_layout(opts, sched, job.model):  # no whole number of stages per rank: null keeps the rule's
+        return opts, sched
     if opts.schedule not in ONE_STAGE_PER_RANK:  # the values the fixed rule chose, so the label says what runs
         opts.stages_per_rank = sched.n_stages // job.pipeline_ranks
     if opts.schedule == "sysx":

@@ -149,10 +149,11 @@ class PipelineKeys:
     """The ``schedule.*`` keys the pipeline schedules read (which one reads which:
     :mod:`sysx.config.schedule_keys`); :class:`sysx.runtime.PipelineOptions` holds them too."""
 
-    # forward stages per rank (null: sysx cfg 2-3 4 when the model has enough layers, else 2, else 1)
+    # forward stages per rank (null: sysx cfg 2-3 with split null one block per stage, else 2, else 1)
     stages_per_rank: int | None = None
     split: int | None = (
-        None  # sysx: backward sub-stages per forward stage d (null: 3 when possible (2 with cfg=1), else 2, else 1)
+        None  # sysx: backward sub-stages per forward stage d (null: 1 at one block per stage, else 3 when
+        # possible (2 with cfg=1), else 2, else 1)
     )
     cfg: int = 3  # sysx ablation (paper Table 3): 0 decoupled passes, 1 +sub-stages, 2 +async ckpts, 3 +async optimizer
     param_buffers: int = 2  # device parameter buffers per rank (2 = current + prefetch)

@@ -43,14 +43,32 @@ class RuntimeConfigError(ConfigError):
 # timelines together (emulated 10B, 2048 tokens: 19.6 s per iteration against 13.5 s at d = 2).
 BALANCED_SPLIT = 3
 
-# Forward stages per rank SysX (CFG2, CFG3) tries first when neither stages_per_rank nor split is
-# set: the pipeline fill and the drain of the last backward round each take Ng - 1 passes of one
-# unit, so halving the units (4 stages per rank instead of the paper's 2) halves both. Every unit
-# is still loaded once per pass over it (the same host-to-device bytes), in smaller GPU buffers;
-# what grows is the number of checkpoints a rank holds (one per owned sub-stage and micro-batch:
-# twice as many, each as large; the parameter buffers halve) and of messages. Emulated V100 cluster, 10B-40B: 1-4% shorter iterations
-# (docs/architecture.md, sysx/runtime/options.py); a model with too few layers for 12 sub-stages per rank gets 2 stages per rank.
-FINE_STAGES_PER_RANK = 4
+# SysX's default layout (CFG2, CFG3, when neither stages_per_rank, split nor stage_sizes is set): one
+# Block per forward stage (Nsf = L + 1: the Embedding rides with the first Block, the Head runs alone)
+# and d = 1, the backward sub-stage being the forward stage. The pipeline fill takes Ng - 1 forward
+# passes of one unit and the drain of the last backward round Ng - 1 backward passes of one, so the
+# finest units shorten both: the fill to a third of 4 stages per rank with d = 3 (3-Block stages,
+# 1-Block sub-stages), the drain as short. The Head alone is the first backward sub-stage, and with
+# Nsf = L + 1 not a multiple of Ng (usually) the backward ring (:func:`sysx.partition.sysx_bwd_rank`)
+# gives that rank the last sub-stage too, so the rank with the most work is the one no drain follows.
+# Every unit is still loaded once per pass over it (the same host-to-device bytes) and a rank holds
+# one checkpoint per owned sub-stage and micro-batch, as with 1-Block sub-stages; what grows is the
+# number of forward stages, so of instructions and activation messages. Emulated V100 cluster, the
+# paper's Fig. 9 grid: 2.3-3.4% shorter iterations than 4 stages per rank with d = 3 (issue 27,
+# profiling/RESULTS.md, "Twelfth session").
+BLOCK_STAGES_SPLIT = 1
+# ... where its units are many: at least 12 flat layers per rank, where the previous default (4 stages
+# per rank of d = 3) applied. On fewer, a step has few units and the per-instruction host work of the
+# extra forward stages shows (CPU, tiny on 2 ranks: the sysx checkpoint tests 63 -> 81 s); those
+# models keep 2 stages per rank.
+BLOCK_STAGES_MIN_LAYERS_PER_RANK = 12
+
+
+def block_stages(n_flat_layers: int) -> int:
+    """Forward stages of the one-Block-per-stage layout of a model of ``n_flat_layers`` flat layers
+    (Embedding, L Blocks, Head): ``L + 1``; the balanced cut then joins the Embedding to the first
+    Block (it costs nothing) and leaves the Head alone."""
+    return n_flat_layers - 1
 
 
 @dataclass
@@ -58,9 +76,9 @@ class PipelineOptions(PipelineKeys):
     """Settings of one pipeline run: the pipeline schedule, its ``schedule.*`` keys
     (:class:`~sysx.config.sections.PipelineKeys`, with the config's defaults) and runtime knobs.
 
-    ``stages_per_rank`` and ``split`` left ``None`` are chosen: 4 stages per rank and ``d = 3`` for
-    CFG2-3 when the model has enough layers, else 2 stages per rank (the paper's evaluated setting;
-    ``d = 2`` for CFG1), else fewer (see :meth:`candidates` and :func:`make_schedule`). ``optim_backend``, ``rollback``,
+    ``stages_per_rank`` and ``split`` left ``None`` are chosen: one Block per forward stage and
+    ``d = 1`` for CFG2-3 (:func:`block_stages`), else 2 stages per rank (the paper's evaluated
+    setting; ``d = 2`` for CFG1), else fewer (see :meth:`candidates` and :func:`make_schedule`). ``optim_backend``, ``rollback``,
     ``optimizer_workers``: the host CPU Adam's ``optim.backend``, ``optim.rollback``, ``optim.workers``.
     """
 
@@ -89,27 +107,29 @@ class PipelineOptions(PipelineKeys):
         except ConfigError as err:
             raise RuntimeConfigError(str(err)) from None
 
-    def candidates(self, n_ranks: int) -> list[tuple[int, int]]:
-        """``(Nsf, d)`` to try, preferred first: the given values, else (CFG2-3) ``FINE_STAGES_PER_RANK``
-        then 2 stages per rank with ``d = BALANCED_SPLIT``, then 2 then 1 stage(s) per rank with ``d`` 2
-        then 1 (sysx CFG1-3 only; other schedules and CFG0 run whole-stage backwards)."""
+    def candidates(self, n_ranks: int, n_flat_layers: int | None = None) -> list[tuple[int, int]]:
+        """``(Nsf, d)`` to try, preferred first: the given values (``stage_sizes`` names the stages),
+        else (CFG2-3, a model of ``n_flat_layers`` given, at least ``BLOCK_STAGES_MIN_LAYERS_PER_RANK``
+        a rank) one Block per stage (:func:`block_stages`, ``d = 1``), then 2 stages per rank with
+        ``d = BALANCED_SPLIT``, then 2 then 1 stage(s) per rank with ``d`` 2 then 1 (sysx CFG1-3
+        only; other schedules and CFG0 run whole-stage backwards)."""
         if self.schedule in ONE_STAGE_PER_RANK:
-            per_rank = [1]
+            stages = [n_ranks]
         elif self.stages_per_rank is not None:
-            per_rank = [self.stages_per_rank]
-        elif self.stage_sizes is not None and len(self.stage_sizes) % n_ranks == 0:
-            per_rank = [len(self.stage_sizes) // n_ranks]  # stage_sizes names the stages
+            stages = [self.stages_per_rank * n_ranks]
+        elif self.stage_sizes is not None:
+            stages = [len(self.stage_sizes)]
         else:
-            per_rank = [2, 1]
+            stages = [2 * n_ranks, n_ranks]
         if self.schedule == "sysx" and self.cfg > 0:
             splits = [self.split] if self.split is not None else [2, 1]
         else:
             splits = [1]
-        found = [(p * n_ranks, d) for d in splits for p in per_rank]
+        found = [(nsf, d) for d in splits for nsf in stages]
         if self.schedule == "sysx" and self.cfg >= 2 and self.split is None:
-            found.insert(0, (per_rank[0] * n_ranks, BALANCED_SPLIT))
-            if self.stages_per_rank is None and self.stage_sizes is None:  # stage_sizes names the stages
-                found.insert(0, (FINE_STAGES_PER_RANK * n_ranks, BALANCED_SPLIT))
+            found.insert(0, (stages[0], BALANCED_SPLIT))
+            if self.stages_per_rank is None and self.stage_sizes is None and fits_block_stages(n_flat_layers, n_ranks):
+                found.insert(0, (block_stages(n_flat_layers or 0), BLOCK_STAGES_SPLIT))
         return found
 
     def spreads(self, allowed: bool = True) -> bool:
@@ -129,6 +149,25 @@ class PipelineOptions(PipelineKeys):
             parts.append(f"cfg={self.cfg}" + (f" d={self.split}" if self.split is not None else ""))
         parts += [f"param buffers={self.param_buffers}", f"cpu adam={self.optim_backend}", f"rollback={self.rollback}"]
         return " ".join(parts)
+
+
+def fits_block_stages(n_flat_layers: int | None, n_ranks: int) -> bool:
+    """Whether SysX's default layout is one Block per stage for a model of ``n_flat_layers`` flat
+    layers (None: unknown) on ``n_ranks`` pipeline ranks (``BLOCK_STAGES_MIN_LAYERS_PER_RANK``)."""
+    return n_flat_layers is not None and n_flat_layers >= BLOCK_STAGES_MIN_LAYERS_PER_RANK * n_ranks
+
+
+def block_layout(opts: PipelineOptions, schedule: Schedule, model_cfg: ModelConfig) -> bool:
+    """Whether :func:`make_schedule` gave ``opts`` (stages per rank and split left null) the
+    one-Block-per-stage layout: its stages per rank are no whole number, so the keys stay null."""
+    return (
+        opts.schedule == "sysx"
+        and opts.stages_per_rank is None
+        and opts.split is None
+        and opts.stage_sizes is None
+        and schedule.split == BLOCK_STAGES_SPLIT
+        and schedule.n_stages == block_stages(model_cfg.n_layers + 2)
+    )
 
 
 def _keys(keys: PipelineKeys) -> dict[str, Any]:
@@ -171,7 +210,7 @@ def make_schedule(
     opts.check()
     n_layers = model_cfg.n_layers + 2
     first_error: str | None = None
-    for nsf, split in opts.candidates(n_ranks):
+    for nsf, split in opts.candidates(n_ranks, n_layers):
         if nsf > n_layers:
             # lowering schedule.stages_per_rank helps only when the user set it above 1
             fix = (
