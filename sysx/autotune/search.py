@@ -186,11 +186,12 @@ def _options(job: Job, space: Space) -> Iterator[PipelineOptions]:
     one = job.schedule in ONE_STAGE_PER_RANK
     per_rank: tuple[int | None, ...] = (None,) if one else space.stages_per_rank
     cfgs = space.cfgs if job.schedule == "sysx" else (3,)
+    blocks = job.schedule == "sysx" and space.block_stages
+    blocks = blocks and fits_block_stages(job.model.n_layers + 2, job.pipeline_ranks)
     for p, c, b in itertools.product(per_rank, cfgs, space.param_buffers):
         # other schedules and CFG0 run whole-stage backwards: d is 1 there
         splits: tuple[int | None, ...] = space.splits if job.schedule == "sysx" and c > 0 else (None,)
-        blocks = space.block_stages and fits_block_stages(job.model.n_layers + 2, job.pipeline_ranks)
-        if p == per_rank[0] and job.schedule == "sysx" and c >= 2 and blocks:
+        if blocks and p == per_rank[0] and c >= 2:  # once per cfg and buffer count
             yield PipelineOptions(schedule="sysx", cfg=c, param_buffers=b, optim_backend=job.optim_backend)
         for d in splits:
             yield PipelineOptions(

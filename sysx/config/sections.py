@@ -149,7 +149,8 @@ class PipelineKeys:
     """The ``schedule.*`` keys the pipeline schedules read (which one reads which:
     :mod:`sysx.config.schedule_keys`); :class:`sysx.runtime.PipelineOptions` holds them too."""
 
-    # forward stages per rank (null: sysx cfg 2-3 with split null one block per stage, else 2, else 1)
+    # forward stages per rank (null: sysx cfg 2-3 with split null and >= 12 flat layers a rank one block
+    # per stage, else 2, else 1)
     stages_per_rank: int | None = None
     split: int | None = (
         None  # sysx: backward sub-stages per forward stage d (null: 1 at one block per stage, else 3 when

@@ -77,7 +77,7 @@ class PipelineOptions(PipelineKeys):
     (:class:`~sysx.config.sections.PipelineKeys`, with the config's defaults) and runtime knobs.
 
     ``stages_per_rank`` and ``split`` left ``None`` are chosen: one Block per forward stage and
-    ``d = 1`` for CFG2-3 (:func:`block_stages`), else 2 stages per rank (the paper's evaluated
+    ``d = 1`` for CFG2-3 with 12 flat layers a rank (:func:`block_stages`), else 2 stages per rank (the paper's evaluated
     setting; ``d = 2`` for CFG1), else fewer (see :meth:`candidates` and :func:`make_schedule`). ``optim_backend``, ``rollback``,
     ``optimizer_workers``: the host CPU Adam's ``optim.backend``, ``optim.rollback``, ``optim.workers``.
     """
