@@ -8,10 +8,11 @@ same agent, same signal forwarding) with the agent's logging off, and exits like
 after SIGINT / SIGTERM, else the status of the first rank that failed, with one line per failed
 rank. ``launch/torchrun.sh`` and ``launch/two_nodes_localhost.sh`` use it.
 
-Three behaviours of torchrun's agent are changed, each for a failure seen in CI: a stop signal that
+Four behaviours of torchrun's agent are changed, each for a failure seen in CI: a stop signal that
 reaches the agent twice stops the ranks once, with that signal (:class:`AgentSignals`); a
 fixed-size job's agents count every restart alike (:func:`count_every_restart`); each restart
-attempt gets a fresh store (:func:`fresh_store_per_attempt`).
+attempt gets a fresh store (:func:`fresh_store_per_attempt`); an agent whose rendezvous host left
+lets its ranks end and report (:func:`outlive_the_rendezvous_host`).
 """
 
 from __future__ import annotations
@@ -165,11 +166,56 @@ def count_every_restart() -> None:
     SimpleElasticAgent._restart_workers = _restart_workers  # type: ignore[method-assign]
 
 
+class RendezvousHostWatch:
+    """The agent's poll for nodes waiting to join, which survives the rendezvous host leaving.
+
+    A multi-node agent asks the rendezvous, every monitor interval while its ranks run, whether a
+    node waits to join. The rendezvous lives in the store of one node's agent (node 0's on a
+    cluster; on one machine, whichever agent bound the port first). When that node's ranks fail,
+    its agent exits and takes the store along; torch's poll on the other nodes then raised
+    ``RendezvousConnectionError``, their agents stopped their ranks with SIGTERM and printed
+    ``torchrun failed``, status 1, whatever the ranks would have said (CI: a bad key's status 2 came
+    out 1 when rank 1's "node" hosted the rendezvous). From the first lost connection on, the poll
+    answers "no node waits", as it does when a peer node leaves while the host stays: the agent
+    goes on watching its own ranks, which see their peers gone (:mod:`sysx.peers`) and end with
+    their own lines and statuses. A restart still needs the rendezvous and fails there."""
+
+    def __init__(self) -> None:
+        self.lost: Exception | None = None
+
+    def nodes_waiting(self, ask: Callable[[], int]) -> int:
+        """``ask()``, or 0 once the rendezvous store is gone (``ask`` is then not called again)."""
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        if self.lost is None:
+            try:
+                return ask()
+            except RendezvousConnectionError as err:
+                self.lost = err
+        return 0
+
+
+def outlive_the_rendezvous_host(watch: RendezvousHostWatch | None = None) -> RendezvousHostWatch:
+    """Put :class:`RendezvousHostWatch` into the c10d rendezvous's ``num_nodes_waiting`` (this
+    process only; the agent alone calls it)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    watch = watch or RendezvousHostWatch()
+    ask = DynamicRendezvousHandler.num_nodes_waiting
+
+    def num_nodes_waiting(handler: DynamicRendezvousHandler) -> int:
+        return watch.nodes_waiting(lambda: ask(handler))
+
+    DynamicRendezvousHandler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign, assignment]
+    return watch
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the job's exit status."""
     quiet_agent()
     fresh_store_per_attempt()
     install_agent_signals()
+    outlive_the_rendezvous_host()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -16,13 +16,34 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_stop import JOB_ARGS, KILL_STOP_S, SIGNAL_STOP_S, check_launcher_report, check_stopped_summary, start_launcher
+from test_stop import (
+    JOB_ARGS,
+    KILL_STOP_S,
+    SIGNAL_STOP_S,
+    Job,
+    check_launcher_report,
+    check_stopped_summary,
+    launcher_env,
+    spawn,
+    start_launcher,
+)
 
-from sysx.launch import SHARED_STORE_OPT_OUT, AgentSignals, fresh_store_per_attempt, install_agent_signals, outcome
+from sysx.launch import (
+    SHARED_STORE_OPT_OUT,
+    AgentSignals,
+    RendezvousHostWatch,
+    fresh_store_per_attempt,
+    install_agent_signals,
+    outcome,
+    outlive_the_rendezvous_host,
+)
 
 
 @pytest.mark.parametrize(
@@ -85,6 +106,30 @@ def test_the_agent_stops_its_ranks_once_with_the_signal_it_got(monkeypatch: pyte
     assert sent == [signal.SIGTERM, signal.SIGINT]
 
 
+def test_the_agents_poll_outlives_the_rendezvous_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first lost connection to the rendezvous store answers "no node waits" and the store is
+    not asked again; other errors still raise (the process test:
+    ``test_a_killed_rank_on_two_nodes_is_named_by_both``)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    answers: list[object] = [1, RendezvousConnectionError("gone"), 3]
+
+    def ask(handler: object) -> int:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return int(answer)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "num_nodes_waiting", ask)
+    watch = outlive_the_rendezvous_host()
+    handler = SimpleNamespace()
+    assert [DynamicRendezvousHandler.num_nodes_waiting(handler) for _ in range(3)] == [1, 0, 0]  # type: ignore[arg-type]
+    assert answers == [3] and isinstance(watch.lost, RendezvousConnectionError)
+    with pytest.raises(ValueError):
+        RendezvousHostWatch().nodes_waiting(lambda: int("not a count"))
+
+
 def test_each_attempt_gets_a_fresh_store_unless_the_user_chose() -> None:
     """The wrapper opts out of torchrun's shared store (the process test: test_elastic_restart.py,
     ``test_a_restart_joins_whichever_way_the_nodes_agents_count_it``); a value the user set is kept."""
@@ -131,20 +176,47 @@ def test_a_rank_raising_mid_step_is_named_once(tmp_path: Path, launcher: str) ->
         job.kill()
 
 
+def start_two_nodes_rank_1_hosting(tmp_path: Path, args: list[str], **extra_env: str) -> Job:
+    """The two "nodes" of ``launch/two_nodes_localhost.sh`` (one rank each), started so that rank
+    1's agent hosts the rendezvous: on one machine the first agent to bind the endpoint hosts it,
+    and the rendezvous numbers the nodes by pid, so node A starts first (the lower pid: rank 0) but
+    waits, in a shell that then execs it, until node B (rank 1) listens on the port. In CI
+    (bad key, two_nodes) node 1 won that race by itself. ``procs``: node A, node B."""
+    job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    env = launcher_env(job, mark, **extra_env)
+    port = env["PORT"]
+    torchrun = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    node = [sys.executable, "-m", "sysx.launch", *torchrun, f"--rdzv_id=sysx-{job}", "-m", "sysx.train"]
+    node += [*args, f"run_dir={tmp_path / 'run'}"]
+    listening = f"until (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; do sleep 0.1; done"
+    argvs = [["bash", "-c", f'{listening}; exec "$@"', "node-a", *node], node]
+    return Job(tmp_path, [spawn(argv, env, tmp_path) for argv in argvs], job, mark)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_killed_rank_on_two_nodes_is_named(tmp_path: Path) -> None:
-    job = start_launcher(tmp_path, "two_nodes", FAULT_ARGS, SYSX_FAULT=f"kill@1:{FAULT_STEP}")
+def test_a_killed_rank_on_two_nodes_is_named_by_both(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed mid-step on its own "node", whose agent hosts the rendezvous and leaves
+    with it: rank 0's agent lets rank 0 end and report (sysx.launch, ``outlive_the_rendezvous_host``)
+    rather than stopping it with a line of its own (``torchrun failed: RendezvousConnectionError``,
+    status 1: CI at 652a412, where the lost rendezvous turned a bad key's status 2 into 1)."""
+    job = start_two_nodes_rank_1_hosting(tmp_path, FAULT_ARGS, SYSX_FAULT=f"kill@1:{FAULT_STEP}")
     try:
+        deadline = time.monotonic() + 90
+        while len(ranks := job.rank_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        parents = [int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in ranks]
+        assert parents == [p.pid for p in job.procs], "the premise: rank r runs under node r's agent"
         job.wait_for_step(1)
         elapsed = job.wait_all(timeout=KILL_STOP_S + 60)  # from step 1: the kill, then every rank's exit
         assert elapsed < KILL_STOP_S, job.errors()
+        assert job.procs[1].returncode == 137, job.errors()
+        assert check_launcher_report(job, proc=1) == ["sysx.launch: rank 1 failed: killed by SIGKILL (exit status 137)"]
+        rank0 = check_launcher_report(job, proc=0)
+        assert [x for x in rank0 if x.startswith("sysx-train: ") and "rank 1 died" in x], rank0
+        said = [x for x in rank0 if x.startswith("sysx.launch: ")]
+        assert said == [f"sysx.launch: rank 0 failed: exit status {job.procs[0].returncode}"], rank0
         assert job.procs[0].returncode not in (0, 130, 143), job.errors()
-        lines = check_launcher_report(job)
-        named = [
-            x for x in lines if "rank 1 died" in x or x.startswith("sysx.launch: rank 1 failed: killed by SIGKILL")
-        ]
-        assert named, lines
         job.check_nothing_left()
     finally:
         job.kill()

@@ -90,7 +90,10 @@ class Job:
         """Pids of the job's sysx-train ranks, by rank (found by the marker in their environment)."""
         found: dict[int, int] = {}
         for pid, env in self._marked():
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:  # gone since _marked listed it (a launch script's short-lived helpers)
+                continue
             if b"sysx.train" in cmd and b"-m" in cmd and (b"RANK" in env or b"PMI_RANK" in env):
                 rank = env.get(b"RANK", env.get(b"PMI_RANK"))
                 found[int(rank)] = pid
@@ -161,23 +164,31 @@ def start_ranks(tmp_path: Path, world: int = 2, args: list[str] | None = None) -
     return Job(tmp_path, procs, job, mark)
 
 
-def start_launcher(tmp_path: Path, launcher: str, args: list[str] | None = None, **extra_env: str) -> Job:
-    """2 ranks through a launcher sysx ships, in a new session: ``sysx.launch`` (torchrun through
-    ``python -m sysx.launch``, no pre-flight), ``torchrun`` / ``mpirun`` (``launch/<name>.sh``) or
-    ``two_nodes`` (``launch/two_nodes_localhost.sh``, one rank per "node")."""
-    job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+def launcher_env(job: str, mark: str, **extra: str) -> dict[str, str]:
+    """The environment a launcher starts in: this venv, one thread per rank, a free port (``PORT``),
+    2 processes (``NP``; ``NPROC`` unless ``extra`` says), the job id and the test's marker."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SYSX_JOB_ID", "RANK", "WORLD_SIZE")}
     env.update(
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",
         PATH=f"{VENV_BIN}:{env.get('PATH', '')}",
-        NPROC="1" if launcher == "two_nodes" else "2",
+        NPROC="2",
         NP="2",
         PORT=str(free_port()),
         PYTHON=sys.executable,
         SYSX_JOB_ID=job,
         SYSX_TEST_MARK=mark,
     )
+    env.update(extra)
+    return env
+
+
+def start_launcher(tmp_path: Path, launcher: str, args: list[str] | None = None, **extra_env: str) -> Job:
+    """2 ranks through a launcher sysx ships, in a new session: ``sysx.launch`` (torchrun through
+    ``python -m sysx.launch``, no pre-flight), ``torchrun`` / ``mpirun`` (``launch/<name>.sh``) or
+    ``two_nodes`` (``launch/two_nodes_localhost.sh``, one rank per "node")."""
+    job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    env = launcher_env(job, mark, NPROC="1" if launcher == "two_nodes" else "2")
     env.update(extra_env)  # may replace the defaults above (NPROC=2: 4 ranks under two_nodes)
     job_args = [*(JOB_ARGS if args is None else args), f"run_dir={tmp_path / 'run'}"]
     if launcher == "sysx.launch":
@@ -186,28 +197,33 @@ def start_launcher(tmp_path: Path, launcher: str, args: list[str] | None = None,
         argv += ["-m", "sysx.train"]
     else:
         argv = ["bash", str(ROOT / "launch" / f"{'two_nodes_localhost' if launcher == 'two_nodes' else launcher}.sh")]
-    proc = subprocess.Popen(
-        [*argv, *job_args],
+    return Job(tmp_path, [spawn([*argv, *job_args], env, tmp_path)], job, mark)
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: Path, new_session: bool = True) -> subprocess.Popen:
+    """A job's top process, its output piped as text, with SIGINT's default action (and, unless
+    ``new_session`` is False, in a session of its own, as a launcher started from a terminal)."""
+    return subprocess.Popen(
+        argv,
         env=env,
-        cwd=tmp_path,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_interactive_signals,
-        start_new_session=True,
+        start_new_session=new_session,
     )
-    return Job(tmp_path, [proc], job, mark)
 
 
 AGENT_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")  # the glog-style lines of torchrun's agent
 GUARDIAN_LINE = "sysx shm guardian: "  # a killed rank's shared-memory guardian, one line per segment it removed
 
 
-def check_launcher_report(job: Job, world: int = 2) -> list[str]:
-    """What a launcher's stderr may hold: per rank at most its own ``sysx-train`` line and one
-    ``sysx.launch`` line naming it (plus a killed rank's guardian lines); no traceback, no line
-    of torchrun's agent. Returns the lines, guardian lines left out."""
-    text = "".join(job.stderr[0])
+def check_launcher_report(job: Job, world: int = 2, proc: int = 0) -> list[str]:
+    """What a launcher's stderr (that of ``job.procs[proc]``) may hold: per rank at most its own
+    ``sysx-train`` line and one ``sysx.launch`` line naming it (plus a killed rank's guardian lines);
+    no traceback, no line of torchrun's agent. Returns the lines, guardian lines left out."""
+    text = "".join(job.stderr[proc])
     lines = [x for x in text.splitlines() if x.strip() and not x.startswith(GUARDIAN_LINE)]
     assert "Traceback" not in text, text
     assert not [x for x in lines if AGENT_LINE.match(x)], text
@@ -338,15 +354,7 @@ def test_one_process_ctrl_c(tmp_path: Path, schedule: str) -> None:
         "device=cpu",
         f"run_dir={tmp_path / 'run'}",
     ]
-    proc = subprocess.Popen(
-        argv,
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_interactive_signals,
-    )
+    proc = spawn(argv, env, tmp_path, new_session=False)
     run = Job(tmp_path, [proc], job, mark)
     try:
         run.wait_for_step(2)
