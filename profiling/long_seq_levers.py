@@ -11,6 +11,12 @@ at today's default beside them:
   backward ring going on from the last forward stage's rank, the last step spread over the node:
   :func:`sysx.runtime.options.block_stages`), as ``bench_pipeline.py`` runs it;
 
+- ``block, head free``: an upper bound for every Head lever at that layout (fused, cut, split by
+  micro-batch over ranks): its Head's backward (the first backward sub-stage, on the rank that leads
+  the backward ring) costing nothing. It gains a fraction of the Head's time: the leading rank then
+  waits for the first backward round's wave instead (a micro-batch's hop around every other rank,
+  about as long as the Head's backward of all micro-batches);
+
 - ``s4d3``: SysX at ``LEVER_LAYOUT``, the last step on its owner (what every lever below changes);
 - ``opt spread``: the optimizer step of sub-stage (0, 0) (Embedding + a block; the last step of the
   iteration) shared by the ranks of its owner's node (:func:`sysx.schedule.spread.spread_last_step`:
@@ -71,6 +77,7 @@ ARGS: dict[str, Any] = {"steps": 4, "warmup": 1, "time_scale": 0.5, "optimizer_w
 LEVER_LAYOUT = "@s4d3"  # the layout the levers below change one cost of
 LEVERS = (
     "a block per stage",
+    "block, head free",
     "s4d3",
     "opt spread",
     "head fused",
@@ -138,6 +145,11 @@ def _head_cut(t: CostTable) -> CostTable:
     return dataclasses.replace(t, fwd=even(t.fwd), bwd=even(t.bwd))
 
 
+def _head_free(t: CostTable) -> CostTable:
+    """The Head's backward at no cost, where the Head is a stage of its own (the last)."""
+    return dataclasses.replace(t, bwd=[*t.bwd[:-1], 0.0])
+
+
 def drain(sched: Schedule, table: CostTable) -> tuple[float, float]:
     """``(iteration, drain)`` planned: the drain is the time from the first rank's last backward
     pass to the last rank's (the last micro-batch crossing the last backward round)."""
@@ -201,6 +213,7 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
     both, both_drain = drain(spread_sched, _head_cut(t))
     ratios = {
         "a block per stage": mob / iteration(default, dplan.table),
+        "block, head free": mob / iteration(default, _head_free(dplan.table)),
         "s4d3": mob / iteration(sched, t),
         "opt spread": mob / iteration(spread_sched, t),
         "head fused": mob / iteration(sched, _head_fused(t)),

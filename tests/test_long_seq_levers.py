@@ -94,3 +94,17 @@ def test_a_block_per_stage_plans_faster_than_the_levers_layout_with_its_last_ste
     assert r["a block per stage"] > r["opt spread"] > r["s4d3"]
     sched, _ = levers.plan("10b", 2048, "sysx:cfg3")
     assert (sched.n_stages, sched.split) == (49, 1)  # 48 Blocks: the Embedding rides with the first
+
+
+def test_a_free_head_gains_a_fraction_of_its_backward_at_a_block_per_stage() -> None:
+    """At the default layout the Head is a stage of its own and leads the backward ring: with its
+    backward free, its rank waits for the first backward round's wave instead, so no Head lever
+    (fused, cut, split over ranks) can take more than a fraction of the Head's time off the step."""
+    sched, plan = levers.plan("10b", 2048, "sysx:cfg3")
+    t = plan.table
+    assert list(sched.partition.layers(sched.n_stages - 1, 0)) == [plan.model.config.n_layers + 1]  # the Head alone
+    saved = levers.iteration(sched, t) - levers.iteration(sched, levers._head_free(t))
+    head = t.bwd[-1] * sched.n_micro  # the Head's backward over every micro-batch
+    assert 0.0 < saved < head / 3
+    r = levers.cell("10b", 2048)["ratios"]
+    assert r["a block per stage"] < r["block, head free"]
