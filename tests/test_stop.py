@@ -188,8 +188,8 @@ def start_launcher(tmp_path: Path, launcher: str, args: list[str] | None = None,
     ``python -m sysx.launch``, no pre-flight), ``torchrun`` / ``mpirun`` (``launch/<name>.sh``) or
     ``two_nodes`` (``launch/two_nodes_localhost.sh``, one rank per "node")."""
     job, mark = f"stop{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    env = launcher_env(job, mark, NPROC="1" if launcher == "two_nodes" else "2")
-    env.update(extra_env)  # may replace the defaults above (NPROC=2: 4 ranks under two_nodes)
+    # extra_env may replace the defaults (NPROC=2: 4 ranks under two_nodes)
+    env = launcher_env(job, mark, **{"NPROC": "1" if launcher == "two_nodes" else "2", **extra_env})
     job_args = [*(JOB_ARGS if args is None else args), f"run_dir={tmp_path / 'run'}"]
     if launcher == "sysx.launch":
         torchrun_args = env.get("TORCHRUN_ARGS", "").split()  # as the launch scripts take them
