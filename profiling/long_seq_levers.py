@@ -16,6 +16,19 @@ at today's default beside them:
   the backward ring) costing nothing. It gains a fraction of the Head's time: the leading rank then
   waits for the first backward round's wave instead (a micro-batch's hop around every other rank,
   about as long as the Head's backward of all micro-batches);
+- ``block, head split``: the Head at that layout split by micro-batch between its two ranks, the
+  share (``split share``, of ``n_micro``) that plans fastest: fused on its forward's rank (the loss
+  backward right after the forward, no recompute: three Head forwards there) for that share, on
+  the backward ring's leading rank for the rest. It prices the load only: the Head's gradients would
+  come from two ranks and have to be summed before its step (both on one node, not built). At 16
+  micro-batches it stays below 1.30x in the two worst cells, like the free Head; with every
+  micro-batch a sequence (``--sysx-micro-batch 1``: each hop of the turn and the drain halved) it
+  clears 1.30x in every cell;
+- ``block, head input grad``: the Head's backward split the other way, with no gradient to sum: for
+  the share (``grad share``) that plans fastest, its input gradient computed on its forward's rank
+  right after the forward (which the next backward sub-stage waits for), its weight gradient left
+  on the leading rank (recompute and weight gradient). Load only, as ``head split``: the gradient's
+  message still leaves from the leading rank;
 
 - ``s4d3``: SysX at ``LEVER_LAYOUT``, the last step on its owner (what every lever below changes);
 - ``opt spread``: the optimizer step of sub-stage (0, 0) (Embedding + a block; the last step of the
@@ -78,6 +91,8 @@ LEVER_LAYOUT = "@s4d3"  # the layout the levers below change one cost of
 LEVERS = (
     "a block per stage",
     "block, head free",
+    "block, head split",
+    "block, head input grad",
     "s4d3",
     "opt spread",
     "head fused",
@@ -130,11 +145,12 @@ def _head_fused(t: CostTable, share: float = 1.0) -> CostTable:
     )
 
 
-def best_fused_share(sched: Schedule, table: CostTable) -> tuple[int, float]:
-    """``(k, iteration)``: the number of micro-batches (of ``n_micro``) whose Head fused plans the
-    shortest iteration, and that iteration (k = 0 is the schedule unchanged, k = n_micro ``head fused``)."""
+def best_share(sched: Schedule, table: CostTable, change: Callable[[CostTable, float], CostTable]) -> tuple[int, float]:
+    """``(k, iteration)``: the number of micro-batches (of ``n_micro``) that ``change`` (a table and a
+    share of the micro-batches) applied to plans the shortest iteration, and that iteration (k = 0 is
+    the schedule unchanged)."""
     n = sched.n_micro
-    return min(((k, iteration(sched, _head_fused(table, k / n))) for k in range(n + 1)), key=lambda kv: kv[1])
+    return min(((k, iteration(sched, change(table, k / n))) for k in range(n + 1)), key=lambda kv: kv[1])
 
 
 def _head_cut(t: CostTable) -> CostTable:
@@ -148,6 +164,25 @@ def _head_cut(t: CostTable) -> CostTable:
 def _head_free(t: CostTable) -> CostTable:
     """The Head's backward at no cost, where the Head is a stage of its own (the last)."""
     return dataclasses.replace(t, bwd=[*t.bwd[:-1], 0.0])
+
+
+def _head_split(t: CostTable, share: float) -> CostTable:
+    """The Head (a stage of its own, the last) fused on its forward's rank for ``share`` of the
+    micro-batches: a forward and a backward without recompute (three forwards) there, its backward
+    sub-stage (recompute and backward) losing that share. Spread evenly over the micro-batches, as
+    :func:`_head_fused` is."""
+    return dataclasses.replace(
+        t, fwd=[*t.fwd[:-1], t.fwd[-1] * (1 + 2 * share)], bwd=[*t.bwd[:-1], t.bwd[-1] * (1 - share)]
+    )
+
+
+def _head_input_grad(t: CostTable, share: float) -> CostTable:
+    """The Head's input gradient computed on its forward's rank for ``share`` of the micro-batches
+    (right after the forward, from the logits it holds: two Head forwards there), its weight
+    gradient still on the backward sub-stage's rank (recompute and weight gradient, two): the work
+    moves without a saved recompute, and every Head gradient is still summed on one rank."""
+    h = t.fwd[-1]
+    return dataclasses.replace(t, fwd=[*t.fwd[:-1], h * (1 + share)], bwd=[*t.bwd[:-1], t.bwd[-1] - h * share])
 
 
 def drain(sched: Schedule, table: CostTable) -> tuple[float, float]:
@@ -208,12 +243,16 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
     sched, splan = plan(model, seq, f"sysx:cfg3{LEVER_LAYOUT}~plain", sysx_micro_batch)
     default, dplan = plan(model, seq, "sysx:cfg3", sysx_micro_batch)
     mob, t = iteration(msched, mplan.table), splan.table
-    share, fused_best = best_fused_share(sched, t)
+    share, fused_best = best_share(sched, t, _head_fused)
+    split_share, split_best = best_share(default, dplan.table, _head_split)
+    grad_share, grad_best = best_share(default, dplan.table, _head_input_grad)
     spread_sched = spread(sched)
     both, both_drain = drain(spread_sched, _head_cut(t))
     ratios = {
         "a block per stage": mob / iteration(default, dplan.table),
         "block, head free": mob / iteration(default, _head_free(dplan.table)),
+        "block, head split": mob / split_best,
+        "block, head input grad": mob / grad_best,
         "s4d3": mob / iteration(sched, t),
         "opt spread": mob / iteration(spread_sched, t),
         "head fused": mob / iteration(sched, _head_fused(t)),
@@ -235,6 +274,8 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
         "ratios": ratios,
         "link_over_recompute": link / block_fwd,
         "fused_share": f"{share}/{sched.n_micro}",
+        "split_share": f"{split_share}/{default.n_micro}",
+        "grad_share": f"{grad_share}/{default.n_micro}",
         "held_gib": max(held_bytes(sched, t, act, 1)) / GIB,
         "free_gib": free / GIB,
     }
@@ -242,17 +283,21 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
 
 def table(cells: list[dict[str, Any]]) -> str:
     """The markdown table, with the average and the worst cell of every lever."""
-    head = "| model | seq | " + " | ".join(LEVERS) + " | fused share | link/recompute | held GiB | free GiB |"
-    rows = [head, "|---" * (len(LEVERS) + 6) + "|"]
+    head = (
+        "| model | seq | "
+        + " | ".join(LEVERS)
+        + " | split share | grad share | fused share | link/recompute | held GiB | free GiB |"
+    )
+    rows = [head, "|---" * (len(LEVERS) + 8) + "|"]
     for c in cells:
         rs = " | ".join(f"{c['ratios'][k]:.3f}" for k in LEVERS)
         mem = f"{c['held_gib']:.1f} | {c['free_gib']:.1f}"
         rows.append(
-            f"| {c['model'].upper()} | {c['seq']} | {rs} | {c['fused_share']} | {c['link_over_recompute']:.2f} | {mem} |"
+            f"| {c['model'].upper()} | {c['seq']} | {rs} | {c['split_share']} | {c['grad_share']} | {c['fused_share']} | {c['link_over_recompute']:.2f} | {mem} |"
         )
     for name, f in (("average", statistics.mean), ("worst", min)):
         rs = " | ".join(f"{f(c['ratios'][k] for c in cells):.3f}" for k in LEVERS)
-        rows.append(f"| {name} | | {rs} | | | | |")
+        rows.append(f"| {name} | | {rs} | | | | | | |")
     return "\n".join(rows)
 
 

@@ -59,7 +59,7 @@ def test_fusing_the_head_for_some_micro_batches_saves_their_recompute_and_beats_
     half = levers._head_fused(t, 0.5)
     # half the micro-batches skip the Head's recompute: one Head forward each, the rest moves ranks
     assert sum(half.fwd) + sum(half.bwd) == pytest.approx(sum(t.fwd) + sum(t.bwd) - 0.5 * head)
-    k, it = levers.best_fused_share(sched, t)
+    k, it = levers.best_share(sched, t, levers._head_fused)
     # rank Ng-1 carries the fill and rank 0 starts the drain: the Head on either alone is slower
     # than a split, so the best share lies strictly between none and all
     assert 0 < k < sched.n_micro
@@ -108,3 +108,31 @@ def test_a_free_head_gains_a_fraction_of_its_backward_at_a_block_per_stage() -> 
     assert 0.0 < saved < head / 3
     r = levers.cell("10b", 2048)["ratios"]
     assert r["a block per stage"] < r["block, head free"]
+
+
+def test_splitting_the_head_between_its_two_ranks_saves_the_recompute_of_its_share_and_beats_both_ends() -> None:
+    """At the default layout the Head's forward rank ends the forward and the next rank leads the
+    backward ring: a share of the Head fused on the former (no recompute) relieves the latter, and
+    the best share lies strictly between none and all."""
+    sched, plan = levers.plan("10b", 2048, "sysx:cfg3")
+    t = plan.table
+    head = t.fwd[-1]  # the Head is a stage of its own: its forward
+    half = levers._head_split(t, 0.5)
+    assert sum(half.fwd) + sum(half.bwd) == pytest.approx(sum(t.fwd) + sum(t.bwd) - 0.5 * head)
+    assert half.fwd[:-1] == t.fwd[:-1] and half.bwd[:-1] == t.bwd[:-1]
+    k, it = levers.best_share(sched, t, levers._head_split)
+    assert 0 < k < sched.n_micro
+    assert it < min(levers.iteration(sched, t), levers.iteration(sched, levers._head_split(t, 1.0)))
+
+
+def test_the_head_s_input_gradient_on_its_forward_rank_moves_work_without_saving_any() -> None:
+    """The Head's input gradient computed where its forward ran (its weight gradient left on the
+    leading rank): one Head forward's worth moves per micro-batch, none is saved, and a share of it
+    plans faster than none."""
+    sched, plan = levers.plan("10b", 2048, "sysx:cfg3")
+    t = plan.table
+    moved = levers._head_input_grad(t, 1.0)
+    assert sum(moved.fwd) + sum(moved.bwd) == pytest.approx(sum(t.fwd) + sum(t.bwd))
+    assert moved.fwd[-1] == pytest.approx(2 * t.fwd[-1]) and moved.bwd[-1] == pytest.approx(t.bwd[-1] - t.fwd[-1])
+    k, it = levers.best_share(sched, t, levers._head_input_grad)
+    assert k > 0 and it < levers.iteration(sched, t)
