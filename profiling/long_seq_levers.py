@@ -9,7 +9,9 @@ at today's default beside them:
 
 - ``a block per stage``: the runtime's default layout now (one Block per forward stage, d = 1, the
   backward ring going on from the last forward stage's rank, the last step spread over the node:
-  :func:`sysx.runtime.options.block_stages`), as ``bench_pipeline.py`` runs it;
+  :func:`sysx.runtime.options.block_stages`; the Head's input gradient computed by its forward for
+  3/4 of the micro-batches, ``schedule.head_input_grad``), as ``bench_pipeline.py`` runs it. The
+  Head levers below change that layout with no input gradient moved (``head_input_grad=0``);
 
 - ``block, head free``: an upper bound for every Head lever at that layout (fused, cut, split by
   micro-batch over ranks): its Head's backward (the first backward sub-stage, on the rank that leads
@@ -24,11 +26,11 @@ at today's default beside them:
   micro-batches it stays below 1.30x in the two worst cells, like the free Head; with every
   micro-batch a sequence (``--sysx-micro-batch 1``: each hop of the turn and the drain halved) it
   clears 1.30x in every cell;
-- ``block, head input grad``: the Head's backward split the other way, with no gradient to sum: for
-  the share (``grad share``) that plans fastest, its input gradient computed on its forward's rank
-  right after the forward (which the next backward sub-stage waits for), its weight gradient left
-  on the leading rank (recompute and weight gradient). Load only, as ``head split``: the gradient's
-  message still leaves from the leading rank;
+- ``block, head input grad``: the Head's backward split the other way, with no gradient to sum:
+  ``schedule.head_input_grad`` at the count (``grad share``) that plans fastest, the schedule the
+  runtime runs (:func:`best_moved`): the input gradient computed on the Head's forward rank right
+  after the forward and sent from there, the weight gradient left on the leading rank (recompute
+  and weight gradient);
 
 - ``s4d3``: SysX at ``LEVER_LAYOUT``, the last step on its owner (what every lever below changes);
 - ``opt spread``: the optimizer step of sub-stage (0, 0) (Embedding + a block; the last step of the
@@ -107,9 +109,10 @@ LEVERS = (
 GIB = 2**30
 
 
-def plan(model: str, seq: int, schedule: str, micro_batch: int | None = None) -> tuple[Schedule, Any]:
-    """The schedule and emulated plan ``bench_pipeline.py`` runs for one cell; ``micro_batch``:
-    sequences per micro-batch (None: the Fig. 9 setting's), the node's batch kept."""
+def _cell(
+    model: str, seq: int, schedule: str, micro_batch: int | None = None, head_input_grad: int | None = None
+) -> tuple[Schedule, Any]:
+    """The schedule ``bench_pipeline.py`` runs for one cell, and its job config."""
     name, n_ranks = bench.MODELS[model]
     overrides = None
     if micro_batch is not None and micro_batch != bench.MICRO_BATCH:
@@ -119,9 +122,36 @@ def plan(model: str, seq: int, schedule: str, micro_batch: int | None = None) ->
             "train.micro_batches": bench.BATCH_PER_NODE * nodes // micro_batch,
         }
     cfg, opts = bench._cell_config(name, seq, n_ranks, schedule, ARGS, overrides=overrides)
+    if head_input_grad is not None:
+        opts = dataclasses.replace(opts, head_input_grad=head_input_grad)
     em = emulated_model(cfg)
-    sched = make_schedule(opts, em.config, n_ranks=n_ranks, n_micro=cfg.train.micro_batches, seq_len=em.seq_len)
+    sched = make_schedule(
+        opts,
+        em.config,
+        n_ranks=n_ranks,
+        n_micro=cfg.train.micro_batches,
+        seq_len=em.seq_len,
+        ranks_per_node=bench.GPUS_PER_NODE,
+    )
+    return sched, cfg
+
+
+def plan(
+    model: str, seq: int, schedule: str, micro_batch: int | None = None, head_input_grad: int | None = None
+) -> tuple[Schedule, Any]:
+    """The schedule and emulated plan ``bench_pipeline.py`` runs for one cell; ``micro_batch``:
+    sequences per micro-batch (None: the Fig. 9 setting's), the node's batch kept;
+    ``head_input_grad``: ``schedule.head_input_grad`` (None: the default's)."""
+    sched, cfg = _cell(model, seq, schedule, micro_batch, head_input_grad)
     return sched, plan_emulation(cfg, sched, backend="torch")
+
+
+def best_moved(model: str, seq: int, table: CostTable, micro_batch: int | None = None) -> tuple[int, float]:
+    """``(k, iteration)``: the ``schedule.head_input_grad`` (of ``n_micro``) whose schedule plans the
+    shortest iteration under ``table`` (a plan of the cell's SysX), and that iteration."""
+    n = _cell(model, seq, "sysx:cfg3", micro_batch, 0)[0].n_micro
+    runs = ((k, iteration(_cell(model, seq, "sysx:cfg3", micro_batch, k)[0], table)) for k in range(n + 1))
+    return min(runs, key=lambda kv: kv[1])
 
 
 def iteration(sched: Schedule, table: CostTable) -> float:
@@ -174,15 +204,6 @@ def _head_split(t: CostTable, share: float) -> CostTable:
     return dataclasses.replace(
         t, fwd=[*t.fwd[:-1], t.fwd[-1] * (1 + 2 * share)], bwd=[*t.bwd[:-1], t.bwd[-1] * (1 - share)]
     )
-
-
-def _head_input_grad(t: CostTable, share: float) -> CostTable:
-    """The Head's input gradient computed on its forward's rank for ``share`` of the micro-batches
-    (right after the forward, from the logits it holds: two Head forwards there), its weight
-    gradient still on the backward sub-stage's rank (recompute and weight gradient, two): the work
-    moves without a saved recompute, and every Head gradient is still summed on one rank."""
-    h = t.fwd[-1]
-    return dataclasses.replace(t, fwd=[*t.fwd[:-1], h * (1 + share)], bwd=[*t.bwd[:-1], t.bwd[-1] - h * share])
 
 
 def drain(sched: Schedule, table: CostTable) -> tuple[float, float]:
@@ -242,15 +263,17 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
     # the levers add the spread themselves
     sched, splan = plan(model, seq, f"sysx:cfg3{LEVER_LAYOUT}~plain", sysx_micro_batch)
     default, dplan = plan(model, seq, "sysx:cfg3", sysx_micro_batch)
+    # the Head levers change the block layout with no input gradient moved
+    kept, kplan = plan(model, seq, "sysx:cfg3", sysx_micro_batch, head_input_grad=0)
     mob, t = iteration(msched, mplan.table), splan.table
     share, fused_best = best_share(sched, t, _head_fused)
-    split_share, split_best = best_share(default, dplan.table, _head_split)
-    grad_share, grad_best = best_share(default, dplan.table, _head_input_grad)
+    split_share, split_best = best_share(kept, kplan.table, _head_split)
+    grad_share, grad_best = best_moved(model, seq, kplan.table, sysx_micro_batch)
     spread_sched = spread(sched)
     both, both_drain = drain(spread_sched, _head_cut(t))
     ratios = {
         "a block per stage": mob / iteration(default, dplan.table),
-        "block, head free": mob / iteration(default, _head_free(dplan.table)),
+        "block, head free": mob / iteration(kept, _head_free(kplan.table)),
         "block, head split": mob / split_best,
         "block, head input grad": mob / grad_best,
         "s4d3": mob / iteration(sched, t),
@@ -274,7 +297,7 @@ def cell(model: str, seq: int, sysx_micro_batch: int | None = None) -> dict[str,
         "ratios": ratios,
         "link_over_recompute": link / block_fwd,
         "fused_share": f"{share}/{sched.n_micro}",
-        "split_share": f"{split_share}/{default.n_micro}",
+        "split_share": f"{split_share}/{kept.n_micro}",
         "grad_share": f"{grad_share}/{default.n_micro}",
         "held_gib": max(held_bytes(sched, t, act, 1)) / GIB,
         "free_gib": free / GIB,

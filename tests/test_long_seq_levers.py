@@ -100,7 +100,7 @@ def test_a_free_head_gains_a_fraction_of_its_backward_at_a_block_per_stage() -> 
     """At the default layout the Head is a stage of its own and leads the backward ring: with its
     backward free, its rank waits for the first backward round's wave instead, so no Head lever
     (fused, cut, split over ranks) can take more than a fraction of the Head's time off the step."""
-    sched, plan = levers.plan("10b", 2048, "sysx:cfg3")
+    sched, plan = levers.plan("10b", 2048, "sysx:cfg3", head_input_grad=0)
     t = plan.table
     assert list(sched.partition.layers(sched.n_stages - 1, 0)) == [plan.model.config.n_layers + 1]  # the Head alone
     saved = levers.iteration(sched, t) - levers.iteration(sched, levers._head_free(t))
@@ -114,7 +114,7 @@ def test_splitting_the_head_between_its_two_ranks_saves_the_recompute_of_its_sha
     """At the default layout the Head's forward rank ends the forward and the next rank leads the
     backward ring: a share of the Head fused on the former (no recompute) relieves the latter, and
     the best share lies strictly between none and all."""
-    sched, plan = levers.plan("10b", 2048, "sysx:cfg3")
+    sched, plan = levers.plan("10b", 2048, "sysx:cfg3", head_input_grad=0)
     t = plan.table
     head = t.fwd[-1]  # the Head is a stage of its own: its forward
     half = levers._head_split(t, 0.5)
@@ -125,14 +125,14 @@ def test_splitting_the_head_between_its_two_ranks_saves_the_recompute_of_its_sha
     assert it < min(levers.iteration(sched, t), levers.iteration(sched, levers._head_split(t, 1.0)))
 
 
-def test_the_head_s_input_gradient_on_its_forward_rank_moves_work_without_saving_any() -> None:
-    """The Head's input gradient computed where its forward ran (its weight gradient left on the
-    leading rank): one Head forward's worth moves per micro-batch, none is saved, and a share of it
-    plans faster than none."""
-    sched, plan = levers.plan("10b", 2048, "sysx:cfg3")
+def test_the_head_s_input_gradient_moved_by_the_schedule_plans_faster_and_the_default_moves_it() -> None:
+    """``schedule.head_input_grad`` priced by the schedule the runtime runs: at 10B/4096 a share of
+    the micro-batches plans faster than none and than all, and the default (3/4) moves some."""
+    sched, plan = levers.plan("10b", 4096, "sysx:cfg3", head_input_grad=0)
     t = plan.table
-    moved = levers._head_input_grad(t, 1.0)
-    assert sum(moved.fwd) + sum(moved.bwd) == pytest.approx(sum(t.fwd) + sum(t.bwd))
-    assert moved.fwd[-1] == pytest.approx(2 * t.fwd[-1]) and moved.bwd[-1] == pytest.approx(t.bwd[-1] - t.fwd[-1])
-    k, it = levers.best_share(sched, t, levers._head_input_grad)
-    assert k > 0 and it < levers.iteration(sched, t)
+    k, it = levers.best_moved("10b", 4096, t)
+    none = levers.iteration(sched, t)
+    every = levers.iteration(levers.plan("10b", 4096, "sysx:cfg3", head_input_grad=sched.n_micro)[0], t)
+    assert 0 < k < sched.n_micro and it < min(none, every)
+    default, _ = levers.plan("10b", 4096, "sysx:cfg3")
+    assert len(default.options.head_igrad) == 6 and levers.iteration(default, t) < none

@@ -202,6 +202,8 @@ EVERY_SCHEDULE_4 = [
     {"schedule": "sysx", "cfg": 0},
     {"schedule": "sysx", "cfg": 1},
     {"schedule": "sysx", "cfg": 2},
+    # the Head alone: micro-batches 1 and 3 take its input gradient from its forward on rank 3, across the nodes
+    {"schedule": "sysx", "split": 1, "stage_sizes": [3, 2, 2, 2, 2, 2, 2, 1], "head_input_grad": 2},
 ]
 
 

@@ -170,9 +170,16 @@ class PipelineKeys:
     # every rank of its owner's node, each stepping a shard of its master and Adam state (issue 27);
     # null: on where it runs (sysx cfg 3, one replica, optim.offload=host), false: off
     spread_last_step: bool | None = None
+    # sysx with the Head a stage of its own (one block per stage): of each step's micro-batches, how many
+    # have the Head's input gradient computed by the Head's forward (on its rank, right after the forward,
+    # sent from there); the Head's backward sub-stage then recomputes for its weight gradient only, work
+    # off the rank that leads the backward ring. null: 3/4 of them there, else 0 (issue 27)
+    head_input_grad: int | None = None
 
     def validate(self) -> None:
         """Ranges of the pipeline keys."""
+        if self.head_input_grad is not None:
+            check_int("schedule.head_input_grad", self.head_input_grad, 0)
         if not isinstance(self.keep_activations, bool):
             fail("schedule.keep_activations", self.keep_activations, "must be true or false")
         if self.spread_last_step is not None and not isinstance(self.spread_last_step, bool):

@@ -134,6 +134,7 @@ class EmulatedPacer(Pacer):
         self._device_jobs: list[tuple[str, tuple[float, float, float]]] = []  # device-lane steps not yet charged
         self.group, self.world = group, world  # VALIDATE's modelled end is the latest rank's arrival
         self.split = schedule.partition.split
+        self._head, self._head_igrad = schedule.partition.n_stages - 1, schedule.options.head_igrad
         # the host issues the next compute op when the last one ends: the cursor is the stream's end
         self.compute = EmulatedStream("compute", issue=lambda: self.compute.free)
         self.h2d = EmulatedStream("h2d", issue=self.cursor)
@@ -211,10 +212,12 @@ class EmulatedPacer(Pacer):
     def _seconds(self, op: Op) -> float:
         """Wall seconds of ``op``'s modelled work."""
         t, g, k = self.table, op.stage * self.split + op.sub, op.kind
+        # the Head's input gradient moved to its forward (schedule.head_input_grad), as the engine moves it
+        moved = t.head_igrad if op.stage == self._head and op.mb in self._head_igrad else 0.0
         if k == OpKind.FORWARD:
-            x = t.fwd[op.stage]
+            x = t.fwd[op.stage] + moved
         elif k == OpKind.BACKWARD:
-            x = t.bwd[g]
+            x = t.bwd[g] - moved
         elif k == OpKind.LOAD_PARAMS:
             x = t.load_stage[op.stage] if op.sub < 0 else t.load_sub[g]
         elif k == OpKind.OFFLOAD_GRADS:

@@ -366,7 +366,16 @@ class Executor:
         layers = part.stage_layers(s)
         mods, _ = self._bound(layers)
         x = self._batch(j)[0] if s == 0 else self._pop(self.acts, (s - 1, j), f"the input of {op} (act s{s - 1} mb{j})")
-        if self.ctx.training and self.schedule.options.keep_activations:
+        if self.ctx.training and s == self.last_stage and j in self.schedule.options.head_igrad:
+            # the Head's input gradient here, from the graph this forward builds; its backward sub-stage
+            # (split 1: the checkpoint is this input) recomputes for the weight gradient only
+            self.ckpts[(s, 0, j)] = x
+            with torch.enable_grad():
+                leaf = x.detach().requires_grad_(True)
+                out = self._run(mods, layers, leaf, j)
+                (self.igrads[(s, 0, j)],) = torch.autograd.grad(self._scaled_loss(out, j), leaf)
+            h = out.detach()
+        elif self.ctx.training and self.schedule.options.keep_activations:
             # the graph lives until this rank's backward of the stage (d = 1), which backpropagates it
             with torch.enable_grad():
                 leaf = x.detach().requires_grad_(True) if x.is_floating_point() else x
@@ -406,19 +415,23 @@ class Executor:
             if kept is not None:  # the forward's own graph: no recompute
                 x, out = kept
             else:
-                x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
+                # the Head's input gradient already computed by its forward: the weight gradient only
+                wants_input = x0.is_floating_point() and not (nxt is None and j in self.schedule.options.head_igrad)
+                x = x0.detach().requires_grad_(True) if wants_input else x0
                 out = self._run(mods, layers, x, j)
             if grad_out is None:
-                scaled = out / self.ctx.divisor(self._batch(j)[2])
-                if self.ctx.scale != 1.0:
-                    scaled = scaled * self.ctx.scale
-                scaled.backward()
+                self._scaled_loss(out, j).backward()
             else:
                 torch.autograd.backward(out, grad_out)
         if x.requires_grad:
             if x.grad is None:
                 raise RuntimeError(f"{op}: no gradient reached the sub-stage input")
             self.igrads[(s, k, j)] = x.grad
+
+    def _scaled_loss(self, loss: torch.Tensor, j: int) -> torch.Tensor:
+        """Micro-batch ``j``'s loss as its backward starts from it: over the step's divisor, times the loss scale."""
+        scaled = loss / self.ctx.divisor(self._batch(j)[2])
+        return scaled * self.ctx.scale if self.ctx.scale != 1.0 else scaled
 
     def _send_act(self, op: Op) -> None:
         t = self._pop(self.acts, (op.stage, op.mb), f"act s{op.stage} mb{op.mb}")

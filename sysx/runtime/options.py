@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sysx.config import ConfigError, ScheduleSection, SysxConfig, refuse_ignored_keys
 from sysx.config.choices import ONE_STAGE_PER_RANK, PIPELINE_SCHEDULES
 from sysx.config.sections import PipelineKeys, check_host_adam
-from sysx.partition import PartitionError, partition_model
+from sysx.partition import Partition, PartitionError, partition_model
 from sysx.schedule import Schedule, build, validate
 from sysx.schedule.posted import post_receives
 from sysx.schedule.spread import spread_over_node
@@ -151,6 +151,41 @@ class PipelineOptions(PipelineKeys):
         return " ".join(parts)
 
 
+# of a step's micro-batches, the share whose Head input gradient its forward computes by default: the
+# planner's best share lies at 3/8-8/8 on the emulated Fig. 9 cells, and 3/4 gains in each one or ties
+# (profiling/long_seq_levers.py, "block, head input grad"; RESULTS, issue 27's fourteenth session)
+HEAD_INPUT_GRAD_SHARE = 0.75
+
+
+def head_alone(partition: Partition) -> bool:
+    """Whether the Head is a forward stage of its own with d = 1 (where its input gradient can move)."""
+    last = partition.n_stages - 1
+    return partition.n_stages > 1 and partition.split == 1 and len(partition.stage_layers(last)) == 1
+
+
+def head_igrad_micro_batches(count: int | None, n_micro: int, partition: Partition) -> frozenset[int]:
+    """The micro-batches whose Head input gradient the Head's forward computes
+    (``schedule.head_input_grad`` of them, spread evenly over the step; None: ``HEAD_INPUT_GRAD_SHARE``
+    of them where the Head is a stage of its own, else none), or a :class:`RuntimeConfigError`
+    naming the value and the fix."""
+    if count is None:
+        count = round(HEAD_INPUT_GRAD_SHARE * n_micro) if head_alone(partition) else 0
+    if count == 0:
+        return frozenset()
+    if count > n_micro:
+        raise RuntimeConfigError(
+            f"schedule.head_input_grad={count} is more than the step's {n_micro} micro-batches; "
+            f"use at most {n_micro} (train.micro_batches)"
+        )
+    if not head_alone(partition):
+        raise RuntimeConfigError(
+            f"schedule.head_input_grad={count} needs the Head as a stage of its own with d = 1 (SysX's block "
+            f"layout, the default with 12 flat layers a rank); this run has {partition.n_stages} stages of "
+            f"d = {partition.split}: leave schedule.stages_per_rank, split and stage_sizes null, or set it to 0"
+        )
+    return frozenset(j for j in range(n_micro) if (j + 1) * count // n_micro > j * count // n_micro)
+
+
 def fits_block_stages(n_flat_layers: int | None, n_ranks: int) -> bool:
     """Whether SysX's default layout is one Block per stage for a model of ``n_flat_layers`` flat
     layers (None: unknown) on ``n_ranks`` pipeline ranks (``BLOCK_STAGES_MIN_LAYERS_PER_RANK``)."""
@@ -240,6 +275,9 @@ def make_schedule(
                     cfg=opts.cfg,
                     param_buffers=opts.param_buffers,
                     keep_activations=opts.keep_activations,
+                    head_igrad=head_igrad_micro_batches(opts.head_input_grad, n_micro, partition)
+                    if opts.schedule == "sysx"
+                    else frozenset(),
                 )
                 schedule = post_receives(schedule)  # the transfers run while the rank computes
                 if opts.spreads(spread_allowed):

@@ -39,10 +39,12 @@ def build(
     cfg: int = 3,
     param_buffers: int = 2,
     keep_activations: bool = False,
+    head_igrad: frozenset[int] = frozenset(),
 ) -> Schedule:
     """Build schedule ``name``. Without ``partition``, a uniform one with ``n_stages`` stages
     (default: ``Ng`` for gpipe/1f1b, ``2 Ng`` otherwise) and ``split`` (sysx only).
-    ``keep_activations``: see :class:`ScheduleOptions` (not for sysx).
+    ``keep_activations``, ``head_igrad``: see :class:`ScheduleOptions` (the first not for sysx,
+    the second sysx only).
 
     Every call builds a new schedule (milliseconds even for thousands of ops; a caller that
     builds the same one repeatedly keeps it).
@@ -57,6 +59,8 @@ def build(
     elif name != "sysx" and partition.split != 1:
         partition = partition.with_split(1)
     kw: dict[str, Any] = {"param_buffers": param_buffers}
+    if head_igrad and name != "sysx":
+        raise ScheduleError(f"head_igrad moves SysX's Head input gradient to its forward; {name} has none to move")
     if name == "gpipe":
         built = build_gpipe(n_ranks, n_micro, partition, **kw)
     elif name == "1f1b":
@@ -66,7 +70,7 @@ def build(
     elif name == "mobius":
         built = build_mobius(n_ranks, n_micro, partition, **kw)
     else:
-        built = build_sysx(n_ranks, n_micro, partition, cfg=cfg, **kw)
+        built = build_sysx(n_ranks, n_micro, partition, cfg=cfg, head_igrad=head_igrad, **kw)
     if not keep_activations:
         return built
     if name == "sysx":

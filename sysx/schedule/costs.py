@@ -83,6 +83,9 @@ class CostTable:
     gather: list[float] = field(default_factory=list)
     replicas: int = 1
     op_host: float = 0.0  # the executor's fixed host cost of every instruction, on the rank's cursor
+    # the Head's input gradient, a forward's FLOPs: where the schedule moves it to the Head's forward
+    # (ScheduleOptions.head_igrad), that forward takes it on and the Head's backward sheds it
+    head_igrad: float = 0.0
     process_bytes: float = 0.0  # host bytes every rank's process holds besides its training state
     host_lane: HostLane | None = None  # None: the ranks' host work is not bounded by the node's cores
 
@@ -270,6 +273,8 @@ class Costs:
             op_host=self.op_host,
             process_bytes=self.process_bytes,
             host_lane=self.host_lane,
+            # a backward is an input and a weight gradient, half of ``bwd_ratio`` each
+            head_igrad=self.bwd_ratio / 2 * ft[-1],
         )
         return table if self.replica is None else with_replicas(table, self.replica, schedule)
 

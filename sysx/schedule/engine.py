@@ -53,6 +53,7 @@ class _Compiler:
     def __init__(self, schedule: Schedule) -> None:
         self.partition = schedule.partition
         self.nsf, self.d = self.partition.n_stages, self.partition.split
+        self.head_igrad = schedule.options.head_igrad
         self.ids: dict[tuple, int] = {}
         self.src: list[int] = []
         self.dst: list[int] = []
@@ -84,6 +85,7 @@ class _Compiler:
 
     def rank(self, r: int, ops: tuple[Op, ...]) -> list[tuple]:
         p, nsf, d = self.partition, self.nsf, self.d
+        head_igrad = self.head_igrad
         resident: list[tuple[int, range]] = []
         seen_g: set[int] = set()
         prog: list[tuple] = []
@@ -100,11 +102,12 @@ class _Compiler:
             elif k in (OpKind.FORWARD, OpKind.BACKWARD):
                 lay = p.layers(op.stage, -1 if k == OpKind.FORWARD else op.sub)
                 u = next((x[0] for x in reversed(resident) if x[1].start <= lay.start and lay.stop <= x[1].stop), -1)
+                moved = op.mb in head_igrad and op.stage == nsf - 1  # the Head's input gradient on its forward
                 if k == OpKind.FORWARD:
-                    prog.append((_FWD, op.stage, u, i))
+                    prog.append((_FWD, op.stage, u, i, moved))
                 else:
                     g = op.stage * d + op.sub
-                    prog.append((_BWD, g, u, i, g not in seen_g))
+                    prog.append((_BWD, g, u, i, g not in seen_g, moved))
                     seen_g.add(g)
             elif k in (OpKind.SEND_ACT, OpKind.SEND_GRAD, OpKind.SEND_CKPT):
                 prog.append(
@@ -199,6 +202,7 @@ class _Engine:
         "gpu_end",
         "grad_mem",
         "h2d",
+        "head_igrad",
         "heaps",
         "inq",
         "load",
@@ -244,6 +248,7 @@ class _Engine:
         self.load = list(tab.load_stage) + list(tab.load_sub)
         self.workers, self.allreduce = tab.optim_workers, tab.allreduce
         self.op_host = tab.op_host
+        self.head_igrad = tab.head_igrad
         self.reduce = tab.reduce or None  # replicas: each unit's reduction on the rank's reducer thread
         self.red_free = [0.0] * R
         self._memory_tables(prog, tab)
@@ -334,12 +339,13 @@ class _Engine:
     def _forward(self, r: int, ins: tuple, t: float) -> float:
         s = ins[1]
         st = self._gpu_start(r, ins[2], t)
-        en = st + self.fwd[s]
+        en = st + self.fwd[s] + (self.head_igrad if ins[4] else 0.0)
         self.busy[r] += en - st
         self.gpu_end[r] = en
         if self.memory:
             mem = self.mem[r]
-            w = self.fwd_work[s]
+            # the Head's input gradient: its backward's temporaries (the logits' gradient) live here
+            w = self.fwd_work[s] + (self.bwd_work[-1] if ins[4] else 0.0)
             if w:  # zero in unit-cost models; a zero delta never moves a peak
                 mem[WORK].extend(((st, w), (en, -w)))
             mem[CKPTS].append((en, self.f_ckpt[s]))
@@ -350,7 +356,7 @@ class _Engine:
     def _backward(self, r: int, ins: tuple, t: float) -> float:
         g = ins[1]
         st = self._gpu_start(r, ins[2], t)
-        en = st + self.bwd[g]
+        en = st + self.bwd[g] - (self.head_igrad if ins[5] else 0.0)
         self.busy[r] += en - st
         self.gpu_end[r] = en
         if self.memory:

@@ -27,6 +27,7 @@ from sysx.schedule.ops import (
     Schedule,
     ScheduleError,
     ScheduleOptions,
+    grad_producer,
 )
 
 # An op list under construction: (sort key, op); merging by key interleaves the passes' ops.
@@ -66,19 +67,19 @@ def _check_orders(orders: Sequence[Sequence[Op]], partition: Partition, n_micro:
     return where
 
 
-def _inputs(op: Op, partition: Partition) -> list[Op]:
+def _inputs(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset()) -> list[Op]:
     """The passes whose results ``op`` consumes (its checkpoint's forward, its input or output gradient)."""
     if op.kind == OpKind.FORWARD:
         return [F(op.stage - 1, op.mb)] if op.stage > 0 else []
     deps = [F(op.stage, op.mb)]
-    nxt = partition.next_sub(op.stage, op.sub)
-    if nxt is not None:
-        deps.append(B(nxt[0], nxt[1], op.mb))
+    prod = grad_producer(op, partition, head_igrad)
+    if prod is not None and prod not in deps:
+        deps.append(prod)
     return deps
 
 
 def logical_times(
-    orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int
+    orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int, head_igrad: frozenset[int] = frozenset()
 ) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
     """Rank of every pass, and its (start, end) on the logical timeline (see docs/architecture.md)."""
     where = _check_orders(orders, partition, n_micro)
@@ -92,7 +93,7 @@ def logical_times(
         for r, order in enumerate(orders):
             while pc[r] < len(order):
                 op = order[pc[r]]
-                deps = _inputs(op, partition)
+                deps = _inputs(op, partition, head_igrad)
                 if any(d not in times for d in deps):
                     break
                 start = max([clock[r]] + [times[d][1] for d in deps])
@@ -104,6 +105,20 @@ def logical_times(
         stuck = [f"rank {r} at `{o[pc[r]]}` (#{pc[r]} of its passes)" for r, o in enumerate(orders) if pc[r] < len(o)]
         raise ScheduleError("the compute orders cannot run: passes wait for each other: " + "; ".join(stuck))
     return where, times
+
+
+def _check_head_igrad(partition: Partition, n_micro: int, head_igrad: frozenset[int]) -> None:
+    """The Head's input gradient moves to its forward only where the Head is a stage of its own."""
+    last = partition.n_stages - 1
+    if partition.split != 1 or len(partition.stage_layers(last)) != 1 or partition.n_stages < 2:
+        raise ScheduleError(
+            "head_igrad needs the Head as a forward stage of its own with d = 1 (SysX's block layout), "
+            f"not {partition.n_stages} stages of d = {partition.split} ending in layers "
+            f"{partition.stage_layers(last).start}..{partition.stage_layers(last).stop - 1}"
+        )
+    bad = sorted(j for j in head_igrad if not 0 <= j < n_micro)
+    if bad:
+        raise ScheduleError(f"head_igrad names micro-batches {bad} outside 0..{n_micro - 1}")
 
 
 def _unit_of(op: Op, partition: Partition) -> tuple[int, int]:
@@ -210,6 +225,7 @@ def _messages(
     times: dict[Op, tuple[float, float]],
     partition: Partition,
     ckpt: CkptMode,
+    head_igrad: frozenset[int] = frozenset(),
 ) -> tuple[list[Keyed], list[_Msg], list[CkptRoute]]:
     """Every rank's passes keyed by their logical start, the messages between ranks, WAIT_CKPTs,
     and the route of every checkpoint."""
@@ -225,10 +241,10 @@ def _messages(
                     msgs.append(_Msg(times[prod][1], Message.ACT, where[prod], r, op.stage - 1, -1, op.mb, False))
             elif op.kind == OpKind.BACKWARD:
                 nxt = partition.next_sub(op.stage, op.sub)
-                if nxt is not None:
-                    prod = B(nxt[0], nxt[1], op.mb)
-                    if where[prod] != r:
-                        msgs.append(_Msg(times[prod][1], Message.GRAD, where[prod], r, nxt[0], nxt[1], op.mb, False))
+                grad = grad_producer(op, partition, head_igrad)
+                if nxt is not None and grad is not None and where[grad] != r:
+                    # named by the sub-stage it is the input gradient of, whichever pass computed it
+                    msgs.append(_Msg(times[grad][1], Message.GRAD, where[grad], r, nxt[0], nxt[1], op.mb, False))
                 _route_checkpoint(op, r, where, times, ckpt, items[r], msgs, routes)
     return items, msgs, routes
 
@@ -330,17 +346,21 @@ def lower(
     optimizer: OptimizerMode,
     param_buffers: int = 2,
     cfg: int | None = None,
+    head_igrad: frozenset[int] = frozenset(),
 ) -> Schedule:
     """Build the complete :class:`Schedule` from per-rank compute orders, pass by pass: logical
     times, messages, parameter loads/frees, gradient offloads and optimizer steps, checkpoint plan.
 
-    ``ckpt`` and ``optimizer`` are the :class:`ScheduleOptions` modes; ``cfg`` the sysx ablation.
+    ``ckpt`` and ``optimizer`` are the :class:`ScheduleOptions` modes; ``cfg`` the sysx ablation;
+    ``head_igrad`` the micro-batches whose Head input gradient its forward computes.
     """
-    options = ScheduleOptions(ckpt, optimizer, param_buffers, cfg)
+    options = ScheduleOptions(ckpt, optimizer, param_buffers, cfg, head_igrad=frozenset(head_igrad))
     if len(orders) != assignment.n_ranks:
         raise ScheduleError(f"{len(orders)} compute orders for {assignment.n_ranks} ranks")
-    where, times = logical_times(orders, partition, n_micro)
-    items, msgs, routes = _messages(orders, where, times, partition, ckpt)
+    if head_igrad:
+        _check_head_igrad(partition, n_micro, options.head_igrad)
+    where, times = logical_times(orders, partition, n_micro, options.head_igrad)
+    items, msgs, routes = _messages(orders, where, times, partition, ckpt, options.head_igrad)
     _add_messages(items, msgs, partition)
     lists = []
     for keyed in items:

@@ -145,6 +145,17 @@ def B(stage: int, sub: int, mb: int) -> Op:
     return Op(OpKind.BACKWARD, stage, sub, mb)
 
 
+def grad_producer(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset()) -> Op | None:
+    """The pass that computes backward ``op``'s output gradient: the next sub-stage's backward, or
+    the Head's forward for a micro-batch in ``head_igrad`` (None for the last sub-stage)."""
+    nxt = partition.next_sub(op.stage, op.sub)
+    if nxt is None:
+        return None
+    if op.mb in head_igrad and partition.next_sub(*nxt) is None:
+        return F(nxt[0], op.mb)
+    return B(nxt[0], nxt[1], op.mb)
+
+
 @dataclass(frozen=True)
 class CkptRoute:
     """Where the checkpoint of ``(stage, sub)`` for micro-batch ``mb`` goes.
@@ -185,6 +196,10 @@ class ScheduleOptions:
     evaluation program (no backward, no optimizer, no VALIDATE). ``keep_activations``: the forward
     keeps its autograd graph for the rank's own backward, which then backpropagates it instead of
     recomputing from the checkpoint (local checkpoints and whole-stage backwards only).
+    ``head_igrad``: micro-batches whose Head input gradient its forward computes (the loss's
+    gradient to the Head's input, right after the forward, on the forward's rank, sent from there
+    to the sub-stage before the Head); the Head's backward sub-stage then recomputes and adds only
+    its weight gradient for them. SysX with the Head a stage of its own only.
     """
 
     ckpt: CkptMode
@@ -193,6 +208,7 @@ class ScheduleOptions:
     cfg: int | None = None
     training: bool = True
     keep_activations: bool = False
+    head_igrad: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.ckpt not in CKPT_MODES:

@@ -31,10 +31,12 @@ def build_sysx(
     split: int = 2,
     cfg: int = 3,
     param_buffers: int = 2,
+    head_igrad: frozenset[int] = frozenset(),
 ) -> Schedule:
     """SysX schedule; the partition gives ``Nsf`` and ``d`` (else ``n_stages`` / ``2 Ng`` and ``split``).
 
-    CFG0 uses the partition's forward stages with ``d = 1``.
+    CFG0 uses the partition's forward stages with ``d = 1``. ``head_igrad``: the micro-batches whose
+    Head input gradient its forward computes (:class:`sysx.schedule.ops.ScheduleOptions`).
     """
     check_counts(n_ranks, n_micro)
     if cfg not in CFG_FEATURES:
@@ -60,4 +62,5 @@ def build_sysx(
         optimizer="async" if cfg >= 3 else "sync",
         param_buffers=param_buffers,
         cfg=cfg,
+        head_igrad=head_igrad,
     )

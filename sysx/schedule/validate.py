@@ -29,6 +29,7 @@ from sysx.schedule.ops import (
     OpKind,
     Schedule,
     ScheduleError,
+    grad_producer,
 )
 
 # op kinds that only a training step has
@@ -281,12 +282,19 @@ class _RankState:
             )
             self.errors.append(f"{here}: checkpoint of {unit_label(op.stage, op.sub)} mb{op.mb} not available: {why}")
         nxt = self.schedule.partition.next_sub(op.stage, op.sub)
-        if nxt is not None and (*nxt, op.mb) not in self.done_b and (*nxt, op.mb) not in self.got_grad:
+        prod = grad_producer(op, self.schedule.partition, self.schedule.options.head_igrad)
+        if nxt is not None and prod is not None and not self._computed(prod) and (*nxt, op.mb) not in self.got_grad:
             self.errors.append(
-                f"{here}: its output gradient (from `B {unit_label(*nxt)} mb{op.mb}`) was neither "
+                f"{here}: its output gradient (from `{prod}`) was neither "
                 f"computed on this rank nor received before ({self._missing(Message.GRAD, *nxt, op.mb)})"
             )
         self.done_b.add(key)
+
+    def _computed(self, op: Op) -> bool:
+        """Whether pass ``op`` ran on this rank already."""
+        if op.kind == OpKind.FORWARD:
+            return (op.stage, op.mb) in self.done_f
+        return (op.stage, op.sub, op.mb) in self.done_b
 
     def _missing(self, family: Message, s: int, k: int, j: int) -> str:
         """Why a pass's input message is not here: posted but not waited for, or never received."""
@@ -299,9 +307,12 @@ class _RankState:
             self.errors.append(f"{here}: sends the output of `F s{op.stage} mb{op.mb}` before computing it here")
 
     def _send_grad(self, op: Op, here: str) -> None:
-        if (op.stage, op.sub, op.mb) not in self.done_b:
+        head_igrad = self.schedule.options.head_igrad
+        last = self.schedule.partition.next_sub(op.stage, op.sub) is None
+        prod = F(op.stage, op.mb) if last and op.mb in head_igrad else B(op.stage, op.sub, op.mb)
+        if not self._computed(prod):
             self.errors.append(
-                f"{here}: sends the input gradient of `{B(op.stage, op.sub, op.mb)}` before computing it here"
+                f"{here}: sends the input gradient of {unit_label(op.stage, op.sub)} mb{op.mb} before computing it here (`{prod}`)"
             )
 
     def _send_ckpt(self, op: Op, here: str) -> None:
