@@ -69,6 +69,12 @@ class Partition:
         """Backward sub-stages per forward stage ``d``."""
         return len(self.sub_bounds[0]) - 1
 
+    @property
+    def head_alone(self) -> bool:
+        """Whether the last layer (the Head) is a forward stage of its own with d = 1: where its
+        input gradient can move to its forward (``ScheduleOptions.head_igrad``)."""
+        return self.n_stages > 1 and self.split == 1 and len(self.stage_layers(self.n_stages - 1)) == 1
+
     def stage_layers(self, s: int) -> range:
         """Layer indices of forward stage ``s``."""
         return range(self.stage_bounds[s], self.stage_bounds[s + 1])

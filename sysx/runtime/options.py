@@ -157,19 +157,13 @@ class PipelineOptions(PipelineKeys):
 HEAD_INPUT_GRAD_SHARE = 0.75
 
 
-def head_alone(partition: Partition) -> bool:
-    """Whether the Head is a forward stage of its own with d = 1 (where its input gradient can move)."""
-    last = partition.n_stages - 1
-    return partition.n_stages > 1 and partition.split == 1 and len(partition.stage_layers(last)) == 1
-
-
 def head_igrad_micro_batches(count: int | None, n_micro: int, partition: Partition) -> frozenset[int]:
     """The micro-batches whose Head input gradient the Head's forward computes
     (``schedule.head_input_grad`` of them, spread evenly over the step; None: ``HEAD_INPUT_GRAD_SHARE``
     of them where the Head is a stage of its own, else none), or a :class:`RuntimeConfigError`
     naming the value and the fix."""
     if count is None:
-        count = round(HEAD_INPUT_GRAD_SHARE * n_micro) if head_alone(partition) else 0
+        count = round(HEAD_INPUT_GRAD_SHARE * n_micro) if partition.head_alone else 0
     if count == 0:
         return frozenset()
     if count > n_micro:
@@ -177,7 +171,7 @@ def head_igrad_micro_batches(count: int | None, n_micro: int, partition: Partiti
             f"schedule.head_input_grad={count} is more than the step's {n_micro} micro-batches; "
             f"use at most {n_micro} (train.micro_batches)"
         )
-    if not head_alone(partition):
+    if not partition.head_alone:
         raise RuntimeConfigError(
             f"schedule.head_input_grad={count} needs the Head as a stage of its own with d = 1 (SysX's block "
             f"layout, the default with 12 flat layers a rank); this run has {partition.n_stages} stages of "

@@ -73,7 +73,7 @@ def _inputs(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset
         return [F(op.stage - 1, op.mb)] if op.stage > 0 else []
     deps = [F(op.stage, op.mb)]
     prod = grad_producer(op, partition, head_igrad)
-    if prod is not None and prod not in deps:
+    if prod is not None:
         deps.append(prod)
     return deps
 
@@ -110,7 +110,7 @@ def logical_times(
 def _check_head_igrad(partition: Partition, n_micro: int, head_igrad: frozenset[int]) -> None:
     """The Head's input gradient moves to its forward only where the Head is a stage of its own."""
     last = partition.n_stages - 1
-    if partition.split != 1 or len(partition.stage_layers(last)) != 1 or partition.n_stages < 2:
+    if not partition.head_alone:
         raise ScheduleError(
             "head_igrad needs the Head as a forward stage of its own with d = 1 (SysX's block layout), "
             f"not {partition.n_stages} stages of d = {partition.split} ending in layers "
