@@ -66,6 +66,7 @@ def plan(args: argparse.Namespace, micro: int, offload: str) -> Any:
         n_micro=micro,
         seq_len=em.seq_len,
         ranks_per_node=bp.GPUS_PER_NODE,
+        micro_batch_size=cfg.train.micro_batch_size,
         spread_allowed=offload == "host",  # as the run: the NVMe tier keeps the last step on its owner
     )
     return plan_emulation(cfg, sched, backend="torch")

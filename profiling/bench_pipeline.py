@@ -120,7 +120,11 @@ def _cell_config(
         precision="bf16",
         seed=0,
         train=TrainSection(
-            steps=args["steps"], micro_batch_size=1, micro_batches=BATCH_PER_NODE * nodes // MICRO_BATCH, seq_len=16
+            # the real rows as many as the emulated ones: SysX's backward parts split them (schedule.backward_parts)
+            steps=args["steps"],
+            micro_batch_size=MICRO_BATCH,
+            micro_batches=BATCH_PER_NODE * nodes // MICRO_BATCH,
+            seq_len=16,
         ),
         optim=OptimSection(
             backend="torch", workers=args["optimizer_workers"], grad_clip=0.0, warmup_steps=1, placement=placement
@@ -253,6 +257,7 @@ def planned_iteration(
             seq_len=em.seq_len,
             ranks_per_node=GPUS_PER_NODE,
             spread_allowed=replicas == 1,
+            micro_batch_size=cfg.train.micro_batch_size,
         )
         it = _lane_planned(cfg, sched, plan_emulation(cfg, sched, backend="torch", replicas=replicas))
     except (ConfigError, PartitionError, ScheduleError, ValueError):

@@ -10,8 +10,9 @@ at today's default beside them:
 - ``a block per stage``: the runtime's default layout now (one Block per forward stage, d = 1, the
   backward ring going on from the last forward stage's rank, the last step spread over the node:
   :func:`sysx.runtime.options.block_stages`; the Head's input gradient computed by its forward for
-  3/4 of the micro-batches, ``schedule.head_input_grad``), as ``bench_pipeline.py`` runs it. The
-  Head levers below change that layout with no input gradient moved (``head_input_grad=0``);
+  3/4 of the micro-batches, ``schedule.head_input_grad``; each backward in two parts of a sequence,
+  ``schedule.backward_parts``), as ``bench_pipeline.py`` runs it. The Head levers below change that
+  layout with no input gradient moved (``head_input_grad=0``);
 
 - ``block, head free``: an upper bound for every Head lever at that layout (fused, cut, split by
   micro-batch over ranks): its Head's backward (the first backward sub-stage, on the rank that leads
@@ -119,6 +120,7 @@ def _cell(
         nodes = max(1, n_ranks // bench.GPUS_PER_NODE)
         overrides = {
             "emulate.micro_batch_size": micro_batch,
+            "train.micro_batch_size": micro_batch,  # the rows schedule.backward_parts may split
             "train.micro_batches": bench.BATCH_PER_NODE * nodes // micro_batch,
         }
     cfg, opts = bench._cell_config(name, seq, n_ranks, schedule, ARGS, overrides=overrides)
@@ -132,6 +134,7 @@ def _cell(
         n_micro=cfg.train.micro_batches,
         seq_len=em.seq_len,
         ranks_per_node=bench.GPUS_PER_NODE,
+        micro_batch_size=cfg.train.micro_batch_size,
     )
     return sched, cfg
 

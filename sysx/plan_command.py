@@ -403,6 +403,7 @@ def _plan_emulated(args: argparse.Namespace, name: str, cfg: int) -> tuple[Sched
         options_from_config(job),
         n_ranks=args.ranks,
         n_micro=args.microbatches,
+        micro_batch_size=job.train.micro_batch_size,
         ranks_per_node=cluster(job.emulate).gpus_per_node,  # the node a spread last step stays on
         spread_allowed=(args.replicas or 1) == 1 and job.optim.offload == "host",
     )

@@ -65,6 +65,7 @@ def check_pipeline(cfg: SysxConfig, ranks: int) -> str:
         n_ranks=layout.pipeline,
         n_micro=t.micro_batches,
         seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size,
         spread_allowed=layout.replicas == 1 and cfg.optim.offload == "host",
     )
     numels = [sum(_numel(shape) for _, shape in entries) for entries in layer_params(model_cfg)]

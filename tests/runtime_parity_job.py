@@ -114,6 +114,7 @@ def main(spec_path: str, out_path: str) -> int:
                 "ckpt": sched.options.ckpt,
                 "keep_activations": sched.options.keep_activations,
                 "optimizer": sched.options.optimizer,
+                "backward_parts": sched.options.backward_parts,
                 "messages_per_step": n_messages,
                 "mirrored_units": mirrored,
                 "losses": losses,

@@ -105,22 +105,27 @@ def test_world_size_one_matches_the_reference(dataset: TokenDataset, reference: 
         assert float((state[name] - value).norm() / value.norm()) <= TOL, name
 
 
-@pytest.mark.parametrize("head_input_grad,moved", [(None, {1, 2, 3}), (0, set())])
+@pytest.mark.parametrize(
+    "head_input_grad,backward_parts,moved,parts",
+    [(None, None, {1, 2, 3}, 2), (0, 1, set(), 1), (0, 2, set(), 2), (4, 1, {0, 1, 2, 3}, 1)],
+)
 def test_the_default_sysx_layout_of_a_deeper_model_matches_the_reference(
-    dataset: TokenDataset, head_input_grad: int | None, moved: set[int]
+    dataset: TokenDataset, head_input_grad: int | None, backward_parts: int | None, moved: set[int], parts: int
 ) -> None:
     """The default SysX layout is one Block per forward stage with d = 1 (``block_stages``): here 12
     flat layers on one rank in 11 stages, the Embedding with the first Block, the Head alone; by
-    default 3 of the 4 micro-batches take the Head's input gradient from its forward."""
+    default 3 of the 4 micro-batches take the Head's input gradient from its forward, and every
+    backward runs in two parts, a sequence each."""
     cfg = dataclasses.replace(small_cfg(micro_batches=4), model=ModelSection(preset="tiny", n_layers=10))
     ref = ReferenceTrainer(cfg, dataset=dataset)
     ref_losses, ref_state = [r.loss for r in ref.run(3)], ref.state_dict()
-    opts = PipelineOptions(optim_backend="torch", head_input_grad=head_input_grad)
+    opts = PipelineOptions(optim_backend="torch", head_input_grad=head_input_grad, backward_parts=backward_parts)
     with PipelineTrainer(cfg, opts, dataset=dataset) as trainer:
         assert (trainer.schedule.n_stages, trainer.schedule.split) == (11, 1)
         assert list(trainer.schedule.partition.stage_layers(0)) == [0, 1]
         assert list(trainer.schedule.partition.stage_layers(10)) == [11]
         assert trainer.schedule.options.head_igrad == moved
+        assert trainer.schedule.options.backward_parts == parts
         losses, state = [r.loss for r in trainer.run(3)], trainer.state_dict()
     assert losses == pytest.approx(ref_losses, rel=TOL)
     for name, value in ref_state.items():

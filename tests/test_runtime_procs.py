@@ -202,8 +202,11 @@ EVERY_SCHEDULE_4 = [
     {"schedule": "sysx", "cfg": 0},
     {"schedule": "sysx", "cfg": 1},
     {"schedule": "sysx", "cfg": 2},
-    # the Head alone: micro-batches 1 and 3 take its input gradient from its forward on rank 3, across the nodes
+    # the Head alone: micro-batches 1 and 3 take its input gradient from its forward on rank 3, across the
+    # nodes, and every backward runs in 2 parts (the default there), their gradients sent part by part
     {"schedule": "sysx", "split": 1, "stage_sizes": [3, 2, 2, 2, 2, 2, 2, 1], "head_input_grad": 2},
+    # backward parts with 2 sub-stages a stage: each checkpoint received once, read by both parts
+    {"schedule": "sysx", "split": 2, "backward_parts": 2},
 ]
 
 
@@ -229,6 +232,8 @@ def test_every_schedule_matches_the_reference_on_4_ranks_in_2_nodes(tmp_path: Pa
     )
     # decoupled placement across 2 nodes: forward ranks need sub-stages owned on the other node
     assert sysx_full["mirrored_units"] > 0
+    parts = {k: r["backward_parts"] for k, r in rows.items() if r["backward_parts"] > 1}
+    assert len(parts) == 2, parts  # the Head alone's default, and the one asked for
     assert (
         rows[json.dumps({"schedule": "gpipe"}, sort_keys=True)]["mirrored_units"] == 0
     )  # coupled: owner = forward rank

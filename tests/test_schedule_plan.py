@@ -149,7 +149,15 @@ def test_an_emulated_config_plans_the_emulated_cluster(capsys) -> None:
     data = _json(capsys, ["--ranks", "2", "--hydra", *EMULATED, "train.micro_batches=4"])
     job = load_config([*EMULATED, "train.micro_batches=4"])
     model = emulated_model(job)
-    sched = make_schedule(options_from_config(job), model.config, n_ranks=2, n_micro=4, seq_len=model.seq_len)
+    sched = make_schedule(
+        options_from_config(job),
+        model.config,
+        n_ranks=2,
+        n_micro=4,
+        seq_len=model.seq_len,
+        micro_batch_size=job.train.micro_batch_size,
+    )
+    assert sched.options.backward_parts == 2  # the block layout's default at 2 sequences a micro-batch
     plan = plan_emulation(job, sched, backend=job.optim.backend).timeline
     assert data["iteration"] == pytest.approx(plan.iteration) and data["peak_gpu"] == pytest.approx(plan.peak_gpu)
     assert data["iteration"] > 0.1 and max(data["peak_gpu"]) > 2**30  # llama2_7b's stages, not the tiny model's

@@ -228,6 +228,7 @@ def _build(job: Job, opts: PipelineOptions, mbs: int) -> tuple[PipelineOptions, 
         seq_len=job.seq_len,
         ranks_per_node=job.ranks_per_node,
         spread_allowed=job.replicas == 1 and job.offload == "host",  # replicas None: the search picks R > 1 too
+        micro_batch_size=mbs,
     )
     if block_layout(opts, sched, job.model):  # no whole number of stages per rank: null keeps the rule's
         return opts, sched

@@ -68,8 +68,10 @@ def refuse_ignored_keys(schedule: str, section: ScheduleSection, single: SingleS
     if schedule != "sysx":
         ignored = [
             k
-            for k in ("split", "cfg", "spread_last_step", "head_input_grad")
-            if k in values and not (k == "split" and values[k] == 1)
+            for k in ("split", "cfg", "spread_last_step", "head_input_grad", "backward_parts")
+            if k in values
+            and not (k == "split" and values[k] == 1)
+            and not (k == "backward_parts" and values[k] in (None, 1))
         ]
         for key in ignored:
             _refuse(

@@ -175,11 +175,18 @@ class PipelineKeys:
     # sent from there); the Head's backward sub-stage then recomputes for its weight gradient only, work
     # off the rank that leads the backward ring. null: 3/4 of them there, else 0 (issue 27)
     head_input_grad: int | None = None
+    # sysx: each micro-batch's backward in this many parts of its rows (train.micro_batch_size a multiple),
+    # each recomputed from its rows of the one checkpoint: a micro-batch's backward hops from rank to rank
+    # a part at a time, which shortens the pipeline's fill and drain at long sequences. null: 2 with the
+    # Head a stage of its own and an even micro-batch size, else 1 (issue 27)
+    backward_parts: int | None = None
 
     def validate(self) -> None:
         """Ranges of the pipeline keys."""
         if self.head_input_grad is not None:
             check_int("schedule.head_input_grad", self.head_input_grad, 0)
+        if self.backward_parts is not None:
+            check_int("schedule.backward_parts", self.backward_parts, 1)
         if not isinstance(self.keep_activations, bool):
             fail("schedule.keep_activations", self.keep_activations, "must be true or false")
         if self.spread_last_step is not None and not isinstance(self.spread_last_step, bool):

@@ -135,6 +135,7 @@ class EmulatedPacer(Pacer):
         self.group, self.world = group, world  # VALIDATE's modelled end is the latest rank's arrival
         self.split = schedule.partition.split
         self._head, self._head_igrad = schedule.partition.n_stages - 1, schedule.options.head_igrad
+        self._parts = schedule.options.backward_parts  # a backward part, and its gradient, is 1/parts of the table's
         # the host issues the next compute op when the last one ends: the cursor is the stream's end
         self.compute = EmulatedStream("compute", issue=lambda: self.compute.free)
         self.h2d = EmulatedStream("h2d", issue=self.cursor)
@@ -206,6 +207,8 @@ class EmulatedPacer(Pacer):
             return int(t.grad_mem[g])
         if op.kind in COMMS or op.kind in WAITS:
             family = op.message[0]
+            if family == Message.GRAD:
+                return int(self.plan.costs.act_bytes / self._parts)
             return int(t.ckpt_mem[g] if family == Message.CKPT else self.plan.costs.act_bytes)
         return real
 
@@ -213,11 +216,12 @@ class EmulatedPacer(Pacer):
         """Wall seconds of ``op``'s modelled work."""
         t, g, k = self.table, op.stage * self.split + op.sub, op.kind
         # the Head's input gradient moved to its forward (schedule.head_input_grad), as the engine moves it
-        moved = t.head_igrad if op.stage == self._head and op.mb in self._head_igrad else 0.0
+        whole = op.mb // self._parts if k == OpKind.BACKWARD else op.mb
+        moved = t.head_igrad if op.stage == self._head and whole in self._head_igrad else 0.0
         if k == OpKind.FORWARD:
             x = t.fwd[op.stage] + moved
         elif k == OpKind.BACKWARD:
-            x = t.bwd[g] - moved
+            x = (t.bwd[g] - moved) / self._parts
         elif k == OpKind.LOAD_PARAMS:
             x = t.load_stage[op.stage] if op.sub < 0 else t.load_sub[g]
         elif k == OpKind.OFFLOAD_GRADS:
@@ -514,7 +518,7 @@ class EmulatedPacer(Pacer):
         xfer = (
             t.act_xfer[spec.stage]
             if spec.family == Message.ACT
-            else (t.grad_xfer[g] if spec.family == Message.GRAD else t.ckpt_xfer[g])
+            else (t.grad_xfer[g] / self._parts if spec.family == Message.GRAD else t.ckpt_xfer[g])
         )
         return xfer * self.time_scale
 

@@ -24,6 +24,7 @@ from sysx.dist import PeerTimeout
 from sysx.emulate.pacer import Pacer
 from sysx.model import FlatLayout, ModelConfig, run_layers
 from sysx.model.llama import make_shell
+from sysx.model.loss import IGNORE_INDEX
 from sysx.partition import unit_label
 from sysx.runtime.buffers import GradBuffers, ParamPool, load_places
 from sysx.runtime.optimizer import RankOptimizer
@@ -112,6 +113,14 @@ class Executor:
         self.last_stage = schedule.n_stages - 1
         self.act_shape = (micro_batch_size, seq_len, model_cfg.dim)
         self.ids_shape = (micro_batch_size, seq_len)
+        # schedule.backward_parts: a backward part runs rows [p * part_rows, (p + 1) * part_rows) of its micro-batch
+        self.parts = schedule.options.backward_parts
+        if micro_batch_size % self.parts:
+            raise ExecutionError(
+                f"rank {rank}: schedule.backward_parts={self.parts} must divide train.micro_batch_size="
+                f"{micro_batch_size} (each part is rows of the micro-batch); use a divisor or null"
+            )
+        self.part_rows = micro_batch_size // self.parts
         self.handlers: dict[OpKind, Callable[[Op], None]] = {
             OpKind.LOAD_PARAMS: self._load,
             OpKind.FREE: self._free,
@@ -135,7 +144,7 @@ class Executor:
         self.handlers = self.pacer.wrap(self.handlers, lambda unit: self.optimizer.events.get(unit))
         self._modules: dict[tuple[int, int], tuple[list[nn.Module], FlatLayout]] = {}
         self._bindings: dict[tuple[int, int], tuple[torch.device, int, int]] = {}  # layers -> slot region bound
-        self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self._batches: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor, float, list[float]]] = {}
         self.acts: dict[tuple[int, int], torch.Tensor] = {}
         self.ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
         # keep_activations: a forward's input (leaf) and output, its autograd graph, until the backward
@@ -259,18 +268,28 @@ class Executor:
         self._bindings.clear()
 
     # --------------------------------------------------------------------------------- helpers
-    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Micro-batch ``mb``'s ids and labels on the device, and its loss weight (from the host labels)."""
+    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor, float, list[float]]:
+        """Micro-batch ``mb``'s ids and labels on the device, its loss weight, and each backward part's
+        share of its trained tokens (all from the host labels)."""
         key = (self.ctx.step, self.ctx.split, mb)
         if key not in self._batches:
             ids, labels = self.batch_fn(self.ctx.step, mb, self.ctx.split)
             weight = 1.0 if self.ctx.weights is None else self.ctx.weights.weight(labels)
+            shares = [1.0]
+            if self.parts > 1:  # a part's mean loss counts its tokens' share of the micro-batch's mean
+                trained = (labels != IGNORE_INDEX).reshape(self.parts, -1).sum(1).tolist()
+                shares = [n / max(1, sum(trained)) for n in trained]
             self._batches[key] = (
                 ids.to(self.device, non_blocking=True),
                 labels.to(self.device, non_blocking=True),
                 weight,
+                shares,
             )
         return self._batches[key]
+
+    def _rows(self, part: int) -> slice:
+        """The rows of a micro-batch that backward part ``part`` runs."""
+        return slice(part * self.part_rows, (part + 1) * self.part_rows)
 
     def _layers_modules(self, layers: range) -> tuple[list[nn.Module], FlatLayout]:
         """Compute modules for ``layers``: storage-less shells (the weights live in the parameter pool)."""
@@ -292,14 +311,18 @@ class Executor:
             self._bindings[key] = where
         return mods, layout
 
-    def _run(self, mods: list[nn.Module], layers: range, x: torch.Tensor, mb: int) -> torch.Tensor:
-        labels = self._batch(mb)[1] if self.head_layer in layers else None
+    def _run(
+        self, mods: list[nn.Module], layers: range, x: torch.Tensor, mb: int, rows: slice = slice(None)
+    ) -> torch.Tensor:
+        labels = self._batch(mb)[1][rows] if self.head_layer in layers else None
         return run_layers(mods, x, labels)
 
     def _spec(self, kind: Message, s: int, k: int, j: int) -> TransferSpec:
         # the checkpoint of the model's first sub-stage is its input: the token ids
         if kind == Message.CKPT and self.schedule.partition.sub_layers(s, k).start == 0:
             return TransferSpec(kind, s, k, j, self.ids_shape, torch.int64)
+        if kind == Message.GRAD and self.parts > 1:  # a backward part's rows
+            return TransferSpec(kind, s, k, j, (self.part_rows, *self.act_shape[1:]), self.dtype)
         return TransferSpec(kind, s, k, j, self.act_shape, self.dtype)
 
     def _need_p2p(self) -> P2P:
@@ -316,6 +339,11 @@ class Executor:
                 f"{what} is not available on this rank (neither computed here nor received before); "
                 f"the op list is inconsistent with the schedule"
             ) from None
+
+    @classmethod
+    def _get(cls, store: dict, key: tuple, what: str) -> torch.Tensor:
+        """``store[key]``, kept for a later reader, or the error :meth:`_pop` gives."""
+        return store[key] if key in store else cls._pop(store, key, what)
 
     def _reap_sends(self) -> None:
         # oldest first, up to the first still in flight: sends complete about in posting order, and
@@ -373,7 +401,9 @@ class Executor:
             with torch.enable_grad():
                 leaf = x.detach().requires_grad_(True)
                 out = self._run(mods, layers, leaf, j)
-                (self.igrads[(s, 0, j)],) = torch.autograd.grad(self._scaled_loss(out, j), leaf)
+                (grad,) = torch.autograd.grad(self._scaled_loss(out, j), leaf)
+            for p in range(self.parts):  # each backward part of the sub-stage before gets its rows
+                self.igrads[(s, 0, j * self.parts + p)] = grad[self._rows(p)] if self.parts > 1 else grad
             h = out.detach()
         elif self.ctx.training and self.schedule.options.keep_activations:
             # the graph lives until this rank's backward of the stage (d = 1), which backpropagates it
@@ -398,13 +428,22 @@ class Executor:
             self.acts[(s, j)] = h
 
     def _backward(self, op: Op) -> None:
-        s, k, j = op.stage, op.sub, op.mb
+        s, k, j = op.stage, op.sub, op.mb  # j: the micro-batch's index times the parts, plus the part
+        w, part = divmod(j, self.parts)
         layers = self.schedule.partition.sub_layers(s, k)
         mods, layout = self._bound(layers)
         layout.bind_grads(mods, self.grads.get((s, k), layout.numel))
         kept = self.kept.pop((s, k, j), None)
+        rows = self._rows(part) if self.parts > 1 else slice(None)
         if kept is None:
-            x0 = self._pop(self.ckpts, (s, k, j), f"the checkpoint of {op}")
+            what = f"the checkpoint of {op}"
+            # the parts share the micro-batch's checkpoint: its last one frees it
+            x0 = (
+                self._pop(self.ckpts, (s, k, w), what)
+                if part == self.parts - 1
+                else self._get(self.ckpts, (s, k, w), what)
+            )
+            x0 = x0[rows]
         nxt = self.schedule.partition.next_sub(s, k)
         grad_out = (
             None
@@ -416,11 +455,11 @@ class Executor:
                 x, out = kept
             else:
                 # the Head's input gradient already computed by its forward: the weight gradient only
-                wants_input = x0.is_floating_point() and not (nxt is None and j in self.schedule.options.head_igrad)
+                wants_input = x0.is_floating_point() and not (nxt is None and w in self.schedule.options.head_igrad)
                 x = x0.detach().requires_grad_(True) if wants_input else x0
-                out = self._run(mods, layers, x, j)
+                out = self._run(mods, layers, x, w, rows)
             if grad_out is None:
-                self._scaled_loss(out, j).backward()
+                self._scaled_loss(out, w, part).backward()
             else:
                 torch.autograd.backward(out, grad_out)
         if x.requires_grad:
@@ -428,9 +467,13 @@ class Executor:
                 raise RuntimeError(f"{op}: no gradient reached the sub-stage input")
             self.igrads[(s, k, j)] = x.grad
 
-    def _scaled_loss(self, loss: torch.Tensor, j: int) -> torch.Tensor:
-        """Micro-batch ``j``'s loss as its backward starts from it: over the step's divisor, times the loss scale."""
-        scaled = loss / self.ctx.divisor(self._batch(j)[2])
+    def _scaled_loss(self, loss: torch.Tensor, j: int, part: int | None = None) -> torch.Tensor:
+        """Micro-batch ``j``'s loss (or backward part ``part``'s) as its backward starts from it: over
+        the step's divisor, times the loss scale; a part's mean loss weighs its share of the tokens."""
+        _, _, weight, shares = self._batch(j)
+        scaled = loss / self.ctx.divisor(weight)
+        if part is not None and self.parts > 1:
+            scaled = scaled * shares[part]
         return scaled * self.ctx.scale if self.ctx.scale != 1.0 else scaled
 
     def _send_act(self, op: Op) -> None:

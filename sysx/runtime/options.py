@@ -180,6 +180,27 @@ def head_igrad_micro_batches(count: int | None, n_micro: int, partition: Partiti
     return frozenset(j for j in range(n_micro) if (j + 1) * count // n_micro > j * count // n_micro)
 
 
+# where the Head is a stage of its own (SysX's block layout), each micro-batch's backward runs in this
+# many parts by default: the planner's 30B/40B cells at 4096 tokens reach 1.302x Mobius with 2 and
+# 1.294x/1.291x without (RESULTS, issue 27's fifteenth session)
+BACKWARD_PARTS = 2
+
+
+def backward_parts_of(parts: int | None, micro_batch_size: int | None, partition: Partition) -> int:
+    """The parts each micro-batch's backward runs in (``schedule.backward_parts``; None:
+    ``BACKWARD_PARTS`` where the Head is a stage of its own and ``micro_batch_size`` a multiple of it,
+    else 1), or a :class:`RuntimeConfigError` naming the value and the fix."""
+    if parts is None:
+        fits = micro_batch_size is not None and micro_batch_size % BACKWARD_PARTS == 0
+        return BACKWARD_PARTS if partition.head_alone and fits else 1
+    if micro_batch_size is not None and micro_batch_size % parts:
+        raise RuntimeConfigError(
+            f"schedule.backward_parts={parts} must divide train.micro_batch_size={micro_batch_size} (each part is "
+            f"rows of the micro-batch); use a divisor of {micro_batch_size} or null"
+        )
+    return parts
+
+
 def fits_block_stages(n_flat_layers: int | None, n_ranks: int) -> bool:
     """Whether SysX's default layout is one Block per stage for a model of ``n_flat_layers`` flat
     layers (None: unknown) on ``n_ranks`` pipeline ranks (``BLOCK_STAGES_MIN_LAYERS_PER_RANK``)."""
@@ -226,6 +247,7 @@ def make_schedule(
     seq_len: int,
     ranks_per_node: int | None = None,
     spread_allowed: bool = True,
+    micro_batch_size: int | None = None,
 ) -> Schedule:
     """The validated schedule of this run (identical on every rank).
 
@@ -235,6 +257,8 @@ def make_schedule(
     ``schedule.spread_last_step`` shares the last optimizer step over the owner's node
     (``ranks_per_node`` ranks to a node, numbered node by node; None: one node); left null, it does
     so for SysX CFG3 when ``spread_allowed`` (the job has one replica and ``optim.offload=host``).
+    ``micro_batch_size``: sequences per micro-batch, the rows ``schedule.backward_parts`` splits (None:
+    unknown, and a null ``backward_parts`` is 1).
     """
     opts.check()
     n_layers = model_cfg.n_layers + 2
@@ -272,6 +296,9 @@ def make_schedule(
                     head_igrad=head_igrad_micro_batches(opts.head_input_grad, n_micro, partition)
                     if opts.schedule == "sysx"
                     else frozenset(),
+                    backward_parts=backward_parts_of(opts.backward_parts, micro_batch_size, partition)
+                    if opts.schedule == "sysx"
+                    else (opts.backward_parts or 1),
                 )
                 schedule = post_receives(schedule)  # the transfers run while the rank computes
                 if opts.spreads(spread_allowed):

@@ -40,11 +40,12 @@ def build(
     param_buffers: int = 2,
     keep_activations: bool = False,
     head_igrad: frozenset[int] = frozenset(),
+    backward_parts: int = 1,
 ) -> Schedule:
     """Build schedule ``name``. Without ``partition``, a uniform one with ``n_stages`` stages
     (default: ``Ng`` for gpipe/1f1b, ``2 Ng`` otherwise) and ``split`` (sysx only).
-    ``keep_activations``, ``head_igrad``: see :class:`ScheduleOptions` (the first not for sysx,
-    the second sysx only).
+    ``keep_activations``, ``head_igrad``, ``backward_parts``: see :class:`ScheduleOptions` (the
+    first not for sysx, the others sysx only).
 
     Every call builds a new schedule (milliseconds even for thousands of ops; a caller that
     builds the same one repeatedly keeps it).
@@ -61,6 +62,8 @@ def build(
     kw: dict[str, Any] = {"param_buffers": param_buffers}
     if head_igrad and name != "sysx":
         raise ScheduleError(f"head_igrad moves SysX's Head input gradient to its forward; {name} has none to move")
+    if backward_parts != 1 and name != "sysx":
+        raise ScheduleError(f"backward_parts={backward_parts!r} splits SysX's backward sub-stages; {name} has none")
     if name == "gpipe":
         built = build_gpipe(n_ranks, n_micro, partition, **kw)
     elif name == "1f1b":
@@ -70,7 +73,9 @@ def build(
     elif name == "mobius":
         built = build_mobius(n_ranks, n_micro, partition, **kw)
     else:
-        built = build_sysx(n_ranks, n_micro, partition, cfg=cfg, head_igrad=head_igrad, **kw)
+        built = build_sysx(
+            n_ranks, n_micro, partition, cfg=cfg, head_igrad=head_igrad, backward_parts=backward_parts, **kw
+        )
     if not keep_activations:
         return built
     if name == "sysx":
@@ -90,8 +95,14 @@ def validate_first(schedule: Schedule) -> Schedule:
         return schedule
     if schedule.name != "sysx":
         raise ScheduleError(f"{schedule.name} has an asynchronous optimizer but no synchronous variant")
+    opts = schedule.options
     synchronous = build_sysx(
-        schedule.n_ranks, schedule.n_micro, schedule.partition, cfg=2, param_buffers=schedule.options.param_buffers
+        schedule.n_ranks,
+        schedule.n_micro,
+        schedule.partition,
+        cfg=2,
+        param_buffers=opts.param_buffers,
+        backward_parts=opts.backward_parts,
     )
     # the lowering gives back as itself a schedule it has nothing to do on: one lowered already (or
     # one without transfers, whose synchronous program has none either)

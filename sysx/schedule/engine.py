@@ -41,6 +41,7 @@ class Program:
     n_units: int
     loads: list[list[tuple[bool, int]]]  # per rank, (is_load, unit) of its LOAD_PARAMS / FREE: the pool's plan
     shares: dict[int, int] = field(default_factory=dict)  # unit -> ranks sharing its step (spread)
+    parts: int = 1  # ScheduleOptions.backward_parts: a backward and a gradient message cost 1/parts
 
 
 def _unit_index(op: Op, nsf: int, d: int) -> int:
@@ -54,6 +55,7 @@ class _Compiler:
         self.partition = schedule.partition
         self.nsf, self.d = self.partition.n_stages, self.partition.split
         self.head_igrad = schedule.options.head_igrad
+        self.parts = schedule.options.backward_parts
         self.ids: dict[tuple, int] = {}
         self.src: list[int] = []
         self.dst: list[int] = []
@@ -85,7 +87,7 @@ class _Compiler:
 
     def rank(self, r: int, ops: tuple[Op, ...]) -> list[tuple]:
         p, nsf, d = self.partition, self.nsf, self.d
-        head_igrad = self.head_igrad
+        head_igrad, parts = self.head_igrad, self.parts
         resident: list[tuple[int, range]] = []
         seen_g: set[int] = set()
         prog: list[tuple] = []
@@ -102,12 +104,14 @@ class _Compiler:
             elif k in (OpKind.FORWARD, OpKind.BACKWARD):
                 lay = p.layers(op.stage, -1 if k == OpKind.FORWARD else op.sub)
                 u = next((x[0] for x in reversed(resident) if x[1].start <= lay.start and lay.stop <= x[1].stop), -1)
-                moved = op.mb in head_igrad and op.stage == nsf - 1  # the Head's input gradient on its forward
+                # the Head's input gradient on its forward
+                moved = op.mb // (1 if k == OpKind.FORWARD else parts) in head_igrad and op.stage == nsf - 1
                 if k == OpKind.FORWARD:
                     prog.append((_FWD, op.stage, u, i, moved))
                 else:
                     g = op.stage * d + op.sub
-                    prog.append((_BWD, g, u, i, g not in seen_g, moved))
+                    # the checkpoint goes with the micro-batch's last part
+                    prog.append((_BWD, g, u, i, g not in seen_g, moved, op.mb % parts == parts - 1))
                     seen_g.add(g)
             elif k in (OpKind.SEND_ACT, OpKind.SEND_GRAD, OpKind.SEND_CKPT):
                 prog.append(
@@ -139,7 +143,7 @@ def compile_schedule(schedule: Schedule) -> Program:
     code = [c.rank(r, ops) for r, ops in enumerate(schedule.ops)]
     loads = [[(ins[0] == _LOAD, ins[1]) for ins in rank if ins[0] in (_LOAD, _FREE)] for rank in code]
     shares = {s * c.d + k: n for (s, k), n in spread_shares(schedule).items()}
-    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads, shares)
+    return Program(code, c.src, c.dst, c.kind, c.idx, c.transfer, c.nsf + c.nsf * c.d, loads, shares, c.parts)
 
 
 class ProgramCache:
@@ -215,6 +219,7 @@ class _Engine:
         "opt",
         "param_mem",
         "param_pool",
+        "parts",
         "pcs",
         "posted",
         "queue",
@@ -240,7 +245,9 @@ class _Engine:
         self.code, self.msg_src = prog.code, prog.msg_src
         self.rendezvous, self.posted, self.record, self.memory = rendezvous, posted, record, memory
         xfers = (tab.act_xfer, tab.grad_xfer, tab.ckpt_xfer)
-        self.xfer = [xfers[f][i] for f, i in zip(prog.msg_kind, prog.msg_idx)]
+        self.parts = prog.parts  # a gradient message carries a part's rows: 1/parts of the table's
+        per = [1.0, 1.0 / prog.parts, 1.0]
+        self.xfer = [xfers[f][i] * per[f] for f, i in zip(prog.msg_kind, prog.msg_idx)]
         self.fwd, self.bwd, self.opt, self.offload = tab.fwd, tab.bwd, tab.opt, tab.offload
         self.shares = prog.shares
         if self.shares:  # each rank sharing a unit's step steps its share of it
@@ -356,17 +363,18 @@ class _Engine:
     def _backward(self, r: int, ins: tuple, t: float) -> float:
         g = ins[1]
         st = self._gpu_start(r, ins[2], t)
-        en = st + self.bwd[g] - (self.head_igrad if ins[5] else 0.0)
+        en = st + (self.bwd[g] - (self.head_igrad if ins[5] else 0.0)) / self.parts
         self.busy[r] += en - st
         self.gpu_end[r] = en
         if self.memory:
             mem = self.mem[r]
             if ins[4]:  # first backward of the sub-stage: its gradient buffer appears
                 mem[GRADS].append((st, self.grad_mem[g]))
-            w = self.bwd_work[g]
+            w = self.bwd_work[g] / self.parts
             if w:
                 mem[WORK].extend(((st, w), (en, -w)))
-            mem[CKPTS].append((en, -self.ckpt_mem[g]))
+            if ins[6]:
+                mem[CKPTS].append((en, -self.ckpt_mem[g]))
         if self.record:
             self.events.append((r, GPU, ins[3], st, en))
         return en

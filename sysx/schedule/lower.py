@@ -34,8 +34,29 @@ from sysx.schedule.ops import (
 Keyed = list[tuple[tuple, Op]]
 
 
-def _check_orders(orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int) -> dict[Op, int]:
-    """The rank of every pass; every forward and backward pass must appear exactly once."""
+def _split_backwards(orders: Sequence[Sequence[Op]], parts: int) -> list[list[Op]]:
+    """Every backward pass of the builders' orders as ``parts`` passes in a row, one per part of its
+    micro-batch's rows (``ScheduleOptions.backward_parts``): the next rank's backward of part 0 can
+    start while this rank computes part 1."""
+    if parts == 1:
+        return [list(order) for order in orders]
+    out: list[list[Op]] = []
+    for r, order in enumerate(orders):
+        lst: list[Op] = []
+        for op in order:
+            if op.kind == OpKind.BACKWARD:
+                if op.mb < 0:
+                    raise ScheduleError(f"rank {r}: `{op}` names no micro-batch")
+                lst += [B(op.stage, op.sub, op.mb * parts + p) for p in range(parts)]
+            else:
+                lst.append(op)
+        out.append(lst)
+    return out
+
+
+def _check_orders(orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int, parts: int = 1) -> dict[Op, int]:
+    """The rank of every pass; every forward and backward pass (of every part) must appear exactly once,
+    and a micro-batch's backward parts of one sub-stage on one rank."""
     n_stages, split = partition.n_stages, partition.split
     where: dict[Op, int] = {}
     for r, order in enumerate(orders):
@@ -50,40 +71,57 @@ def _check_orders(orders: Sequence[Sequence[Op]], partition: Partition, n_micro:
         str(B(s, k, j))
         for s in range(n_stages)
         for k in range(split)
-        for j in range(n_micro)
+        for j in range(n_micro * parts)
         if B(s, k, j) not in where
     ]
     if missing:
         raise ScheduleError(f"the compute orders miss {len(missing)} pass(es): {', '.join(missing[:8])}")
-    if len(where) != n_stages * n_micro * (1 + split):
+    if len(where) != n_stages * n_micro * (1 + split * parts):
         extra = [
             str(op)
             for op in where
             if not (
-                0 <= op.stage < n_stages and 0 <= op.mb < n_micro and (op.kind == OpKind.FORWARD or 0 <= op.sub < split)
+                0 <= op.stage < n_stages
+                and 0 <= op.mb < n_micro * (1 if op.kind == OpKind.FORWARD else parts)
+                and (op.kind == OpKind.FORWARD or 0 <= op.sub < split)
             )
         ]
         raise ScheduleError(f"the compute orders hold passes outside the schedule: {', '.join(extra[:8])}")
+    apart = [
+        str(op)
+        for op, r in where.items()
+        if op.kind == OpKind.BACKWARD and op.mb % parts and where[B(op.stage, op.sub, op.mb - op.mb % parts)] != r
+    ]
+    if apart:
+        raise ScheduleError(
+            f"backward parts {', '.join(apart[:8])} run on another rank than their micro-batch's part 0: "
+            "the parts share one checkpoint, received once"
+        )
     return where
 
 
-def _inputs(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset()) -> list[Op]:
+def _inputs(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset(), parts: int = 1) -> list[Op]:
     """The passes whose results ``op`` consumes (its checkpoint's forward, its input or output gradient)."""
     if op.kind == OpKind.FORWARD:
         return [F(op.stage - 1, op.mb)] if op.stage > 0 else []
-    deps = [F(op.stage, op.mb)]
-    prod = grad_producer(op, partition, head_igrad)
+    deps = [F(op.stage, op.mb // parts)]
+    prod = grad_producer(op, partition, head_igrad, parts)
     if prod is not None:
         deps.append(prod)
     return deps
 
 
 def logical_times(
-    orders: Sequence[Sequence[Op]], partition: Partition, n_micro: int, head_igrad: frozenset[int] = frozenset()
+    orders: Sequence[Sequence[Op]],
+    partition: Partition,
+    n_micro: int,
+    head_igrad: frozenset[int] = frozenset(),
+    parts: int = 1,
 ) -> tuple[dict[Op, int], dict[Op, tuple[float, float]]]:
-    """Rank of every pass, and its (start, end) on the logical timeline (see docs/architecture.md)."""
-    where = _check_orders(orders, partition, n_micro)
-    duration = {OpKind.FORWARD: float(partition.split), OpKind.BACKWARD: 2.0}
+    """Rank of every pass, and its (start, end) on the logical timeline (see docs/architecture.md);
+    ``orders`` with every backward in its ``parts`` (:func:`_split_backwards`)."""
+    where = _check_orders(orders, partition, n_micro, parts)
+    duration = {OpKind.FORWARD: float(partition.split), OpKind.BACKWARD: 2.0 / parts}
     times: dict[Op, tuple[float, float]] = {}
     pc = [0] * len(orders)
     clock = [0.0] * len(orders)
@@ -93,7 +131,7 @@ def logical_times(
         for r, order in enumerate(orders):
             while pc[r] < len(order):
                 op = order[pc[r]]
-                deps = _inputs(op, partition, head_igrad)
+                deps = _inputs(op, partition, head_igrad, parts)
                 if any(d not in times for d in deps):
                     break
                 start = max([clock[r]] + [times[d][1] for d in deps])
@@ -226,6 +264,7 @@ def _messages(
     partition: Partition,
     ckpt: CkptMode,
     head_igrad: frozenset[int] = frozenset(),
+    parts: int = 1,
 ) -> tuple[list[Keyed], list[_Msg], list[CkptRoute]]:
     """Every rank's passes keyed by their logical start, the messages between ranks, WAIT_CKPTs,
     and the route of every checkpoint."""
@@ -241,16 +280,18 @@ def _messages(
                     msgs.append(_Msg(times[prod][1], Message.ACT, where[prod], r, op.stage - 1, -1, op.mb, False))
             elif op.kind == OpKind.BACKWARD:
                 nxt = partition.next_sub(op.stage, op.sub)
-                grad = grad_producer(op, partition, head_igrad)
+                grad = grad_producer(op, partition, head_igrad, parts)
                 if nxt is not None and grad is not None and where[grad] != r:
                     # named by the sub-stage it is the input gradient of, whichever pass computed it
                     msgs.append(_Msg(times[grad][1], Message.GRAD, where[grad], r, nxt[0], nxt[1], op.mb, False))
-                _route_checkpoint(op, r, where, times, ckpt, items[r], msgs, routes)
+                if op.mb % parts == 0:  # one checkpoint for the micro-batch's parts, routed to its first
+                    _route_checkpoint(op, op.mb // parts, r, where, times, ckpt, items[r], msgs, routes)
     return items, msgs, routes
 
 
 def _route_checkpoint(
     op: Op,
+    mb: int,
     r: int,
     where: dict[Op, int],
     times: dict[Op, tuple[float, float]],
@@ -259,11 +300,12 @@ def _route_checkpoint(
     msgs: list[_Msg],
     routes: list[CkptRoute],
 ) -> None:
-    """The route of backward ``op``'s checkpoint from its forward; a message (and a WAIT_CKPT) across ranks."""
-    fwd = F(op.stage, op.mb)
+    """The route of the checkpoint of backward ``op`` (the first part of micro-batch ``mb``) from its
+    forward; a message (and a WAIT_CKPT) across ranks."""
+    fwd = F(op.stage, mb)
     src = where[fwd]
     if src == r:
-        routes.append(CkptRoute(op.stage, op.sub, op.mb, r, r, "local", times[fwd][1]))
+        routes.append(CkptRoute(op.stage, op.sub, mb, r, r, "local", times[fwd][1]))
     elif ckpt == "local":
         raise ScheduleError(
             f"`{op}` runs on rank {r} but `{fwd}` on rank {src}: a coupled schedule keeps every "
@@ -271,19 +313,19 @@ def _route_checkpoint(
         )
     elif ckpt == "async":
         tau = times[fwd][1]
-        msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, op.mb, True))
+        msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, mb, True))
         # right before the backward, after the messages keyed at its start
         items.append(
             (
-                (times[op][0], 0, float("inf"), op.stage, op.sub, op.mb),
-                Op(OpKind.WAIT_CKPT, op.stage, op.sub, op.mb, src),
+                (times[op][0], 0, float("inf"), op.stage, op.sub, mb),
+                Op(OpKind.WAIT_CKPT, op.stage, op.sub, mb, src),
             )
         )
-        routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "async", tau))
+        routes.append(CkptRoute(op.stage, op.sub, mb, src, r, "async", tau))
     else:
         tau = times[op][0]
-        msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, op.mb, False))
-        routes.append(CkptRoute(op.stage, op.sub, op.mb, src, r, "sync", tau))
+        msgs.append(_Msg(tau, Message.CKPT, src, r, op.stage, op.sub, mb, False))
+        routes.append(CkptRoute(op.stage, op.sub, mb, src, r, "sync", tau))
 
 
 def _add_messages(items: list[Keyed], msgs: list[_Msg], partition: Partition) -> None:
@@ -347,20 +389,26 @@ def lower(
     param_buffers: int = 2,
     cfg: int | None = None,
     head_igrad: frozenset[int] = frozenset(),
+    backward_parts: int = 1,
 ) -> Schedule:
     """Build the complete :class:`Schedule` from per-rank compute orders, pass by pass: logical
     times, messages, parameter loads/frees, gradient offloads and optimizer steps, checkpoint plan.
 
     ``ckpt`` and ``optimizer`` are the :class:`ScheduleOptions` modes; ``cfg`` the sysx ablation;
-    ``head_igrad`` the micro-batches whose Head input gradient its forward computes.
+    ``head_igrad`` the micro-batches whose Head input gradient its forward computes;
+    ``backward_parts`` the parts each backward of ``orders`` runs in (:func:`_split_backwards`).
     """
-    options = ScheduleOptions(ckpt, optimizer, param_buffers, cfg, head_igrad=frozenset(head_igrad))
+    options = ScheduleOptions(
+        ckpt, optimizer, param_buffers, cfg, head_igrad=frozenset(head_igrad), backward_parts=backward_parts
+    )
     if len(orders) != assignment.n_ranks:
         raise ScheduleError(f"{len(orders)} compute orders for {assignment.n_ranks} ranks")
     if head_igrad:
         _check_head_igrad(partition, n_micro, options.head_igrad)
-    where, times = logical_times(orders, partition, n_micro, options.head_igrad)
-    items, msgs, routes = _messages(orders, where, times, partition, ckpt, options.head_igrad)
+    parts = options.backward_parts
+    orders = _split_backwards(orders, parts)
+    where, times = logical_times(orders, partition, n_micro, options.head_igrad, parts)
+    items, msgs, routes = _messages(orders, where, times, partition, ckpt, options.head_igrad, parts)
     _add_messages(items, msgs, partition)
     lists = []
     for keyed in items:

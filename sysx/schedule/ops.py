@@ -6,6 +6,10 @@ LOAD_PARAMS / FREE (a unit's parameters into / out of a GPU buffer), FORWARD, BA
 sub-stage, recomputed from its checkpoint), SEND/RECV of activations, gradients and checkpoints
 (WAIT_ACT / WAIT_GRAD / WAIT_CKPT for a posted one), OFFLOAD_GRADS, OPTIM_STEP and VALIDATE (one all-reduce).
 Ops are hashable frozen dataclasses whose ``str`` reads like ``F s3 mb2`` or ``B s5.1 mb0``.
+
+With ``ScheduleOptions.backward_parts`` P > 1 a micro-batch's backward runs in P parts of its rows:
+a BACKWARD's ``mb`` (and that of the GRAD messages between backwards) is then ``j * P + part`` for
+forward micro-batch ``j``, while forwards, activations and checkpoints keep ``j``.
 """
 
 from __future__ import annotations
@@ -145,14 +149,15 @@ def B(stage: int, sub: int, mb: int) -> Op:
     return Op(OpKind.BACKWARD, stage, sub, mb)
 
 
-def grad_producer(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset()) -> Op | None:
-    """The pass that computes backward ``op``'s output gradient: the next sub-stage's backward, or
-    the Head's forward for a micro-batch in ``head_igrad`` (None for the last sub-stage)."""
+def grad_producer(op: Op, partition: Partition, head_igrad: frozenset[int] = frozenset(), parts: int = 1) -> Op | None:
+    """The pass that computes backward ``op``'s output gradient: the next sub-stage's backward of
+    the same part, or the Head's forward for a micro-batch in ``head_igrad`` (None for the last
+    sub-stage). ``parts``: the schedule's ``backward_parts``."""
     nxt = partition.next_sub(op.stage, op.sub)
     if nxt is None:
         return None
-    if op.mb in head_igrad and partition.next_sub(*nxt) is None:
-        return F(nxt[0], op.mb)
+    if op.mb // parts in head_igrad and partition.next_sub(*nxt) is None:
+        return F(nxt[0], op.mb // parts)
     return B(nxt[0], nxt[1], op.mb)
 
 
@@ -199,7 +204,10 @@ class ScheduleOptions:
     ``head_igrad``: micro-batches whose Head input gradient its forward computes (the loss's
     gradient to the Head's input, right after the forward, on the forward's rank, sent from there
     to the sub-stage before the Head); the Head's backward sub-stage then recomputes and adds only
-    its weight gradient for them. SysX with the Head a stage of its own only.
+    its weight gradient for them. SysX with the Head a stage of its own only. ``backward_parts``:
+    every micro-batch's backward runs in this many parts of its rows (module doc), each recomputed
+    from its rows of the one checkpoint; the hop a micro-batch's backward takes from rank to rank
+    shrinks to a part's.
     """
 
     ckpt: CkptMode
@@ -209,6 +217,7 @@ class ScheduleOptions:
     training: bool = True
     keep_activations: bool = False
     head_igrad: frozenset[int] = frozenset()
+    backward_parts: int = 1
 
     def __post_init__(self) -> None:
         if self.ckpt not in CKPT_MODES:
@@ -221,6 +230,14 @@ class ScheduleOptions:
             raise ScheduleError(
                 f"keep_activations needs every backward on its forward's rank (local checkpoints), not ckpt={self.ckpt!r}"
             )
+        if not isinstance(self.backward_parts, int) or self.backward_parts < 1:
+            raise ScheduleError(f"backward_parts={self.backward_parts!r} must be an int >= 1 (1 = whole micro-batches)")
+        if self.keep_activations and self.backward_parts > 1:
+            raise ScheduleError("keep_activations backpropagates the forward's graph whole: backward_parts must be 1")
+
+    def whole(self, mb: int) -> int:
+        """The forward micro-batch of backward micro-batch index ``mb`` (``mb`` with one part)."""
+        return mb // self.backward_parts
 
     @property
     def async_optimizer(self) -> bool:
@@ -255,6 +272,15 @@ class Schedule:
     def split(self) -> int:
         """Backward sub-stages per forward stage ``d``."""
         return self.partition.split
+
+    @property
+    def n_backward(self) -> int:
+        """Backward passes per sub-stage: ``n_micro`` times ``backward_parts``."""
+        return self.n_micro * self.options.backward_parts
+
+    def forward_of(self, op: Op) -> Op:
+        """The forward pass whose checkpoint (whole, or its rows) backward ``op`` recomputes from."""
+        return F(op.stage, self.options.whole(op.mb))
 
     def layers(self, op: Op) -> range:
         """Layers an op computes, loads, frees, offloads or steps."""

@@ -32,11 +32,13 @@ def build_sysx(
     cfg: int = 3,
     param_buffers: int = 2,
     head_igrad: frozenset[int] = frozenset(),
+    backward_parts: int = 1,
 ) -> Schedule:
     """SysX schedule; the partition gives ``Nsf`` and ``d`` (else ``n_stages`` / ``2 Ng`` and ``split``).
 
     CFG0 uses the partition's forward stages with ``d = 1``. ``head_igrad``: the micro-batches whose
-    Head input gradient its forward computes (:class:`sysx.schedule.ops.ScheduleOptions`).
+    Head input gradient its forward computes; ``backward_parts``: the parts each micro-batch's
+    backward runs in (both :class:`sysx.schedule.ops.ScheduleOptions`).
     """
     check_counts(n_ranks, n_micro)
     if cfg not in CFG_FEATURES:
@@ -63,4 +65,5 @@ def build_sysx(
         param_buffers=param_buffers,
         cfg=cfg,
         head_igrad=head_igrad,
+        backward_parts=backward_parts,
     )

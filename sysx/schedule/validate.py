@@ -86,6 +86,7 @@ def check_ranges(schedule: Schedule) -> list[str]:
     """1. Every op's stage, sub-stage, micro-batch and peer exist."""
     errors = []
     R, nm, nsf, d = schedule.n_ranks, schedule.n_micro, schedule.n_stages, schedule.split
+    nb = schedule.n_backward
     for r, ops in enumerate(schedule.ops):
         for i, op in enumerate(ops):
             bad = []
@@ -97,8 +98,11 @@ def check_ranges(schedule: Schedule) -> list[str]:
             if k in (OpKind.LOAD_PARAMS, OpKind.FREE) and not -1 <= op.sub < d:
                 bad.append(f"sub-stage {op.sub} not in -1..{d - 1}")
             has_mb = k in (OpKind.FORWARD, OpKind.BACKWARD) or k in COMMS or k in WAITS
-            if has_mb and not 0 <= op.mb < nm:
-                bad.append(f"micro-batch {op.mb} not in 0..{nm - 1}")
+            # a backward's, and its gradient's, index counts the parts (ScheduleOptions.backward_parts)
+            grad = (k in COMMS or k in WAITS) and op.message[0] == Message.GRAD
+            top = nb if k == OpKind.BACKWARD or grad else nm
+            if has_mb and not 0 <= op.mb < top:
+                bad.append(f"micro-batch {op.mb} not in 0..{top - 1}")
             if (k in COMMS or k in WAITS) and not (0 <= op.peer < R and op.peer != r):
                 bad.append(f"peer {op.peer} is not another rank in 0..{R - 1}")
             if bad:
@@ -119,9 +123,12 @@ def check_coverage(schedule: Schedule) -> list[str]:
                 seen.setdefault(F(op.stage, op.mb), []).append((r, i))
             elif op.kind == OpKind.BACKWARD:
                 seen.setdefault(B(op.stage, op.sub, op.mb), []).append((r, i))
+    parts = schedule.options.backward_parts
     for s in range(schedule.n_stages):
         for j in range(schedule.n_micro):
-            passes = [F(s, j)] + ([B(s, k, j) for k in range(schedule.split)] if training else [])
+            passes = [F(s, j)]
+            if training:
+                passes += [B(s, k, j * parts + p) for k in range(schedule.split) for p in range(parts)]
             for key in passes:
                 at = seen.get(key, [])
                 if not at:
@@ -273,16 +280,25 @@ class _RankState:
         self.done_f.add((op.stage, op.mb))
 
     def _backward(self, op: Op, here: str) -> None:
-        key = (op.stage, op.sub, op.mb)
-        if (op.stage, op.mb) not in self.done_f and key not in self.ready_ck:
+        opts = self.schedule.options
+        j = opts.whole(op.mb)
+        ck = (op.stage, op.sub, j)
+        if (op.stage, j) not in self.done_f and ck not in self.ready_ck:
             why = (
                 "its async RECV_CKPT was posted but no WAIT_CKPT precedes it"
-                if (Message.CKPT, *key) in self.posted
-                else f"no earlier `F s{op.stage} mb{op.mb}` here and no RECV_CKPT"
+                if (Message.CKPT, *ck) in self.posted
+                else f"no earlier `F s{op.stage} mb{j}` here and no RECV_CKPT"
             )
-            self.errors.append(f"{here}: checkpoint of {unit_label(op.stage, op.sub)} mb{op.mb} not available: {why}")
+            self.errors.append(f"{here}: checkpoint of {unit_label(op.stage, op.sub)} mb{j} not available: {why}")
+        first = op.mb - op.mb % opts.backward_parts
+        if first != op.mb and (op.stage, op.sub, op.mb - 1) not in self.done_b:
+            self.errors.append(
+                f"{here}: runs before `{B(op.stage, op.sub, op.mb - 1)}` here; a micro-batch's backward "
+                "parts run in order on one rank (its checkpoint is freed after the last)"
+            )
+        key = (op.stage, op.sub, op.mb)
         nxt = self.schedule.partition.next_sub(op.stage, op.sub)
-        prod = grad_producer(op, self.schedule.partition, self.schedule.options.head_igrad)
+        prod = grad_producer(op, self.schedule.partition, opts.head_igrad, opts.backward_parts)
         if nxt is not None and prod is not None and not self._computed(prod) and (*nxt, op.mb) not in self.got_grad:
             self.errors.append(
                 f"{here}: its output gradient (from `{prod}`) was neither "
@@ -307,9 +323,10 @@ class _RankState:
             self.errors.append(f"{here}: sends the output of `F s{op.stage} mb{op.mb}` before computing it here")
 
     def _send_grad(self, op: Op, here: str) -> None:
-        head_igrad = self.schedule.options.head_igrad
+        opts = self.schedule.options
         last = self.schedule.partition.next_sub(op.stage, op.sub) is None
-        prod = F(op.stage, op.mb) if last and op.mb in head_igrad else B(op.stage, op.sub, op.mb)
+        j = opts.whole(op.mb)
+        prod = F(op.stage, j) if last and j in opts.head_igrad else B(op.stage, op.sub, op.mb)
         if not self._computed(prod):
             self.errors.append(
                 f"{here}: sends the input gradient of {unit_label(op.stage, op.sub)} mb{op.mb} before computing it here (`{prod}`)"
@@ -356,7 +373,7 @@ class _RankState:
 
     def _offload(self, op: Op, here: str) -> None:
         g = (op.stage, op.sub)
-        miss = [j for j in range(self.schedule.n_micro) if (op.stage, op.sub, j) not in self.done_b]
+        miss = [j for j in range(self.schedule.n_backward) if (op.stage, op.sub, j) not in self.done_b]
         if miss:
             self.errors.append(
                 f"{here}: the backward of micro-batch(es) {miss} of {unit_label(*g)} did not run on "

@@ -95,6 +95,7 @@ class PipelineTrainer(Trainer):
             self.opts,
             n_ranks=self.layout.pipeline,
             n_micro=t.micro_batches,
+            micro_batch_size=t.micro_batch_size,
             ranks_per_node=ranks_per_node(cfg, self.info),
             spread_allowed=self.layout.replicas == 1 and cfg.optim.offload == "host",
         )
