@@ -73,6 +73,16 @@ class StepContext:
         return [sum(float(v) * w for v, w in zip(self.losses, self.loss_weights)), sum(self.loss_weights)]
 
 
+def _part_rows(parts: int, micro_batch_size: int, rank: int) -> int:
+    """Rows of a micro-batch each of its ``parts`` backward parts runs, or an error naming the fix."""
+    if micro_batch_size % parts:
+        raise ExecutionError(
+            f"rank {rank}: schedule.backward_parts={parts} must divide train.micro_batch_size="
+            f"{micro_batch_size} (each part is rows of the micro-batch); use a divisor or null"
+        )
+    return micro_batch_size // parts
+
+
 class Executor:
     """Runs one rank's ops (see docs/architecture.md)."""
 
@@ -115,12 +125,7 @@ class Executor:
         self.ids_shape = (micro_batch_size, seq_len)
         # schedule.backward_parts: a backward part runs rows [p * part_rows, (p + 1) * part_rows) of its micro-batch
         self.parts = schedule.options.backward_parts
-        if micro_batch_size % self.parts:
-            raise ExecutionError(
-                f"rank {rank}: schedule.backward_parts={self.parts} must divide train.micro_batch_size="
-                f"{micro_batch_size} (each part is rows of the micro-batch); use a divisor or null"
-            )
-        self.part_rows = micro_batch_size // self.parts
+        self.part_rows = _part_rows(self.parts, micro_batch_size, rank)
         self.handlers: dict[OpKind, Callable[[Op], None]] = {
             OpKind.LOAD_PARAMS: self._load,
             OpKind.FREE: self._free,
