@@ -41,12 +41,10 @@ def _split_backwards(orders: Sequence[Sequence[Op]], parts: int) -> list[list[Op
     if parts == 1:
         return [list(order) for order in orders]
     out: list[list[Op]] = []
-    for r, order in enumerate(orders):
+    for order in orders:
         lst: list[Op] = []
         for op in order:
             if op.kind == OpKind.BACKWARD:
-                if op.mb < 0:
-                    raise ScheduleError(f"rank {r}: `{op}` names no micro-batch")
                 lst += [B(op.stage, op.sub, op.mb * parts + p) for p in range(parts)]
             else:
                 lst.append(op)

@@ -278,10 +278,6 @@ class Schedule:
         """Backward passes per sub-stage: ``n_micro`` times ``backward_parts``."""
         return self.n_micro * self.options.backward_parts
 
-    def forward_of(self, op: Op) -> Op:
-        """The forward pass whose checkpoint (whole, or its rows) backward ``op`` recomputes from."""
-        return F(op.stage, self.options.whole(op.mb))
-
     def layers(self, op: Op) -> range:
         """Layers an op computes, loads, frees, offloads or steps."""
         return self.partition.layers(op.stage, op.sub)
