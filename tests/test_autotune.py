@@ -297,6 +297,30 @@ def test_shorter_sequences_are_proposed_when_activations_do_not_fit() -> None:
     ).best
 
 
+def test_a_cpu_profile_times_each_pass_as_a_windowed_mean_in_rounds_over_every_layer(monkeypatch) -> None:
+    """A run pays a pass's typical time, and a shared CPU drifts: each pass is the mean of its
+    windows, one window a round, and each round visits every layer kind and size (issue 27)."""
+    calls: list[dict[str, Any]] = []
+
+    def window(step, *, repeats, window_s):
+        calls.append({"repeats": repeats, "window_s": window_s})
+        return float(len(calls)), 0.0  # the n-th window of the profile reads n seconds
+
+    monkeypatch.setattr(prof, "mean_run_seconds", window)
+    small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
+    layers = prof._time_layers(small, [2, 1], 16, torch.device("cpu"), torch.float32, repeats=3)
+    points = [(kind, mbs) for kind in prof.LAYER_KINDS for mbs in (1, 2)]
+    assert len(calls) == 3 * 2 * len(points)  # a forward and a backward window per point and round
+    assert all(c == {"repeats": 1, "window_s": prof.WINDOW_S} for c in calls)
+    per_round = 2 * len(points)
+    for i, (kind, mbs) in enumerate(points):
+        timing = layers[kind][(1, 2).index(mbs)]
+        assert timing.tokens == mbs * 16
+        # the point's forward is window 2i+1 of each round, its backward the next
+        assert timing.fwd_s == pytest.approx(sum(r * per_round + 2 * i + 1 for r in range(3)) / 3)
+        assert timing.bwd_s == pytest.approx(sum(r * per_round + 2 * i + 2 for r in range(3)) / 3)
+
+
 def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SYSX_CACHE_DIR", str(tmp_path))
     calls: list[tuple[int, int]] = []

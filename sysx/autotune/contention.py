@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from sysx.autotune.profile import MachineProfile
+from sysx.machine.hardware import mean_run_seconds
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
 
@@ -145,21 +146,11 @@ def meeting_seconds(ranks_rounds: list[list[tuple[float, float]]]) -> float:
     return max(0.0, statistics.median(per_round))
 
 
-def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: float) -> tuple[float, float]:
-    """``(wall, CPU)`` seconds per call of ``step`` over at least ``repeats`` calls and ``window_s``
-    seconds: the window's totals over the calls, so the time slices the calls waited for count."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    runs = 0
-    while runs < repeats or time.perf_counter() - t0 < window_s:
-        step()
-        runs += 1
-    return (time.perf_counter() - t0) / runs, (time.thread_time() - c0) / runs
-
-
 def slowdown(profile: MachineProfile, seq_len: int, together_s: list[float]) -> float:
     """The factor the job's layers run slower than the profile says: the ranks' mean time of the
     Block measured together (:func:`time_block_together`) over the profile's time of it (at least 1:
-    the profile is the fastest the layer ran). The mean: the uneven sharing between ranks, which
+    a rank is not slower alone than with the others computing; below 1 is the machine's drift
+    between the two timings). The mean: the uneven sharing between ranks, which
     makes a step wait for its slowest rank, is the meeting's (:func:`meeting_seconds`), measured
     at a step's length."""
     return _over_profile(profile, seq_len, together_s, "slowdown")
@@ -167,9 +158,8 @@ def slowdown(profile: MachineProfile, seq_len: int, together_s: list[float]) -> 
 
 def cpu_ratio(profile: MachineProfile, seq_len: int, together_cpu_s: list[float]) -> float:
     """CPU seconds a layer costs per second of the profile's time of it: the ranks' mean CPU time of
-    the Block measured together (:func:`time_block_together`) over the profile's fastest wall time
-    (above 1 where the profile's fastest run was luckier than a typical one, or the ranks' cache
-    sharing makes each pass do more work)."""
+    the Block measured together (:func:`time_block_together`) over the profile's wall time of it
+    (above 1 where the ranks' cache sharing makes each pass do more work)."""
     return _over_profile(profile, seq_len, together_cpu_s, "cpu_ratio")
 
 

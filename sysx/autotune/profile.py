@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from sysx import device as dev
 from sysx.autotune.p2p import P2PFigures
 from sysx.machine.adam_rate import adam_params_per_s, optimizer_job_params_per_s
-from sysx.machine.hardware import HardwareProfile, measure_hardware, time_op
+from sysx.machine.hardware import HardwareProfile, mean_run_seconds, measure_hardware, time_op
 from sysx.machine.hardware_cache import machine_key
 from sysx.machine.host_cost import measure_backward_bytes
 from sysx.memory.budget import probe_host
@@ -129,7 +130,30 @@ def _by_tokens(points: list[tuple[int, tuple[float, float]]], tokens: float) -> 
     return lo[1][0] + w * (hi[1][0] - lo[1][0]), lo[1][1] + w * (hi[1][1] - lo[1][1])
 
 
-def _time_layer(
+# A CPU profile times each pass as the mean over a window, in rounds spread over the whole
+# profile. A run pays a pass's typical time, and on a shared CPU that is well above its fastest:
+# on the AMD EPYC VM of 2026-12-02 a tiny Block at 8 sequences ran 29-46 ms from one call to the
+# next (fastest 30, median 38-40), and the machine's speed drifted by 1.35x between 2-s windows of
+# the same work. The fastest of 3 then read 0.70-1.41x a window's mean, a different way at each
+# micro-batch size, and tuned plans of one layout scattered over 0.18-0.40 s against runs of
+# 0.26-0.32 s (issue 27). Rounds spread each point's windows over the profile's whole span, so every
+# point averages the same stretch of the machine's drift. A GPU times kernels with its events:
+# the fastest of ``repeats``, as they barely vary.
+WINDOW_S = 0.1  # a CPU pass's window in one round: many of the kernel's time slices (a few ms each)
+
+
+@dataclass(frozen=True)
+class _LayerPasses:
+    """One layer kind at one micro-batch size: its forward without autograd and the backward a
+    pipeline runs (recompute from the checkpoint with autograd, then backprop)."""
+
+    kind: str
+    tokens: int
+    forward: Callable[[], object]
+    backward: Callable[[], None]
+
+
+def _layer_passes(
     layer: torch.nn.Module,
     kind: str,
     cfg: ModelConfig,
@@ -137,27 +161,62 @@ def _time_layer(
     seq_len: int,
     device: torch.device,
     dtype: torch.dtype,
-    repeats: int,
-) -> LayerTiming:
+) -> _LayerPasses:
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (mbs, seq_len), generator=gen).to(device)
     hidden = torch.randn(mbs, seq_len, cfg.dim, generator=gen).to(device=device, dtype=dtype)
     x = ids if kind == "embedding" else hidden
 
-    def forward() -> torch.Tensor:
-        return layer(x, ids) if kind == "head" else layer(x)  # the head returns the loss
+    def forward() -> object:
+        with torch.no_grad():
+            return layer(x, ids) if kind == "head" else layer(x)  # the head returns the loss
 
     def backward() -> None:
-        # what a pipeline backward does: recompute from the checkpoint with autograd, then backprop
         inp = x if kind == "embedding" else x.detach().requires_grad_(True)
         out = layer(inp, ids) if kind == "head" else layer(inp)
         out.backward(None if kind == "head" else torch.ones_like(out))
 
-    with torch.no_grad():
-        fwd = time_op(forward, device, repeats, fastest=True)
-    bwd = time_op(backward, device, repeats, fastest=True)
-    layer.zero_grad(set_to_none=True)
-    return LayerTiming(tokens=mbs * seq_len, fwd_s=fwd, bwd_s=bwd)
+    return _LayerPasses(kind, mbs * seq_len, forward, backward)
+
+
+def _time_layers(
+    cfg: ModelConfig, micro_batch_sizes: list[int], seq_len: int, device: torch.device, dtype: torch.dtype, repeats: int
+) -> dict[str, list[LayerTiming]]:
+    """Every layer kind's passes at every micro-batch size. On a GPU one layer at a time, each pass
+    the fastest of ``repeats`` (events). On the CPU ``repeats`` rounds over every kind and size, each
+    pass one window of :data:`WINDOW_S` (one call at least) a round, after one warm-up call; the
+    mean of its rounds."""
+    sizes = sorted(set(micro_batch_sizes))
+    layers: dict[str, list[LayerTiming]] = {k: [] for k in LAYER_KINDS}
+    if dev.is_cuda(device):
+        for kind in LAYER_KINDS:
+            layer = _profiled_layer(cfg, kind, device, dtype)
+            for mbs in sizes:
+                p = _layer_passes(layer, kind, cfg, mbs, seq_len, device, dtype)
+                fwd = time_op(p.forward, device, repeats, fastest=True)
+                layers[kind].append(LayerTiming(p.tokens, fwd, time_op(p.backward, device, repeats, fastest=True)))
+            del layer
+        return layers
+    built = {kind: _profiled_layer(cfg, kind, device, dtype) for kind in LAYER_KINDS}
+    sums = {(kind, mbs): [0.0, 0.0] for kind in LAYER_KINDS for mbs in sizes}
+    for r in range(repeats):
+        for (kind, mbs), acc in sums.items():
+            p = _layer_passes(built[kind], kind, cfg, mbs, seq_len, device, dtype)  # inputs one at a time
+            if r == 0:
+                p.forward()
+                p.backward()
+            acc[0] += mean_run_seconds(p.forward, repeats=1, window_s=WINDOW_S)[0]
+            acc[1] += mean_run_seconds(p.backward, repeats=1, window_s=WINDOW_S)[0]
+    for (kind, mbs), (fwd, bwd) in sums.items():
+        layers[kind].append(LayerTiming(mbs * seq_len, fwd / repeats, bwd / repeats))
+    return layers
+
+
+def _profiled_layer(cfg: ModelConfig, kind: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    index = {"embedding": 0, "block": 1, "head": cfg.n_layers + 1}[kind]
+    layer = make_layer(cfg, index, dtype=dtype, device=device)
+    init_layer(layer, index)  # uninitialised memory can hold denormals and NaNs, which time differently
+    return layer
 
 
 BACKWARD_MAX_TOKENS = 4096  # the backward's bytes a token have settled by then (dim 512: 62 KiB at 1024, 58 at 2048)
@@ -192,13 +251,7 @@ def measure_profile(
     t0 = time.perf_counter()
     device = dev.default_device() if device is None else torch.device(device)
     hardware = measure_hardware(device, dtype, repeats=repeats) if hardware is None else hardware
-    layers: dict[str, list[LayerTiming]] = {k: [] for k in LAYER_KINDS}
-    for kind, index in zip(LAYER_KINDS, (0, 1, cfg.n_layers + 1)):
-        layer = make_layer(cfg, index, dtype=dtype, device=device)
-        init_layer(layer, index)  # uninitialised memory can hold denormals and NaNs, which time differently
-        for mbs in sorted(set(micro_batch_sizes)):
-            layers[kind].append(_time_layer(layer, kind, cfg, mbs, seq_len, device, dtype, repeats))
-        del layer
+    layers = _time_layers(cfg, micro_batch_sizes, seq_len, device, dtype, repeats)
     backward = None
     if not dev.is_cuda(device):  # the "device" memory is host memory, counted as the check counts it
         tokens = backward_probe_tokens([mbs * seq_len for mbs in micro_batch_sizes])

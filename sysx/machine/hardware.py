@@ -122,10 +122,21 @@ def _time_cuda(fn, device: torch.device, repeats: int, fastest: bool = False) ->
     return min(times) if fastest else _median(times)
 
 
+def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: float) -> tuple[float, float]:
+    """``(wall, CPU)`` seconds per call of ``step`` over at least ``repeats`` calls and ``window_s``
+    seconds: the window's totals over the calls, so the time slices the calls waited for count."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    runs = 0
+    while runs < repeats or time.perf_counter() - t0 < window_s:
+        step()
+        runs += 1
+    return (time.perf_counter() - t0) / runs, (time.thread_time() - c0) / runs
+
+
 def time_op(fn: Callable[[], object], device: torch.device, repeats: int, *, fastest: bool = False) -> float:
     """Seconds of ``fn`` after one warm-up: CUDA events on a GPU, the wall clock on CPU; the median
-    of ``repeats``, or with ``fastest`` the minimum (on a shared CPU one descheduled OpenMP thread
-    stalls a whole op for a scheduler tick; the fastest run is what the op costs)."""
+    of ``repeats``, or with ``fastest`` the minimum (a GPU's kernels barely vary between runs). What
+    a run pays on a shared CPU is a pass's mean over many time slices: :func:`mean_run_seconds`."""
     if dev.is_cuda(device):
         return _time_cuda(fn, device, repeats, fastest)
     return _time_cpu(fn, repeats, fastest)

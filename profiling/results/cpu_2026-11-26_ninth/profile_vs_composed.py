@@ -25,8 +25,9 @@ from collections.abc import Callable
 import torch
 
 from profiling.check_predictions import MODELS
-from sysx.autotune.profile import _time_layer
+from sysx.autotune.profile import _layer_passes
 from sysx.config import load_config, model_config
+from sysx.machine.hardware import time_op
 from sysx.model.llama import init_layer, make_layer
 from sysx.optim.cores import intra_op_threads, rank_cores
 
@@ -75,9 +76,10 @@ def main() -> None:
         prof = [0.0, 0.0]
         each = [0.0, 0.0]
         for kind, (layer, count) in kinds.items():
-            t = _time_layer(layer, kind, cfg, mbs, SEQ, cpu, torch.float32, 3)
-            prof[0] += count * t.fwd_s * 1e3
-            prof[1] += count * t.bwd_s * 1e3
+            # the profile's way until 2026-12-02 (PROFILE_VERSION 8): each pass the fastest of 3
+            t = _layer_passes(layer, kind, cfg, mbs, SEQ, cpu, torch.float32)
+            prof[0] += count * time_op(t.forward, cpu, 3, fastest=True) * 1e3
+            prof[1] += count * time_op(t.backward, cpu, 3, fastest=True) * 1e3
             x = ids if kind == "embedding" else hidden
 
             def fwd(layer: torch.nn.Module = layer, kind: str = kind, x: torch.Tensor = x) -> None:
