@@ -14,30 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 
-import torch
-
-from profiling.check_predictions import MODELS
-from sysx.config import load_config, model_config
-from sysx.model.llama import init_layer, make_layer
+from machine_drift import tiny_block_passes  # this folder: the script's own directory is on the path
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    mbs = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    cfg = model_config(load_config([*MODELS["tiny"]]))
-    layer = make_layer(cfg, 1)
-    init_layer(layer, 1)
-    x = torch.randn(mbs, 128, cfg.dim)
-
-    def forward() -> None:
-        with torch.no_grad():
-            layer(x)
-
-    def backward() -> None:
-        inp = x.detach().requires_grad_(True)
-        out = layer(inp)
-        out.backward(torch.ones_like(out))
-
+    forward, backward = tiny_block_passes(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
     passes: list[tuple[str, Callable[[], None]]] = [("forward", forward), ("backward", backward)]
     for name, fn in passes * 2:
         ms = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,20 +23,34 @@ from sysx.machine.hardware import mean_run_seconds
 from sysx.model.llama import init_layer, make_layer
 
 
-def main() -> None:
+def tiny_block_passes(mbs: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One tiny Block's forward without autograd and its recompute and backward, as a pipeline rank
+    runs them, on ``mbs`` sequences of 128 tokens, with one intra-op thread."""
     torch.set_num_threads(1)
-    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
     cfg = model_config(load_config([*MODELS["tiny"]]))
     layer = make_layer(cfg, 1)
     init_layer(layer, 1)
-    x = torch.randn(8, 128, cfg.dim)
+    x = torch.randn(mbs, 128, cfg.dim)
 
-    def step() -> None:
+    def forward() -> None:
         with torch.no_grad():
             layer(x)
+
+    def backward() -> None:
         inp = x.detach().requires_grad_(True)
         out = layer(inp)
         out.backward(torch.ones_like(out))
+
+    return forward, backward
+
+
+def main() -> None:
+    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
+    forward, backward = tiny_block_passes(8)
+
+    def step() -> None:
+        forward()
+        backward()
 
     step()
     windows: list[float] = []
