@@ -60,6 +60,8 @@ def main() -> None:
     print("0.5-s windows, ms:", " ".join(f"{w:.0f}" for w in windows))
     for k in (1, 4, 10):
         means = [statistics.fmean(windows[i : i + k]) for i in range(0, len(windows) - k + 1, k)]
+        if len(means) < 2:  # too short a run for this span
+            continue
         print(
             f"{k * 0.5:.1f}-s means: {min(means):.1f}-{max(means):.1f} ms, max/min {max(means) / min(means):.2f}, "
             f"sd/mean {statistics.pstdev(means) / statistics.fmean(means):.3f}"
