@@ -25,7 +25,7 @@ from sysx.autotune.profile import LayerTiming, MachineProfile
 from sysx.autotune.search import TIE, Budget, Job, Space, divisors, search, thread_options
 from sysx.config import ConfigError, load_config, to_yaml
 from sysx.dist import DistInfo
-from sysx.machine import hardware_cache
+from sysx.machine import hardware, hardware_cache
 from sysx.machine.hardware import HardwareProfile
 from sysx.model import get_preset
 from sysx.partition import uniform_partition
@@ -306,7 +306,7 @@ def test_a_cpu_profile_times_each_pass_as_a_windowed_mean_in_rounds_over_every_l
         calls.append({"repeats": repeats, "window_s": window_s})
         return float(len(calls)), 0.0  # the n-th window of the profile reads n seconds
 
-    monkeypatch.setattr(prof, "mean_run_seconds", window)
+    monkeypatch.setattr(hardware, "mean_run_seconds", window)
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
     layers = prof._time_layers(small, [2, 1], 16, torch.device("cpu"), torch.float32, repeats=3)
     points = [(kind, mbs) for kind in prof.LAYER_KINDS for mbs in (1, 2)]

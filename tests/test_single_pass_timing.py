@@ -74,18 +74,18 @@ def test_passes_are_timed_on_the_device_and_not_with_sequence_chunks() -> None:
     hw = assumed_hardware("rtx4090", host_memory_gib=8)
     profiler = device_profiler(SMALL, 16, torch.float32, torch.device("cpu"), measure=False)
     plan = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2), hw, profiler=profiler)
-    passes = measure_passes(plan, torch.device("cpu"), repeats=1)
+    passes = measure_passes(plan, torch.device("cpu"), rounds=1)
     assert passes is not None
     assert passes.forward_s > 0 and passes.backward_s > 0 and passes.head_s > 0
     # a window that keeps its graphs times the forward that keeps one and the backward through it
     counting = device_profiler(SMALL, 16, torch.float32, torch.device("cpu"), measure=False, count_graph=True)
     kept = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, keep_graph=True), hw, profiler=counting)
     assert kept.keep_graph
-    kept_passes = measure_passes(kept, torch.device("cpu"), repeats=1)
+    kept_passes = measure_passes(kept, torch.device("cpu"), rounds=1)
     assert kept_passes is not None and kept_passes.forward_s > 0 and kept_passes.backward_s > 0
     chunked = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, seq_chunk=8), hw)
     assert chunked.seq_chunk == 8
-    assert measure_passes(chunked, torch.device("cpu"), repeats=1) is None
+    assert measure_passes(chunked, torch.device("cpu"), rounds=1) is None
     assert timed_plan(chunked, None) is chunked
 
 
@@ -102,19 +102,24 @@ def test_the_heap_planning_freed_is_handed_back_before_the_baseline(monkeypatch:
     assert order == ["trim", "baseline"]
 
 
-def test_a_short_pass_is_timed_over_a_tenth_of_a_second_at_least(monkeypatch) -> None:
-    """Five runs of a tiny pass fit in one burst of another process's work: the median is taken over
-    as many runs as span SPAN_S (judged by one run first), at least ``repeats``, at most MAX_REPEATS."""
+def test_the_passes_are_timed_together_in_rounds_over_a_tenth_of_a_second(monkeypatch) -> None:
+    """The three passes are timed as the pipeline's profile times its layers: each the mean of
+    ROUNDS rounds over all three, their windows SPAN_S together (a tiny pass's five runs fit in one
+    burst of another process's work); the kept-graph backward is both passes less the forward."""
     from sysx.single import pass_timing
 
-    asked: list[int] = []
+    asked: list[tuple[int, int, float]] = []
 
-    def fake(fn, device, repeats, *, fastest=False):
-        asked.append(repeats)
-        return {1: one}.get(repeats, 0.5)
+    def fake(steps, *, rounds, window_s):
+        asked.append((len(steps), rounds, window_s))
+        return [1.0, 3.0, 0.5]
 
-    monkeypatch.setattr(pass_timing, "time_op", fake)
-    for one, want in ((0.01, 10), (0.2, 5), (1e-6, pass_timing.MAX_REPEATS)):
-        asked.clear()
-        assert pass_timing._median(lambda: None, torch.device("cpu"), 5) == 0.5
-        assert asked == [1, want], (one, asked)
+    monkeypatch.setattr(pass_timing, "mean_in_rounds", fake)
+    hw = assumed_hardware("rtx4090", host_memory_gib=8)
+    profiler = device_profiler(SMALL, 16, torch.float32, torch.device("cpu"), measure=False)
+    plan = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2), hw, profiler=profiler)
+    assert measure_passes(plan, torch.device("cpu")) == PassTimes(1.0, 3.0, 0.5)
+    counting = device_profiler(SMALL, 16, torch.float32, torch.device("cpu"), measure=False, count_graph=True)
+    kept = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, keep_graph=True), hw, profiler=counting)
+    assert measure_passes(kept, torch.device("cpu")) == PassTimes(1.0, 2.0, 0.5)
+    assert asked == [(3, pass_timing.ROUNDS, pytest.approx(pass_timing.SPAN_S / pass_timing.ROUNDS))] * 2

@@ -26,7 +26,7 @@ import torch
 from sysx import device as dev
 from sysx.autotune.p2p import P2PFigures
 from sysx.machine.adam_rate import adam_params_per_s, optimizer_job_params_per_s
-from sysx.machine.hardware import HardwareProfile, mean_run_seconds, measure_hardware, time_op
+from sysx.machine.hardware import HardwareProfile, mean_in_rounds, measure_hardware, time_op
 from sysx.machine.hardware_cache import machine_key
 from sysx.machine.host_cost import measure_backward_bytes
 from sysx.memory.budget import probe_host
@@ -183,9 +183,8 @@ def _time_layers(
     cfg: ModelConfig, micro_batch_sizes: list[int], seq_len: int, device: torch.device, dtype: torch.dtype, repeats: int
 ) -> dict[str, list[LayerTiming]]:
     """Every layer kind's passes at every micro-batch size. On a GPU one layer at a time, each pass
-    the fastest of ``repeats`` (events). On the CPU ``repeats`` rounds over every kind and size, each
-    pass one window of :data:`WINDOW_S` (one call at least) a round, after one warm-up call; the
-    mean of its rounds."""
+    the fastest of ``repeats`` (events). On the CPU every kind and size at once, each pass the mean
+    of ``repeats`` rounds of one :data:`WINDOW_S` window (:func:`~sysx.machine.hardware.mean_in_rounds`)."""
     sizes = sorted(set(micro_batch_sizes))
     layers: dict[str, list[LayerTiming]] = {k: [] for k in LAYER_KINDS}
     if dev.is_cuda(device):
@@ -198,17 +197,12 @@ def _time_layers(
             del layer
         return layers
     built = {kind: _profiled_layer(cfg, kind, device, dtype) for kind in LAYER_KINDS}
-    sums = {(kind, mbs): [0.0, 0.0] for kind in LAYER_KINDS for mbs in sizes}
-    for r in range(repeats):
-        for (kind, mbs), acc in sums.items():
-            p = _layer_passes(built[kind], kind, cfg, mbs, seq_len, device, dtype)  # inputs one at a time
-            if r == 0:
-                p.forward()
-                p.backward()
-            acc[0] += mean_run_seconds(p.forward, repeats=1, window_s=WINDOW_S)[0]
-            acc[1] += mean_run_seconds(p.backward, repeats=1, window_s=WINDOW_S)[0]
-    for (kind, mbs), (fwd, bwd) in sums.items():
-        layers[kind].append(LayerTiming(mbs * seq_len, fwd / repeats, bwd / repeats))
+    passes = [
+        _layer_passes(built[kind], kind, cfg, mbs, seq_len, device, dtype) for kind in LAYER_KINDS for mbs in sizes
+    ]
+    times = mean_in_rounds([f for p in passes for f in (p.forward, p.backward)], rounds=repeats, window_s=WINDOW_S)
+    for i, p in enumerate(passes):
+        layers[p.kind].append(LayerTiming(p.tokens, times[2 * i], times[2 * i + 1]))
     return layers
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -131,6 +131,24 @@ def mean_run_seconds(step: Callable[[], object], *, repeats: int, window_s: floa
         step()
         runs += 1
     return (time.perf_counter() - t0) / runs, (time.thread_time() - c0) / runs
+
+
+def mean_in_rounds(steps: Sequence[Callable[[], object]], *, rounds: int, window_s: float) -> list[float]:
+    """Wall seconds per call of each of ``steps`` on the CPU: one warm-up call each, then ``rounds``
+    rounds, each timing every step over one window of ``window_s`` (one call at least,
+    :func:`mean_run_seconds`); each step's mean over its rounds.
+
+    The mean, because a run pays a pass's typical time, time slices and all, not its fastest; the
+    rounds, because they spread each step's windows over the whole measurement, so on a machine
+    whose speed drifts every step averages the same stretch of it and the steps keep their
+    proportions (issue 27: an AMD EPYC VM ran the same Block 1.35x apart between 2-s windows)."""
+    for step in steps:
+        step()
+    sums = [0.0] * len(steps)
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            sums[i] += mean_run_seconds(step, repeats=1, window_s=window_s)[0]
+    return [s / rounds for s in sums]
 
 
 def time_op(fn: Callable[[], object], device: torch.device, repeats: int, *, fastest: bool = False) -> float:

@@ -15,13 +15,11 @@ proportions. The plan's choices stay those of the FLOPs model: only its predicte
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from sysx.machine.hardware import time_op
+from sysx.machine.hardware import mean_in_rounds
 from sysx.single.act_capture import (
     backward_kept,
     backward_replayed,
@@ -33,15 +31,15 @@ from sysx.single.op_profile import run_layer
 from sysx.single.plan_costs import LevelTable, predict_step
 from sysx.single.plan_report import SinglePlan
 
-# timed runs of each pass after a warm-up; the median is kept, as the layer profile keeps it: the
+# each pass is the mean of this many rounds over the passes, one window of SPAN_S / ROUNDS a round
+# (:func:`~sysx.machine.hardware.mean_in_rounds`, as the pipeline's layer profile times them): the
 # fastest described a shared CPU's quiet moments (the 50M window measured 1.3-1.5x it at load 3-5)
-REPEATS = 5
-# and as many more as span this many seconds: 5 runs of a tiny model's pass (a few ms) fit in one
-# burst of another process's work, and twice in ten CPU check rounds the plan came out 14% slow
-# (0.228 and 0.247 s predicted where the run measured 0.195-0.21 s). Not longer: every
-# schedule=single job on a CPU pays it three times at start (0.25 s made the test suite 70 s longer)
+ROUNDS = 5
+# a pass's windows together: 5 runs of a tiny model's pass (a few ms) fit in one burst of another
+# process's work, and twice in ten CPU check rounds the plan came out 14% slow (0.228 and 0.247 s
+# predicted where the run measured 0.195-0.21 s). Not longer: every schedule=single job on a CPU
+# times three passes at start (0.25 s a pass made the test suite 70 s longer)
 SPAN_S = 0.1
-MAX_REPEATS = 200
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class PassTimes:
     head_s: float  # one chunk's Head forward and backward (the loss)
 
 
-def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REPEATS) -> PassTimes | None:
+def measure_passes(plan: SinglePlan, device: torch.device, *, rounds: int = ROUNDS) -> PassTimes | None:
     """Time a Block's captured forward and replayed backward on one unit at the window's save level
     (its forward keeping the graph and the backward through it, when the plan keeps graphs), and the
     Head's loss forward and backward on one chunk, as the executor runs them; None with
@@ -84,23 +82,29 @@ def measure_passes(plan: SinglePlan, device: torch.device, *, repeats: int = REP
 
     with torch.no_grad():
         run_layer(block, x, None)  # fill the caches the layer keeps (RoPE tables), as the profile did
+    window_s = SPAN_S / rounds
     if plan.keep_graph:  # a backward needs a fresh graph: time both passes, less the forward
         y = torch.empty_like(x)
-        forward = _median(lambda: run_keeping_graph(block, x, layout, slot, out=y), device, repeats)
-        both = _median(lambda: backward_kept(run_keeping_graph(block, x, layout, slot, out=y), grad), device, repeats)
-        backward = max(both - forward, 0.0)
-    else:
-        forward = _median(lambda: run_captured(block, x, profile, layout, slot), device, repeats)
-        backward = _median(lambda: backward_replayed(block, grad, profile, layout, slot), device, repeats)
-    return PassTimes(forward, backward, _median(head_pass, device, repeats))
-
-
-def _median(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The median seconds of ``fn`` over ``repeats`` runs at least, and as many as span :data:`SPAN_S`
-    (:data:`MAX_REPEATS` at most), judged by one run first."""
-    one = time_op(fn, device, 1)
-    n = min(MAX_REPEATS, max(repeats, math.ceil(SPAN_S / max(one, 1e-9))))
-    return time_op(fn, device, n)
+        forward, both, head_s = mean_in_rounds(
+            [
+                lambda: run_keeping_graph(block, x, layout, slot, out=y),
+                lambda: backward_kept(run_keeping_graph(block, x, layout, slot, out=y), grad),
+                head_pass,
+            ],
+            rounds=rounds,
+            window_s=window_s,
+        )
+        return PassTimes(forward, max(both - forward, 0.0), head_s)
+    forward, backward, head_s = mean_in_rounds(
+        [
+            lambda: run_captured(block, x, profile, layout, slot),
+            lambda: backward_replayed(block, grad, profile, layout, slot),
+            head_pass,
+        ],
+        rounds=rounds,
+        window_s=window_s,
+    )
+    return PassTimes(forward, backward, head_s)
 
 
 def calibrated_table(table: LevelTable, passes: PassTimes, slot_level: int) -> LevelTable:
