@@ -130,15 +130,12 @@ def _by_tokens(points: list[tuple[int, tuple[float, float]]], tokens: float) -> 
     return lo[1][0] + w * (hi[1][0] - lo[1][0]), lo[1][1] + w * (hi[1][1] - lo[1][1])
 
 
-# A CPU profile times each pass as the mean over a window, in rounds spread over the whole
-# profile. A run pays a pass's typical time, and on a shared CPU that is well above its fastest:
-# on the AMD EPYC VM of 2026-12-02 a tiny Block at 8 sequences ran 29-46 ms from one call to the
-# next (fastest 30, median 38-40), and the machine's speed drifted by 1.35x between 2-s windows of
-# the same work. The fastest of 3 then read 0.70-1.41x a window's mean, a different way at each
-# micro-batch size, and tuned plans of one layout scattered over 0.18-0.40 s against runs of
-# 0.26-0.32 s (issue 27). Rounds spread each point's windows over the profile's whole span, so every
-# point averages the same stretch of the machine's drift. A GPU times kernels with its events:
-# the fastest of ``repeats``, as they barely vary.
+# A CPU profile times each pass by :func:`~sysx.machine.hardware.mean_in_rounds`, not as its fastest
+# of 3 (until PROFILE_VERSION 8): on the AMD EPYC VM of 2026-12-02 a tiny Block at 8 sequences ran
+# 29-46 ms from one call to the next, the fastest of 3 read 0.70-1.41x a window's mean, a different
+# way at each micro-batch size, and tuned plans of one layout scattered over 0.18-0.40 s against
+# runs of 0.26-0.35 s (issue 27). A GPU times kernels with its events: the fastest of ``repeats``,
+# as they barely vary.
 WINDOW_S = 0.1  # a CPU pass's window in one round: many of the kernel's time slices (a few ms each)
 
 

@@ -54,7 +54,8 @@ class PassTimes:
 def measure_passes(plan: SinglePlan, device: torch.device, *, rounds: int = ROUNDS) -> PassTimes | None:
     """Time a Block's captured forward and replayed backward on one unit at the window's save level
     (its forward keeping the graph and the backward through it, when the plan keeps graphs), and the
-    Head's loss forward and backward on one chunk, as the executor runs them; None with
+    Head's loss forward and backward on one chunk, as the executor runs them, by the wall clock (a
+    CPU's passes: a GPU's sites are timed by the planner's profiler); None with
     sequence chunks (their K/V cache makes a unit's passes depend on its position). The plan's
     profile must be the device's (:func:`~sysx.single.op_profile.device_profiler`): its op sequence
     is what the capture checks."""
