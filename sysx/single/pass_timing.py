@@ -83,29 +83,19 @@ def measure_passes(plan: SinglePlan, device: torch.device, *, rounds: int = ROUN
 
     with torch.no_grad():
         run_layer(block, x, None)  # fill the caches the layer keeps (RoPE tables), as the profile did
-    window_s = SPAN_S / rounds
     if plan.keep_graph:  # a backward needs a fresh graph: time both passes, less the forward
         y = torch.empty_like(x)
-        forward, both, head_s = mean_in_rounds(
-            [
-                lambda: run_keeping_graph(block, x, layout, slot, out=y),
-                lambda: backward_kept(run_keeping_graph(block, x, layout, slot, out=y), grad),
-                head_pass,
-            ],
-            rounds=rounds,
-            window_s=window_s,
-        )
-        return PassTimes(forward, max(both - forward, 0.0), head_s)
-    forward, backward, head_s = mean_in_rounds(
-        [
+        steps = [
+            lambda: run_keeping_graph(block, x, layout, slot, out=y),
+            lambda: backward_kept(run_keeping_graph(block, x, layout, slot, out=y), grad),
+        ]
+    else:
+        steps = [
             lambda: run_captured(block, x, profile, layout, slot),
             lambda: backward_replayed(block, grad, profile, layout, slot),
-            head_pass,
-        ],
-        rounds=rounds,
-        window_s=window_s,
-    )
-    return PassTimes(forward, backward, head_s)
+        ]
+    forward, second, head_s = mean_in_rounds([*steps, head_pass], rounds=rounds, window_s=SPAN_S / rounds)
+    return PassTimes(forward, max(second - forward, 0.0) if plan.keep_graph else second, head_s)
 
 
 def calibrated_table(table: LevelTable, passes: PassTimes, slot_level: int) -> LevelTable:
