@@ -82,7 +82,10 @@ def test_passes_are_timed_on_the_device_and_not_with_sequence_chunks() -> None:
     kept = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, keep_graph=True), hw, profiler=counting)
     assert kept.keep_graph
     kept_passes = measure_passes(kept, torch.device("cpu"), rounds=1)
-    assert kept_passes is not None and kept_passes.forward_s > 0 and kept_passes.backward_s > 0
+    # the backward is both passes' mean less the forward's, two windows apart: on a busy machine one
+    # stalled forward window can exceed it (clamped to 0); the subtraction itself is checked with
+    # fixed times in test_the_passes_are_timed_together_in_rounds_over_a_tenth_of_a_second
+    assert kept_passes is not None and kept_passes.forward_s > 0 and kept_passes.backward_s >= 0
     chunked = make_plan(PlanRequest(model=SMALL, seq_len=16, global_batch=2, seq_chunk=8), hw)
     assert chunked.seq_chunk == 8
     assert measure_passes(chunked, torch.device("cpu"), rounds=1) is None
