@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,15 @@ def job() -> str:
     for info in leftovers:
         cleanup.remove(info)
     assert not leftovers, f"test left segments behind: {[i.name for i in leftovers]}"
+
+
+@pytest.fixture
+def sweeps_held() -> Iterator[None]:
+    """Hold this user's sweep lock: another pytest worker's job start must not remove the stale
+    segments this test forges before it has looked at them."""
+    with cleanup.sweep_lock() as held:
+        assert held, "another process held the sweep lock for 30 s"
+        yield
 
 
 def _exists(name: SegmentName) -> bool:
@@ -196,7 +206,7 @@ def test_owner_release_times_out_and_mappings_survive_unlink(job: str) -> None:
     owner.close()
 
 
-def test_stale_segment_is_replaced_live_one_refused(job: str) -> None:
+def test_stale_segment_is_replaced_live_one_refused(job: str, sweeps_held: None) -> None:
     name = segment_name("p.a", job=job, node=0)
     _forge_stale(name)
     info = cleanup.inspect(name.path)
@@ -209,7 +219,7 @@ def test_stale_segment_is_replaced_live_one_refused(job: str) -> None:
     seg.close()
 
 
-def test_attach_refuses_stale_but_not_a_segment_others_still_map(job: str) -> None:
+def test_attach_refuses_stale_but_not_a_segment_others_still_map(job: str, sweeps_held: None) -> None:
     import fcntl
 
     from sysx.memory.segment import StaleSegmentError
@@ -525,7 +535,7 @@ def test_store_close_refuses_live_views_then_succeeds(job: str) -> None:
     assert "s0" not in store
 
 
-def test_store_start_sweeps_stale_segments(job: str) -> None:
+def test_store_start_sweeps_stale_segments(job: str, sweeps_held: None) -> None:
     _forge_stale(segment_name("p.old", job=job, node=0))
     with pytest.warns(RuntimeWarning, match="removed 1 stale shared-memory segment"):
         SharedParamStore(job=job, node=0)
@@ -578,7 +588,7 @@ def test_forked_child_never_unlinks_parent_segments(job: str) -> None:
 
 
 # --- the command line ---------------------------------------------------------------------------
-def test_cli_list_clean_and_clean_all(job: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_list_clean_and_clean_all(job: str, sweeps_held: None, capsys: pytest.CaptureFixture[str]) -> None:
     live = Segment.create(segment_name("p.live", job=job, node=0), 4096)
     stale = segment_name("p.dead", job=job, node=1)
     _forge_stale(stale, 2 * MiB)

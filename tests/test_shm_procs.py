@@ -269,7 +269,14 @@ def test_sigkill_with_guardian_removes_segments(job: str) -> None:
 
 def test_sigkill_without_guardian_is_stale_cleanable_and_restartable(job: str) -> None:
     """The worst case (guardian killed too, e.g. the whole cgroup): stale, listed, cleaned, and a new
-    job with the same id starts."""
+    job with the same id starts. The sweep lock keeps another pytest worker's job starts from
+    sweeping the stale segments while the test looks at them."""
+    with cleanup.sweep_lock() as held:
+        assert held, "another process held the sweep lock for 30 s"
+        _stale_listed_cleaned_restarted(job)
+
+
+def _stale_listed_cleaned_restarted(job: str) -> None:
     first = _spawn(SEGMENT_CHILD, "sleep", job, "p.a")
     _ready(first)
     second = _spawn(SEGMENT_CHILD, "sleep", job, "p.s0")
@@ -281,11 +288,7 @@ def test_sigkill_without_guardian_is_stale_cleanable_and_restartable(job: str) -
     assert os.path.exists(a.path) and os.path.exists(s0.path)  # SIGKILL leaves them
     listing = _sysx("list", "--job", job)
     for name, pid in ((a, first.pid), (s0, second.pid)):
-        # another sysx process of this user starting meanwhile sweeps stale segments, by design: say so
-        gone = "" if os.path.exists(name.path) else " (removed meanwhile: another sysx process of this user swept it)"
-        row = next(
-            (line for line in listing.splitlines() if line.startswith(name.name)), f"no row{gone} in:\n{listing}"
-        )
+        row = next((line for line in listing.splitlines() if line.startswith(name.name)), f"no row in:\n{listing}")
         assert f" {pid} " in row and row.rstrip().endswith("stale") and "1.0 MiB" in row
     assert "2 stale" in listing and "`sysx shm clean`" in listing
     # a restart with the same job id replaces its stale segment instead of failing
@@ -300,6 +303,52 @@ def test_sigkill_without_guardian_is_stale_cleanable_and_restartable(job: str) -
     del stage
     store.close()
     assert not os.path.exists(s0.path)
+
+
+SWEEP_CHILD = r"""
+import sys, warnings
+from sysx.memory import cleanup
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    removed = cleanup.sweep_stale(job=sys.argv[1], wait_s=float(sys.argv[2]))
+print("removed", " ".join(info.name for info in removed) or "-")
+print("warned", " | ".join(str(w.message) for w in caught) or "-")
+"""
+
+LOCK_CHILD = r"""
+import time
+from sysx.memory import cleanup
+with cleanup.sweep_lock(wait_s=60) as held:
+    print("ready" if held else "not held", flush=True)
+    time.sleep(60)  # until killed
+"""
+
+
+def test_the_sweep_lock_keeps_other_starts_off_and_dies_with_its_holder(job: str) -> None:
+    """While a process holds the sweep lock another process's sweep waits and then leaves the stale
+    segments alone; the holder's own sweep goes on (reentrant); a SIGKILLed holder frees it."""
+    a = segment_name("p.a", job=job, node=0)
+    with cleanup.sweep_lock() as held:
+        assert held
+        first = _spawn(SEGMENT_CHILD, "sleep", job, "p.a")
+        _ready(first)
+        first.kill()
+        first.wait(10)
+        done = subprocess.run(
+            [sys.executable, "-c", SWEEP_CHILD, job, "0.5"], capture_output=True, text=True, env=_env(), timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert "removed -" in done.stdout and "held the shared-memory sweep lock for 0.5 s" in done.stdout
+        assert os.path.exists(a.path)
+        assert [info.name for info in cleanup.sweep_stale(job=job, wait_s=0.5)] == [a.name]
+    holder = _spawn(LOCK_CHILD)
+    _ready(holder)
+    with cleanup.sweep_lock(wait_s=0.3) as held:
+        assert not held
+    holder.kill()
+    holder.wait(10)
+    with cleanup.sweep_lock(wait_s=30) as held:
+        assert held
 
 
 TMPFS_SCRIPT = r"""

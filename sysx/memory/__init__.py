@@ -19,7 +19,7 @@ from sysx.memory.budget import (
     probe_host,
     remove_ipc_warning,
 )
-from sysx.memory.cleanup import SegmentInfo, release_all, scan, sweep_stale
+from sysx.memory.cleanup import SegmentInfo, release_all, scan, sweep_lock, sweep_stale
 from sysx.memory.header import SegmentError
 from sysx.memory.names import SegmentName, mpi_broadcast, resolve_job_id, segment_name, torch_broadcast
 from sysx.memory.segment import Segment, SegmentExistsError, SegmentNotFoundError, StaleSegmentError
@@ -57,6 +57,7 @@ __all__ = [
     "resolve_job_id",
     "scan",
     "segment_name",
+    "sweep_lock",
     "sweep_stale",
     "torch_broadcast",
     *_LAZY,

@@ -2,8 +2,9 @@
 
 :func:`install` hooks the release of a process's owned segments into ``atexit``, a multiprocessing
 finalizer and SIGTERM / SIGHUP; :func:`scan` / :func:`sweep_stale` find and remove *stale* segments
-(creator gone, lock free) at the next start or through ``sysx shm clean``. Forked children inherit
-nothing: they never unlink their parent's segments.
+(creator gone, lock free) at the next start or through ``sysx shm clean``; :func:`sweep_lock` holds
+a start's sweep off while stale segments are being looked at. Forked children inherit nothing: they
+never unlink their parent's segments.
 """
 
 from __future__ import annotations
@@ -12,20 +13,23 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
 from sysx.memory import guardian, procinfo
 from sysx.memory.header import Header, SegmentError, read_header
-from sysx.memory.names import SHM_DIR, SegmentName, user_entries
+from sysx.memory.names import SHM_DIR, SegmentName, current_user, user_entries
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 BROKEN_GRACE_S = 10.0  # a headerless segment younger than this may still be under construction
+SWEEP_WAIT_S = 30.0  # how long a job's start waits for another process's sweep lock before skipping its sweep
 
 
 def detach_timeout_s(default: float = 30.0) -> float:
@@ -146,14 +150,75 @@ def remove(info: SegmentInfo) -> bool:
     return True
 
 
-def sweep_stale(*, user: str | None = None, job: str | None = None) -> list[SegmentInfo]:
+_sweep_locks_held: dict[str, int] = {}  # lock name -> depth, in this process
+_sweep_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def sweep_lock(user: str | None = None, *, wait_s: float = SWEEP_WAIT_S) -> Iterator[bool]:
+    """Hold ``user``'s (default: this user's) sweep lock on this node; yields False if another
+    process held it for all of ``wait_s`` seconds.
+
+    Every :func:`sweep_stale` takes it, so while a process holds it no other process's start removes
+    stale segments: a post-mortem or a test of the stale path sees them as the crash left them. It is
+    reentrant within a process. It is an abstract Unix socket rather than a file, so there is nothing
+    to clean up and the kernel frees it when the holder dies, even by SIGKILL. Its scope is the
+    network namespace: containers that share ``/dev/shm`` but not the network do not exclude each
+    other, which is harmless, since :func:`remove` checks the inode before it unlinks.
+    """
+    name = f"sysx-sweep-{os.getuid()}-{current_user() if user is None else user}"
+    with _sweep_locks_guard:
+        mine = _sweep_locks_held.get(name, 0) > 0
+        if mine:
+            _sweep_locks_held[name] += 1
+    if mine:
+        try:
+            yield True
+        finally:
+            with _sweep_locks_guard:
+                _sweep_locks_held[name] -= 1
+        return
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                sock.bind("\0" + name)
+                break
+            except OSError:  # EADDRINUSE: another process holds it
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        with _sweep_locks_guard:
+            _sweep_locks_held[name] = 1
+        try:
+            yield True
+        finally:
+            with _sweep_locks_guard:
+                _sweep_locks_held[name] = 0
+    finally:
+        sock.close()
+
+
+def sweep_stale(*, user: str | None = None, job: str | None = None, wait_s: float = SWEEP_WAIT_S) -> list[SegmentInfo]:
     """Remove this user's stale and broken segments (creator dead or never finished, nobody mapping
-    them); returns what was removed."""
-    removed = []
-    for info in scan(user=user, job=job):
-        if info.removable and remove(info):
-            removed.append(info)
-    return removed
+    them) under :func:`sweep_lock`; returns what was removed. When another process has held the lock
+    for ``wait_s`` seconds it warns and removes nothing: the next start or ``sysx shm clean`` will."""
+    with sweep_lock(user, wait_s=wait_s) as held:
+        if not held:
+            warnings.warn(
+                f"sysx: another process of this user held the shared-memory sweep lock for {wait_s:g} s; "
+                "stale segments were left for the next start (`sysx shm clean` removes them now)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return []
+        removed = []
+        for info in scan(user=user, job=job):
+            if info.removable and remove(info):
+                removed.append(info)
+        return removed
 
 
 # --- this process's segments and its exit paths -----------------------------------------------
