@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,6 +311,31 @@ def test_the_heap_is_trimmed_before_a_ranks_baseline() -> None:
     before = _anon()
     assert release_free_heap()
     assert _anon() <= before - 8 * 1024  # KiB: most of the 16 MiB
+
+
+RANK_IMPORTS = r"""
+import json, sys
+from sysx.trainers.prediction import start_host_peak
+from sysx.train import main
+start_host_peak()
+before = "torch.fx.experimental.symbolic_shapes" in sys.modules
+status = main(["schedule=sysx", "train.steps=2", "train.seq_len=16", "train.micro_batch_size=2", "optim.backend=torch",
+               "eval.every=0", "log.progress=false", "run_dir=" + sys.argv[1]])
+print(json.dumps({"status": status, "before": before, "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+
+def test_a_pipeline_rank_has_torchs_backward_modules_before_its_baseline_and_never_imports_dynamo(
+    tmp_path: Path,
+) -> None:
+    """The first backward with output gradients imports sympy (~30 MiB): before the baseline, so the
+    check does not read it as the state's growth. torch._dynamo (1 s and ~40 MiB a rank) is never
+    imported by a pipeline rank's steps, so the baseline does not import it either."""
+    done = subprocess.run(
+        [sys.executable, "-c", RANK_IMPORTS, str(tmp_path / "run")], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"status": 0, "before": True, "dynamo": False}
 
 
 def _anon() -> int:

@@ -6,7 +6,7 @@ handler looked up and called, a small tensor made and copied, a clock read for t
 a dict entry kept and popped (the executor's stores). The layer compute of a pass is priced by the
 profile's layer times, which include the module's own Python overhead; this is what is left.
 :func:`measure_process_bytes` starts one fresh process that imports torch and sysx, opens a
-one-rank gloo group, then runs one small Block forward and backward, one Adam step and one worker
+one-rank gloo group, then runs one small Block forward and backward and one Adam step on a worker
 thread, and reports how much its anonymous memory grew past the point where a rank's plan starts
 counting (autograd's and the allocator's caches, thread stacks and arenas), as the prediction
 check counts a rank's memory (:func:`sysx.trainers.prediction.host_growth`: file pages, such as
@@ -88,11 +88,12 @@ _CHILD = r"""
 import json, os, threading, tempfile
 import psutil, torch, torch.distributed as dist
 import sysx.train  # everything a rank imports
-# a rank has imported dynamo before its baseline (building the model, its optimizer); sysx imports it
-# lazily, and here the first backward and Adam step would pull in its ~70 MiB after the baseline
-import torch._dynamo
+from sysx.trainers.prediction import import_backward_modules
+import_backward_modules()  # as a rank does before its baseline
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
+from sysx.optim.formula import BetaPowers, Hyper, constants
+from sysx.optim.torch_backend import TorchBackend
 torch.set_num_threads(1)
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -105,9 +106,13 @@ block = make_layer(cfg, 1)
 init_layer(block, 1)
 x = torch.randn(2, 32, cfg.dim, requires_grad=True)
 block(x).sum().backward()
-opt = torch.optim.Adam(block.parameters())
-opt.step()
-worker = threading.Thread(target=lambda: torch.ones(64).add_(1))
+hyper = Hyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+def adam_step():  # on a worker thread, as a rank's optimizer lane steps (sysx's Adam, not torch.optim's)
+    for p in block.parameters():
+        flat, grad = p.detach().reshape(-1), p.grad.reshape(-1)
+        m, v, scratch = (torch.zeros_like(flat) for _ in range(3))
+        TorchBackend(hyper).step_chunk(flat, grad, m, v, constants(1, 1e-3, hyper, BetaPowers(0.9, 0.999)), scratch)
+worker = threading.Thread(target=adam_step)
 worker.start(); worker.join()
 t = torch.ones(8); dist.all_reduce(t)
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so a child of a large process
@@ -133,9 +138,10 @@ def measure_process_bytes(timeout_s: float = PROCESS_TIMEOUT_S) -> int:
 _BACKWARD_CHILD = r"""
 import json, sys
 import torch
-import torch._dynamo  # as a rank has before its baseline (see _CHILD)
 from sysx.model import ModelConfig
 from sysx.model.llama import init_layer, make_layer
+from sysx.trainers.prediction import import_backward_modules
+import_backward_modules()  # as a rank does before its baseline
 args = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 dtype = getattr(torch, args["dtype"])

@@ -68,16 +68,21 @@ def release_free_heap() -> bool:
     return bool(trim(0))
 
 
+def import_backward_modules() -> None:
+    """Import what torch imports at a process's first backward with given output gradients
+    (``torch.autograd``'s ``_make_grads``: ``torch.fx.experimental.symbolic_shapes`` and sympy,
+    ~30 MiB and 0.35 s), so that its modules are not read as the training state's growth. Not
+    ``torch._dynamo``: a pipeline rank never imports it (1 s and another 40 MiB a rank)."""
+    with contextlib.suppress(ImportError):  # another torch may keep it elsewhere: then it is not imported there
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+
 def start_host_peak() -> int:
     """The baseline of :func:`host_growth`: this process's anonymous memory plus its share of its
     shared memory (its RSS off Linux), with its peak (VmHWM) reset to its RSS (Linux >= 4.0,
     ``clear_refs`` 5), so the peak read later is the state's, not an earlier one's (rank 0's
     tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
-    # the first backward or optimizer step imports torch._dynamo (~30-70 MiB) anyway; imported after
-    # the baseline it read as the state's growth, in a run whose rank 0 had not tuned first (+130 MiB
-    # over 4 ranks of the tiny model, +180% there: issue 27)
-    import torch._dynamo  # noqa: F401
-
+    import_backward_modules()
     # not Linux, or not allowed: the peak since the start stands
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
@@ -254,6 +259,11 @@ class SinglePrediction:
     def __init__(self, plan: Any, device: torch.device) -> None:
         self.plan, self.device = plan, device
         self.optimizer_s = 0.0
+        # the planner's op profiles run through torch's Python decompositions, which import
+        # torch._dynamo (~30 MiB); imported here too, in case they did not, a later import is not
+        # read as the step's growth (a pipeline rank never imports it: tests/test_host_costs.py)
+        import torch._dynamo  # noqa: F401
+
         release_free_heap()
         self.rss0 = start_host_peak()
         self.step_times: list[tuple[int, float]] = []
