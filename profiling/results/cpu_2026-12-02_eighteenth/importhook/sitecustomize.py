@@ -1,0 +1,18 @@
+"""With PYTHONPATH=<this dir>: every process writes the stack that first imports sympy or
+torch._dynamo to /tmp/dyn/stack.<pid>.<module> (eighteenth session: who imports them in a rank)."""
+
+import os
+import sys
+import traceback
+
+
+class Finder:
+    def find_spec(self, name, path, target=None):
+        if name in ("sympy", "torch._dynamo"):
+            with open(f"/tmp/dyn/stack.{os.getpid()}.{name}", "w") as f:
+                f.write("".join(traceback.format_stack(limit=30)))
+            pass
+        return None
+
+
+sys.meta_path.insert(0, Finder())
