@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -185,8 +186,10 @@ def sweep_lock(user: str | None = None, *, wait_s: float = SWEEP_WAIT_S) -> Iter
             try:
                 sock.bind("\0" + name)
                 break
-            except OSError:  # EADDRINUSE: another process holds it
-                if time.monotonic() >= deadline:
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:  # no abstract sockets here: sweep unlocked, remove() checks inodes
+                    break
+                if time.monotonic() >= deadline:  # another process holds it
                     yield False
                     return
                 time.sleep(0.05)

@@ -8,11 +8,11 @@ import traceback
 
 class Finder:
     def find_spec(self, name, path, target=None):
-        if name in ("sympy", "torch._dynamo"):
+        if name in ("sympy", "torch._dynamo"):  # asked only while the module is not imported yet
+            os.makedirs("/tmp/dyn", exist_ok=True)
             with open(f"/tmp/dyn/stack.{os.getpid()}.{name}", "w") as f:
                 f.write("".join(traceback.format_stack(limit=30)))
-            pass
-        return None
+        return None  # the normal finders import it
 
 
 sys.meta_path.insert(0, Finder())
