@@ -344,16 +344,22 @@ def _anon() -> int:
 
 
 def test_the_backward_probe_splits_its_peaks_and_says_when_it_failed(monkeypatch, caplog) -> None:
-    """One Block's and two Blocks' peaks give ``(per Block, once)``; a probe process that fails leaves
-    the shape estimate in the plan, with one warning line naming why (never silently)."""
+    """One Block's and four Blocks' peaks give ``(per Block, once)``: the difference over the three
+    Blocks between them; a probe process that fails leaves the shape estimate in the plan, with one
+    warning line naming why (never silently)."""
     import logging
     import subprocess
 
     from sysx.machine import host_cost
 
-    peaks = {1: {128: 30, 256: 50}, 2: {128: 40, 256: 70}}
-    monkeypatch.setattr(host_cost, "_backward_peaks", lambda cfg, s, t, d, blocks, timeout: peaks[blocks])
+    assert host_cost.PROBE_BLOCKS == 4
+    peaks = {1: {128: 30, 256: 50}, 2: {128: 40, 256: 70}, 4: {128: 60, 256: 110}}
+    monkeypatch.setattr(host_cost, "_backward_peaks", lambda cfg, s, t, d, blocks, timeout: [peaks[b] for b in blocks])
     assert host_cost.measure_backward_bytes(None, 128, [256, 128], torch.float32) == {128: (10, 20), 256: (20, 30)}
+    # the scatter of the larger peak is divided by the Blocks between: 3 MiB more at four Blocks is 1 a Block
+    peaks[4] = {128: 60 + 3, 256: 110}
+    assert host_cost.measure_backward_bytes(None, 128, [128], torch.float32) == {128: (11, 19)}
+    assert host_cost.measure_backward_bytes(None, 128, [128], torch.float32, blocks=2) == {128: (10, 20)}
 
     def fails(*args, **kw):
         raise subprocess.CalledProcessError(1, "python", stderr="Traceback ...\nMemoryError: probe")
@@ -362,6 +368,15 @@ def test_the_backward_probe_splits_its_peaks_and_says_when_it_failed(monkeypatch
     with caplog.at_level(logging.WARNING, logger="sysx.machine"):
         assert host_cost.measure_backward_bytes(None, 128, [128], torch.float32) == {}
     assert "backward-memory probe failed (MemoryError: probe)" in caplog.text
+
+    def slow(*args, **kw):
+        raise subprocess.TimeoutExpired(["python", "-c", "the child script"], 120.0)
+
+    monkeypatch.setattr(host_cost, "_backward_peaks", slow)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sysx.machine"):
+        assert host_cost.measure_backward_bytes(None, 128, [128], torch.float32) == {}
+    assert "backward-memory probe failed (no answer in 120 s)" in caplog.text and "child script" not in caplog.text
 
 
 def test_the_optimizer_rates_are_timed_with_the_caches_cold(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -387,10 +402,22 @@ def test_the_optimizer_rates_are_timed_with_the_caches_cold(monkeypatch: pytest.
     assert timed == [2, 4]
 
 
-def test_the_backward_probe_takes_the_fewest_and_the_most_tokens_up_to_a_cap() -> None:
+def test_the_backward_probe_runs_more_blocks_than_a_small_model_has() -> None:
+    """The probe's larger sub-stage is Blocks only, repeated when the model has fewer (fresh
+    processes, both at once: their peaks are real, growing with the tokens and the Blocks)."""
+    from sysx.machine import host_cost
+    from sysx.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    one, more = host_cost._backward_peaks(cfg, 16, [16, 256], torch.float32, (1, host_cost.PROBE_BLOCKS), 120.0)
+    assert sorted(one) == sorted(more) == [16, 256]
+    assert 0 <= one[16] <= one[256] and one[256] < more[256]
+
+
+def test_the_backward_probe_takes_every_count_up_to_a_cap() -> None:
     from sysx.autotune.profile import BACKWARD_MAX_TOKENS, backward_probe_tokens
 
-    assert backward_probe_tokens([256, 128, 2048, 512, 1024]) == [128, 2048]
+    assert backward_probe_tokens([256, 128, 2048, 512, 1024, 512]) == [128, 256, 512, 1024, 2048]
     assert backward_probe_tokens([2048, 4096, 8192, 32768]) == [2048, BACKWARD_MAX_TOKENS]
     assert backward_probe_tokens([8192, 16384]) == [8192]  # all past the cap: the fewest alone
     assert backward_probe_tokens([64]) == [64]

@@ -214,16 +214,19 @@ BACKWARD_MAX_TOKENS = 4096  # the backward's bytes a token have settled by then 
 
 
 def backward_probe_tokens(token_counts: list[int]) -> list[int]:
-    """The token counts the backward's bytes are measured at: the fewest and the most up to
-    :data:`BACKWARD_MAX_TOKENS`, interpolated between (:meth:`MachineProfile.backward_work`). The
-    part held once per backward is not in proportion to the tokens (dim 512: 102 KiB a token at 128
-    tokens, 35 at 2048), and the smallest count's scatter, scaled up to a large micro-batch, moved
-    the 50M plans' host memory by 20% between runs of one layout (issue 27). The cap keeps a large
-    model's probe affordable (two fresh processes, each backpropagating two Blocks at that count);
-    past it the bytes are scaled in proportion, as they then are."""
+    """The token counts the backward's bytes are measured at: every one up to
+    :data:`BACKWARD_MAX_TOKENS` (the fewest alone when all are past it); past the cap the bytes are
+    scaled in proportion (:meth:`MachineProfile.backward_work`), as they then are.
+
+    Every count, not the two ends interpolated: what glibc keeps of the freed workspace does not
+    grow in proportion to the tokens. Four tiny Blocks at 512 tokens peak at 30-31 MiB where the
+    line from 128 to 2048 tokens read 27 (issue 27). The cap keeps a large model's probe affordable
+    (its two fresh processes backpropagate a sub-stage at every count, the largest dominating); a
+    single process takes the counts in ascending order, so what the heap keeps of one count serves
+    the next, as a rank's repeated steps reuse theirs."""
     counts = sorted(set(token_counts))
-    most = max((c for c in counts if c <= BACKWARD_MAX_TOKENS), default=counts[0])
-    return sorted({counts[0], most})
+    kept = [c for c in counts if c <= BACKWARD_MAX_TOKENS]
+    return kept or counts[:1]
 
 
 def measure_profile(

@@ -25,7 +25,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -146,9 +146,10 @@ args = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 dtype = getattr(torch, args["dtype"])
 cfg = ModelConfig(**args["model"])
-block = torch.nn.Sequential(*(make_layer(cfg, 1 + i, dtype=dtype) for i in range(args["blocks"])))
-for i, layer in enumerate(block):
-    init_layer(layer, 1 + i)
+index = [1 + i % cfg.n_layers for i in range(args["blocks"])]  # Blocks only, however few the model has
+block = torch.nn.Sequential(*(make_layer(cfg, i, dtype=dtype) for i in index))
+for i, layer in zip(index, block):
+    init_layer(layer, i)
 for p in block.parameters():
     p.grad = torch.zeros_like(p)  # planned state: made before the count starts
 def status(key):
@@ -176,38 +177,73 @@ print(json.dumps(out))
 
 
 def _backward_peaks(
-    cfg: Any, seq_len: int, tokens: list[int], dtype: torch.dtype, blocks: int, timeout_s: float
-) -> dict[int, int]:
-    """:data:`_BACKWARD_CHILD`'s peaks for a sub-stage of ``blocks`` Blocks, by token count."""
+    cfg: Any, seq_len: int, tokens: list[int], dtype: torch.dtype, blocks: Sequence[int], timeout_s: float
+) -> list[dict[int, int]]:
+    """:data:`_BACKWARD_CHILD`'s peaks by token count, for a sub-stage of each of ``blocks`` Blocks,
+    one fresh process each, all at once (a peak's bytes do not depend on the CPU time the process
+    gets); every process still running is killed on the way out (a failure, Ctrl-C)."""
     dt = str(dtype).split(".")[-1]
-    args = {"model": dataclasses.asdict(cfg), "seq_len": seq_len, "tokens": tokens, "dtype": dt, "blocks": blocks}
-    done = subprocess.run(
-        [sys.executable, "-c", _BACKWARD_CHILD, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=True,
-    )
-    return {int(k): int(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for k in blocks:
+            args = {"model": dataclasses.asdict(cfg), "seq_len": seq_len, "tokens": tokens, "dtype": dt, "blocks": k}
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _BACKWARD_CHILD, json.dumps(args)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        out = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stdout, stderr)
+            out.append({int(k): int(v) for k, v in json.loads(stdout.strip().splitlines()[-1]).items()})
+        return out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+PROBE_BLOCKS = 4  # the larger sub-stage the backward probe runs (the smaller is one Block)
 
 
 def measure_backward_bytes(
-    cfg: Any, seq_len: int, token_counts: list[int], dtype: torch.dtype, timeout_s: float = PROCESS_TIMEOUT_S
+    cfg: Any,
+    seq_len: int,
+    token_counts: list[int],
+    dtype: torch.dtype,
+    timeout_s: float = PROCESS_TIMEOUT_S,
+    *,
+    blocks: int = PROBE_BLOCKS,
 ) -> dict[int, tuple[int, int]]:
     """What the backward of a sub-stage of Blocks of ``cfg`` (a :class:`~sysx.model.ModelConfig`)
-    holds at its peak, by token count (micro-batches of ``seq_len``-token sequences, a multiple of it): ``(per Block, once)`` bytes, from the peaks of one and of two
-    Blocks recomputed and backpropagated together (each in a fresh process, a few seconds): a
-    sub-stage of ``k`` Blocks holds ``once + k * per_block``. Empty when a process fails."""
+    holds at its peak, by token count (micro-batches of ``seq_len``-token sequences, a multiple of
+    it): ``(per Block, once)`` bytes, from the peaks of one and of ``blocks`` Blocks recomputed and
+    backpropagated together (each in a fresh process, a few seconds, the two at once): a sub-stage of ``k`` Blocks
+    holds ``once + k * per_block``. Empty when a process fails.
+
+    ``blocks`` apart, not two: each peak scatters by a few MiB between processes (what glibc keeps
+    of the freed workspace), and the per-Block bytes are the difference of two peaks over the
+    Blocks between them. One Block against two put the whole scatter in the per-Block bytes, which
+    a sub-stage of several Blocks multiplies (tiny at 2048 tokens: 23-34 MiB a Block in four probes,
+    issue 27); one against four divides it by three."""
     tokens = sorted(set(token_counts))
+    many = max(2, blocks)
     try:
-        one = _backward_peaks(cfg, seq_len, tokens, dtype, 1, timeout_s)
-        two = _backward_peaks(cfg, seq_len, tokens, dtype, 2, timeout_s)
+        one, more = _backward_peaks(cfg, seq_len, tokens, dtype, (1, many), timeout_s)
     except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError) as exc:
         detail = (getattr(exc, "stderr", None) or "").strip().splitlines()[-1:] or [f"{type(exc).__name__}: {exc}"]
+        if isinstance(exc, subprocess.TimeoutExpired):  # its message holds the whole child script
+            detail = [f"no answer in {exc.timeout:g} s"]
         log.warning("the backward-memory probe failed (%s); the host plan uses the shape estimate", detail[0])
         return {}
     out = {}
     for t in tokens:
-        per_block = max(0, two[t] - one[t])
+        per_block = max(0, (more[t] - one[t]) // (many - 1))
         out[t] = (per_block, max(0, one[t] - per_block))
     return out

@@ -19,7 +19,9 @@ MIB = 2**20
 cfg = model_config(load_config([*MODELS[sys.argv[1] if len(sys.argv) > 1 else "tiny"]]))
 tokens = [128, 256, 512, 1024, 2048]
 for blocks in (1, 2, 3):
-    together = _backward_peaks(cfg, 128, tokens, torch.float32, blocks, 120)
+    together = _backward_peaks(cfg, 128, tokens, torch.float32, (blocks,), 120)[0]
     print(blocks, "Block(s), ascending in one process:", {t: round(v / MIB, 2) for t, v in together.items()})
-    alone = {t: round(_backward_peaks(cfg, 128, [t], torch.float32, blocks, 120)[t] / MIB, 2) for t in (512, 1024)}
+    alone = {
+        t: round(_backward_peaks(cfg, 128, [t], torch.float32, (blocks,), 120)[0][t] / MIB, 2) for t in (512, 1024)
+    }
     print(blocks, "Block(s), each count in its own process:", alone)
