@@ -237,6 +237,28 @@ def test_a_tuned_2_rank_run_checks_its_prediction_and_warns_when_it_is_off(tmp_p
     assert cached.p2p is not None and cached.p2p.ranks == 2 and cached.p2p.intra_bandwidth > 0  # kept with the profile
 
 
+def test_the_tiny_message_latency_is_the_fastest_of_many_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-message latency every all-reduce of the plan pays is the fastest of
+    :data:`~sysx.autotune.p2p.TINY_ROUNDS` round trips; a large size's of ``ROUNDS`` (one more each
+    connects the pair). A slow round trip among them (another rank's time slice) is not the latency."""
+    from sysx.autotune import p2p
+
+    trips: list[int] = []
+    now = [0.0]
+
+    def send(buf: torch.Tensor, peer: int, group: object = None) -> None:
+        trips.append(buf.numel())
+        now[0] += 1000.0 if len(trips) == 4 else 1.0  # the third timed tiny round trip is slow
+
+    monkeypatch.setattr(p2p.tdist, "send", send)
+    monkeypatch.setattr(p2p.tdist, "recv", lambda buf, peer, group=None: None)
+    monkeypatch.setattr(p2p.time, "perf_counter", lambda: now[0])
+    one_way = p2p._ping_pong(1, True, torch.device("cpu"), None, (p2p.TINY, 4096))
+    assert trips.count(p2p.TINY // 4) == p2p.TINY_ROUNDS + 1 and trips.count(1024) == p2p.ROUNDS + 1
+    assert p2p.TINY_ROUNDS >= 10 * p2p.ROUNDS
+    assert one_way == [0.5, 0.5]  # each round trip 1 "second" but the slow one: half of it one way
+
+
 @pytest.mark.parametrize(
     "world,extra,tuned",
     [

@@ -18,7 +18,10 @@ import torch.distributed as tdist
 
 SIZES = (4 << 10, 1 << 20, 4 << 20)  # bytes: the line through them gives the bandwidth
 TINY = 16  # bytes: a message this small costs the per-message latency alone
-ROUNDS = 3
+ROUNDS = 3  # round trips a size is timed over (the fastest kept), after one that connects the pair
+# the tiny message's: its fastest of 3 read 53-116 us between four ranks on two cores (once 1983 us,
+# which a tiny:4 plan charged to every all-reduce: 12% too slow); of 30, 41-63 us, for 6 ms more (issue 27)
+TINY_ROUNDS = 30
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,14 @@ def fit_line(sizes: list[float], seconds: list[float], tiny: float | None = None
 def _ping_pong(
     peer: int, first: bool, device: torch.device, group: tdist.ProcessGroup | None, sizes: tuple[int, ...] = SIZES
 ) -> list[float]:
-    """One-way seconds per size (half the fastest round trip); ``first`` sends first."""
+    """One-way seconds per size (half the fastest round trip, of :data:`TINY_ROUNDS` for a message
+    of :data:`TINY` bytes or fewer, else of :data:`ROUNDS`); ``first`` sends first."""
     out = []
     for size in sizes:
-        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
         best = float("inf")
-        for i in range(ROUNDS + 1):  # the first round trip connects the pair: not timed
+        rounds = TINY_ROUNDS if size <= TINY else ROUNDS
+        for i in range(rounds + 1):  # the first round trip connects the pair: not timed
             t0 = time.perf_counter()
             if first:
                 tdist.send(buf, peer, group=group)
