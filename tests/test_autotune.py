@@ -335,15 +335,15 @@ def test_profile_cache_is_reused_and_invalidated_by_the_shape(tmp_path, monkeypa
 
     monkeypatch.setattr(prof, "measure_profile", counting)
     monkeypatch.setattr(hardware_cache, "measure_process_bytes", lambda: 1 << 20)  # a fresh interpreter: seconds
-    probed: list[list[int]] = []
+    probed: list[list[int]] = []  # the token counts, then the Blocks
     monkeypatch.setattr(  # two interpreters: seconds
         prof,
         "measure_backward_bytes",
-        lambda cfg, seq, tokens, dtype: probed.append(tokens) or {16: (1 << 10, 1 << 11)},
+        lambda cfg, seq, tokens, dtype, blocks: probed.append([*tokens, blocks]) or {16: (1 << 10, 1 << 11)},
     )
     small = dataclasses.replace(TINY, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64, n_layers=2, max_seq_len=64)
     first, reused = cache_mod.load_or_measure(small, 16, [1, 4, 2], device="cpu")
-    assert probed == [[16, 32, 64]]  # every micro-batch's tokens
+    assert probed == [[16, 32, 64, 4]]  # every micro-batch's tokens, four Blocks against one (a small model)
     assert first.backward_bytes == [[16, 1 << 10, 1 << 11]]  # a CPU profile keeps what the backward holds
     assert not reused and len(calls) == 1
     again, reused = cache_mod.load_or_measure(small, 16, [2], device="cpu")

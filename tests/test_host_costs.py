@@ -414,6 +414,24 @@ def test_the_backward_probe_runs_more_blocks_than_a_small_model_has() -> None:
     assert 0 <= one[16] <= one[256] and one[256] < more[256]
 
 
+def test_the_backward_probe_runs_fewer_blocks_where_four_would_crowd_the_host() -> None:
+    """Four Blocks against one where both processes fit a quarter of the host memory by the shape
+    estimate; fewer, down to the old probe's two, for a large model on a small machine."""
+    from sysx.autotune.profile import PROBE_SHARE, probe_blocks
+    from sysx.model import get_preset
+    from sysx.model.flops import block_matmul_params
+    from sysx.schedule.costs import model_layer_act_bytes
+
+    tiny = get_preset("tiny")
+    big = dataclasses.replace(tiny, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000)
+    per_block = 2 * 4 * (block_matmul_params(big) + 2 * big.dim) + 2 * model_layer_act_bytes(big, 4096, 4)[1]
+    assert probe_blocks(tiny, 4096, 4, 2 * 2**30) == 4  # a laptop's 2 GiB free: tiny's probe as it is
+    assert probe_blocks(big, 4096, 4, 5 * per_block / PROBE_SHARE) == 4
+    assert probe_blocks(big, 4096, 4, 5 * per_block / PROBE_SHARE - 1) == 3
+    assert probe_blocks(big, 4096, 4, 4 * per_block / PROBE_SHARE - 1) == 2
+    assert probe_blocks(big, 4096, 4, 1.0) == 2  # never under two: one against one tells nothing
+
+
 def test_the_backward_probe_takes_every_count_up_to_a_cap() -> None:
     from sysx.autotune.profile import BACKWARD_MAX_TOKENS, backward_probe_tokens
 

@@ -31,8 +31,9 @@ from sysx.optim.cores import intra_op_threads
 log = logging.getLogger(__name__)
 
 # raised when what is measured or how changes, so profiles of an older profiler are measured again
-# 10: the backward's bytes at every micro-batch's token count, one Block against four; 9: a CPU layer's passes the mean of windows in rounds (was the fastest of 3); 8: the Adam and job
-# rates timed with the caches cold, the backward's bytes at the fewest and the most tokens; 7: the
+# 10: the backward's bytes at every micro-batch's token count, one Block against four; 9: a CPU
+# layer's passes the mean of windows in rounds (was the fastest of 3); 8: the Adam and job rates
+# timed with the caches cold, the backward's bytes at the fewest and the most tokens; 7: the
 # optimizer job's rate; 6: timed with the ranks' threads, which the file name holds; 5: a CPU
 # profile's backward_bytes; 4: op_host_s, process_bytes, tiny-message p2p latency (issue 27)
 PROFILE_VERSION = 10

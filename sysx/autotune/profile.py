@@ -28,11 +28,13 @@ from sysx.autotune.p2p import P2PFigures
 from sysx.machine.adam_rate import adam_params_per_s, optimizer_job_params_per_s
 from sysx.machine.hardware import HardwareProfile, mean_in_rounds, measure_hardware, time_op
 from sysx.machine.hardware_cache import machine_key
-from sysx.machine.host_cost import measure_backward_bytes
+from sysx.machine.host_cost import PROBE_BLOCKS, measure_backward_bytes
 from sysx.memory.budget import probe_host
 from sysx.model import ModelConfig
+from sysx.model.flops import block_matmul_params
 from sysx.model.llama import init_layer, make_layer
 from sysx.optim.cores import usable_physical_cores
+from sysx.schedule.costs import model_layer_act_bytes
 
 LAYER_KINDS = ("embedding", "block", "head")
 
@@ -229,6 +231,24 @@ def backward_probe_tokens(token_counts: list[int]) -> list[int]:
     return kept or counts[:1]
 
 
+PROBE_SHARE = 0.25  # of the host memory available: what the backward probe's two processes may hold
+
+
+def probe_blocks(cfg: ModelConfig, tokens: int, dtype_bytes: int, available: float) -> int:
+    """The larger sub-stage the backward probe runs: :data:`PROBE_BLOCKS`, or fewer (2 at least)
+    where its two processes (one Block and that many, at once) would pass :data:`PROBE_SHARE` of the
+    ``available`` host bytes by the shape estimate: a Block's parameters and gradients, and twice
+    its activations at ``tokens`` (the probe reads up to 1.8x the estimate: the recompute's
+    temporaries and what glibc keeps). A large model's probe on a small machine then holds no more
+    than the old probe of two Blocks did."""
+    params = block_matmul_params(cfg) + 2 * cfg.dim
+    per_block = 2 * dtype_bytes * params + 2 * model_layer_act_bytes(cfg, tokens, dtype_bytes)[1]
+    for k in range(PROBE_BLOCKS, 2, -1):
+        if (1 + k) * per_block <= PROBE_SHARE * available:
+            return k
+    return 2
+
+
 def measure_profile(
     cfg: ModelConfig,
     seq_len: int,
@@ -246,13 +266,14 @@ def measure_profile(
     device = dev.default_device() if device is None else torch.device(device)
     hardware = measure_hardware(device, dtype, repeats=repeats) if hardware is None else hardware
     layers = _time_layers(cfg, micro_batch_sizes, seq_len, device, dtype, repeats)
+    cap = probe_host()
+    host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)
     backward = None
     if not dev.is_cuda(device):  # the "device" memory is host memory, counted as the check counts it
         tokens = backward_probe_tokens([mbs * seq_len for mbs in micro_batch_sizes])
-        found = measure_backward_bytes(cfg, seq_len, tokens, dtype)
+        blocks = probe_blocks(cfg, tokens[-1], dtype.itemsize, host)
+        found = measure_backward_bytes(cfg, seq_len, tokens, dtype, blocks=blocks)
         backward = [[t, a, b] for t, (a, b) in sorted(found.items())] or None
-    cap = probe_host()
-    host = cap.ram_available if cap.cgroup is None else min(cap.ram_available, cap.cgroup.available)
     return MachineProfile(
         machine=machine_key(device),
         shape=shape_key(cfg, seq_len, dtype),

@@ -224,14 +224,15 @@ def measure_backward_bytes(
     """What the backward of a sub-stage of Blocks of ``cfg`` (a :class:`~sysx.model.ModelConfig`)
     holds at its peak, by token count (micro-batches of ``seq_len``-token sequences, a multiple of
     it): ``(per Block, once)`` bytes, from the peaks of one and of ``blocks`` Blocks recomputed and
-    backpropagated together (each in a fresh process, a few seconds, the two at once): a sub-stage of ``k`` Blocks
-    holds ``once + k * per_block``. Empty when a process fails.
+    backpropagated together (each in a fresh process, a few seconds, the two at once): a sub-stage
+    of ``k`` Blocks holds ``once + k * per_block``. Empty when a process fails.
 
     ``blocks`` apart, not two: each peak scatters by a few MiB between processes (what glibc keeps
     of the freed workspace), and the per-Block bytes are the difference of two peaks over the
     Blocks between them. One Block against two put the whole scatter in the per-Block bytes, which
     a sub-stage of several Blocks multiplies (tiny at 2048 tokens: 23-34 MiB a Block in four probes,
-    issue 27); one against four divides it by three."""
+    issue 27); one against ``blocks`` divides it by ``blocks - 1``. A large model on a small
+    machine probes fewer (:func:`sysx.autotune.profile.probe_blocks`)."""
     tokens = sorted(set(token_counts))
     many = max(2, blocks)
     try:
