@@ -31,7 +31,7 @@ from sysx.machine.hardware_cache import machine_key
 from sysx.machine.host_cost import PROBE_BLOCKS, measure_backward_bytes
 from sysx.memory.budget import probe_host
 from sysx.model import ModelConfig
-from sysx.model.flops import block_matmul_params
+from sysx.model.flops import block_params
 from sysx.model.llama import init_layer, make_layer
 from sysx.optim.cores import usable_physical_cores
 from sysx.schedule.costs import model_layer_act_bytes
@@ -241,8 +241,7 @@ def probe_blocks(cfg: ModelConfig, tokens: int, dtype_bytes: int, available: flo
     its activations at ``tokens`` (the probe reads up to 1.8x the estimate: the recompute's
     temporaries and what glibc keeps). A large model's probe on a small machine then holds no more
     than the old probe of two Blocks did."""
-    params = block_matmul_params(cfg) + 2 * cfg.dim
-    per_block = 2 * dtype_bytes * params + 2 * model_layer_act_bytes(cfg, tokens, dtype_bytes)[1]
+    per_block = 2 * dtype_bytes * block_params(cfg) + 2 * model_layer_act_bytes(cfg, tokens, dtype_bytes)[1]
     for k in range(PROBE_BLOCKS, 2, -1):
         if (1 + k) * per_block <= PROBE_SHARE * available:
             return k

@@ -196,8 +196,9 @@ def _backward_peaks(
                 )
             )
         out = []
+        deadline = time.monotonic() + timeout_s  # for all of them: they run at once
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             if proc.returncode:
                 raise subprocess.CalledProcessError(proc.returncode, proc.args, stdout, stderr)
             out.append({int(k): int(v) for k, v in json.loads(stdout.strip().splitlines()[-1]).items()})

@@ -24,10 +24,15 @@ def block_matmul_params(cfg: ModelConfig) -> int:
     return attn + mlp
 
 
+def block_params(cfg: ModelConfig) -> int:
+    """Every weight of one Block: its matmul weights and its two RMSNorm weights."""
+    return block_matmul_params(cfg) + 2 * cfg.dim
+
+
 def param_count(cfg: ModelConfig) -> int:
     """Exact number of parameters of the model (a tied output projection counted once)."""
     embedding = cfg.vocab_size * cfg.dim
-    block = block_matmul_params(cfg) + 2 * cfg.dim  # + two RMSNorm weights
+    block = block_params(cfg)
     head = cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return embedding + cfg.n_layers * block + head
 

@@ -12,7 +12,7 @@ import torch
 from sysx.machine.hardware import GiB
 from sysx.memory.budget import ram_available_bytes
 from sysx.model.config import ModelConfig
-from sysx.model.flops import block_matmul_params
+from sysx.model.flops import block_matmul_params, block_params
 from sysx.single.act_policy import N_LEVELS, parse_level
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class ModelSizes:
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> ModelSizes:
-        block = block_matmul_params(cfg) + 2 * cfg.dim
+        block = block_params(cfg)
         static = cfg.vocab_size * cfg.dim + cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
         return cls(cfg.n_layers, block, block_matmul_params(cfg), static, static + cfg.n_layers * block)
 
