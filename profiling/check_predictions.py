@@ -4,8 +4,10 @@ Runs ``sysx.train`` on this machine for each configuration of the table (the tin
 ~50M one, 2 and 4 ranks with ``schedule=auto schedule.tune=true``, and ``schedule=single``), reads
 each run's ``summary.json`` ``prediction`` section and prints predicted vs measured seconds per
 iteration and peak host memory with their errors, and the load average before and after each run.
-Every run measures its own profile (a fresh cache directory per invocation, shared by its runs,
-so the 4-rank run reuses the 2-rank run's profile of the same model, as a user's second job would).
+The single rows compute with torch's threads (every core), as ``sysx-train`` does; the ranks
+with their own (:func:`sysx.optim.cores.apply_plan`). Every run measures its own profile (a
+fresh cache directory per invocation, shared by its runs, so the 4-rank run reuses the 2-rank
+run's profile of the same model, as a user's second job would).
 
     PYTHONPATH=. python profiling/check_predictions.py [--only tiny:2,single:tiny] [--jsonl OUT]
 
@@ -89,6 +91,8 @@ def run_one(
     run_dir = root / name.replace(":", "_")
     cmd = command(model, ranks, run_dir, device, extra)
     env = {**os.environ, "SYSX_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
+    if ranks == 1:  # one process computes with torch's threads, as `sysx-train` does (ranks set their own)
+        del env["OMP_NUM_THREADS"]
     row: dict[str, Any] = {"name": name, "model": model, "ranks": ranks, "command": shlex.join(cmd[1:])}
     row["load_before"] = load()
     t0 = time.perf_counter()

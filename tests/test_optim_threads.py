@@ -12,7 +12,7 @@ import torch
 from sysx import trace
 from sysx.device import Event
 from sysx.optim import CpuAdam, OptimizerThreads, StageOptimizer
-from sysx.optim.cores import apply_plan, plan_cores
+from sysx.optim.cores import apply_plan, plan_cores, worker_threads_beside
 
 
 @pytest.fixture(autouse=True)
@@ -187,6 +187,34 @@ def test_core_plan_splits_cores_between_local_ranks(caplog: pytest.LogCaptureFix
         assert "core plan: local rank 0/1" in caplog.text
     finally:
         torch.set_num_threads(saved)
+
+
+def test_workers_beside_the_hosts_own_compute_step_with_one_thread() -> None:
+    """Where the host computes, a worker's own OpenMP team would stop the compute team's idle
+    threads spinning (libgomp's count of threads against CPUs); beside a GPU it takes torch's count."""
+    assert worker_threads_beside(torch.device("cpu")) == 1
+    assert worker_threads_beside(torch.device("cuda", 0)) is None
+    assert worker_threads_beside(torch.device("cuda")) is None
+
+
+def test_a_workers_thread_count_leaves_the_creating_threads_own() -> None:
+    """torch.set_num_threads in a worker also sets the count a thread takes at its first parallel
+    op: the creating thread (a rank's main thread after apply_plan, before it computes) keeps its own."""
+    stage = _stage("s0.0", 64, seed=1)
+    saved = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def create() -> None:  # a thread that has not computed yet
+        torch.set_num_threads(3)
+        with OptimizerThreads([stage], workers=1, threads_per_worker=1) as threads:
+            seen["worker"] = threads._executor().submit(torch.get_num_threads).result(timeout=60)
+        seen["creator"] = torch.get_num_threads()
+
+    creator = threading.Thread(target=create)
+    creator.start()
+    creator.join(timeout=120)
+    torch.set_num_threads(saved)  # the default of later threads, which the workers moved
+    assert seen == {"worker": 1, "creator": 3}
 
 
 def test_core_plan_reads_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -185,6 +185,22 @@ def test_window_takes_optim_rollback_and_refreshes_exact_spares(capsys: pytest.C
     assert all(torch.equal(state_a[k].view(torch.int32), state_b[k].view(torch.int32)) for k in state_a)
 
 
+def test_the_windows_workers_step_with_one_thread_where_the_host_computes() -> None:
+    """On a CPU device the optimizer workers keep no OpenMP team beside the compute's
+    (:func:`sysx.optim.cores.worker_threads_beside`): the default job ran 1.4-1.8x its plan with one."""
+    trainer = SingleTrainer(
+        make_cfg(),
+        single=SingleSection(window=2, print_plan=False),
+        hardware=HW,
+        optimizer_backend="torch",
+        device="cpu",
+    )
+    try:
+        assert trainer.threads.threads_per_worker == 1
+    finally:
+        trainer.close()
+
+
 def test_a_different_split_keeps_the_global_batch() -> None:
     """Chunks of 1 sequence instead of the reference's micro-batches of 2: the same sequences and loss;
     the gradients differ only by summation order, so parameters agree to Adam-amplified rounding."""

@@ -121,6 +121,23 @@ def rank_cores(local_world_size: int) -> int:
     return max(1, usable_physical_cores()[0] // max(1, local_world_size))
 
 
+# An idle libgomp thread spins 300k rounds for the next parallel region while the process's OpenMP
+# threads (every team's) number at most its CPUs, and 100 past that (GOMP_SPINCOUNT): each of a
+# small model's short regions then wakes it from sleep. A CPU job's compute team is as wide as the
+# cores, so an optimizer worker's own team put it past the count: the default tiny job ran 1.4-1.8x
+# its plan, its second core adding nothing (profiling/RESULTS.md, "Twentieth session"). One thread
+# a worker starts no team.
+HOST_COMPUTE_WORKER_THREADS = 1
+
+
+def worker_threads_beside(device: torch.device) -> int | None:
+    """Intra-op threads for each optimizer worker of a job computing on ``device``:
+    :data:`HOST_COMPUTE_WORKER_THREADS` where the host computes (``device`` is the CPU), so the
+    compute's OpenMP team stays the process's only one; None (the worker takes torch's count) beside
+    a GPU, where the main thread runs no parallel regions to slow."""
+    return None if device.type == "cuda" else HOST_COMPUTE_WORKER_THREADS
+
+
 @contextlib.contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
     """Run the block with ``n`` torch intra-op threads on this thread, then restore the previous count:

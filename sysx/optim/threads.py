@@ -67,6 +67,9 @@ class OptimizerThreads:
         if threads_per_worker is not None and threads_per_worker < 1:
             raise ValueError(f"OptimizerThreads: threads_per_worker={threads_per_worker} must be >= 1")
         self.threads_per_worker = threads_per_worker
+        # torch.set_num_threads also sets the count a thread takes at its first parallel op: fix
+        # this thread's now, before a worker's (_init_worker) would become it
+        torch.get_num_threads()
         self.device = worker_device(device)
         self.pace = pace  # steps (not checks, rollbacks or re-steps) take the emulated device's time
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -86,7 +89,9 @@ class OptimizerThreads:
 
     def _init_worker(self) -> None:
         if self.threads_per_worker is not None:
-            torch.set_num_threads(self.threads_per_worker)  # OpenMP: affects this thread only
+            # OpenMP's count for this thread; torch also keeps it as the default of threads that have
+            # not computed yet (the creating thread fixed its own in __init__)
+            torch.set_num_threads(self.threads_per_worker)
         if self.device is not None:
             # the current device is per thread: without this a worker's first CUDA call (an event
             # wait) would create a context on GPU 0

@@ -26,6 +26,7 @@ from sysx.machine.hardware import GiB, HardwareProfile
 from sysx.memory import plan_host_memory
 from sysx.memory.views import drop_failure_views
 from sysx.metrics import StepResult
+from sysx.optim.cores import worker_threads_beside
 from sysx.optim.device_lane import DeviceLane
 from sysx.optim.placement import LaneRates, Placement
 from sysx.optim.rollback_choice import choose_rollback, tier_disk_free
@@ -133,7 +134,13 @@ class SingleTrainer(Trainer):
             pin=dev.is_cuda(self.device),  # a device=cpu job on a GPU machine creates no CUDA context
         )
         self.executor = SlidingWindowExecutor(self.plan, self.host, self.device, self.plan.table.profile)
-        self.threads = OptimizerThreads(self.host.stages, workers=WORKERS, name="sysx-single-opt", device=self.device)
+        self.threads = OptimizerThreads(
+            self.host.stages,
+            workers=WORKERS,
+            threads_per_worker=worker_threads_beside(self.device),
+            name="sysx-single-opt",
+            device=self.device,
+        )
         self.protocol = StepProtocol(
             self.threads, self.scaler, settings, fp16=cfg.precision == "fp16", total_norm=self.host.grad_norm
         )
