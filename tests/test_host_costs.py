@@ -113,6 +113,26 @@ def test_the_host_growth_starts_at_the_reset_peak_and_counts_shared_pages_once()
         seg.unlink()
 
 
+def test_the_baseline_comes_after_the_optimizer_op_the_job_steps_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's package and op (21 MiB) load before the baseline of a job that steps with them
+    (the default job read them as +11% host memory), not for optim.backend=torch; a failed load is
+    left to the job's own, which says what failed (auto falls back there)."""
+    from sysx.optim import deepspeed_backend
+    from sysx.trainers.prediction import start_host_peak
+
+    calls: list[str] = []
+
+    def load_op() -> None:
+        calls.append("load")
+        if len(calls) == 2:
+            raise deepspeed_backend.DeepSpeedUnavailable("no g++")
+
+    monkeypatch.setattr(deepspeed_backend, "load_op", load_op)
+    for backend in ("torch", "auto", "deepspeed", "auto"):
+        start_host_peak(backend)
+    assert calls == ["load"] * 3
+
+
 def test_the_check_counts_the_replicas_landing_buffers() -> None:
     """fp32 with 2 replicas on one node: every owned unit's gradients land in a buffer per replica,
     one of which doubles as the owner's shard gradients: one extra fp32 copy of the model."""

@@ -114,7 +114,8 @@ class PipelineTrainer(Trainer):
         broadcast = torch_broadcast(self.group) if self.world > 1 else None
         self.job_id = f"{self.opts.job_id or resolve_job_id(rank=self.rank, broadcast=broadcast)}.t{next(_instances)}"
         release_free_heap()  # what rank 0's tuning freed is not this run's: out of the baseline, as on every rank
-        rss0 = start_host_peak()  # before the training state exists: its growth is what the plan describes
+        # before the training state exists: its growth is what the plan describes
+        rss0 = start_host_peak(self.opts.optim_backend)
         self.runtime = self._rank_runtime()
         self.params, self.optimizer, self.executor = self.runtime.params, self.runtime.optimizer, self.runtime.executor
         self._closed = False

@@ -77,12 +77,28 @@ def import_backward_modules() -> None:
         import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 
-def start_host_peak() -> int:
+def load_optimizer_op(backend: str) -> None:
+    """Load DeepSpeed's cpu_adam op when a job with ``optim.backend=backend`` steps with it (its
+    package and library, 21 MiB of a process's anonymous memory, measured), so that they are not
+    read as the training state's growth; where it fails, the job's own load says so (``auto``
+    falls back there)."""
+    if backend == "torch":
+        return
+    from sysx.optim.deepspeed_backend import DeepSpeedUnavailable, load_op
+
+    with contextlib.suppress(DeepSpeedUnavailable):
+        load_op()
+
+
+def start_host_peak(optim_backend: str = "torch") -> int:
     """The baseline of :func:`host_growth`: this process's anonymous memory plus its share of its
     shared memory (its RSS off Linux), with its peak (VmHWM) reset to its RSS (Linux >= 4.0,
     ``clear_refs`` 5), so the peak read later is the state's, not an earlier one's (rank 0's
-    tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first)."""
+    tuning measures copy rates with 64 MiB of buffers and searches thousands of candidates first).
+    The libraries a job loads as it starts are loaded first: the backward's modules and the
+    optimizer's op (``optim_backend``: the job's ``optim.backend``)."""
     import_backward_modules()
+    load_optimizer_op(optim_backend)
     # not Linux, or not allowed: the peak since the start stands
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
@@ -256,7 +272,7 @@ class SinglePrediction:
     later of the planner's passes and :attr:`optimizer_s`, when the optimizer stops holding the next
     passes (:attr:`sysx.optim.placement.Placement.finish`, set where the optimizer was placed)."""
 
-    def __init__(self, plan: Any, device: torch.device) -> None:
+    def __init__(self, plan: Any, device: torch.device, optim_backend: str = "torch") -> None:
         self.plan, self.device = plan, device
         self.optimizer_s = 0.0
         # the planner's op profiles run through torch's Python decompositions, which import
@@ -265,7 +281,7 @@ class SinglePrediction:
         import torch._dynamo  # noqa: F401
 
         release_free_heap()
-        self.rss0 = start_host_peak()
+        self.rss0 = start_host_peak(optim_backend)
         self.step_times: list[tuple[int, float]] = []
         self.at: int | None = None
         self.extended = False

@@ -101,7 +101,7 @@ class SingleTrainer(Trainer):
         if self.settings.print_plan:
             print(self.plan.render(), flush=True)
         self.memory_cap = MemoryCap(self.device, request.device_budget_bytes)  # restored by close()
-        self.prediction = SinglePrediction(self.plan, self.device)
+        self.prediction = SinglePrediction(self.plan, self.device, optimizer_backend or cfg.optim.backend)
         try:
             self._build(cfg, optimizer_backend, model, lane_rates)
         except BaseException:
