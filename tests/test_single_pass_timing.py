@@ -100,9 +100,9 @@ def test_the_heap_planning_freed_is_handed_back_before_the_baseline(monkeypatch:
 
     order: list[str] = []
     monkeypatch.setattr(prediction, "release_free_heap", lambda: order.append("trim") or True)
-    monkeypatch.setattr(prediction, "start_host_peak", lambda: order.append("baseline") or 0)
-    prediction.SinglePrediction(None, torch.device("cpu"))
-    assert order == ["trim", "baseline"]
+    monkeypatch.setattr(prediction, "start_host_peak", lambda backend: order.append(f"baseline {backend}") or 0)
+    prediction.SinglePrediction(None, torch.device("cpu"), "auto")
+    assert order == ["trim", "baseline auto"]  # after the job's optimizer op (tests/test_host_costs.py)
 
 
 def test_the_passes_are_timed_together_in_rounds_over_a_tenth_of_a_second(monkeypatch) -> None:
