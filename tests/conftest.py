@@ -34,6 +34,11 @@ def _left_by_this_suite(name: str) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     _segments_before_suite.update(_sysx_segments())
+    # each of the suite's workers (-n 2 on the 2-core CI machine) owns a core: the jobs a test starts,
+    # and this process's threads that have not computed yet (torch reads it at a thread's first
+    # parallel op), compute with one intra-op thread. Two threads' OpenMP team spins for its partner
+    # while the other worker's test holds the second core: the default job's test took 46 s, not 26
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
