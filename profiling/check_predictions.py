@@ -13,6 +13,14 @@ run's profile of the same model, as a user's second job would).
 
 Prints a Markdown table (pasteable into ``profiling/RESULTS.md``) and, with ``--jsonl``, appends
 one JSON line per run. Peak host is measured as each run measures it (:mod:`sysx.trainers.prediction`).
+Beside the load average, each run's ``steal``: the share of the machine's CPU time the hypervisor
+gave to other guests during the run (``/proc/stat``; 0 on a machine of one's own).
+
+``--rounds N`` runs the table N times, round after round (each round with a fresh profile cache,
+as one invocation has), and then prints every row's median error and its range over the rounds.
+One run per row samples the machine as much as the model: on the 2-core VM two consecutive 2-s
+windows of one single-window run differed by up to 1.22x at two threads (1.12x at one), where a
+256^3 matmul's windows differed by 1.12x (issue 27, twenty-first session).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +77,13 @@ def load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
+def steal_s() -> float:
+    """CPU seconds the hypervisor has given other guests while this VM's CPUs wanted to run
+    (``/proc/stat``'s steal column, all CPUs): what no load average shows."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def command(model: str, ranks: int, run_dir: Path, device: str = "cpu", extra: tuple[str, ...] = ()) -> list[str]:
     """The ``sysx.train`` command line of one configuration (``extra``: more overrides, last)."""
     args = [*MODELS[model], *COMMON, f"device={device}", f"train.steps={STEPS[model]}", f"run_dir={run_dir}", *extra]
@@ -95,9 +111,11 @@ def run_one(
         del env["OMP_NUM_THREADS"]
     row: dict[str, Any] = {"name": name, "model": model, "ranks": ranks, "command": shlex.join(cmd[1:])}
     row["load_before"] = load()
-    t0 = time.perf_counter()
+    stolen, t0 = steal_s(), time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     row["wall_s"] = time.perf_counter() - t0
+    # the share of the machine's CPU time taken by the hypervisor during the run
+    row["steal_pct"] = 100.0 * (steal_s() - stolen) / (row["wall_s"] * (os.cpu_count() or 1))
     row["load_after"] = load()
     row["rc"] = proc.returncode
     if run_dir.is_dir():  # the plan, the tune lines and the steps, beside the run's files (--keep)
@@ -131,16 +149,46 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of ``rows``."""
     head = (
         "| run | predicted s/it | measured s/it | error | predicted host | measured host | error "
-        "| load before -> after | wall s |\n|---|---|---|---|---|---|---|---|---|"
+        "| load before -> after | steal | wall s |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
+    rounds = max((r.get("round", 1) for r in rows), default=1)
     for r in rows:
         pred = r.get("prediction") or {}
-        cells = [r["name"], *_cells(pred.get("iteration_s"), 1.0, "{:.3f}")]
+        name = f"{r['name']} (round {r['round']})" if rounds > 1 else r["name"]
+        cells = [name, *_cells(pred.get("iteration_s"), 1.0, "{:.3f}")]
         cells += [c if i == 2 else f"{c} MiB" for i, c in enumerate(_cells(pred.get(HOST), 2**20, "{:.1f}"))]
-        cells += [f"{r['load_before']:.1f} -> {r['load_after']:.1f}", f"{r['wall_s']:.0f}"]
+        cells += [f"{r['load_before']:.1f} -> {r['load_after']:.1f}", f"{r['steal_pct']:.1f}%", f"{r['wall_s']:.0f}"]
         if "error" in r:
             cells[1] = f"failed (rc {r['rc']})"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _error(row: dict[str, Any], key: str) -> float | None:
+    entry = (row.get("prediction") or {}).get(key)
+    return None if not entry else float(entry["error_pct"])
+
+
+def spread(rows: list[dict[str, Any]]) -> str:
+    """The Markdown table of each configuration's errors over its runs in ``rows`` (several rounds):
+    the median, the range and how many runs fell within the issue's bounds (10% in time, 15% in host)."""
+    head = (
+        "| run | runs | time error median | time range | within 10% | host error median | host range "
+        "| within 15% |\n|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        runs = [r for r in rows if r["name"] == name and "error" not in r]
+        cells = [name, str(len(runs))]
+        for key, bound in (("iteration_s", 10.0), (HOST, 15.0)):
+            errors = [e for r in runs if (e := _error(r, key)) is not None]
+            if not errors:
+                cells += ["-", "-", "-"]
+                continue
+            inside = sum(abs(e) <= bound for e in errors)
+            cells += [f"{statistics.median(errors):+.1f}%", f"{min(errors):+.1f}% .. {max(errors):+.1f}%"]
+            cells.append(f"{inside}/{len(errors)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -152,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--jsonl", type=Path, help="append one JSON line per run here")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the table this many times, round after round, and print each row's median error and range",
+    )
     ap.add_argument("--keep", type=Path, help="run and cache directory to keep (default: a temporary one)")
     ap.add_argument(
         "--cache",
@@ -182,26 +236,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and any(ranks > 1 for name, _, ranks in TABLE if not wanted or name in wanted):
         ap.error("--device cuda: one GPU per rank, so only the single rows (--only single:tiny,single:50M)")
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="check_predictions-") as tmp:
-        root = args.keep or Path(tmp)
-        for name, model, ranks in TABLE:
-            if wanted and name not in wanted:
-                continue
-            row = run_one(
-                name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
-            )
-            rows.append(row)
-            status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))
-            print(
-                f"{name}: {row['wall_s']:.0f} s, load {row['load_before']:.1f} -> {row['load_after']:.1f}: {status}",
-                *(f"\n  {line}" for line in row.get("replicas", [])),
-                flush=True,
-            )
-            if args.jsonl:
-                with args.jsonl.open("a") as f:
-                    f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), **row}) + "\n")
+        top = args.keep or Path(tmp)
+        for round_no in range(1, args.rounds + 1):
+            root = top if args.rounds == 1 else top / f"round{round_no}"
+            for name, model, ranks in TABLE:
+                if wanted and name not in wanted:
+                    continue
+                row = run_one(
+                    name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
+                )
+                row["round"] = round_no
+                rows.append(row)
+                status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))
+                print(
+                    f"{name}{f' (round {round_no})' if args.rounds > 1 else ''}: {row['wall_s']:.0f} s, "
+                    f"load {row['load_before']:.1f} -> {row['load_after']:.1f}, steal {row['steal_pct']:.1f}%: {status}",
+                    *(f"\n  {line}" for line in row.get("replicas", [])),
+                    flush=True,
+                )
+                if args.jsonl:
+                    with args.jsonl.open("a") as f:
+                        f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), **row}) + "\n")
     print(table(rows))
+    if args.rounds > 1:
+        print(spread(rows))
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -125,7 +125,8 @@ def compare(
     if off:
         lines.append(
             f"warning: the prediction is off by more than {WARN_PCT:g}% ({', '.join(off)}): the costs "
-            f"({pred.source}) do not describe this run (a busy machine, or a stale profile: `sysx tune "
+            f"({pred.source}) do not describe this run (a busy machine, a shared VM whose speed moves "
+            f"from run to run, or a stale profile: `sysx tune "
             f"--refresh` or single.hardware=remeasure measures this machine again)"
         )
     return section, lines
