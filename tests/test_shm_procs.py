@@ -258,13 +258,18 @@ def test_attacher_killed_owner_closes_promptly(job: str) -> None:
 
 
 def test_sigkill_with_guardian_removes_segments(job: str) -> None:
+    """The guardian, not another pytest worker's job start, removes the killed creator's segment:
+    that start's sweep removes stale segments too, and once took this one first (the guardian then
+    found nothing to remove and said nothing), so the test holds the sweep lock meanwhile."""
     proc = _spawn(SEGMENT_CHILD, "sleep", job, "p.a", guardian=True)
     _ready(proc)
     path = segment_name("p.a", job=job, node=0).path
-    proc.kill()
-    proc.wait(10)
-    assert _gone_within(path, 10)
-    assert "removed its segment" in (proc.stderr.read() if proc.stderr else "")
+    with cleanup.sweep_lock() as held:
+        assert held, "another process held the sweep lock for 30 s"
+        proc.kill()
+        proc.wait(10)
+        assert _gone_within(path, 10)
+        assert "removed its segment" in (proc.stderr.read() if proc.stderr else "")
 
 
 def test_sigkill_without_guardian_is_stale_cleanable_and_restartable(job: str) -> None:
