@@ -5,10 +5,12 @@
 SPEC: ``{"cfg": {section: fields}, "schedules": [PipelineOptions fields, ...], "phases": [[name, steps,
 ckpt_dir, action, {section: fields} (optional)], ...]}``. For each schedule, in one process group, each
 phase builds a fresh trainer (its config: ``cfg`` with the phase's sections' fields replaced, e.g.
-``{"parallel": {"replicas": 2}}``), ``resume``s from the phase's checkpoint dir when ``action`` says
-so, ``dump``s the layer states it loaded (every rank: ``OUT_DIR/<schedule index>-<phase>-layers-<rank>.pt``,
+``{"parallel": {"replicas": 2}}``; its schedule's options with those under ``"pipeline"``, e.g.
+``{"pipeline": {"spread_last_step": False}}``), ``resume``s from the phase's checkpoint dir when
+``action`` says so, ``dump``s the layer states it loaded (every rank: ``OUT_DIR/<schedule index>-<phase>-layers-<rank>.pt``,
 the masters, moments and step counts it would save), trains ``steps`` steps and ``save``s; rank 0
-writes ``OUT_DIR/<schedule index>-<phase>.pt`` with the step results and the full fp32 weights.
+writes ``OUT_DIR/<schedule index>-<phase>.pt`` with the step results, the full fp32 weights and every
+rank's optimizer stages.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ def main(spec_path: str, out_dir: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     info = sdist.init(timeout_s=60)
     for index, options in enumerate(spec["schedules"]):
-        opts = PipelineOptions(**{"timeout_s": 60.0, **options})
         for name, steps, ckpt_dir, action, *override in spec["phases"]:
-            phase_cfg = make_config(phase_fields(spec["cfg"], override[0] if override else {}), f"{ckpt_dir}-{index}")
+            sections = dict(override[0]) if override else {}
+            opts = PipelineOptions(**{"timeout_s": 60.0, **options, **sections.pop("pipeline", {})})
+            phase_cfg = make_config(phase_fields(spec["cfg"], sections), f"{ckpt_dir}-{index}")
             with PipelineTrainer(phase_cfg, opts, info=info) as trainer:
                 if phase_cfg.optim.offload == "nvme":  # the phase really runs on the tier's state files
                     assert all(s.store is not None for s in trainer.optimizer.stages.values()), name
@@ -70,13 +73,15 @@ def main(spec_path: str, out_dir: str) -> int:
                 if "dump" in action:
                     torch.save(layer_states(trainer), Path(out_dir) / f"{index}-{name}-layers-{info.rank}.pt")
                 results = trainer.run(steps)
+                stages: list[list[str] | None] = [None] * info.world_size  # each rank's optimizer stages
+                torch.distributed.all_gather_object(stages, sorted(s.name for s in trainer.optimizer.stages.values()))
                 if "save" in action:
                     ckpts.save()
                 ckpts.close()
                 state = trainer.state_dict()
             if info.rank == 0:
                 rows = [(r.step, repr(r.loss), repr(r.grad_norm), r.skipped, r.scale) for r in results]
-                torch.save({"results": rows, "state": state}, Path(out_dir) / f"{index}-{name}.pt")
+                torch.save({"results": rows, "state": state, "stages": stages}, Path(out_dir) / f"{index}-{name}.pt")
     sdist.shutdown()
     return 0
 

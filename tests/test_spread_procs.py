@@ -61,21 +61,18 @@ def test_a_spread_checkpoint_resumes_and_moves_to_a_plain_run_bit_for_bit(tmp_pa
     """fp16 with a loss scale that overflows: the shards skip and roll back together."""
     cfg = {**BASE, **FP16, "model": {k: v for k, v in MODEL.items() if k != "preset"}}
     ckpt = str(tmp_path / "A")
-    run_job(
-        tmp_path,
-        4,
-        cfg,
-        [SPREAD],
-        [["a", 3, ckpt, "save"], ["b", 3, ckpt, "resume dump"], ["straight", 6, str(tmp_path / "straight"), ""]],
-    )
+    plain_run = {"pipeline": {"spread_last_step": False}}  # SYSX's options, in the same job (one launch fewer)
+    phases = [["a", 3, ckpt, "save"], ["b", 3, ckpt, "resume dump"], ["straight", 6, str(tmp_path / "straight"), ""]]
+    run_job(tmp_path, 4, cfg, [SPREAD], [*phases, ["plain", 3, ckpt, "resume dump", plain_run]])
     straight, a, b = (load(tmp_path, 0, p) for p in ("straight", "a", "b"))
     assert a["results"] + b["results"] == straight["results"]
     assert all(torch.equal(b["state"][k], v) for k, v in straight["state"].items())
     assert any(skipped for _, _, _, skipped, _ in straight["results"])  # an overflow was rolled back
     assert_loaded_bit_for_bit(loaded_layers(tmp_path, "b", 4), tmp_path / "A-0", 3, blocks=8)
-    run_job(tmp_path, 4, cfg, [SYSX], [["plain", 3, ckpt, "resume dump"]])
     assert_loaded_bit_for_bit(loaded_layers(tmp_path, "plain", 4), tmp_path / "A-0", 3, blocks=8)
     plain = load(tmp_path, 0, "plain")
+    assert [ranks.count("s0.0") for ranks in b["stages"]] == [1, 1, 1, 1], b["stages"]  # shards on every rank
+    assert sum(ranks.count("s0.0") for ranks in plain["stages"]) == 1, plain["stages"]  # whole on its owner
     assert plain["results"] == b["results"]  # steps, losses, norms, skips and scales
     assert all(torch.equal(plain["state"][k], v) for k, v in b["state"].items())
 
