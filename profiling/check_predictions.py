@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only: unknown run {sorted(unknown)}; choose from {[n for n, *_ in TABLE]}")
     if args.device == "cuda" and any(ranks > 1 for name, _, ranks in TABLE if not wanted or name in wanted):
         ap.error("--device cuda: one GPU per rank, so only the single rows (--only single:tiny,single:50M)")
-    print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
+    print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="check_predictions-") as tmp:
         top = args.keep or Path(tmp)
