@@ -176,6 +176,11 @@ def _error(row: dict[str, Any], key: str) -> float | None:
 BOUNDS = (("iteration_s", 10.0), (HOST, 15.0))  # issue 27, point 3: time within 10%, peak host within 15%
 
 
+def _errors(rows: list[dict[str, Any]], name: str, key: str) -> list[float]:
+    """The ``key`` errors of ``name``'s runs in ``rows`` that finished."""
+    return [e for r in rows if r["name"] == name and "error" not in r and (e := _error(r, key)) is not None]
+
+
 def spread(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of each configuration's errors over its runs in ``rows`` (several rounds):
     the median, the range and how many runs fell within the issue's bounds (10% in time, 15% in host)."""
@@ -185,10 +190,9 @@ def spread(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head]
     for name in dict.fromkeys(r["name"] for r in rows):
-        runs = [r for r in rows if r["name"] == name and "error" not in r]
-        cells = [name, str(len(runs))]
+        cells = [name, str(sum(r["name"] == name and "error" not in r for r in rows))]
         for key, bound in BOUNDS:
-            errors = [e for r in runs if (e := _error(r, key)) is not None]
+            errors = _errors(rows, name, key)
             if not errors:
                 cells += ["-", "-", "-"]
                 continue
@@ -204,7 +208,7 @@ def medians_out(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for name in dict.fromkeys(r["name"] for r in rows):
         for key, bound in BOUNDS:
-            errors = [e for r in rows if r["name"] == name and (e := _error(r, key)) is not None]
+            errors = _errors(rows, name, key)
             if errors and abs(median := statistics.median(errors)) > bound:
                 out.append(f"{name}: {'time' if key == 'iteration_s' else 'host'} {median:+.1f}% (bound {bound:g}%)")
     return out
