@@ -77,6 +77,15 @@ class PeerWatch:
         if self.rank == 0:
             self.store.set(ATTEMPT_KEY, uuid.uuid4().hex[:8])
 
+    def learn(self) -> None:
+        """Read the identity of every peer that has announced and is not known yet (free once all
+        are): a dead peer is named from them, and outside torchrun the store that holds them goes
+        with rank 0. :func:`sysx.dist.wait_for` calls it as every wait starts; a wait that ends
+        before its first look at the peers (a collective the ranks meet at at once) learns them too."""
+        if len(self._who) < self.world and not self._store_gone():
+            for rank in range(self.world):
+                self._identity(rank)
+
     def attempt_id(self) -> str:
         """This attempt's id, the same on every rank: it keeps what an attempt writes apart from
         what a failed one left (a checkpoint's partial folder of the same step). Rank 0 publishes it

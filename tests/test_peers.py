@@ -249,3 +249,23 @@ def test_a_signal_that_follows_a_peers_death_names_that_death() -> None:
         assert later.where == " at step 5"
     finally:
         peers.detach()
+
+
+def test_a_rank_learns_its_peers_as_its_waits_start_so_a_killed_store_host_is_named() -> None:
+    """The peers' identities sit in the store, which outside torchrun dies with rank 0: a rank
+    whose waits all ended at once (never looking at the peers) must know rank 0's process anyway."""
+    host, other = _watches()
+    host.store_on_rank0 = other.store_on_rank0 = True
+    child = _child_as_rank(host, 0, 60)  # stands in for rank 0's process
+    try:
+        other.announce()
+        other.learn()
+        assert other._who[0] == (host.host, child.pid, procinfo.start_time(child.pid))
+        other.store = _BrokenStore()  # rank 0 killed: its store went with it
+        child.kill()
+        child.wait()
+        found = other.dead_peer("RECV_GRAD s1.1 mb0 <-r0")
+        assert found is not None and found.failed_rank == 0 and "rank 0 died" in str(found)
+    finally:
+        child.kill()
+        child.wait()

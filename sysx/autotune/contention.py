@@ -93,11 +93,7 @@ def time_block_together(
     x = torch.randn(1, seq_len, cfg.dim, generator=torch.Generator().manual_seed(0)).to(dtype)
 
     def step() -> None:
-        with torch.no_grad():
-            layer(x)
-        inp = x.detach().requires_grad_(True)
-        out = layer(inp)
-        out.backward(torch.ones_like(out))
+        block_passes(layer, x)
 
     step()
     timed = []
@@ -111,6 +107,16 @@ def time_block_together(
         slowest = meet(wall)  # every rank runs the same count of Blocks a round, as in a step
         met = meeting_rounds(step, per_round=max(1, round(round_s / max(slowest, 1e-9))), rounds=rounds, meet=meet)
     return Together(wall, cpu, met)
+
+
+def block_passes(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    """One Block's passes as a rank runs them: the forward without autograd, then the backward with
+    its recompute from the input (what :func:`time_block_together` times)."""
+    with torch.no_grad():
+        layer(x)
+    inp = x.detach().requires_grad_(True)
+    out = layer(inp)
+    out.backward(torch.ones_like(out))
 
 
 def meeting_rounds(
