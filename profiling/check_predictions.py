@@ -24,6 +24,17 @@ samples the machine as much as the model: on the 2-core VM two consecutive 2-s w
 single-window run differed by up to 1.22x at two threads (1.12x at one), where a 256^3 matmul's
 windows differed by 1.12x, and every row missed 10% in time in some run of five while every median
 was within 8.1% (issue 27, twenty-first session). ``--rounds 1`` is a quick look.
+
+The spread table's ``measured cv`` is the machine's side alone: the coefficient of variation of a
+row's measured seconds per iteration over its runs, the same command each time. When it nears the
+time bound no prediction can meet the bound run by run, and medians of a few rounds pass or fail
+by chance (on the 2-core VM: cv 0.095-0.241 over 8-11 runs of each row, issue 27, twenty-fourth
+session). Every JSON line names the commit it ran (``commit``; ``+`` when the tree had changes),
+so rounds of several invocations at one commit can be judged together:
+
+    python profiling/check_predictions.py --report A.jsonl B.jsonl [--commit SHA]
+
+prints the spread table and the verdict over their runs without running anything.
 """
 
 from __future__ import annotations
@@ -94,6 +105,19 @@ def command(model: str, ranks: int, run_dir: Path, device: str = "cpu", extra: t
         return [sys.executable, "-m", "sysx.train", "schedule=single", *args]
     launch = [sys.executable, "-m", "sysx.launch", "--standalone", f"--nproc_per_node={ranks}"]
     return [*launch, "-m", "sysx.train", *PIPELINE, *args]
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+`` when its tracked files have changes ("unknown" outside git)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def run_one(
@@ -181,12 +205,27 @@ def _errors(rows: list[dict[str, Any]], name: str, key: str) -> list[float]:
     return [e for r in rows if r["name"] == name and "error" not in r and (e := _error(r, key)) is not None]
 
 
+def measured_cv(rows: list[dict[str, Any]], name: str) -> float | None:
+    """The coefficient of variation of ``name``'s measured seconds per iteration over its runs in
+    ``rows`` (population standard deviation over the mean): how far the machine repeats one run,
+    whatever the prediction; None under two runs."""
+    times = [
+        float(r["prediction"]["iteration_s"]["measured"])
+        for r in rows
+        if r["name"] == name and "error" not in r and (r.get("prediction") or {}).get("iteration_s")
+    ]
+    if len(times) < 2:
+        return None
+    return statistics.pstdev(times) / statistics.fmean(times)
+
+
 def spread(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of each configuration's errors over its runs in ``rows`` (several rounds):
-    the median, the range and how many runs fell within the issue's bounds (10% in time, 15% in host)."""
+    the median, the range and how many runs fell within the issue's bounds (10% in time, 15% in
+    host), and the cv of its measured time (:func:`measured_cv`)."""
     head = (
-        "| run | runs | time error median | time range | within 10% | host error median | host range "
-        "| within 15% |\n|---|---|---|---|---|---|---|---|"
+        "| run | runs | time error median | time range | within 10% | measured cv | host error median | host range "
+        "| within 15% |\n|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for name in dict.fromkeys(r["name"] for r in rows):
@@ -194,11 +233,14 @@ def spread(rows: list[dict[str, Any]]) -> str:
         for key, bound in BOUNDS:
             errors = _errors(rows, name, key)
             if not errors:
-                cells += ["-", "-", "-"]
+                cells += ["-"] * (4 if key == "iteration_s" else 3)
                 continue
             inside = sum(abs(e) <= bound for e in errors)
             cells += [f"{statistics.median(errors):+.1f}%", f"{min(errors):+.1f}% .. {max(errors):+.1f}%"]
             cells.append(f"{inside}/{len(errors)}")
+            if key == "iteration_s":
+                cv = measured_cv(rows, name)
+                cells.append("-" if cv is None else f"{cv:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -250,6 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         help="one more override for every run, e.g. --set 'profile.timeline_steps=[8,10]' (the timeline and "
         "its measured-vs-plan line in each kept run directory, with --keep)",
     )
+    ap.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="JSONL",
+        help="run nothing: the spread table and the verdict over the runs in these --jsonl files (with "
+        "--only, those rows)",
+    )
+    ap.add_argument("--commit", help="with --report: only the runs of this commit (as the lines name it)")
     args = ap.parse_args(argv)
     wanted = set(filter(None, args.only.split(",")))
     unknown = wanted - {n for n, *_ in TABLE}
@@ -259,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: one GPU per rank, so only the single rows (--only single:tiny,single:50M)")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
+    if args.commit and not args.report:
+        ap.error("--commit selects runs of --report's files; give --report JSONL ...")
+    if args.report:
+        return report(args.report, wanted, args.commit)
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
+    at = commit()
     rows = []
     with tempfile.TemporaryDirectory(prefix="check_predictions-") as tmp:
         top = args.keep or Path(tmp)
@@ -271,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_one(
                     name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
                 )
-                row["round"] = round_no
+                row["round"], row["commit"] = round_no, at
                 rows.append(row)
                 status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))
                 print(
@@ -286,14 +342,44 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.rounds > 1:
         print(spread(rows))
+    return verdict(rows, f"{args.rounds} round(s)")
+
+
+def verdict(rows: list[dict[str, Any]], over: str) -> int:
+    """Print the verdict line on ``rows``' medians (``over``: what they are medians of); 0 when every
+    row's medians are within :data:`BOUNDS` and no run failed, else 1."""
     out = medians_out(rows)
     failed = [r["name"] for r in rows if "error" in r]
     print(
-        f"medians over {args.rounds} round(s): "
+        f"medians over {over}: "
         + ("; ".join(out) if out else "every row within 10% in time and 15% in peak host memory")
         + (f"; failed runs: {', '.join(failed)}" if failed else "")
     )
     return 0 if not out and not failed else 1
+
+
+def report(files: list[Path], wanted: set[str], at: str | None) -> int:
+    """``--report``: the spread table and the verdict over the runs in ``files`` (JSON lines of
+    ``--jsonl``), those named in ``wanted`` (all when empty) and, with ``at``, of that commit."""
+    rows = []
+    for path in files:
+        if not path.is_file():
+            raise SystemExit(f"--report: no file {path}")
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"--report: {path}:{number} is not a JSON line ({err.msg})") from None
+            if (not wanted or row.get("name") in wanted) and (at is None or row.get("commit") == at):
+                rows.append(row)
+    if not rows:
+        raise SystemExit(f"--report: no runs in {', '.join(map(str, files))}" + (f" of commit {at}" if at else ""))
+    commits = sorted({str(r.get("commit", "unrecorded")) for r in rows})
+    print(f"{len(rows)} runs from {len(files)} file(s), commits: {', '.join(commits)}")
+    print(spread(rows))
+    return verdict(rows, f"{len(rows)} runs")
 
 
 if __name__ == "__main__":
