@@ -106,15 +106,17 @@ def test_slowdown_measured_together_scales_layer_and_host_costs() -> None:
 
 
 def test_the_meeting_measured_together_is_charged_once_a_step_at_validate() -> None:
-    """The ranks' measured meeting adds to the step-end all-reduces VALIDATE charges, once a step:
-    the planned iteration grows by it; kept through the profile's JSON."""
+    """The ranks' measured meeting is the step end VALIDATE charges, once a step, in place of the
+    modelled all-reduces (its rounds end with the step end's collectives): the planned iteration
+    grows by the difference; kept through the profile's JSON."""
     p = synthetic_profile()
     sched = build_gpipe(2, 2, uniform_partition(2, 1, (TINY.n_layers + 2) // 2))
-    plain = profiled_costs(p, TINY, SEQ, 2, gpus_per_node=2)
-    met = profiled_costs(dataclasses.replace(p, meeting_s=0.25), TINY, SEQ, 2, gpus_per_node=2)
-    assert met.allreduce_latency == pytest.approx(plain.allreduce_latency + 0.25)
-    grown = simulate(sched, met, record=False).iteration - simulate(sched, plain, record=False).iteration
-    assert grown == pytest.approx(0.25)
+    for world in (None, 2):  # the default latency, and the step's all-reduces at the measured p2p latency
+        plain = profiled_costs(p, TINY, SEQ, 2, gpus_per_node=2, world=world)
+        met = profiled_costs(dataclasses.replace(p, meeting_s=0.25), TINY, SEQ, 2, gpus_per_node=2, world=world)
+        assert met.allreduce_latency == pytest.approx(0.25) and plain.allreduce_latency < 0.01
+        grown = simulate(sched, met, record=False).iteration - simulate(sched, plain, record=False).iteration
+        assert grown == pytest.approx(0.25 - plain.allreduce_latency)
     assert MachineProfile.from_json(dataclasses.replace(p, meeting_s=0.25).to_json()).meeting_s == 0.25
 
 

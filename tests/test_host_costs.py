@@ -250,10 +250,10 @@ def test_the_together_time_is_the_median_window_each_after_a_barrier(monkeypatch
 
 
 def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's end costs the waits for the slowest rank and the all-reduce: per round the ranks'
-    mean wall less their mean compute, the median round (one disturbed round does not move it);
-    nothing for one rank. The rounds run as many Blocks on every rank: the slowest rank's window
-    sets the count."""
+    """A step's end costs the waits for the slowest rank, the hand-offs and its collectives: per
+    round the ranks' mean wall less their mean compute, the median round (one disturbed round does
+    not move it); nothing for one rank. The rounds run as many Blocks on every rank: the slowest
+    rank's window sets the count."""
     from sysx.autotune import contention
     from sysx.model import get_preset
 
@@ -268,7 +268,7 @@ def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch:
         return max(value, 4e-3)
 
     got = contention.time_block_together(get_preset("tiny"), 8, torch.float32, meet=meet, rounds=2, round_s=0.02)
-    assert met[0] == 2e-3 and len(met) == 1 + 1 + 2  # the count's, the start's, one per round
+    assert met[0] == 2e-3 and len(met) == 1 + 1 + 2 * 3  # the count's, the start's, a step end's three a round
     assert len(got.rounds) == 2 and all(wall >= own > 0 for own, wall in got.rounds)
     counts: list[int] = []
     real = contention.meeting_rounds
@@ -279,6 +279,27 @@ def test_the_meeting_is_what_a_round_takes_beyond_the_ranks_compute(monkeypatch:
     )
     contention.time_block_together(get_preset("tiny"), 8, torch.float32, meet=meet, rounds=1, round_s=0.02)
     assert counts == [5]  # 0.02 s at the slowest rank's 4 ms, not this rank's 2 ms
+
+
+def test_a_meeting_round_ends_as_a_step_ends() -> None:
+    """A round ends with a step end's three collectives (the replicas' reduction barrier, VALIDATE's
+    all-reduce, the end's), each after a hand-off to the optimizer lane's thread, in that order;
+    the round's wall runs until the last returned."""
+    from sysx.autotune import contention
+
+    events: list[str] = []
+
+    def meet(value: float) -> float:
+        events.append("meet")
+        return value
+
+    rounds = contention.meeting_rounds(
+        lambda: events.append("block"), per_round=2, rounds=2, meet=meet, handoff=lambda: events.append("handoff")
+    )
+    end = ["handoff", "meet"] * contention.STEP_END_COLLECTIVES
+    assert contention.STEP_END_COLLECTIVES == 3
+    assert events == ["meet", "block", "block", *end, "block", "block", *end]
+    assert len(rounds) == 2 and all(wall >= own for own, wall in rounds)
 
 
 def test_a_cpu_profiles_measured_backward_bytes_replace_the_estimate() -> None:

@@ -14,8 +14,9 @@ rank 0 divides the ranks' mean wall time (:func:`slowdown`) and mean CPU time (:
 by the profile's time of that Block, and the search charges every layer time and the executor's
 per-op host cost the slowdown, and the node's host lane (:class:`~sysx.schedule.costs.HostLane`)
 each layer's CPU time. Then the ranks run :data:`ROUNDS` rounds of about :data:`ROUND_S` of Blocks,
-each ended by an all-reduce, as a step ends at VALIDATE: what a round takes beyond the ranks' own
-compute is the meeting (:func:`meeting_seconds`), charged once a step.
+each ended as a step ends (:data:`STEP_END_COLLECTIVES` collectives, each after a hand-off to a
+worker thread): what a round takes beyond the ranks' own compute is the meeting
+(:func:`meeting_seconds`), charged once a step in place of a modelled latency of those collectives.
 
 Why a meeting and not the slowest rank's window (issue 27): ranks sharing cores do not share them
 evenly over a step's length. In a tiny job of 2 replicas (0.13 s steps), VALIDATE took 8 ms a step
@@ -37,6 +38,15 @@ disturbed by whatever else the job or the machine runs at that moment is dropped
 jobs then read 2.29-2.35x). The rates hold the machine's load at tune time; a load that changes
 during the run moves the measurement and not the prediction. With a pipeline of several ranks per
 replica the ranks idle in the bubbles and the factor overstates their contention a little.
+
+Why a round ends as a step ends (issue 27, twenty-fourth session): a replicated step's end is three
+collectives one after another (the replicas' reduction barrier, VALIDATE's all-reduce, the end's
+all-reduce), each after the rank handed work to or waited on its optimizer lane's thread. Ended by
+one all-reduce the rounds charged tiny:2's plan 1.9 ms of meeting where its run spent 9.6 ms after
+the later replica's last backward (1.3 ms of it the optimizer's step); ended as a step ends, 40 rounds
+each on 2 cores read 9.2 ms against 8.2 ms at 2 ranks, 24.3 ms against 15.4 ms at 4 (the median
+round; `profiling/results/cpu_2026-12-03_twentyfourth/meeting_shapes.py`). A pipeline of one
+replica has no reduction barrier: its meeting is charged one collective too many.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -57,12 +68,15 @@ REPEATS = 7  # at least, after one warm-up
 WINDOW_S = 0.3  # the runs' window at least: many of the kernel's time slices (a few ms each), so sharing shows
 WINDOWS = 3  # windows timed, each after a barrier; the median is kept
 ROUND_S = 0.1  # a meeting round's compute: about the shortest steps a CPU job runs (tiny, 2 ranks: 0.13 s)
-ROUNDS = 5  # meeting rounds timed; the median round is kept
+# meeting rounds timed; the median round is kept. Not 5: one round of two ranks read 4.6-13.8 ms
+# between its quartiles (meeting_shapes.py), and five rounds' medians moved 1.8-9.0 ms between jobs
+ROUNDS = 9
+STEP_END_COLLECTIVES = 3  # the replicas' reduction barrier, VALIDATE's all-reduce, the step end's
 
 
 class Together(NamedTuple):
     """One rank's figures of :func:`time_block_together`: the Block's seconds (wall, CPU) and its
-    meeting rounds ``(own compute, wall until the round's all-reduce returned)``."""
+    meeting rounds ``(own compute, wall until the round's last collective returned)``."""
 
     wall: float
     cpu: float
@@ -105,8 +119,18 @@ def time_block_together(
     met: list[tuple[float, float]] = []
     if meet is not None:
         slowest = meet(wall)  # every rank runs the same count of Blocks a round, as in a step
-        met = meeting_rounds(step, per_round=max(1, round(round_s / max(slowest, 1e-9))), rounds=rounds, meet=meet)
+        per_round = max(1, round(round_s / max(slowest, 1e-9)))
+        with ThreadPoolExecutor(1, thread_name_prefix="sysx-meeting") as lane:  # as the optimizer lane's thread
+
+            def handoff() -> None:
+                lane.submit(_nothing).result()
+
+            met = meeting_rounds(step, per_round=per_round, rounds=rounds, meet=meet, handoff=handoff)
     return Together(wall, cpu, met)
+
+
+def _nothing() -> None:
+    """A hand-off's job: the round trip to the worker thread is what is timed."""
 
 
 def block_passes(layer: torch.nn.Module, x: torch.Tensor) -> None:
@@ -120,12 +144,18 @@ def block_passes(layer: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 def meeting_rounds(
-    step: Callable[[], object], *, per_round: int, rounds: int, meet: Callable[[float], float]
+    step: Callable[[], object],
+    *,
+    per_round: int,
+    rounds: int,
+    meet: Callable[[float], float],
+    handoff: Callable[[], object] = lambda: None,
 ) -> list[tuple[float, float]]:
-    """``rounds`` rounds of ``per_round`` calls of ``step`` each ended by ``meet``: per round, the
-    seconds of this rank's calls and the seconds until ``meet`` returned (the rounds run back to
-    back, so a rank that waited starts its next round with the others). ``meet`` must block until
-    every rank has called it, and every rank must run as many rounds (the counts are collective)."""
+    """``rounds`` rounds of ``per_round`` calls of ``step``, each ended as a step ends: ``handoff``
+    then ``meet``, :data:`STEP_END_COLLECTIVES` times. Per round, the seconds of this rank's calls
+    and the seconds until the last ``meet`` returned (the rounds run back to back, so a rank that
+    waited starts its next round with the others). ``meet`` must block until every rank has called
+    it, and every rank must run as many rounds (the counts are collective)."""
     meet(0.0)  # start together
     out = []
     for _ in range(rounds):
@@ -133,15 +163,17 @@ def meeting_rounds(
         for _ in range(per_round):
             step()
         t1 = time.perf_counter()
-        meet(t1 - t0)
+        for _ in range(STEP_END_COLLECTIVES):
+            handoff()
+            meet(t1 - t0)
         out.append((t1 - t0, time.perf_counter() - t0))
     return out
 
 
 def meeting_seconds(ranks_rounds: list[list[tuple[float, float]]]) -> float:
     """What a step's end costs beyond the ranks' compute: per round, the ranks' mean wall less their
-    mean own compute (the waits for the slowest rank and the all-reduce), the median round; 0 for
-    one rank or no rounds."""
+    mean own compute (the waits for the slowest rank, the hand-offs and the step end's
+    collectives), the median round; 0 for one rank or no rounds."""
     if len(ranks_rounds) < 2 or not all(ranks_rounds):
         return 0.0
     n = min(len(r) for r in ranks_rounds)

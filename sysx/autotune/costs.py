@@ -97,7 +97,9 @@ def profiled_costs(
     optimizer worker steps with. ``gpus_per_node``: ranks per node (which messages cross nodes).
     ``rollback``: ``optim.rollback``, whose second (p, m, v) set (snapshot, exact) the host budget counts.
     ``world``: every process of the job (all replicas), whose step-end all-reduces cost
-    :func:`step_allreduces` of the measured per-message latency (None: :class:`Costs`' default).
+    :func:`step_allreduces` of the measured per-message latency (None: :class:`Costs`' default),
+    unless the profile holds the meeting its ranks measured together (``meeting_s``,
+    :mod:`sysx.autotune.contention`): a step's end with its collectives, charged instead.
     ``hardware`` overrides any :class:`Costs` field.
     """
     fwd, bwd = layer_times(profile, cfg, micro_batch_size * seq_len)
@@ -128,8 +130,8 @@ def profiled_costs(
     links: dict[str, float] = profile.p2p.costs_fields() if profile.p2p is not None else {}
     if world is not None and profile.p2p is not None and profile.hardware.measured:  # the emulated plan keeps its own
         links["allreduce_latency"] = step_allreduces(world, profile.p2p.intra_latency)
-    if profile.meeting_s:  # the ranks' uneven pace over a step, charged where they meet (VALIDATE)
-        links["allreduce_latency"] = links.get("allreduce_latency", Costs.allreduce_latency) + profile.meeting_s
+    if profile.meeting_s:  # the step's end as the ranks measured it together, its collectives included (VALIDATE)
+        links["allreduce_latency"] = profile.meeting_s
     return dataclasses.replace(
         base,
         layer_fwd_time=tuple(fwd),
