@@ -192,28 +192,30 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _error(row: dict[str, Any], key: str) -> float | None:
-    entry = (row.get("prediction") or {}).get(key)
-    return None if not entry else float(entry["error_pct"])
-
-
 BOUNDS = (("iteration_s", 10.0), (HOST, 15.0))  # issue 27, point 3: time within 10%, peak host within 15%
+
+
+def _values(rows: list[dict[str, Any]], name: str, key: str, field: str) -> list[float]:
+    """``field`` (``error_pct``, ``measured``, ...) of the ``key`` entry of ``name``'s runs in
+    ``rows`` that finished."""
+    out = []
+    for r in rows:
+        entry = (r.get("prediction") or {}).get(key)
+        if r["name"] == name and "error" not in r and entry:
+            out.append(float(entry[field]))
+    return out
 
 
 def _errors(rows: list[dict[str, Any]], name: str, key: str) -> list[float]:
     """The ``key`` errors of ``name``'s runs in ``rows`` that finished."""
-    return [e for r in rows if r["name"] == name and "error" not in r and (e := _error(r, key)) is not None]
+    return _values(rows, name, key, "error_pct")
 
 
 def measured_cv(rows: list[dict[str, Any]], name: str) -> float | None:
     """The coefficient of variation of ``name``'s measured seconds per iteration over its runs in
     ``rows`` (population standard deviation over the mean): how far the machine repeats one run,
     whatever the prediction; None under two runs."""
-    times = [
-        float(r["prediction"]["iteration_s"]["measured"])
-        for r in rows
-        if r["name"] == name and "error" not in r and (r.get("prediction") or {}).get("iteration_s")
-    ]
+    times = _values(rows, name, "iteration_s", "measured")
     if len(times) < 2:
         return None
     return statistics.pstdev(times) / statistics.fmean(times)

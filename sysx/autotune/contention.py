@@ -69,7 +69,7 @@ WINDOW_S = 0.3  # the runs' window at least: many of the kernel's time slices (a
 WINDOWS = 3  # windows timed, each after a barrier; the median is kept
 ROUND_S = 0.1  # a meeting round's compute: about the shortest steps a CPU job runs (tiny, 2 ranks: 0.13 s)
 # meeting rounds timed; the median round is kept. Not 5: one round of two ranks read 4.6-13.8 ms
-# between its quartiles (meeting_shapes.py), and five rounds' medians moved 1.8-9.0 ms between jobs
+# between its quartiles (meeting_shapes.py), and five rounds' medians moved 1.8-9.9 ms over 11 tiny:2 jobs
 ROUNDS = 9
 STEP_END_COLLECTIVES = 3  # the replicas' reduction barrier, VALIDATE's all-reduce, the step end's
 
