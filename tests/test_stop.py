@@ -1,7 +1,8 @@
 """Stopping a job: SIGINT/SIGTERM end every rank cleanly, a failed rank ends the others quickly.
 
-For 2 ranks started as torchrun starts them (one process group), under ``torchrun`` and under
-``launch/mpirun.sh``: SIGINT to the whole process group, SIGTERM to one rank, SIGKILL to one rank.
+For 2 ranks started as torchrun starts them (one process group): SIGINT to the whole process group,
+SIGTERM to one rank, SIGKILL to one rank. Under ``launch/torchrun.sh`` and ``launch/mpirun.sh``: SIGINT
+to the group under each, SIGKILL to one rank under torchrun, SIGTERM to one rank under mpirun.
 Each case checks the time from the signal to the exit of every rank (< 20 s for a signal, < 40 s
 for SIGKILL, measured generously: from just after the signal to the moment the test sees the
 exit; the bounds are loose so that a busy machine passes, while a
@@ -310,9 +311,16 @@ def test_a_killed_rank_stops_the_other_quickly_naming_it(tmp_path: Path, victim:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+# Ctrl-C through each launcher, and a rank dying under each: SIGKILL (the OOM killer's) under
+# torchrun, SIGTERM (a scheduler's) under mpirun; every pair of both costs ~25 s of the suite's budget
 @pytest.mark.parametrize(
-    ("how", "signum"), [("group", signal.SIGINT), ("rank1", signal.SIGTERM), ("rank1", signal.SIGKILL)]
+    ("launcher", "how", "signum"),
+    [
+        ("torchrun", "group", signal.SIGINT),
+        ("torchrun", "rank1", signal.SIGKILL),
+        ("mpirun", "group", signal.SIGINT),
+        ("mpirun", "rank1", signal.SIGTERM),
+    ],
 )
 def test_launchers_stop_every_rank(tmp_path: Path, launcher: str, how: str, signum: int) -> None:
     job = start_launcher(tmp_path, launcher)
