@@ -312,7 +312,8 @@ def test_a_killed_rank_stops_the_other_quickly_naming_it(tmp_path: Path, victim:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 # Ctrl-C through each launcher, and a rank dying under each: SIGKILL (the OOM killer's) under
-# torchrun, SIGTERM (a scheduler's) under mpirun; every pair of both costs ~25 s of the suite's budget
+# torchrun, SIGTERM (a scheduler's) under mpirun: both deaths under both launchers took ~25 s more
+# of the suite's budget, and the ranks' own stop on each signal has its tests above
 @pytest.mark.parametrize(
     ("launcher", "how", "signum"),
     [
