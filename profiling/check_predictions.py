@@ -74,13 +74,15 @@ COMMON = [
 # (0.13-0.2 s) need 11-16 of them; the 50M rows' first 3 steps span 15 s
 STEPS = {"tiny": 20, "50M": 5}
 PIPELINE = ["schedule=auto", "schedule.tune=true", "train.micro_batch_size=2", "train.micro_batches=8"]
-# (name, model, ranks): ranks 1 is schedule=single, one process
+# (name, model, ranks): ranks 1 is schedule=single, one process. In run order: single:tiny's 0.1-s
+# steps follow a light job; right after 50M:4 (four ranks, 5 GiB) its runs measured 1.1-1.6x the
+# idle machine's (issue 27, twenty-fifth session)
 TABLE = [
     ("tiny:2", "tiny", 2),
     ("tiny:4", "tiny", 4),
+    ("single:tiny", "tiny", 1),
     ("50M:2", "50M", 2),
     ("50M:4", "50M", 4),
-    ("single:tiny", "tiny", 1),
     ("single:50M", "50M", 1),
 ]
 HOST = "peak_host_bytes"
@@ -272,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run the table this many times, round after round, and print each row's median error and range "
         "(default 3; the verdict is the medians; 1 for a quick look)",
     )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds to wait before each run after the first, for the machine to settle from the run before "
+        "(default 10)",
+    )
     ap.add_argument("--keep", type=Path, help="run and cache directory to keep (default: a temporary one)")
     ap.add_argument(
         "--cache",
@@ -312,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: one GPU per rank, so only the single rows (--only single:tiny,single:50M)")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
+    if args.settle < 0:
+        ap.error(f"--settle {args.settle}: seconds, at least 0")
     if args.commit and not args.report:
         ap.error("--commit selects runs of --report's files; give --report JSONL ...")
     if args.report:
@@ -326,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, model, ranks in TABLE:
                 if wanted and name not in wanted:
                     continue
+                if rows:
+                    time.sleep(args.settle)
                 row = run_one(
                     name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
                 )

@@ -76,6 +76,14 @@ def why(result: Result, baseline: Candidate | str | None) -> list[str]:
     lines.append(
         f"winner `{best.label()}`: predicted {best.iteration:.4g} s per iteration{disk}, bubble {100 * best.bubble:.1f}%"
     )
+    faster = [c for c in result.fitting[1:] if c.iteration < best.iteration]
+    if faster:  # fewest_instructions_first put it ahead: say what it was preferred to
+        f = min(faster, key=lambda c: c.iteration)
+        lines.append(
+            f"preferred to `{f.label()}` ({f.iteration:.4g} s, {speedup(f.iteration, best.iteration):.3g}x faster in "
+            f"plan): a tie within the model's error, and fewer instructions a step ({best.instructions} against "
+            f"{f.instructions})"
+        )
     slower = [c for c in result.fitting[1:] if c.iteration > best.iteration]
     if slower:
         r = slower[0]
