@@ -23,7 +23,9 @@ outside the issue's bounds (10% in time, 15% in peak host memory) or a run faile
 samples the machine as much as the model: on the 2-core VM two consecutive 2-s windows of one
 single-window run differed by up to 1.22x at two threads (1.12x at one), where a 256^3 matmul's
 windows differed by 1.12x, and every row missed 10% in time in some run of five while every median
-was within 8.1% (issue 27, twenty-first session). ``--rounds 1`` is a quick look.
+was within 8.1% (issue 27, twenty-first session). ``--rounds 1`` is a quick look. Each run after
+the first waits ``--settle`` seconds (default 10), and single:tiny's 0.1-s steps follow a light job
+(the table's order), not 50M:4's four ranks.
 
 The spread table's ``measured cv`` is the machine's side alone: the coefficient of variation of a
 row's measured seconds per iteration over its runs, the same command each time. When it nears the

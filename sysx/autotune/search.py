@@ -350,9 +350,9 @@ def search(job: Job, budget: Budget, profile: MachineProfile, space: Space = Spa
 # a layout of 49 instructions a step planned 2% from one of 19 ran 12% slower: VALIDATE's, the
 # optimizer's and the copies' fixed costs per unit and per op), so the tie goes to the fewest instructions.
 # On a measured machine the band is TIE_MEASURED: the same tiny job's layout with two stages a rank,
-# planned 0.7% under one stage, ran 3% longer (median of 6 interleaved pairs), and the tuned runs that
-# picked it, each planned over 1% under one stage, ran a median 11% over their plans, against 3.5%
-# under for one stage (issue 27, twenty-fifth and twenty-sixth sessions).
+# planned 0.2% under one stage, ran 3% longer (median of 6 interleaved pairs), and the tuned runs that
+# picked it, each planned over 1% under one stage, ran a median 13% over their plans (21 runs),
+# those with one stage 4% (41 runs; issue 27, twenty-sixth session).
 # On an assumed (emulated) machine the plan is the emulator's own cost model: TIE.
 TIE = 0.01
 TIE_MEASURED = 0.03
