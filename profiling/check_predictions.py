@@ -306,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         "its measured-vs-plan line in each kept run directory, with --keep)",
     )
     ap.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="the rows of several ranks with parallel.bind_cores=true (each rank pinned to its CPUs; the single "
+        "rows run one process on every core and take no such key)",
+    )
+    ap.add_argument(
         "--report",
         type=Path,
         nargs="+",
@@ -341,9 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if rows:
                     time.sleep(args.settle)
-                row = run_one(
-                    name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
-                )
+                extra = (*args.set, *(["parallel.bind_cores=true"] if args.bind_cores and ranks > 1 else []))
+                row = run_one(name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, extra)
                 row["round"], row["commit"] = round_no, at
                 rows.append(row)
                 status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))

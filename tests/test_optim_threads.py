@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -187,6 +188,54 @@ def test_core_plan_splits_cores_between_local_ranks(caplog: pytest.LogCaptureFix
         assert "core plan: local rank 0/1" in caplog.text
     finally:
         torch.set_num_threads(saved)
+
+
+def _bound_cpus(local_rank: int, local_world_size: int) -> tuple[list[int], list[int]]:
+    """In a child process: bind as rank ``local_rank`` of ``local_world_size``; the CPUs of the
+    process and of a thread it starts afterwards (an optimizer worker's)."""
+    from sysx.optim.cores import NODE_CPUS_ENV, bind_to, usable_physical_cores
+
+    os.environ.pop(NODE_CPUS_ENV, None)
+    before = usable_physical_cores()
+    bind_to(plan_cores(n_stages=1, local_rank=local_rank, local_world_size=local_world_size))
+    # the plan (the tune's included) still sees the job's cores, not the rank's slice
+    assert usable_physical_cores() == before, (usable_physical_cores(), before)
+    seen: list[list[int]] = []
+    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join()
+    os.environ.pop(NODE_CPUS_ENV)
+    return sorted(os.sched_getaffinity(0)), seen[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning needs Linux's sched_setaffinity")
+def test_bound_ranks_keep_to_their_own_cpus_and_share_evenly_when_oversubscribed() -> None:
+    """``parallel.bind_cores``: each rank's process and the threads it starts later keep to its
+    slice of the mask; with more ranks than CPUs neighbouring ranks share one, every CPU used."""
+    import concurrent.futures
+    import multiprocessing
+
+    from sysx.optim.cores import usable_physical_cores
+
+    _, affinity = usable_physical_cores()
+    n = len(affinity)
+    for lws in (1, n, 2 * n + 1):
+        plans = [plan_cores(n_stages=1, local_rank=r, local_world_size=lws) for r in range(lws)]
+        assert all(p.cpus and set(p.cpus) <= set(affinity) for p in plans), lws
+        assert sorted({c for p in plans for c in p.cpus}) == affinity, lws  # no CPU left out
+        if lws <= n:
+            assert sum(len(p.cpus) for p in plans) == n // lws * lws  # disjoint slices
+        else:  # one CPU each, no CPU with two ranks more than another
+            assert all(len(p.cpus) == 1 for p in plans), [p.cpus for p in plans]
+            per_cpu = [sum(p.cpus == (c,) for p in plans) for c in affinity]
+            assert max(per_cpu) - min(per_cpu) <= 1, per_cpu
+    ctx = multiprocessing.get_context("spawn")  # the test's own process keeps its mask
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        for lws, r in ((1, 0), (n, n - 1), (2 * n + 1, 2 * n)):
+            own, thread = pool.submit(_bound_cpus, r, lws).result(timeout=120)
+            want = sorted(plan_cores(n_stages=1, local_rank=r, local_world_size=lws).cpus)
+            assert own == want and thread == want, (lws, r, own, thread)
+            pool.submit(os.sched_setaffinity, 0, set(affinity)).result(timeout=120)  # unpin for the next
 
 
 def test_workers_beside_the_hosts_own_compute_step_with_one_thread() -> None:

@@ -97,6 +97,12 @@ def validate(cfg: SysxConfig) -> None:
             f"schedule={cfg.schedule.name} runs in one process; replicas need a pipeline schedule "
             "(sysx, gpipe, 1f1b, interleaved_1f1b, mobius) or parallel.replicas=1",
         )
+    if cfg.parallel.bind_cores and cfg.schedule.name in ("reference", "single"):
+        fail(
+            "parallel.bind_cores",
+            True,
+            f"schedule={cfg.schedule.name} runs in one process on every core, with no ranks to pin; remove the key",
+        )
     if cfg.schedule.name != "auto":  # auto is checked once resolved (sysx.train.train_auto)
         refuse_ignored_keys(cfg.schedule.name, cfg.schedule, cfg.single)
     check_spread(cfg)

@@ -360,11 +360,15 @@ class ParallelSection:
 
     # data-parallel replicas of the pipeline, each on its own micro-batches, each stepping 1/replicas of the optimizer
     replicas: int | None = None  # (null: 1, or schedule.tune's choice); world size = replicas x pipeline ranks
+    # pin each rank, its optimizer workers included, to its own slice of the node's CPUs (as the tune measures it)
+    bind_cores: bool = False  # (DeepSpeed's --bind_cores_to_rank); leave off where other jobs share the node
 
     def validate(self) -> None:
-        """``replicas`` is null or an integer >= 1."""
+        """``replicas`` is null or an integer >= 1; ``bind_cores`` a boolean."""
         if self.replicas is not None:
             check_int("parallel.replicas", self.replicas, 1)
+        if not isinstance(self.bind_cores, bool):
+            fail("parallel.bind_cores", repr(self.bind_cores), "give true or false")
 
     @property
     def count(self) -> int:

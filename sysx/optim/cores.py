@@ -82,14 +82,23 @@ def cgroup_cpu_limit() -> float | None:
         return None
 
 
+# The job's mask before ``bind_to`` narrowed this rank's (inherited by the tune's child processes):
+# the node's cores stay the job's, not the one slice a pinned rank now sees.
+NODE_CPUS_ENV = "SYSX_NODE_CPUS"
+
+
 def usable_physical_cores() -> tuple[int, list[int]]:
-    """``(physical cores usable by this process, its affinity mask)``."""
+    """``(physical cores usable by the job on this node, its affinity mask)``: this process's mask,
+    or the job's as it was before the rank was pinned (``parallel.bind_cores``)."""
     logical = psutil.cpu_count(logical=True) or 1
     physical = psutil.cpu_count(logical=False) or logical
-    try:
-        affinity = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        affinity = list(range(logical))
+    if os.environ.get(NODE_CPUS_ENV):
+        affinity = sorted(int(c) for c in os.environ[NODE_CPUS_ENV].split(","))
+    else:
+        try:
+            affinity = sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            affinity = list(range(logical))
     smt = max(1, logical // physical)
     cores = max(1, len(affinity) // smt)
     limit = cgroup_cpu_limit()
@@ -175,8 +184,11 @@ def plan_cores(
         raise ValueError(f"plan_cores: local_rank={lr} must be in [0, local_world_size={lws})")
     cores, affinity = usable_physical_cores()
     per_rank = rank_cores(lws)
-    per_cpus = max(1, len(affinity) // lws)
-    cpus = tuple(affinity[lr * per_cpus : (lr + 1) * per_cpus]) or tuple(affinity)
+    if lws <= len(affinity):
+        per_cpus = len(affinity) // lws
+        cpus = tuple(affinity[lr * per_cpus : (lr + 1) * per_cpus])
+    else:  # more ranks than CPUs: neighbouring ranks share one, every CPU gets its share of ranks
+        cpus = (affinity[lr * len(affinity) // lws],)
     workers, threads = split_workers(per_rank, n_stages=n_stages, backend=backend, workers=workers)
     return CorePlan(
         local_rank=lr,
@@ -191,10 +203,24 @@ def plan_cores(
 
 
 def apply_plan(plan: CorePlan, *, bind: bool = False) -> None:
-    """Set this process's torch/OpenMP threads to the rank's cores, optionally pin it, log it."""
+    """Set this process's torch/OpenMP threads to the rank's cores, log the plan and, with ``bind``
+    (``parallel.bind_cores``), pin the process and every thread it starts later to ``plan.cpus``."""
     torch.set_num_threads(plan.cores_per_rank)
     os.environ["OMP_NUM_THREADS"] = str(plan.cores_per_rank)  # for child processes and late OpenMP users
-    if bind and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(plan.cpus))
+    if bind:
+        bind_to(plan)
     level = logging.WARNING if plan.oversubscribed else logging.INFO
     log.log(level, "core plan: %s%s", plan.describe(), ", pinned" if bind else "")
+
+
+def bind_to(plan: CorePlan) -> None:
+    """Pin this process to ``plan.cpus``: the threads it starts afterwards (optimizer workers,
+    gloo's, OpenMP's) inherit the mask, so a rank's host work stays on its own cores. Raises
+    ``OSError`` naming the CPUs where the platform cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError(
+            f"parallel.bind_cores: this platform cannot pin a process (CPUs {_ranges(plan.cpus)}); set it false"
+        )
+    if not os.environ.get(NODE_CPUS_ENV):
+        os.environ[NODE_CPUS_ENV] = ",".join(map(str, usable_physical_cores()[1]))
+    os.sched_setaffinity(0, set(plan.cpus))
