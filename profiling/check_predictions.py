@@ -12,7 +12,8 @@ run's profile of the same model, as a user's second job would).
     PYTHONPATH=. python profiling/check_predictions.py [--rounds 3] [--only tiny:2,single:tiny] [--jsonl OUT]
 
 Prints a Markdown table (pasteable into ``profiling/RESULTS.md``) and, with ``--jsonl``, appends
-one JSON line per run. Peak host is measured as each run measures it (:mod:`sysx.trainers.prediction`).
+one JSON line per run (with ``step_s``: the min, median and max of the steps its prediction was
+measured over). Peak host is measured as each run measures it (:mod:`sysx.trainers.prediction`).
 Beside the load average, each run's ``steal``: the share of the machine's CPU time the hypervisor
 gave to other guests during the run (``/proc/stat``; 0 on a machine of one's own).
 
@@ -157,6 +158,8 @@ def run_one(
         return row
     data = json.loads(summary.read_text())
     row["prediction"] = data.get("prediction", {})
+    if row["prediction"].get("steps"):
+        row["step_s"] = step_spread(run_dir / "metrics.jsonl", row["prediction"]["steps"])
     # the tune lines: how the profile was had, the p2p links and the layers' measured slowdown; the winner
     lines = proc.stdout.splitlines()
     row["choice"] = [ln for ln in lines if ln.startswith("schedule.tune (")][-1:]
@@ -164,6 +167,23 @@ def run_one(
     # with --set 'profile.timeline_steps=[A,B]': how far apart the replicas finished their passes
     row["replicas"] = [ln for ln in lines if ln.startswith("replicas: ")][-1:]
     return row
+
+
+def step_spread(metrics: Path, steps: list[int]) -> dict[str, float] | None:
+    """Min, median and max seconds of the steps the prediction was measured over (``steps``: first and
+    last, as ``summary.json`` names them), from the run's ``metrics.jsonl``: one run's own swing, kept
+    in the JSON line once the run directory is gone. None when the file has none of those steps."""
+    if not metrics.exists():
+        return None
+    first, last = steps
+    times = [
+        rec["step_time_s"]
+        for rec in map(json.loads, metrics.read_text().splitlines())
+        if first <= rec.get("step", -1) <= last and "step_time_s" in rec
+    ]
+    if not times:
+        return None
+    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
 
 
 def _cells(entry: dict[str, float] | None, scale: float, fmt: str) -> list[str]:

@@ -95,3 +95,14 @@ def test_commit_names_the_checkout(check: ModuleType) -> None:
         assert check.commit() == "unknown"
         return
     assert check.commit().rstrip("+") == head.stdout.strip()[:12]
+
+
+def test_step_spread_is_the_measured_steps_own(check: ModuleType, tmp_path: Path) -> None:
+    """A run's min, median and max step over the steps its prediction measured, not the warm-up's
+    or the steps after the window; nothing when the run logged none of them."""
+    metrics = tmp_path / "metrics.jsonl"
+    times = {0: 9.0, 1: 0.20, 2: 0.10, 3: 0.40, 4: 0.30, 5: 7.0}
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0, "step_time_s": t}) + "\n" for s, t in times.items()))
+    assert check.step_spread(metrics, [1, 4]) == {"min": 0.10, "median": 0.25, "max": 0.40}
+    assert check.step_spread(metrics, [7, 9]) is None
+    assert check.step_spread(tmp_path / "none.jsonl", [1, 4]) is None

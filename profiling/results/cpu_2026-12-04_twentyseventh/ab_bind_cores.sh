@@ -1,6 +1,7 @@
 #!/bin/bash
 # tiny:2 as the check runs it (tuned, its own profile each run), parallel.bind_cores=false (b0) against
-# true (b1), interleaved; each line: the prediction and the measured steps' min, median and max
+# true (b1), interleaved; each line: the prediction and the measured steps' min, median and max (the
+# .out files' were taken one step early, from step-1 to step-1 of the measured window)
 #   ROUNDS="a b c d e f" bash profiling/results/cpu_2026-12-04_twentyseventh/ab_bind_cores.sh
 # The first A/B, before the key existed (ab_bind_after_tune.out): MODE=patch, with bind_after_tune.patch
 # applied, pins b1's ranks after the tune (its profile measured unpinned) through SYSX_BIND_EXPERIMENT.
@@ -14,8 +15,8 @@ for b in 0 1; do
   echo "b$b.$i rc=$? load=$(cut -d' ' -f1 /proc/loadavg) $(python3 -c "
 import json,statistics as st
 s=json.load(open('$d/summary.json')); p=s['prediction']; a,b=p['steps']
-t=[json.loads(l)['step_time_s'] for l in open('$d/metrics.jsonl')]
-t=[x for k,x in enumerate(t) if a<=k+1<=b]
+t=[json.loads(l) for l in open('$d/metrics.jsonl')]
+t=[r['step_time_s'] for r in t if a<=r['step']<=b]
 print('plan %.4f meas %.4f err %+.1f%% min %.4f med %.4f max %.4f'%(p['iteration_s']['predicted'],p['iteration_s']['measured'],p['iteration_s']['error_pct'],min(t),st.median(t),max(t)))
 ")"
   sleep 5
