@@ -164,6 +164,8 @@ def run_one(
     lines = proc.stdout.splitlines()
     row["choice"] = [ln for ln in lines if ln.startswith("schedule.tune (")][-1:]
     row["choice"] += [ln.strip() for ln in lines if ln.lstrip().startswith("winner `")][-1:]
+    # rank 0's core plan and whether its ranks were pinned (parallel.bind_cores), for the rows of several ranks
+    row["cores"] = [ln.strip() for ln in lines if ln.lstrip().startswith("cores: ")][-1:]
     # with --set 'profile.timeline_steps=[A,B]': how far apart the replicas finished their passes
     row["replicas"] = [ln for ln in lines if ln.startswith("replicas: ")][-1:]
     return row
@@ -326,12 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         "its measured-vs-plan line in each kept run directory, with --keep)",
     )
     ap.add_argument(
-        "--bind-cores",
-        action="store_true",
-        help="the rows of several ranks with parallel.bind_cores=true (each rank pinned to its CPUs; the single "
-        "rows run one process on every core and take no such key)",
-    )
-    ap.add_argument(
         "--report",
         type=Path,
         nargs="+",
@@ -367,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if rows:
                     time.sleep(args.settle)
-                extra = (*args.set, *(["parallel.bind_cores=true"] if args.bind_cores and ranks > 1 else []))
-                row = run_one(name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, extra)
+                row = run_one(
+                    name, model, ranks, root, args.timeout, args.cache or root / "cache", args.device, tuple(args.set)
+                )
                 row["round"], row["commit"] = round_no, at
                 rows.append(row)
                 status = row.get("error", "")[-300:] or json.dumps(row.get("prediction", {}))

@@ -136,7 +136,7 @@ BAD = [
     (["schedule.name=nosuch"], ["schedule.name=nosuch", "reference"]),
     (["train.steps=1,2"], ["train.steps=1,2", "one value"]),
     (["nokey"], ["nokey", "key=value"]),
-    (["parallel.bind_cores=maybe"], ["parallel.bind_cores=maybe", "true or false"]),
+    (["parallel.bind_cores=maybe"], ["parallel.bind_cores=maybe", "auto, true or false"]),
     (["schedule=single", "parallel.bind_cores=true"], ["parallel.bind_cores=True", "no ranks to pin"]),
 ]
 

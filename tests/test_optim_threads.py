@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sysx import trace
+from sysx.config import from_yaml, load_config, to_yaml
 from sysx.device import Event
 from sysx.optim import CpuAdam, OptimizerThreads, StageOptimizer
 from sysx.optim.cores import apply_plan, plan_cores, worker_threads_beside
@@ -236,6 +237,62 @@ def test_bound_ranks_keep_to_their_own_cpus_and_share_evenly_when_oversubscribed
             want = sorted(plan_cores(n_stages=1, local_rank=r, local_world_size=lws).cpus)
             assert own == want and thread == want, (lws, r, own, thread)
             pool.submit(os.sched_setaffinity, 0, set(affinity)).result(timeout=120)  # unpin for the next
+
+
+@pytest.mark.parametrize(
+    ("mask", "online", "cores", "ranks", "device", "gpus", "visible", "pinned"),
+    [
+        ([0, 1], 2, 2, 2, "cpu", 0, None, True),  # two ranks fill two cores
+        ([0, 1], 2, 2, 4, "cpu", 0, None, True),  # oversubscribed: contended either way
+        (list(range(16)), 16, 16, 2, "cpu", 0, None, False),  # 14 cores free for other work
+        (list(range(16)), 16, 16, 1, "auto", 0, None, False),  # device=auto without CUDA is the CPU
+        ([4, 5, 6, 7], 16, 4, 1, "cpu", 0, None, True),  # a cpuset gave the job these CPUs
+        (list(range(64)), 64, 32, 8, "cuda", 8, None, True),  # one rank per GPU of the node
+        (list(range(64)), 64, 32, 4, "cuda", 8, None, False),  # half the GPUs: others may run here
+        (list(range(64)), 64, 32, 4, "auto", 4, "0,1,2,3", False),  # a scheduler hid the other GPUs
+        ([0, 1], 2, 2, 4, "emulated", 0, None, False),  # emulated ranks stand for GPUs
+    ],
+)
+def test_auto_binding_pins_ranks_that_have_their_cpus_to_themselves(
+    monkeypatch: pytest.MonkeyPatch,
+    mask: list[int],
+    online: int,
+    cores: int,
+    ranks: int,
+    device: str,
+    gpus: int,
+    visible: str | None,
+    pinned: bool,
+) -> None:
+    """``parallel.bind_cores=auto``: pin when the inherited mask is narrower than the node or the
+    ranks fill it (every GPU, or every core on the CPU); never on the emulated device; true and
+    false are taken as given. The reason names what decided."""
+    from sysx.optim import cores as cores_mod
+
+    monkeypatch.setattr(cores_mod, "usable_physical_cores", lambda: (cores, mask))
+    monkeypatch.setattr(cores_mod.os, "cpu_count", lambda: online)
+    monkeypatch.setattr(cores_mod.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(cores_mod.torch.cuda, "device_count", lambda: gpus)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    bind, why = cores_mod.bind_choice("auto", local_world_size=ranks, device=device)
+    assert bind is pinned and why.startswith("auto: "), (bind, why)
+    for setting in (True, False):
+        assert cores_mod.bind_choice(setting, local_world_size=ranks, device=device) == (
+            setting,
+            f"parallel.bind_cores={str(setting).lower()}",
+        )
+
+
+def test_bind_cores_reads_auto_true_and_false_as_yaml_and_hydra_give_them() -> None:
+    """Hydra's ``true`` reaches the string key as ``"True"``; a saved run's YAML round-trips."""
+    assert load_config([]).parallel.bind == "auto"
+    assert load_config(["parallel.bind_cores=true"]).parallel.bind is True
+    assert load_config(["parallel.bind_cores=False"]).parallel.bind is False
+    cfg = load_config(["parallel.bind_cores=false"])
+    assert from_yaml(to_yaml(cfg)).parallel.bind is False
 
 
 def test_workers_beside_the_hosts_own_compute_step_with_one_thread() -> None:

@@ -97,7 +97,7 @@ def validate(cfg: SysxConfig) -> None:
             f"schedule={cfg.schedule.name} runs in one process; replicas need a pipeline schedule "
             "(sysx, gpipe, 1f1b, interleaved_1f1b, mobius) or parallel.replicas=1",
         )
-    if cfg.parallel.bind_cores and cfg.schedule.name in ("reference", "single"):
+    if cfg.parallel.bind is True and cfg.schedule.name in ("reference", "single"):
         fail(
             "parallel.bind_cores",
             True,

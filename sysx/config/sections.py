@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from sysx.config.checks import (
     ConfigError,
@@ -361,14 +361,20 @@ class ParallelSection:
     # data-parallel replicas of the pipeline, each on its own micro-batches, each stepping 1/replicas of the optimizer
     replicas: int | None = None  # (null: 1, or schedule.tune's choice); world size = replicas x pipeline ranks
     # pin each rank, its optimizer workers included, to its own slice of the node's CPUs (as the tune measures it)
-    bind_cores: bool = False  # (DeepSpeed's --bind_cores_to_rank); leave off where other jobs share the node
+    bind_cores: str = "auto"  # auto (when the job's ranks fill the node: sysx.optim.cores.bind_choice) | true | false
 
     def validate(self) -> None:
-        """``replicas`` is null or an integer >= 1; ``bind_cores`` a boolean."""
+        """``replicas`` is null or an integer >= 1; ``bind_cores`` auto, true or false."""
         if self.replicas is not None:
             check_int("parallel.replicas", self.replicas, 1)
-        if not isinstance(self.bind_cores, bool):
-            fail("parallel.bind_cores", repr(self.bind_cores), "give true or false")
+        if str(self.bind_cores).lower() not in ("auto", "true", "false"):
+            fail("parallel.bind_cores", self.bind_cores, "give auto, true or false")
+
+    @property
+    def bind(self) -> bool | Literal["auto"]:
+        """``bind_cores`` as ``"auto"``, True or False (YAML's and Hydra's ``true`` arrive as ``"True"``)."""
+        value = str(self.bind_cores).lower()
+        return "auto" if value == "auto" else value == "true"
 
     @property
     def count(self) -> int:

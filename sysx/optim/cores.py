@@ -3,7 +3,8 @@
 :func:`plan_cores` splits the physical cores available to the job on this node evenly between its
 ranks and, within a rank, into workers and intra-op threads by the backend's thread layout
 (:func:`thread_layout`). :func:`apply_plan` sets the main thread's torch/OpenMP threads and
-``OMP_NUM_THREADS``, optionally pins the process to its slice of the affinity mask, and logs the plan.
+``OMP_NUM_THREADS``, pins the process to its slice of the affinity mask where :func:`bind_choice`
+says so, and logs the plan.
 """
 
 from __future__ import annotations
@@ -202,15 +203,52 @@ def plan_cores(
     )
 
 
-def apply_plan(plan: CorePlan, *, bind: bool = False) -> None:
+def apply_plan(plan: CorePlan, *, bind: bool = False, why: str = "") -> None:
     """Set this process's torch/OpenMP threads to the rank's cores, log the plan and, with ``bind``
-    (``parallel.bind_cores``), pin the process and every thread it starts later to ``plan.cpus``."""
+    (``parallel.bind_cores``; ``why``: :func:`bind_choice`'s reason), pin the process and every thread
+    it starts later to ``plan.cpus``."""
     torch.set_num_threads(plan.cores_per_rank)
     os.environ["OMP_NUM_THREADS"] = str(plan.cores_per_rank)  # for child processes and late OpenMP users
     if bind:
         bind_to(plan)
     level = logging.WARNING if plan.oversubscribed else logging.INFO
-    log.log(level, "core plan: %s%s", plan.describe(), ", pinned" if bind else "")
+    log.log(level, "core plan: %s, %s", plan.describe(), pinning(bind, why))
+
+
+def pinning(bind: bool, why: str = "") -> str:
+    """``pinned (why)`` or ``not pinned (why)``: the words a plan's log line and the job's header give."""
+    return ("pinned" if bind else "not pinned") + (f" ({why})" if why else "")
+
+
+def bind_choice(setting: bool | Literal["auto"], *, local_world_size: int, device: str) -> tuple[bool, str]:
+    """Whether a rank pins itself (``parallel.bind_cores``) and why, for the core plan's log line.
+
+    ``auto`` pins when the job's ranks have their CPUs to themselves as far as a process can tell:
+    the mask it inherited is narrower than the node (a scheduler's cpuset or ``taskset`` gave the job
+    those CPUs), or its ranks fill the node, one per GPU with none hidden by ``CUDA_VISIBLE_DEVICES``,
+    or on the CPU at least one per physical core, where a second job contends with it whether pinned
+    or not. Otherwise the plan cannot see who else runs here, and two jobs' rank 0 would pin to the
+    same CPUs. The emulated device (``device="emulated"``) stays unpinned: its ranks stand for GPUs this
+    machine lacks, and its measured figures were taken so."""
+    if setting != "auto":
+        return bool(setting), f"parallel.bind_cores={str(setting).lower()}"
+    if not hasattr(os, "sched_setaffinity"):
+        return False, "auto: this platform cannot pin a process"
+    if device == "emulated":
+        return False, "auto: the emulated device's ranks stand for GPUs, not this node's CPUs"
+    online = os.cpu_count() or 1
+    mask = len(usable_physical_cores()[1])
+    if mask < online:
+        return True, f"auto: the job's CPU mask holds {mask} of the node's {online} CPUs"
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        gpus = torch.cuda.device_count()
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is None and local_world_size >= gpus:
+            return True, f"auto: {local_world_size} ranks use all {gpus} GPUs of the node"
+        return False, f"auto: {local_world_size} ranks beside GPUs other jobs may use"
+    cores = usable_physical_cores()[0]
+    if local_world_size >= cores:
+        return True, f"auto: {local_world_size} ranks fill the node's {cores} physical cores"
+    return False, f"auto: {local_world_size} ranks leave {cores - local_world_size} of {cores} physical cores free"
 
 
 def bind_to(plan: CorePlan) -> None:

@@ -396,13 +396,14 @@ def replica_layout(cfg: SysxConfig, info: sdist.DistInfo) -> ReplicaLayout:
 def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
     """The ``sysx-train`` job for a pipeline schedule (every rank runs it). Returns the exit status:
     0, or 1 after a runtime failure (a lost peer, a timeout, a plan mismatch), printed by every rank."""
-    from sysx.optim.cores import apply_plan, bind_to, plan_cores
+    from sysx.optim.cores import apply_plan, bind_choice, bind_to, pinning, plan_cores
 
     opts = options_from_config(cfg)
     info = sdist.init(timeout_s=opts.timeout_s, device=cfg.device)
     try:
         tuned_costs = None
-        if cfg.parallel.bind_cores:  # before the tune, so its profile is measured on the cores the run keeps
+        bind, why = bind_choice(cfg.parallel.bind, local_world_size=info.local_world_size, device=cfg.device)
+        if bind:  # before the tune, so its profile is measured on the cores the run keeps
             bind_to(plan_cores(n_stages=1, local_rank=info.local_rank, local_world_size=info.local_world_size))
         if cfg.schedule.tune:  # the choice goes into the config, so run_dir/config.yaml records it
             from sysx.autotune.apply import tune_job
@@ -416,9 +417,10 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
             local_rank=info.local_rank,
             local_world_size=info.local_world_size,
         )
-        apply_plan(plan, bind=cfg.parallel.bind_cores)
+        apply_plan(plan, bind=bind, why=why)
         trainer = PipelineTrainer(resolve(cfg), opts, info=info, tuned_costs=tuned_costs)
-        status = run_job(trainer, is_main=info.is_main, extra=trainer.describe())
+        cores = f"  cores: {plan.describe()}, {pinning(bind, why)}"
+        status = run_job(trainer, is_main=info.is_main, extra=f"{trainer.describe()}\n{cores}")
         if status == 0 and info.world_size > 1:
             # no rank tears its process groups down while another still talks to it (the replicas'
             # last gather of the final save): gloo aborts a process whose peer vanished mid-operation
