@@ -288,11 +288,13 @@ def test_auto_binding_pins_ranks_that_have_their_cpus_to_themselves(
 
 def test_bind_cores_reads_auto_true_and_false_as_yaml_and_hydra_give_them() -> None:
     """Hydra's ``true`` reaches the string key as ``"True"``; a saved run's YAML round-trips."""
-    assert load_config([]).parallel.bind == "auto"
-    assert load_config(["parallel.bind_cores=true"]).parallel.bind is True
-    assert load_config(["parallel.bind_cores=False"]).parallel.bind is False
+    from sysx.config.choices import bind_setting
+
+    assert bind_setting(load_config([]).parallel.bind_cores) == "auto"
+    assert bind_setting(load_config(["parallel.bind_cores=true"]).parallel.bind_cores) is True
+    assert bind_setting(load_config(["parallel.bind_cores=False"]).parallel.bind_cores) is False
     cfg = load_config(["parallel.bind_cores=false"])
-    assert from_yaml(to_yaml(cfg)).parallel.bind is False
+    assert bind_setting(from_yaml(to_yaml(cfg)).parallel.bind_cores) is False
 
 
 def test_workers_beside_the_hosts_own_compute_step_with_one_thread() -> None:

@@ -8,6 +8,8 @@ layer must load without torch so ``sysx-train --help`` stays fast.
 
 from __future__ import annotations
 
+from typing import Literal
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # the config's precision: auto = bf16 on a GPU, fp32 on CPU
 DATA_SOURCES = ("default", "file")
@@ -22,6 +24,7 @@ SPECULATE_AFTER = 4  # optim.speculate_after's default: clean steps after a veto
 PLACEMENTS = ("auto", "cpu", "split")  # optim.placement: where Adam updates run (sysx.optim.placement)
 OFFLOADS = ("host", "nvme")  # optim.offload: where the fp32 optimizer state lives between steps
 NVME_ENGINES = ("auto", "aio", "threads")  # optim.nvme_engine: the state files' I/O engine
+BIND_CORES = ("auto", "true", "false")  # parallel.bind_cores (sysx.optim.cores.bind_choice), any case
 # log.backends (sysx.tracking): name -> (the module it imports, the pip extra that installs it); jsonl needs none
 LOG_BACKENDS: dict[str, tuple[str, str] | None] = {
     "jsonl": None,
@@ -86,3 +89,10 @@ ASSUMED_NETWORKS: dict[str, dict[str, float]] = {
     "pcie4_ib_hdr": dict(gpus_per_node=4, intra_gbps=20, intra_latency_us=10, inter_gbps=22, inter_latency_us=10),
     "nvlink_ib_ndr": dict(gpus_per_node=8, intra_gbps=350, intra_latency_us=5, inter_gbps=45, inter_latency_us=8),
 }
+
+
+def bind_setting(value: object) -> bool | Literal["auto"]:
+    """``parallel.bind_cores`` as ``"auto"``, True or False (Hydra's and YAML's ``true`` reach the
+    string key as ``"True"``)."""
+    text = str(value).lower()
+    return "auto" if text == "auto" else text == "true"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sysx.config.checks import check_choice, check_int, fail
-from sysx.config.choices import EMULATED_DEVICE, PRECISION_CHOICES
+from sysx.config.choices import EMULATED_DEVICE, PRECISION_CHOICES, bind_setting
 from sysx.config.schedule_keys import refuse_ignored_keys
 from sysx.config.sections import (
     CheckpointSection,
@@ -97,7 +97,7 @@ def validate(cfg: SysxConfig) -> None:
             f"schedule={cfg.schedule.name} runs in one process; replicas need a pipeline schedule "
             "(sysx, gpipe, 1f1b, interleaved_1f1b, mobius) or parallel.replicas=1",
         )
-    if cfg.parallel.bind is True and cfg.schedule.name in ("reference", "single"):
+    if bind_setting(cfg.parallel.bind_cores) is True and cfg.schedule.name in ("reference", "single"):
         fail(
             "parallel.bind_cores",
             True,

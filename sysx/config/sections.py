@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from sysx.config.checks import (
     ConfigError,
@@ -25,6 +25,7 @@ from sysx.config.choices import (
     ASSUMED_DISKS,
     ASSUMED_HARDWARE,
     ASSUMED_NETWORKS,
+    BIND_CORES,
     DATA_SOURCES,
     HARDWARE,
     LOG_BACKENDS,
@@ -354,27 +355,20 @@ class TrainSection:
 
 @dataclass
 class ParallelSection:
-    """``parallel.*``: how the job's processes divide into data-parallel replicas of one pipeline
-    (:mod:`sysx.replicas`). ``world = replicas x pipeline ranks``; the global batch is ``replicas x
-    train.micro_batches x train.micro_batch_size`` sequences."""
+    """``parallel.*``: the job's data-parallel replicas of one pipeline (:mod:`sysx.replicas`; world = replicas
+    x pipeline ranks, global batch = replicas x micro-batches x their size) and its ranks' CPUs."""
 
     # data-parallel replicas of the pipeline, each on its own micro-batches, each stepping 1/replicas of the optimizer
     replicas: int | None = None  # (null: 1, or schedule.tune's choice); world size = replicas x pipeline ranks
     # pin each rank, its optimizer workers included, to its own slice of the node's CPUs (as the tune measures it)
-    bind_cores: str = "auto"  # auto (when the job's ranks fill the node: sysx.optim.cores.bind_choice) | true | false
+    bind_cores: str = "auto"  # auto (where the job's ranks fill the node: sysx.optim.cores.bind_choice) | true | false
 
     def validate(self) -> None:
         """``replicas`` is null or an integer >= 1; ``bind_cores`` auto, true or false."""
         if self.replicas is not None:
             check_int("parallel.replicas", self.replicas, 1)
-        if str(self.bind_cores).lower() not in ("auto", "true", "false"):
+        if str(self.bind_cores).lower() not in BIND_CORES:
             fail("parallel.bind_cores", self.bind_cores, "give auto, true or false")
-
-    @property
-    def bind(self) -> bool | Literal["auto"]:
-        """``bind_cores`` as ``"auto"``, True or False (YAML's and Hydra's ``true`` arrive as ``"True"``)."""
-        value = str(self.bind_cores).lower()
-        return "auto" if value == "auto" else value == "true"
 
     @property
     def count(self) -> int:

@@ -21,6 +21,8 @@ from typing import Literal
 import psutil
 import torch
 
+from sysx.config.choices import bind_setting
+
 log = logging.getLogger("sysx.optim")
 
 TORCH_THREADS_PER_WORKER = 4
@@ -220,8 +222,8 @@ def pinning(bind: bool, why: str = "") -> str:
     return ("pinned" if bind else "not pinned") + (f" ({why})" if why else "")
 
 
-def bind_choice(setting: bool | Literal["auto"], *, local_world_size: int, device: str) -> tuple[bool, str]:
-    """Whether a rank pins itself (``parallel.bind_cores``) and why, for the core plan's log line.
+def bind_choice(value: object, *, local_world_size: int, device: str) -> tuple[bool, str]:
+    """Whether a rank pins itself (``parallel.bind_cores=value``) and why, for the core plan's log line.
 
     ``auto`` pins when the job's ranks have their CPUs to themselves as far as a process can tell:
     the mask it inherited is narrower than the node (a scheduler's cpuset or ``taskset`` gave the job
@@ -230,8 +232,9 @@ def bind_choice(setting: bool | Literal["auto"], *, local_world_size: int, devic
     or not. Otherwise the plan cannot see who else runs here, and two jobs' rank 0 would pin to the
     same CPUs. The emulated device (``device="emulated"``) stays unpinned: its ranks stand for GPUs this
     machine lacks, and its measured figures were taken so."""
+    setting = bind_setting(value)
     if setting != "auto":
-        return bool(setting), f"parallel.bind_cores={str(setting).lower()}"
+        return setting, f"parallel.bind_cores={str(setting).lower()}"
     if not hasattr(os, "sched_setaffinity"):
         return False, "auto: this platform cannot pin a process"
     if device == "emulated":

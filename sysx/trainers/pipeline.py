@@ -402,7 +402,7 @@ def train(cfg: SysxConfig, info: sdist.DistInfo) -> int:
     info = sdist.init(timeout_s=opts.timeout_s, device=cfg.device)
     try:
         tuned_costs = None
-        bind, why = bind_choice(cfg.parallel.bind, local_world_size=info.local_world_size, device=cfg.device)
+        bind, why = bind_choice(cfg.parallel.bind_cores, local_world_size=info.local_world_size, device=cfg.device)
         if bind:  # before the tune, so its profile is measured on the cores the run keeps
             bind_to(plan_cores(n_stages=1, local_rank=info.local_rank, local_world_size=info.local_world_size))
         if cfg.schedule.tune:  # the choice goes into the config, so run_dir/config.yaml records it
