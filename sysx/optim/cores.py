@@ -21,7 +21,7 @@ from typing import Literal
 import psutil
 import torch
 
-from sysx.config.choices import bind_setting
+from sysx.config.choices import EMULATED_DEVICE, bind_setting
 
 log = logging.getLogger("sysx.optim")
 
@@ -237,10 +237,11 @@ def bind_choice(value: object, *, local_world_size: int, device: str) -> tuple[b
         return setting, f"parallel.bind_cores={str(setting).lower()}"
     if not hasattr(os, "sched_setaffinity"):
         return False, "auto: this platform cannot pin a process"
-    if device == "emulated":
+    if device == EMULATED_DEVICE:
         return False, "auto: the emulated device's ranks stand for GPUs, not this node's CPUs"
     online = os.cpu_count() or 1
-    mask = len(usable_physical_cores()[1])
+    cores, affinity = usable_physical_cores()
+    mask = len(affinity)
     if mask < online:
         return True, f"auto: the job's CPU mask holds {mask} of the node's {online} CPUs"
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
@@ -248,7 +249,6 @@ def bind_choice(value: object, *, local_world_size: int, device: str) -> tuple[b
         if os.environ.get("CUDA_VISIBLE_DEVICES") is None and local_world_size >= gpus:
             return True, f"auto: {local_world_size} ranks use all {gpus} GPUs of the node"
         return False, f"auto: {local_world_size} ranks beside GPUs other jobs may use"
-    cores = usable_physical_cores()[0]
     if local_world_size >= cores:
         return True, f"auto: {local_world_size} ranks fill the node's {cores} physical cores"
     return False, f"auto: {local_world_size} ranks leave {cores - local_world_size} of {cores} physical cores free"
